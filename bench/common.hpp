@@ -1,0 +1,58 @@
+// bench/common.hpp - what every epx-bench family shares: the world, timing
+// with CUDA events around a rank-synchronized start, L2 flushing, results.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "epx/epx.hpp"
+
+namespace epx::bench {
+
+struct Options {
+  std::string family;  ///< "ht" | "ll"
+  int tokens = 0, hidden = 7168, topk = 8, experts = 256;
+  int num_sms = 24;
+  int warmup = 10, iters = 50;
+  bool sweep = true;
+  std::string json_path;
+  std::string command;  ///< the command line, for the result file
+  int64_t nvl_bytes = 0, rdma_bytes = 0;
+};
+
+struct World {
+  std::shared_ptr<Communicator> comm;
+  std::unique_ptr<Buffer> buffer;
+  cudaStream_t stream = nullptr;
+  int rank = 0, num_ranks = 1;
+  void* flush = nullptr;  ///< 2x L2 worth of bytes, rewritten between runs
+  std::size_t flush_bytes = 0;
+  int* sync_word = nullptr;
+};
+
+/// Median over `iters` runs of `fn` (microseconds), each run after an L2
+/// flush and a device-side all-reduce that lines the ranks up, timed with
+/// CUDA events on the caller's stream.
+double time_us(World& w, const std::function<void()>& fn, int warmup, int iters,
+               std::vector<double>* samples = nullptr);
+
+/// Mean / min over ranks of a per-rank value.
+double mean_over_ranks(World& w, double v);
+double min_over_ranks(World& w, double v);
+double max_over_ranks(World& w, double v);
+
+std::string device_name();
+std::string git_commit();
+std::vector<int64_t> random_topk(int T, int K, int E, uint64_t seed);
+std::vector<uint16_t> random_bf16(std::size_t n, uint64_t seed);
+
+/// Each family fills `result` (rank 0 writes it to Options::json_path).
+void run_ht(World& w, const Options& o, nlohmann::json& result);
+void run_ll(World& w, const Options& o, nlohmann::json& result);
+
+}  // namespace epx::bench

@@ -1,0 +1,173 @@
+// epx-bench: the EPX benchmark. Run one process per GPU:
+//   scripts/launch.sh 4 build/default/bench/epx-bench ht --json bench/results/h200x4-ht.json
+#include <CLI/CLI.hpp>
+#include <nccl.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <random>
+
+#include "bench/common.hpp"
+#include "core/check.hpp"
+#include "epx/reference.hpp"
+
+#ifndef EPX_GIT_COMMIT
+#define EPX_GIT_COMMIT "unknown"
+#endif
+
+namespace epx::bench {
+
+double time_us(World& w, const std::function<void()>& fn, int warmup, int iters,
+               std::vector<double>* samples) {
+  cudaEvent_t a, b;
+  EPX_CUDA_CHECK(cudaEventCreate(&a));
+  EPX_CUDA_CHECK(cudaEventCreate(&b));
+  std::vector<double> t;
+  for (int i = 0; i < warmup + iters; ++i) {
+    EPX_CUDA_CHECK(cudaMemsetAsync(w.flush, i & 0xff, w.flush_bytes, w.stream));
+    EPX_NCCL_CHECK(ncclAllReduce(w.sync_word, w.sync_word, 1, ncclInt32, ncclSum,
+                                 static_cast<ncclComm_t>(w.comm->nccl_comm()), w.stream));
+    EPX_CUDA_CHECK(cudaEventRecord(a, w.stream));
+    fn();
+    EPX_CUDA_CHECK(cudaEventRecord(b, w.stream));
+    EPX_CUDA_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    EPX_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+    if (i >= warmup) t.push_back(ms * 1e3);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  if (samples) *samples = t;
+  std::sort(t.begin(), t.end());
+  return t.empty() ? 0 : t[t.size() / 2];
+}
+
+static std::vector<double> gather(World& w, double v) {
+  auto all = w.comm->allgather(&v, sizeof(double));
+  std::vector<double> out(w.num_ranks);
+  std::memcpy(out.data(), all.data(), all.size());
+  return out;
+}
+double mean_over_ranks(World& w, double v) {
+  auto a = gather(w, v);
+  double s = 0;
+  for (double x : a) s += x;
+  return s / a.size();
+}
+double min_over_ranks(World& w, double v) {
+  auto a = gather(w, v);
+  return *std::min_element(a.begin(), a.end());
+}
+double max_over_ranks(World& w, double v) {
+  auto a = gather(w, v);
+  return *std::max_element(a.begin(), a.end());
+}
+
+std::string device_name() {
+  int dev = 0, n = 0;
+  EPX_CUDA_CHECK(cudaGetDevice(&dev));
+  EPX_CUDA_CHECK(cudaGetDeviceCount(&n));
+  cudaDeviceProp p{};
+  EPX_CUDA_CHECK(cudaGetDeviceProperties(&p, dev));
+  return std::string(p.name) + " x" + std::to_string(n);
+}
+
+std::string git_commit() { return EPX_GIT_COMMIT; }
+
+std::vector<int64_t> random_topk(int T, int K, int E, uint64_t seed) {
+  std::mt19937_64 g(seed);
+  std::vector<int64_t> out(static_cast<std::size_t>(T) * K);
+  std::vector<int> perm(E);
+  for (int t = 0; t < T; ++t) {
+    for (int e = 0; e < E; ++e) perm[e] = e;
+    for (int k = 0; k < K; ++k) {
+      std::uniform_int_distribution<int> u(k, E - 1);
+      std::swap(perm[k], perm[u(g)]);
+      out[static_cast<std::size_t>(t) * K + k] = perm[k];
+    }
+  }
+  return out;
+}
+
+std::vector<uint16_t> random_bf16(std::size_t n, uint64_t seed) {
+  std::mt19937_64 g(seed);
+  std::normal_distribution<float> d(0.f, 1.f);
+  std::vector<uint16_t> v(n);
+  for (auto& x : v) x = ref::float_to_bf16(d(g));
+  return v;
+}
+
+}  // namespace epx::bench
+
+int main(int argc, char** argv) {
+  using namespace epx::bench;
+  CLI::App app{"epx-bench: EPX dispatch/combine benchmark (one process per GPU)"};
+  Options o;
+  app.require_subcommand(1);
+  auto* ht = app.add_subcommand("ht", "high-throughput dispatch/combine (training, prefill)");
+  auto* ll = app.add_subcommand("ll", "low-latency dispatch/combine (decode)");
+  for (auto* sc : {ht, ll}) {
+    sc->add_option("--tokens", o.tokens, "tokens per rank (ht: 4096, ll: 128)");
+    sc->add_option("--hidden", o.hidden, "hidden size")->capture_default_str();
+    sc->add_option("--topk", o.topk, "experts per token")->capture_default_str();
+    sc->add_option("--experts", o.experts, "experts in total")->capture_default_str();
+    sc->add_option("--warmup", o.warmup, "untimed runs")->capture_default_str();
+    sc->add_option("--iters", o.iters, "timed runs (median reported)")->capture_default_str();
+    sc->add_option("--json", o.json_path, "write results here (rank 0)");
+  }
+  ht->add_option("--sms", o.num_sms, "SMs for the kernels")->capture_default_str();
+  ht->add_flag("!--no-sweep", o.sweep, "skip the config sweep");
+  CLI11_PARSE(app, argc, argv);
+  o.family = ht->parsed() ? "ht" : "ll";
+  if (o.tokens == 0) o.tokens = o.family == "ht" ? 4096 : 128;
+  for (int i = 0; i < argc; ++i) o.command += (i ? " " : "") + std::string(argv[i]);
+
+  World w;
+  try {
+    w.comm = epx::Communicator::from_env();
+    w.rank = w.comm->rank();
+    w.num_ranks = w.comm->num_ranks();
+    EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&w.stream, cudaStreamNonBlocking));
+    int l2 = 0;
+    EPX_CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, w.comm->device()));
+    w.flush_bytes = static_cast<std::size_t>(l2) * 2;
+    EPX_CUDA_CHECK(cudaMalloc(&w.flush, w.flush_bytes));
+    EPX_CUDA_CHECK(cudaMalloc(&w.sync_word, sizeof(int)));
+    EPX_CUDA_CHECK(cudaMemset(w.sync_word, 0, sizeof(int)));
+    epx::BufferOptions bo;
+    if (o.family == "ht") {
+      epx::Config c = epx::get_dispatch_config(w.num_ranks);
+      c.num_max_recv_tokens = std::max(o.tokens, 1);
+      c.num_max_send_tokens = 4;  // the smallest chunk of the sweep sizes the flags
+      bo.num_nvl_bytes = static_cast<int64_t>(
+          c.get_nvl_buffer_size_hint(static_cast<std::size_t>(o.hidden) * 2, w.num_ranks, o.topk));
+    } else {
+      bo.num_rdma_bytes = static_cast<int64_t>(epx::Buffer::get_low_latency_rdma_size_hint(
+          o.tokens, o.hidden, w.num_ranks, o.experts));
+    }
+    w.buffer = std::make_unique<epx::Buffer>(w.comm, bo);
+    nlohmann::json result;
+    result["device"] = device_name();
+    result["commit"] = git_commit();
+    result["command"] = o.command;
+    result["num_ranks"] = w.num_ranks;
+    result["workload"] = {{"tokens", o.tokens}, {"hidden", o.hidden}, {"topk", o.topk}, {"experts", o.experts},
+                          {"routing", "uniform random distinct experts, seeded"}};
+    result["buffer_bytes_per_rank"] = w.buffer->buffer_bytes();
+    if (o.family == "ht") {
+      run_ht(w, o, result);
+    } else {
+      run_ll(w, o, result);
+    }
+    if (w.rank == 0 && !o.json_path.empty()) {
+      std::ofstream(o.json_path) << result.dump(2) << "\n";
+      std::printf("wrote %s\n", o.json_path.c_str());
+    }
+    w.buffer->destroy();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "epx-bench rank %d: %s\n", w.rank, e.what());
+    return 1;
+  }
+  return 0;
+}

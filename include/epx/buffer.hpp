@@ -1,0 +1,258 @@
+// epx/buffer.hpp - the communication buffer and every EP operation.
+//
+// Semantics follow DeepEP V1 (see docs/api.md): dispatch sends each token to
+// every rank hosting one of its top-k experts; combine sums the expert outputs
+// back. Shapes in comments: T tokens on this rank, H hidden, K top-k,
+// R ranks, E experts (E_local = E / R), N tokens received.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "epx/config.hpp"
+#include "epx/error.hpp"
+#include "epx/event.hpp"
+#include "epx/tensor.hpp"
+
+namespace epx {
+
+namespace transport {
+class Backend;
+}
+
+inline constexpr int kUniqueIdBytes = 128;
+using UniqueId = std::array<uint8_t, kUniqueIdBytes>;
+
+/// The rank group EPX runs on: an NCCL communicator over R ranks, one GPU each.
+class Communicator {
+ public:
+  /// A fresh id; rank 0 makes it and every rank passes the same bytes to create().
+  static UniqueId new_unique_id();
+  /// Joins the group (collective over all ranks). Uses the current CUDA device.
+  static std::shared_ptr<Communicator> create(const UniqueId& id, int rank, int num_ranks);
+  /// Ranks from the environment: torchrun (RANK, WORLD_SIZE, LOCAL_RANK,
+  /// MASTER_ADDR, MASTER_PORT) or mpirun (OMPI_COMM_WORLD_*). Selects the CUDA
+  /// device LOCAL_RANK. The id travels through NCCL's own bootstrap root
+  /// (NCCL_COMM_ID = MASTER_ADDR:MASTER_PORT+1 unless already set).
+  static std::shared_ptr<Communicator> from_env();
+
+  ~Communicator();
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  int rank() const { return rank_; }
+  int num_ranks() const { return num_ranks_; }
+  int device() const { return device_; }
+  void* nccl_comm() const { return comm_; }  ///< ncclComm_t
+  /// Host-blocking barrier over all ranks (an NCCL all-reduce of one int).
+  void barrier();
+  /// All-gather of `bytes` bytes from every rank (host memory in and out).
+  std::vector<uint8_t> allgather(const void* data, std::size_t bytes);
+
+ private:
+  Communicator() = default;
+  void* comm_ = nullptr;
+  int rank_ = 0, num_ranks_ = 1, device_ = 0;
+  void* scratch_ = nullptr;  // device scratch for host collectives
+  cudaStream_t stream_ = nullptr;
+};
+
+struct BufferOptions {
+  int64_t num_nvl_bytes = 0;   ///< high-throughput buffer (NVLink)
+  int64_t num_rdma_bytes = 0;  ///< low-latency buffer
+  bool low_latency_mode = false;
+  int num_qps_per_rank = 1;
+  bool allow_nvlink_for_low_latency_mode = true;
+  bool allow_mnnvl = false;
+  std::string backend = "auto";  ///< auto | nvlink (EPX_BACKEND overrides "auto")
+  double timeout_s = 0;          ///< 0: EPX_TIMEOUT_S or 100 s
+  Allocator allocator;           ///< empty: default_allocator()
+};
+
+/// Per-call stream arguments (DeepEP's previous_event / async_finish /
+/// allocate_on_comm_stream). `stream` is the caller's (compute) stream.
+struct StreamArgs {
+  cudaStream_t stream = nullptr;
+  const Event* previous_event = nullptr;
+  bool async_finish = false;
+  bool allocate_on_comm_stream = false;
+};
+
+struct Layout {
+  Tensor num_tokens_per_rank;    ///< [R] i32
+  Tensor num_tokens_per_expert;  ///< [E] i32
+  Tensor is_token_in_rank;       ///< [T, R] bool
+  std::optional<Event> event;
+};
+
+/// What a dispatch learned about routing; pass it to combine or to a cached
+/// dispatch. Device tensors stay valid as long as the handle lives.
+struct DispatchHandle {
+  int num_ranks = 0, num_tokens = 0, num_recv_tokens = 0, hidden = 0;
+  Tensor send_counts;         ///< [R] i32: tokens this rank sends to each rank
+  Tensor recv_offsets;        ///< [R + 1] i32: first received row of each source rank, then N
+  Tensor is_token_in_rank;    ///< [T, R] bool
+  Tensor send_slot;           ///< [T, R] i32: position of token t among those sent to r, or -1
+  Tensor send_list;           ///< [R, T] i32: the tokens sent to r, in slot order
+  Tensor recv_src_idx;        ///< [N] i32: source token index of each received row
+  std::vector<int> num_recv_tokens_per_expert;
+  std::vector<int> recv_counts;  ///< host copy: rows received from each source
+};
+
+struct DispatchArgs {
+  TensorView x;                             ///< [T, H] bf16, or fp8 e4m3 with x_scales
+  std::optional<TensorView> x_scales;       ///< [T, H/128] f32 (fp8 only)
+  std::optional<TensorView> topk_idx;       ///< [T, K] i64, -1 = unused slot
+  std::optional<TensorView> topk_weights;   ///< [T, K] f32
+  std::optional<TensorView> num_tokens_per_rank;    ///< [R] i32 (from get_dispatch_layout)
+  std::optional<TensorView> is_token_in_rank;       ///< [T, R] bool
+  std::optional<TensorView> num_tokens_per_expert;  ///< [E] i32
+  std::shared_ptr<const DispatchHandle> handle;     ///< cached dispatch when set
+  int expert_alignment = 1;
+  int num_worst_tokens = 0;  ///< >0: no host sync; outputs sized to this many rows
+  std::optional<Config> config;
+  StreamArgs streams;
+};
+
+struct DispatchResult {
+  Tensor recv_x;                        ///< [N, H] same dtype as x
+  std::optional<Tensor> recv_x_scales;  ///< [N, H/128] f32
+  std::optional<Tensor> recv_topk_idx;  ///< [N, K] i64, rebased to local experts, -1 elsewhere
+  std::optional<Tensor> recv_topk_weights;  ///< [N, K] f32
+  std::vector<int> num_recv_tokens_per_expert;  ///< empty when num_worst_tokens > 0
+  std::shared_ptr<const DispatchHandle> handle;
+  std::optional<Event> event;
+};
+
+struct CombineArgs {
+  TensorView x;                            ///< [N, H] bf16, rows in dispatch receive order
+  std::shared_ptr<const DispatchHandle> handle;
+  std::optional<TensorView> topk_weights;  ///< [N, K] f32
+  std::optional<TensorView> bias_0;        ///< [T, H] bf16
+  std::optional<TensorView> bias_1;        ///< [T, H] bf16
+  std::optional<Config> config;
+  StreamArgs streams;
+};
+
+struct CombineResult {
+  Tensor combined_x;                            ///< [T, H] bf16
+  std::optional<Tensor> combined_topk_weights;  ///< [T, K] f32
+  std::optional<Event> event;
+};
+
+/// Routing state of a low-latency dispatch, consumed by low_latency_combine.
+struct LowLatencyHandle {
+  int num_ranks = 0, num_experts = 0, num_max_dispatch_tokens_per_rank = 0, hidden = 0;
+  int num_tokens = 0, num_topk = 0;
+  Tensor src_info;      ///< [E_local, R*maxT] i32: source token index of each packed row
+  Tensor layout_range;  ///< [E_local, R] i64: (begin << 32) | count per source rank
+  Tensor topk_idx;      ///< [T, K] i64 copy of the routing (kept for combine)
+  int buffer_slot = 0;  ///< which half of the double buffer the call used
+  // Low-latency path internals (issue 4):
+  /// [R, maxT, K] i32 on this (expert) rank: packed row (local_expert * R*maxT + j) that
+  /// holds pick k of token t of source s, or -1; the combine's reduction plan.
+  Tensor combine_rows;
+  /// [16] i32: [0] the dispatch's epoch (set by the send phase), [8 + s] tokens source s sent.
+  Tensor state;
+  bool use_fp8 = false;  ///< dispatched in FP8
+};
+
+struct LowLatencyDispatchArgs {
+  TensorView x;         ///< [T, H] bf16, T <= num_max_dispatch_tokens_per_rank
+  TensorView topk_idx;  ///< [T, K] i64
+  int num_max_dispatch_tokens_per_rank = 0;
+  int num_experts = 0;
+  std::optional<TensorView> cumulative_local_expert_recv_stats;  ///< [E_local] i32, added to
+  bool use_fp8 = true;
+  bool round_scale = false;
+  bool use_ue8m0 = false;
+  bool async_finish = false;
+  bool return_recv_hook = false;
+  cudaStream_t stream = nullptr;
+};
+
+struct LowLatencyDispatchResult {
+  Tensor recv_x;  ///< [E_local, R*maxT, H] bf16 or fp8
+  /// fp8: [E_local, R*maxT, H/128] f32, or i32 [.., H/512] with ue8m0; both
+  /// column-major over the last two dims (strides {.., 1, R*maxT}).
+  std::optional<Tensor> recv_x_scales;
+  Tensor recv_count;  ///< [E_local] i32
+  std::shared_ptr<const LowLatencyHandle> handle;
+  std::optional<Event> event;
+  std::function<void()> hook;  ///< set when return_recv_hook: runs the receive phase
+};
+
+struct LowLatencyCombineArgs {
+  TensorView x;             ///< [E_local, R*maxT, H] bf16
+  TensorView topk_idx;      ///< [T, K] i64
+  TensorView topk_weights;  ///< [T, K] f32
+  std::shared_ptr<const LowLatencyHandle> handle;
+  bool use_logfmt = false;
+  bool zero_copy = false;  ///< x already lives in get_next_low_latency_combine_buffer()
+  bool async_finish = false;
+  bool return_recv_hook = false;
+  std::optional<TensorView> out;  ///< [T, H] bf16
+  cudaStream_t stream = nullptr;
+};
+
+struct LowLatencyCombineResult {
+  Tensor combined_x;  ///< [T, H] bf16
+  std::optional<Event> event;
+  std::function<void()> hook;
+};
+
+class Buffer {
+ public:
+  Buffer(std::shared_ptr<Communicator> comm, BufferOptions options);
+  ~Buffer();
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  int rank() const;
+  int num_ranks() const;
+  cudaStream_t comm_stream() const;
+  const char* backend_name() const;
+  /// Symmetric bytes this rank holds (both regions).
+  std::size_t buffer_bytes() const;
+
+  /// Host-visible view of the high-throughput buffer as [bytes] (DeepEP's
+  /// get_local_buffer_tensor works on top of this).
+  TensorView local_buffer(bool low_latency) const;
+
+  // ---- high-throughput ----------------------------------------------------
+  Layout get_dispatch_layout(const TensorView& topk_idx, int num_experts, const StreamArgs& s);
+  DispatchResult dispatch(const DispatchArgs& args);
+  CombineResult combine(const CombineArgs& args);
+
+  // ---- low-latency --------------------------------------------------------
+  LowLatencyDispatchResult low_latency_dispatch(const LowLatencyDispatchArgs& args);
+  LowLatencyCombineResult low_latency_combine(const LowLatencyCombineArgs& args);
+  /// [E_local, R*maxT, H] bf16 view where the next low_latency_combine with
+  /// zero_copy expects its input.
+  TensorView get_next_low_latency_combine_buffer(const LowLatencyHandle& handle);
+  void clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, int hidden,
+                                int num_experts);
+  static std::size_t get_low_latency_rdma_size_hint(int num_max_dispatch_tokens_per_rank,
+                                                    int hidden, int num_ranks, int num_experts);
+
+  /// Overrides Config::num_sms of the default configs (DeepEP's set_num_sms).
+  static void set_num_sms(int num_sms);
+  static int num_sms();
+
+  /// Frees the symmetric memory (collective); later calls throw.
+  void destroy();
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace epx

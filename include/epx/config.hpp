@@ -1,0 +1,48 @@
+// epx/config.hpp - kernel launch and buffer configuration (DeepEP's Config).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace epx {
+
+/// Tuning knobs of the high-throughput kernels and the buffer sizes they imply.
+///
+/// `num_sms`: SMs (thread blocks) the kernel occupies; half send, half receive
+///   unless `num_send_sms` says otherwise.
+/// `num_max_send_tokens`: tokens a sender warp moves between two progress
+///   signals (the chunk size).
+/// `num_max_recv_tokens`: tokens the receive staging holds per source rank;
+///   calls that route more tokens from one source than this are split into
+///   rounds inside the call.
+struct Config {
+  int num_sms = 24;
+  int num_max_send_tokens = 8;
+  int num_max_recv_tokens = 4096;
+  int num_send_sms = 0;  ///< 0 = num_sms / 2
+
+  Config() = default;
+  Config(int sms, int send_tokens, int recv_tokens, int send_sms = 0)
+      : num_sms(sms), num_max_send_tokens(send_tokens), num_max_recv_tokens(recv_tokens),
+        num_send_sms(send_sms) {}
+
+  int send_sms() const { return num_send_sms > 0 ? num_send_sms : num_sms / 2; }
+  int recv_sms() const { return num_sms - send_sms(); }
+
+  /// Bytes of NVLink-reachable buffer a rank needs for tokens of
+  /// `hidden_bytes` payload (hidden * element size of the widest dtype used)
+  /// with up to `num_topk` picks, among `num_ranks` ranks.
+  std::size_t get_nvl_buffer_size_hint(std::size_t hidden_bytes, int num_ranks,
+                                       int num_topk = 16) const;
+  /// Bytes of RDMA buffer (0 for intranode).
+  std::size_t get_rdma_buffer_size_hint(std::size_t hidden_bytes, int num_ranks) const;
+
+  /// Throws epx::Error naming the field when a value is out of range.
+  void validate(int num_ranks, int device_sm_count) const;
+};
+
+/// Default configs per rank count (tuned on H200, see docs/benchmarks.md).
+Config get_dispatch_config(int num_ranks);
+Config get_combine_config(int num_ranks);
+
+}  // namespace epx

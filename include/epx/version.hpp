@@ -1,0 +1,5 @@
+#pragma once
+#define EPX_VERSION_MAJOR 0
+#define EPX_VERSION_MINOR 1
+#define EPX_VERSION_PATCH 0
+#define EPX_VERSION_STRING "0.1.0"

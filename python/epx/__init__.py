@@ -1,0 +1,46 @@
+"""EPX: expert-parallel communication for Mixture-of-Experts models.
+
+The Python API is DeepEP V1's, so existing code runs unchanged with::
+
+    import epx as deep_ep
+
+    buffer = deep_ep.Buffer(group, num_nvl_bytes=..., num_rdma_bytes=...)
+    recv_x, recv_topk_idx, recv_topk_weights, counts, handle, event = buffer.dispatch(...)
+
+Code that imports submodules by name (``from deep_ep.utils import EventOverlap``)
+can call ``epx.alias_deep_ep()`` first. Importing epx does not import torch;
+``epx.Buffer`` needs it. See docs/python.md.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from . import _core
+from ._core import EPXError, EPXTimeoutError, EPXUnsupportedError, EPXValueError
+from .buffer import Buffer
+from .config import Config
+from .utils import EventHandle, EventOverlap
+
+__version__ = _core.__version__
+__all__ = [
+    "Buffer", "Config", "EventHandle", "EventOverlap", "EPXError", "EPXValueError",
+    "EPXTimeoutError", "EPXUnsupportedError", "topk_idx_t", "alias_deep_ep",
+]
+
+
+def __getattr__(name: str):
+    if name == "topk_idx_t":  # DeepEP's dtype of topk_idx, resolved lazily (needs torch)
+        import torch
+
+        return torch.int64
+    raise AttributeError(f"module 'epx' has no attribute {name!r}")
+
+
+def alias_deep_ep() -> None:
+    """Makes ``import deep_ep``, ``deep_ep.buffer`` and ``deep_ep.utils`` resolve to epx."""
+    from . import buffer, utils
+
+    sys.modules.setdefault("deep_ep", sys.modules[__name__])
+    sys.modules.setdefault("deep_ep.buffer", buffer)
+    sys.modules.setdefault("deep_ep.utils", utils)

@@ -1,0 +1,542 @@
+"""epx.Buffer: DeepEP V1's ``deep_ep.Buffer`` on the EPX core.
+
+Shapes in docstrings: T tokens on this rank, H hidden, K top-k, R ranks,
+E experts (E_local = E / R), N tokens received, maxT =
+num_max_dispatch_tokens_per_rank.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple, Union
+
+from . import _core
+from .config import Config, _core_config
+from .utils import EventHandle, EventOverlap, _event_of, _int, _torch, _wrap_event
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    import torch.distributed as dist
+
+    TensorOrPair = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+
+class _TorchGlue:
+    """Torch-dependent conversions, built once on first use."""
+
+    _instance: Optional["_TorchGlue"] = None
+
+    def __init__(self) -> None:
+        torch = _torch()
+        import torch.utils.dlpack
+
+        self.torch = torch
+        self.to_dlpack = torch.utils.dlpack.to_dlpack
+        self.fp8 = torch.float8_e4m3fn
+        try:  # older PyTorch cannot export float8 through DLPack: move the bits as uint8
+            self.to_dlpack(torch.empty(1, dtype=self.fp8))
+            self.fp8_dlpack = True
+        except Exception:
+            self.fp8_dlpack = False
+        D = _core.DType
+        self.alloc_dtypes = {  # the allocator gets DType values as ints
+            D.bfloat16.value: torch.bfloat16,
+            D.float8_e4m3fn.value: self.fp8 if self.fp8_dlpack else torch.uint8,
+            D.float32.value: torch.float32,
+            D.int32.value: torch.int32,
+            D.int64.value: torch.int64,
+            D.bool.value: torch.bool,
+        }
+
+    @classmethod
+    def get(cls) -> "_TorchGlue":
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    def view(self, name: str, t: Any) -> _core.TensorView:
+        """torch.Tensor -> TensorView (TypeError naming the argument otherwise)."""
+        if not isinstance(t, self.torch.Tensor):
+            raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.requires_grad:
+            t = t.detach()
+        if t.dtype == self.fp8 and not self.fp8_dlpack:
+            t = t.view(self.torch.uint8)
+        return _core.TensorView.from_dlpack(self.to_dlpack(t), name)
+
+    def opt_view(self, name: str, t: Any) -> Optional[_core.TensorView]:
+        return None if t is None else self.view(name, t)
+
+    def out(self, obj: Any) -> Any:
+        """A result of the core -> torch.Tensor (see to_py in python/src/core.cpp)."""
+        torch = self.torch
+        if obj is None:
+            return None
+        if isinstance(obj, tuple):  # part of an allocated tensor
+            base, shape, strides, offset = obj
+            obj = base.as_strided(shape, strides, base.storage_offset() + offset)
+        elif not isinstance(obj, torch.Tensor):  # memory EPX owns
+            obj = torch.from_dlpack(obj)
+        if obj.dtype == torch.uint8:  # EPX makes no uint8 tensors: these are float8 bits
+            obj = obj.view(self.fp8)
+        return obj
+
+    def allocator(self, device: "torch.device") -> Callable:
+        """alloc(dtype, shape, stream): torch.empty from the caching allocator on `stream`."""
+        torch, dtypes, to_dlpack = self.torch, self.alloc_dtypes, self.to_dlpack
+        streams = {0: torch.cuda.default_stream(device)}
+
+        def alloc(dtype: int, shape: Tuple[int, ...], stream: int):
+            s = streams.get(stream)
+            if s is None:
+                s = streams[stream] = torch.cuda.ExternalStream(stream, device=device)
+            with torch.cuda.stream(s):
+                t = torch.empty(shape, dtype=dtypes[dtype], device=device)
+            return t, to_dlpack(t)  # the capsule skips __dlpack__'s stream synchronization
+
+        return alloc
+
+
+def _warn_unsupported_stats(name: str) -> None:
+    warnings.warn(f"{name}: EPX does not collect these statistics; the tensor is left unchanged",
+                  RuntimeWarning, stacklevel=3)
+
+
+class Buffer:
+    """Communication buffers for expert-parallel Mixture-of-Experts layers (DeepEP V1 API).
+
+    Supports the high-throughput intranode dispatch/combine (over NVLink) and the
+    low-latency dispatch/combine. One process per GPU; every rank of the group
+    makes the same calls in the same order.
+
+    Attributes:
+        num_sms: SMs used by the high-throughput kernels (class-wide, see ``set_num_sms``).
+        rank: this rank in the group.
+        group_size: number of ranks R.
+        group: the torch.distributed process group.
+        num_nvl_bytes / num_rdma_bytes: sizes of the high-throughput / low-latency buffers.
+        runtime: the ``epx._core.Buffer``.
+    """
+
+    num_sms: int = _core.Buffer.num_sms()
+
+    def __init__(self, group: Optional["dist.ProcessGroup"] = None, num_nvl_bytes: int = 0,
+                 num_rdma_bytes: int = 0, low_latency_mode: bool = False,
+                 num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
+                 allow_mnnvl: bool = False, use_fabric: bool = False,
+                 explicitly_destroy: bool = False, enable_shrink: bool = False,
+                 comm: Any = None, *, backend: str = "auto", timeout_s: float = 0.0) -> None:
+        """Allocates the buffers; collective over ``group`` (or the mpi4py ``comm``).
+
+        Arguments:
+            group: torch.distributed group of the R ranks (the default group when None
+                and torch.distributed is initialized).
+            num_nvl_bytes: high-throughput buffer bytes (``Config.get_nvl_buffer_size_hint``).
+            num_rdma_bytes: low-latency buffer bytes (``get_low_latency_rdma_size_hint``).
+            low_latency_mode: whether low-latency kernels will be used.
+            num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: passed on.
+            use_fabric: accepted for compatibility, ignored.
+            explicitly_destroy: ``destroy()`` must be called to free the buffers; otherwise
+                they are freed when the Buffer is garbage collected.
+            enable_shrink: not supported (raises EPXUnsupportedError when True).
+            comm: an mpi4py communicator, used when ``group`` is None.
+            backend: EPX transport ("auto" or "nvlink"; EPX_BACKEND overrides "auto").
+            timeout_s: how long a rank waits for its peers (0: EPX_TIMEOUT_S, else 60 s).
+        """
+        glue = _TorchGlue.get()
+        torch = glue.torch
+        if enable_shrink:
+            raise _core.EPXUnsupportedError("enable_shrink: EPX does not support shrinking")
+        if group is None and comm is None:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                raise ValueError("Buffer: either 'group' or 'comm' must be provided")
+            group = dist.group.WORLD
+        if group is not None:
+            import torch.distributed as dist
+
+            self.rank, self.group_size = group.rank(), group.size()
+
+            def all_gather_object(obj):
+                objs = [None] * self.group_size
+                dist.all_gather_object(objs, obj, group)
+                return objs
+        else:
+            self.rank, self.group_size = comm.Get_rank(), comm.Get_size()
+            all_gather_object = comm.allgather
+        self.group = group
+        self.num_nvl_bytes = _int("num_nvl_bytes", num_nvl_bytes)
+        self.num_rdma_bytes = _int("num_rdma_bytes", num_rdma_bytes)
+        self.low_latency_mode = bool(low_latency_mode)
+        self.explicitly_destroy = bool(explicitly_destroy)
+
+        self._glue = glue
+        self._device = torch.device("cuda", torch.cuda.current_device())
+        _core.cuda_set_device(self._device.index)  # EPX's CUDA runtime follows torch's device
+        unique_id = _core.new_unique_id() if self.rank == 0 else None
+        unique_id = all_gather_object(unique_id)[0]
+        self.communicator = _core.Communicator.create(unique_id, self.rank, self.group_size)
+
+        opts = _core.BufferOptions()
+        opts.num_nvl_bytes = self.num_nvl_bytes
+        opts.num_rdma_bytes = self.num_rdma_bytes
+        opts.low_latency_mode = self.low_latency_mode
+        opts.num_qps_per_rank = _int("num_qps_per_rank", num_qps_per_rank)
+        opts.allow_nvlink_for_low_latency_mode = bool(allow_nvlink_for_low_latency_mode)
+        opts.allow_mnnvl = bool(allow_mnnvl)
+        opts.backend = backend
+        opts.timeout_s = float(timeout_s)
+        opts.allocator = glue.allocator(self._device)
+        self.runtime: Optional[_core.Buffer] = _core.Buffer(self.communicator, opts)
+        self._comm_stream = None
+
+    # ---- lifetime and static helpers ------------------------------------------------------------
+
+    def destroy(self) -> None:
+        """Frees the buffers (collective). Needs ``explicitly_destroy=True``."""
+        if not self.explicitly_destroy:
+            raise RuntimeError("destroy: pass explicitly_destroy=True to Buffer() to use destroy()")
+        if self.runtime is not None:
+            self.runtime.destroy()
+            self.runtime = None
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        return True
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Sets the SMs the default high-throughput configs use (an even number)."""
+        _core.Buffer.set_num_sms(_int("new_num_sms", new_num_sms))
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event recorded on ``torch.cuda.current_stream()``."""
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                       num_ranks: int, num_experts: int) -> int:
+        """Bytes of low-latency buffer (``num_rdma_bytes``) for these sizes (BF16 payloads)."""
+        return _core.Buffer.get_low_latency_rdma_size_hint(
+            _int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+            _int("hidden", hidden), _int("num_ranks", num_ranks), _int("num_experts", num_experts))
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        """The default dispatch Config for ``num_ranks`` ranks."""
+        return Config._wrap(_core.get_dispatch_config(_int("num_ranks", num_ranks)))
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        """The default combine Config for ``num_ranks`` ranks."""
+        return Config._wrap(_core.get_combine_config(_int("num_ranks", num_ranks)))
+
+    def get_comm_stream(self) -> "torch.cuda.Stream":
+        """The communication stream, as a ``torch.cuda.ExternalStream``."""
+        if self._comm_stream is None:
+            self._comm_stream = self._glue.torch.cuda.ExternalStream(
+                self._rt().comm_stream, device=self._device)
+        return self._comm_stream
+
+    def get_local_buffer_tensor(self, dtype: "torch.dtype", size: Optional[Sequence[int]] = None,
+                                offset: int = 0, use_rdma_buffer: bool = False) -> "torch.Tensor":
+        """This rank's raw buffer as a tensor of ``dtype``, from byte ``offset``.
+
+        ``size`` (a shape) takes the first ``prod(size)`` elements; ``use_rdma_buffer``
+        selects the low-latency buffer instead of the high-throughput one.
+        """
+        torch = self._glue.torch
+        raw = torch.from_dlpack(self._rt().local_buffer(bool(use_rdma_buffer)))
+        raw = raw[_int("offset", offset):]
+        n = raw.numel() // dtype.itemsize
+        t = raw[: n * dtype.itemsize].view(dtype)
+        if size is None:
+            return t
+        size = torch.Size(size)
+        if size.numel() > t.numel():
+            raise ValueError(f"size: {tuple(size)} needs {size.numel()} elements, the buffer "
+                             f"holds {t.numel()} from offset {offset}")
+        return t[: size.numel()].view(size)
+
+    # ---- helpers --------------------------------------------------------------------------------
+
+    def _rt(self) -> _core.Buffer:
+        if self.runtime is None:
+            raise RuntimeError("Buffer: used after destroy()")
+        return self.runtime
+
+    def _streams(self, previous_event, async_finish, allocate_on_comm_stream) -> _core.StreamArgs:
+        s = _core.StreamArgs()
+        s.stream = self._glue.torch.cuda.current_stream(self._device).cuda_stream
+        s.previous_event = _event_of(previous_event)
+        s.async_finish = bool(async_finish)
+        s.allocate_on_comm_stream = bool(allocate_on_comm_stream)
+        return s
+
+    def _record(self, async_finish: bool, allocate_on_comm_stream: bool, inputs, outputs) -> None:
+        """record_stream for async ops: the comm stream may still use these tensors."""
+        if not async_finish:
+            return
+        comm = self.get_comm_stream()
+        # outputs made on the comm stream are used on the caller's stream, others on the comm stream
+        target = comm
+        if allocate_on_comm_stream:
+            target = self._glue.torch.cuda.current_stream(self._device)
+        for t in inputs:
+            if t is not None:
+                t.record_stream(comm)
+        for t in outputs:
+            if t is not None:
+                t.record_stream(target)
+
+    # ---- high-throughput ------------------------------------------------------------------------
+
+    def get_dispatch_layout(self, topk_idx: "torch.Tensor", num_experts: int,
+                            previous_event: Optional[EventOverlap] = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False
+                            ) -> Tuple["torch.Tensor", None, "torch.Tensor", "torch.Tensor",
+                                       EventOverlap]:
+        """Counts what each rank and expert receives.
+
+        Arguments:
+            topk_idx: [T, K] int64 expert ids, -1 = no expert.
+            num_experts: E, divisible by R.
+
+        Returns:
+            num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank (None: intranode),
+            num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, event.
+        """
+        g = self._glue
+        streams = self._streams(previous_event, async_finish, allocate_on_comm_stream)
+        r = self._rt().get_dispatch_layout(g.view("topk_idx", topk_idx),
+                                           _int("num_experts", num_experts), streams)
+        per_rank, per_expert = g.out(r.num_tokens_per_rank), g.out(r.num_tokens_per_expert)
+        in_rank = g.out(r.is_token_in_rank)
+        self._record(async_finish, allocate_on_comm_stream, [topk_idx],
+                     [per_rank, per_expert, in_rank])
+        return per_rank, None, per_expert, in_rank, _wrap_event(r.event)
+
+    def dispatch(self, x: "TensorOrPair", handle: Optional[_core.DispatchHandle] = None,
+                 num_tokens_per_rank: Optional["torch.Tensor"] = None,
+                 num_tokens_per_rdma_rank: Optional["torch.Tensor"] = None,
+                 is_token_in_rank: Optional["torch.Tensor"] = None,
+                 num_tokens_per_expert: Optional["torch.Tensor"] = None,
+                 topk_idx: Optional["torch.Tensor"] = None,
+                 topk_weights: Optional["torch.Tensor"] = None, expert_alignment: int = 1,
+                 num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False
+                 ) -> Tuple["TensorOrPair", Optional["torch.Tensor"], Optional["torch.Tensor"],
+                            Optional[List[int]], Optional[_core.DispatchHandle], EventOverlap]:
+        """Sends each token to every rank that hosts one of its experts.
+
+        Arguments:
+            x: [T, H] bfloat16, or a pair ([T, H] float8_e4m3fn, [T, H/128] float32 scales).
+            handle: a previous dispatch's handle: reuse its routing (cached dispatch;
+                topk_idx/topk_weights and the layout tensors are then not needed).
+            num_tokens_per_rank [R] int32, is_token_in_rank [T, R] bool,
+            num_tokens_per_expert [E] int32: from ``get_dispatch_layout``.
+            num_tokens_per_rdma_rank: ignored (intranode).
+            topk_idx: [T, K] int64; topk_weights: [T, K] float32.
+            expert_alignment: round each local expert's count up to a multiple of this.
+            num_worst_tokens: > 0: no host synchronization; outputs have this many rows
+                and ``num_recv_tokens_per_expert_list`` is empty.
+            config: a Config, or None for ``get_dispatch_config(R)``.
+
+        Returns:
+            recv_x ([N, H], or the pair with [N, H/128] scales), recv_topk_idx [N, K]
+            int64 (local expert ids, -1 for experts of other ranks), recv_topk_weights
+            [N, K] float32, num_recv_tokens_per_expert_list (E_local ints), handle, event.
+            A cached dispatch returns None for the four middle entries.
+        """
+        g = self._glue
+        x, x_scales = x if isinstance(x, tuple) else (x, None)
+        if handle is not None and not isinstance(handle, _core.DispatchHandle):
+            raise TypeError(f"handle: expected the handle returned by dispatch, "
+                            f"got {type(handle).__name__}")
+        a = _core.DispatchArgs()
+        a.x = g.view("x", x)
+        a.x_scales = g.opt_view("x_scales", x_scales)
+        a.topk_idx = g.opt_view("topk_idx", topk_idx)
+        a.topk_weights = g.opt_view("topk_weights", topk_weights)
+        a.num_tokens_per_rank = g.opt_view("num_tokens_per_rank", num_tokens_per_rank)
+        a.is_token_in_rank = g.opt_view("is_token_in_rank", is_token_in_rank)
+        a.num_tokens_per_expert = g.opt_view("num_tokens_per_expert", num_tokens_per_expert)
+        a.handle = handle
+        a.expert_alignment = _int("expert_alignment", expert_alignment)
+        a.num_worst_tokens = _int("num_worst_tokens", num_worst_tokens)
+        a.config = _core_config(config)
+        a.streams = self._streams(previous_event, async_finish, allocate_on_comm_stream)
+        r = self._rt().dispatch(a)
+
+        recv_x, recv_scales = g.out(r.recv_x), g.out(r.recv_x_scales)
+        recv_topk_idx, recv_topk_weights = g.out(r.recv_topk_idx), g.out(r.recv_topk_weights)
+        if async_finish:
+            new_handle = r.handle
+            extra = [g.out(t) for t in new_handle.tensors] if new_handle is not None else []
+            self._record(True, allocate_on_comm_stream,
+                         [x, x_scales, topk_idx, topk_weights, num_tokens_per_rank,
+                          is_token_in_rank, num_tokens_per_expert],
+                         [recv_x, recv_scales, recv_topk_idx, recv_topk_weights] + extra)
+        recv = (recv_x, recv_scales) if x_scales is not None else recv_x
+        event = _wrap_event(r.event)
+        if handle is not None:
+            return recv, None, None, None, None, event
+        return (recv, recv_topk_idx, recv_topk_weights, list(r.num_recv_tokens_per_expert),
+                r.handle, event)
+
+    def combine(self, x: "torch.Tensor", handle: _core.DispatchHandle,
+                topk_weights: Optional["torch.Tensor"] = None,
+                bias: Union["torch.Tensor", Tuple["torch.Tensor", "torch.Tensor"], None] = None,
+                config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False
+                ) -> Tuple["torch.Tensor", Optional["torch.Tensor"], EventOverlap]:
+        """Sums each token's rows back on the rank that dispatched it (no weighting).
+
+        Arguments:
+            x: [N, H] bfloat16, rows in the order dispatch received them.
+            handle: the handle returned by ``dispatch``.
+            topk_weights: [N, K] float32, summed like x.
+            bias: [T, H] bfloat16, or a pair of them, added to the result.
+            config: a Config, or None for ``get_combine_config(R)``.
+
+        Returns:
+            combined_x [T, H] bfloat16, combined_topk_weights [T, K] float32 (None without
+            topk_weights), event.
+        """
+        g = self._glue
+        if not isinstance(handle, _core.DispatchHandle):
+            raise TypeError(f"handle: expected the handle returned by dispatch, "
+                            f"got {type(handle).__name__}")
+        if isinstance(bias, tuple):
+            if len(bias) != 2:
+                raise ValueError(f"bias: expected a tensor or a pair of tensors, got {len(bias)}")
+            bias_0, bias_1 = bias
+        else:
+            bias_0, bias_1 = bias, None
+        a = _core.CombineArgs()
+        a.x = g.view("x", x)
+        a.handle = handle
+        a.topk_weights = g.opt_view("topk_weights", topk_weights)
+        a.bias_0 = g.opt_view("bias_0", bias_0)
+        a.bias_1 = g.opt_view("bias_1", bias_1)
+        a.config = _core_config(config)
+        a.streams = self._streams(previous_event, async_finish, allocate_on_comm_stream)
+        r = self._rt().combine(a)
+        combined_x, combined_w = g.out(r.combined_x), g.out(r.combined_topk_weights)
+        self._record(async_finish, allocate_on_comm_stream, [x, topk_weights, bias_0, bias_1],
+                     [combined_x, combined_w])
+        return combined_x, combined_w, _wrap_event(r.event)
+
+    # ---- low-latency ----------------------------------------------------------------------------
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_experts: int) -> None:
+        """Resets the low-latency buffer (needed after high-throughput ops used it)."""
+        self._rt().clean_low_latency_buffer(
+            _int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+            _int("hidden", hidden), _int("num_experts", num_experts))
+
+    def low_latency_dispatch(self, x: "torch.Tensor", topk_idx: "torch.Tensor",
+                             num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats: Optional["torch.Tensor"] = None,
+                             dispatch_wait_recv_cost_stats: Optional["torch.Tensor"] = None,
+                             use_fp8: bool = True, round_scale: bool = False,
+                             use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False
+                             ) -> Tuple["TensorOrPair", "torch.Tensor", _core.LowLatencyHandle,
+                                        EventOverlap, Optional[Callable[[], None]]]:
+        """Sends tokens to their experts, packed per local expert (CUDA-graph friendly).
+
+        Arguments:
+            x: [T, H] bfloat16, T <= maxT; topk_idx: [T, K] int64, -1 = no expert.
+            num_max_dispatch_tokens_per_rank: maxT, the same on every rank.
+            num_experts: E.
+            cumulative_local_expert_recv_stats: [E_local] int32, incremented by the counts.
+            dispatch_wait_recv_cost_stats: not collected by EPX (warns).
+            use_fp8: quantize to float8_e4m3fn with per-128-channel scales.
+            round_scale: power-of-two scales; use_ue8m0: pack them as UE8M0 (int32).
+            return_recv_hook: send only; call the returned hook to receive.
+
+        Returns:
+            recv_x: [E_local, R*maxT, H] bfloat16, or with use_fp8 the pair (float8 data,
+                scales [E_local, R*maxT, H/128] float32 or [.., H/512] int32 with use_ue8m0;
+                column-major in the last two dims); recv_count: [E_local] int32 valid rows
+                per expert; handle; event; hook (None without return_recv_hook).
+        """
+        g = self._glue
+        if dispatch_wait_recv_cost_stats is not None:
+            _warn_unsupported_stats("dispatch_wait_recv_cost_stats")
+        a = _core.LowLatencyDispatchArgs()
+        a.x = g.view("x", x)
+        a.topk_idx = g.view("topk_idx", topk_idx)
+        a.num_max_dispatch_tokens_per_rank = _int("num_max_dispatch_tokens_per_rank",
+                                                  num_max_dispatch_tokens_per_rank)
+        a.num_experts = _int("num_experts", num_experts)
+        a.cumulative_local_expert_recv_stats = g.opt_view("cumulative_local_expert_recv_stats",
+                                                          cumulative_local_expert_recv_stats)
+        a.use_fp8, a.round_scale, a.use_ue8m0 = bool(use_fp8), bool(round_scale), bool(use_ue8m0)
+        a.async_finish, a.return_recv_hook = bool(async_finish), bool(return_recv_hook)
+        a.stream = g.torch.cuda.current_stream(self._device).cuda_stream
+        r = self._rt().low_latency_dispatch(a)
+        recv_x, recv_scales = g.out(r.recv_x), g.out(r.recv_x_scales)
+        recv_count = g.out(r.recv_count)
+        handle = r.handle
+        extra = None
+        if async_finish:
+            extra = (x, topk_idx, recv_x, recv_scales, recv_count,
+                     cumulative_local_expert_recv_stats,
+                     *[g.out(t) for t in handle.tensors])
+        recv = (recv_x, recv_scales) if use_fp8 else recv_x
+        return recv, recv_count, handle, _wrap_event(r.event, extra), r.hook
+
+    def low_latency_combine(self, x: "torch.Tensor", topk_idx: "torch.Tensor",
+                            topk_weights: "torch.Tensor", handle: _core.LowLatencyHandle,
+                            use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: Optional["torch.Tensor"] = None,
+                            combine_wait_recv_cost_stats: Optional["torch.Tensor"] = None
+                            ) -> Tuple["torch.Tensor", EventOverlap, Optional[Callable[[], None]]]:
+        """Returns each token's experts' outputs, weighted and summed, to its rank.
+
+        Arguments:
+            x: [E_local, R*maxT, H] bfloat16 expert outputs in the packed dispatch order.
+            topk_idx: [T, K] int64 and topk_weights: [T, K] float32 of the dispatch.
+            handle: the handle returned by ``low_latency_dispatch``.
+            use_logfmt: send a 10-bit LogFMT encoding instead of BF16.
+            zero_copy: x was written into ``get_next_low_latency_combine_buffer(handle)``.
+            out: [T, H] bfloat16 to write the result into.
+            combine_wait_recv_cost_stats: not collected by EPX (warns).
+
+        Returns:
+            combined_x [T, H] bfloat16 (``out`` when given), event, hook.
+        """
+        g = self._glue
+        if not isinstance(handle, _core.LowLatencyHandle):
+            raise TypeError(f"handle: expected the handle returned by low_latency_dispatch, "
+                            f"got {type(handle).__name__}")
+        if combine_wait_recv_cost_stats is not None:
+            _warn_unsupported_stats("combine_wait_recv_cost_stats")
+        a = _core.LowLatencyCombineArgs()
+        a.x = g.view("x", x)
+        a.topk_idx = g.view("topk_idx", topk_idx)
+        a.topk_weights = g.view("topk_weights", topk_weights)
+        a.handle = handle
+        a.use_logfmt, a.zero_copy = bool(use_logfmt), bool(zero_copy)
+        a.async_finish, a.return_recv_hook = bool(async_finish), bool(return_recv_hook)
+        a.out = g.opt_view("out", out)
+        a.stream = g.torch.cuda.current_stream(self._device).cuda_stream
+        r = self._rt().low_latency_combine(a)
+        combined_x = out if out is not None else g.out(r.combined_x)
+        extra = (x, topk_idx, topk_weights, combined_x) if async_finish else None
+        return combined_x, _wrap_event(r.event, extra), r.hook
+
+    def get_next_low_latency_combine_buffer(self, handle: _core.LowLatencyHandle) -> "torch.Tensor":
+        """[E_local, R*maxT, H] bfloat16 view of the buffer the next zero-copy combine reads."""
+        if not isinstance(handle, _core.LowLatencyHandle):
+            raise TypeError(f"handle: expected the handle returned by low_latency_dispatch, "
+                            f"got {type(handle).__name__}")
+        return self._glue.out(self._rt().get_next_low_latency_combine_buffer(handle))

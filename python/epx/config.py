@@ -1,0 +1,93 @@
+"""Kernel configuration (DeepEP's deep_ep.Config)."""
+
+from __future__ import annotations
+
+from . import _core
+from .utils import _int
+
+
+class Config:
+    """Tuning knobs of the high-throughput dispatch and combine.
+
+    Takes DeepEP's arguments. The NVLink chunk sizes map onto EPX's
+    ``epx::Config``: ``num_max_nvl_chunked_send_tokens`` is the number of tokens a
+    sender moves between two progress signals (``num_max_send_tokens``) and
+    ``num_max_nvl_chunked_recv_tokens`` the number of tokens the receive staging
+    holds per source rank (``num_max_recv_tokens``). The RDMA values are kept for
+    compatibility and not used (EPX runs within one NVLink domain).
+    """
+
+    def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
+                 num_max_nvl_chunked_recv_tokens: int = 256,
+                 num_max_rdma_chunked_send_tokens: int = 6,
+                 num_max_rdma_chunked_recv_tokens: int = 256) -> None:
+        self._cfg = _core.Config(_int("num_sms", num_sms),
+                                 _int("num_max_nvl_chunked_send_tokens",
+                                      num_max_nvl_chunked_send_tokens),
+                                 _int("num_max_nvl_chunked_recv_tokens",
+                                      num_max_nvl_chunked_recv_tokens))
+        self.num_max_rdma_chunked_send_tokens = _int("num_max_rdma_chunked_send_tokens",
+                                                     num_max_rdma_chunked_send_tokens)
+        self.num_max_rdma_chunked_recv_tokens = _int("num_max_rdma_chunked_recv_tokens",
+                                                     num_max_rdma_chunked_recv_tokens)
+
+    @classmethod
+    def _wrap(cls, cfg: _core.Config) -> "Config":
+        self = cls.__new__(cls)
+        self._cfg = cfg
+        self.num_max_rdma_chunked_send_tokens = 6
+        self.num_max_rdma_chunked_recv_tokens = 256
+        return self
+
+    @property
+    def num_sms(self) -> int:
+        """SMs (thread blocks) the kernel occupies: half send, half receive."""
+        return self._cfg.num_sms
+
+    @num_sms.setter
+    def num_sms(self, value: int) -> None:
+        self._cfg.num_sms = _int("num_sms", value)
+
+    @property
+    def num_max_nvl_chunked_send_tokens(self) -> int:
+        return self._cfg.num_max_send_tokens
+
+    @num_max_nvl_chunked_send_tokens.setter
+    def num_max_nvl_chunked_send_tokens(self, value: int) -> None:
+        self._cfg.num_max_send_tokens = _int("num_max_nvl_chunked_send_tokens", value)
+
+    @property
+    def num_max_nvl_chunked_recv_tokens(self) -> int:
+        return self._cfg.num_max_recv_tokens
+
+    @num_max_nvl_chunked_recv_tokens.setter
+    def num_max_nvl_chunked_recv_tokens(self, value: int) -> None:
+        self._cfg.num_max_recv_tokens = _int("num_max_nvl_chunked_recv_tokens", value)
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int,
+                                 num_topk: int = 16) -> int:
+        """Bytes of NVLink buffer (``num_nvl_bytes``) a rank needs for tokens of
+        ``hidden_bytes`` (hidden x element size) among ``num_ranks`` ranks."""
+        return self._cfg.get_nvl_buffer_size_hint(_int("hidden_bytes", hidden_bytes),
+                                                  _int("num_ranks", num_ranks),
+                                                  _int("num_topk", num_topk))
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of RDMA buffer (``num_rdma_bytes``) the high-throughput kernels need (0)."""
+        return self._cfg.get_rdma_buffer_size_hint(_int("hidden_bytes", hidden_bytes),
+                                                   _int("num_ranks", num_ranks))
+
+    def __repr__(self) -> str:
+        return (f"Config(num_sms={self.num_sms}, "
+                f"num_max_nvl_chunked_send_tokens={self.num_max_nvl_chunked_send_tokens}, "
+                f"num_max_nvl_chunked_recv_tokens={self.num_max_nvl_chunked_recv_tokens})")
+
+
+def _core_config(config) -> "_core.Config | None":
+    if config is None:
+        return None
+    if isinstance(config, Config):
+        return config._cfg
+    if isinstance(config, _core.Config):
+        return config
+    raise TypeError(f"config: expected an epx.Config or None, got {type(config).__name__}")

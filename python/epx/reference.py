@@ -1,0 +1,214 @@
+"""NumPy front end of EPX's CPU reference model (C++: include/epx/reference.hpp).
+
+Simulates R ranks in one process: every function takes one array per rank and
+returns one result per rank. BF16 values travel as uint16 bit patterns and FP8
+e4m3 values as uint8 bytes (NumPy has neither type). Shapes: T_r tokens on
+rank r, H hidden, K top-k, E experts (E_local = E / R), N_r tokens received,
+maxT = max_tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+from . import _core
+
+_ref = _core.ref
+
+
+# ---- element conversions -----------------------------------------------------------------------
+
+def bf16_from_float(x: np.ndarray) -> np.ndarray:
+    """float32 -> BF16 bits (uint16), round to nearest even; NaN stays NaN."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = np.isnan(np.asarray(x, dtype=np.float32))
+    return np.where(nan, ((u >> 16) | 0x40).astype(np.uint16), rounded)
+
+
+def bf16_to_float(bits: np.ndarray) -> np.ndarray:
+    """BF16 bits (uint16) -> float32 (exact)."""
+    return (np.asarray(bits, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+_FP8_TABLE: Optional[np.ndarray] = None
+
+
+def fp8_to_float(q: np.ndarray) -> np.ndarray:
+    """FP8 e4m3 bytes (uint8) -> float32 (exact)."""
+    global _FP8_TABLE
+    if _FP8_TABLE is None:
+        _FP8_TABLE = np.array([_ref.fp8_e4m3_to_float(i) for i in range(256)], dtype=np.float32)
+    return _FP8_TABLE[np.asarray(q, dtype=np.uint8)]
+
+
+def quantize_fp8(x: np.ndarray, round_scale: bool = False) -> Tuple[np.ndarray, np.ndarray]:
+    """[T, H] float32 -> (q [T, H] uint8, scales [T, H/128] float32), per 128 channels."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    rows = [_ref.quantize_row_fp8(row, round_scale) for row in x]
+    T, H = x.shape
+    q = np.stack([r[0] for r in rows]) if rows else np.zeros((0, H), np.uint8)
+    s = np.stack([r[1] for r in rows]) if rows else np.zeros((0, H // 128), np.float32)
+    return q.reshape(T, H), s.reshape(T, H // 128)
+
+
+def dequantize_fp8(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """(q [.., H] uint8, scales [.., H/128]) -> float32 [.., H]."""
+    return fp8_to_float(q) * np.repeat(np.asarray(scales, np.float32), 128, axis=-1)
+
+
+# ---- routing -----------------------------------------------------------------------------------
+
+def dispatch_layout(topk_idx: np.ndarray, num_experts: int,
+                    num_ranks: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """topk_idx [T, K] -> (num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32,
+    is_token_in_rank [T, R] bool)."""
+    topk_idx = np.ascontiguousarray(topk_idx, dtype=np.int64)
+    T, K = topk_idx.shape
+    lay = _ref.get_dispatch_layout(topk_idx, T, K, num_experts, num_ranks)
+    return (lay.num_tokens_per_rank.astype(np.int32), lay.num_tokens_per_expert.astype(np.int32),
+            lay.is_token_in_rank.reshape(T, num_ranks).astype(bool))
+
+
+# ---- high-throughput ---------------------------------------------------------------------------
+
+XInput = Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]
+
+
+def _ht_input(x: XInput, topk_idx: np.ndarray,
+              topk_weights: Optional[np.ndarray]) -> "_core.ref.HtInput":
+    inp = _ref.HtInput()
+    topk_idx = np.ascontiguousarray(topk_idx, dtype=np.int64)
+    inp.num_tokens = topk_idx.shape[0]
+    if isinstance(x, tuple):
+        inp.fp8 = True
+        inp.x_fp8 = np.ascontiguousarray(x[0], dtype=np.uint8)
+        inp.x_scales = np.ascontiguousarray(x[1], dtype=np.float32)
+    else:
+        inp.x_bf16 = np.ascontiguousarray(x, dtype=np.uint16)
+    inp.topk_idx = topk_idx
+    if topk_weights is not None:
+        inp.topk_weights = np.ascontiguousarray(topk_weights, dtype=np.float32)
+    return inp
+
+
+def ht_dispatch(x: Sequence[XInput], topk_idx: Sequence[np.ndarray], num_experts: int,
+                topk_weights: Optional[Sequence[np.ndarray]] = None,
+                expert_alignment: int = 1) -> List[Dict[str, object]]:
+    """High-throughput dispatch of R ranks.
+
+    x[r] is [T_r, H] BF16 bits, or (q [T_r, H] uint8, scales [T_r, H/128] float32);
+    topk_idx[r] is [T_r, K]. Returns per rank a dict: recv_x ([N, H], or (q, scales)),
+    recv_topk_idx [N, K] (local expert ids, -1 elsewhere), recv_topk_weights [N, K] or
+    None, num_recv_tokens_per_expert (list of E_local), recv_src_rank [N], recv_src_idx [N].
+    """
+    R = len(x)
+    first = x[0][0] if isinstance(x[0], tuple) else x[0]
+    H, K = first.shape[1], np.asarray(topk_idx[0]).shape[1]
+    weights = topk_weights if topk_weights is not None else [None] * R
+    inputs = [_ht_input(x[r], topk_idx[r], weights[r]) for r in range(R)]
+    outs = _ref.ht_dispatch(inputs, H, K, num_experts, expert_alignment)
+    result = []
+    for r, o in enumerate(outs):
+        N = o.num_recv_tokens
+        if isinstance(x[r], tuple):
+            recv_x = (o.recv_x_fp8.reshape(N, H), o.recv_x_scales.reshape(N, H // 128))
+        else:
+            recv_x = o.recv_x_bf16.reshape(N, H)
+        w = o.recv_topk_weights
+        result.append({
+            "recv_x": recv_x,
+            "recv_topk_idx": o.recv_topk_idx.reshape(N, K),
+            "recv_topk_weights": w.reshape(N, K) if w.size else None,
+            "num_recv_tokens_per_expert": o.num_recv_tokens_per_expert.tolist(),
+            "recv_src_rank": o.recv_src_rank,
+            "recv_src_idx": o.recv_src_idx,
+        })
+    return result
+
+
+def ht_combine(topk_idx: Sequence[np.ndarray], x: Sequence[np.ndarray], num_experts: int,
+               topk_weights: Optional[Sequence[np.ndarray]] = None,
+               bias: Optional[Sequence[Tuple[Optional[np.ndarray], Optional[np.ndarray]]]] = None
+               ) -> List[Tuple[np.ndarray, Optional[np.ndarray]]]:
+    """High-throughput combine of R ranks.
+
+    topk_idx[r] is rank r's dispatch routing [T_r, K]; x[r] is [N_r, H] BF16 bits in r's
+    dispatch receive order; topk_weights[r] [N_r, K]; bias[r] a pair of [T_r, H] BF16 bits
+    (or None). Returns per rank (combined_x [T_r, H] BF16 bits, combined_topk_weights
+    [T_r, K] or None).
+    """
+    R = len(x)
+    H, K = np.asarray(x[0]).shape[1], np.asarray(topk_idx[0]).shape[1]
+    routing = [_ht_input(np.zeros((0, H), np.uint16), topk_idx[r], None) for r in range(R)]
+    inputs = []
+    for r in range(R):
+        ci = _ref.HtCombineInput()
+        ci.x = np.ascontiguousarray(x[r], dtype=np.uint16)
+        if topk_weights is not None:
+            ci.topk_weights = np.ascontiguousarray(topk_weights[r], dtype=np.float32)
+        if bias is not None:
+            b0, b1 = bias[r]
+            if b0 is not None:
+                ci.bias_0 = np.ascontiguousarray(b0, dtype=np.uint16)
+            if b1 is not None:
+                ci.bias_1 = np.ascontiguousarray(b1, dtype=np.uint16)
+        inputs.append(ci)
+    outs = _ref.ht_combine(routing, inputs, H, K, num_experts)
+    result = []
+    for r, o in enumerate(outs):
+        T = np.asarray(topk_idx[r]).shape[0]
+        w = o.combined_topk_weights
+        result.append((o.combined_x.reshape(T, H), w.reshape(T, K) if w.size else None))
+    return result
+
+
+# ---- low-latency -------------------------------------------------------------------------------
+
+def ll_dispatch(x: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray], num_experts: int,
+                max_tokens: int, use_fp8: bool = False,
+                round_scale: bool = False) -> List[Dict[str, np.ndarray]]:
+    """Low-latency dispatch of R ranks: x[r] [T_r, H] BF16 bits, topk_idx[r] [T_r, K].
+
+    Returns per rank a dict: recv_x [E_local, R*maxT, H] (BF16 bits, or uint8 with
+    use_fp8), recv_x_scales [E_local, R*maxT, H/128] (use_fp8), recv_count [E_local],
+    src_info and recv_src_rank [E_local, R*maxT] (-1 past the count), layout_range
+    [E_local, R] ((begin << 32) | count).
+    """
+    R = len(x)
+    H, K = np.asarray(x[0]).shape[1], np.asarray(topk_idx[0]).shape[1]
+    E_local, rows = num_experts // R, R * max_tokens
+    outs = _ref.ll_dispatch([np.ascontiguousarray(a, dtype=np.uint16) for a in x],
+                            [np.ascontiguousarray(a, dtype=np.int64) for a in topk_idx],
+                            [np.asarray(a).shape[0] for a in x], H, K, num_experts, max_tokens,
+                            use_fp8, round_scale)
+    result = []
+    for o in outs:
+        d = {
+            "recv_x": (o.recv_x_fp8 if use_fp8 else o.recv_x_bf16).reshape(E_local, rows, H),
+            "recv_count": o.recv_count,
+            "src_info": o.src_info.reshape(E_local, rows),
+            "recv_src_rank": o.recv_src_rank.reshape(E_local, rows),
+            "layout_range": o.layout_range.reshape(E_local, R),
+        }
+        if use_fp8:
+            d["recv_x_scales"] = o.recv_x_scales.reshape(E_local, rows, H // 128)
+        result.append(d)
+    return result
+
+
+def ll_combine(expert_out: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray],
+               topk_weights: Sequence[np.ndarray], num_experts: int, max_tokens: int,
+               use_logfmt: bool = False) -> List[np.ndarray]:
+    """Low-latency combine of R ranks: expert_out[r] [E_local, R*maxT, H] BF16 bits in the
+    packed order of ll_dispatch; topk_idx[r] / topk_weights[r] [T_r, K]. Returns per rank
+    [T_r, H] BF16 bits: sum over k of weight * expert output (float32 accumulation)."""
+    H, K = np.asarray(expert_out[0]).shape[-1], np.asarray(topk_idx[0]).shape[1]
+    num_tokens = [np.asarray(a).shape[0] for a in topk_idx]
+    outs = _ref.ll_combine([np.ascontiguousarray(a, dtype=np.uint16) for a in expert_out],
+                           [np.ascontiguousarray(a, dtype=np.int64) for a in topk_idx],
+                           [np.ascontiguousarray(a, dtype=np.float32) for a in topk_weights],
+                           num_tokens, H, K, num_experts, max_tokens, use_logfmt)
+    return [o.reshape(T, H) for o, T in zip(outs, num_tokens)]

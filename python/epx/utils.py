@@ -1,0 +1,110 @@
+"""CUDA events for overlapping communication with compute (DeepEP's deep_ep.utils).
+
+``EventHandle`` is a CUDA event recorded on the current PyTorch stream;
+``EventOverlap`` wraps one (or none) and keeps tensors alive until the current
+stream has waited for it. Importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Optional, Sequence
+
+from . import _core
+
+_torch_module = None
+
+
+def _torch():
+    """The torch module, imported on first use (epx imports without torch)."""
+    global _torch_module
+    if _torch_module is None:
+        try:
+            import torch
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ImportError("epx.Buffer and CUDA events need PyTorch (pip install torch)") from e
+        _torch_module = torch
+    return _torch_module
+
+
+def _current_stream() -> int:
+    return _torch().cuda.current_stream().cuda_stream
+
+
+class EventHandle:
+    """A CUDA event; ``EventHandle()`` records one on ``torch.cuda.current_stream()``."""
+
+    __slots__ = ("_handle",)
+
+    def __init__(self, event: Optional[_core.EventHandle] = None) -> None:
+        self._handle = event if event is not None else _core.EventHandle.record(_current_stream())
+
+    def current_stream_wait(self) -> None:
+        """Makes ``torch.cuda.current_stream()`` wait for the event (the host does not block)."""
+        self._handle.current_stream_wait(_current_stream())
+
+    def synchronize(self) -> None:
+        """Blocks the host until the event has completed."""
+        self._handle.synchronize()
+
+
+class EventOverlap:
+    """An optional event plus tensors to keep alive until the current stream waits for it.
+
+    Returned by every ``Buffer`` operation. Without ``async_finish`` the event is
+    None: the operation is already ordered before later work on the current
+    stream. Use ``with`` to overlap work on the current stream with the
+    communication; leaving the block makes the current stream wait::
+
+        _, _, _, _, _, event = buffer.dispatch(..., async_finish=True)
+        with event:
+            other_compute()   # runs concurrently with the dispatch
+        # the current stream now waits for the dispatch
+
+    ``extra_tensors`` plays the role of ``record_stream`` and works under CUDA
+    graph capture: the tensors are released once the current stream has waited.
+    """
+
+    def __init__(self, event: Optional[EventHandle] = None,
+                 extra_tensors: Optional[Sequence[Any]] = None) -> None:
+        self.event = event
+        self.extra_tensors = tuple(extra_tensors) if extra_tensors is not None else None
+
+    def current_stream_wait(self) -> None:
+        """Makes ``torch.cuda.current_stream()`` wait for the event (nothing if there is none)."""
+        if self.event is not None:
+            self.event.current_stream_wait()
+        self.extra_tensors = None
+
+    def __enter__(self) -> "EventOverlap":
+        return self
+
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
+        self.current_stream_wait()
+
+
+def _event_of(previous_event: Any) -> Optional[_core.EventHandle]:
+    """The core event behind ``previous_event`` (EventOverlap, EventHandle or None)."""
+    ev = previous_event
+    if isinstance(ev, EventOverlap):
+        ev = ev.event
+    if ev is None:
+        return None
+    if isinstance(ev, EventHandle):
+        return ev._handle
+    if isinstance(ev, _core.EventHandle):
+        return ev
+    raise TypeError("previous_event: expected an EventOverlap, EventHandle or None, "
+                    f"got {type(previous_event).__name__}")
+
+
+def _wrap_event(ev: Optional[_core.EventHandle], extra_tensors=None) -> EventOverlap:
+    return EventOverlap(EventHandle(ev) if ev is not None else None, extra_tensors)
+
+
+def _int(name: str, value: Any) -> int:
+    """``value`` as an int, or TypeError naming the argument."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None

@@ -1,0 +1,995 @@
+// python/src/core.cpp - the extension module epx._core.
+//
+// A thin nanobind binding of include/epx/*.hpp: it converts types and does
+// nothing else. Tensors come in through DLPack (any object with __dlpack__,
+// or a DLPack capsule) and become epx::TensorView; outputs are made by a
+// Python allocator and go back to Python as the very objects it returned.
+// Streams cross as integers (cudaStream_t values). The Python package
+// (python/epx) builds the DeepEP-compatible API on top of this module.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/validate.hpp"
+#include "epx/epx.hpp"
+#include "epx/reference.hpp"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+using epx::DType;
+using epx::Tensor;
+using epx::TensorView;
+using DlCode = nb::dlpack::dtype_code;
+
+// ---- streams ---------------------------------------------------------------------
+
+cudaStream_t to_stream(uintptr_t s) {
+  return reinterpret_cast<cudaStream_t>(s);
+}
+uintptr_t from_stream(cudaStream_t s) {
+  return reinterpret_cast<uintptr_t>(s);
+}
+
+// ---- dtypes and devices ----------------------------------------------------------
+
+/// DLPack dtype -> DType. uint8 maps to float8_e4m3fn: the fallback for
+/// frameworks whose DLPack export lacks float8 (pass `t.view(torch.uint8)`).
+std::optional<DType> dtype_from_dlpack(nb::dlpack::dtype t) {
+  if (t.lanes != 1) return std::nullopt;
+  switch (static_cast<DlCode>(t.code)) {
+    case DlCode::Bfloat:
+      if (t.bits == 16) return DType::kBF16;
+      break;
+    case DlCode::Float8_E4M3FN:
+      if (t.bits == 8) return DType::kFP8E4M3;
+      break;
+    case DlCode::UInt:
+      if (t.bits == 8) return DType::kFP8E4M3;
+      break;
+    case DlCode::Float:
+      if (t.bits == 32) return DType::kF32;
+      break;
+    case DlCode::Int:
+      if (t.bits == 32) return DType::kI32;
+      if (t.bits == 64) return DType::kI64;
+      break;
+    case DlCode::Bool:
+      if (t.bits == 8) return DType::kBool;
+      break;
+    default:
+      break;
+  }
+  return std::nullopt;
+}
+
+nb::dlpack::dtype dtype_to_dlpack(DType t) {
+  auto make = [](DlCode c, int bits) {
+    nb::dlpack::dtype d;
+    d.code = static_cast<uint8_t>(c);
+    d.bits = static_cast<uint8_t>(bits);
+    d.lanes = 1;
+    return d;
+  };
+  switch (t) {
+    case DType::kBF16:
+      return make(DlCode::Bfloat, 16);
+    case DType::kFP8E4M3:
+      return make(DlCode::Float8_E4M3FN, 8);
+    case DType::kF32:
+      return make(DlCode::Float, 32);
+    case DType::kI32:
+      return make(DlCode::Int, 32);
+    case DType::kI64:
+      return make(DlCode::Int, 64);
+    case DType::kBool:
+      return make(DlCode::Bool, 8);
+  }
+  return make(DlCode::UInt, 8);
+}
+
+[[noreturn]] void invalid(const std::string& msg) {
+  throw epx::Error(epx::ErrorCode::kInvalidArgument, msg);
+}
+
+/// Any DLPack producer (or capsule) -> TensorView. `name` is used in messages;
+/// `as` reinterprets the elements as another dtype of the same size.
+TensorView view_of(nb::handle obj, const char* name, std::optional<DType> as = std::nullopt) {
+  nb::ndarray<nb::ro> a;
+  if (!nb::try_cast(obj, a)) {
+    std::string msg = std::string(name) +
+                      ": expected a tensor that supports DLPack (torch.Tensor, "
+                      "numpy.ndarray), got " +
+                      nb::inst_name(obj).c_str();
+    throw nb::type_error(msg.c_str());
+  }
+  TensorView v;
+  const nb::dlpack::dtype dt = a.dtype();
+  const std::string code =
+      "(DLPack type code " + std::to_string(dt.code) + ", " + std::to_string(dt.bits) + " bits)";
+  if (as) {
+    if (dt.lanes != 1 || dt.bits != 8 * epx::element_size(*as))
+      invalid(std::string(name) + ": cannot view elements " + code + " as " + epx::dtype_name(*as));
+    v.dtype = *as;
+  } else if (auto d = dtype_from_dlpack(dt)) {
+    v.dtype = *d;
+  } else {
+    throw nb::type_error(
+        (std::string(name) + ": unsupported dtype " + code +
+         "; EPX takes bfloat16, float8_e4m3fn (or uint8), float32, int32, int64, bool")
+            .c_str());
+  }
+  if (a.ndim() > static_cast<size_t>(epx::kMaxDims))
+    invalid(std::string(name) + ": has " + std::to_string(a.ndim()) + " dimensions; at most " +
+            std::to_string(epx::kMaxDims) + " are supported");
+  switch (a.device_type()) {
+    case nb::device::cpu::value:
+    case nb::device::cuda_host::value:
+      v.device = epx::kCpu;
+      break;
+    case nb::device::cuda::value:
+    case nb::device::cuda_managed::value:
+      v.device = a.device_id();
+      break;
+    default:
+      invalid(std::string(name) + ": unsupported DLPack device type " +
+              std::to_string(a.device_type()));
+  }
+  v.data = const_cast<void*>(a.data());
+  v.ndim = static_cast<int>(a.ndim());
+  for (int d = 0; d < v.ndim; ++d) {
+    v.shape[d] = static_cast<int64_t>(a.shape(d));
+    v.strides[d] = a.stride(d);
+  }
+  return v;
+}
+
+// ---- Python-owned tensors ---------------------------------------------------------
+
+bool python_alive() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsInitialized() && !Py_IsFinalizing();
+#else
+  return Py_IsInitialized() && !_Py_IsFinalizing();
+#endif
+}
+
+/// Deleter of Tensor::owner for memory a Python allocator returned: holds the
+/// Python object (and the view it had) and drops it under the GIL.
+struct PyOwner {
+  PyObject* obj;
+  TensorView origin;
+  void operator()(void*) const noexcept {
+    if (!python_alive()) return;  // interpreter shutting down: leak, never crash
+    PyGILState_STATE s = PyGILState_Ensure();
+    Py_DECREF(obj);
+    PyGILState_Release(s);
+  }
+};
+
+bool same_view(const TensorView& a, const TensorView& b) {
+  if (a.data != b.data || a.dtype != b.dtype || a.ndim != b.ndim || a.device != b.device)
+    return false;
+  for (int d = 0; d < a.ndim; ++d)
+    if (a.shape[d] != b.shape[d] || (a.shape[d] > 1 && a.strides[d] != b.strides[d])) return false;
+  return true;
+}
+
+nb::tuple int_tuple(const int64_t* v, int n) {
+  nb::list l;
+  for (int i = 0; i < n; ++i) l.append(v[i]);
+  return nb::tuple(l);
+}
+
+/// A view EPX owns (or that `base` keeps alive) as a DLPack-exporting array.
+nb::object export_view(const TensorView& v, nb::handle base, std::shared_ptr<void> owner = {},
+                       std::optional<nb::dlpack::dtype> dtype = std::nullopt) {
+  nb::object keep;
+  if (owner) {
+    auto* held = new std::shared_ptr<void>(std::move(owner));
+    keep =
+        nb::capsule(held, [](void* p) noexcept { delete static_cast<std::shared_ptr<void>*>(p); });
+  } else {
+    keep = nb::borrow(base);
+  }
+  size_t shape[epx::kMaxDims];
+  for (int d = 0; d < v.ndim; ++d) shape[d] = static_cast<size_t>(v.shape[d]);
+  const bool cpu = v.device == epx::kCpu;
+  nb::ndarray<> a(v.data, static_cast<size_t>(v.ndim), shape, keep, v.strides.data(),
+                  dtype ? *dtype : dtype_to_dlpack(v.dtype),
+                  cpu ? nb::device::cpu::value : nb::device::cuda::value, cpu ? 0 : v.device);
+  return a.cast();
+}
+
+/// Tensor -> Python. The object the allocator returned when the view is all
+/// of it; (object, shape, strides, element offset) when the view is a part of
+/// it (epx.buffer rebuilds it with as_strided); otherwise a DLPack array.
+nb::object to_py(const Tensor& t) {
+  if (!t.defined()) return nb::none();
+  if (const auto* o = std::get_deleter<PyOwner>(t.owner)) {
+    if (same_view(t.view, o->origin)) return nb::borrow(o->obj);
+    const auto delta =
+        static_cast<const char*>(t.view.data) - static_cast<const char*>(o->origin.data);
+    const auto size = static_cast<std::ptrdiff_t>(epx::element_size(t.view.dtype));
+    if (t.view.dtype == o->origin.dtype && delta % size == 0)
+      return nb::make_tuple(nb::borrow(o->obj), int_tuple(t.view.shape.data(), t.view.ndim),
+                            int_tuple(t.view.strides.data(), t.view.ndim), delta / size);
+  }
+  return export_view(t.view, nb::none(), t.owner);
+}
+
+template <class T>
+nb::object to_py(const std::optional<T>& t) {
+  return t ? to_py(*t) : nb::none();
+}
+
+/// BufferOptions::allocator that calls `fn(dtype:int, shape:tuple, stream:int)`.
+/// fn returns a tensor, or (tensor, dlpack_source) when the DLPack export should
+/// come from another object (say a capsule made without stream synchronization).
+struct PyAllocator {
+  std::shared_ptr<PyObject> fn;
+
+  explicit PyAllocator(nb::callable f)
+      : fn(f.release().ptr(), [](PyObject* p) {
+          if (!python_alive()) return;
+          PyGILState_STATE s = PyGILState_Ensure();
+          Py_DECREF(p);
+          PyGILState_Release(s);
+        }) {}
+
+  Tensor operator()(DType dtype, const std::vector<int64_t>& shape, cudaStream_t stream) const {
+    nb::gil_scoped_acquire gil;
+    nb::list dims;
+    for (int64_t s : shape) dims.append(s);
+    nb::object r = nb::borrow<nb::callable>(fn.get())(static_cast<int>(dtype), nb::tuple(dims),
+                                                      from_stream(stream));
+    nb::object keep = r, src = r;
+    if (nb::isinstance<nb::tuple>(r) && nb::len(r) == 2) {
+      keep = r[0];
+      src = r[1];
+    }
+    Tensor t;
+    t.view = view_of(src, "allocator result");
+    bool ok = t.view.dtype == dtype && t.view.ndim == static_cast<int>(shape.size());
+    for (int d = 0; ok && d < t.view.ndim; ++d) ok = t.view.shape[d] == shape[d];
+    if (!ok || !t.view.is_contiguous())
+      throw epx::Error(epx::ErrorCode::kInternal,
+                       "the Python allocator returned " + t.view.describe() +
+                           ", expected a contiguous " + epx::dtype_name(dtype) + " tensor of " +
+                           std::to_string(shape.size()) + " dims");
+    PyObject* obj = keep.release().ptr();
+    t.owner = std::shared_ptr<void>(static_cast<void*>(obj), PyOwner{obj, t.view});
+    return t;
+  }
+};
+
+/// A receive hook (return_recv_hook); runs with the GIL released.
+struct Hook {
+  std::function<void()> fn;
+};
+
+nb::object hook_of(const std::function<void()>& fn) {
+  return fn ? nb::cast(Hook{fn}) : nb::none();
+}
+
+// ---- errors -----------------------------------------------------------------------
+
+PyObject* g_error = nullptr;              // EPXError(RuntimeError)
+PyObject* g_value_error = nullptr;        // EPXValueError(EPXError, ValueError)
+PyObject* g_timeout_error = nullptr;      // EPXTimeoutError(EPXError, TimeoutError)
+PyObject* g_unsupported_error = nullptr;  // EPXUnsupportedError(EPXError, NotImplementedError)
+
+PyObject* new_exception(nb::module_& m, const char* name, PyObject* base, PyObject* builtin) {
+  std::string qual = std::string("epx.") + name;
+  nb::object bases = builtin ? nb::make_tuple(nb::handle(base), nb::handle(builtin))
+                             : nb::make_tuple(nb::handle(base));
+  PyObject* cls = PyErr_NewException(qual.c_str(), bases.ptr(), nullptr);
+  if (!cls) throw nb::python_error();
+  m.attr(name) = nb::handle(cls);
+  return cls;
+}
+
+void translate_error(const std::exception_ptr& p, void*) {
+  try {
+    std::rethrow_exception(p);
+  } catch (const epx::Error& e) {
+    PyObject* cls = g_error;
+    switch (e.code()) {
+      case epx::ErrorCode::kInvalidArgument:
+        cls = g_value_error;
+        break;
+      case epx::ErrorCode::kTimeout:
+        cls = g_timeout_error;
+        break;
+      case epx::ErrorCode::kUnsupported:
+        cls = g_unsupported_error;
+        break;
+      default:
+        break;
+    }
+    nb::object exc = nb::steal(PyObject_CallFunction(cls, "s", e.what()));
+    if (!exc.is_valid()) return;  // the call set an error already
+    PyObject_SetAttrString(exc.ptr(), "code", nb::cast(e.code()).ptr());
+    PyErr_SetObject(cls, exc.ptr());
+  }
+}
+
+// ---- validators --------------------------------------------------------------------
+
+void validate_tensor(const char* op, const char* name, const TensorView& t, DType dtype,
+                     const std::vector<int64_t>& s, int device, bool contiguous) {
+  namespace v = epx::validate;
+  switch (s.size()) {  // validate::tensor takes an initializer_list
+    case 0:
+      return v::tensor(op, name, t, dtype, {}, device, contiguous);
+    case 1:
+      return v::tensor(op, name, t, dtype, {s[0]}, device, contiguous);
+    case 2:
+      return v::tensor(op, name, t, dtype, {s[0], s[1]}, device, contiguous);
+    case 3:
+      return v::tensor(op, name, t, dtype, {s[0], s[1], s[2]}, device, contiguous);
+    case 4:
+      return v::tensor(op, name, t, dtype, {s[0], s[1], s[2], s[3]}, device, contiguous);
+    default:
+      invalid(std::string(name) + ": at most 4 dimensions");
+  }
+}
+
+// ---- reference model: std::vector <-> numpy -----------------------------------------
+
+template <class T>
+using HostArray = nb::ndarray<const T, nb::c_contig, nb::device::cpu>;
+
+template <class T>
+std::vector<T> vec_of(const HostArray<T>& a) {
+  return std::vector<T>(a.data(), a.data() + a.size());
+}
+
+template <class T>
+nb::object np_of(std::vector<T> v) {
+  auto* held = new std::vector<T>(std::move(v));
+  nb::capsule owner(held, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
+  size_t shape[1] = {held->size()};
+  return nb::ndarray<nb::numpy, T>(held->data(), 1, shape, owner).cast();
+}
+
+/// Binds a std::vector<T> member as a flat numpy array property.
+template <class C, class T>
+void vec_field(nb::class_<C>& cls, const char* name, std::vector<T> C::*m) {
+  cls.def_prop_rw(
+      name, [m](const C& c) { return np_of(c.*m); },
+      [m](C& c, const HostArray<T>& a) { c.*m = vec_of(a); });
+}
+
+template <class T>
+std::vector<std::vector<T>> vecs_of(const std::vector<HostArray<T>>& as) {
+  std::vector<std::vector<T>> out;
+  out.reserve(as.size());
+  for (const auto& a : as) out.push_back(vec_of(a));
+  return out;
+}
+
+void bind_reference(nb::module_& m) {
+  namespace ref = epx::ref;
+  nb::module_ r =
+      m.def_submodule("ref", "CPU reference model (epx/reference.hpp); flat numpy arrays.");
+
+  r.def("bf16_to_float", &ref::bf16_to_float, "bits"_a);
+  r.def("float_to_bf16", &ref::float_to_bf16, "value"_a);
+  r.def("fp8_e4m3_to_float", &ref::fp8_e4m3_to_float, "bits"_a);
+  r.def("float_to_fp8_e4m3", &ref::float_to_fp8_e4m3, "value"_a);
+  r.def("scale_to_ue8m0", &ref::scale_to_ue8m0, "scale"_a);
+  r.def("ue8m0_to_scale", &ref::ue8m0_to_scale, "exponent"_a);
+  r.def(
+      "quantize_row_fp8",
+      [](const HostArray<float>& x, bool round_scale) {
+        const int hidden = static_cast<int>(x.size());
+        if (hidden % 128 != 0)
+          invalid("x: hidden must be a multiple of 128 (got " + std::to_string(hidden) + ")");
+        std::vector<uint8_t> q(hidden);
+        std::vector<float> scales(hidden / 128);
+        ref::quantize_row_fp8(x.data(), hidden, round_scale, q.data(), scales.data());
+        return nb::make_tuple(np_of(std::move(q)), np_of(std::move(scales)));
+      },
+      "x"_a, "round_scale"_a = false,
+      "One row [hidden] f32 -> (q [hidden] u8, scales [hidden/128] f32).");
+  r.def(
+      "logfmt_encode",
+      [](const HostArray<float>& row) { return np_of(ref::logfmt_encode(vec_of(row))); }, "row"_a);
+  r.def(
+      "logfmt_decode",
+      [](const HostArray<uint8_t>& code, int hidden) {
+        return np_of(ref::logfmt_decode(vec_of(code), hidden));
+      },
+      "code"_a, "hidden"_a);
+  r.def("logfmt_bytes", &ref::logfmt_bytes, "hidden"_a);
+  r.def("logfmt_max_rel_error", &ref::logfmt_max_rel_error);
+
+  nb::class_<ref::Layout> layout(r, "Layout");
+  vec_field(layout, "num_tokens_per_rank", &ref::Layout::num_tokens_per_rank);
+  vec_field(layout, "num_tokens_per_expert", &ref::Layout::num_tokens_per_expert);
+  vec_field(layout, "is_token_in_rank", &ref::Layout::is_token_in_rank);
+  r.def(
+      "get_dispatch_layout",
+      [](const HostArray<int64_t>& topk_idx, int num_tokens, int num_topk, int num_experts,
+         int num_ranks) {
+        return ref::get_dispatch_layout(vec_of(topk_idx), num_tokens, num_topk, num_experts,
+                                        num_ranks);
+      },
+      "topk_idx"_a, "num_tokens"_a, "num_topk"_a, "num_experts"_a, "num_ranks"_a);
+
+  nb::class_<ref::HtInput> in(r, "HtInput");
+  in.def(nb::init<>())
+      .def_rw("num_tokens", &ref::HtInput::num_tokens)
+      .def_rw("fp8", &ref::HtInput::fp8);
+  vec_field(in, "x_bf16", &ref::HtInput::x_bf16);
+  vec_field(in, "x_fp8", &ref::HtInput::x_fp8);
+  vec_field(in, "x_scales", &ref::HtInput::x_scales);
+  vec_field(in, "topk_idx", &ref::HtInput::topk_idx);
+  vec_field(in, "topk_weights", &ref::HtInput::topk_weights);
+
+  nb::class_<ref::HtDispatchOutput> hd(r, "HtDispatchOutput");
+  hd.def_ro("num_recv_tokens", &ref::HtDispatchOutput::num_recv_tokens);
+  vec_field(hd, "recv_x_bf16", &ref::HtDispatchOutput::recv_x_bf16);
+  vec_field(hd, "recv_x_fp8", &ref::HtDispatchOutput::recv_x_fp8);
+  vec_field(hd, "recv_x_scales", &ref::HtDispatchOutput::recv_x_scales);
+  vec_field(hd, "recv_topk_idx", &ref::HtDispatchOutput::recv_topk_idx);
+  vec_field(hd, "recv_topk_weights", &ref::HtDispatchOutput::recv_topk_weights);
+  vec_field(hd, "num_recv_tokens_per_expert", &ref::HtDispatchOutput::num_recv_tokens_per_expert);
+  vec_field(hd, "recv_src_rank", &ref::HtDispatchOutput::recv_src_rank);
+  vec_field(hd, "recv_src_idx", &ref::HtDispatchOutput::recv_src_idx);
+  r.def("ht_dispatch", &ref::ht_dispatch, "inputs"_a, "hidden"_a, "num_topk"_a, "num_experts"_a,
+        "expert_alignment"_a);
+
+  nb::class_<ref::HtCombineInput> ci(r, "HtCombineInput");
+  ci.def(nb::init<>());
+  vec_field(ci, "x", &ref::HtCombineInput::x);
+  vec_field(ci, "topk_weights", &ref::HtCombineInput::topk_weights);
+  vec_field(ci, "bias_0", &ref::HtCombineInput::bias_0);
+  vec_field(ci, "bias_1", &ref::HtCombineInput::bias_1);
+  nb::class_<ref::HtCombineOutput> co(r, "HtCombineOutput");
+  vec_field(co, "combined_x", &ref::HtCombineOutput::combined_x);
+  vec_field(co, "combined_topk_weights", &ref::HtCombineOutput::combined_topk_weights);
+  r.def("ht_combine", &ref::ht_combine, "routing"_a, "inputs"_a, "hidden"_a, "num_topk"_a,
+        "num_experts"_a);
+
+  nb::class_<ref::LlDispatchOutput> ld(r, "LlDispatchOutput");
+  vec_field(ld, "recv_x_bf16", &ref::LlDispatchOutput::recv_x_bf16);
+  vec_field(ld, "recv_x_fp8", &ref::LlDispatchOutput::recv_x_fp8);
+  vec_field(ld, "recv_x_scales", &ref::LlDispatchOutput::recv_x_scales);
+  vec_field(ld, "recv_count", &ref::LlDispatchOutput::recv_count);
+  vec_field(ld, "src_info", &ref::LlDispatchOutput::src_info);
+  vec_field(ld, "recv_src_rank", &ref::LlDispatchOutput::recv_src_rank);
+  vec_field(ld, "layout_range", &ref::LlDispatchOutput::layout_range);
+  r.def(
+      "ll_dispatch",
+      [](const std::vector<HostArray<uint16_t>>& x, const std::vector<HostArray<int64_t>>& topk_idx,
+         const std::vector<int>& num_tokens, int hidden, int num_topk, int num_experts,
+         int max_tokens, bool use_fp8, bool round_scale) {
+        return ref::ll_dispatch(vecs_of(x), vecs_of(topk_idx), num_tokens, hidden, num_topk,
+                                num_experts, max_tokens, use_fp8, round_scale);
+      },
+      "x"_a, "topk_idx"_a, "num_tokens"_a, "hidden"_a, "num_topk"_a, "num_experts"_a,
+      "max_tokens"_a, "use_fp8"_a, "round_scale"_a);
+  r.def(
+      "ll_combine",
+      [](const std::vector<HostArray<uint16_t>>& expert_out,
+         const std::vector<HostArray<int64_t>>& topk_idx,
+         const std::vector<HostArray<float>>& topk_weights, const std::vector<int>& num_tokens,
+         int hidden, int num_topk, int num_experts, int max_tokens, bool use_logfmt) {
+        auto out =
+            ref::ll_combine(vecs_of(expert_out), vecs_of(topk_idx), vecs_of(topk_weights),
+                            num_tokens, hidden, num_topk, num_experts, max_tokens, use_logfmt);
+        nb::list l;
+        for (auto& o : out) l.append(np_of(std::move(o)));
+        return l;
+      },
+      "expert_out"_a, "topk_idx"_a, "topk_weights"_a, "num_tokens"_a, "hidden"_a, "num_topk"_a,
+      "num_experts"_a, "max_tokens"_a, "use_logfmt"_a);
+}
+
+}  // namespace
+
+NB_MODULE(_core, m) {
+  m.doc() = "EPX C++ core (nanobind). Use the epx package; this module is its implementation.";
+  m.attr("__version__") = EPX_VERSION_STRING;
+  // Python objects held by C++ (allocator, tensors in handles) may outlive the
+  // module at interpreter exit; that is expected, not a leak to report.
+  nb::set_leak_warnings(false);
+
+  // ---- errors -----------------------------------------------------------------------
+  nb::enum_<epx::ErrorCode>(m, "ErrorCode")
+      .value("invalid_argument", epx::ErrorCode::kInvalidArgument)
+      .value("buffer_too_small", epx::ErrorCode::kBufferTooSmall)
+      .value("timeout", epx::ErrorCode::kTimeout)
+      .value("cuda", epx::ErrorCode::kCuda)
+      .value("nccl", epx::ErrorCode::kNccl)
+      .value("bootstrap", epx::ErrorCode::kBootstrap)
+      .value("unsupported", epx::ErrorCode::kUnsupported)
+      .value("internal", epx::ErrorCode::kInternal);
+  g_error = new_exception(m, "EPXError", PyExc_RuntimeError, nullptr);
+  g_value_error = new_exception(m, "EPXValueError", g_error, PyExc_ValueError);
+  g_timeout_error = new_exception(m, "EPXTimeoutError", g_error, PyExc_TimeoutError);
+  g_unsupported_error = new_exception(m, "EPXUnsupportedError", g_error, PyExc_NotImplementedError);
+  nb::register_exception_translator(translate_error);
+  m.def(
+      "_raise", [](epx::ErrorCode code, const std::string& msg) { throw epx::Error(code, msg); },
+      "code"_a, "message"_a, "Throws epx::Error(code, message) (tests the exception mapping).");
+
+  // ---- dtypes and tensors -------------------------------------------------------------
+  nb::enum_<DType>(m, "DType")
+      .value("bfloat16", DType::kBF16)
+      .value("float8_e4m3fn", DType::kFP8E4M3)
+      .value("float32", DType::kF32)
+      .value("int32", DType::kI32)
+      .value("int64", DType::kI64)
+      .value("bool", DType::kBool);
+  m.def(
+      "element_size", [](DType t) { return epx::element_size(t); }, "dtype"_a);
+  m.attr("CPU") = epx::kCpu;
+  m.attr("MAX_DIMS") = epx::kMaxDims;
+
+  nb::class_<TensorView>(m, "TensorView", "A non-owning strided view (strides in elements).")
+      .def(
+          "__init__",
+          [](TensorView* v, uintptr_t data, DType dtype, const std::vector<int64_t>& shape,
+             std::optional<std::vector<int64_t>> strides, int device) {
+            if (shape.size() > static_cast<size_t>(epx::kMaxDims))
+              invalid("shape: at most 4 dimensions");
+            if (strides && strides->size() != shape.size())
+              invalid("strides: must have one entry per dimension");
+            new (v) TensorView();
+            v->data = reinterpret_cast<void*>(data);
+            v->dtype = dtype;
+            v->device = device;
+            v->ndim = static_cast<int>(shape.size());
+            int64_t stride = 1;
+            for (int d = v->ndim - 1; d >= 0; --d) {
+              v->shape[d] = shape[d];
+              v->strides[d] = strides ? (*strides)[d] : stride;
+              stride *= shape[d];
+            }
+          },
+          "data"_a, "dtype"_a, "shape"_a, "strides"_a = nb::none(), "device"_a = epx::kCpu,
+          "A view of raw memory (tests and validation; nothing is checked).")
+      .def_static(
+          "from_dlpack",
+          [](nb::handle obj, const char* name, std::optional<DType> dtype) {
+            return view_of(obj, name, dtype);
+          },
+          "obj"_a, "name"_a = "tensor", "dtype"_a = nb::none(),
+          "View of any DLPack producer or capsule; `dtype` reinterprets same-size elements.")
+      .def_prop_ro("data", [](const TensorView& v) { return reinterpret_cast<uintptr_t>(v.data); })
+      .def_ro("dtype", &TensorView::dtype)
+      .def_ro("ndim", &TensorView::ndim)
+      .def_ro("device", &TensorView::device)
+      .def_prop_ro("shape", [](const TensorView& v) { return int_tuple(v.shape.data(), v.ndim); })
+      .def_prop_ro("strides",
+                   [](const TensorView& v) { return int_tuple(v.strides.data(), v.ndim); })
+      .def("numel", &TensorView::numel)
+      .def("nbytes", &TensorView::nbytes)
+      .def("is_contiguous", &TensorView::is_contiguous)
+      .def("describe", &TensorView::describe)
+      .def("__repr__", [](const TensorView& v) { return "TensorView(" + v.describe() + ")"; });
+
+  // ---- CUDA device (EPX links its own CUDA runtime; keep it on the caller's device) ----
+  m.def(
+      "cuda_set_device",
+      [](int device) {
+        if (cudaError_t e = cudaSetDevice(device); e != cudaSuccess)
+          throw epx::Error(epx::ErrorCode::kCuda, std::string("cudaSetDevice(") +
+                                                      std::to_string(device) +
+                                                      "): " + cudaGetErrorString(e));
+      },
+      "device"_a);
+  m.def("cuda_get_device", [] {
+    int device = -1;
+    if (cudaError_t e = cudaGetDevice(&device); e != cudaSuccess)
+      throw epx::Error(epx::ErrorCode::kCuda,
+                       std::string("cudaGetDevice: ") + cudaGetErrorString(e));
+    return device;
+  });
+
+  // ---- events and hooks --------------------------------------------------------------
+  nb::class_<epx::Event>(m, "EventHandle", "A recorded CUDA event.")
+      .def_static(
+          "record", [](uintptr_t stream) { return epx::Event::record(to_stream(stream)); },
+          "stream"_a, "Records a new event on `stream` (an integer cudaStream_t).")
+      .def(
+          "current_stream_wait",
+          [](const epx::Event& e, uintptr_t stream) { e.stream_wait(to_stream(stream)); },
+          "stream"_a, "Makes `stream` wait for the event (no host block).")
+      .def("synchronize", &epx::Event::synchronize, nb::call_guard<nb::gil_scoped_release>(),
+           "Blocks the host until the event completes.")
+      .def_prop_ro("valid", &epx::Event::valid)
+      .def_prop_ro("cuda_event",
+                   [](const epx::Event& e) { return reinterpret_cast<uintptr_t>(e.get()); });
+
+  nb::class_<Hook>(m, "Hook", "Runs the receive phase of a low-latency op (return_recv_hook=True).")
+      .def("__call__", [](const Hook& h) {
+        nb::gil_scoped_release release;
+        h.fn();
+      });
+
+  // ---- config --------------------------------------------------------------------------
+  nb::class_<epx::Config>(m, "Config")
+      .def(nb::init<int, int, int, int>(), "num_sms"_a = 24, "num_max_send_tokens"_a = 8,
+           "num_max_recv_tokens"_a = 4096, "num_send_sms"_a = 0)
+      .def_rw("num_sms", &epx::Config::num_sms)
+      .def_rw("num_max_send_tokens", &epx::Config::num_max_send_tokens)
+      .def_rw("num_max_recv_tokens", &epx::Config::num_max_recv_tokens)
+      .def_rw("num_send_sms", &epx::Config::num_send_sms)
+      .def("send_sms", &epx::Config::send_sms)
+      .def("recv_sms", &epx::Config::recv_sms)
+      .def("get_nvl_buffer_size_hint", &epx::Config::get_nvl_buffer_size_hint, "hidden_bytes"_a,
+           "num_ranks"_a, "num_topk"_a = 16)
+      .def("get_rdma_buffer_size_hint", &epx::Config::get_rdma_buffer_size_hint, "hidden_bytes"_a,
+           "num_ranks"_a)
+      .def("validate", &epx::Config::validate, "num_ranks"_a, "device_sm_count"_a)
+      .def("__repr__", [](const epx::Config& c) {
+        return "Config(num_sms=" + std::to_string(c.num_sms) +
+               ", num_max_send_tokens=" + std::to_string(c.num_max_send_tokens) +
+               ", num_max_recv_tokens=" + std::to_string(c.num_max_recv_tokens) +
+               ", num_send_sms=" + std::to_string(c.num_send_sms) + ")";
+      });
+  m.def("get_dispatch_config", &epx::get_dispatch_config, "num_ranks"_a);
+  m.def("get_combine_config", &epx::get_combine_config, "num_ranks"_a);
+
+  // ---- communicator -----------------------------------------------------------------------
+  m.def("new_unique_id", [] {
+    const epx::UniqueId id = epx::Communicator::new_unique_id();
+    return nb::bytes(reinterpret_cast<const char*>(id.data()), id.size());
+  });
+  m.attr("UNIQUE_ID_BYTES") = epx::kUniqueIdBytes;
+  nb::class_<epx::Communicator>(m, "Communicator")
+      .def_static(
+          "create",
+          [](nb::bytes id, int rank, int num_ranks) {
+            if (id.size() != static_cast<size_t>(epx::kUniqueIdBytes))
+              invalid("id: must be " + std::to_string(epx::kUniqueIdBytes) +
+                      " bytes from new_unique_id() (got " + std::to_string(id.size()) + ")");
+            epx::UniqueId uid;
+            std::memcpy(uid.data(), id.c_str(), uid.size());
+            nb::gil_scoped_release release;
+            return epx::Communicator::create(uid, rank, num_ranks);
+          },
+          "id"_a, "rank"_a, "num_ranks"_a,
+          "Joins the group (collective); uses the current CUDA device.")
+      .def_static("from_env", &epx::Communicator::from_env,
+                  nb::call_guard<nb::gil_scoped_release>())
+      .def_prop_ro("rank", &epx::Communicator::rank)
+      .def_prop_ro("num_ranks", &epx::Communicator::num_ranks)
+      .def_prop_ro("device", &epx::Communicator::device)
+      .def("barrier", &epx::Communicator::barrier, nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "allgather",
+          [](epx::Communicator& c, nb::bytes data) {
+            std::vector<uint8_t> out;
+            {
+              std::string in(data.c_str(), data.size());
+              nb::gil_scoped_release release;
+              out = c.allgather(in.data(), in.size());
+            }
+            return nb::bytes(reinterpret_cast<const char*>(out.data()), out.size());
+          },
+          "data"_a,
+          "All-gather of equal-size byte strings; returns them concatenated in rank order.");
+
+  // ---- buffer options and per-call arguments ------------------------------------------------
+  nb::class_<epx::BufferOptions>(m, "BufferOptions")
+      .def(nb::init<>())
+      .def_rw("num_nvl_bytes", &epx::BufferOptions::num_nvl_bytes)
+      .def_rw("num_rdma_bytes", &epx::BufferOptions::num_rdma_bytes)
+      .def_rw("low_latency_mode", &epx::BufferOptions::low_latency_mode)
+      .def_rw("num_qps_per_rank", &epx::BufferOptions::num_qps_per_rank)
+      .def_rw("allow_nvlink_for_low_latency_mode",
+              &epx::BufferOptions::allow_nvlink_for_low_latency_mode)
+      .def_rw("allow_mnnvl", &epx::BufferOptions::allow_mnnvl)
+      .def_rw("backend", &epx::BufferOptions::backend)
+      .def_rw("timeout_s", &epx::BufferOptions::timeout_s)
+      .def_prop_rw(
+          "allocator",
+          [](const epx::BufferOptions& o) -> nb::object {
+            const auto* a = o.allocator.target<PyAllocator>();
+            return a ? nb::borrow(a->fn.get()) : nb::none();
+          },
+          [](epx::BufferOptions& o, std::optional<nb::callable> fn) {
+            o.allocator = fn ? epx::Allocator(PyAllocator(*fn)) : epx::Allocator();
+          },
+          "alloc(dtype: int, shape: tuple, stream: int) -> tensor, or (tensor, dlpack_source); "
+          "None: EPX's cudaMallocAsync allocator.");
+
+  m.def(
+      "_test_allocator",
+      [](const epx::BufferOptions& o, DType dtype, const std::vector<int64_t>& shape,
+         uintptr_t stream) {
+        if (!o.allocator) invalid("options: no allocator set");
+        Tensor whole;
+        {
+          nb::gil_scoped_release release;  // as inside Buffer calls
+          whole = o.allocator(dtype, shape, to_stream(stream));
+        }
+        Tensor rest = whole;  // rows 1.. of it, as a kernel result might be
+        if (rest.view.ndim > 0 && rest.view.shape[0] > 0) {
+          rest.view.data = static_cast<char*>(rest.view.data) +
+                           rest.view.strides[0] * static_cast<int64_t>(epx::element_size(dtype));
+          rest.view.shape[0] -= 1;
+        }
+        return nb::make_tuple(to_py(whole), to_py(rest));
+      },
+      "options"_a, "dtype"_a, "shape"_a, "stream"_a = 0,
+      "Calls options.allocator as Buffer ops do; returns (the tensor, its rows 1..) as Python "
+      "sees results (tests the ownership round trip).");
+
+  nb::class_<epx::StreamArgs>(m, "StreamArgs")
+      .def(nb::init<>())
+      .def_prop_rw(
+          "stream", [](const epx::StreamArgs& s) { return from_stream(s.stream); },
+          [](epx::StreamArgs& s, uintptr_t v) { s.stream = to_stream(v); })
+      .def_prop_rw(
+          "previous_event",
+          [](const epx::StreamArgs& s) {
+            return s.previous_event ? std::optional(*s.previous_event) : std::nullopt;
+          },
+          [](epx::StreamArgs& s, std::optional<const epx::Event*> e) {
+            s.previous_event = e ? *e : nullptr;
+          },
+          "The event is referenced, not copied: keep it alive until the call returns.")
+      .def_rw("async_finish", &epx::StreamArgs::async_finish)
+      .def_rw("allocate_on_comm_stream", &epx::StreamArgs::allocate_on_comm_stream);
+
+  nb::class_<epx::Layout>(m, "Layout")
+      .def_prop_ro("num_tokens_per_rank",
+                   [](const epx::Layout& l) { return to_py(l.num_tokens_per_rank); })
+      .def_prop_ro("num_tokens_per_expert",
+                   [](const epx::Layout& l) { return to_py(l.num_tokens_per_expert); })
+      .def_prop_ro("is_token_in_rank",
+                   [](const epx::Layout& l) { return to_py(l.is_token_in_rank); })
+      .def_prop_ro("event", [](const epx::Layout& l) { return l.event; });
+
+  using DH = epx::DispatchHandle;
+  nb::class_<DH>(m, "DispatchHandle",
+                 "Routing of a dispatch (opaque; pass it to combine or dispatch).")
+      .def_static(
+          "_for_validation",
+          [](int num_ranks, int num_tokens, int num_recv_tokens, int hidden) {
+            auto h = std::make_shared<DH>();
+            h->num_ranks = num_ranks;
+            h->num_tokens = num_tokens;
+            h->num_recv_tokens = num_recv_tokens;
+            h->hidden = hidden;
+            return std::shared_ptr<const DH>(h);
+          },
+          "num_ranks"_a, "num_tokens"_a, "num_recv_tokens"_a, "hidden"_a,
+          "A tensor-less handle for testing argument validation.")
+      .def_ro("num_ranks", &DH::num_ranks)
+      .def_ro("num_tokens", &DH::num_tokens)
+      .def_ro("num_recv_tokens", &DH::num_recv_tokens)
+      .def_ro("hidden", &DH::hidden)
+      .def_ro("num_recv_tokens_per_expert", &DH::num_recv_tokens_per_expert)
+      .def_prop_ro("is_token_in_rank", [](const DH& h) { return to_py(h.is_token_in_rank); })
+      .def_prop_ro("recv_src_idx", [](const DH& h) { return to_py(h.recv_src_idx); })
+      .def_prop_ro("tensors", [](const DH& h) {
+        nb::list l;
+        for (const Tensor* t : {&h.send_counts, &h.recv_offsets, &h.is_token_in_rank, &h.send_slot,
+                                &h.send_list, &h.recv_src_idx})
+          if (t->defined()) l.append(to_py(*t));
+        return l;
+      });
+
+  nb::class_<epx::DispatchArgs>(m, "DispatchArgs")
+      .def(nb::init<>())
+      .def_rw("x", &epx::DispatchArgs::x)
+      .def_rw("x_scales", &epx::DispatchArgs::x_scales)
+      .def_rw("topk_idx", &epx::DispatchArgs::topk_idx)
+      .def_rw("topk_weights", &epx::DispatchArgs::topk_weights)
+      .def_rw("num_tokens_per_rank", &epx::DispatchArgs::num_tokens_per_rank)
+      .def_rw("is_token_in_rank", &epx::DispatchArgs::is_token_in_rank)
+      .def_rw("num_tokens_per_expert", &epx::DispatchArgs::num_tokens_per_expert)
+      .def_rw("handle", &epx::DispatchArgs::handle, nb::for_setter(nb::arg("handle").none()))
+      .def_rw("expert_alignment", &epx::DispatchArgs::expert_alignment)
+      .def_rw("num_worst_tokens", &epx::DispatchArgs::num_worst_tokens)
+      .def_rw("config", &epx::DispatchArgs::config)
+      .def_rw("streams", &epx::DispatchArgs::streams);
+
+  nb::class_<epx::DispatchResult>(m, "DispatchResult")
+      .def_prop_ro("recv_x", [](const epx::DispatchResult& r) { return to_py(r.recv_x); })
+      .def_prop_ro("recv_x_scales",
+                   [](const epx::DispatchResult& r) { return to_py(r.recv_x_scales); })
+      .def_prop_ro("recv_topk_idx",
+                   [](const epx::DispatchResult& r) { return to_py(r.recv_topk_idx); })
+      .def_prop_ro("recv_topk_weights",
+                   [](const epx::DispatchResult& r) { return to_py(r.recv_topk_weights); })
+      .def_ro("num_recv_tokens_per_expert", &epx::DispatchResult::num_recv_tokens_per_expert)
+      .def_ro("handle", &epx::DispatchResult::handle)
+      .def_prop_ro("event", [](const epx::DispatchResult& r) { return r.event; });
+
+  nb::class_<epx::CombineArgs>(m, "CombineArgs")
+      .def(nb::init<>())
+      .def_rw("x", &epx::CombineArgs::x)
+      .def_rw("handle", &epx::CombineArgs::handle, nb::for_setter(nb::arg("handle").none()))
+      .def_rw("topk_weights", &epx::CombineArgs::topk_weights)
+      .def_rw("bias_0", &epx::CombineArgs::bias_0)
+      .def_rw("bias_1", &epx::CombineArgs::bias_1)
+      .def_rw("config", &epx::CombineArgs::config)
+      .def_rw("streams", &epx::CombineArgs::streams);
+
+  nb::class_<epx::CombineResult>(m, "CombineResult")
+      .def_prop_ro("combined_x", [](const epx::CombineResult& r) { return to_py(r.combined_x); })
+      .def_prop_ro("combined_topk_weights",
+                   [](const epx::CombineResult& r) { return to_py(r.combined_topk_weights); })
+      .def_prop_ro("event", [](const epx::CombineResult& r) { return r.event; });
+
+  using LH = epx::LowLatencyHandle;
+  nb::class_<LH>(m, "LowLatencyHandle", "Routing of a low-latency dispatch (opaque).")
+      .def_static(
+          "_for_validation",
+          [](int num_ranks, int num_experts, int max_tokens, int hidden, int num_tokens,
+             int num_topk) {
+            auto h = std::make_shared<LH>();
+            h->num_ranks = num_ranks;
+            h->num_experts = num_experts;
+            h->num_max_dispatch_tokens_per_rank = max_tokens;
+            h->hidden = hidden;
+            h->num_tokens = num_tokens;
+            h->num_topk = num_topk;
+            return std::shared_ptr<const LH>(h);
+          },
+          "num_ranks"_a, "num_experts"_a, "num_max_dispatch_tokens_per_rank"_a, "hidden"_a,
+          "num_tokens"_a, "num_topk"_a, "A tensor-less handle for testing argument validation.")
+      .def_ro("num_ranks", &LH::num_ranks)
+      .def_ro("num_experts", &LH::num_experts)
+      .def_ro("num_max_dispatch_tokens_per_rank", &LH::num_max_dispatch_tokens_per_rank)
+      .def_ro("hidden", &LH::hidden)
+      .def_ro("num_tokens", &LH::num_tokens)
+      .def_ro("num_topk", &LH::num_topk)
+      .def_ro("buffer_slot", &LH::buffer_slot)
+      .def_prop_ro("src_info", [](const LH& h) { return to_py(h.src_info); })
+      .def_prop_ro("layout_range", [](const LH& h) { return to_py(h.layout_range); })
+      .def_prop_ro("tensors", [](const LH& h) {
+        nb::list l;
+        for (const Tensor* t : {&h.src_info, &h.layout_range, &h.topk_idx})
+          if (t->defined()) l.append(to_py(*t));
+        return l;
+      });
+
+  using LDA = epx::LowLatencyDispatchArgs;
+  nb::class_<LDA>(m, "LowLatencyDispatchArgs")
+      .def(nb::init<>())
+      .def_rw("x", &LDA::x)
+      .def_rw("topk_idx", &LDA::topk_idx)
+      .def_rw("num_max_dispatch_tokens_per_rank", &LDA::num_max_dispatch_tokens_per_rank)
+      .def_rw("num_experts", &LDA::num_experts)
+      .def_rw("cumulative_local_expert_recv_stats", &LDA::cumulative_local_expert_recv_stats)
+      .def_rw("use_fp8", &LDA::use_fp8)
+      .def_rw("round_scale", &LDA::round_scale)
+      .def_rw("use_ue8m0", &LDA::use_ue8m0)
+      .def_rw("async_finish", &LDA::async_finish)
+      .def_rw("return_recv_hook", &LDA::return_recv_hook)
+      .def_prop_rw(
+          "stream", [](const LDA& a) { return from_stream(a.stream); },
+          [](LDA& a, uintptr_t s) { a.stream = to_stream(s); });
+
+  using LDR = epx::LowLatencyDispatchResult;
+  nb::class_<LDR>(m, "LowLatencyDispatchResult")
+      .def_prop_ro("recv_x", [](const LDR& r) { return to_py(r.recv_x); })
+      .def_prop_ro("recv_x_scales", [](const LDR& r) { return to_py(r.recv_x_scales); })
+      .def_prop_ro("recv_count", [](const LDR& r) { return to_py(r.recv_count); })
+      .def_ro("handle", &LDR::handle)
+      .def_prop_ro("event", [](const LDR& r) { return r.event; })
+      .def_prop_ro("hook", [](const LDR& r) { return hook_of(r.hook); });
+
+  using LCA = epx::LowLatencyCombineArgs;
+  nb::class_<LCA>(m, "LowLatencyCombineArgs")
+      .def(nb::init<>())
+      .def_rw("x", &LCA::x)
+      .def_rw("topk_idx", &LCA::topk_idx)
+      .def_rw("topk_weights", &LCA::topk_weights)
+      .def_rw("handle", &LCA::handle, nb::for_setter(nb::arg("handle").none()))
+      .def_rw("use_logfmt", &LCA::use_logfmt)
+      .def_rw("zero_copy", &LCA::zero_copy)
+      .def_rw("async_finish", &LCA::async_finish)
+      .def_rw("return_recv_hook", &LCA::return_recv_hook)
+      .def_rw("out", &LCA::out)
+      .def_prop_rw(
+          "stream", [](const LCA& a) { return from_stream(a.stream); },
+          [](LCA& a, uintptr_t s) { a.stream = to_stream(s); });
+
+  using LCR = epx::LowLatencyCombineResult;
+  nb::class_<LCR>(m, "LowLatencyCombineResult")
+      .def_prop_ro("combined_x", [](const LCR& r) { return to_py(r.combined_x); })
+      .def_prop_ro("event", [](const LCR& r) { return r.event; })
+      .def_prop_ro("hook", [](const LCR& r) { return hook_of(r.hook); });
+
+  // ---- buffer -------------------------------------------------------------------------------
+  using epx::Buffer;
+  nb::class_<Buffer>(m, "Buffer")
+      .def(
+          "__init__",
+          [](Buffer* b, std::shared_ptr<epx::Communicator> comm,
+             const epx::BufferOptions& options) {
+            nb::gil_scoped_release release;
+            new (b) Buffer(std::move(comm), options);
+          },
+          "comm"_a, "options"_a, "Allocates the symmetric buffers (collective over the group).")
+      .def_prop_ro("rank", &Buffer::rank)
+      .def_prop_ro("num_ranks", &Buffer::num_ranks)
+      .def_prop_ro("comm_stream", [](const Buffer& b) { return from_stream(b.comm_stream()); })
+      .def_prop_ro("backend_name", &Buffer::backend_name)
+      .def_prop_ro("buffer_bytes", &Buffer::buffer_bytes)
+      .def(
+          "local_buffer",
+          [](nb::handle self, bool low_latency) {
+            TensorView v = nb::cast<const Buffer&>(self).local_buffer(low_latency);
+            TensorView bytes = TensorView::contiguous(v.data, DType::kFP8E4M3,
+                                                      {static_cast<int64_t>(v.nbytes())}, v.device);
+            return export_view(bytes, self, {}, nb::dtype<uint8_t>());
+          },
+          "low_latency"_a,
+          "The local symmetric region as a flat uint8 DLPack array. Valid until destroy().")
+      .def(
+          "get_dispatch_layout",
+          [](Buffer& b, const TensorView& topk_idx, int num_experts, const epx::StreamArgs& s) {
+            nb::gil_scoped_release release;
+            return b.get_dispatch_layout(topk_idx, num_experts, s);
+          },
+          "topk_idx"_a, "num_experts"_a, "streams"_a)
+      .def("dispatch", &Buffer::dispatch, "args"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def("combine", &Buffer::combine, "args"_a, nb::call_guard<nb::gil_scoped_release>())
+      .def("low_latency_dispatch", &Buffer::low_latency_dispatch, "args"_a,
+           nb::call_guard<nb::gil_scoped_release>())
+      .def("low_latency_combine", &Buffer::low_latency_combine, "args"_a,
+           nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "get_next_low_latency_combine_buffer",
+          [](nb::handle self, const LH& handle) {
+            TensorView v = nb::cast<Buffer&>(self).get_next_low_latency_combine_buffer(handle);
+            return export_view(v, self);
+          },
+          "handle"_a)
+      .def("clean_low_latency_buffer", &Buffer::clean_low_latency_buffer,
+           "num_max_dispatch_tokens_per_rank"_a, "hidden"_a, "num_experts"_a,
+           nb::call_guard<nb::gil_scoped_release>())
+      .def_static("get_low_latency_rdma_size_hint", &Buffer::get_low_latency_rdma_size_hint,
+                  "num_max_dispatch_tokens_per_rank"_a, "hidden"_a, "num_ranks"_a, "num_experts"_a)
+      .def_static("set_num_sms", &Buffer::set_num_sms, "num_sms"_a)
+      .def_static("num_sms", &Buffer::num_sms)
+      .def("destroy", &Buffer::destroy, nb::call_guard<nb::gil_scoped_release>());
+
+  // ---- argument validators (src/core/validate.hpp) ---------------------------------------------
+  m.attr("ANY") = epx::validate::kAny;
+  m.attr("ANY_DEVICE") = epx::validate::kAnyDevice;
+  m.attr("MAX_TOPK") = epx::validate::kMaxTopK;
+  m.attr("MAX_RANKS") = epx::validate::kMaxRanks;
+  m.attr("MAX_LOW_LATENCY_TOKENS") = epx::validate::kMaxLowLatencyTokens;
+  m.def("validate_tensor", &validate_tensor, "op"_a, "name"_a, "t"_a, "dtype"_a, "shape"_a,
+        "device"_a, "contiguous"_a = true);
+  m.def("validate_num_experts", &epx::validate::num_experts, "op"_a, "num_experts"_a,
+        "num_ranks"_a);
+  m.def("validate_hidden", &epx::validate::hidden, "op"_a, "hidden"_a, "dtype"_a, "fp8_path"_a);
+  m.def("validate_num_topk", &epx::validate::num_topk, "op"_a, "num_topk"_a);
+  m.def("validate_topk_idx_values", &epx::validate::topk_idx_values, "op"_a, "topk_idx"_a,
+        "num_experts"_a);
+  m.def("validate_dispatch", &epx::validate::dispatch, "args"_a, "num_ranks"_a, "device"_a);
+  m.def("validate_combine", &epx::validate::combine, "args"_a, "num_ranks"_a, "device"_a);
+  m.def("validate_low_latency_dispatch", &epx::validate::low_latency_dispatch, "args"_a,
+        "num_ranks"_a, "device"_a);
+  m.def("validate_low_latency_combine", &epx::validate::low_latency_combine, "args"_a,
+        "num_ranks"_a, "device"_a);
+
+  bind_reference(m);
+}

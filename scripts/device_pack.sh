@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Builds here (no GPU needed) what the device machine runs, into .device/
+# (git-ignored, well under the 64 MiB carry limit). Then call the device tool:
+#   run(kind="nvidia-h200-x4", carry=[".device"], command="bash .device/device_run.sh")
+set -euo pipefail
+cd "$(dirname "$0")/.."
+cmake --preset default >/dev/null
+cmake --build --preset default -j"$(nproc)"
+rm -rf .device && mkdir -p .device
+cp build/default/tests/epx_gpu_tests build/default/tests/epx_unit_tests build/default/bench/epx-bench .device/
+cp scripts/launch.sh scripts/device_run.sh .device/
+git rev-parse --short=12 HEAD > .device/COMMIT 2>/dev/null || echo unknown > .device/COMMIT
+du -sh .device

@@ -1,0 +1,64 @@
+// core/buffer_impl.hpp - Buffer's private state, shared by the op files.
+#pragma once
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "core/check.hpp"
+#include "core/diag.hpp"
+#include "epx/buffer.hpp"
+#include "transport/backend.hpp"
+#include "transport/device.cuh"
+
+namespace epx {
+
+struct Buffer::Impl {
+  std::shared_ptr<Communicator> comm;
+  BufferOptions opts;
+  std::unique_ptr<transport::Backend> backend;
+  transport::SymmetricRegion ht;  ///< high-throughput region (num_nvl_bytes)
+  transport::SymmetricRegion ll;  ///< low-latency region (num_rdma_bytes)
+  cudaStream_t comm_stream = nullptr;
+  int device = 0, num_sms_device = 0;
+  double timeout_s = 60;
+  Allocator alloc;
+  bool destroyed = false;
+
+  // Local device state.
+  uint32_t* ht_op_counter = nullptr;  ///< epochs of high-throughput ops
+  uint32_t* ll_op_counter = nullptr;  ///< epochs of low-latency ops
+  // Host-mapped memory the kernels write: diagnostics and dispatch counts.
+  DeviceDiag* diag_host = nullptr;
+  DeviceDiag* diag_dev = nullptr;
+  int* counts_host = nullptr;
+  int* counts_dev = nullptr;
+  static constexpr int kCountsInts = 4096;
+  int ll_parity = 0;  ///< which half of the low-latency double buffer is next
+
+  dev::NvlinkTransport transport(const transport::SymmetricRegion& region) const {
+    dev::NvlinkTransport t{};
+    for (int r = 0; r < comm->num_ranks(); ++r)
+      t.base[r] = static_cast<char*>(r == comm->rank() ? region.local : region.peers[r]);
+    t.rank = comm->rank();
+    t.num_ranks = comm->num_ranks();
+    return t;
+  }
+  uint64_t timeout_ns() const { return static_cast<uint64_t>(timeout_s * 1e9); }
+
+  void check_alive(const char* op) const {
+    if (destroyed)
+      throw Error(ErrorCode::kInvalidArgument, std::string(op) + ": buffer was destroyed");
+  }
+  /// Throws the first diagnostic a kernel recorded (and clears it).
+  void raise_if_failed(const char* op);
+  /// Host wait with deadline on a flag a kernel sets in mapped memory.
+  void wait_host_flag(volatile int* flag, const char* op);
+  /// Order the comm stream after the caller (previous_event or stream).
+  void enter(const StreamArgs& s);
+  /// Finish: event for async_finish, or make the caller's stream wait.
+  std::optional<Event> leave(const StreamArgs& s);
+  Tensor make(DType dtype, const std::vector<int64_t>& shape, const StreamArgs& s);
+};
+
+}  // namespace epx

@@ -1,0 +1,83 @@
+#include <nccl.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "core/check.hpp"
+#include "core/env.hpp"
+#include "epx/buffer.hpp"
+
+namespace epx {
+
+static_assert(sizeof(ncclUniqueId) == kUniqueIdBytes, "ncclUniqueId size changed");
+
+UniqueId Communicator::new_unique_id() {
+  ncclUniqueId id;
+  EPX_NCCL_CHECK(ncclGetUniqueId(&id));
+  UniqueId out;
+  std::memcpy(out.data(), &id, sizeof(id));
+  return out;
+}
+
+std::shared_ptr<Communicator> Communicator::create(const UniqueId& id, int rank, int num_ranks) {
+  require(num_ranks >= 1, "num_ranks", "must be >= 1, got " + std::to_string(num_ranks));
+  require(rank >= 0 && rank < num_ranks, "rank",
+          "must be in [0, num_ranks=" + std::to_string(num_ranks) + "), got " + std::to_string(rank));
+  std::shared_ptr<Communicator> c(new Communicator());
+  c->rank_ = rank;
+  c->num_ranks_ = num_ranks;
+  EPX_CUDA_CHECK(cudaGetDevice(&c->device_));
+  ncclUniqueId nid;
+  std::memcpy(&nid, id.data(), sizeof(nid));
+  ncclComm_t comm = nullptr;
+  EPX_NCCL_CHECK(ncclCommInitRank(&comm, num_ranks, nid, rank));
+  c->comm_ = comm;
+  EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&c->stream_, cudaStreamNonBlocking));
+  EPX_CUDA_CHECK(cudaMalloc(&c->scratch_, 4096));
+  return c;
+}
+
+std::shared_ptr<Communicator> Communicator::from_env() {
+  env::RankInfo info = env::rank_info();
+  int ndev = 0;
+  EPX_CUDA_CHECK(cudaGetDeviceCount(&ndev));
+  require(info.local_rank < ndev, "LOCAL_RANK",
+          "must name a visible GPU (this process sees " + std::to_string(ndev) + "), got " +
+              std::to_string(info.local_rank));
+  EPX_CUDA_CHECK(cudaSetDevice(info.local_rank));
+  if (!env::get("NCCL_COMM_ID")) {
+    // NCCL's own bootstrap root serves the id: every rank derives the same one.
+    std::string addr = info.master_addr + ":" + std::to_string(info.master_port + 1);
+    setenv("NCCL_COMM_ID", addr.c_str(), 1);
+  }
+  return create(new_unique_id(), info.rank, info.world_size);
+}
+
+Communicator::~Communicator() {
+  if (comm_) ncclCommDestroy(static_cast<ncclComm_t>(comm_));
+  if (scratch_) cudaFree(scratch_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+void Communicator::barrier() {
+  auto* nc = static_cast<ncclComm_t>(comm_);
+  EPX_NCCL_CHECK(ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, nc, stream_));
+  EPX_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+std::vector<uint8_t> Communicator::allgather(const void* data, std::size_t bytes) {
+  auto* nc = static_cast<ncclComm_t>(comm_);
+  void* d = nullptr;
+  EPX_CUDA_CHECK(cudaMallocAsync(&d, bytes * (num_ranks_ + 1), stream_));
+  char* mine = static_cast<char*>(d) + bytes * num_ranks_;
+  EPX_CUDA_CHECK(cudaMemcpyAsync(mine, data, bytes, cudaMemcpyHostToDevice, stream_));
+  EPX_NCCL_CHECK(ncclAllGather(mine, d, bytes, ncclUint8, nc, stream_));
+  std::vector<uint8_t> out(bytes * num_ranks_);
+  EPX_CUDA_CHECK(cudaMemcpyAsync(out.data(), d, out.size(), cudaMemcpyDeviceToHost, stream_));
+  EPX_CUDA_CHECK(cudaFreeAsync(d, stream_));
+  EPX_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return out;
+}
+
+}  // namespace epx

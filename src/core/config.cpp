@@ -1,0 +1,69 @@
+#include "epx/config.hpp"
+
+#include <atomic>
+#include <string>
+
+#include "core/plan.hpp"
+#include "epx/error.hpp"
+
+namespace epx {
+
+namespace detail {
+std::atomic<int>& default_num_sms() {
+  static std::atomic<int> n{24};
+  return n;
+}
+}  // namespace detail
+
+std::size_t Config::get_nvl_buffer_size_hint(std::size_t hidden_bytes, int num_ranks,
+                                             int num_topk) const {
+  // Dispatch rows are the larger of the two (they carry ids and FP8 scales);
+  // the layout holds up to 1024 experts' counts.
+  plan::HtRegion r;
+  r.num_ranks = num_ranks;
+  r.num_experts = num_ranks;
+  r.capacity = num_max_recv_tokens;
+  r.chunk = num_max_send_tokens;
+  const std::size_t scales = hidden_bytes / 128 + 1;
+  r.row_bytes = plan::ht_dispatch_row_bytes(hidden_bytes, static_cast<int>(scales), num_topk);
+  return plan::align_up(r.total_bytes(), plan::kAlign);
+}
+
+std::size_t Config::get_rdma_buffer_size_hint(std::size_t, int) const { return 0; }
+
+void Config::validate(int num_ranks, int device_sm_count) const {
+  const std::string op = "config";
+  require(num_sms >= 2, "config.num_sms", "must be >= 2 (one send and one receive SM), got " +
+                                              std::to_string(num_sms));
+  require(device_sm_count <= 0 || num_sms <= device_sm_count, "config.num_sms",
+          "must not exceed the device's " + std::to_string(device_sm_count) + " SMs, got " +
+              std::to_string(num_sms));
+  require(send_sms() >= 1 && recv_sms() >= 1, "config.num_send_sms",
+          "must leave at least one receive SM (0 < num_send_sms < num_sms), got " +
+              std::to_string(num_send_sms));
+  require(num_max_send_tokens >= 1 && num_max_send_tokens <= 1024, "config.num_max_send_tokens",
+          "must be in [1, 1024], got " + std::to_string(num_max_send_tokens));
+  require(num_max_recv_tokens >= num_max_send_tokens, "config.num_max_recv_tokens",
+          "must be >= num_max_send_tokens (" + std::to_string(num_max_send_tokens) + "), got " +
+              std::to_string(num_max_recv_tokens));
+  require(num_ranks >= 1 && num_ranks <= plan::kMaxRanks, "num_ranks",
+          "must be in [1, 8] for the NVLink backend, got " + std::to_string(num_ranks));
+}
+
+Config get_dispatch_config(int num_ranks) {
+  Config c;
+  c.num_sms = detail::default_num_sms().load();
+  c.num_max_send_tokens = num_ranks <= 2 ? 16 : 8;
+  c.num_max_recv_tokens = 4096;
+  return c;
+}
+
+Config get_combine_config(int num_ranks) {
+  Config c;
+  c.num_sms = detail::default_num_sms().load();
+  c.num_max_send_tokens = num_ranks <= 2 ? 16 : 8;
+  c.num_max_recv_tokens = 4096;
+  return c;
+}
+
+}  // namespace epx

@@ -1,0 +1,39 @@
+// core/diag.hpp - what a kernel reports when a wait passes its deadline or an
+// input is out of range. Lives in host-mapped memory; the host turns it into
+// an epx::Error naming the op, rank, peer and what was awaited.
+#pragma once
+
+#include <cstdint>
+
+namespace epx {
+
+enum class OpId : uint32_t {
+  kNone = 0,
+  kLayout = 1,
+  kDispatchNotify = 2,
+  kDispatch = 3,
+  kCombineNotify = 4,
+  kCombine = 5,
+  kLowLatencyDispatchSend = 6,
+  kLowLatencyDispatchRecv = 7,
+  kLowLatencyCombineSend = 8,
+  kLowLatencyCombineRecv = 9,
+  kBarrier = 10,
+};
+
+enum class DiagCode : uint32_t { kOk = 0, kTimeout = 1, kBadExpert = 2, kTooManyTokens = 3 };
+
+struct DeviceDiag {
+  uint32_t code;      ///< DiagCode; the first reporter wins (atomicCAS from 0)
+  uint32_t op;        ///< OpId
+  int32_t rank;       ///< who waited
+  int32_t peer;       ///< whom it waited for (-1: n/a)
+  int32_t channel;    ///< chunk / slot / expert index
+  uint32_t expected;  ///< value awaited
+  uint32_t seen;      ///< value last read
+  int32_t token;      ///< for kBadExpert: token index; value in `seen`
+};
+
+const char* op_name(OpId op);
+
+}  // namespace epx

@@ -1,0 +1,75 @@
+#include "core/env.hpp"
+
+#include <cerrno>
+#include <cstdlib>
+
+#include "epx/error.hpp"
+
+namespace epx::env {
+
+std::optional<std::string> get(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  return std::string(v);
+}
+
+std::optional<long> get_int(const char* name) {
+  auto v = get(name);
+  if (!v) return std::nullopt;
+  char* end = nullptr;
+  errno = 0;
+  long x = std::strtol(v->c_str(), &end, 10);
+  if (errno != 0 || end == v->c_str() || *end != '\0')
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(name) + ": must be an integer, got '" + *v + "'");
+  return x;
+}
+
+std::optional<double> get_double(const char* name) {
+  auto v = get(name);
+  if (!v) return std::nullopt;
+  char* end = nullptr;
+  errno = 0;
+  double x = std::strtod(v->c_str(), &end);
+  if (errno != 0 || end == v->c_str() || *end != '\0')
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(name) + ": must be a number, got '" + *v + "'");
+  return x;
+}
+
+double timeout_seconds() {
+  auto t = get_double("EPX_TIMEOUT_S");
+  if (!t) return 60.0;
+  require(*t > 0, "EPX_TIMEOUT_S", "must be > 0 seconds, got " + std::to_string(*t));
+  return *t;
+}
+
+RankInfo rank_info() {
+  RankInfo info;
+  if (get("RANK") && get("WORLD_SIZE")) {
+    info.launcher = "torchrun";
+    info.rank = static_cast<int>(*get_int("RANK"));
+    info.world_size = static_cast<int>(*get_int("WORLD_SIZE"));
+    info.local_rank = static_cast<int>(get_int("LOCAL_RANK").value_or(info.rank));
+    info.master_addr = get("MASTER_ADDR").value_or("127.0.0.1");
+    info.master_port = static_cast<int>(get_int("MASTER_PORT").value_or(29500));
+  } else if (get("OMPI_COMM_WORLD_RANK")) {
+    info.launcher = "mpirun";
+    info.rank = static_cast<int>(*get_int("OMPI_COMM_WORLD_RANK"));
+    info.world_size = static_cast<int>(get_int("OMPI_COMM_WORLD_SIZE").value_or(1));
+    info.local_rank =
+        static_cast<int>(get_int("OMPI_COMM_WORLD_LOCAL_RANK").value_or(info.rank));
+    info.master_addr = get("MASTER_ADDR").value_or("127.0.0.1");
+    info.master_port = static_cast<int>(get_int("MASTER_PORT").value_or(29500));
+  }
+  require(info.world_size >= 1, "WORLD_SIZE", "must be >= 1, got " + std::to_string(info.world_size));
+  require(info.rank >= 0 && info.rank < info.world_size, "RANK",
+          "must be in [0, WORLD_SIZE=" + std::to_string(info.world_size) + "), got " +
+              std::to_string(info.rank));
+  require(info.local_rank >= 0, "LOCAL_RANK", "must be >= 0, got " + std::to_string(info.local_rank));
+  require(info.master_port > 0 && info.master_port < 65535, "MASTER_PORT",
+          "must be in [1, 65534], got " + std::to_string(info.master_port));
+  return info;
+}
+
+}  // namespace epx::env

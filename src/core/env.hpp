@@ -1,0 +1,27 @@
+// core/env.hpp - environment variables EPX reads.
+#pragma once
+
+#include <optional>
+#include <string>
+
+namespace epx::env {
+
+std::optional<std::string> get(const char* name);
+/// Integer variable; throws epx::Error(kInvalidArgument) naming it when malformed.
+std::optional<long> get_int(const char* name);
+std::optional<double> get_double(const char* name);
+
+/// Default deadline of every wait, seconds: EPX_TIMEOUT_S or 60.
+double timeout_seconds();
+
+struct RankInfo {
+  int rank = 0, world_size = 1, local_rank = 0;
+  std::string master_addr;
+  int master_port = 0;
+  const char* launcher = "none";  ///< "torchrun" | "mpirun" | "none"
+};
+/// Reads torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or
+/// Open MPI (OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK) variables; validates them.
+RankInfo rank_info();
+
+}  // namespace epx::env

@@ -1,0 +1,54 @@
+#include "epx/event.hpp"
+
+#include "core/check.hpp"
+
+namespace epx {
+
+Event Event::record(cudaStream_t stream) {
+  Event e;
+  cudaEvent_t ev = nullptr;
+  EPX_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  e.ev_ = std::shared_ptr<cudaEvent_t>(new cudaEvent_t(ev), [](cudaEvent_t* p) {
+    cudaEventDestroy(*p);  // destructor: nothing sensible to do on failure
+    delete p;
+  });
+  EPX_CUDA_CHECK(cudaEventRecord(ev, stream));
+  return e;
+}
+
+void Event::stream_wait(cudaStream_t stream) const {
+  if (ev_) EPX_CUDA_CHECK(cudaStreamWaitEvent(stream, *ev_, 0));
+}
+
+void Event::synchronize() const {
+  if (ev_) EPX_CUDA_CHECK(cudaEventSynchronize(*ev_));
+}
+
+Allocator default_allocator() {
+  return [](DType dtype, const std::vector<int64_t>& shape, cudaStream_t stream) {
+    Tensor t;
+    t.view.dtype = dtype;
+    t.view.ndim = static_cast<int>(shape.size());
+    int64_t n = 1;
+    for (std::size_t d = 0; d < shape.size(); ++d) {
+      t.view.shape[d] = shape[d];
+      n *= shape[d];
+    }
+    int64_t stride = 1;
+    for (int d = t.view.ndim - 1; d >= 0; --d) {
+      t.view.strides[d] = stride;
+      stride *= t.view.shape[d];
+    }
+    EPX_CUDA_CHECK(cudaGetDevice(&t.view.device));
+    std::size_t bytes = static_cast<std::size_t>(n) * element_size(dtype);
+    void* p = nullptr;
+    if (bytes > 0) EPX_CUDA_CHECK(cudaMallocAsync(&p, bytes, stream));
+    t.view.data = p;
+    t.owner = std::shared_ptr<void>(p, [stream](void* q) {
+      if (q) cudaFreeAsync(q, stream);
+    });
+    return t;
+  };
+}
+
+}  // namespace epx

@@ -1,0 +1,278 @@
+// Host side of get_dispatch_layout, dispatch and combine.
+#include <cstring>
+
+#include "core/buffer_impl.hpp"
+#include "core/plan.hpp"
+#include "core/validate.hpp"
+#include "kernels/kernels.hpp"
+
+namespace epx {
+namespace {
+
+kernels::HtOffsets offsets_of(const plan::HtRegion& r) {
+  kernels::HtOffsets o{};
+  o.barrier = r.barrier_offset();
+  o.counts[0] = r.counts_offset(0);
+  o.counts[1] = r.counts_offset(1);
+  o.flags = r.flags_offset();
+  o.staging = r.staging_offset();
+  o.row_bytes = r.row_bytes;
+  o.capacity = r.capacity;
+  o.chunk = r.chunk;
+  o.max_chunks = r.max_chunks();
+  o.count_row_ints = r.count_row_ints();
+  return o;
+}
+
+/// Plans the region for a call and checks that the buffer holds it.
+plan::HtRegion plan_region(const char* op, const Buffer::Impl& d, const Config& cfg, int num_experts,
+                           std::size_t row_bytes, int num_tokens) {
+  plan::HtRegion r;
+  r.num_ranks = d.comm->num_ranks();
+  r.num_experts = num_experts;
+  r.capacity = cfg.num_max_recv_tokens;
+  r.chunk = cfg.num_max_send_tokens;
+  r.row_bytes = row_bytes;
+  require(r.chunks_needed() <= plan::kMaxChunks, "config.num_max_send_tokens",
+          "num_max_recv_tokens / num_max_send_tokens must be <= " + std::to_string(plan::kMaxChunks));
+  require(num_experts / r.num_ranks <= plan::kMaxLocalExperts, "num_experts",
+          "at most " + std::to_string(plan::kMaxLocalExperts) + " experts per rank");
+  require(num_tokens <= r.capacity, op,
+          "x has " + std::to_string(num_tokens) + " tokens but config.num_max_recv_tokens is " +
+              std::to_string(r.capacity) + "; raise it (and num_nvl_bytes) or send fewer tokens");
+  if (r.total_bytes() > d.ht.bytes)
+    throw Error(ErrorCode::kBufferTooSmall,
+                std::string(op) + ": num_nvl_bytes: the call needs " + std::to_string(r.total_bytes()) +
+                    " bytes of NVLink buffer (" + std::to_string(r.capacity) + " rows of " +
+                    std::to_string(row_bytes) + " B per source rank) but the buffer has " +
+                    std::to_string(d.ht.bytes) + "; use Config::get_nvl_buffer_size_hint");
+  return r;
+}
+
+Tensor copy_of(const TensorView& v, Buffer::Impl& d, const StreamArgs& s) {
+  std::vector<int64_t> shape(v.shape.begin(), v.shape.begin() + v.ndim);
+  Tensor t = d.make(v.dtype, shape, s);
+  if (v.nbytes() > 0)
+    EPX_CUDA_CHECK(cudaMemcpyAsync(t.view.data, v.data, v.nbytes(), cudaMemcpyDeviceToDevice, d.comm_stream));
+  return t;
+}
+
+}  // namespace
+
+Layout Buffer::get_dispatch_layout(const TensorView& topk_idx, int num_experts, const StreamArgs& s) {
+  auto& d = *impl_;
+  d.check_alive("get_dispatch_layout");
+  const int R = d.comm->num_ranks();
+  validate::num_experts("get_dispatch_layout", num_experts, R);
+  validate::tensor("get_dispatch_layout", "topk_idx", topk_idx, DType::kI64, {validate::kAny, validate::kAny},
+                   d.device);
+  validate::num_topk("get_dispatch_layout", topk_idx.shape[1]);
+  require(num_experts <= 8192, "num_experts", "must be <= 8192, got " + std::to_string(num_experts));
+  d.enter(s);
+  const int T = static_cast<int>(topk_idx.shape[0]);
+  Layout out;
+  out.num_tokens_per_rank = d.make(DType::kI32, {R}, s);
+  out.num_tokens_per_expert = d.make(DType::kI32, {num_experts}, s);
+  out.is_token_in_rank = d.make(DType::kBool, {T, R}, s);
+  kernels::LayoutParams p{};
+  p.topk_idx = topk_idx.ptr<int64_t>();
+  p.num_tokens = T;
+  p.num_topk = static_cast<int>(topk_idx.shape[1]);
+  p.num_experts = num_experts;
+  p.num_ranks = R;
+  p.rank = d.comm->rank();
+  p.num_tokens_per_rank = out.num_tokens_per_rank.ptr<int>();
+  p.num_tokens_per_expert = out.num_tokens_per_expert.ptr<int>();
+  p.is_token_in_rank = out.is_token_in_rank.ptr<bool>();
+  p.diag = d.diag_dev;
+  kernels::launch_layout(p, d.comm_stream);
+  out.event = d.leave(s);
+  return out;
+}
+
+DispatchResult Buffer::dispatch(const DispatchArgs& a) {
+  auto& d = *impl_;
+  d.check_alive("dispatch");
+  const int R = d.comm->num_ranks();
+  validate::dispatch(a, R, d.device);
+  const Config cfg = a.config.value_or(get_dispatch_config(R));
+  cfg.validate(R, d.num_sms_device);
+
+  const bool fp8 = a.x.dtype == DType::kFP8E4M3;
+  const int T = static_cast<int>(a.x.shape[0]);
+  const int H = static_cast<int>(a.x.shape[1]);
+  const int hidden_bytes = H * static_cast<int>(element_size(a.x.dtype));
+  const int num_scales = fp8 ? H / 128 : 0;
+  const int K = a.handle ? (a.topk_idx ? static_cast<int>(a.topk_idx->shape[1]) : 0)
+                         : static_cast<int>(a.topk_idx ? a.topk_idx->shape[1] : 0);
+  const int E = a.handle ? 0 : static_cast<int>(a.num_tokens_per_expert->shape[0]);
+  if (a.handle) {
+    require(a.handle->num_ranks == R, "handle", "was made by a buffer of another rank count");
+    require(a.handle->num_tokens == T, "handle",
+            "was made for " + std::to_string(a.handle->num_tokens) + " tokens, x has " + std::to_string(T));
+  }
+  const plan::HtRegion region = plan_region(
+      "dispatch", d, cfg, a.handle ? R : E, plan::ht_dispatch_row_bytes(hidden_bytes, num_scales, K), T);
+  const auto off = offsets_of(region);
+  const auto tr = d.transport(d.ht);
+
+  d.enter(a.streams);
+  auto handle = std::make_shared<DispatchHandle>();
+  handle->num_ranks = R;
+  handle->num_tokens = T;
+  handle->hidden = H;
+
+  kernels::HtNotifyParams np{};
+  np.t = tr;
+  np.off = off;
+  np.op_counter = d.ht_op_counter;
+  np.timeout_ns = d.timeout_ns();
+  np.diag = d.diag_dev;
+  np.op = OpId::kDispatchNotify;
+  if (a.handle) {
+    *handle = *a.handle;
+    np.exchange = false;
+    kernels::launch_ht_notify(np, d.comm_stream);
+  } else {
+    handle->is_token_in_rank = copy_of(*a.is_token_in_rank, d, a.streams);
+    handle->send_slot = d.make(DType::kI32, {T, R}, a.streams);
+    handle->send_list = d.make(DType::kI32, {R, std::max(T, 1)}, a.streams);
+    handle->send_counts = d.make(DType::kI32, {R}, a.streams);
+    handle->recv_offsets = d.make(DType::kI32, {R + 1}, a.streams);
+    np.exchange = true;
+    np.num_tokens_per_rank = a.num_tokens_per_rank->ptr<int>();
+    np.num_tokens_per_expert = a.num_tokens_per_expert->ptr<int>();
+    np.is_token_in_rank = handle->is_token_in_rank.ptr<bool>();
+    np.num_tokens = T;
+    np.num_experts = E;
+    np.expert_alignment = a.expert_alignment;
+    np.send_slot = handle->send_slot.ptr<int>();
+    np.send_list = handle->send_list.ptr<int>();
+    np.send_counts = handle->send_counts.ptr<int>();
+    np.recv_offsets = handle->recv_offsets.ptr<int>();
+    np.host_counts = d.counts_dev;
+    const int epr = E / R;
+    require(2 + R + epr <= Buffer::Impl::kCountsInts, "num_experts", "too many local experts");
+    reinterpret_cast<volatile int*>(d.counts_host)[0] = 0;
+    kernels::launch_ht_notify(np, d.comm_stream);
+    if (a.num_worst_tokens > 0) {
+      handle->num_recv_tokens = a.num_worst_tokens;
+    } else {
+      d.wait_host_flag(reinterpret_cast<volatile int*>(d.counts_host), "dispatch");
+      volatile int* c = d.counts_host;
+      handle->num_recv_tokens = c[1];
+      handle->recv_counts.assign(R, 0);
+      for (int s2 = 0; s2 < R; ++s2) handle->recv_counts[s2] = c[2 + s2];
+      handle->num_recv_tokens_per_expert.assign(epr, 0);
+      for (int j = 0; j < epr; ++j) handle->num_recv_tokens_per_expert[j] = c[2 + R + j];
+    }
+  }
+  const int N = handle->num_recv_tokens;
+
+  DispatchResult res;
+  res.recv_x = d.make(a.x.dtype, {N, H}, a.streams);
+  if (fp8) res.recv_x_scales = d.make(DType::kF32, {N, num_scales}, a.streams);
+  if (a.topk_idx && !a.handle) {
+    res.recv_topk_idx = d.make(DType::kI64, {N, K}, a.streams);
+    if (a.num_worst_tokens > 0 && N > 0)
+      EPX_CUDA_CHECK(cudaMemsetAsync(res.recv_topk_idx->view.data, 0xff, res.recv_topk_idx->view.nbytes(),
+                                     d.comm_stream));
+  }
+  if (a.topk_weights && !a.handle) res.recv_topk_weights = d.make(DType::kF32, {N, K}, a.streams);
+  Tensor recv_src_idx = d.make(DType::kI32, {N}, a.streams);
+
+  kernels::HtDispatchParams p{};
+  p.t = tr;
+  p.off = off;
+  p.op_counter = d.ht_op_counter;
+  p.x = static_cast<const uint8_t*>(a.x.data);
+  p.x_row_bytes = a.x.strides[0] * static_cast<int64_t>(element_size(a.x.dtype));
+  if (fp8) {
+    p.x_scales = a.x_scales->ptr<float>();
+    p.scale_stride_token = a.x_scales->strides[0];
+    p.scale_stride_channel = a.x_scales->strides[1];
+  }
+  p.topk_idx = a.handle ? nullptr : (a.topk_idx ? a.topk_idx->ptr<int64_t>() : nullptr);
+  p.topk_weights = a.handle ? nullptr : (a.topk_weights ? a.topk_weights->ptr<float>() : nullptr);
+  p.num_tokens = T;
+  p.hidden_bytes = hidden_bytes;
+  p.num_scales = num_scales;
+  p.num_topk = (a.handle || !a.topk_idx) ? 0 : K;
+  p.num_experts = a.handle ? R : E;
+  p.send_list = handle->send_list.ptr<int>();
+  p.send_counts = handle->send_counts.ptr<int>();
+  p.recv_offsets = handle->recv_offsets.ptr<int>();
+  p.recv_x = static_cast<uint8_t*>(res.recv_x.view.data);
+  p.recv_scales = fp8 ? res.recv_x_scales->ptr<float>() : nullptr;
+  p.recv_topk_idx = res.recv_topk_idx ? res.recv_topk_idx->ptr<int64_t>() : nullptr;
+  p.recv_topk_weights = res.recv_topk_weights ? res.recv_topk_weights->ptr<float>() : nullptr;
+  p.recv_src_idx = recv_src_idx.ptr<int>();
+  p.max_recv_rows = N;
+  p.num_send_blocks = cfg.send_sms();
+  p.timeout_ns = d.timeout_ns();
+  p.diag = d.diag_dev;
+  if (a.topk_idx && !a.handle && p.num_topk > 0 && !p.topk_weights) {
+    // ids without weights: nothing to carry for weights
+  }
+  kernels::launch_ht_dispatch(p, cfg.num_sms, d.comm_stream);
+  if (!a.handle) handle->recv_src_idx = recv_src_idx;
+  res.num_recv_tokens_per_expert = handle->num_recv_tokens_per_expert;
+  res.handle = handle;
+  res.event = d.leave(a.streams);
+  return res;
+}
+
+CombineResult Buffer::combine(const CombineArgs& a) {
+  auto& d = *impl_;
+  d.check_alive("combine");
+  const int R = d.comm->num_ranks();
+  validate::combine(a, R, d.device);
+  const Config cfg = a.config.value_or(get_combine_config(R));
+  cfg.validate(R, d.num_sms_device);
+  const auto& h = *a.handle;
+  const int T = h.num_tokens, H = static_cast<int>(a.x.shape[1]);
+  const int K = a.topk_weights ? static_cast<int>(a.topk_weights->shape[1]) : 0;
+  const plan::HtRegion region =
+      plan_region("combine", d, cfg, R, plan::ht_combine_row_bytes(H, K), T);
+  const auto off = offsets_of(region);
+  const auto tr = d.transport(d.ht);
+
+  d.enter(a.streams);
+  kernels::HtNotifyParams np{};
+  np.t = tr;
+  np.off = off;
+  np.op_counter = d.ht_op_counter;
+  np.exchange = false;
+  np.timeout_ns = d.timeout_ns();
+  np.diag = d.diag_dev;
+  np.op = OpId::kCombineNotify;
+  kernels::launch_ht_notify(np, d.comm_stream);
+
+  CombineResult res;
+  res.combined_x = d.make(DType::kBF16, {T, H}, a.streams);
+  if (a.topk_weights) res.combined_topk_weights = d.make(DType::kF32, {T, K}, a.streams);
+  kernels::HtCombineParams p{};
+  p.t = tr;
+  p.off = off;
+  p.op_counter = d.ht_op_counter;
+  p.x = a.x.ptr<uint16_t>();
+  p.topk_weights = a.topk_weights ? a.topk_weights->ptr<float>() : nullptr;
+  p.bias0 = a.bias_0 ? a.bias_0->ptr<uint16_t>() : nullptr;
+  p.bias1 = a.bias_1 ? a.bias_1->ptr<uint16_t>() : nullptr;
+  p.num_tokens = T;
+  p.hidden = H;
+  p.num_topk = K;
+  p.is_token_in_rank = h.is_token_in_rank.ptr<bool>();
+  p.send_slot = h.send_slot.ptr<int>();
+  p.recv_offsets = h.recv_offsets.ptr<int>();
+  p.combined_x = res.combined_x.ptr<uint16_t>();
+  p.combined_topk_weights = res.combined_topk_weights ? res.combined_topk_weights->ptr<float>() : nullptr;
+  p.num_send_blocks = cfg.send_sms();
+  p.timeout_ns = d.timeout_ns();
+  p.diag = d.diag_dev;
+  kernels::launch_ht_combine(p, cfg.num_sms, d.comm_stream);
+  res.event = d.leave(a.streams);
+  return res;
+}
+
+}  // namespace epx

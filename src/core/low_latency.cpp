@@ -1,0 +1,332 @@
+// Host side of the low-latency ops: low_latency_dispatch / low_latency_combine,
+// the zero-copy combine buffer, cleaning and the size hint. Kernels and the
+// protocol: src/kernels/low_latency.cu, docs/low_latency.md.
+//
+// Nothing here waits for the GPU: outputs are fixed-size ([E_local, R*maxT, H]
+// and friends), epochs live on the device, so every call can be captured in a
+// CUDA graph and replayed with new routing.
+#include <algorithm>
+#include <string>
+
+#include "core/buffer_impl.hpp"
+#include "core/plan.hpp"
+#include "core/validate.hpp"
+#include "kernels/kernels.hpp"
+
+namespace epx {
+namespace {
+
+constexpr int kWarpsPerBlock = 16;  // kernels run 512 threads per block
+constexpr int kDispatchChunk = 512;
+constexpr int kCombineChunk = 1024;
+constexpr int kStateInts = 16;
+
+int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+plan::LlRegion region_of(int num_ranks, int max_tokens, int hidden, int num_experts) {
+  plan::LlRegion r;
+  r.num_ranks = num_ranks;
+  r.max_tokens = max_tokens;
+  r.hidden = hidden;
+  r.num_experts = num_experts;
+  return r;
+}
+
+kernels::LlOffsets offsets_of(const plan::LlRegion& r) {
+  kernels::LlOffsets o{};
+  o.control = 0;
+  o.half0 = r.half_offset(0);
+  o.half_bytes = r.half_bytes();
+  o.flags = r.flags_offset();
+  o.meta = r.meta_offset();
+  o.meta_stride = r.meta_stride();
+  o.disp_rows = r.dispatch_rows_offset();
+  o.weights = r.weights_offset();
+  o.comb_rows = r.combine_rows_offset();
+  return o;
+}
+
+std::string workload(const plan::LlRegion& r) {
+  return "num_max_dispatch_tokens_per_rank=" + std::to_string(r.max_tokens) +
+         ", hidden=" + std::to_string(r.hidden) + ", num_ranks=" + std::to_string(r.num_ranks) +
+         ", num_experts=" + std::to_string(r.num_experts);
+}
+
+void check_fits(const char* op, const Buffer::Impl& d, const plan::LlRegion& r, std::size_t need,
+                const char* what) {
+  if (need <= d.ll.bytes) return;
+  throw Error(ErrorCode::kBufferTooSmall,
+              std::string(op) + ": num_rdma_bytes: " + what + " needs " + std::to_string(need) +
+                  " bytes of low-latency buffer (" + workload(r) + ") but the buffer has " +
+                  std::to_string(d.ll.bytes) +
+                  "; size it with Buffer::get_low_latency_rdma_size_hint(" +
+                  std::to_string(r.max_tokens) + ", " + std::to_string(r.hidden) + ", " +
+                  std::to_string(r.num_ranks) + ", " + std::to_string(r.num_experts) + ") = " +
+                  std::to_string(r.total_bytes()));
+}
+
+/// Column-major view over the last two dims of a tensor allocated as
+/// [E_local, cols, rows]: logical [E_local, rows, cols], strides {rows*cols, 1, rows}.
+void make_column_major(Tensor& t, int64_t e_local, int64_t rows, int64_t cols) {
+  t.view.ndim = 3;
+  t.view.shape = {e_local, rows, cols, 0};
+  t.view.strides = {rows * cols, 1, rows, 0};
+}
+
+}  // namespace
+
+LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchArgs& a) {
+  static constexpr const char* op = "low_latency_dispatch";
+  auto& d = *impl_;
+  d.check_alive(op);
+  const int R = d.comm->num_ranks();
+  validate::low_latency_dispatch(a, R, d.device);
+  const int T = static_cast<int>(a.x.shape[0]), H = static_cast<int>(a.x.shape[1]);
+  const int K = static_cast<int>(a.topk_idx.shape[1]), E = a.num_experts;
+  const int maxT = a.num_max_dispatch_tokens_per_rank;
+  const int E_local = E / R, RT = R * maxT, G = H / 128, G4 = (G + 3) / 4;
+  const plan::LlRegion region = region_of(R, maxT, H, E);
+  check_fits(op, d, region, region.core_bytes(), "the call");
+  d.raise_if_failed(op);
+
+  StreamArgs s;
+  s.stream = a.stream;
+  s.async_finish = a.async_finish;
+
+  auto handle = std::make_shared<LowLatencyHandle>();
+  handle->num_ranks = R;
+  handle->num_experts = E;
+  handle->num_max_dispatch_tokens_per_rank = maxT;
+  handle->hidden = H;
+  handle->num_tokens = T;
+  handle->num_topk = K;
+  handle->use_fp8 = a.use_fp8;
+  handle->buffer_slot = d.ll_parity;
+  d.ll_parity ^= 1;
+
+  // Outputs first, in the caller's stream order; enter() then orders the comm
+  // stream after them with a single event.
+  LowLatencyDispatchResult res;
+  res.recv_x = d.alloc(a.use_fp8 ? DType::kFP8E4M3 : DType::kBF16, {E_local, RT, H}, a.stream);
+  if (a.use_fp8) {
+    const int cols = a.use_ue8m0 ? G4 : G;
+    Tensor sc = d.alloc(a.use_ue8m0 ? DType::kI32 : DType::kF32, {E_local, cols, RT}, a.stream);
+    make_column_major(sc, E_local, RT, cols);
+    res.recv_x_scales = sc;
+  }
+  res.recv_count = d.alloc(DType::kI32, {E_local}, a.stream);
+  handle->src_info = d.alloc(DType::kI32, {E_local, RT}, a.stream);
+  handle->layout_range = d.alloc(DType::kI64, {E_local, R}, a.stream);
+  handle->topk_idx = d.alloc(DType::kI64, {T, K}, a.stream);
+  handle->combine_rows = d.alloc(DType::kI32, {R, maxT, K}, a.stream);
+  handle->state = d.alloc(DType::kI32, {kStateInts}, a.stream);
+  d.enter(s);
+
+  const auto tr = d.transport(d.ll);
+  const auto off = offsets_of(region);
+  const int row_bytes = static_cast<int>(region.dispatch_row_bytes(a.use_fp8));
+
+  kernels::LlDispatchSendParams sp{};
+  sp.t = tr;
+  sp.off = off;
+  sp.op_counter = d.ll_op_counter;
+  sp.state = handle->state.ptr<int32_t>();
+  sp.x = a.x.ptr<uint16_t>();
+  sp.topk_idx = a.topk_idx.ptr<int64_t>();
+  sp.topk_copy = T > 0 ? handle->topk_idx.ptr<int64_t>() : nullptr;
+  sp.num_tokens = T;
+  sp.hidden = H;
+  sp.num_topk = K;
+  sp.num_experts = E;
+  sp.max_tokens = maxT;
+  sp.row_bytes = row_bytes;
+  sp.fp8 = a.use_fp8;
+  sp.round_scale = a.round_scale;
+  sp.diag = d.diag_dev;
+  const int send_blocks =
+      std::clamp(ceil_div(static_cast<int64_t>(T) * ceil_div(H, kDispatchChunk), kWarpsPerBlock), 1,
+                 d.num_sms_device);
+  kernels::launch_ll_dispatch_send(sp, send_blocks, d.comm_stream);
+
+  kernels::LlDispatchRecvParams rp{};
+  rp.t = tr;
+  rp.off = off;
+  rp.state = handle->state.ptr<int32_t>();
+  rp.hidden = H;
+  rp.num_topk = K;
+  rp.num_experts = E;
+  rp.max_tokens = maxT;
+  rp.row_bytes = row_bytes;
+  rp.parts = std::clamp(ceil_div(2 * d.num_sms_device, E_local), 1, 8);
+  rp.fp8 = a.use_fp8;
+  rp.ue8m0 = a.use_ue8m0;
+  rp.recv_x = static_cast<uint8_t*>(res.recv_x.view.data);
+  rp.recv_scales = res.recv_x_scales ? res.recv_x_scales->view.data : nullptr;
+  rp.recv_count = res.recv_count.ptr<int>();
+  rp.src_info = handle->src_info.ptr<int>();
+  rp.layout_range = handle->layout_range.ptr<int64_t>();
+  rp.combine_rows = handle->combine_rows.ptr<int>();
+  rp.stats = a.cumulative_local_expert_recv_stats ? a.cumulative_local_expert_recv_stats->ptr<int>()
+                                                  : nullptr;
+  rp.timeout_ns = d.timeout_ns();
+  rp.diag = d.diag_dev;
+
+  if (!a.return_recv_hook) {
+    kernels::launch_ll_dispatch_recv(rp, d.comm_stream);
+    res.event = d.leave(s);
+  } else {
+    // The caller's stream is ordered after the send (or holds the event when
+    // async_finish); the hook runs the receive phase on that stream.
+    res.event = d.leave(s);
+    Impl* impl = &d;
+    res.hook = [impl, rp, stream = a.stream, sent = res.event, recv_x = res.recv_x,
+                scales = res.recv_x_scales, count = res.recv_count, handle]() {
+      impl->check_alive(op);
+      impl->raise_if_failed(op);
+      if (sent) sent->stream_wait(stream);
+      kernels::launch_ll_dispatch_recv(rp, stream);
+    };
+  }
+  res.handle = handle;
+  return res;
+}
+
+LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs& a) {
+  static constexpr const char* op = "low_latency_combine";
+  auto& d = *impl_;
+  d.check_alive(op);
+  const int R = d.comm->num_ranks();
+  validate::low_latency_combine(a, R, d.device);
+  const auto handle = a.handle;
+  const auto& h = *handle;
+  require(h.combine_rows.defined() && h.state.defined(), "low_latency_combine: handle",
+          "must come from low_latency_dispatch (this one carries no routing state)");
+  const int T = h.num_tokens, H = h.hidden, K = h.num_topk, E = h.num_experts;
+  const int maxT = h.num_max_dispatch_tokens_per_rank;
+  const plan::LlRegion region = region_of(R, maxT, H, E);
+  check_fits(op, d, region, region.core_bytes(), "the call");
+  d.raise_if_failed(op);
+
+  StreamArgs s;
+  s.stream = a.stream;
+  s.async_finish = a.async_finish;
+
+  LowLatencyCombineResult res;
+  if (a.out) {
+    res.combined_x.view = *a.out;
+  } else {
+    res.combined_x = d.alloc(DType::kBF16, {T, H}, a.stream);
+  }
+  Tensor state = d.alloc(DType::kI32, {4}, a.stream);
+  d.enter(s);
+
+  const auto tr = d.transport(d.ll);
+  const auto off = offsets_of(region);
+  const int C = ceil_div(H, kCombineChunk);
+
+  kernels::LlCombineSendParams sp{};
+  sp.t = tr;
+  sp.off = off;
+  sp.op_counter = d.ll_op_counter;
+  sp.state = state.ptr<int32_t>();
+  sp.disp_state = h.state.ptr<int32_t>();
+  sp.x = a.x.ptr<uint16_t>();  // zero_copy or not, the send reads x where it is
+  sp.topk_weights = a.topk_weights.ptr<float>();
+  sp.combine_rows = h.combine_rows.ptr<int>();
+  sp.num_tokens = T;
+  sp.hidden = H;
+  sp.num_topk = K;
+  sp.max_tokens = maxT;
+  sp.logfmt = a.use_logfmt;
+  sp.timeout_ns = d.timeout_ns();
+  sp.diag = d.diag_dev;
+  const int send_blocks = std::clamp(
+      ceil_div(static_cast<int64_t>(R) * maxT * C, kWarpsPerBlock), 1, d.num_sms_device);
+  kernels::launch_ll_combine_send(sp, send_blocks, d.comm_stream);
+
+  kernels::LlCombineRecvParams rp{};
+  rp.t = tr;
+  rp.off = off;
+  rp.state = state.ptr<int32_t>();
+  rp.topk_idx = a.topk_idx.ptr<int64_t>();
+  rp.topk_weights = a.topk_weights.ptr<float>();
+  rp.out = res.combined_x.ptr<uint16_t>();
+  rp.num_tokens = T;
+  rp.hidden = H;
+  rp.num_topk = K;
+  rp.num_experts = E;
+  rp.max_tokens = maxT;
+  rp.logfmt = a.use_logfmt;
+  rp.timeout_ns = d.timeout_ns();
+  rp.diag = d.diag_dev;
+  const int recv_blocks =
+      std::clamp(ceil_div(static_cast<int64_t>(T) * C, kWarpsPerBlock), 1, d.num_sms_device);
+
+  if (!a.return_recv_hook) {
+    kernels::launch_ll_combine_recv(rp, recv_blocks, d.comm_stream);
+    res.event = d.leave(s);
+  } else {
+    res.event = d.leave(s);
+    Impl* impl = &d;
+    res.hook = [impl, rp, recv_blocks, stream = a.stream, sent = res.event, out = res.combined_x,
+                state, handle]() {
+      impl->check_alive(op);
+      impl->raise_if_failed(op);
+      if (sent) sent->stream_wait(stream);
+      kernels::launch_ll_combine_recv(rp, recv_blocks, stream);
+    };
+  }
+  return res;
+}
+
+TensorView Buffer::get_next_low_latency_combine_buffer(const LowLatencyHandle& h) {
+  static constexpr const char* op = "get_next_low_latency_combine_buffer";
+  auto& d = *impl_;
+  d.check_alive(op);
+  const int R = d.comm->num_ranks();
+  require(h.num_ranks == R, "get_next_low_latency_combine_buffer: handle", "was made by a buffer of another rank count");
+  require(h.num_max_dispatch_tokens_per_rank > 0 && h.hidden > 0 && h.num_experts > 0, "get_next_low_latency_combine_buffer: handle",
+          "must come from low_latency_dispatch");
+  const plan::LlRegion region = region_of(R, h.num_max_dispatch_tokens_per_rank, h.hidden, h.num_experts);
+  check_fits(op, d, region, region.total_bytes(), "the zero-copy combine input");
+  char* p = static_cast<char*>(d.ll.local) + region.zero_copy_offset(h.buffer_slot & 1);
+  return TensorView::contiguous(p, DType::kBF16,
+                                {region.local_experts(), region.rows_per_expert(), h.hidden}, d.device);
+}
+
+void Buffer::clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, int hidden,
+                                      int num_experts) {
+  static constexpr const char* op = "clean_low_latency_buffer";
+  auto& d = *impl_;
+  d.check_alive(op);
+  const int R = d.comm->num_ranks();
+  require(num_max_dispatch_tokens_per_rank > 0, "num_max_dispatch_tokens_per_rank",
+          "must be > 0, got " + std::to_string(num_max_dispatch_tokens_per_rank));
+  require(hidden > 0, "hidden", "must be > 0, got " + std::to_string(hidden));
+  validate::num_experts(op, num_experts, R);
+  const plan::LlRegion region = region_of(R, num_max_dispatch_tokens_per_rank, hidden, num_experts);
+  // Collective: nobody may still be writing into a peer's region while it is
+  // zeroed, and nobody may start a new op before every region is clean.
+  EPX_CUDA_CHECK(cudaStreamSynchronize(d.comm_stream));
+  d.comm->barrier();
+  const std::size_t bytes = std::min(region.core_bytes(), d.ll.bytes);
+  if (bytes > 0) EPX_CUDA_CHECK(cudaMemsetAsync(d.ll.local, 0, bytes, d.comm_stream));
+  EPX_CUDA_CHECK(cudaMemsetAsync(d.ll_op_counter, 0, sizeof(uint32_t), d.comm_stream));
+  EPX_CUDA_CHECK(cudaStreamSynchronize(d.comm_stream));
+  d.ll_parity = 0;
+  d.comm->barrier();
+}
+
+std::size_t Buffer::get_low_latency_rdma_size_hint(int num_max_dispatch_tokens_per_rank, int hidden,
+                                                   int num_ranks, int num_experts) {
+  static constexpr const char* op = "get_low_latency_rdma_size_hint";
+  require(num_ranks >= 1 && num_ranks <= plan::kMaxRanks, "num_ranks",
+          "must be in [1, " + std::to_string(plan::kMaxRanks) + "], got " + std::to_string(num_ranks));
+  require(num_max_dispatch_tokens_per_rank > 0, "num_max_dispatch_tokens_per_rank",
+          "must be > 0, got " + std::to_string(num_max_dispatch_tokens_per_rank));
+  require(hidden > 0, "hidden", "must be > 0, got " + std::to_string(hidden));
+  validate::num_experts(op, num_experts, num_ranks);
+  return region_of(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts).total_bytes();
+}
+
+}  // namespace epx

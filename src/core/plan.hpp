@@ -1,0 +1,138 @@
+// core/plan.hpp - how the symmetric buffers are carved up. Pure arithmetic,
+// shared by the host logic, the size hints and the unit tests.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace epx::plan {
+
+inline constexpr int kMaxRanks = 8;
+inline constexpr std::size_t kAlign = 128;
+
+constexpr std::size_t align_up(std::size_t v, std::size_t a) { return (v + a - 1) / a * a; }
+
+/// One staged dispatch row: payload, FP8 scales (f32), top-k ids (i32),
+/// weights (f32), source token index (i32).
+constexpr std::size_t ht_dispatch_row_bytes(std::size_t hidden_bytes, int num_scales,
+                                            int num_topk) {
+  return align_up(hidden_bytes + 4u * num_scales + 8u * num_topk + 4u, 16);
+}
+/// One staged combine row: BF16 payload and top-k weights (f32).
+constexpr std::size_t ht_combine_row_bytes(int hidden, int num_topk) {
+  return align_up(2u * hidden + 4u * num_topk, 16);
+}
+
+/// High-throughput region, per rank. The control and flag areas have a fixed
+/// size and place whatever the call (dispatch or combine, any config), so a
+/// flag is never overwritten by another op's staged rows:
+///   [barrier flags uint32[kMaxRanks]]
+///   [two count-exchange areas: int32[kMaxRanks][1 + kMaxLocalExperts]]
+///   [chunk flags uint32[kMaxRanks][kMaxChunks]]
+///   [staging: R sources x capacity rows x row_bytes]   (varies per call)
+inline constexpr int kMaxLocalExperts = 1024;
+inline constexpr int kMaxChunks = 16384;  ///< per source rank and call
+
+struct HtRegion {
+  int num_ranks = 0, num_experts = 0, capacity = 0, chunk = 0;
+  std::size_t row_bytes = 0;
+
+  int max_chunks() const { return kMaxChunks; }
+  int chunks_needed() const { return (capacity + chunk - 1) / chunk; }
+  /// Count-exchange row a source writes: [count to me, then E_local per-expert counts].
+  int count_row_ints() const { return 1 + kMaxLocalExperts; }
+
+  static constexpr std::size_t barrier_offset() { return 0; }  // uint32[kMaxRanks]
+  static constexpr std::size_t counts_bytes() {
+    return align_up(4u * kMaxRanks * (1 + kMaxLocalExperts), kAlign);
+  }
+  static constexpr std::size_t counts_offset(int parity) {
+    return align_up(4u * kMaxRanks, kAlign) + parity * counts_bytes();
+  }
+  static constexpr std::size_t flags_offset() { return counts_offset(2); }
+  static constexpr std::size_t staging_offset() {
+    return align_up(flags_offset() + 4u * kMaxRanks * kMaxChunks, kAlign);
+  }
+  std::size_t total_bytes() const {
+    return staging_offset() + static_cast<std::size_t>(num_ranks) * capacity * row_bytes;
+  }
+};
+
+}  // namespace epx::plan
+
+// ============================================================================
+// Low-latency region (issue 4). Owned by the low-latency path; appended here so
+// the size hint, the host logic and the unit tests share one piece of arithmetic.
+// ============================================================================
+namespace epx::plan {
+
+/// Picks reserved per token in the routing metadata (the size hint has no top-k).
+inline constexpr int kLlMaxTopK = 16;
+
+/// Low-latency region, per rank (all offsets from the region start):
+///   [control: local completion counters of the send kernels]
+///   [half 0][half 1]       one half per op parity (epoch & 1), each:
+///       flags     uint32[3][kMaxRanks]: dispatch data, combine weights, combine data; one
+///                 word per source rank holding the epoch of the last op that filled it
+///       meta      per source: [header 16 B: num_tokens][int32 topk ids [maxT][kLlMaxTopK]]
+///       disp rows per source: [maxT] dispatch rows (payload, FP8 scales) at slot = token
+///       weights   per source: f32 [maxT][kLlMaxTopK] combine weights
+///       comb rows per source: [maxT] bf16 rows (one per (token, expert rank))
+///   [zero-copy 0][zero-copy 1]  bf16 [E_local, R*maxT, H] combine inputs
+///                               (get_next_low_latency_combine_buffer); optional: the ops
+///                               themselves only need core_bytes().
+struct LlRegion {
+  int num_ranks = 0, max_tokens = 0, hidden = 0, num_experts = 0;
+
+  int local_experts() const { return num_experts / num_ranks; }
+  int rows_per_expert() const { return num_ranks * max_tokens; }
+
+  /// One dispatch row in the receive slots: FP8 payload + f32 scales, or BF16 payload.
+  std::size_t dispatch_row_bytes(bool fp8) const {
+    return fp8 ? align_up(static_cast<std::size_t>(hidden) + 4u * (hidden / 128), 16)
+               : 2u * static_cast<std::size_t>(hidden);
+  }
+  std::size_t dispatch_row_capacity() const {
+    const std::size_t a = dispatch_row_bytes(true), b = dispatch_row_bytes(false);
+    return a > b ? a : b;
+  }
+  std::size_t combine_row_bytes() const { return 2u * static_cast<std::size_t>(hidden); }
+
+  std::size_t control_bytes() const { return kAlign; }
+  std::size_t flags_bytes() const { return align_up(3u * 4u * kMaxRanks, kAlign); }
+  std::size_t meta_stride() const {
+    return align_up(16u + 4u * static_cast<std::size_t>(max_tokens) * kLlMaxTopK, kAlign);
+  }
+  // Offsets inside a half.
+  std::size_t flags_offset() const { return 0; }
+  std::size_t meta_offset() const { return flags_bytes(); }
+  std::size_t dispatch_rows_offset() const {
+    return meta_offset() + static_cast<std::size_t>(num_ranks) * meta_stride();
+  }
+  std::size_t weights_offset() const {
+    return align_up(dispatch_rows_offset() + static_cast<std::size_t>(num_ranks) * max_tokens *
+                                                 dispatch_row_capacity(),
+                    kAlign);
+  }
+  std::size_t combine_rows_offset() const {
+    return align_up(weights_offset() + 4u * static_cast<std::size_t>(num_ranks) * max_tokens * kLlMaxTopK,
+                    kAlign);
+  }
+  std::size_t half_bytes() const {
+    return align_up(combine_rows_offset() + static_cast<std::size_t>(num_ranks) * max_tokens *
+                                                combine_row_bytes(),
+                    kAlign);
+  }
+  std::size_t half_offset(int parity) const { return control_bytes() + parity * half_bytes(); }
+  /// Bytes dispatch and combine need.
+  std::size_t core_bytes() const { return control_bytes() + 2 * half_bytes(); }
+  /// One zero-copy combine input [E_local, R*maxT, H] bf16.
+  std::size_t zero_copy_bytes() const {
+    return align_up(2u * static_cast<std::size_t>(local_experts()) * rows_per_expert() * hidden, kAlign);
+  }
+  std::size_t zero_copy_offset(int slot) const { return core_bytes() + slot * zero_copy_bytes(); }
+  /// Everything, zero-copy inputs included (get_low_latency_rdma_size_hint).
+  std::size_t total_bytes() const { return core_bytes() + 2 * zero_copy_bytes(); }
+};
+
+}  // namespace epx::plan

@@ -1,0 +1,74 @@
+#include <sstream>
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include "core/check.hpp"
+#include "epx/tensor.hpp"
+
+namespace epx {
+
+TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape,
+                                  int device) {
+  TensorView v;
+  v.data = data;
+  v.dtype = dtype;
+  v.device = device;
+  v.ndim = static_cast<int>(shape.size());
+  int i = 0;
+  for (int64_t s : shape) v.shape[i++] = s;
+  int64_t stride = 1;
+  for (int d = v.ndim - 1; d >= 0; --d) {
+    v.strides[d] = stride;
+    stride *= v.shape[d];
+  }
+  return v;
+}
+
+int64_t TensorView::numel() const {
+  int64_t n = 1;
+  for (int d = 0; d < ndim; ++d) n *= shape[d];
+  return n;
+}
+
+bool TensorView::is_contiguous() const {
+  int64_t stride = 1;
+  for (int d = ndim - 1; d >= 0; --d) {
+    if (shape[d] != 1 && strides[d] != stride) return false;
+    stride *= shape[d];
+  }
+  return true;
+}
+
+std::string TensorView::describe() const {
+  std::ostringstream os;
+  os << "[";
+  for (int d = 0; d < ndim; ++d) os << (d ? ", " : "") << shape[d];
+  os << "] " << dtype_name(dtype) << " ";
+  if (device == kCpu) {
+    os << "cpu";
+  } else {
+    os << "cuda:" << device;
+  }
+  if (!is_contiguous()) os << " (non-contiguous)";
+  return os.str();
+}
+
+namespace detail {
+
+void throw_cuda(cudaError_t err, const char* expr, const char* file, int line) {
+  std::ostringstream os;
+  os << "CUDA error " << cudaGetErrorName(err) << " (" << cudaGetErrorString(err) << ") in "
+     << expr << " at " << file << ":" << line;
+  throw Error(ErrorCode::kCuda, os.str());
+}
+
+void throw_nccl(int err, const char* expr, const char* file, int line) {
+  std::ostringstream os;
+  os << "NCCL error " << err << " (" << ncclGetErrorString(static_cast<ncclResult_t>(err))
+     << ") in " << expr << " at " << file << ":" << line;
+  throw Error(ErrorCode::kNccl, os.str());
+}
+
+}  // namespace detail
+}  // namespace epx

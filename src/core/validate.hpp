@@ -1,0 +1,41 @@
+// core/validate.hpp - argument rules shared by the C++ API and the Python
+// binding. Every check throws epx::Error(kInvalidArgument) whose message reads
+// "<op>: <argument>: <rule> (got <what>)", before any kernel runs.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+
+#include "epx/buffer.hpp"
+
+namespace epx::validate {
+
+inline constexpr int64_t kAny = -1;     ///< wildcard in an expected shape
+inline constexpr int kAnyDevice = -2;    ///< wildcard device: any CUDA device (not host)
+
+/// dtype, rank (ndim), shape (kAny = any extent), device (kAnyDevice = any
+/// CUDA device; kCpu = host), and row-major contiguity.
+void tensor(const char* op, const char* name, const TensorView& t, DType dtype,
+            std::initializer_list<int64_t> shape, int device, bool contiguous = true);
+
+/// num_experts > 0 and divisible by num_ranks.
+void num_experts(const char* op, int num_experts, int num_ranks);
+/// hidden > 0; row bytes a multiple of 16; FP8 (or use_fp8) needs hidden % 128 == 0.
+void hidden(const char* op, int64_t hidden, DType dtype, bool fp8_path);
+/// num_topk in [1, kMaxTopK].
+void num_topk(const char* op, int64_t num_topk);
+/// Host-side topk_idx values: each -1 or in [0, num_experts). Only for host
+/// (kCpu) tensors; device values are checked by the layout kernel.
+void topk_idx_values(const char* op, const TensorView& topk_idx, int num_experts);
+
+inline constexpr int kMaxTopK = 16;
+inline constexpr int kMaxRanks = 8;  ///< NVLink domain served today
+inline constexpr int kMaxLowLatencyTokens = 1024;  ///< per rank, per call
+
+/// Whole-call checks. Return nothing; throw on the first broken rule.
+void dispatch(const DispatchArgs& a, int num_ranks, int device);
+void combine(const CombineArgs& a, int num_ranks, int device);
+void low_latency_dispatch(const LowLatencyDispatchArgs& a, int num_ranks, int device);
+void low_latency_combine(const LowLatencyCombineArgs& a, int num_ranks, int device);
+
+}  // namespace epx::validate

@@ -1,0 +1,182 @@
+// kernels/kernels.hpp - launch entry points of the CUDA kernels. Parameters
+// travel by value in one struct per kernel; kernels see only the transport.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "core/diag.hpp"
+#include "transport/device.cuh"
+
+namespace epx::kernels {
+
+// ---- layout -------------------------------------------------------------------
+struct LayoutParams {
+  const int64_t* topk_idx;  ///< [T, K]
+  int num_tokens, num_topk, num_experts, num_ranks, rank;
+  int* num_tokens_per_rank;    ///< [R] (zeroed by the launcher)
+  int* num_tokens_per_expert;  ///< [E] (zeroed by the launcher)
+  bool* is_token_in_rank;      ///< [T, R]
+  DeviceDiag* diag;
+};
+void launch_layout(const LayoutParams& p, cudaStream_t stream);
+
+// ---- high-throughput ----------------------------------------------------------
+/// Where things live inside the high-throughput symmetric region.
+struct HtOffsets {
+  std::size_t barrier, counts[2], flags, staging, row_bytes;
+  int capacity, chunk, max_chunks, count_row_ints;
+};
+
+/// Barrier over all ranks, optional count exchange, and the send plan.
+struct HtNotifyParams {
+  dev::NvlinkTransport t;
+  HtOffsets off;
+  uint32_t* op_counter;  ///< local: ops started so far (epoch source)
+  bool exchange;         ///< false: barrier only (cached dispatch, combine)
+  // exchange inputs
+  const int* num_tokens_per_rank;    ///< [R]
+  const int* num_tokens_per_expert;  ///< [E]
+  const bool* is_token_in_rank;      ///< [T, R]
+  int num_tokens, num_experts, expert_alignment;
+  // exchange outputs
+  int* send_slot;     ///< [T, R]
+  int* send_list;     ///< [R, T]
+  int* send_counts;   ///< [R]
+  int* recv_offsets;  ///< [R + 1]
+  int* host_counts;   ///< mapped: [0] ready flag, [1] N, [2..2+R) per source, then E_local
+  uint64_t timeout_ns;
+  DeviceDiag* diag;
+  OpId op;
+};
+void launch_ht_notify(const HtNotifyParams& p, cudaStream_t stream);
+
+struct HtDispatchParams {
+  dev::NvlinkTransport t;
+  HtOffsets off;
+  const uint32_t* op_counter;
+  const uint8_t* x;  ///< rows of hidden_bytes
+  int64_t x_row_bytes;
+  const float* x_scales;  ///< nullable
+  int64_t scale_stride_token, scale_stride_channel;
+  const int64_t* topk_idx;     ///< [T, K] nullable
+  const float* topk_weights;   ///< [T, K] nullable
+  int num_tokens, hidden_bytes, num_scales, num_topk, num_experts;
+  const int* send_list;     ///< [R, T]
+  const int* send_counts;   ///< [R]
+  const int* recv_offsets;  ///< [R + 1]
+  uint8_t* recv_x;          ///< [N, hidden_bytes]
+  float* recv_scales;       ///< [N, num_scales]
+  int64_t* recv_topk_idx;   ///< [N, K]
+  float* recv_topk_weights; ///< [N, K]
+  int* recv_src_idx;        ///< [N]
+  int max_recv_rows;        ///< rows allocated for recv_* (num_worst_tokens or N)
+  int num_send_blocks;
+  uint64_t timeout_ns;
+  DeviceDiag* diag;
+};
+void launch_ht_dispatch(const HtDispatchParams& p, int num_blocks, cudaStream_t stream);
+
+struct HtCombineParams {
+  dev::NvlinkTransport t;
+  HtOffsets off;
+  const uint32_t* op_counter;
+  const uint16_t* x;           ///< [N, H] bf16
+  const float* topk_weights;   ///< [N, K] nullable
+  const uint16_t* bias0;       ///< [T, H] nullable
+  const uint16_t* bias1;       ///< [T, H] nullable
+  int num_tokens, hidden, num_topk;
+  const bool* is_token_in_rank;  ///< [T, R]
+  const int* send_slot;          ///< [T, R]
+  const int* recv_offsets;       ///< [R + 1]
+  uint16_t* combined_x;          ///< [T, H]
+  float* combined_topk_weights;  ///< [T, K] nullable
+  int num_send_blocks;
+  uint64_t timeout_ns;
+  DeviceDiag* diag;
+};
+void launch_ht_combine(const HtCombineParams& p, int num_blocks, cudaStream_t stream);
+
+}  // namespace epx::kernels
+
+// ============================================================================
+// Low-latency (issue 4): src/kernels/low_latency.cu. Each op is a send kernel
+// (epoch from op_counter, data and flags into the peers' receive slots) and a
+// receive kernel (epoch from the op's state word, waits, unpacks locally).
+// ============================================================================
+namespace epx::kernels {
+
+/// Where things live inside the low-latency symmetric region (plan::LlRegion).
+/// Sub-offsets are relative to a half; half h starts at half0 + h * half_bytes.
+struct LlOffsets {
+  std::size_t control;     ///< local completion counters (uint32[2])
+  std::size_t half0, half_bytes;
+  std::size_t flags, meta, meta_stride, disp_rows, weights, comb_rows;
+};
+
+struct LlDispatchSendParams {
+  dev::NvlinkTransport t;
+  LlOffsets off;
+  uint32_t* op_counter;      ///< local LL epoch counter (read + 1; the last block stores it)
+  int32_t* state;            ///< handle state: [0] <- this op's epoch
+  const uint16_t* x;         ///< [T, H] bf16, contiguous
+  const int64_t* topk_idx;   ///< [T, K]
+  int64_t* topk_copy;        ///< [T, K] handle copy of topk_idx (nullable)
+  int num_tokens, hidden, num_topk, num_experts, max_tokens;
+  int row_bytes;             ///< dispatch row stride in the receive slots
+  bool fp8, round_scale;
+  DeviceDiag* diag;
+};
+void launch_ll_dispatch_send(const LlDispatchSendParams& p, int num_blocks, cudaStream_t stream);
+
+struct LlDispatchRecvParams {
+  dev::NvlinkTransport t;
+  LlOffsets off;
+  int32_t* state;            ///< handle state: [0] epoch (read); [8 + s] <- tokens of source s
+  int hidden, num_topk, num_experts, max_tokens, row_bytes;
+  int parts;                 ///< blocks per local expert (grid = E_local * parts)
+  bool fp8, ue8m0;
+  uint8_t* recv_x;           ///< [E_local, R*maxT, H] bf16 or fp8
+  void* recv_scales;         ///< f32 [E_local, G, R*maxT] or i32 [E_local, ceil(G/4), R*maxT] (memory order)
+  int* recv_count;           ///< [E_local]
+  int* src_info;             ///< [E_local, R*maxT]
+  int64_t* layout_range;     ///< [E_local, R]
+  int* combine_rows;         ///< [R, maxT, K]
+  int* stats;                ///< [E_local] nullable, += recv_count
+  uint64_t timeout_ns;
+  DeviceDiag* diag;
+};
+void launch_ll_dispatch_recv(const LlDispatchRecvParams& p, cudaStream_t stream);
+
+struct LlCombineSendParams {
+  dev::NvlinkTransport t;
+  LlOffsets off;
+  uint32_t* op_counter;
+  int32_t* state;             ///< combine state: [0] <- this op's epoch
+  const int32_t* disp_state;  ///< the dispatch's handle state ([8 + s]: tokens of source s)
+  const uint16_t* x;          ///< [E_local, R*maxT, H] bf16
+  const float* topk_weights;  ///< [T, K] of this rank's tokens
+  const int* combine_rows;    ///< [R, maxT, K] from the dispatch
+  int num_tokens, hidden, num_topk, max_tokens;
+  bool logfmt;
+  uint64_t timeout_ns;
+  DeviceDiag* diag;
+};
+void launch_ll_combine_send(const LlCombineSendParams& p, int num_blocks, cudaStream_t stream);
+
+struct LlCombineRecvParams {
+  dev::NvlinkTransport t;
+  LlOffsets off;
+  const int32_t* state;       ///< combine state: [0] epoch
+  const int64_t* topk_idx;    ///< [T, K]
+  const float* topk_weights;  ///< [T, K]
+  uint16_t* out;              ///< [T, H] bf16
+  int num_tokens, hidden, num_topk, num_experts, max_tokens;
+  bool logfmt;
+  uint64_t timeout_ns;
+  DeviceDiag* diag;
+};
+void launch_ll_combine_recv(const LlCombineRecvParams& p, int num_blocks, cudaStream_t stream);
+
+}  // namespace epx::kernels

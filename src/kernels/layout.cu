@@ -1,0 +1,158 @@
+// get_dispatch_layout and the high-throughput notify step.
+#include <cub/block/block_scan.cuh>
+
+#include "core/check.hpp"
+#include "kernels/kernels.hpp"
+
+namespace epx::kernels {
+namespace {
+
+constexpr int kLayoutThreads = 256;
+
+/// One thread per token: which ranks it reaches, and per-expert / per-rank
+/// counts (shared-memory histograms flushed with one atomic per bin).
+__global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutParams p) {
+  extern __shared__ int smem[];
+  int* expert_hist = smem;                  // [E]
+  int* rank_hist = smem + p.num_experts;    // [R]
+  for (int i = threadIdx.x; i < p.num_experts + p.num_ranks; i += blockDim.x) smem[i] = 0;
+  __syncthreads();
+  const int experts_per_rank = p.num_experts / p.num_ranks;
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;
+  if (t < p.num_tokens) {
+    uint32_t mask = 0;
+    for (int k = 0; k < p.num_topk; ++k) {
+      int64_t e = p.topk_idx[static_cast<int64_t>(t) * p.num_topk + k];
+      if (e < 0) {
+        if (e != -1)
+          dev::report(p.diag, DiagCode::kBadExpert, OpId::kLayout, p.rank, -1, k, 0,
+                      static_cast<uint32_t>(e), t);
+        continue;
+      }
+      if (e >= p.num_experts) {
+        dev::report(p.diag, DiagCode::kBadExpert, OpId::kLayout, p.rank, -1, k, 0,
+                    static_cast<uint32_t>(e), t);
+        continue;
+      }
+      atomicAdd(&expert_hist[e], 1);
+      mask |= 1u << (static_cast<int>(e) / experts_per_rank);
+    }
+    for (int r = 0; r < p.num_ranks; ++r) {
+      bool in = (mask >> r) & 1u;
+      p.is_token_in_rank[static_cast<int64_t>(t) * p.num_ranks + r] = in;
+      if (in) atomicAdd(&rank_hist[r], 1);
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < p.num_experts; i += blockDim.x)
+    if (expert_hist[i]) atomicAdd(&p.num_tokens_per_expert[i], expert_hist[i]);
+  for (int i = threadIdx.x; i < p.num_ranks; i += blockDim.x)
+    if (rank_hist[i]) atomicAdd(&p.num_tokens_per_rank[i], rank_hist[i]);
+}
+
+constexpr int kNotifyThreads = 512;
+
+/// Block 0: barrier (+ count exchange). Blocks 1..R: scan is_token_in_rank
+/// column r into send slots and the send list for rank r.
+__global__ void __launch_bounds__(kNotifyThreads) notify_kernel(HtNotifyParams p) {
+  const int R = p.t.num_ranks, me = p.t.rank;
+  if (blockIdx.x > 0) {
+    const int r = blockIdx.x - 1;
+    using Scan = cub::BlockScan<int, kNotifyThreads>;
+    __shared__ typename Scan::TempStorage tmp;
+    __shared__ int carry;
+    if (threadIdx.x == 0) carry = 0;
+    __syncthreads();
+    for (int base = 0; base < p.num_tokens; base += kNotifyThreads) {
+      const int t = base + threadIdx.x;
+      const int in = t < p.num_tokens ? (p.is_token_in_rank[static_cast<int64_t>(t) * R + r] ? 1 : 0) : 0;
+      int prefix = 0, total = 0;
+      Scan(tmp).ExclusiveSum(in, prefix, total);
+      if (t < p.num_tokens) {
+        const int slot = in ? carry + prefix : -1;
+        p.send_slot[static_cast<int64_t>(t) * R + r] = slot;
+        if (in) p.send_list[static_cast<int64_t>(r) * p.num_tokens + slot] = t;
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) carry += total;
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) p.send_counts[r] = carry;
+    return;
+  }
+
+  __shared__ uint32_t epoch;
+  __shared__ int failed;
+  if (threadIdx.x == 0) {
+    epoch = *p.op_counter + 1;
+    failed = 0;
+  }
+  __syncthreads();
+  const int parity = epoch & 1;
+  const int row_ints = p.off.count_row_ints;
+  const int epr = p.exchange ? p.num_experts / R : 0;
+  if (p.exchange) {
+    // My row in every peer: [tokens I send you, my picks of each of your experts].
+    for (int i = threadIdx.x; i < R * (1 + epr); i += blockDim.x) {
+      const int dst = i / (1 + epr), j = i % (1 + epr);
+      const int v = j == 0 ? p.num_tokens_per_rank[dst] : p.num_tokens_per_expert[dst * epr + j - 1];
+      int* row = reinterpret_cast<int*>(p.t.peer_ptr(dst, p.off.counts[parity])) + me * row_ints;
+      row[j] = v;
+    }
+  }
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x < R) p.t.signal(threadIdx.x, p.off.barrier + 4 * me, epoch);
+  if (threadIdx.x < R) {
+    if (!p.t.wait(p.off.barrier + 4 * threadIdx.x, epoch, p.timeout_ns, p.diag, p.op,
+                  threadIdx.x, -1))
+      atomicExch(&failed, 1);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) *p.op_counter = epoch;
+  if (!p.exchange || failed) return;
+  const int* rows = reinterpret_cast<const int*>(p.t.local_ptr(p.off.counts[parity]));
+  if (threadIdx.x == 0) {
+    int acc = 0;
+    for (int s = 0; s < R; ++s) {
+      const int c = rows[s * row_ints];
+      p.recv_offsets[s] = acc;
+      p.host_counts[2 + s] = c;
+      acc += c;
+    }
+    p.recv_offsets[R] = acc;
+    p.host_counts[1] = acc;
+  }
+  for (int j = threadIdx.x; j < epr; j += blockDim.x) {
+    int c = 0;
+    for (int s = 0; s < R; ++s) c += rows[s * row_ints + 1 + j];
+    const int a = p.expert_alignment;
+    p.host_counts[2 + R + j] = (c + a - 1) / a * a;
+  }
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) *reinterpret_cast<volatile int*>(p.host_counts) = 1;
+}
+
+}  // namespace
+
+void launch_layout(const LayoutParams& p, cudaStream_t stream) {
+  EPX_CUDA_CHECK(cudaMemsetAsync(p.num_tokens_per_rank, 0, sizeof(int) * p.num_ranks, stream));
+  EPX_CUDA_CHECK(cudaMemsetAsync(p.num_tokens_per_expert, 0, sizeof(int) * p.num_experts, stream));
+  if (p.num_tokens == 0) return;
+  const int blocks = (p.num_tokens + kLayoutThreads - 1) / kLayoutThreads;
+  const std::size_t smem = sizeof(int) * (p.num_experts + p.num_ranks);
+  if (smem > 48 * 1024)
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(layout_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
+  layout_kernel<<<blocks, kLayoutThreads, smem, stream>>>(p);
+  EPX_LAUNCH_CHECK();
+}
+
+void launch_ht_notify(const HtNotifyParams& p, cudaStream_t stream) {
+  const int blocks = 1 + (p.exchange ? p.t.num_ranks : 0);
+  notify_kernel<<<blocks, kNotifyThreads, 0, stream>>>(p);
+  EPX_LAUNCH_CHECK();
+}
+
+}  // namespace epx::kernels

@@ -1,0 +1,632 @@
+// Low-latency dispatch and combine (decode). See docs/low_latency.md.
+//
+// Every op has a send kernel and a receive kernel; with return_recv_hook the
+// receive kernel is launched later by the hook, so nothing holds SMs between.
+//
+// Epochs: the send kernel takes epoch = *op_counter + 1 (the last block to
+// finish stores it back), picks the half (epoch & 1) of the double buffer,
+// and writes the epoch into the op's state word, from which the receive
+// kernel reads it. Flags hold the epoch of the last op that filled a slot and
+// are compared with a wrap-safe >=, so nothing is ever reset between calls
+// and graph replays keep counting on the device.
+//
+// Dispatch: one message per (token, destination rank) at slot [me][token] of
+// the destination's receive area (FP8 quantized by the sender), plus every
+// token's top-k ids for every rank. The last sender block release-stores the
+// per-source flag. The receiver packs rows per local expert in the canonical
+// order (source rank, then token) from the routing it received.
+//
+// Combine: the expert rank sums the weighted outputs of a token's experts that
+// it hosts and sends one row per (token, rank) back; a rank that hosts a
+// single pick of the token sends the raw expert row (the source applies the
+// weight, exactly). Weights travel from the source first (one small block per
+// rank, its own flag).
+#include <cub/block/block_scan.cuh>
+
+#include <cfloat>
+
+#include "core/check.hpp"
+#include "kernels/kernels.hpp"
+
+namespace epx::kernels {
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr unsigned kFull = 0xffffffffu;
+constexpr int kDispatchChunk = 512;  ///< elements of one dispatch work item: 16 per lane
+constexpr int kCombineSteps = 4;     ///< 256-element steps (8 per lane) of a combine work item
+constexpr int kCombineChunk = 256 * kCombineSteps;
+// Flag words inside a half (index * kMaxRanks + source).
+constexpr int kFlagDispatch = 0, kFlagWeights = 1, kFlagCombine = 2;
+// Local completion counters in the control area.
+constexpr int kDoneDispatch = 0, kDoneCombine = 1;
+
+__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+__device__ __forceinline__ std::size_t flag_offset(std::size_t half, const LlOffsets& o, int kind,
+                                                   int src) {
+  return half + o.flags + 4u * (static_cast<std::size_t>(kind) * plan::kMaxRanks + src);
+}
+
+// ---- numeric helpers (each mirrors the CPU reference bit for bit) -------------
+
+__device__ __forceinline__ void unpack_bf16x8(const int4& v, float* f) {
+  const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y),
+                         static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w)};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+  }
+}
+
+/// ref::float_to_bf16: round to nearest even; NaN keeps sign and payload, quiet.
+__device__ __forceinline__ uint32_t bf16_bits(float f) {
+  const uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x0040u;
+  return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+__device__ __forceinline__ int4 pack_bf16x8(const float* f) {
+  int4 o;
+  o.x = static_cast<int>(bf16_bits(f[0]) | (bf16_bits(f[1]) << 16));
+  o.y = static_cast<int>(bf16_bits(f[2]) | (bf16_bits(f[3]) << 16));
+  o.z = static_cast<int>(bf16_bits(f[4]) | (bf16_bits(f[5]) << 16));
+  o.w = static_cast<int>(bf16_bits(f[6]) | (bf16_bits(f[7]) << 16));
+  return o;
+}
+
+/// ref::float_to_fp8_e4m3: round to nearest even, saturate to +-448, NaN -> 0x7F.
+__device__ __forceinline__ uint32_t fp8_e4m3_bits(float v) {
+  const uint32_t u = __float_as_uint(v);
+  const uint32_t sign = (u >> 24) & 0x80u;
+  const uint32_t a_bits = u & 0x7fffffffu;
+  if (a_bits > 0x7f800000u) return sign | 0x7fu;
+  const float a = __uint_as_float(a_bits);
+  if (a >= 448.0f) return sign | 0x7eu;
+  if (a < 0x1p-6f) return sign | static_cast<uint32_t>(__float2int_rn(a * 512.0f));
+  const uint32_t b = a_bits + 0x7ffffu + ((a_bits >> 20) & 1u);
+  return sign | ((b >> 20) - ((127u - 7u) << 3));
+}
+
+/// ref::quantize_row_fp8's scale of one group from its amax.
+__device__ __forceinline__ float fp8_scale(float amax, bool round_scale) {
+  float scale = __fdiv_rn(fmaxf(amax, 1e-4f), 448.0f);
+  if (round_scale) {
+    const uint32_t u = __float_as_uint(scale);  // normal and positive here
+    if ((u & 0x7fffffu) != 0u) scale = __uint_as_float(((u >> 23) + 1u) << 23);
+  }
+  return scale;
+}
+
+// ref::logfmt: smallest float >= v.
+__device__ __forceinline__ float float_up(double v) {
+  float f = __double2float_rn(v);
+  if (static_cast<double>(f) < v) f = nextafterf(f, INFINITY);
+  return f;
+}
+
+/// logfmt_decode(logfmt_encode(.)) of one 128-value group held as 8 values by
+/// each of 16 consecutive lanes (lanes 0-15 and 16-31 are two groups). Every
+/// lane of the warp must call it. Mirrors src/reference/logfmt.cpp, with the
+/// same double-precision arithmetic and no contraction into FMAs.
+__device__ __forceinline__ void logfmt_roundtrip(float* v) {
+  constexpr double kSteps = 510.0;
+  constexpr float kMaxRange = 16.0f;
+  float amax = 0.0f, amin = INFINITY;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float a = fabsf(v[i]);
+    if (a >= FLT_MIN) {
+      amax = fmaxf(amax, a);
+      amin = fminf(amin, a);
+    }
+  }
+#pragma unroll
+  for (int m = 8; m >= 1; m >>= 1) {
+    amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, m));
+    amin = fminf(amin, __shfl_xor_sync(kFull, amin, m));
+  }
+  float lmax = 0.0f, range = 0.0f;
+  bool clamped = false;
+  if (amax > 0.0f) {
+    lmax = float_up(log2(static_cast<double>(amax)));
+    const double full = __dsub_rn(static_cast<double>(lmax), log2(static_cast<double>(amin)));
+    clamped = full > static_cast<double>(kMaxRange);
+    range = clamped ? kMaxRange : float_up(full);
+  }
+  const double step = __ddiv_rn(static_cast<double>(range), kSteps);
+  const double lmin = __dsub_rn(static_cast<double>(lmax), static_cast<double>(range));
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float a = fabsf(v[i]);
+    unsigned m = 0;
+    if (a >= FLT_MIN) {
+      double q = 0.0;
+      if (step > 0.0)
+        q = floor(__dadd_rn(__ddiv_rn(__dsub_rn(log2(static_cast<double>(a)), lmin), step), 0.5));
+      if (q < 0.0) q = clamped ? -1.0 : 0.0;
+      if (q > kSteps) q = kSteps;
+      m = static_cast<unsigned>(q + 1.0);
+    }
+    float out = 0.0f;
+    if (m != 0) {
+      const double e = __dadd_rn(lmin, __dmul_rn(static_cast<double>(m - 1), step));
+      out = __double2float_rn(fmin(exp2(e), static_cast<double>(FLT_MAX)));
+    }
+    v[i] = signbit(v[i]) ? -out : out;
+  }
+}
+
+// ---- completion: the last block of a send kernel signals every rank ------------
+
+/// Every block calls this once at its end (also after a failed wait, so the
+/// count stays right). The last block release-stores `epoch` into flag
+/// `kind`/[me] of every rank, resets the counter and publishes the epoch.
+__device__ __forceinline__ void finish_send(const dev::NvlinkTransport& t, const LlOffsets& o,
+                                            std::size_t half, int kind, int counter,
+                                            uint32_t* op_counter, uint32_t epoch) {
+  __shared__ int is_last;
+  __threadfence_system();  // this thread's peer stores before the count
+  __syncthreads();
+  uint32_t* done = reinterpret_cast<uint32_t*>(t.local_ptr(o.control)) + counter;
+  if (threadIdx.x == 0) is_last = atomicAdd(done, 1u) == gridDim.x - 1 ? 1 : 0;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence_system();
+  if (static_cast<int>(threadIdx.x) < t.num_ranks)
+    t.signal(threadIdx.x, flag_offset(half, o, kind, t.rank), epoch);
+  if (threadIdx.x == 0) {
+    *done = 0u;
+    *op_counter = epoch;
+  }
+}
+
+/// Block-wide wait for flag `kind` of every source; false when any timed out.
+__device__ __forceinline__ bool wait_all_sources(const dev::NvlinkTransport& t, const LlOffsets& o,
+                                                 std::size_t half, int kind, uint32_t epoch,
+                                                 uint64_t timeout_ns, DeviceDiag* diag, OpId op,
+                                                 int channel) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  if (static_cast<int>(threadIdx.x) < t.num_ranks) {
+    const int s = threadIdx.x;
+    if (!t.wait(flag_offset(half, o, kind, s), epoch, timeout_ns, diag, op, s, channel))
+      atomicExch(&failed, 1);
+  }
+  __syncthreads();
+  return failed == 0;
+}
+
+// ============================================================================
+// dispatch: send
+// ============================================================================
+__global__ void __launch_bounds__(kThreads, 1) ll_dispatch_send(LlDispatchSendParams p) {
+  const int R = p.t.num_ranks, me = p.t.rank;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const uint32_t epoch = *p.op_counter + 1u;
+  const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
+  const int H = p.hidden, K = p.num_topk, E = p.num_experts, E_local = E / R;
+  const std::size_t my_meta = half + p.off.meta + static_cast<std::size_t>(me) * p.off.meta_stride;
+
+  if (blockIdx.x == 0) {
+    if (static_cast<int>(threadIdx.x) < R)
+      *reinterpret_cast<int*>(p.t.peer_ptr(threadIdx.x, my_meta)) = p.num_tokens;
+    if (threadIdx.x == 0) p.state[0] = static_cast<int32_t>(epoch);
+  }
+
+  const int C = ceil_div(H, kDispatchChunk);
+  const int items = p.num_tokens * C;
+  for (int item = blockIdx.x * kWarps + warp; item < items; item += gridDim.x * kWarps) {
+    const int t = item / C, c = item % C;
+    const int64_t e = lane < K ? p.topk_idx[static_cast<int64_t>(t) * K + lane] : -1;
+    const bool valid = e >= 0 && e < E;
+    const uint32_t dst_mask =
+        __reduce_or_sync(kFull, valid ? (1u << static_cast<int>(e / E_local)) : 0u);
+    if (c == 0 && lane < K) {
+      // This token's routing, for every rank (each finds its experts in it).
+      if (!valid && e != -1)
+        dev::report(p.diag, DiagCode::kBadExpert, OpId::kLowLatencyDispatchSend, me, -1, lane, 0,
+                    static_cast<uint32_t>(e), t);
+      const int id = valid ? static_cast<int>(e) : -1;
+      for (int r = 0; r < R; ++r)
+        reinterpret_cast<int*>(p.t.peer_ptr(r, my_meta + 16))[t * K + lane] = id;
+      if (p.topk_copy) p.topk_copy[static_cast<int64_t>(t) * K + lane] = e;
+    }
+    if (dst_mask == 0u) continue;
+
+    const int h0 = c * kDispatchChunk + lane * 16;  // this lane's 16 elements
+    const bool active = h0 < H;                     // H % 128 == 0: whole groups of 8 lanes
+    int4 a = make_int4(0, 0, 0, 0), b = a;
+    if (active) {
+      const int4* src = reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(t) * H + h0);
+      a = dev::ld_nc(src);
+      b = dev::ld_nc(src + 1);
+    }
+    const std::size_t slot =
+        half + p.off.disp_rows + (static_cast<std::size_t>(me) * p.max_tokens + t) * p.row_bytes;
+    if (p.fp8) {
+      float f[16];
+      unpack_bf16x8(a, f);
+      unpack_bf16x8(b, f + 8);
+      float amax = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(f[i]));
+      amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 1));
+      amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 2));
+      amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 4));
+      const float scale = fp8_scale(amax, p.round_scale);
+      uint32_t w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        w[i] = fp8_e4m3_bits(__fdiv_rn(f[4 * i], scale)) |
+               (fp8_e4m3_bits(__fdiv_rn(f[4 * i + 1], scale)) << 8) |
+               (fp8_e4m3_bits(__fdiv_rn(f[4 * i + 2], scale)) << 16) |
+               (fp8_e4m3_bits(__fdiv_rn(f[4 * i + 3], scale)) << 24);
+      }
+      const int4 q = make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]),
+                               static_cast<int>(w[2]), static_cast<int>(w[3]));
+      if (active) {
+        for (int r = 0; r < R; ++r) {
+          if (!((dst_mask >> r) & 1u)) continue;
+          char* row = p.t.peer_ptr(r, slot);
+          dev::st_na(reinterpret_cast<int4*>(row + h0), q);
+          if ((lane & 7) == 0) reinterpret_cast<float*>(row + H)[h0 / 128] = scale;
+        }
+      }
+    } else if (active) {
+      for (int r = 0; r < R; ++r) {
+        if (!((dst_mask >> r) & 1u)) continue;
+        int4* row = reinterpret_cast<int4*>(p.t.peer_ptr(r, slot) + 2 * h0);
+        dev::st_na(row, a);
+        dev::st_na(row + 1, b);
+      }
+    }
+  }
+  finish_send(p.t, p.off, half, kFlagDispatch, kDoneDispatch, p.op_counter, epoch);
+}
+
+// ============================================================================
+// dispatch: receive. Block (le, part): scans the routing of every source for
+// local expert le (the same result in each of its `parts` blocks), then moves
+// the rows j with j % parts == part.
+// ============================================================================
+__global__ void __launch_bounds__(kThreads) ll_dispatch_recv(LlDispatchRecvParams p) {
+  using Scan = cub::BlockScan<int, kThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ int s_tokens[plan::kMaxRanks];
+  __shared__ int s_begin[plan::kMaxRanks + 1];
+  extern __shared__ int s_list[];  // [R * maxT]: (source << 16) | token of packed row j
+
+  const int R = p.t.num_ranks, me = p.t.rank;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int E_local = p.num_experts / R, RT = R * p.max_tokens, K = p.num_topk, H = p.hidden;
+  const int le = blockIdx.x / p.parts, part = blockIdx.x % p.parts;
+  const int ge = me * E_local + le;
+  const uint32_t epoch = static_cast<uint32_t>(p.state[0]);
+  const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
+
+  if (!wait_all_sources(p.t, p.off, half, kFlagDispatch, epoch, p.timeout_ns, p.diag,
+                        OpId::kLowLatencyDispatchRecv, le))
+    return;
+  auto meta_of = [&](int s) {
+    return reinterpret_cast<const int*>(
+        p.t.local_ptr(half + p.off.meta + static_cast<std::size_t>(s) * p.off.meta_stride));
+  };
+  if (static_cast<int>(threadIdx.x) < R) {
+    const int n = __ldcg(meta_of(threadIdx.x));
+    s_tokens[threadIdx.x] = min(max(n, 0), p.max_tokens);
+    if (blockIdx.x == 0) p.state[8 + threadIdx.x] = s_tokens[threadIdx.x];
+  }
+  __syncthreads();
+
+  // Packed order: by source rank, then token; a token counts once however
+  // often it picks le. Positions (s, t) of all sources are scanned together,
+  // kThreads at a time (one round for R * maxT <= 512).
+  int count = 0;
+  for (int base = 0; base < RT; base += kThreads) {
+    const int pos = base + threadIdx.x;
+    const int s = pos / p.max_tokens, t = pos % p.max_tokens;
+    int pick = 0;
+    if (pos < RT && t < s_tokens[s]) {
+      const int* ids = meta_of(s) + 4 + t * K;
+      for (int k = 0; k < K; ++k) pick |= __ldcg(ids + k) == ge ? 1 : 0;
+    }
+    int prefix = 0, total = 0;
+    Scan(scan_tmp).ExclusiveSum(pick, prefix, total);
+    if (pick) s_list[count + prefix] = (s << 16) | t;
+    if (pos < RT && t == 0) s_begin[s] = count + prefix;
+    count += total;
+    __syncthreads();  // scan_tmp is reused
+  }
+  if (threadIdx.x == 0) s_begin[R] = count;
+  __syncthreads();
+
+  if (part == 0) {
+    if (threadIdx.x == 0) {
+      p.recv_count[le] = count;
+      if (p.stats) p.stats[le] += count;
+    }
+    if (static_cast<int>(threadIdx.x) < R) {
+      const int s = threadIdx.x;
+      p.layout_range[static_cast<int64_t>(le) * R + s] =
+          (static_cast<int64_t>(s_begin[s]) << 32) | static_cast<int64_t>(s_begin[s + 1] - s_begin[s]);
+    }
+  }
+  // src_info of my rows (-1 past the count) and the combine plan of my rows.
+  for (int j = part + p.parts * static_cast<int>(threadIdx.x); j < RT; j += p.parts * kThreads) {
+    const int v = j < count ? s_list[j] : -1;
+    p.src_info[static_cast<int64_t>(le) * RT + j] = j < count ? (v & 0xffff) : -1;
+    if (j < count) {
+      const int s = v >> 16, t = v & 0xffff;
+      const int* ids = meta_of(s) + 4 + t * K;
+      int* plan_row = p.combine_rows + (static_cast<int64_t>(s) * p.max_tokens + t) * K;
+      for (int k = 0; k < K; ++k)
+        if (__ldcg(ids + k) == ge) plan_row[k] = le * RT + j;
+    }
+  }
+  // Entries of the plan that name no local expert: -1 (spread over all blocks).
+  for (int i = blockIdx.x * kThreads + threadIdx.x; i < RT; i += gridDim.x * kThreads) {
+    const int s = i / p.max_tokens, t = i % p.max_tokens;
+    const int* ids = meta_of(s) + 4 + t * K;
+    int* plan_row = p.combine_rows + static_cast<int64_t>(i) * K;
+    for (int k = 0; k < K; ++k) {
+      const int e = t < s_tokens[s] ? __ldcg(ids + k) : -1;
+      if (e < me * E_local || e >= (me + 1) * E_local) plan_row[k] = -1;
+    }
+  }
+
+  // Rows: work units of (row, segment of 128 int4 = 4 per lane), so that
+  // the few rows of an expert spread over all warps of its blocks.
+  const int out_row_bytes = p.fp8 ? H : 2 * H;
+  const int n16 = out_row_bytes / 16;
+  const int segs = ceil_div(n16, 128);
+  const int G = H / 128, G4 = (G + 3) / 4;
+  const int my_rows = count > part ? ceil_div(count - part, p.parts) : 0;
+  for (int u = warp; u < my_rows * segs; u += kWarps) {
+    const int i = u / segs, seg = u % segs;
+    const int j = part + i * p.parts;
+    const int v = s_list[j];
+    const int s = v >> 16, t = v & 0xffff;
+    const char* src = p.t.local_ptr(half + p.off.disp_rows +
+                                    (static_cast<std::size_t>(s) * p.max_tokens + t) * p.row_bytes);
+    uint8_t* dst = p.recv_x + (static_cast<int64_t>(le) * RT + j) * out_row_bytes;
+    const int4* s4 = reinterpret_cast<const int4*>(src);
+    int4* d4 = reinterpret_cast<int4*>(dst);
+    const int c0 = seg * 128 + lane;
+    int4 v4[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      v4[q] = c0 + 32 * q < n16 ? __ldcg(s4 + c0 + 32 * q) : make_int4(0, 0, 0, 0);
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      if (c0 + 32 * q < n16) d4[c0 + 32 * q] = v4[q];
+    if (p.fp8 && seg == 0) {
+      const float* sc = reinterpret_cast<const float*>(src + H);
+      if (!p.ue8m0) {
+        float* out = static_cast<float*>(p.recv_scales);
+        for (int g = lane; g < G; g += 32)
+          out[(static_cast<int64_t>(le) * G + g) * RT + j] = __ldcg(sc + g);
+      } else {
+        int32_t* out = static_cast<int32_t*>(p.recv_scales);
+        for (int q = lane; q < G4; q += 32) {
+          uint32_t packed = 0;
+          for (int b = 0; b < 4; ++b) {
+            const int g = 4 * q + b;
+            const uint32_t byte = g < G ? (__float_as_uint(__ldcg(sc + g)) >> 23) & 0xffu : 0u;
+            packed |= byte << (8 * b);
+          }
+          out[(static_cast<int64_t>(le) * G4 + q) * RT + j] = static_cast<int32_t>(packed);
+        }
+      }
+    }
+  }
+}
+
+// ============================================================================
+// combine: send. Weights go out first (block 0); then each warp takes
+// (source, token, 1024-column chunk) items of the tokens it received.
+// ============================================================================
+__global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendParams p) {
+  __shared__ int s_prefix[plan::kMaxRanks + 1];
+  const int R = p.t.num_ranks, me = p.t.rank;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const uint32_t epoch = *p.op_counter + 1u;
+  const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
+  const int H = p.hidden, K = p.num_topk, maxT = p.max_tokens;
+  const int H8 = H / 8;
+
+  if (blockIdx.x == 0) {
+    const int n = p.num_tokens * K;
+    for (int r = 0; r < R; ++r) {
+      float* dst = reinterpret_cast<float*>(p.t.peer_ptr(
+          r, half + p.off.weights +
+                 static_cast<std::size_t>(me) * maxT * plan::kLlMaxTopK * sizeof(float)));
+      for (int i = threadIdx.x; i < n; i += kThreads) dst[i] = p.topk_weights[i];
+    }
+    __threadfence_system();
+    __syncthreads();
+    if (static_cast<int>(threadIdx.x) < R)
+      p.t.signal(threadIdx.x, flag_offset(half, p.off, kFlagWeights, me), epoch);
+    if (threadIdx.x == 0) p.state[0] = static_cast<int32_t>(epoch);
+  }
+  if (threadIdx.x == 0) {
+    int acc = 0;
+    for (int s = 0; s < R; ++s) {
+      s_prefix[s] = acc;
+      acc += min(max(p.disp_state[8 + s], 0), maxT);
+    }
+    s_prefix[R] = acc;
+  }
+  __syncthreads();
+
+  const int C = ceil_div(H, kCombineChunk);
+  const int items = s_prefix[R] * C;
+  uint32_t weights_ready = 0;  // sources whose weights this warp has waited for
+  for (int item = blockIdx.x * kWarps + warp; item < items; item += gridDim.x * kWarps) {
+    const int pair = item / C, c = item % C;
+    int s = 0;
+    while (s + 1 < R && pair >= s_prefix[s + 1]) ++s;
+    const int t = pair - s_prefix[s];
+    const int row = lane < K ? p.combine_rows[(static_cast<int64_t>(s) * maxT + t) * K + lane] : -1;
+    const uint32_t picks = __ballot_sync(kFull, row >= 0);
+    if (picks == 0u) continue;
+    int4* dst = reinterpret_cast<int4*>(p.t.peer_ptr(
+        s, half + p.off.comb_rows + (static_cast<std::size_t>(me) * maxT + t) * 2u * H));
+    const int col0 = c * (kCombineChunk / 8) + lane;
+
+    if (__popc(picks) == 1) {
+      // One pick here: the raw expert row; the source weights it.
+      const int r0 = __shfl_sync(kFull, row, __ffs(picks) - 1);
+      const int4* src = reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(r0) * H);
+      int4 v[kCombineSteps];
+#pragma unroll
+      for (int st = 0; st < kCombineSteps; ++st)
+        v[st] = col0 + 32 * st < H8 ? dev::ld_nc(src + col0 + 32 * st) : make_int4(0, 0, 0, 0);
+#pragma unroll
+      for (int st = 0; st < kCombineSteps; ++st)
+        if (col0 + 32 * st < H8) dev::st_na(dst + col0 + 32 * st, v[st]);
+      continue;
+    }
+
+    // Several picks here: their weighted sum (weights from the source).
+    if (!((weights_ready >> s) & 1u)) {
+      // Lane 0 waits (acquire); the warp agrees on the outcome before going on.
+      int ok = 1;
+      if (lane == 0)
+        ok = p.t.wait(flag_offset(half, p.off, kFlagWeights, s), epoch, p.timeout_ns, p.diag,
+                      OpId::kLowLatencyCombineSend, s, t)
+                 ? 1
+                 : 0;
+      ok = __shfl_sync(kFull, ok, 0);
+      if (!ok) break;  // reported; still count in below
+      weights_ready |= 1u << s;
+    }
+    const float* wsrc = reinterpret_cast<const float*>(p.t.local_ptr(
+        half + p.off.weights + static_cast<std::size_t>(s) * maxT * plan::kLlMaxTopK * sizeof(float)));
+    const float w = row >= 0 ? __ldcg(wsrc + t * K + lane) : 0.0f;
+    float acc[kCombineSteps][8];
+#pragma unroll
+    for (int st = 0; st < kCombineSteps; ++st)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[st][i] = 0.0f;
+    for (int k = 0; k < K; ++k) {
+      const int rk = __shfl_sync(kFull, row, k);
+      const float wk = __shfl_sync(kFull, w, k);
+      if (rk < 0) continue;  // warp-uniform
+      const int4* src = reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(rk) * H);
+      int4 v[kCombineSteps];
+#pragma unroll
+      for (int st = 0; st < kCombineSteps; ++st)
+        v[st] = col0 + 32 * st < H8 ? dev::ld_nc(src + col0 + 32 * st) : make_int4(0, 0, 0, 0);
+#pragma unroll
+      for (int st = 0; st < kCombineSteps; ++st) {
+        float f[8];
+        unpack_bf16x8(v[st], f);
+        if (p.logfmt) logfmt_roundtrip(f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[st][i] = fmaf(wk, f[i], acc[st][i]);
+      }
+    }
+#pragma unroll
+    for (int st = 0; st < kCombineSteps; ++st)
+      if (col0 + 32 * st < H8) dev::st_na(dst + col0 + 32 * st, pack_bf16x8(acc[st]));
+  }
+  finish_send(p.t, p.off, half, kFlagCombine, kDoneCombine, p.op_counter, epoch);
+}
+
+// ============================================================================
+// combine: receive. Each warp takes (token, 1024-column chunk) items and sums
+// the rows of the ranks the token reached, in rank order.
+// ============================================================================
+__global__ void __launch_bounds__(kThreads, 1) ll_combine_recv(LlCombineRecvParams p) {
+  const int R = p.t.num_ranks;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const uint32_t epoch = static_cast<uint32_t>(p.state[0]);
+  const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
+  const int H = p.hidden, K = p.num_topk, E = p.num_experts, E_local = E / R;
+  const int H8 = H / 8;
+
+  if (!wait_all_sources(p.t, p.off, half, kFlagCombine, epoch, p.timeout_ns, p.diag,
+                        OpId::kLowLatencyCombineRecv, -1))
+    return;
+
+  const int C = ceil_div(H, kCombineChunk);
+  const int items = p.num_tokens * C;
+  for (int item = blockIdx.x * kWarps + warp; item < items; item += gridDim.x * kWarps) {
+    const int t = item / C, c = item % C;
+    const int64_t e = lane < K ? p.topk_idx[static_cast<int64_t>(t) * K + lane] : -1;
+    const int rank_of = (e >= 0 && e < E) ? static_cast<int>(e / E_local) : -1;
+    const float w = lane < K ? p.topk_weights[static_cast<int64_t>(t) * K + lane] : 0.0f;
+    const int col0 = c * (kCombineChunk / 8) + lane;
+    float acc[kCombineSteps][8];
+#pragma unroll
+    for (int st = 0; st < kCombineSteps; ++st)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[st][i] = 0.0f;
+    for (int r = 0; r < R; ++r) {
+      const uint32_t picks = __ballot_sync(kFull, rank_of == r);
+      if (picks == 0u) continue;
+      const int4* src = reinterpret_cast<const int4*>(p.t.local_ptr(
+          half + p.off.comb_rows + (static_cast<std::size_t>(r) * p.max_tokens + t) * 2u * H));
+      int4 v[kCombineSteps];
+#pragma unroll
+      for (int st = 0; st < kCombineSteps; ++st)
+        v[st] = col0 + 32 * st < H8 ? __ldcg(src + col0 + 32 * st) : make_int4(0, 0, 0, 0);
+      if (__popc(picks) == 1) {
+        const float wk = __shfl_sync(kFull, w, __ffs(picks) - 1);
+#pragma unroll
+        for (int st = 0; st < kCombineSteps; ++st) {
+          float f[8];
+          unpack_bf16x8(v[st], f);
+          if (p.logfmt) logfmt_roundtrip(f);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[st][i] = fmaf(wk, f[i], acc[st][i]);
+        }
+      } else {
+#pragma unroll
+        for (int st = 0; st < kCombineSteps; ++st) {
+          float f[8];
+          unpack_bf16x8(v[st], f);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[st][i] += f[i];
+        }
+      }
+    }
+    int4* out = reinterpret_cast<int4*>(p.out + static_cast<int64_t>(t) * H);
+#pragma unroll
+    for (int st = 0; st < kCombineSteps; ++st)
+      if (col0 + 32 * st < H8) out[col0 + 32 * st] = pack_bf16x8(acc[st]);
+  }
+}
+
+}  // namespace
+
+void launch_ll_dispatch_send(const LlDispatchSendParams& p, int num_blocks, cudaStream_t stream) {
+  ll_dispatch_send<<<num_blocks, kThreads, 0, stream>>>(p);
+  EPX_LAUNCH_CHECK();
+}
+
+void launch_ll_dispatch_recv(const LlDispatchRecvParams& p, cudaStream_t stream) {
+  const int E_local = p.num_experts / p.t.num_ranks;
+  const std::size_t smem = sizeof(int) * static_cast<std::size_t>(p.t.num_ranks) * p.max_tokens;
+  if (smem > 48 * 1024)
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(ll_dispatch_recv, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
+  ll_dispatch_recv<<<E_local * p.parts, kThreads, smem, stream>>>(p);
+  EPX_LAUNCH_CHECK();
+}
+
+void launch_ll_combine_send(const LlCombineSendParams& p, int num_blocks, cudaStream_t stream) {
+  ll_combine_send<<<num_blocks, kThreads, 0, stream>>>(p);
+  EPX_LAUNCH_CHECK();
+}
+
+void launch_ll_combine_recv(const LlCombineRecvParams& p, int num_blocks, cudaStream_t stream) {
+  ll_combine_recv<<<num_blocks, kThreads, 0, stream>>>(p);
+  EPX_LAUNCH_CHECK();
+}
+
+}  // namespace epx::kernels

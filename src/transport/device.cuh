@@ -1,0 +1,138 @@
+// transport/device.cuh - what kernels see of a transport.
+//
+// Kernels are templates over a transport type with this surface:
+//   peer_ptr(rank, offset)       -> char* (non-null when load/store reachable)
+//   put(rank, offset, src, bytes, lane, width)  cooperative copy into a peer
+//   signal(rank, offset, value)  release-store a 32-bit flag in a peer
+//   wait(offset, value, ...)     acquire-spin on a local flag (with deadline)
+//   flush()                      make prior puts visible before a signal
+// NvlinkTransport is the one whose put is a plain store.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "core/diag.hpp"
+#include "core/plan.hpp"
+
+namespace epx::dev {
+
+#if defined(__CUDACC__)
+__device__ __forceinline__ uint64_t globaltimer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+/// Read-only 16-byte load that skips L1 (memory no one writes during the kernel).
+__device__ __forceinline__ int4 ld_nc(const int4* p) {
+  int4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void st_na(int4* p, const int4& v) {
+  asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x),
+               "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+/// Records the first diagnostic of a launch (later ones are dropped).
+__device__ __forceinline__ void report(DeviceDiag* diag, DiagCode code, OpId op, int rank,
+                                       int peer, int channel, uint32_t expected, uint32_t seen,
+                                       int token = -1) {
+  if (diag == nullptr) return;
+  if (atomicCAS(&diag->code, 0u, static_cast<uint32_t>(code)) == 0u) {
+    diag->op = static_cast<uint32_t>(op);
+    diag->rank = rank;
+    diag->peer = peer;
+    diag->channel = channel;
+    diag->expected = expected;
+    diag->seen = seen;
+    diag->token = token;
+    __threadfence_system();
+  }
+}
+
+/// Spins until *flag >= value (wrap-safe compare of epochs). Returns false
+/// (after reporting) when the deadline passes or another thread already
+/// reported a failure, so every waiter gives up instead of hanging.
+__device__ __forceinline__ bool wait_ge(const uint32_t* flag, uint32_t value, uint64_t timeout_ns,
+                                        DeviceDiag* diag, OpId op, int rank, int peer,
+                                        int channel) {
+  uint32_t seen = ld_acquire_sys(flag);
+  if (static_cast<int32_t>(seen - value) >= 0) return true;
+  const uint64_t start = globaltimer_ns();
+  uint32_t spins = 0;
+  while (true) {
+    seen = ld_acquire_sys(flag);
+    if (static_cast<int32_t>(seen - value) >= 0) return true;
+    if ((++spins & 1023u) == 0) {
+      if (diag && *static_cast<volatile uint32_t*>(&diag->code) != 0u) return false;
+      if (globaltimer_ns() - start > timeout_ns) {
+        report(diag, DiagCode::kTimeout, op, rank, peer, channel, value, seen);
+        return false;
+      }
+    }
+  }
+}
+
+#endif  // __CUDACC__
+
+/// Load/store transport over NVLink (NCCL symmetric window mappings). Host
+/// code fills the fields; the methods exist in device code only.
+struct NvlinkTransport {
+  char* base[plan::kMaxRanks];  ///< each rank's copy of the region, as mapped here
+  int rank;
+  int num_ranks;
+#if defined(__CUDACC__)
+
+  __device__ __forceinline__ char* peer_ptr(int r, std::size_t offset) const {
+    return base[r] + offset;
+  }
+  __device__ __forceinline__ char* local_ptr(std::size_t offset) const { return base[rank] + offset; }
+
+  /// Cooperative copy of `bytes` (multiple of 16) from local `src` to peer
+  /// `r` at `offset`; `lane` of `width` threads take part.
+  __device__ __forceinline__ void put(int r, std::size_t offset, const void* src,
+                                      std::size_t bytes, int lane, int width) const {
+    auto* d = reinterpret_cast<int4*>(peer_ptr(r, offset));
+    auto* s = reinterpret_cast<const int4*>(src);
+    for (std::size_t i = lane; i < bytes / 16; i += width) st_na(d + i, ld_nc(s + i));
+  }
+  __device__ __forceinline__ void flush() const { __threadfence_system(); }
+  __device__ __forceinline__ void signal(int r, std::size_t offset, uint32_t value) const {
+    st_release_sys(reinterpret_cast<uint32_t*>(peer_ptr(r, offset)), value);
+  }
+  __device__ __forceinline__ bool wait(std::size_t offset, uint32_t value, uint64_t timeout_ns,
+                                       DeviceDiag* diag, OpId op, int peer, int channel) const {
+    return wait_ge(reinterpret_cast<const uint32_t*>(local_ptr(offset)), value, timeout_ns, diag,
+                   op, rank, peer, channel);
+  }
+  /// Warp-wide wait: lane 0 polls, the warp continues together (the warp
+  /// barrier orders the other lanes' later loads after lane 0's acquire).
+  __device__ __forceinline__ bool wait_warp(std::size_t offset, uint32_t value,
+                                            uint64_t timeout_ns, DeviceDiag* diag, OpId op,
+                                            int peer, int channel) const {
+    int ok = 1;
+    if ((threadIdx.x & 31) == 0) ok = wait(offset, value, timeout_ns, diag, op, peer, channel);
+    ok = __shfl_sync(0xffffffffu, ok, 0);
+    __syncwarp();
+    return ok != 0;
+  }
+#endif  // __CUDACC__
+};
+
+}  // namespace epx::dev

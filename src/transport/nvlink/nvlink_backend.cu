@@ -1,0 +1,89 @@
+// NVLink backend: symmetric memory from NCCL windows (ncclMemAlloc +
+// ncclCommWindowRegister with NCCL_WIN_COLL_SYMMETRIC); every peer in the
+// NVLink (LSA) team is reached by plain loads and stores.
+#include <nccl.h>
+#include <nccl_device.h>
+
+#include <string>
+
+#include "core/check.hpp"
+#include "epx/buffer.hpp"
+#include "transport/backend.hpp"
+
+namespace epx::transport {
+namespace {
+
+__global__ void lsa_pointers_kernel(ncclWindow_t win, int lsa_size, void** out) {
+  int i = threadIdx.x;
+  if (i < lsa_size) out[i] = ncclGetLsaPointer(win, 0, i);
+}
+
+class NvlinkBackend final : public Backend {
+ public:
+  explicit NvlinkBackend(Communicator& comm) : comm_(comm) {
+    auto* nc = static_cast<ncclComm_t>(comm.nccl_comm());
+    ncclTeam_t lsa = ncclTeamLsa(nc);
+    if (lsa.nRanks != comm.num_ranks())
+      throw Error(ErrorCode::kUnsupported,
+                  "nvlink backend: only " + std::to_string(lsa.nRanks) + " of " +
+                      std::to_string(comm.num_ranks()) +
+                      " ranks share this rank's NVLink domain; an RDMA backend is needed");
+    if (comm.num_ranks() > plan::kMaxRanks)
+      throw Error(ErrorCode::kUnsupported, "nvlink backend: at most 8 ranks");
+    for (int r = 0; r < comm.num_ranks(); ++r) lsa_of_world_[r] = ncclTeamRankToLsa(nc, lsa, r);
+    lsa_size_ = lsa.nRanks;
+  }
+
+  const char* name() const override { return "nvlink"; }
+  int rank() const override { return comm_.rank(); }
+  int num_ranks() const override { return comm_.num_ranks(); }
+
+  SymmetricRegion alloc(std::size_t bytes) override {
+    auto* nc = static_cast<ncclComm_t>(comm_.nccl_comm());
+    SymmetricRegion r;
+    r.bytes = plan::align_up(bytes == 0 ? plan::kAlign : bytes, 4096);
+    EPX_NCCL_CHECK(ncclMemAlloc(&r.local, r.bytes));
+    EPX_CUDA_CHECK(cudaMemset(r.local, 0, r.bytes));
+    ncclWindow_t win = nullptr;
+    EPX_NCCL_CHECK(ncclCommWindowRegister(nc, r.local, r.bytes, &win, NCCL_WIN_COLL_SYMMETRIC));
+    r.handle = win;
+    void** d_ptrs = nullptr;
+    EPX_CUDA_CHECK(cudaMalloc(&d_ptrs, sizeof(void*) * plan::kMaxRanks));
+    lsa_pointers_kernel<<<1, 32>>>(win, lsa_size_, d_ptrs);
+    EPX_LAUNCH_CHECK();
+    void* lsa_ptrs[plan::kMaxRanks] = {};
+    EPX_CUDA_CHECK(cudaMemcpy(lsa_ptrs, d_ptrs, sizeof(void*) * lsa_size_, cudaMemcpyDeviceToHost));
+    EPX_CUDA_CHECK(cudaFree(d_ptrs));
+    for (int w = 0; w < comm_.num_ranks(); ++w) r.peers[w] = lsa_ptrs[lsa_of_world_[w]];
+    if (r.peers[comm_.rank()] != r.local) {
+      // NCCL maps this rank's own copy at another virtual address; both alias.
+    }
+    barrier();  // every rank's zero fill is done before anyone writes
+    return r;
+  }
+
+  void free(SymmetricRegion& r) override {
+    if (!r.local) return;
+    auto* nc = static_cast<ncclComm_t>(comm_.nccl_comm());
+    EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    barrier();
+    EPX_NCCL_CHECK(ncclCommWindowDeregister(nc, static_cast<ncclWindow_t>(r.handle)));
+    EPX_NCCL_CHECK(ncclMemFree(r.local));
+    r = SymmetricRegion{};
+  }
+
+  void barrier() override { comm_.barrier(); }
+
+ private:
+  Communicator& comm_;
+  int lsa_of_world_[plan::kMaxRanks] = {};
+  int lsa_size_ = 1;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_nvlink_backend(Communicator& comm) {
+  return std::make_unique<NvlinkBackend>(comm);
+}
+
+}  // namespace epx::transport

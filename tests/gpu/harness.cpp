@@ -1,0 +1,83 @@
+#include "gpu/harness.hpp"
+
+#include <cstring>
+
+#include "epx/reference.hpp"
+
+namespace epx::test {
+
+World& world() {
+  static World w;
+  return w;
+}
+
+Allocator poisoning_allocator() {
+  Allocator base = default_allocator();
+  return [base](DType dtype, const std::vector<int64_t>& shape, cudaStream_t stream) {
+    Tensor t = base(dtype, shape, stream);
+    if (t.view.nbytes() > 0) {
+      cudaError_t e = cudaMemsetAsync(t.view.data, 0xff, t.view.nbytes(), stream);
+      if (e != cudaSuccess) throw Error(ErrorCode::kCuda, cudaGetErrorString(e));
+    }
+    return t;
+  };
+}
+
+DeviceArray<uint8_t> to_device_bytes(const void* data, std::size_t bytes) {
+  void* p = nullptr;
+  if (cudaMalloc(&p, bytes ? bytes : 16) != cudaSuccess) throw Error(ErrorCode::kCuda, "cudaMalloc");
+  if (bytes && cudaMemcpy(p, data, bytes, cudaMemcpyHostToDevice) != cudaSuccess)
+    throw Error(ErrorCode::kCuda, "cudaMemcpy");
+  return {std::shared_ptr<void>(p, [](void* q) { cudaFree(q); }), bytes};
+}
+
+TensorView view(void* p, DType dtype, std::initializer_list<int64_t> shape) {
+  int dev = 0;
+  cudaGetDevice(&dev);
+  return TensorView::contiguous(p, dtype, shape, dev);
+}
+
+std::vector<int64_t> random_topk(int T, int K, int E, double masked, uint64_t seed) {
+  std::mt19937_64 g(seed);
+  std::vector<int64_t> out(static_cast<std::size_t>(T) * K);
+  std::vector<int> perm(E);
+  for (int t = 0; t < T; ++t) {
+    for (int e = 0; e < E; ++e) perm[e] = e;
+    for (int k = 0; k < K; ++k) {
+      std::uniform_int_distribution<int> u(k, E - 1);
+      std::swap(perm[k], perm[u(g)]);
+      const bool m = std::uniform_real_distribution<double>(0, 1)(g) < masked;
+      out[static_cast<std::size_t>(t) * K + k] = m ? -1 : perm[k];
+    }
+  }
+  return out;
+}
+
+std::vector<uint16_t> random_bf16(std::size_t n, uint64_t seed, float scale) {
+  std::mt19937_64 g(seed);
+  std::normal_distribution<float> d(0.f, scale);
+  std::vector<uint16_t> v(n);
+  for (auto& x : v) x = ref::float_to_bf16(d(g));
+  return v;
+}
+
+std::vector<float> random_f32(std::size_t n, uint64_t seed) {
+  std::mt19937_64 g(seed);
+  std::uniform_real_distribution<float> d(0.f, 1.f);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(g);
+  return v;
+}
+
+bool all_ranks(bool ok) {
+  int mine = ok ? 1 : 0;
+  auto all = world().comm->allgather(&mine, sizeof(int));
+  for (std::size_t i = 0; i < all.size(); i += sizeof(int)) {
+    int v;
+    std::memcpy(&v, all.data() + i, sizeof(int));
+    if (!v) return false;
+  }
+  return true;
+}
+
+}  // namespace epx::test

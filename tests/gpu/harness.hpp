@@ -1,0 +1,61 @@
+// gpu/harness.hpp - shared state and helpers of the multi-rank GPU tests.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <vector>
+
+#include "epx/epx.hpp"
+
+namespace epx::test {
+
+/// The process's communicator and one buffer shared by all tests.
+struct World {
+  std::shared_ptr<Communicator> comm;
+  std::unique_ptr<Buffer> buffer;
+  int rank = 0, num_ranks = 1;
+  cudaStream_t stream = nullptr;  ///< the "compute" stream tests call from
+};
+World& world();
+
+/// Allocator that fills every output with 0xFF bytes (NaN in bf16/f32, -1 in
+/// ints) so unwritten outputs are caught.
+Allocator poisoning_allocator();
+
+/// Owning device copy of host data.
+template <class T>
+struct DeviceArray {
+  std::shared_ptr<void> mem;
+  std::size_t n = 0;
+  T* get() const { return static_cast<T*>(mem.get()); }
+};
+DeviceArray<uint8_t> to_device_bytes(const void* data, std::size_t bytes);
+template <class T>
+DeviceArray<T> to_device(const std::vector<T>& v) {
+  auto d = to_device_bytes(v.data(), v.size() * sizeof(T));
+  return {d.mem, v.size()};
+}
+template <class T>
+std::vector<T> to_host(const Tensor& t) {
+  std::vector<T> v(static_cast<std::size_t>(t.view.numel()));
+  if (!v.empty()) {
+    cudaError_t e = cudaMemcpy(v.data(), t.view.data, v.size() * sizeof(T), cudaMemcpyDeviceToHost);
+    if (e != cudaSuccess) throw Error(ErrorCode::kCuda, cudaGetErrorString(e));
+  }
+  return v;
+}
+TensorView view(void* p, DType dtype, std::initializer_list<int64_t> shape);
+
+/// Random routing of `T` tokens over `E` experts, top-`K` distinct experts per
+/// token, with a fraction of slots masked to -1. Deterministic in `seed`.
+std::vector<int64_t> random_topk(int T, int K, int E, double masked, uint64_t seed);
+std::vector<uint16_t> random_bf16(std::size_t n, uint64_t seed, float scale = 1.0f);
+std::vector<float> random_f32(std::size_t n, uint64_t seed);
+
+/// All ranks agree (logical AND over ranks).
+bool all_ranks(bool ok);
+
+}  // namespace epx::test

@@ -1,0 +1,340 @@
+// High-throughput dispatch/combine on all local GPUs vs the CPU reference.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+
+#include "epx/reference.hpp"
+#include "gpu/harness.hpp"
+
+namespace epx::test {
+namespace {
+
+struct HtCase {
+  int num_tokens;
+  int hidden;
+  int num_topk;
+  int num_experts;
+  bool fp8;
+  double masked;       ///< fraction of -1 top-k slots
+  bool with_weights;
+  int expert_alignment;
+  bool starve_rank1;   ///< no token routes to rank 1 (a rank that receives nothing)
+  std::string name() const {
+    return "T" + std::to_string(num_tokens) + "_H" + std::to_string(hidden) + (fp8 ? "_fp8" : "_bf16") +
+           "_K" + std::to_string(num_topk) + "_E" + std::to_string(num_experts) +
+           (starve_rank1 ? "_starve" : "") + "_a" + std::to_string(expert_alignment);
+  }
+};
+
+/// Every rank builds every rank's input from the seed, so the reference needs
+/// no communication.
+std::vector<ref::HtInput> make_inputs(const HtCase& c, int R, uint64_t seed) {
+  std::vector<ref::HtInput> in(R);
+  const int epr = c.num_experts / R;
+  for (int r = 0; r < R; ++r) {
+    auto& x = in[r];
+    x.num_tokens = c.num_tokens + (r % 2);  // ranks differ in token count
+    if (c.num_tokens == 0) x.num_tokens = 0;
+    const uint64_t s = seed * 1000003 + r * 7919;
+    x.topk_idx = random_topk(x.num_tokens, c.num_topk, c.num_experts, c.masked, s);
+    if (c.starve_rank1 && R > 1)
+      for (auto& e : x.topk_idx)
+        if (e >= epr && e < 2 * epr) e = -1;
+    const std::size_t n = static_cast<std::size_t>(x.num_tokens) * c.hidden;
+    auto xb = random_bf16(n, s + 1);
+    if (c.fp8) {
+      x.fp8 = true;
+      x.x_fp8.resize(n);
+      x.x_scales.resize(static_cast<std::size_t>(x.num_tokens) * (c.hidden / 128));
+      std::vector<float> row(c.hidden);
+      for (int t = 0; t < x.num_tokens; ++t) {
+        for (int h = 0; h < c.hidden; ++h) row[h] = ref::bf16_to_float(xb[static_cast<std::size_t>(t) * c.hidden + h]);
+        ref::quantize_row_fp8(row.data(), c.hidden, false, x.x_fp8.data() + static_cast<std::size_t>(t) * c.hidden,
+                              x.x_scales.data() + static_cast<std::size_t>(t) * (c.hidden / 128));
+      }
+    } else {
+      x.x_bf16 = std::move(xb);
+    }
+    if (c.with_weights) x.topk_weights = random_f32(static_cast<std::size_t>(x.num_tokens) * c.num_topk, s + 2);
+  }
+  return in;
+}
+
+float bf(uint16_t v) { return ref::bf16_to_float(v); }
+
+void run_case(const HtCase& c, int iters, uint64_t seed0) {
+  auto& w = world();
+  const int R = w.num_ranks, me = w.rank;
+  if (c.num_experts % R) GTEST_SKIP() << "experts not divisible by ranks";
+  StreamArgs s;
+  s.stream = w.stream;
+  for (int it = 0; it < iters; ++it) {
+    const uint64_t seed = seed0 + it;
+    auto in = make_inputs(c, R, seed);
+    const auto& mine = in[me];
+    const int T = mine.num_tokens, H = c.hidden, K = c.num_topk;
+
+    auto d_topk = to_device(mine.topk_idx);
+    auto layout = w.buffer->get_dispatch_layout(view(d_topk.get(), DType::kI64, {T, K}), c.num_experts, s);
+    cudaStreamSynchronize(w.stream);
+    auto rl = ref::get_dispatch_layout(mine.topk_idx, T, K, c.num_experts, R);
+    ASSERT_EQ(to_host<int>(layout.num_tokens_per_rank), rl.num_tokens_per_rank) << c.name();
+    ASSERT_EQ(to_host<int>(layout.num_tokens_per_expert), rl.num_tokens_per_expert) << c.name();
+    {
+      auto got = to_host<uint8_t>(layout.is_token_in_rank);
+      ASSERT_EQ(got, rl.is_token_in_rank) << c.name();
+    }
+
+    DeviceArray<uint8_t> d_x = c.fp8 ? to_device(mine.x_fp8) : to_device_bytes(mine.x_bf16.data(), mine.x_bf16.size() * 2);
+    auto d_scales = to_device(mine.x_scales);
+    auto d_w = to_device(mine.topk_weights);
+    DispatchArgs a;
+    a.x = view(d_x.get(), c.fp8 ? DType::kFP8E4M3 : DType::kBF16, {T, H});
+    if (c.fp8) a.x_scales = view(d_scales.get(), DType::kF32, {T, H / 128});
+    a.topk_idx = view(d_topk.get(), DType::kI64, {T, K});
+    if (c.with_weights) a.topk_weights = view(d_w.get(), DType::kF32, {T, K});
+    a.num_tokens_per_rank = layout.num_tokens_per_rank.view;
+    a.is_token_in_rank = layout.is_token_in_rank.view;
+    a.num_tokens_per_expert = layout.num_tokens_per_expert.view;
+    a.expert_alignment = c.expert_alignment;
+    a.streams = s;
+    auto res = w.buffer->dispatch(a);
+    cudaStreamSynchronize(w.stream);
+
+    auto ref_out = ref::ht_dispatch(in, H, K, c.num_experts, c.expert_alignment);
+    const auto& ro = ref_out[me];
+    const int N = ro.num_recv_tokens;
+    ASSERT_EQ(res.recv_x.size(0), N) << c.name();
+    ASSERT_EQ(res.num_recv_tokens_per_expert, ro.num_recv_tokens_per_expert) << c.name();
+    if (c.fp8) {
+      ASSERT_EQ(to_host<uint8_t>(res.recv_x), ro.recv_x_fp8) << c.name();
+      auto sc = to_host<float>(*res.recv_x_scales);
+      ASSERT_EQ(std::memcmp(sc.data(), ro.recv_x_scales.data(), sc.size() * 4), 0) << c.name();
+    } else {
+      ASSERT_EQ(to_host<uint16_t>(res.recv_x), ro.recv_x_bf16) << c.name();
+    }
+    ASSERT_EQ(to_host<int64_t>(*res.recv_topk_idx), ro.recv_topk_idx) << c.name();
+    if (c.with_weights) ASSERT_EQ(to_host<float>(*res.recv_topk_weights), ro.recv_topk_weights) << c.name();
+    ASSERT_EQ(to_host<int>(res.handle->recv_src_idx), ro.recv_src_idx) << c.name();
+
+    // Cached dispatch reuses the layout and must reproduce recv_x.
+    DispatchArgs cached;
+    cached.x = a.x;
+    cached.x_scales = a.x_scales;
+    cached.handle = res.handle;
+    cached.streams = s;
+    auto res2 = w.buffer->dispatch(cached);
+    cudaStreamSynchronize(w.stream);
+    if (c.fp8) {
+      ASSERT_EQ(to_host<uint8_t>(res2.recv_x), ro.recv_x_fp8) << c.name() << " (cached)";
+    } else {
+      ASSERT_EQ(to_host<uint16_t>(res2.recv_x), ro.recv_x_bf16) << c.name() << " (cached)";
+    }
+
+    // Combine: expert outputs are fresh random rows; bias on odd iterations.
+    std::vector<std::vector<uint16_t>> outs(R);
+    std::vector<ref::HtCombineInput> cin(R);
+    for (int r = 0; r < R; ++r) {
+      cin[r].x = random_bf16(static_cast<std::size_t>(ref_out[r].num_recv_tokens) * H, seed * 31 + r);
+      if (c.with_weights) cin[r].topk_weights = ref_out[r].recv_topk_weights;
+      if (it % 2 == 1) {
+        cin[r].bias_0 = random_bf16(static_cast<std::size_t>(in[r].num_tokens) * H, seed * 37 + r);
+        cin[r].bias_1 = random_bf16(static_cast<std::size_t>(in[r].num_tokens) * H, seed * 41 + r);
+      }
+    }
+    auto d_cx = to_device(cin[me].x);
+    auto d_cw = to_device(cin[me].topk_weights);
+    auto d_b0 = to_device(cin[me].bias_0);
+    auto d_b1 = to_device(cin[me].bias_1);
+    CombineArgs ca;
+    ca.x = view(d_cx.get(), DType::kBF16, {N, H});
+    ca.handle = res.handle;
+    if (c.with_weights) ca.topk_weights = view(d_cw.get(), DType::kF32, {N, K});
+    if (it % 2 == 1) {
+      ca.bias_0 = view(d_b0.get(), DType::kBF16, {T, H});
+      ca.bias_1 = view(d_b1.get(), DType::kBF16, {T, H});
+    }
+    ca.streams = s;
+    auto cres = w.buffer->combine(ca);
+    cudaStreamSynchronize(w.stream);
+    auto rc = ref::ht_combine(in, cin, H, K, c.num_experts);
+    auto got = to_host<uint16_t>(cres.combined_x);
+    ASSERT_EQ(got.size(), rc[me].combined_x.size());
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      const float g = bf(got[i]), r = bf(rc[me].combined_x[i]);
+      if (!(std::fabs(g - r) <= 1e-2f * std::fabs(r) + 1e-2f)) ++bad;
+    }
+    EXPECT_EQ(bad, 0u) << c.name() << ": combined_x differs from the reference in " << bad << " values";
+    if (c.with_weights) {
+      auto gw = to_host<float>(*cres.combined_topk_weights);
+      ASSERT_EQ(gw.size(), rc[me].combined_topk_weights.size());
+      for (std::size_t i = 0; i < gw.size(); ++i)
+        ASSERT_NEAR(gw[i], rc[me].combined_topk_weights[i], 1e-5f) << c.name() << " weight " << i;
+    }
+    ASSERT_TRUE(all_ranks(!::testing::Test::HasFailure())) << "another rank failed " << c.name();
+  }
+}
+
+TEST(HighThroughput, Bf16Hidden7168) { run_case({512, 7168, 8, 256, false, 0.1, true, 1, false}, 2, 11); }
+TEST(HighThroughput, Fp8Hidden7168) { run_case({512, 7168, 8, 256, true, 0.1, true, 1, false}, 2, 12); }
+TEST(HighThroughput, HiddenSizes) {
+  for (int h : {2048, 2880, 4096, 8192}) run_case({300, h, 8, 64, false, 0.05, true, 1, false}, 1, 100 + h);
+  for (int h : {2048, 4096, 8192}) run_case({300, h, 8, 64, true, 0.05, false, 1, false}, 1, 200 + h);
+}
+TEST(HighThroughput, RankReceivesNothing) { run_case({256, 2048, 4, 32, false, 0.0, true, 1, true}, 1, 13); }
+TEST(HighThroughput, OneAndZeroTokens) {
+  run_case({1, 2048, 8, 64, false, 0.0, true, 1, false}, 1, 14);
+  run_case({0, 2048, 8, 64, false, 0.0, true, 1, false}, 1, 15);
+}
+TEST(HighThroughput, ExpertAlignmentAndMaskedRows) {
+  run_case({333, 4096, 6, 48, false, 0.5, true, 128, false}, 1, 16);
+}
+TEST(HighThroughput, FullWorkload4096) { run_case({4095, 7168, 8, 256, false, 0.0, true, 1, false}, 1, 17); }  // ranks hold 4095 or 4096 tokens
+
+/// 200 back-to-back dispatch+combine pairs on fixed inputs without
+/// reallocating; each result is checked (catches races between calls).
+TEST(HighThroughput, Stress200Calls) {
+  auto& w = world();
+  const int R = w.num_ranks, me = w.rank, T = 256, H = 2048, K = 8, E = 64;
+  HtCase c{T, H, K, E, false, 0.1, true, 1, false};
+  auto in = make_inputs(c, R, 99);
+  auto ro = ref::ht_dispatch(in, H, K, E, 1);
+  const auto& mine = in[me];
+  StreamArgs s;
+  s.stream = w.stream;
+  auto d_topk = to_device(mine.topk_idx);
+  auto d_x = to_device(mine.x_bf16);
+  auto d_w = to_device(mine.topk_weights);
+  auto layout = w.buffer->get_dispatch_layout(view(d_topk.get(), DType::kI64, {mine.num_tokens, K}), E, s);
+  const auto rl = ref::get_dispatch_layout(mine.topk_idx, mine.num_tokens, K, E, R);
+  int bad_calls = 0;
+  for (int i = 0; i < 200; ++i) {
+    DispatchArgs a;
+    a.x = view(d_x.get(), DType::kBF16, {mine.num_tokens, H});
+    a.topk_idx = view(d_topk.get(), DType::kI64, {mine.num_tokens, K});
+    a.topk_weights = view(d_w.get(), DType::kF32, {mine.num_tokens, K});
+    a.num_tokens_per_rank = layout.num_tokens_per_rank.view;
+    a.is_token_in_rank = layout.is_token_in_rank.view;
+    a.num_tokens_per_expert = layout.num_tokens_per_expert.view;
+    a.streams = s;
+    auto res = w.buffer->dispatch(a);
+    CombineArgs ca;
+    ca.x = res.recv_x.view;
+    ca.handle = res.handle;
+    ca.streams = s;
+    auto cres = w.buffer->combine(ca);
+    cudaStreamSynchronize(w.stream);
+    if (to_host<uint16_t>(res.recv_x) != ro[me].recv_x_bf16) ++bad_calls;
+    // combine(dispatch(x)) = x times the number of ranks the token reached
+    auto got = to_host<uint16_t>(cres.combined_x);
+    for (int t = 0; t < mine.num_tokens && bad_calls == 0; ++t) {
+      int n = 0;
+      for (int r = 0; r < R; ++r) n += rl.is_token_in_rank[static_cast<std::size_t>(t) * R + r];
+      for (int h = 0; h < H; ++h) {
+        const float want = n * bf(mine.x_bf16[static_cast<std::size_t>(t) * H + h]);
+        const float g = bf(got[static_cast<std::size_t>(t) * H + h]);
+        if (!(std::fabs(g - want) <= 1e-2f * std::fabs(want) + 1e-6f)) {
+          ++bad_calls;
+          break;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(bad_calls, 0);
+  EXPECT_TRUE(all_ranks(bad_calls == 0));
+}
+
+/// num_worst_tokens: no host sync; outputs sized to the worst case, then
+/// captured in a CUDA graph and replayed with the routing unchanged.
+TEST(HighThroughput, WorstTokensAndGraphReplay) {
+  auto& w = world();
+  const int R = w.num_ranks, me = w.rank, H = 2048, K = 8, E = 64;
+  HtCase c{200, H, K, E, false, 0.1, true, 1, false};
+  auto in = make_inputs(c, R, 77);
+  auto ro = ref::ht_dispatch(in, H, K, E, 1);
+  const auto& mine = in[me];
+  const int T = mine.num_tokens, worst = (c.num_tokens + 1) * R;
+  auto d_topk = to_device(mine.topk_idx);
+  auto d_x = to_device(mine.x_bf16);
+  auto d_w = to_device(mine.topk_weights);
+  StreamArgs s;
+  s.stream = w.stream;
+  auto layout = w.buffer->get_dispatch_layout(view(d_topk.get(), DType::kI64, {T, K}), E, s);
+  DispatchArgs a;
+  a.x = view(d_x.get(), DType::kBF16, {T, H});
+  a.topk_idx = view(d_topk.get(), DType::kI64, {T, K});
+  a.topk_weights = view(d_w.get(), DType::kF32, {T, K});
+  a.num_tokens_per_rank = layout.num_tokens_per_rank.view;
+  a.is_token_in_rank = layout.is_token_in_rank.view;
+  a.num_tokens_per_expert = layout.num_tokens_per_expert.view;
+  a.num_worst_tokens = worst;
+  a.streams = s;
+  auto res = w.buffer->dispatch(a);
+  cudaStreamSynchronize(w.stream);
+  ASSERT_EQ(res.recv_x.size(0), worst);
+  const int N = ro[me].num_recv_tokens;
+  auto gx = to_host<uint16_t>(res.recv_x);
+  gx.resize(static_cast<std::size_t>(N) * H);
+  ASSERT_EQ(gx, ro[me].recv_x_bf16);
+  auto gi = to_host<int64_t>(*res.recv_topk_idx);
+  for (std::size_t i = static_cast<std::size_t>(N) * K; i < gi.size(); ++i) ASSERT_EQ(gi[i], -1) << "tail row " << i / K;
+
+  // Graph capture of dispatch (worst-token mode) + combine, then replays.
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(w.stream, cudaStreamCaptureModeRelaxed), cudaSuccess);
+  Tensor gx_out, gc_out;
+  {
+    auto r1 = w.buffer->dispatch(a);
+    CombineArgs ca;
+    ca.x = r1.recv_x.view;
+    ca.handle = r1.handle;
+    ca.streams = s;
+    auto r2 = w.buffer->combine(ca);
+    gx_out = r1.recv_x;
+    gc_out = r2.combined_x;
+  }
+  ASSERT_EQ(cudaStreamEndCapture(w.stream, &graph), cudaSuccess);
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaGraphInstantiateWithFlags(&exec, graph, cudaGraphInstantiateFlagAutoFreeOnLaunch), cudaSuccess);
+  for (int i = 0; i < 20; ++i) {
+    ASSERT_EQ(cudaMemsetAsync(gx_out.view.data, 0xff, gx_out.view.nbytes(), w.stream), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, w.stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+    auto g = to_host<uint16_t>(gx_out);
+    g.resize(static_cast<std::size_t>(N) * H);
+    ASSERT_EQ(g, ro[me].recv_x_bf16) << "replay " << i;
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
+}
+
+TEST(HighThroughput, BadInputsThrowBeforeAnyKernel) {
+  auto& w = world();
+  StreamArgs s;
+  s.stream = w.stream;
+  auto d = to_device(std::vector<int64_t>(64, 0));
+  if (w.num_ranks > 1)  // 4R+1 experts cannot be spread evenly
+    EXPECT_THROW(w.buffer->get_dispatch_layout(view(d.get(), DType::kI64, {8, 8}), 4 * w.num_ranks + 1, s), Error);
+  EXPECT_THROW(w.buffer->get_dispatch_layout(view(d.get(), DType::kI32, {8, 8}), 64, s), Error);
+  EXPECT_THROW(w.buffer->get_dispatch_layout(view(d.get(), DType::kI64, {8, 32}), 64, s), Error);
+  // Out-of-range expert ids are caught by the layout kernel and raised.
+  std::vector<int64_t> bad(64, 1);
+  bad[13] = 999;
+  auto db = to_device(bad);
+  w.buffer->get_dispatch_layout(view(db.get(), DType::kI64, {8, 8}), 64, s);
+  cudaStreamSynchronize(w.stream);
+  try {
+    w.buffer->get_dispatch_layout(view(d.get(), DType::kI64, {8, 8}), 64, s);
+    ADD_FAILURE() << "expected an error for expert 999";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("topk_idx"), std::string::npos) << e.what();
+  }
+  cudaStreamSynchronize(w.stream);
+}
+
+}  // namespace
+}  // namespace epx::test

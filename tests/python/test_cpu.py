@@ -1,0 +1,828 @@
+"""CPU tests of the epx package: binding conversions, validation messages, the
+reference model against independent NumPy computations, and the pure-Python
+parts of the DeepEP API. Need NumPy, not PyTorch or a GPU."""
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import epx
+from epx import _core
+from epx import reference as ref
+
+D = _core.DType
+RNG = np.random.default_rng(1234)
+
+
+# ---- independent NumPy models --------------------------------------------------------------------
+
+def np_bf16_bits(x):
+    """float32 -> bf16 bits with round-to-nearest-even, via float64 arithmetic."""
+    x = np.asarray(x, np.float32)
+    u = x.view(np.uint32).astype(np.int64)
+    upper, lower = u >> 16, u & 0xFFFF
+    up = (lower > 0x8000) | ((lower == 0x8000) & (upper & 1 == 1))
+    return (upper + up).astype(np.uint16)
+
+
+def np_bf16_float(bits):
+    return (np.asarray(bits, np.uint16).astype(np.uint32) << 16).view(np.float32)
+
+
+def _fp8_values():
+    """The finite FP8 e4m3fn values of bytes 0..255 (NaN at 0x7F and 0xFF)."""
+    vals = np.empty(256, np.float64)
+    for b in range(256):
+        s, e, m = b >> 7, (b >> 3) & 15, b & 7
+        v = m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+        vals[b] = -v if s else v
+    vals[0x7F] = vals[0xFF] = np.nan
+    return vals
+
+
+FP8 = _fp8_values()
+
+
+def np_fp8_bits(x):
+    """Round to nearest e4m3fn (ties to even mantissa), saturating at +-448."""
+    out = np.empty(np.shape(x), np.uint8)
+    pos = FP8[:0x7F]  # 0x00..0x7E, increasing
+    for i, v in np.ndenumerate(np.asarray(x, np.float64)):
+        a = min(abs(v), 448.0)
+        j = int(np.searchsorted(pos, a))
+        if j < len(pos) and pos[j] == a:
+            b = j
+        else:
+            lo, hi = j - 1, j
+            dl, dh = a - pos[lo], pos[hi] - a
+            b = lo if dl < dh or (dl == dh and lo % 2 == 0) else hi
+        out[i] = b | (0x80 if v < 0 or (v == 0 and np.signbit(v)) else 0)
+    return out
+
+
+def np_quantize(x, round_scale=False):
+    x = np.asarray(x, np.float32)
+    T, H = x.shape
+    g = x.reshape(T, H // 128, 128)
+    amax = np.maximum(np.abs(g).max(-1), np.float32(1e-4))
+    scale = (amax / np.float32(448.0)).astype(np.float32)
+    if round_scale:
+        scale = (2.0 ** np.ceil(np.log2(scale.astype(np.float64)))).astype(np.float32)
+    q = np_fp8_bits((g / scale[..., None]).astype(np.float32)).reshape(T, H)
+    return q, scale
+
+
+def np_layout(topk_idx, E, R):
+    T = topk_idx.shape[0]
+    per_expert = np.zeros(E, np.int32)
+    in_rank = np.zeros((T, R), bool)
+    for t in range(T):
+        for e in set(int(e) for e in topk_idx[t] if e >= 0):
+            per_expert[e] += 1
+            in_rank[t, e // (E // R)] = True
+    return in_rank.sum(0).astype(np.int32), per_expert, in_rank
+
+
+def random_topk(T, K, E, drop=0.1):
+    idx = np.stack([RNG.choice(E, K, replace=False) for _ in range(T)]) if T else np.zeros((0, K))
+    idx = idx.astype(np.int64)
+    idx[RNG.random(idx.shape) < drop] = -1
+    return idx
+
+
+def random_bf16(shape, scale=1.0):
+    return np_bf16_bits((RNG.standard_normal(shape) * scale).astype(np.float32))
+
+
+# ---- import, errors ------------------------------------------------------------------------------
+
+def test_import_does_not_need_torch():
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["torch"] = None  # makes `import torch` fail
+        import epx
+        assert epx.Buffer.num_sms > 0 and epx.Config().num_sms == 20
+        try:
+            epx.Buffer(None)
+        except ImportError as e:
+            assert "PyTorch" in str(e), e
+        else:
+            raise AssertionError("Buffer() without torch must raise ImportError")
+    """)
+    env_path = [p for p in sys.path if p]
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={"PYTHONPATH": ":".join(env_path), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("code, cls, builtin", [
+    (_core.ErrorCode.invalid_argument, epx.EPXValueError, ValueError),
+    (_core.ErrorCode.timeout, epx.EPXTimeoutError, TimeoutError),
+    (_core.ErrorCode.unsupported, epx.EPXUnsupportedError, NotImplementedError),
+    (_core.ErrorCode.cuda, epx.EPXError, RuntimeError),
+    (_core.ErrorCode.nccl, epx.EPXError, RuntimeError),
+    (_core.ErrorCode.buffer_too_small, epx.EPXError, RuntimeError),
+    (_core.ErrorCode.internal, epx.EPXError, RuntimeError),
+])
+def test_error_mapping(code, cls, builtin):
+    with pytest.raises(cls) as info:
+        _core._raise(code, "dispatch: x: some rule")
+    e = info.value
+    assert isinstance(e, epx.EPXError) and isinstance(e, builtin)
+    assert e.code == code
+    assert "dispatch: x: some rule" in str(e)
+    if cls is epx.EPXError:  # only the specific codes map to the specific classes
+        assert not isinstance(e, (ValueError, TimeoutError, NotImplementedError))
+
+
+def test_deep_ep_aliases():
+    assert epx.EventOverlap is epx.utils.EventOverlap
+    assert epx.EventHandle is epx.utils.EventHandle
+    for name in ["get_dispatch_layout", "dispatch", "combine", "low_latency_dispatch",
+                 "low_latency_combine", "get_next_low_latency_combine_buffer",
+                 "clean_low_latency_buffer", "get_low_latency_rdma_size_hint",
+                 "get_dispatch_config", "get_combine_config", "set_num_sms", "capture",
+                 "get_comm_stream", "get_local_buffer_tensor", "destroy"]:
+        assert callable(getattr(epx.Buffer, name)), name
+    saved = {k: sys.modules.get(k) for k in ("deep_ep", "deep_ep.utils", "deep_ep.buffer")}
+    try:
+        for k in saved:
+            sys.modules.pop(k, None)
+        epx.alias_deep_ep()
+        from deep_ep.utils import EventOverlap  # noqa: F401
+        import deep_ep
+        assert deep_ep is epx and EventOverlap is epx.EventOverlap
+    finally:
+        for k, v in saved.items():
+            sys.modules.pop(k, None)
+            if v is not None:
+                sys.modules[k] = v
+
+
+# ---- tensors through DLPack ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("np_dtype, dtype", [
+    (np.float32, D.float32), (np.int32, D.int32), (np.int64, D.int64), (np.bool_, D.bool),
+    (np.uint8, D.float8_e4m3fn),  # FP8 bits travel as uint8 where DLPack lacks float8
+])
+def test_view_dtypes(np_dtype, dtype):
+    a = np.zeros((3, 5), np_dtype)
+    v = _core.TensorView.from_dlpack(a, "x")
+    assert v.dtype == dtype
+    assert v.shape == (3, 5) and v.strides == (5, 1) and v.ndim == 2
+    assert v.device == _core.CPU and v.data == a.ctypes.data
+    assert v.nbytes() == a.nbytes and v.is_contiguous()
+
+
+def test_view_strides_and_offset():
+    a = np.arange(48, dtype=np.int64).reshape(6, 8)
+    v = _core.TensorView.from_dlpack(a[1:, ::2], "x")
+    assert v.shape == (5, 4) and v.strides == (8, 2)
+    assert v.data == a.ctypes.data + 8 * 8
+    assert not v.is_contiguous()
+    t = _core.TensorView.from_dlpack(a.T, "x")
+    assert t.shape == (8, 6) and t.strides == (1, 8)
+    assert "non-contiguous" in t.describe()
+
+
+def test_view_errors_name_the_argument():
+    with pytest.raises(TypeError, match=r"^topk_idx: unsupported dtype .*float64|topk_idx: "):
+        _core.TensorView.from_dlpack(np.zeros(3, np.float64), "topk_idx")
+    with pytest.raises(TypeError, match=r"topk_weights: expected a tensor .* got list"):
+        _core.TensorView.from_dlpack([1.0, 2.0], "topk_weights")
+    with pytest.raises(epx.EPXValueError, match=r"x: has 5 dimensions; at most 4"):
+        _core.TensorView.from_dlpack(np.zeros((1, 1, 1, 1, 1), np.float32), "x")
+    # uint16 is not a dtype EPX knows; BF16 bits need an explicit reinterpretation
+    with pytest.raises(TypeError, match="x: unsupported dtype"):
+        _core.TensorView.from_dlpack(np.zeros(4, np.uint16), "x")
+    v = _core.TensorView.from_dlpack(np.zeros(4, np.uint16), "x", D.bfloat16)
+    assert v.dtype == D.bfloat16
+    with pytest.raises(epx.EPXValueError, match="x: cannot view elements .* as bfloat16"):
+        _core.TensorView.from_dlpack(np.zeros(4, np.float32), "x", D.bfloat16)
+
+
+def test_raw_view_describe():
+    v = _core.TensorView(0x1000, D.bfloat16, [4096, 7168], device=0)
+    assert v.describe() == "[4096, 7168] bfloat16 cuda:0"
+    assert v.strides == (7168, 1) and v.numel() == 4096 * 7168
+    assert v.nbytes() == 4096 * 7168 * 2
+    w = _core.TensorView(0x1000, D.float32, [2, 3], strides=[1, 2])
+    assert w.describe() == "[2, 3] float32 cpu (non-contiguous)"
+
+
+# ---- the Python allocator: outputs come back as the objects it returned ----------------------
+
+NP_OF = {D.float8_e4m3fn: np.uint8, D.float32: np.float32, D.int32: np.int32,
+         D.int64: np.int64, D.bool: np.bool_}  # numpy has no bfloat16
+
+
+def numpy_allocator(calls):
+    def alloc(dtype, shape, stream):
+        calls.append((dtype, shape, stream))
+        return np.zeros(shape, NP_OF[_core.DType(dtype)])
+    return alloc
+
+
+def test_allocator_round_trip():
+    calls = []
+    opts = _core.BufferOptions()
+    assert opts.allocator is None
+    alloc = numpy_allocator(calls)
+    opts.allocator = alloc
+    assert opts.allocator is alloc
+    whole, rest = _core._test_allocator(opts, D.int64, [4, 3], 1234)
+    assert calls == [(D.int64.value, (4, 3), 1234)]
+    assert isinstance(whole, np.ndarray) and whole.shape == (4, 3) and whole.dtype == np.int64
+    base, shape, strides, offset = rest  # a part of `whole`, rebuilt by epx.buffer with as_strided
+    assert base is whole and shape == (3, 3) and strides == (3, 1) and offset == 3
+    before = sys.getrefcount(whole)
+    del rest, base
+    assert sys.getrefcount(whole) == before - 2  # the core held it only through the results
+    # (object to return, DLPack source): results are the first, memory comes from the second
+    holder = {}
+
+    def alloc_pair(dtype, shape, stream):
+        a = np.zeros(shape, np.bool_)
+        holder["obj"] = ("mine", a)
+        return holder["obj"], a
+    opts.allocator = alloc_pair
+    whole, _ = _core._test_allocator(opts, D.bool, [2, 2])
+    assert whole is holder["obj"]
+    opts.allocator = None
+    assert opts.allocator is None
+
+
+def test_allocator_errors():
+    opts = _core.BufferOptions()
+    opts.allocator = lambda dtype, shape, stream: np.zeros(shape, np.float32)
+    with pytest.raises(epx.EPXError, match=r"allocator returned \[2\] float32 cpu, expected a "
+                                           r"contiguous int32"):
+        _core._test_allocator(opts, D.int32, [2])
+    opts.allocator = lambda dtype, shape, stream: "not a tensor"
+    with pytest.raises(TypeError, match="allocator result: expected a tensor"):
+        _core._test_allocator(opts, D.int32, [2])
+
+    def boom(dtype, shape, stream):
+        raise MemoryError("out of memory in the allocator")
+    opts.allocator = boom
+    with pytest.raises(MemoryError, match="out of memory in the allocator"):
+        _core._test_allocator(opts, D.int32, [2])
+
+
+# ---- validators ----------------------------------------------------------------------------------
+
+ADDR = 0x7F0000000000
+
+
+def cuda(dtype, shape, device=0, strides=None):
+    return _core.TensorView(ADDR, dtype, list(shape), strides=strides, device=device)
+
+
+def test_validate_tensor():
+    ok = cuda(D.int64, (8, 4))
+    _core.validate_tensor("op", "topk_idx", ok, D.int64, [8, _core.ANY], 0)
+    with pytest.raises(epx.EPXValueError, match=r"op: topk_idx: must be int64 \(got \[8, 4\] "
+                                                r"int64|op: topk_idx: must be int32"):
+        _core.validate_tensor("op", "topk_idx", ok, D.int32, [8, 4], 0)
+    with pytest.raises(epx.EPXValueError, match=r"op: topk_idx: must have shape \[9, \*\]"):
+        _core.validate_tensor("op", "topk_idx", ok, D.int64, [9, _core.ANY], 0)
+    with pytest.raises(epx.EPXValueError, match=r"op: topk_idx: must have shape \[8\]"):
+        _core.validate_tensor("op", "topk_idx", ok, D.int64, [8], 0)
+    with pytest.raises(epx.EPXValueError, match=r"op: topk_idx: must be on cuda:1"):
+        _core.validate_tensor("op", "topk_idx", ok, D.int64, [8, 4], 1)
+    with pytest.raises(epx.EPXValueError, match=r"op: topk_idx: must be in host memory"):
+        _core.validate_tensor("op", "topk_idx", ok, D.int64, [8, 4], _core.CPU)
+    nc = cuda(D.int64, (8, 4), strides=[1, 8])
+    with pytest.raises(epx.EPXValueError, match=r"op: topk_idx: must be contiguous"):
+        _core.validate_tensor("op", "topk_idx", nc, D.int64, [8, 4], 0)
+    _core.validate_tensor("op", "topk_idx", nc, D.int64, [8, 4], 0, contiguous=False)
+    null = _core.TensorView(0, D.int64, [8, 4], device=0)
+    with pytest.raises(epx.EPXValueError, match=r"op: topk_idx: is null"):
+        _core.validate_tensor("op", "topk_idx", null, D.int64, [8, 4], 0)
+
+
+def test_validate_tensor_any_device():
+    assert _core.ANY_DEVICE != _core.CPU
+    _core.validate_tensor("op", "topk_idx", cuda(D.int64, (8, 4)), D.int64, [8, 4], _core.ANY_DEVICE)
+    host = _core.TensorView(8, D.int64, [8, 4], device=_core.CPU)
+    with pytest.raises(epx.EPXValueError, match=r"op: topk_idx: must be on a CUDA device"):
+        _core.validate_tensor("op", "topk_idx", host, D.int64, [8, 4], _core.ANY_DEVICE)
+
+
+def test_validate_scalars():
+    _core.validate_num_experts("op", 64, 8)
+    with pytest.raises(epx.EPXValueError, match=r"op: num_experts: must be > 0"):
+        _core.validate_num_experts("op", 0, 8)
+    with pytest.raises(epx.EPXValueError, match=r"op: num_experts: must be divisible .* 8 "
+                                                r"\(got 60\)"):
+        _core.validate_num_experts("op", 60, 8)
+    _core.validate_hidden("op", 7168, D.bfloat16, True)
+    with pytest.raises(epx.EPXValueError, match=r"op: hidden: must be > 0"):
+        _core.validate_hidden("op", 0, D.bfloat16, False)
+    with pytest.raises(epx.EPXValueError, match=r"op: hidden: a row must be a multiple of 16"):
+        _core.validate_hidden("op", 100, D.bfloat16, False)
+    with pytest.raises(epx.EPXValueError, match=r"op: hidden: FP8 needs a multiple of 128"):
+        _core.validate_hidden("op", 144, D.float8_e4m3fn, True)
+    for k in (1, _core.MAX_TOPK):
+        _core.validate_num_topk("op", k)
+    for k in (0, _core.MAX_TOPK + 1):
+        with pytest.raises(epx.EPXValueError, match=r"op: topk_idx: top-k must be in \[1, 16\]"):
+            _core.validate_num_topk("op", k)
+
+
+def test_validate_topk_idx_values_host():
+    idx = np.array([[0, 5, -1], [7, 300, 2]], np.int64)
+    v = _core.TensorView.from_dlpack(idx, "topk_idx")
+    _core.validate_topk_idx_values("op", v, 301)
+    with pytest.raises(epx.EPXValueError,
+                       match=r"op: topk_idx: values must be -1 or in \[0, num_experts=64\) "
+                             r"\(element 4 is 300\)"):
+        _core.validate_topk_idx_values("op", v, 64)
+    idx[0, 0] = -2
+    with pytest.raises(epx.EPXValueError, match=r"element 0 is -2"):
+        _core.validate_topk_idx_values("op", v, 301)
+
+
+T, H, R, K, E = 8, 256, 2, 4, 16
+
+
+def dispatch_args(x_dtype=D.bfloat16, **over):
+    a = _core.DispatchArgs()
+    a.x = over.pop("x", cuda(x_dtype, (T, H)))
+    a.x_scales = over.pop("x_scales", cuda(D.float32, (T, H // 128))
+                          if x_dtype == D.float8_e4m3fn else None)
+    a.topk_idx = over.pop("topk_idx", cuda(D.int64, (T, K)))
+    a.topk_weights = over.pop("topk_weights", cuda(D.float32, (T, K)))
+    a.num_tokens_per_rank = over.pop("num_tokens_per_rank", cuda(D.int32, (R,)))
+    a.is_token_in_rank = over.pop("is_token_in_rank", cuda(D.bool, (T, R)))
+    a.num_tokens_per_expert = over.pop("num_tokens_per_expert", cuda(D.int32, (E,)))
+    for k, v in over.items():
+        setattr(a, k, v)
+    return a
+
+
+def test_validate_dispatch_accepts_good_args():
+    _core.validate_dispatch(dispatch_args(), R, 0)
+    _core.validate_dispatch(dispatch_args(D.float8_e4m3fn), R, 0)
+    _core.validate_dispatch(dispatch_args(topk_idx=None, topk_weights=None), R, 0)
+    h = _core.DispatchHandle._for_validation(R, T, 5, H)
+    _core.validate_dispatch(dispatch_args(topk_idx=None, topk_weights=None, handle=h,
+                                          num_tokens_per_rank=None, is_token_in_rank=None,
+                                          num_tokens_per_expert=None), R, 0)
+
+
+@pytest.mark.parametrize("over, pattern", [
+    (dict(x=cuda(D.float32, (T, H))), r"dispatch: x: must be bfloat16, or float8_e4m3fn"),
+    (dict(x=cuda(D.bfloat16, (T, H, 1))), r"dispatch: x: must be \[num_tokens, hidden\]"),
+    (dict(x=cuda(D.bfloat16, (T, H), device=1)), r"dispatch: x: must be on cuda:0"),
+    (dict(x=cuda(D.bfloat16, (T, H), strides=[1, T])), r"dispatch: x: rows must be contiguous"),
+    (dict(x=cuda(D.float8_e4m3fn, (T, H))), r"dispatch: x_scales: is required"),
+    (dict(x_scales=cuda(D.float32, (T, 2))), r"dispatch: x_scales: must be None unless"),
+    (dict(num_tokens_per_rank=None), r"dispatch: num_tokens_per_rank: .* required without"),
+    (dict(num_tokens_per_rank=cuda(D.int64, (R,))),
+     r"dispatch: num_tokens_per_rank: must be int32"),
+    (dict(is_token_in_rank=cuda(D.bool, (T, 3))), r"dispatch: is_token_in_rank: must have shape "
+                                                  r"\[8, 2\]"),
+    (dict(num_tokens_per_expert=cuda(D.int32, (15,))), r"dispatch: num_experts: must be divisible"),
+    (dict(topk_idx=cuda(D.int64, (T, 17)), topk_weights=None), r"dispatch: topk_idx: top-k must "
+                                                                r"be in \[1, 16\]"),
+    (dict(topk_idx=cuda(D.int32, (T, K))), r"dispatch: topk_idx: must be int64"),
+    (dict(topk_weights=cuda(D.float32, (T, K + 1))), r"dispatch: topk_weights: must have shape "
+                                                     r"\[8, 4\]"),
+    (dict(topk_idx=None), r"dispatch: topk_weights: needs topk_idx"),
+    (dict(expert_alignment=0), r"dispatch: expert_alignment: must be >= 1 \(got 0\)"),
+    (dict(num_worst_tokens=-1), r"dispatch: num_worst_tokens: must be >= 0"),
+    (dict(handle=_core.DispatchHandle._for_validation(R, T, 5, H)),
+     r"dispatch: topk_idx: must be None for a cached dispatch"),
+])
+def test_validate_dispatch_rejects(over, pattern):
+    with pytest.raises(epx.EPXValueError, match=pattern):
+        _core.validate_dispatch(dispatch_args(**over), R, 0)
+
+
+def test_validate_dispatch_fp8_hidden():
+    a = dispatch_args(D.float8_e4m3fn, x=cuda(D.float8_e4m3fn, (T, 144)),
+                      x_scales=cuda(D.float32, (T, 1)))
+    with pytest.raises(epx.EPXValueError, match=r"dispatch: hidden: FP8 needs a multiple of 128"):
+        _core.validate_dispatch(a, R, 0)
+
+
+def test_validate_combine():
+    N = 5
+    h = _core.DispatchHandle._for_validation(R, T, N, H)
+    a = _core.CombineArgs()
+    a.x = cuda(D.bfloat16, (N, H))
+    with pytest.raises(epx.EPXValueError, match=r"combine: handle: is required"):
+        _core.validate_combine(a, R, 0)
+    a.handle = h
+    _core.validate_combine(a, R, 0)
+    a.bias_0 = cuda(D.bfloat16, (T, H))
+    a.topk_weights = cuda(D.float32, (N, K))
+    _core.validate_combine(a, R, 0)
+    with pytest.raises(epx.EPXValueError, match=r"combine: handle: was made by a buffer of"):
+        _core.validate_combine(a, 4, 0)
+    a.bias_1 = cuda(D.bfloat16, (N, H))
+    with pytest.raises(epx.EPXValueError, match=r"combine: bias_1: must have shape \[8, 256\]"):
+        _core.validate_combine(a, R, 0)
+    a.bias_1 = None
+    a.x = cuda(D.bfloat16, (N + 1, H))
+    with pytest.raises(epx.EPXValueError, match=r"combine: x: must have shape \[5, \*\]"):
+        _core.validate_combine(a, R, 0)
+    a.x = cuda(D.bfloat16, (N, 2 * H))
+    with pytest.raises(epx.EPXValueError, match=r"combine: x: hidden must match the dispatch"):
+        _core.validate_combine(a, R, 0)
+
+
+def ll_args(**over):
+    a = _core.LowLatencyDispatchArgs()
+    a.x = cuda(D.bfloat16, (T, H))
+    a.topk_idx = cuda(D.int64, (T, K))
+    a.num_max_dispatch_tokens_per_rank = 16
+    a.num_experts = E
+    for k, v in over.items():
+        setattr(a, k, v)
+    return a
+
+
+def test_validate_low_latency_dispatch():
+    _core.validate_low_latency_dispatch(ll_args(), R, 0)
+    _core.validate_low_latency_dispatch(ll_args(round_scale=True, use_ue8m0=True), R, 0)
+    cases = [
+        (dict(num_max_dispatch_tokens_per_rank=0),
+         r"low_latency_dispatch: num_max_dispatch_tokens_per_rank: must be in \[1, 1024\]"),
+        (dict(num_max_dispatch_tokens_per_rank=4),
+         r"low_latency_dispatch: x: has 8 tokens, more than num_max_dispatch_tokens_per_rank=4"),
+        (dict(x=cuda(D.bfloat16, (T, 192))), r"low_latency_dispatch: hidden: must be a multiple "
+                                             r"of 128"),
+        (dict(num_experts=15), r"low_latency_dispatch: num_experts: must be divisible"),
+        (dict(use_ue8m0=True), r"low_latency_dispatch: use_ue8m0: needs round_scale=True"),
+        (dict(use_fp8=False, round_scale=True), r"low_latency_dispatch: use_fp8: round_scale and"),
+        (dict(cumulative_local_expert_recv_stats=cuda(D.int32, (E,))),
+         r"low_latency_dispatch: cumulative_local_expert_recv_stats: must have shape \[8\]"),
+    ]
+    for over, pattern in cases:
+        with pytest.raises(epx.EPXValueError, match=pattern):
+            _core.validate_low_latency_dispatch(ll_args(**over), R, 0)
+
+
+def test_validate_low_latency_combine():
+    maxT = 16
+    h = _core.LowLatencyHandle._for_validation(R, E, maxT, H, T, K)
+    a = _core.LowLatencyCombineArgs()
+    a.x = cuda(D.bfloat16, (E // R, R * maxT, H))
+    a.topk_idx = cuda(D.int64, (T, K))
+    a.topk_weights = cuda(D.float32, (T, K))
+    with pytest.raises(epx.EPXValueError, match=r"low_latency_combine: handle: is required"):
+        _core.validate_low_latency_combine(a, R, 0)
+    a.handle = h
+    _core.validate_low_latency_combine(a, R, 0)
+    a.out = cuda(D.bfloat16, (T + 1, H))
+    with pytest.raises(epx.EPXValueError, match=r"low_latency_combine: out: must have shape "
+                                                r"\[8, 256\]"):
+        _core.validate_low_latency_combine(a, R, 0)
+    a.out = None
+    a.x = cuda(D.bfloat16, (E // R, maxT, H))
+    with pytest.raises(epx.EPXValueError, match=r"low_latency_combine: x: must have shape "
+                                                r"\[8, 32, 256\]"):
+        _core.validate_low_latency_combine(a, R, 0)
+
+
+# ---- config and static helpers -------------------------------------------------------------------
+
+def test_config_maps_deep_ep_arguments():
+    c = epx.Config(24, 6, 256, 6, 128)
+    assert (c.num_sms, c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens) == \
+        (24, 6, 256)
+    assert (c._cfg.num_sms, c._cfg.num_max_send_tokens, c._cfg.num_max_recv_tokens) == (24, 6, 256)
+    assert c.num_max_rdma_chunked_recv_tokens == 128
+    c.num_max_nvl_chunked_recv_tokens = 512
+    assert c._cfg.num_max_recv_tokens == 512
+    with pytest.raises(TypeError, match="num_max_nvl_chunked_send_tokens: expected an int"):
+        epx.Config(24, "6")
+    hint = c.get_nvl_buffer_size_hint(7168 * 2, 8)
+    assert hint > 0 and hint % 16 == 0
+    assert c.get_nvl_buffer_size_hint(2 * 7168 * 2, 8) > hint
+    c.num_max_nvl_chunked_recv_tokens = 1024
+    assert c.get_nvl_buffer_size_hint(7168 * 2, 8) > hint
+    assert c.get_rdma_buffer_size_hint(7168 * 2, 8) == 0
+
+
+def test_default_configs_follow_set_num_sms():
+    old = epx.Buffer.num_sms
+    try:
+        epx.Buffer.set_num_sms(20)
+        assert epx.Buffer.num_sms == 20 and _core.Buffer.num_sms() == 20
+        for cfg in (epx.Buffer.get_dispatch_config(8), epx.Buffer.get_combine_config(4)):
+            assert isinstance(cfg, epx.Config) and cfg.num_sms == 20
+        with pytest.raises(epx.EPXValueError, match="num_sms: must be an even number"):
+            epx.Buffer.set_num_sms(21)
+        with pytest.raises(TypeError, match="new_num_sms: expected an int"):
+            epx.Buffer.set_num_sms(20.0)
+    finally:
+        epx.Buffer.set_num_sms(old)
+
+
+def test_low_latency_rdma_size_hint():
+    a = epx.Buffer.get_low_latency_rdma_size_hint(128, 7168, 8, 256)
+    assert a > 0
+    assert epx.Buffer.get_low_latency_rdma_size_hint(256, 7168, 8, 256) > a
+    assert epx.Buffer.get_low_latency_rdma_size_hint(128, 2 * 7168, 8, 256) > a
+
+
+# ---- events (with a stand-in for the CUDA event) -------------------------------------------------
+
+class FakeEvent:
+    def __init__(self):
+        self.waits = 0
+
+    def current_stream_wait(self):
+        self.waits += 1
+
+
+def test_event_overlap_semantics():
+    ev = FakeEvent()
+    keep = [object()]
+    o = epx.EventOverlap(ev, keep)
+    assert o.extra_tensors == tuple(keep)
+    with o as same:
+        assert same is o and ev.waits == 0
+    assert ev.waits == 1 and o.extra_tensors is None
+    o.current_stream_wait()
+    assert ev.waits == 2
+    empty = epx.EventOverlap()
+    empty.current_stream_wait()  # nothing to wait for: no error
+    with empty:
+        pass
+
+
+def test_previous_event_type_error():
+    from epx.utils import _event_of
+
+    assert _event_of(None) is None and _event_of(epx.EventOverlap()) is None
+    with pytest.raises(TypeError, match="previous_event: expected an EventOverlap"):
+        _event_of(42)
+
+
+# ---- reference model -----------------------------------------------------------------------------
+
+def test_bf16_conversions():
+    x = np.concatenate([RNG.standard_normal(2000).astype(np.float32) * 100,
+                        np.array([0.0, -0.0, 1.0, 3.0e38, -3.4e38, 1e-40, np.inf, -np.inf],
+                                 np.float32),
+                        # exact ties: round half to even
+                        np_bf16_float([0x3F80, 0x3F81]) + np.float32(2.0 ** -8)])
+    expect = np_bf16_bits(x)
+    got_scalar = np.array([_core.ref.float_to_bf16(float(v)) for v in x], np.uint16)
+    np.testing.assert_array_equal(got_scalar, expect)
+    np.testing.assert_array_equal(ref.bf16_from_float(x), expect)
+    np.testing.assert_array_equal(ref.bf16_to_float(expect), np_bf16_float(expect))
+    assert _core.ref.bf16_to_float(0x3FC0) == 1.5
+    assert np.isnan(_core.ref.bf16_to_float(_core.ref.float_to_bf16(float("nan"))))
+    assert np.isnan(ref.bf16_to_float(ref.bf16_from_float(np.array([np.nan], np.float32))))[0]
+
+
+def test_fp8_conversions():
+    for b in range(256):
+        if b in (0x7F, 0xFF):
+            assert np.isnan(_core.ref.fp8_e4m3_to_float(b))
+        else:
+            assert _core.ref.fp8_e4m3_to_float(b) == FP8[b], hex(b)
+    x = np.concatenate([RNG.standard_normal(3000) * 50, RNG.standard_normal(500) * 0.01,
+                        [0.0, 448.0, 480.0, 1e6, -1e6, 2.0 ** -9, 2.0 ** -10, 1.0625, 1.1875]])
+    x = x.astype(np.float32)
+    got = np.array([_core.ref.float_to_fp8_e4m3(float(v)) for v in x], np.uint8)
+    np.testing.assert_array_equal(got, np_fp8_bits(x))
+    assert _core.ref.float_to_fp8_e4m3(1.0) == 0x38 and _core.ref.float_to_fp8_e4m3(-2.0) == 0xC0
+
+
+@pytest.mark.parametrize("round_scale", [False, True])
+def test_quantize_fp8(round_scale):
+    magnitude = np.array([1e-6, 1.0, 300.0]).repeat(128)  # one group below the amax floor
+    x = (RNG.standard_normal((5, 384)) * magnitude).astype(np.float32)
+    q, s = ref.quantize_fp8(x, round_scale)
+    eq, es = np_quantize(x, round_scale)
+    np.testing.assert_array_equal(s, es)
+    np.testing.assert_array_equal(q, eq)
+    if round_scale:
+        assert np.all(np.log2(s) == np.round(np.log2(s)))
+    back = ref.dequantize_fp8(q, s)
+    big = np.abs(x) > 1e-3
+    np.testing.assert_allclose(back[big], x[big], rtol=2 ** -3)
+    with pytest.raises(ValueError):
+        _core.ref.quantize_row_fp8(np.zeros(100, np.float32))
+
+
+def test_ue8m0():
+    for k in range(-20, 20):
+        assert _core.ref.scale_to_ue8m0(2.0 ** k) == k + 127
+        assert _core.ref.ue8m0_to_scale(k + 127) == 2.0 ** k
+
+
+def test_logfmt_roundtrip_bound():
+    H = 256
+    row = (RNG.standard_normal(H) * np.exp(RNG.uniform(-3, 3, H))).astype(np.float32)
+    code = _core.ref.logfmt_encode(row)
+    assert code.dtype == np.uint8 and code.size == _core.ref.logfmt_bytes(H)
+    back = _core.ref.logfmt_decode(code, H)
+    bound = _core.ref.logfmt_max_rel_error()
+    assert 0 < bound < 0.1
+    nonzero = back != 0
+    assert nonzero.mean() > 0.9
+    rel = np.abs(back[nonzero] - row[nonzero]) / np.abs(row[nonzero])
+    assert rel.max() <= bound * (1 + 1e-6)
+
+
+def test_dispatch_layout():
+    Tn, Kn, En, Rn = 50, 6, 32, 4
+    idx = random_topk(Tn, Kn, En, drop=0.2)
+    per_rank, per_expert, in_rank = ref.dispatch_layout(idx, En, Rn)
+    e_rank, e_expert, e_in = np_layout(idx, En, Rn)
+    np.testing.assert_array_equal(per_rank, e_rank)
+    np.testing.assert_array_equal(per_expert, e_expert)
+    np.testing.assert_array_equal(in_rank, e_in)
+
+
+def np_ht_dispatch(xs, idxs, ws, En, align):
+    """Rank r receives, source by source and in token order, every token with an expert on r."""
+    Rn = len(xs)
+    El = En // Rn
+    outs = []
+    for r in range(Rn):
+        rows, ridx, rw, src = [], [], [], []
+        counts = np.zeros(El, np.int64)
+        for s in range(Rn):
+            for t in range(idxs[s].shape[0]):
+                owners = {int(e) // El for e in idxs[s][t] if e >= 0}
+                if r not in owners:
+                    continue
+                local = np.where((idxs[s][t] >= r * El) & (idxs[s][t] < (r + 1) * El),
+                                 idxs[s][t] - r * El, -1)
+                for e in local[local >= 0]:
+                    counts[e] += 1
+                rows.append(xs[s][t])
+                ridx.append(local)
+                rw.append(ws[s][t] if ws is not None else None)
+                src.append((s, t))
+        outs.append(dict(rows=rows, idx=np.array(ridx).reshape(-1, idxs[0].shape[1]),
+                         w=rw, src=src, counts=((counts + align - 1) // align * align).tolist()))
+    return outs
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_ht_dispatch(fp8):
+    Rn, Hn, Kn, En, align = 3, 256, 4, 12, 4
+    Ts = [7, 0, 11]
+    idxs = [random_topk(t, Kn, En) for t in Ts]
+    ws = [RNG.random((t, Kn)).astype(np.float32) for t in Ts]
+    if fp8:
+        xs = [ref.quantize_fp8(RNG.standard_normal((t, Hn)).astype(np.float32)) for t in Ts]
+        rows_of = [np.concatenate([q, s.view(np.uint8)], axis=1) for q, s in xs]
+    else:
+        xs = [random_bf16((t, Hn)) for t in Ts]
+        rows_of = xs
+    got = ref.ht_dispatch(xs, idxs, En, topk_weights=ws, expert_alignment=align)
+    want = np_ht_dispatch(rows_of, idxs, ws, En, align)
+    for r in range(Rn):
+        g, w = got[r], want[r]
+        N = len(w["rows"])
+        if fp8:
+            q, s = g["recv_x"]
+            assert q.shape == (N, Hn) and s.shape == (N, Hn // 128)
+            flat = np.concatenate([q, s.view(np.uint8)], axis=1)
+        else:
+            flat = g["recv_x"]
+            assert flat.shape == (N, Hn)
+        np.testing.assert_array_equal(flat, np.array(w["rows"]).reshape(N, -1))
+        np.testing.assert_array_equal(g["recv_topk_idx"], w["idx"])
+        np.testing.assert_array_equal(g["recv_topk_weights"], np.array(w["w"]).reshape(N, Kn))
+        assert g["num_recv_tokens_per_expert"] == w["counts"]
+        np.testing.assert_array_equal(g["recv_src_rank"], [s for s, _ in w["src"]])
+        np.testing.assert_array_equal(g["recv_src_idx"], [t for _, t in w["src"]])
+
+
+def test_ht_combine():
+    Rn, Hn, Kn, En = 3, 128, 3, 9
+    Ts = [6, 4, 9]
+    idxs = [random_topk(t, Kn, En) for t in Ts]
+    disp = ref.ht_dispatch([random_bf16((t, Hn)) for t in Ts], idxs, En)
+    ys = [random_bf16((len(d["recv_src_idx"]), Hn)) for d in disp]
+    wts = [RNG.random((len(d["recv_src_idx"]), Kn)).astype(np.float32) for d in disp]
+    bias = [(random_bf16((t, Hn)), None) for t in Ts]
+    got = ref.ht_combine(idxs, ys, En, topk_weights=wts, bias=bias)
+    for s in range(Rn):
+        acc = np.zeros((Ts[s], Hn), np.float32)
+        wacc = np.zeros((Ts[s], Kn), np.float32)
+        for r in range(Rn):  # rows of rank r that came from source s, summed in rank order
+            for row in np.nonzero(disp[r]["recv_src_rank"] == s)[0]:
+                t = disp[r]["recv_src_idx"][row]
+                acc[t] += np_bf16_float(ys[r][row])
+                wacc[t] += wts[r][row]
+        acc += np_bf16_float(bias[s][0])
+        cx, cw = got[s]
+        np.testing.assert_array_equal(cx, np_bf16_bits(acc))
+        np.testing.assert_allclose(cw, wacc, rtol=1e-6)
+
+
+def np_ll_dispatch(xs, idxs, En, maxT):
+    """Expert e's rows: source 0's tokens (token order), then source 1's, ...; once per token."""
+    Rn = len(xs)
+    El, rows = En // Rn, Rn * maxT
+    Hn = xs[0].shape[1]
+    outs = [dict(x=np.zeros((El, rows, Hn), np.uint16), count=np.zeros(El, np.int64),
+                 src=np.full((El, rows), -1), rank=np.full((El, rows), -1),
+                 rng=np.zeros((El, Rn), np.int64)) for _ in range(Rn)]
+    for e in range(En):
+        o, le = outs[e // El], e % El
+        for s in range(Rn):
+            begin = o["count"][le]
+            for t in range(xs[s].shape[0]):
+                if e in idxs[s][t]:
+                    slot = o["count"][le]
+                    o["x"][le, slot], o["src"][le, slot], o["rank"][le, slot] = xs[s][t], t, s
+                    o["count"][le] += 1
+            o["rng"][le, s] = (begin << 32) | (o["count"][le] - begin)
+    return outs
+
+
+def test_ll_dispatch_and_combine():
+    Rn, Hn, Kn, En, maxT = 2, 128, 3, 6, 8
+    Ts = [8, 5]
+    idxs = [random_topk(t, Kn, En, drop=0.2) for t in Ts]
+    idxs[0][0] = [1, 1, -1]  # a repeated expert is sent once and weighted twice
+    xs = [random_bf16((t, Hn)) for t in Ts]
+    got = ref.ll_dispatch(xs, idxs, En, maxT)
+    want = np_ll_dispatch(xs, idxs, En, maxT)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g["recv_count"], w["count"])
+        np.testing.assert_array_equal(g["src_info"], w["src"])
+        np.testing.assert_array_equal(g["recv_src_rank"], w["rank"])
+        np.testing.assert_array_equal(g["layout_range"], w["rng"])
+        for le in range(En // Rn):
+            n = w["count"][le]
+            np.testing.assert_array_equal(g["recv_x"][le, :n], w["x"][le, :n])
+
+    # combine the received rows (expert output = input) with weights
+    ws = [RNG.random((t, Kn)).astype(np.float32) for t in Ts]
+    outs = ref.ll_combine([g["recv_x"] for g in got], idxs, ws, En, maxT)
+    for s in range(Rn):
+        expect = np.zeros((Ts[s], Hn), np.float32)
+        for t in range(Ts[s]):
+            for k in range(Kn):
+                if idxs[s][t, k] >= 0:
+                    expect[t] += ws[s][t, k] * np_bf16_float(xs[s][t])
+        assert outs[s].shape == (Ts[s], Hn)
+        np.testing.assert_allclose(np_bf16_float(outs[s]), expect, rtol=2 ** -7, atol=1e-30)
+
+    # FP8: the received rows are the quantized source rows
+    got8 = ref.ll_dispatch(xs, idxs, En, maxT, use_fp8=True)
+    for g, w in zip(got8, want):
+        for le in range(En // Rn):
+            n = w["count"][le]
+            q, sc = np_quantize(np_bf16_float(w["x"][le, :n]).reshape(n, Hn))
+            np.testing.assert_array_equal(g["recv_x"][le, :n], q)
+            np.testing.assert_array_equal(g["recv_x_scales"][le, :n], sc)
+
+
+def test_reference_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="num_experts"):
+        ref.ht_dispatch([random_bf16((2, 128))], [random_topk(2, 2, 4)], num_experts=0)
+
+
+# ---- torch conversions on the CPU (skipped without torch) --------------------------------------
+
+def test_torch_views():
+    torch = pytest.importorskip("torch")
+    from epx.buffer import _TorchGlue
+
+    g = _TorchGlue.get()
+    x = torch.zeros(6, 8, dtype=torch.bfloat16)[1:, ::2]
+    v = g.view("x", x)
+    assert v.dtype == D.bfloat16 and v.shape == (5, 4) and v.strides == (8, 2)
+    assert v.data == x.data_ptr() and v.device == _core.CPU
+    w = g.view("topk_weights", torch.ones(3, 2, requires_grad=True) * 2)  # needs a detach
+    assert w.dtype == D.float32 and w.shape == (3, 2)
+    q = g.view("x", torch.zeros(2, 128, dtype=torch.float8_e4m3fn))
+    assert q.dtype == D.float8_e4m3fn
+    assert g.view("is_token_in_rank", torch.zeros(2, 2, dtype=torch.bool)).dtype == D.bool
+    with pytest.raises(TypeError, match="^x: expected a torch.Tensor, got ndarray"):
+        g.view("x", np.zeros(3, np.float32))
+    with pytest.raises(TypeError, match="x: unsupported dtype"):
+        g.view("x", torch.zeros(3, dtype=torch.float16))
+
+
+def test_torch_outputs():
+    torch = pytest.importorskip("torch")
+    from epx.buffer import _TorchGlue
+
+    g = _TorchGlue.get()
+    base = torch.arange(24, dtype=torch.float32)
+    part = g.out((base, (3, 4), (1, 3), 2))  # a view the core made of an allocated tensor
+    assert part.data_ptr() == base.data_ptr() + 2 * 4
+    assert torch.equal(part, base[2:14].view(4, 3).t())
+    bits = torch.tensor([0x38, 0xC0], dtype=torch.uint8)
+    assert g.out(bits).dtype == torch.float8_e4m3fn  # EPX makes no uint8 outputs
+    assert g.out(None) is None
+    assert g.out(base) is base

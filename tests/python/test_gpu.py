@@ -1,0 +1,385 @@
+"""Multi-GPU tests of epx.Buffer through the DeepEP API: 2 and 4 ranks, one process
+per GPU (torch.multiprocessing), results checked against the CPU reference model.
+Skipped without PyTorch or with too few GPUs. Run: pytest tests/python -m gpu
+"""
+
+import os
+import socket
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+# NVLink multicast stays off (see docs); bounded waits so a failing rank cannot hang the test.
+for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
+               ("NVSHMEM_DISABLE_NVLS", "1"), ("EPX_TIMEOUT_S", "60")):
+    os.environ.setdefault(_k, _v)
+
+
+def _num_gpus():
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, case):
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, device_id=torch.device("cuda", rank))
+    try:
+        globals()[case](rank, world, dist.group.WORLD)
+        torch.cuda.synchronize()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(case, world):
+    if _num_gpus() < world:
+        pytest.skip(f"needs {world} GPUs and PyTorch")
+    import torch.multiprocessing as mp
+
+    try:
+        mp.spawn(_worker, args=(world, _free_port(), case), nprocs=world, join=True)
+    except Exception as e:  # a rank raised: its traceback is in the message
+        if "EPXUnsupportedError" in str(e) and "not implemented" in str(e):
+            pytest.skip(f"not implemented in this build: {str(e).splitlines()[-1]}")
+        raise
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_high_throughput(world):
+    _spawn("_case_high_throughput", world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_low_latency(world):
+    _spawn("_case_low_latency", world)
+
+
+# ---- helpers running inside the ranks ------------------------------------------------------------
+
+def _bits(t):
+    """bf16 / fp8 tensor -> its bits as numpy (uint16 / uint8)."""
+    import torch
+
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.int16).cpu().numpy().view(np.uint16)
+    return t.contiguous().view(torch.uint8).cpu().numpy()
+
+
+def _bf16(bits, device):
+    import torch
+
+    t = torch.from_numpy(np.ascontiguousarray(bits).view(np.int16))
+    return t.view(torch.bfloat16).to(device)
+
+
+def _fp8(bits, device):
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(bits)).to(device).view(torch.float8_e4m3fn)
+
+
+def _gather(group, obj):
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group)
+    return out
+
+
+def _routing(rng, T, K, E, drop=0.1):
+    idx = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int64)
+    idx[rng.random(idx.shape) < drop] = -1
+    return idx
+
+
+def _check_raises(exc, pattern, fn):
+    import re
+
+    try:
+        fn()
+    except exc as e:
+        assert re.search(pattern, str(e)), f"{exc.__name__} message {str(e)!r} !~ {pattern!r}"
+        return
+    raise AssertionError(f"expected {exc.__name__} matching {pattern!r}")
+
+
+# ---- high-throughput -----------------------------------------------------------------------------
+
+def _case_high_throughput(rank, world, group):
+    import torch
+
+    import epx
+    from epx import reference as ref
+
+    dev = torch.device("cuda", rank)
+    H, K, E = 256, 4, 8 * world
+    rng = np.random.default_rng(100 + rank)
+    T = 64 + 17 * rank
+    idx_np = _routing(rng, T, K, E)
+    x_np = ref.bf16_from_float(rng.standard_normal((T, H)).astype(np.float32))
+    w_np = rng.random((T, K)).astype(np.float32)
+    idx = torch.from_numpy(idx_np).to(dev)
+    x = _bf16(x_np, dev)
+    w = torch.from_numpy(w_np).to(dev)
+
+    all_idx, all_x, all_w = zip(*_gather(group, (idx_np, x_np, w_np)))
+    want = ref.ht_dispatch(list(all_x), list(all_idx), E, topk_weights=list(all_w))
+    mine = want[rank]
+
+    hidden_bytes = H * 2
+    nvl = max(cfg.get_nvl_buffer_size_hint(hidden_bytes, world)
+              for cfg in (epx.Buffer.get_dispatch_config(world),
+                          epx.Buffer.get_combine_config(world)))
+    buf = epx.Buffer(group, nvl, 0, explicitly_destroy=True)
+    assert buf.rank == rank and buf.group_size == world
+
+    # layout
+    per_rank, per_rdma, per_expert, in_rank, ev = buf.get_dispatch_layout(idx, E)
+    assert per_rdma is None and isinstance(ev, epx.EventOverlap)
+    e_rank, e_expert, e_in = ref.dispatch_layout(idx_np, E, world)
+    assert per_rank.dtype == torch.int32 and in_rank.dtype == torch.bool
+    np.testing.assert_array_equal(per_rank.cpu().numpy(), e_rank)
+    np.testing.assert_array_equal(per_expert.cpu().numpy(), e_expert)
+    np.testing.assert_array_equal(in_rank.cpu().numpy(), e_in)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                  num_tokens_per_expert=per_expert)
+
+    # dispatch
+    recv_x, recv_idx, recv_w, counts, handle, ev = buf.dispatch(
+        x, topk_idx=idx, topk_weights=w, **layout)
+    np.testing.assert_array_equal(_bits(recv_x), mine["recv_x"])
+    np.testing.assert_array_equal(recv_idx.cpu().numpy(), mine["recv_topk_idx"])
+    np.testing.assert_array_equal(recv_w.cpu().numpy(), mine["recv_topk_weights"])
+    assert counts == mine["num_recv_tokens_per_expert"]
+    assert recv_x.device == dev and recv_idx.dtype == torch.int64
+
+    # cached dispatch reuses the routing
+    again, n1, n2, n3, n4, _ = buf.dispatch(x, handle=handle)
+    assert (n1, n2, n3, n4) == (None, None, None, None)
+    np.testing.assert_array_equal(_bits(again), mine["recv_x"])
+
+    # combine (identity experts), with weights and a pair of biases
+    b0_np = ref.bf16_from_float(rng.standard_normal((T, H)).astype(np.float32))
+    b1_np = ref.bf16_from_float(rng.standard_normal((T, H)).astype(np.float32))
+    all_recv_x = [want[r]["recv_x"] for r in range(world)]
+    all_recv_w = [want[r]["recv_topk_weights"] for r in range(world)]
+    all_bias = _gather(group, (b0_np, b1_np))
+    expect = ref.ht_combine(list(all_idx), all_recv_x, E, topk_weights=all_recv_w,
+                            bias=all_bias)[rank]
+    cx, cw, _ = buf.combine(recv_x, handle, topk_weights=recv_w,
+                            bias=(_bf16(b0_np, dev), _bf16(b1_np, dev)))
+    np.testing.assert_array_equal(_bits(cx), expect[0])
+    np.testing.assert_allclose(cw.cpu().numpy(), expect[1], rtol=1e-6)
+    plain = ref.ht_combine(list(all_idx), all_recv_x, E)[rank][0]
+    cx2, cw2, _ = buf.combine(recv_x, handle)
+    assert cw2 is None
+    np.testing.assert_array_equal(_bits(cx2), plain)
+
+    # asynchronous, ordered after a captured event, outputs on the comm stream
+    for on_comm in (False, True):
+        prev = epx.Buffer.capture()
+        out = buf.get_dispatch_layout(idx, E, previous_event=prev, async_finish=True,
+                                      allocate_on_comm_stream=on_comm)
+        out[-1].current_stream_wait()
+        prev = epx.EventOverlap(epx.EventHandle())
+        rx, _, _, cnt, h2, ev = buf.dispatch(x, topk_idx=idx, topk_weights=w,
+                                             num_tokens_per_rank=out[0],
+                                             is_token_in_rank=out[3],
+                                             num_tokens_per_expert=out[2],
+                                             previous_event=prev, async_finish=True,
+                                             allocate_on_comm_stream=on_comm)
+        assert ev.event is not None
+        with ev:
+            pass  # leaving the block makes the current stream wait
+        np.testing.assert_array_equal(_bits(rx), mine["recv_x"])
+        cx3, _, ev = buf.combine(rx, h2, previous_event=buf.capture(), async_finish=True,
+                                 allocate_on_comm_stream=on_comm)
+        ev.current_stream_wait()
+        np.testing.assert_array_equal(_bits(cx3), plain)
+
+    # FP8 payload with per-128-channel scales
+    q_np, s_np = ref.quantize_fp8(ref.bf16_to_float(x_np))
+    all_q = _gather(group, (q_np, s_np))
+    want8 = ref.ht_dispatch([tuple(a) for a in all_q], list(all_idx), E)[rank]
+    (rq, rs), ri, _, c8, _, _ = buf.dispatch((_fp8(q_np, dev), torch.from_numpy(s_np).to(dev)),
+                                             topk_idx=idx, **layout)
+    assert rq.dtype == torch.float8_e4m3fn and rs.dtype == torch.float32
+    np.testing.assert_array_equal(_bits(rq), want8["recv_x"][0])
+    np.testing.assert_array_equal(rs.cpu().numpy(), want8["recv_x"][1])
+    assert c8 == want8["num_recv_tokens_per_expert"]
+
+    # expert alignment and worst-case sizing (no host sync)
+    want_al = ref.ht_dispatch(list(all_x), list(all_idx), E, expert_alignment=8)[rank]
+    _, _, _, c_al, _, _ = buf.dispatch(x, topk_idx=idx, expert_alignment=8, **layout)
+    assert c_al == want_al["num_recv_tokens_per_expert"] and all(c % 8 == 0 for c in c_al)
+    worst = sum(a.shape[0] for a in all_idx)
+    rx_w, ri_w, _, c_w, h_w, _ = buf.dispatch(x, topk_idx=idx, num_worst_tokens=worst, **layout)
+    N = mine["recv_x"].shape[0]
+    assert rx_w.shape == (worst, H) and c_w == []
+    np.testing.assert_array_equal(_bits(rx_w[:N]), mine["recv_x"])
+    np.testing.assert_array_equal(ri_w[:N].cpu().numpy(), mine["recv_topk_idx"])
+    assert (ri_w[N:] == -1).all()
+
+    # autograd inputs are accepted (DeepEP is called inside autograd Functions)
+    xg = x.float().requires_grad_().bfloat16()
+    rg, _, _, _, _, _ = buf.dispatch(xg, topk_idx=idx, **layout)
+    np.testing.assert_array_equal(_bits(rg), mine["recv_x"])
+
+    # errors name the argument
+    _check_raises(epx.EPXValueError, r"dispatch: x: must be bfloat16",
+                  lambda: buf.dispatch(x.float(), topk_idx=idx, **layout))
+    _check_raises(TypeError, r"^x: expected a torch.Tensor, got ndarray",
+                  lambda: buf.dispatch(x_np, topk_idx=idx, **layout))
+    _check_raises(TypeError, r"handle: expected the handle returned by dispatch",
+                  lambda: buf.combine(recv_x, (1, 2)))
+    _check_raises(epx.EPXValueError, r"get_dispatch_layout: num_experts: must be divisible",
+                  lambda: buf.get_dispatch_layout(idx, E + 1))
+
+    # raw buffer and streams
+    raw = buf.get_local_buffer_tensor(torch.bfloat16, (4, 8))
+    assert raw.shape == (4, 8) and raw.device == dev
+    raw.fill_(1.5)
+    assert buf.get_local_buffer_tensor(torch.bfloat16)[:32].eq(1.5).all()
+    assert buf.get_comm_stream().cuda_stream == buf.runtime.comm_stream
+
+    torch.cuda.synchronize()
+    buf.destroy()
+    _check_raises(RuntimeError, r"after destroy", lambda: buf.get_dispatch_layout(idx, E))
+
+
+# ---- low-latency ---------------------------------------------------------------------------------
+
+def _check_ll_rows(recv, count, handle, x_src, world, rows_equal):
+    """Every valid row of every local expert holds the source token its handle names."""
+    from epx.buffer import _TorchGlue
+
+    src_info = _TorchGlue.get().out(handle.src_info).cpu().numpy()
+    rng_ = _TorchGlue.get().out(handle.layout_range).cpu().numpy()
+    for le in range(count.shape[0]):
+        total = 0
+        for s in range(world):
+            begin, n = int(rng_[le, s]) >> 32, int(rng_[le, s]) & 0xFFFFFFFF
+            for row in range(begin, begin + n):
+                rows_equal(recv, le, row, x_src[s][src_info[le, row]])
+            total += n
+        assert total == count[le]
+
+
+def _case_low_latency(rank, world, group):
+    import torch
+
+    import epx
+    from epx import reference as ref
+
+    dev = torch.device("cuda", rank)
+    H, K, E, maxT = 512, 4, 4 * world, 32  # UE8M0 packs 4 scales per int32: H % 512 == 0
+    El = E // world
+    rng = np.random.default_rng(200 + rank)
+    T = 20 + 3 * rank
+    idx_np = _routing(rng, T, K, E, drop=0.15)
+    x_np = ref.bf16_from_float(rng.standard_normal((T, H)).astype(np.float32))
+    w_np = rng.random((T, K)).astype(np.float32)
+    idx, x, w = torch.from_numpy(idx_np).to(dev), _bf16(x_np, dev), torch.from_numpy(w_np).to(dev)
+    all_idx, all_x, all_w = (list(a) for a in zip(*_gather(group, (idx_np, x_np, w_np))))
+    want = ref.ll_dispatch(all_x, all_idx, E, maxT)
+
+    rdma = epx.Buffer.get_low_latency_rdma_size_hint(maxT, H, world, E)
+    buf = epx.Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=El,
+                     explicitly_destroy=True)
+    buf.clean_low_latency_buffer(maxT, H, E)
+
+    # BF16 dispatch
+    stats = torch.zeros(El, dtype=torch.int32, device=dev)
+    recv, count, handle, ev, hook = buf.low_latency_dispatch(
+        x, idx, maxT, E, cumulative_local_expert_recv_stats=stats, use_fp8=False)
+    assert hook is None and recv.shape == (El, world * maxT, H)
+    np.testing.assert_array_equal(count.cpu().numpy(), want[rank]["recv_count"])
+    np.testing.assert_array_equal(stats.cpu().numpy(), want[rank]["recv_count"])
+    recv_np = _bits(recv)
+
+    def same_bf16(r, le, row, src_row):
+        np.testing.assert_array_equal(r[le, row], src_row)
+
+    _check_ll_rows(recv_np, count.cpu().numpy(), handle, all_x, world, same_bf16)
+
+    # combine with identity experts: the expected result does not depend on the row order
+    expect = ref.ll_combine([want[r]["recv_x"] for r in range(world)], all_idx, all_w, E,
+                            maxT)[rank]
+    combined, ev, hook = buf.low_latency_combine(recv, idx, w, handle)
+    assert hook is None
+    got = ref.bf16_to_float(_bits(combined))
+    np.testing.assert_allclose(got, ref.bf16_to_float(expect), rtol=1e-2, atol=1e-2)
+
+    # hooks, zero copy, out=, async
+    recv2, _, h2, _, hook = buf.low_latency_dispatch(x, idx, maxT, E, use_fp8=False,
+                                                     return_recv_hook=True)
+    assert callable(hook)
+    hook()
+    np.testing.assert_array_equal(_bits(recv2), recv_np)
+    zbuf = buf.get_next_low_latency_combine_buffer(h2)
+    assert zbuf.shape == (El, world * maxT, H) and zbuf.dtype == torch.bfloat16
+    zbuf.copy_(recv2)
+    out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+    c2, ev, hook = buf.low_latency_combine(zbuf, idx, w, h2, zero_copy=True, out=out,
+                                           async_finish=True, return_recv_hook=True)
+    assert c2 is out
+    hook()
+    ev.current_stream_wait()
+    np.testing.assert_allclose(ref.bf16_to_float(_bits(out)), ref.bf16_to_float(expect),
+                               rtol=1e-2, atol=1e-2)
+
+    # FP8 dispatch: rows are the quantized source rows, scales column-major
+    for round_scale, ue8m0 in ((False, False), (True, False), (True, True)):
+        (q, s), count8, h8, _, _ = buf.low_latency_dispatch(
+            x, idx, maxT, E, use_fp8=True, round_scale=round_scale, use_ue8m0=ue8m0)
+        assert q.dtype == torch.float8_e4m3fn
+        if ue8m0:
+            assert s.dtype == torch.int32 and s.shape == (El, world * maxT, H // 512)
+        else:
+            assert s.dtype == torch.float32 and s.shape == (El, world * maxT, H // 128)
+        assert s.stride(1) == 1  # column-major in the last two dims
+        q_np, s_np = _bits(q), s.contiguous().cpu().numpy()
+        quant = [ref.quantize_fp8(ref.bf16_to_float(a), round_scale) for a in all_x]
+
+        def same_fp8(r, le, row, src, s_np=s_np, ue8m0=ue8m0):
+            qs, ss = src
+            np.testing.assert_array_equal(r[le, row], qs)
+            if ue8m0:
+                exps = s_np[le, row].view(np.uint8)[: H // 128]
+                want_e = [_core_ue8m0(v) for v in ss]
+                np.testing.assert_array_equal(exps, want_e)
+            else:
+                np.testing.assert_array_equal(s_np[le, row], ss)
+
+        src = [[(quant[r][0][t], quant[r][1][t]) for t in range(all_x[r].shape[0])]
+               for r in range(world)]
+        _check_ll_rows(q_np, count8.cpu().numpy(), h8, src, world, same_fp8)
+
+    # errors
+    _check_raises(epx.EPXValueError, r"low_latency_dispatch: x: has \d+ tokens, more than",
+                  lambda: buf.low_latency_dispatch(x, idx, 4, E, use_fp8=False))
+    _check_raises(TypeError, r"handle: expected the handle returned by low_latency_dispatch",
+                  lambda: buf.low_latency_combine(recv, idx, w, None))
+    torch.cuda.synchronize()
+    buf.destroy()
+
+
+def _core_ue8m0(scale):
+    from epx import _core
+
+    return _core.ref.scale_to_ue8m0(float(scale))
