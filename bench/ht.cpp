@@ -97,7 +97,7 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
   if (o.sweep) {
     double bd = 1e30, bc = 1e30;
     for (int chunk : {4, 8, 16}) {
-      for (int send : {o.num_sms / 2, (o.num_sms * 2) / 3}) {
+      for (int send : {o.num_sms / 3, o.num_sms / 2, (o.num_sms * 2) / 3}) {
         Config c = base;
         c.num_max_send_tokens = chunk;
         c.num_send_sms = send;

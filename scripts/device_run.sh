@@ -23,7 +23,7 @@ if [[ " $RUN " == *" tests "* ]]; then
   for n in 2 4 8; do
     [ "$GPUS" -ge "$n" ] || continue
     echo "== GPU tests EP$n"
-    timeout 420 "$D/launch.sh" "$n" "$D/epx_gpu_tests" ${EPX_GTEST_FILTER:+--gtest_filter=$EPX_GTEST_FILTER} \
+    timeout ${EPX_TEST_TIMEOUT:-420} "$D/launch.sh" "$n" "$D/epx_gpu_tests" ${EPX_GTEST_FILTER:+--gtest_filter=$EPX_GTEST_FILTER} \
       > "$OUT/gpu-tests-ep$n.log" 2>&1
     rc=$?
     grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|tests passed|FAILURES|SKIPPED|rank [0-9]+:" "$OUT/gpu-tests-ep$n.log" | sort | uniq -c | head -30
@@ -37,7 +37,7 @@ if [[ " $RUN " == *" bench "* ]]; then
   kind="h200x$n"
   for fam in $BENCH; do
     echo "== epx-bench $fam EP$n"
-    timeout 300 "$D/launch.sh" "$n" "$D/epx-bench" "$fam" --json "$OUT/$kind-$fam.json" ${EPX_BENCH_ARGS:-} \
+    timeout ${EPX_BENCH_TIMEOUT:-300} "$D/launch.sh" "$n" "$D/epx-bench" "$fam" --json "$OUT/$kind-$fam.json" ${EPX_BENCH_ARGS:-} \
       > "$OUT/bench-$fam.log" 2>&1
     rc=$?
     grep -v "^sweep" "$OUT/bench-$fam.log" | tail -15

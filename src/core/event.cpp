@@ -24,7 +24,24 @@ void Event::synchronize() const {
   if (ev_) EPX_CUDA_CHECK(cudaEventSynchronize(*ev_));
 }
 
+namespace {
+/// Keeps freed memory in the device's default pool (release threshold: never)
+/// so stream-ordered allocations are recycled instead of remapped every call.
+void keep_pool_memory() {
+  int dev = 0;
+  EPX_CUDA_CHECK(cudaGetDevice(&dev));
+  static bool done[64] = {};
+  if (dev < 64 && done[dev]) return;
+  cudaMemPool_t pool;
+  EPX_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
+  uint64_t threshold = UINT64_MAX;
+  EPX_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
+  if (dev < 64) done[dev] = true;
+}
+}  // namespace
+
 Allocator default_allocator() {
+  keep_pool_memory();
   return [](DType dtype, const std::vector<int64_t>& shape, cudaStream_t stream) {
     Tensor t;
     t.view.dtype = dtype;

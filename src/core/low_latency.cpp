@@ -37,7 +37,8 @@ kernels::LlOffsets offsets_of(const plan::LlRegion& r) {
   o.control = 0;
   o.half0 = r.half_offset(0);
   o.half_bytes = r.half_bytes();
-  o.flags = r.flags_offset();
+  o.flags = plan::LlRegion::flags_base();
+  o.flags_half_bytes = plan::LlRegion::flags_bytes();
   o.meta = r.meta_offset();
   o.meta_stride = r.meta_stride();
   o.disp_rows = r.dispatch_rows_offset();
@@ -54,7 +55,15 @@ std::string workload(const plan::LlRegion& r) {
 
 void check_fits(const char* op, const Buffer::Impl& d, const plan::LlRegion& r, std::size_t need,
                 const char* what) {
-  if (need <= d.ll.bytes) return;
+  if (need <= d.ll.bytes) {
+    for (int r = 0; r < d.comm->num_ranks(); ++r)
+      if (r != d.comm->rank() && d.ll.peers[r] == nullptr)
+        throw Error(ErrorCode::kUnsupported,
+                    std::string(op) + ": rank " + std::to_string(r) +
+                        " is not load/store reachable from rank " + std::to_string(d.comm->rank()) +
+                        "; the low-latency kernels need every peer over NVLink");
+    return;
+  }
   throw Error(ErrorCode::kBufferTooSmall,
               std::string(op) + ": num_rdma_bytes: " + what + " needs " + std::to_string(need) +
                   " bytes of low-latency buffer (" + workload(r) + ") but the buffer has " +
@@ -157,7 +166,8 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   rp.num_experts = E;
   rp.max_tokens = maxT;
   rp.row_bytes = row_bytes;
-  rp.parts = std::clamp(ceil_div(2 * d.num_sms_device, E_local), 1, 8);
+  // Blocks per local expert: about two per SM in total (one wave at 2 blocks/SM).
+  rp.parts = std::clamp(2 * d.num_sms_device / E_local, 1, 8);
   rp.fp8 = a.use_fp8;
   rp.ue8m0 = a.use_ue8m0;
   rp.recv_x = static_cast<uint8_t*>(res.recv_x.view.data);

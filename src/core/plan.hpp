@@ -98,14 +98,17 @@ struct LlRegion {
   }
   std::size_t combine_row_bytes() const { return 2u * static_cast<std::size_t>(hidden); }
 
-  std::size_t control_bytes() const { return kAlign; }
-  std::size_t flags_bytes() const { return align_up(3u * 4u * kMaxRanks, kAlign); }
+  /// Completion counters, then the flags of both halves: a fixed place and
+  /// size whatever maxT and hidden are, so no call's rows ever land on a flag
+  /// a later call with another shape compares against its epoch.
+  static constexpr std::size_t flags_bytes() { return align_up(3u * 4u * kMaxRanks, kAlign); }
+  static constexpr std::size_t flags_base() { return kAlign; }
+  std::size_t control_bytes() const { return kAlign + 2 * flags_bytes(); }
   std::size_t meta_stride() const {
     return align_up(16u + 4u * static_cast<std::size_t>(max_tokens) * kLlMaxTopK, kAlign);
   }
-  // Offsets inside a half.
-  std::size_t flags_offset() const { return 0; }
-  std::size_t meta_offset() const { return flags_bytes(); }
+  // Offsets inside a half (the half's flags live in the control area).
+  std::size_t meta_offset() const { return 0; }
   std::size_t dispatch_rows_offset() const {
     return meta_offset() + static_cast<std::size_t>(num_ranks) * meta_stride();
   }

@@ -86,10 +86,10 @@ void dispatch(const DispatchArgs& a, int num_ranks, int device) {
     fail(op, "x", "must be bfloat16, or float8_e4m3fn with x_scales (got " + a.x.describe() + ")");
   if (a.x.ndim != 2) fail(op, "x", "must be [num_tokens, hidden] (got " + a.x.describe() + ")");
   if (a.x.device != device) fail(op, "x", "must be on cuda:" + std::to_string(device) + " (got " + a.x.describe() + ")");
-  if (a.x.strides[1] != 1 || (a.x.strides[0] * static_cast<int64_t>(element_size(a.x.dtype))) % 16 != 0)
-    fail(op, "x", "rows must be contiguous and 16-byte aligned (got " + a.x.describe() + ")");
   const int64_t T = a.x.shape[0], H = a.x.shape[1];
   hidden(op, H, a.x.dtype, fp8);
+  if (a.x.strides[1] != 1 || (a.x.strides[0] * static_cast<int64_t>(element_size(a.x.dtype))) % 16 != 0)
+    fail(op, "x", "rows must be contiguous and 16-byte aligned (got " + a.x.describe() + ")");
   if (fp8) {
     if (!a.x_scales) fail(op, "x_scales", "is required with float8_e4m3fn x ([num_tokens, hidden/128] float32)");
     tensor(op, "x_scales", *a.x_scales, DType::kF32, {T, H / 128}, device, false);

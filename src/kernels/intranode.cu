@@ -15,52 +15,41 @@ namespace {
 constexpr int kThreads = 512;
 constexpr int kWarps = kThreads / 32;
 
-/// Warp-cooperative copy of `bytes` (multiple of 16) from memory nobody
-/// writes during the kernel. Software-pipelined: the next 8 vectors per lane
-/// are loaded before the current 8 are stored, so HBM reads overlap the
-/// (NVLink) stores.
+/// Warp-cooperative copy of `bytes` (multiple of 16). Software-pipelined: each
+/// lane keeps 8 vectors in flight, loading the next batch's vector right after
+/// storing the current one, so reads overlap the (NVLink or HBM) stores. kCoherent: the source is written
+/// by peers during the kernel (L2-coherent loads, kept after the flag wait);
+/// otherwise read-only loads.
+template <bool kCoherent>
+__device__ __forceinline__ int4 load16(const int4* p) {
+  if constexpr (kCoherent) {
+    return dev::ld_l2(p);
+  } else {
+    return dev::ld_nc(p);
+  }
+}
+
+template <bool kCoherent>
 __device__ __forceinline__ void warp_copy(uint8_t* dst, const uint8_t* src, int bytes, int lane) {
   constexpr int kU = 8;
   auto* d = reinterpret_cast<int4*>(dst);
   auto* s = reinterpret_cast<const int4*>(src);
   const int n = bytes / 16;
   const int full = n / (32 * kU) * (32 * kU);
-  int4 cur[kU], nxt[kU];
+  int4 v[kU];
   if (full > 0) {
 #pragma unroll
-    for (int u = 0; u < kU; ++u) cur[u] = dev::ld_nc(s + lane + 32 * u);
+    for (int u = 0; u < kU; ++u) v[u] = load16<kCoherent>(s + lane + 32 * u);
   }
   for (int i = 0; i < full; i += 32 * kU) {
     const bool more = i + 32 * kU < full;
-    if (more) {
 #pragma unroll
-      for (int u = 0; u < kU; ++u) nxt[u] = dev::ld_nc(s + i + 32 * kU + lane + 32 * u);
-    }
-#pragma unroll
-    for (int u = 0; u < kU; ++u) dev::st_na(d + i + lane + 32 * u, cur[u]);
-    if (more) {
-#pragma unroll
-      for (int u = 0; u < kU; ++u) cur[u] = nxt[u];
+    for (int u = 0; u < kU; ++u) {
+      dev::st_na(d + i + lane + 32 * u, v[u]);
+      if (more) v[u] = load16<kCoherent>(s + i + 32 * kU + lane + 32 * u);
     }
   }
-  for (int i = full + lane; i < n; i += 32) dev::st_na(d + i, dev::ld_nc(s + i));
-}
-
-/// Same, for sources written by peers during this kernel (coherent loads).
-__device__ __forceinline__ void warp_copy_coherent(uint8_t* dst, const uint8_t* src, int bytes,
-                                                   int lane) {
-  auto* d = reinterpret_cast<int4*>(dst);
-  auto* s = reinterpret_cast<const int4*>(src);
-  const int n = bytes / 16;
-  int i = lane;
-  for (; i + 96 < n; i += 128) {
-    int4 a = s[i], b = s[i + 32], c = s[i + 64], e = s[i + 96];
-    d[i] = a;
-    d[i + 32] = b;
-    d[i + 64] = c;
-    d[i + 96] = e;
-  }
-  for (; i < n; i += 32) d[i] = s[i];
+  for (int i = full + lane; i < n; i += 32) dev::st_na(d + i, load16<kCoherent>(s + i));
 }
 
 __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
@@ -96,7 +85,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams 
                           p.max_recv_rows, static_cast<uint32_t>(row));
             continue;
           }
-          warp_copy(p.recv_x + row * p.hidden_bytes, src, p.hidden_bytes, lane);
+          warp_copy<false>(p.recv_x + row * p.hidden_bytes, src, p.hidden_bytes, lane);
           for (int i = lane; i < p.num_scales; i += 32)
             p.recv_scales[row * p.num_scales + i] =
                 p.x_scales[t * p.scale_stride_token + i * p.scale_stride_channel];
@@ -110,7 +99,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams 
         } else {
           uint8_t* dst_row = reinterpret_cast<uint8_t*>(p.t.peer_ptr(dst, p.off.staging)) +
                              (static_cast<int64_t>(me) * p.off.capacity + k) * p.off.row_bytes;
-          warp_copy(dst_row, src, p.hidden_bytes, lane);
+          warp_copy<false>(dst_row, src, p.hidden_bytes, lane);
           auto* ext = reinterpret_cast<int*>(dst_row + p.hidden_bytes);
           for (int i = lane; i < extras; i += 32) {
             int v;
@@ -166,7 +155,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams 
                       p.max_recv_rows, static_cast<uint32_t>(row));
         continue;
       }
-      warp_copy_coherent(p.recv_x + row * p.hidden_bytes, row_in, p.hidden_bytes, lane);
+      warp_copy<true>(p.recv_x + row * p.hidden_bytes, row_in, p.hidden_bytes, lane);
       const int* ext = reinterpret_cast<const int*>(row_in + p.hidden_bytes);
       for (int i = lane; i < extras; i += 32) {
         const int v = ext[i];
@@ -233,7 +222,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(HtCombineParams p)
         const int64_t row = p.recv_offsets[dst] + k;
         uint8_t* dst_row = reinterpret_cast<uint8_t*>(p.t.peer_ptr(dst, p.off.staging)) +
                            (static_cast<int64_t>(me) * p.off.capacity + k) * p.off.row_bytes;
-        warp_copy(dst_row, reinterpret_cast<const uint8_t*>(p.x + row * H), row_payload, lane);
+        warp_copy<false>(dst_row, reinterpret_cast<const uint8_t*>(p.x + row * H), row_payload, lane);
         if (p.topk_weights && lane < K)
           reinterpret_cast<float*>(dst_row + row_payload)[lane] = p.topk_weights[row * K + lane];
       }
@@ -282,13 +271,37 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(HtCombineParams p)
       if (!ok) return;
     }
     uint16_t* out = p.combined_x + static_cast<int64_t>(t) * H;
-    for (int c = lane * 8; c < H; c += 32 * 8) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int i = 0; i < n; ++i)
-        accumulate_bf16x8(acc, *reinterpret_cast<const int4*>(rows[i] + 2 * c));
-      if (p.bias0) accumulate_bf16x8(acc, *reinterpret_cast<const int4*>(p.bias0 + static_cast<int64_t>(t) * H + c));
-      if (p.bias1) accumulate_bf16x8(acc, *reinterpret_cast<const int4*>(p.bias1 + static_cast<int64_t>(t) * H + c));
-      *reinterpret_cast<int4*>(out + c) = pack_bf16x8(acc);
+    const uint16_t* b0 = p.bias0 ? p.bias0 + static_cast<int64_t>(t) * H : nullptr;
+    const uint16_t* b1 = p.bias1 ? p.bias1 + static_cast<int64_t>(t) * H : nullptr;
+    // Two 8-channel segments per lane per pass; every contributing row's
+    // loads are issued before the first add.
+    for (int c0 = lane * 8; c0 < H; c0 += 2 * 32 * 8) {
+      const int c1 = c0 + 32 * 8;
+      const bool has1 = c1 < H;
+      int4 v0[plan::kMaxRanks], v1[plan::kMaxRanks];
+#pragma unroll
+      for (int i = 0; i < plan::kMaxRanks; ++i) {
+        if (i < n) {
+          v0[i] = dev::ld_l2(reinterpret_cast<const int4*>(rows[i] + 2 * c0));
+          if (has1) v1[i] = dev::ld_l2(reinterpret_cast<const int4*>(rows[i] + 2 * c1));
+        }
+      }
+      float acc0[8] = {0, 0, 0, 0, 0, 0, 0, 0}, acc1[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+#pragma unroll
+      for (int i = 0; i < plan::kMaxRanks; ++i) {
+        if (i < n) {
+          accumulate_bf16x8(acc0, v0[i]);
+          if (has1) accumulate_bf16x8(acc1, v1[i]);
+        }
+      }
+      if (b0) accumulate_bf16x8(acc0, *reinterpret_cast<const int4*>(b0 + c0));
+      if (b1) accumulate_bf16x8(acc0, *reinterpret_cast<const int4*>(b1 + c0));
+      dev::st_na(reinterpret_cast<int4*>(out + c0), pack_bf16x8(acc0));
+      if (has1) {
+        if (b0) accumulate_bf16x8(acc1, *reinterpret_cast<const int4*>(b0 + c1));
+        if (b1) accumulate_bf16x8(acc1, *reinterpret_cast<const int4*>(b1 + c1));
+        dev::st_na(reinterpret_cast<int4*>(out + c1), pack_bf16x8(acc1));
+      }
     }
     if (p.combined_topk_weights && lane < K) {
       float w = 0.f;

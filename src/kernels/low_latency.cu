@@ -46,7 +46,10 @@ __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; 
 
 __device__ __forceinline__ std::size_t flag_offset(std::size_t half, const LlOffsets& o, int kind,
                                                    int src) {
-  return half + o.flags + 4u * (static_cast<std::size_t>(kind) * plan::kMaxRanks + src);
+  // Flags sit at a fixed place outside the halves (see plan::LlRegion).
+  const std::size_t parity = half == o.half0 ? 0u : 1u;
+  return o.flags + parity * o.flags_half_bytes +
+         4u * (static_cast<std::size_t>(kind) * plan::kMaxRanks + src);
 }
 
 // ---- numeric helpers (each mirrors the CPU reference bit for bit) -------------
@@ -493,15 +496,10 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
 
     // Several picks here: their weighted sum (weights from the source).
     if (!((weights_ready >> s) & 1u)) {
-      // Lane 0 waits (acquire); the warp agrees on the outcome before going on.
-      int ok = 1;
-      if (lane == 0)
-        ok = p.t.wait(flag_offset(half, p.off, kFlagWeights, s), epoch, p.timeout_ns, p.diag,
-                      OpId::kLowLatencyCombineSend, s, t)
-                 ? 1
-                 : 0;
-      ok = __shfl_sync(kFull, ok, 0);
-      if (!ok) break;  // reported; still count in below
+      // Every lane acquires the flag itself; the warp agrees on the outcome.
+      const bool ok = p.t.wait(flag_offset(half, p.off, kFlagWeights, s), epoch, p.timeout_ns,
+                               p.diag, OpId::kLowLatencyCombineSend, s, t);
+      if (!__all_sync(kFull, ok)) break;  // reported; still count in below
       weights_ready |= 1u << s;
     }
     const float* wsrc = reinterpret_cast<const float*>(p.t.local_ptr(

@@ -43,6 +43,16 @@ __device__ __forceinline__ int4 ld_nc(const int4* p) {
   return v;
 }
 
+/// 16-byte load coherent at L2 (data peers write during the kernel), no L1
+/// allocation. Volatile: never hoisted above the flag wait that precedes it.
+__device__ __forceinline__ int4 ld_l2(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
 __device__ __forceinline__ void st_na(int4* p, const int4& v) {
   asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x),
                "r"(v.y), "r"(v.z), "r"(v.w)

@@ -300,7 +300,9 @@ TEST(HighThroughput, WorstTokensAndGraphReplay) {
   cudaGraphExec_t exec;
   ASSERT_EQ(cudaGraphInstantiateWithFlags(&exec, graph, cudaGraphInstantiateFlagAutoFreeOnLaunch), cudaSuccess);
   for (int i = 0; i < 20; ++i) {
-    ASSERT_EQ(cudaMemsetAsync(gx_out.view.data, 0xff, gx_out.view.nbytes(), w.stream), cudaSuccess);
+    // Graph-owned outputs exist once the graph has run: poison them between
+    // replays (the addresses stay fixed across launches).
+    if (i > 0) ASSERT_EQ(cudaMemsetAsync(gx_out.view.data, 0xff, gx_out.view.nbytes(), w.stream), cudaSuccess);
     ASSERT_EQ(cudaGraphLaunch(exec, w.stream), cudaSuccess);
     ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
     auto g = to_host<uint16_t>(gx_out);

@@ -1,0 +1,109 @@
+// Config rules, size hints and the buffer plan (pure arithmetic, no GPU).
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "core/plan.hpp"
+#include "epx/buffer.hpp"
+#include "epx/config.hpp"
+
+namespace epx {
+namespace {
+
+TEST(Config, ValidateNamesTheField) {
+  auto check = [](const Config& c, const char* field) {
+    try {
+      c.validate(4, 132);
+      ADD_FAILURE() << "expected an error about " << field;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
+    }
+  };
+  check(Config(1, 8, 4096), "config.num_sms");
+  check(Config(200, 8, 4096), "config.num_sms");
+  check(Config(24, 0, 4096), "config.num_max_send_tokens");
+  check(Config(24, 2000, 4096), "config.num_max_send_tokens");
+  check(Config(24, 16, 8), "config.num_max_recv_tokens");
+  check(Config(24, 8, 4096, 24), "config.num_send_sms");
+  EXPECT_NO_THROW(Config(24, 8, 4096).validate(4, 132));
+  EXPECT_NO_THROW(Config(24, 8, 4096).validate(8, 132));
+  try {
+    Config().validate(9, 132);
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("num_ranks"), std::string::npos);
+  }
+}
+
+TEST(Config, SplitOfSms) {
+  Config c(24, 8, 4096);
+  EXPECT_EQ(c.send_sms(), 12);
+  EXPECT_EQ(c.recv_sms(), 12);
+  c.num_send_sms = 16;
+  EXPECT_EQ(c.send_sms(), 16);
+  EXPECT_EQ(c.recv_sms(), 8);
+}
+
+TEST(Config, SizeHintCoversThePlan) {
+  // The hint must hold the region a dispatch of that shape plans.
+  for (int R : {2, 4, 8}) {
+    for (int H : {2048, 4096, 7168}) {
+      Config c(24, 8, 4096);
+      const std::size_t hint = c.get_nvl_buffer_size_hint(static_cast<std::size_t>(H) * 2, R, 8);
+      plan::HtRegion r;
+      r.num_ranks = R;
+      r.num_experts = 256;
+      r.capacity = 4096;
+      r.chunk = 8;
+      r.row_bytes = plan::ht_dispatch_row_bytes(static_cast<std::size_t>(H) * 2, 0, 8);
+      EXPECT_GE(hint, r.total_bytes()) << "R=" << R << " H=" << H;
+      r.row_bytes = plan::ht_dispatch_row_bytes(static_cast<std::size_t>(H), H / 128, 8);  // fp8
+      EXPECT_GE(hint, r.total_bytes()) << "fp8 R=" << R << " H=" << H;
+      r.row_bytes = plan::ht_combine_row_bytes(H, 8);
+      EXPECT_GE(hint, r.total_bytes()) << "combine R=" << R << " H=" << H;
+      // ...and is not wildly larger than what one dispatch needs.
+      EXPECT_LE(hint, r.total_bytes() * 11 / 10 + (1 << 20));
+    }
+  }
+  EXPECT_EQ(Config().get_rdma_buffer_size_hint(14336, 4), 0u);
+}
+
+TEST(Plan, RegionsDoNotOverlapAndAreAligned) {
+  plan::HtRegion r;
+  r.num_ranks = 8;
+  r.capacity = 4096;
+  r.chunk = 1;
+  r.row_bytes = plan::ht_dispatch_row_bytes(14336, 0, 8);
+  EXPECT_LE(r.chunks_needed(), plan::kMaxChunks);
+  EXPECT_LT(plan::HtRegion::counts_offset(0), plan::HtRegion::counts_offset(1));
+  EXPECT_LE(plan::HtRegion::counts_offset(1) + plan::HtRegion::counts_bytes(), plan::HtRegion::flags_offset());
+  EXPECT_LE(plan::HtRegion::flags_offset() + 4u * plan::kMaxRanks * plan::kMaxChunks,
+            plan::HtRegion::staging_offset());
+  EXPECT_EQ(plan::HtRegion::staging_offset() % 128, 0u);
+  EXPECT_EQ(r.row_bytes % 16, 0u);
+  // the control and flag areas do not depend on the call's shape
+  plan::HtRegion other = r;
+  other.num_experts = 8;
+  other.chunk = 32;
+  EXPECT_EQ(other.staging_offset(), r.staging_offset());
+}
+
+TEST(Plan, RowBytes) {
+  EXPECT_EQ(plan::ht_dispatch_row_bytes(14336, 0, 8), 14336u + 80u);  // ids, weights, src idx: 68 -> 80
+  EXPECT_EQ(plan::ht_dispatch_row_bytes(7168, 56, 8), 7168u + 224u + 80u);
+  EXPECT_EQ(plan::ht_combine_row_bytes(7168, 8), 14336u + 32u);
+  EXPECT_EQ(plan::ht_combine_row_bytes(2880, 0), 5760u);
+}
+
+TEST(Buffer, SetNumSmsRule) {
+  EXPECT_THROW(Buffer::set_num_sms(3), Error);
+  EXPECT_THROW(Buffer::set_num_sms(0), Error);
+  const int before = Buffer::num_sms();
+  Buffer::set_num_sms(20);
+  EXPECT_EQ(get_dispatch_config(4).num_sms, 20);
+  Buffer::set_num_sms(before);
+}
+
+}  // namespace
+}  // namespace epx

@@ -1,0 +1,273 @@
+// Every argument rule: feed the bad input, check the error names the argument
+// and the rule. No GPU needed: views carry fake device pointers and nothing is
+// dereferenced (except host topk_idx values).
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+
+#include "core/env.hpp"
+#include "core/validate.hpp"
+#include "epx/buffer.hpp"
+
+namespace epx {
+namespace {
+
+void* fake(std::size_t k = 1) { return reinterpret_cast<void*>(0x10000 * k); }
+
+TensorView dev_view(DType d, std::initializer_list<int64_t> shape, int device = 0, std::size_t k = 1) {
+  return TensorView::contiguous(fake(k), d, shape, device);
+}
+
+/// Runs `fn`, expects epx::Error with code `code` whose message contains every `parts`.
+template <class Fn>
+void expect_error(Fn&& fn, std::initializer_list<const char*> parts,
+                  ErrorCode code = ErrorCode::kInvalidArgument) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error thrown";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    for (const char* p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what() << " lacks '" << p << "'";
+  }
+}
+
+DispatchArgs good_dispatch(int T = 64, int H = 7168, int K = 8, int E = 256, int R = 4) {
+  DispatchArgs a;
+  a.x = dev_view(DType::kBF16, {T, H});
+  a.topk_idx = dev_view(DType::kI64, {T, K}, 0, 2);
+  a.topk_weights = dev_view(DType::kF32, {T, K}, 0, 3);
+  a.num_tokens_per_rank = dev_view(DType::kI32, {R}, 0, 4);
+  a.is_token_in_rank = dev_view(DType::kBool, {T, R}, 0, 5);
+  a.num_tokens_per_expert = dev_view(DType::kI32, {E}, 0, 6);
+  return a;
+}
+
+TEST(Validate, GoodDispatchPasses) { EXPECT_NO_THROW(validate::dispatch(good_dispatch(), 4, 0)); }
+
+TEST(Validate, DispatchXDtype) {
+  auto a = good_dispatch();
+  a.x.dtype = DType::kF32;
+  expect_error([&] { validate::dispatch(a, 4, 0); }, {"dispatch", "x", "bfloat16"});
+}
+
+TEST(Validate, DispatchXDevice) {
+  auto a = good_dispatch();
+  a.x.device = 1;
+  expect_error([&] { validate::dispatch(a, 4, 0); }, {"x", "cuda:0", "cuda:1"});
+  a.x.device = kCpu;
+  expect_error([&] { validate::dispatch(a, 4, 0); }, {"x", "cpu"});
+}
+
+TEST(Validate, DispatchXRowsContiguous) {
+  auto a = good_dispatch();
+  a.x.strides = {7168, 2};
+  expect_error([&] { validate::dispatch(a, 4, 0); }, {"x", "contiguous"});
+}
+
+TEST(Validate, HiddenAlignment) {
+  auto a = good_dispatch(64, 100);
+  a.x = dev_view(DType::kBF16, {64, 100});
+  expect_error([&] { validate::dispatch(a, 4, 0); }, {"hidden", "multiple of 16 bytes"});
+  expect_error([] { validate::hidden("op", 2880, DType::kFP8E4M3, true); }, {"hidden", "FP8", "128"});
+  EXPECT_NO_THROW(validate::hidden("op", 2880, DType::kBF16, false));
+}
+
+TEST(Validate, Fp8NeedsScales) {
+  auto a = good_dispatch();
+  a.x.dtype = DType::kFP8E4M3;
+  expect_error([&] { validate::dispatch(a, 4, 0); }, {"x_scales", "required"});
+  a.x_scales = dev_view(DType::kF32, {64, 7168 / 128 + 1}, 0, 9);
+  expect_error([&] { validate::dispatch(a, 4, 0); }, {"x_scales", "shape"});
+  a.x_scales = dev_view(DType::kF32, {64, 7168 / 128}, 0, 9);
+  EXPECT_NO_THROW(validate::dispatch(a, 4, 0));
+  auto b = good_dispatch();
+  b.x_scales = dev_view(DType::kF32, {64, 56}, 0, 9);
+  expect_error([&] { validate::dispatch(b, 4, 0); }, {"x_scales", "None"});
+}
+
+TEST(Validate, TopkShapeAndRange) {
+  auto a = good_dispatch();
+  a.topk_idx = dev_view(DType::kI64, {63, 8});
+  expect_error([&] { validate::dispatch(a, 4, 0); }, {"topk_idx", "shape"});
+  a.topk_idx = dev_view(DType::kI32, {64, 8});
+  expect_error([&] { validate::dispatch(a, 4, 0); }, {"topk_idx", "int64"});
+  expect_error([] { validate::num_topk("op", 17); }, {"topk_idx", "[1, 16]"});
+  expect_error([] { validate::num_topk("op", 0); }, {"topk_idx", "[1, 16]"});
+  std::vector<int64_t> host = {0, 5, -1, 255, 256, 3};
+  auto hv = TensorView::contiguous(host.data(), DType::kI64, {3, 2}, kCpu);
+  expect_error([&] { validate::topk_idx_values("op", hv, 256); }, {"topk_idx", "-1 or in [0, num_experts=256)", "256"});
+  host[4] = -2;
+  expect_error([&] { validate::topk_idx_values("op", hv, 256); }, {"topk_idx", "-2"});
+  host[4] = -1;
+  EXPECT_NO_THROW(validate::topk_idx_values("op", hv, 256));
+}
+
+TEST(Validate, WeightsNeedIdsAndMatchingShape) {
+  auto a = good_dispatch();
+  a.topk_idx.reset();
+  expect_error([&] { validate::dispatch(a, 4, 0); }, {"topk_weights", "topk_idx"});
+  auto b = good_dispatch();
+  b.topk_weights = dev_view(DType::kF32, {64, 7});
+  expect_error([&] { validate::dispatch(b, 4, 0); }, {"topk_weights", "shape"});
+}
+
+TEST(Validate, NumExpertsDivisible) {
+  expect_error([] { validate::num_experts("op", 250, 4); }, {"num_experts", "divisible", "4", "250"});
+  expect_error([] { validate::num_experts("op", 0, 4); }, {"num_experts", "> 0"});
+  auto a = good_dispatch();
+  a.num_tokens_per_expert = dev_view(DType::kI32, {254});
+  expect_error([&] { validate::dispatch(a, 4, 0); }, {"num_experts", "divisible"});
+}
+
+TEST(Validate, LayoutTensorsRequired) {
+  auto a = good_dispatch();
+  a.is_token_in_rank.reset();
+  expect_error([&] { validate::dispatch(a, 4, 0); }, {"get_dispatch_layout"});
+  auto b = good_dispatch();
+  b.is_token_in_rank = dev_view(DType::kBool, {64, 8});
+  expect_error([&] { validate::dispatch(b, 4, 0); }, {"is_token_in_rank", "shape"});
+  auto c = good_dispatch();
+  c.num_tokens_per_rank = dev_view(DType::kI64, {4});
+  expect_error([&] { validate::dispatch(c, 4, 0); }, {"num_tokens_per_rank", "int32"});
+}
+
+TEST(Validate, AlignmentAndWorstTokens) {
+  auto a = good_dispatch();
+  a.expert_alignment = 0;
+  expect_error([&] { validate::dispatch(a, 4, 0); }, {"expert_alignment", ">= 1"});
+  a.expert_alignment = 1;
+  a.num_worst_tokens = -5;
+  expect_error([&] { validate::dispatch(a, 4, 0); }, {"num_worst_tokens", ">= 0"});
+}
+
+TEST(Validate, CachedDispatchRules) {
+  auto h = std::make_shared<DispatchHandle>();
+  h->num_ranks = 4;
+  h->num_tokens = 64;
+  auto a = good_dispatch();
+  a.handle = h;
+  expect_error([&] { validate::dispatch(a, 4, 0); }, {"topk_idx", "cached"});
+  a.topk_idx.reset();
+  a.topk_weights.reset();
+  a.num_worst_tokens = 10;
+  expect_error([&] { validate::dispatch(a, 4, 0); }, {"num_worst_tokens", "cached"});
+}
+
+TEST(Validate, CombineRules) {
+  CombineArgs c;
+  expect_error([&] { validate::combine(c, 4, 0); }, {"combine", "handle", "required"});
+  auto h = std::make_shared<DispatchHandle>();
+  h->num_ranks = 4;
+  h->num_tokens = 32;
+  h->num_recv_tokens = 100;
+  h->hidden = 4096;
+  c.handle = h;
+  c.x = dev_view(DType::kBF16, {99, 4096});
+  expect_error([&] { validate::combine(c, 4, 0); }, {"x", "[100, *]"});
+  c.x = dev_view(DType::kBF16, {100, 2048});
+  expect_error([&] { validate::combine(c, 4, 0); }, {"x", "hidden must match", "4096"});
+  c.x = dev_view(DType::kBF16, {100, 4096});
+  EXPECT_NO_THROW(validate::combine(c, 4, 0));
+  c.bias_0 = dev_view(DType::kBF16, {31, 4096});
+  expect_error([&] { validate::combine(c, 4, 0); }, {"bias_0", "[32, 4096]"});
+  c.bias_0.reset();
+  c.topk_weights = dev_view(DType::kF32, {100, 17});
+  expect_error([&] { validate::combine(c, 4, 0); }, {"topk_idx", "[1, 16]"});
+  expect_error([&] { validate::combine(c, 8, 0); }, {"handle", "rank count"});
+}
+
+TEST(Validate, LowLatencyDispatchRules) {
+  LowLatencyDispatchArgs a;
+  a.x = dev_view(DType::kBF16, {128, 7168});
+  a.topk_idx = dev_view(DType::kI64, {128, 8});
+  a.num_max_dispatch_tokens_per_rank = 128;
+  a.num_experts = 256;
+  EXPECT_NO_THROW(validate::low_latency_dispatch(a, 4, 0));
+  a.num_max_dispatch_tokens_per_rank = 64;
+  expect_error([&] { validate::low_latency_dispatch(a, 4, 0); }, {"x", "num_max_dispatch_tokens_per_rank=64"});
+  a.num_max_dispatch_tokens_per_rank = 0;
+  expect_error([&] { validate::low_latency_dispatch(a, 4, 0); }, {"num_max_dispatch_tokens_per_rank", "[1, 1024]"});
+  a.num_max_dispatch_tokens_per_rank = 128;
+  a.x = dev_view(DType::kBF16, {128, 2880});
+  expect_error([&] { validate::low_latency_dispatch(a, 4, 0); }, {"hidden", "multiple of 128", "2880"});
+  a.x = dev_view(DType::kBF16, {128, 7168});
+  a.use_fp8 = false;
+  a.round_scale = true;
+  expect_error([&] { validate::low_latency_dispatch(a, 4, 0); }, {"use_fp8", "round_scale"});
+  a.use_fp8 = true;
+  a.round_scale = false;
+  a.use_ue8m0 = true;
+  expect_error([&] { validate::low_latency_dispatch(a, 4, 0); }, {"use_ue8m0", "round_scale"});
+  a.use_ue8m0 = false;
+  a.cumulative_local_expert_recv_stats = dev_view(DType::kI32, {65});
+  expect_error([&] { validate::low_latency_dispatch(a, 4, 0); }, {"cumulative_local_expert_recv_stats", "[64]"});
+}
+
+TEST(Validate, LowLatencyCombineRules) {
+  LowLatencyCombineArgs a;
+  expect_error([&] { validate::low_latency_combine(a, 4, 0); }, {"handle", "required"});
+  auto h = std::make_shared<LowLatencyHandle>();
+  h->num_ranks = 4;
+  h->num_experts = 256;
+  h->num_max_dispatch_tokens_per_rank = 128;
+  h->hidden = 7168;
+  h->num_tokens = 100;
+  h->num_topk = 8;
+  a.handle = h;
+  a.x = dev_view(DType::kBF16, {64, 512, 7168});
+  a.topk_idx = dev_view(DType::kI64, {100, 8});
+  a.topk_weights = dev_view(DType::kF32, {100, 8});
+  EXPECT_NO_THROW(validate::low_latency_combine(a, 4, 0));
+  a.x = dev_view(DType::kBF16, {64, 511, 7168});
+  expect_error([&] { validate::low_latency_combine(a, 4, 0); }, {"x", "[64, 512, 7168]"});
+  a.x = dev_view(DType::kBF16, {64, 512, 7168});
+  a.topk_weights = dev_view(DType::kF32, {100, 4});
+  expect_error([&] { validate::low_latency_combine(a, 4, 0); }, {"topk_weights", "[100, 8]"});
+  a.topk_weights = dev_view(DType::kF32, {100, 8});
+  a.out = dev_view(DType::kBF16, {100, 4096});
+  expect_error([&] { validate::low_latency_combine(a, 4, 0); }, {"out", "[100, 7168]"});
+}
+
+TEST(Validate, AnyDeviceWildcard) {
+  auto t = dev_view(DType::kI32, {4}, 3);
+  EXPECT_NO_THROW(validate::tensor("op", "t", t, DType::kI32, {4}, validate::kAnyDevice));
+  auto h = dev_view(DType::kI32, {4}, kCpu);
+  expect_error([&] { validate::tensor("op", "t", h, DType::kI32, {4}, validate::kAnyDevice); }, {"t", "CUDA device"});
+  EXPECT_NO_THROW(validate::tensor("op", "t", h, DType::kI32, {4}, kCpu));
+}
+
+TEST(Env, RankInfoFromTorchrunAndMpi) {
+  setenv("RANK", "3", 1);
+  setenv("WORLD_SIZE", "4", 1);
+  setenv("LOCAL_RANK", "3", 1);
+  setenv("MASTER_PORT", "29500", 1);
+  auto i = env::rank_info();
+  EXPECT_EQ(i.rank, 3);
+  EXPECT_EQ(i.world_size, 4);
+  EXPECT_STREQ(i.launcher, "torchrun");
+  setenv("RANK", "4", 1);
+  expect_error([] { env::rank_info(); }, {"RANK", "[0, WORLD_SIZE=4)"});
+  setenv("RANK", "x", 1);
+  expect_error([] { env::rank_info(); }, {"RANK", "integer", "'x'"});
+  unsetenv("RANK");
+  unsetenv("WORLD_SIZE");
+  unsetenv("LOCAL_RANK");
+  setenv("OMPI_COMM_WORLD_RANK", "1", 1);
+  setenv("OMPI_COMM_WORLD_SIZE", "2", 1);
+  i = env::rank_info();
+  EXPECT_EQ(i.rank, 1);
+  EXPECT_EQ(i.world_size, 2);
+  EXPECT_STREQ(i.launcher, "mpirun");
+  unsetenv("OMPI_COMM_WORLD_RANK");
+  unsetenv("OMPI_COMM_WORLD_SIZE");
+  setenv("EPX_TIMEOUT_S", "-1", 1);
+  expect_error([] { env::timeout_seconds(); }, {"EPX_TIMEOUT_S", "> 0"});
+  setenv("EPX_TIMEOUT_S", "2.5", 1);
+  EXPECT_DOUBLE_EQ(env::timeout_seconds(), 2.5);
+  unsetenv("EPX_TIMEOUT_S");
+  EXPECT_DOUBLE_EQ(env::timeout_seconds(), 60.0);
+}
+
+}  // namespace
+}  // namespace epx

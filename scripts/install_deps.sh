@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Installs what building and testing EPX needs on a fresh Debian/Ubuntu
+# machine that already has the CUDA toolkit (nvcc 13, sm_90a). Idempotent.
+#   - apt: compilers, ninja, GoogleTest, CLI11, nlohmann-json, clang-format
+#   - pip: CMake >= 3.28 (CUDA C++20), nanobind, scikit-build-core, pytest, numpy
+#   - NCCL >= 2.28.9 with the device API: the toolkit's copy if new enough,
+#     else the pip wheel nvidia-nccl-cu13==2.28.9 (prints EPX_NCCL_ROOT to use)
+set -euo pipefail
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+need_apt=()
+for pkg in g++ ninja-build libgtest-dev libcli11-dev nlohmann-json3-dev clang-format git; do
+  dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
+done
+if [ ${#need_apt[@]} -gt 0 ]; then
+  $SUDO apt-get update -q
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q "${need_apt[@]}"
+fi
+PY=${PYTHON:-python3}
+$PY -m pip install -q --disable-pip-version-check "cmake>=3.28,<4" "nanobind>=2.4" scikit-build-core pytest numpy
+command -v nvcc >/dev/null || { [ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH; }
+command -v nvcc >/dev/null || { echo "install_deps.sh: nvcc (CUDA 13) not found; install the CUDA toolkit" >&2; exit 1; }
+nccl_ok=0
+for h in "${EPX_NCCL_ROOT:-/nonexistent}/include/nccl.h" /usr/local/cuda/include/nccl.h /usr/include/nccl.h; do
+  if [ -f "$h" ] && [ -f "$(dirname "$h")/nccl_device.h" ]; then
+    v=$(awk '/define NCCL_(MAJOR|MINOR|PATCH) /{printf "%s ", $3}' "$h")
+    read -r ma mi pa <<<"$v"
+    if [ $((ma * 10000 + mi * 100 + pa)) -ge 22809 ]; then nccl_ok=1; break; fi
+  fi
+done
+if [ $nccl_ok -eq 0 ]; then
+  $PY -m pip install -q --disable-pip-version-check nvidia-nccl-cu13==2.28.9
+  root=$($PY -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) if nvidia.nccl.__file__ else list(nvidia.nccl.__path__)[0])')
+  echo "install_deps.sh: using pip NCCL at $root (export EPX_NCCL_ROOT=$root)"
+fi
+echo "install_deps.sh: done"

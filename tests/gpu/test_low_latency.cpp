@@ -1,0 +1,780 @@
+// Low-latency dispatch/combine on all local GPUs vs the CPU reference.
+//
+// Every rank builds every rank's inputs (tokens, routing, expert outputs) from
+// the seed, runs the op, and checks its own part against ref::ll_dispatch /
+// ref::ll_combine. Outputs come from the harness's poisoning allocator.
+//
+// Combine tolerance: the reference sums every pick in float and rounds once;
+// EPX sums the picks that live on one rank there and ships that partial sum as
+// BF16 (one row per (token, rank) instead of one per pick). Each partial sum
+// is therefore rounded once more, by at most 2^-9 of its magnitude, so the
+// bound below adds 2^-8 * sum_k |w_k x_k| to the BF16 tolerance
+// 1e-2 |r| + 1e-2 (and logfmt_max_rel_error() * sum_k |w_k x_k| with LogFMT).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include "epx/reference.hpp"
+#include "gpu/harness.hpp"
+
+namespace epx::test {
+namespace {
+
+struct LlCase {
+  int max_tokens = 64;
+  int hidden = 2048;
+  int num_topk = 8;
+  int num_experts = 64;
+  bool fp8 = false, round_scale = false, ue8m0 = false;
+  double masked = 0.0;
+  bool empty_token = false;       ///< token 0 of every rank picks nothing (all -1)
+  bool rank1_no_tokens = false;   ///< rank 1 sends no token at all
+  bool duplicate_picks = false;   ///< token 1 of every rank picks one expert twice
+  bool hook = false, async = false, logfmt = false, zero_copy = false, use_out = false;
+  bool stats = false;
+  std::string name() const {
+    std::string n = "maxT" + std::to_string(max_tokens) + "_H" + std::to_string(hidden) + "_K" +
+                    std::to_string(num_topk) + "_E" + std::to_string(num_experts);
+    n += fp8 ? (ue8m0 ? "_fp8ue8m0" : round_scale ? "_fp8round" : "_fp8") : "_bf16";
+    if (masked > 0) n += "_masked";
+    if (hook) n += "_hook";
+    if (async) n += "_async";
+    if (logfmt) n += "_logfmt";
+    if (zero_copy) n += "_zerocopy";
+    if (use_out) n += "_out";
+    return n;
+  }
+};
+
+struct LlInputs {
+  std::vector<int> num_tokens;
+  std::vector<std::vector<uint16_t>> x;        ///< [T_r, H]
+  std::vector<std::vector<int64_t>> topk;      ///< [T_r, K]
+  std::vector<std::vector<float>> weights;     ///< [T_r, K]
+};
+
+LlInputs make_inputs(const LlCase& c, int R, uint64_t seed) {
+  LlInputs in;
+  in.num_tokens.resize(R);
+  in.x.resize(R);
+  in.topk.resize(R);
+  in.weights.resize(R);
+  for (int r = 0; r < R; ++r) {
+    int T = c.max_tokens - (r % 3);  // ranks differ in token count
+    if (T < 1) T = c.max_tokens;
+    if (c.rank1_no_tokens && r == 1) T = 0;
+    in.num_tokens[r] = T;
+    const uint64_t s = seed * 1000003 + r * 7919;
+    in.topk[r] = random_topk(T, c.num_topk, c.num_experts, c.masked, s);
+    if (c.empty_token && T > 0)
+      for (int k = 0; k < c.num_topk; ++k) in.topk[r][k] = -1;
+    if (c.duplicate_picks && T > 1 && c.num_topk > 1) {
+      in.topk[r][c.num_topk + 1] = in.topk[r][c.num_topk];
+      if (in.topk[r][c.num_topk] < 0) in.topk[r][c.num_topk] = in.topk[r][c.num_topk + 1] = 0;
+    }
+    in.x[r] = random_bf16(static_cast<std::size_t>(T) * c.hidden, s + 1);
+    in.weights[r] = random_f32(static_cast<std::size_t>(T) * c.num_topk, s + 2);
+  }
+  return in;
+}
+
+std::size_t ll_buffer_bytes() { return world().buffer->local_buffer(true).nbytes(); }
+
+/// Expert outputs of every rank: random rows where the reference placed a
+/// token, zero elsewhere.
+std::vector<std::vector<uint16_t>> make_expert_out(const LlCase& c, int R,
+                                                   const std::vector<ref::LlDispatchOutput>& ro,
+                                                   uint64_t seed) {
+  const int E_local = c.num_experts / R, RT = R * c.max_tokens, H = c.hidden;
+  std::vector<std::vector<uint16_t>> eo(R);
+  for (int r = 0; r < R; ++r) {
+    eo[r].assign(static_cast<std::size_t>(E_local) * RT * H, 0);
+    for (int le = 0; le < E_local; ++le) {
+      const int n = ro[r].recv_count[le];
+      auto rows = random_bf16(static_cast<std::size_t>(n) * H, seed * 131 + r * 1009 + le);
+      std::memcpy(&eo[r][static_cast<std::size_t>(le) * RT * H], rows.data(), rows.size() * 2);
+    }
+  }
+  return eo;
+}
+
+float bf(uint16_t v) { return ref::bf16_to_float(v); }
+
+/// Checks this rank's dispatch outputs against the reference.
+void check_dispatch(const LlCase& c, const LlInputs& in, const LowLatencyDispatchResult& res,
+                    const ref::LlDispatchOutput& ro) {
+  auto& w = world();
+  const int R = w.num_ranks, me = w.rank;
+  const int E_local = c.num_experts / R, RT = R * c.max_tokens, H = c.hidden, G = H / 128;
+  const auto& h = *res.handle;
+  ASSERT_EQ(res.recv_x.view.ndim, 3);
+  ASSERT_EQ(res.recv_x.size(0), E_local);
+  ASSERT_EQ(res.recv_x.size(1), RT);
+  ASSERT_EQ(res.recv_x.size(2), H);
+  auto count = to_host<int>(res.recv_count);
+  ASSERT_EQ(count, ro.recv_count) << c.name() << ": recv_count";
+  ASSERT_EQ(to_host<int>(h.src_info), ro.src_info) << c.name() << ": src_info";
+  ASSERT_EQ(to_host<int64_t>(h.layout_range), ro.layout_range) << c.name() << ": layout_range";
+  if (in.num_tokens[me] > 0) ASSERT_EQ(to_host<int64_t>(h.topk_idx), in.topk[me]) << c.name() << ": handle topk";
+  if (!c.fp8) {
+    ASSERT_EQ(res.recv_x.view.dtype, DType::kBF16);
+    auto got = to_host<uint16_t>(res.recv_x);
+    for (int le = 0; le < E_local; ++le) {
+      const std::size_t off = static_cast<std::size_t>(le) * RT * H;
+      const std::size_t n = static_cast<std::size_t>(count[le]) * H;
+      ASSERT_EQ(std::memcmp(got.data() + off, ro.recv_x_bf16.data() + off, n * 2), 0)
+          << c.name() << ": recv_x of local expert " << le;
+    }
+    EXPECT_FALSE(res.recv_x_scales.has_value());
+    return;
+  }
+  ASSERT_EQ(res.recv_x.view.dtype, DType::kFP8E4M3);
+  auto got = to_host<uint8_t>(res.recv_x);
+  for (int le = 0; le < E_local; ++le) {
+    const std::size_t off = static_cast<std::size_t>(le) * RT * H;
+    const std::size_t n = static_cast<std::size_t>(count[le]) * H;
+    ASSERT_EQ(std::memcmp(got.data() + off, ro.recv_x_fp8.data() + off, n), 0)
+        << c.name() << ": recv_x (fp8) of local expert " << le;
+  }
+  ASSERT_TRUE(res.recv_x_scales.has_value());
+  const auto& sv = res.recv_x_scales->view;
+  const int cols = c.ue8m0 ? (G + 3) / 4 : G;
+  ASSERT_EQ(sv.ndim, 3);
+  ASSERT_EQ(sv.shape[0], E_local);
+  ASSERT_EQ(sv.shape[1], RT);
+  ASSERT_EQ(sv.shape[2], cols);
+  ASSERT_EQ(sv.strides[0], static_cast<int64_t>(RT) * cols);
+  ASSERT_EQ(sv.strides[1], 1);
+  ASSERT_EQ(sv.strides[2], RT);
+  if (!c.ue8m0) {
+    ASSERT_EQ(sv.dtype, DType::kF32);
+    auto sc = to_host<float>(*res.recv_x_scales);  // memory order [E_local, G, RT]
+    for (int le = 0; le < E_local; ++le)
+      for (int j = 0; j < count[le]; ++j)
+        for (int g = 0; g < G; ++g) {
+          const float a = sc[(static_cast<std::size_t>(le) * G + g) * RT + j];
+          const float b = ro.recv_x_scales[(static_cast<std::size_t>(le) * RT + j) * G + g];
+          ASSERT_EQ(std::memcmp(&a, &b, 4), 0) << c.name() << ": scale le " << le << " row " << j
+                                               << " group " << g << ": " << a << " vs " << b;
+        }
+  } else {
+    ASSERT_EQ(sv.dtype, DType::kI32);
+    auto sc = to_host<int32_t>(*res.recv_x_scales);  // memory order [E_local, G/4, RT]
+    for (int le = 0; le < E_local; ++le)
+      for (int j = 0; j < count[le]; ++j)
+        for (int g = 0; g < G; ++g) {
+          const uint32_t packed = static_cast<uint32_t>(sc[(static_cast<std::size_t>(le) * cols + g / 4) * RT + j]);
+          const uint8_t got_e = static_cast<uint8_t>(packed >> (8 * (g % 4)));
+          const uint8_t want =
+              ref::scale_to_ue8m0(ro.recv_x_scales[(static_cast<std::size_t>(le) * RT + j) * G + g]);
+          ASSERT_EQ(got_e, want) << c.name() << ": ue8m0 le " << le << " row " << j << " group " << g;
+        }
+  }
+}
+
+/// |combined - ref| <= 1e-2 |ref| + 1e-2 + slack * sum_k |w_k x_k| for every value.
+void check_combine(const LlCase& c, const LlInputs& in, const std::vector<ref::LlDispatchOutput>& ro,
+                   const std::vector<std::vector<uint16_t>>& eo, const std::vector<uint16_t>& got,
+                   const std::vector<uint16_t>& want) {
+  auto& w = world();
+  const int R = w.num_ranks, me = w.rank;
+  const int E = c.num_experts, E_local = E / R, RT = R * c.max_tokens, H = c.hidden, K = c.num_topk;
+  const int T = in.num_tokens[me];
+  ASSERT_EQ(got.size(), static_cast<std::size_t>(T) * H);
+  ASSERT_EQ(want.size(), got.size());
+  // Where the reference put each of my (token, expert) pairs.
+  std::vector<int> row_of(static_cast<std::size_t>(T) * E, -1);
+  for (int r = 0; r < R; ++r)
+    for (int le = 0; le < E_local; ++le)
+      for (int j = 0; j < ro[r].recv_count[le]; ++j) {
+        const std::size_t i = static_cast<std::size_t>(le) * RT + j;
+        if (ro[r].recv_src_rank[i] == me)
+          row_of[static_cast<std::size_t>(ro[r].src_info[i]) * E + r * E_local + le] = j;
+      }
+  const double slack = 0x1p-8 + (c.logfmt ? ref::logfmt_max_rel_error() : 0.0);
+  std::size_t bad = 0;
+  std::vector<double> mag(H);
+  for (int t = 0; t < T; ++t) {
+    std::fill(mag.begin(), mag.end(), 0.0);
+    for (int k = 0; k < K; ++k) {
+      const int64_t e = in.topk[me][static_cast<std::size_t>(t) * K + k];
+      if (e < 0) continue;
+      const int j = row_of[static_cast<std::size_t>(t) * E + e];
+      ASSERT_GE(j, 0) << "reference placement missing";
+      const float wk = std::fabs(in.weights[me][static_cast<std::size_t>(t) * K + k]);
+      const uint16_t* row = &eo[e / E_local][(static_cast<std::size_t>(e % E_local) * RT + j) * H];
+      for (int hh = 0; hh < H; ++hh) mag[hh] += wk * std::fabs(bf(row[hh]));
+    }
+    for (int hh = 0; hh < H; ++hh) {
+      const std::size_t i = static_cast<std::size_t>(t) * H + hh;
+      const double g = bf(got[i]), r = bf(want[i]);
+      const double tol = 1e-2 * std::fabs(r) + 1e-2 + slack * mag[hh];
+      if (!(std::fabs(g - r) <= tol)) {
+        if (bad < 5)
+          ADD_FAILURE() << c.name() << ": combined_x[" << t << ", " << hh << "] = " << g << ", reference "
+                        << r << ", tolerance " << tol;
+        ++bad;
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0u) << c.name() << ": combined_x differs from the reference in " << bad << " values";
+}
+
+LowLatencyDispatchArgs dispatch_args(const LlCase& c, void* x, void* topk, int T) {
+  LowLatencyDispatchArgs a;
+  a.x = view(x, DType::kBF16, {T, c.hidden});
+  a.topk_idx = view(topk, DType::kI64, {T, c.num_topk});
+  a.num_max_dispatch_tokens_per_rank = c.max_tokens;
+  a.num_experts = c.num_experts;
+  a.use_fp8 = c.fp8;
+  a.round_scale = c.round_scale;
+  a.use_ue8m0 = c.ue8m0;
+  a.async_finish = c.async;
+  a.return_recv_hook = c.hook;
+  a.stream = world().stream;
+  return a;
+}
+
+void finish(const std::optional<Event>& ev) {
+  if (ev) ev->synchronize();
+  ASSERT_EQ(cudaStreamSynchronize(world().stream), cudaSuccess);
+}
+
+void run_case(const LlCase& c, uint64_t seed, bool with_combine = true) {
+  auto& w = world();
+  const int R = w.num_ranks, me = w.rank;
+  if (c.num_experts % R) GTEST_SKIP() << "experts not divisible by ranks";
+  if (c.rank1_no_tokens && R < 2) GTEST_SKIP();
+  const std::size_t need = c.zero_copy ? Buffer::get_low_latency_rdma_size_hint(c.max_tokens, c.hidden, R, c.num_experts)
+                                       : 0;
+  if (need > ll_buffer_bytes()) GTEST_SKIP() << "zero-copy needs " << need << " bytes";
+  const int E_local = c.num_experts / R, RT = R * c.max_tokens, H = c.hidden, K = c.num_topk;
+
+  auto in = make_inputs(c, R, seed);
+  const int T = in.num_tokens[me];
+  auto ro = ref::ll_dispatch(in.x, in.topk, in.num_tokens, H, K, c.num_experts, c.max_tokens, c.fp8,
+                             c.round_scale);
+  auto d_x = to_device(in.x[me]);
+  auto d_topk = to_device(in.topk[me]);
+  auto d_w = to_device(in.weights[me]);
+  DeviceArray<int> d_stats;
+  std::vector<int> stats0;
+  auto a = dispatch_args(c, d_x.get(), d_topk.get(), T);
+  if (c.stats) {
+    stats0.assign(E_local, 0);
+    for (int i = 0; i < E_local; ++i) stats0[i] = 1000 * i + 7;
+    d_stats = to_device(stats0);
+    a.cumulative_local_expert_recv_stats = view(d_stats.get(), DType::kI32, {E_local});
+  }
+  auto res = w.buffer->low_latency_dispatch(a);
+  EXPECT_EQ(static_cast<bool>(res.hook), c.hook);
+  EXPECT_EQ(res.event.has_value(), c.async);
+  if (res.hook) res.hook();
+  finish(res.event);
+  check_dispatch(c, in, res, ro[me]);
+  if (c.stats) {
+    std::vector<int> got(E_local);
+    ASSERT_EQ(cudaMemcpy(got.data(), d_stats.get(), E_local * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    for (int le = 0; le < E_local; ++le) EXPECT_EQ(got[le], stats0[le] + ro[me].recv_count[le]) << "stats " << le;
+  }
+  ASSERT_TRUE(all_ranks(!::testing::Test::HasFailure())) << "another rank failed " << c.name();
+  if (!with_combine) return;
+
+  auto eo = make_expert_out(c, R, ro, seed);
+  DeviceArray<uint16_t> d_eo;
+  TensorView xv;
+  if (c.zero_copy) {
+    xv = w.buffer->get_next_low_latency_combine_buffer(*res.handle);
+    ASSERT_EQ(xv.shape[0], E_local);
+    ASSERT_EQ(xv.shape[1], RT);
+    ASSERT_EQ(xv.shape[2], H);
+    ASSERT_EQ(cudaMemcpy(xv.data, eo[me].data(), eo[me].size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  } else {
+    d_eo = to_device(eo[me]);
+    xv = view(d_eo.get(), DType::kBF16, {E_local, RT, H});
+  }
+  DeviceArray<uint16_t> d_out;
+  if (c.use_out) d_out = to_device(std::vector<uint16_t>(static_cast<std::size_t>(T) * H, 0xffff));
+  LowLatencyCombineArgs ca;
+  ca.x = xv;
+  ca.topk_idx = view(d_topk.get(), DType::kI64, {T, K});
+  ca.topk_weights = view(d_w.get(), DType::kF32, {T, K});
+  ca.handle = res.handle;
+  ca.use_logfmt = c.logfmt;
+  ca.zero_copy = c.zero_copy;
+  ca.async_finish = c.async;
+  ca.return_recv_hook = c.hook;
+  if (c.use_out) ca.out = view(d_out.get(), DType::kBF16, {T, H});
+  ca.stream = w.stream;
+  auto cres = w.buffer->low_latency_combine(ca);
+  EXPECT_EQ(static_cast<bool>(cres.hook), c.hook);
+  if (cres.hook) cres.hook();
+  finish(cres.event);
+  if (c.use_out) EXPECT_EQ(cres.combined_x.view.data, static_cast<void*>(d_out.get()));
+  auto rc = ref::ll_combine(eo, in.topk, in.weights, in.num_tokens, H, K, c.num_experts, c.max_tokens,
+                            c.logfmt);
+  check_combine(c, in, ro, eo, to_host<uint16_t>(cres.combined_x), rc[me]);
+  if (c.empty_token && T > 0) {
+    auto got = to_host<uint16_t>(cres.combined_x);
+    for (int hh = 0; hh < H; ++hh) ASSERT_EQ(got[hh], 0) << "token with no picks must combine to 0";
+  }
+  ASSERT_TRUE(all_ranks(!::testing::Test::HasFailure())) << "another rank failed " << c.name();
+}
+
+// ---- dtype and flag combinations ----------------------------------------------
+
+TEST(LowLatency, Bf16StandardWorkload) {
+  LlCase c;
+  c.max_tokens = 128;
+  c.hidden = 7168;
+  c.num_experts = 256;
+  run_case(c, 1);
+}
+TEST(LowLatency, Fp8StandardWorkload) {
+  LlCase c;
+  c.max_tokens = 128;
+  c.hidden = 7168;
+  c.num_experts = 256;
+  c.fp8 = true;
+  run_case(c, 2);
+}
+TEST(LowLatency, Fp8RoundScale) {
+  LlCase c;
+  c.hidden = 7168;
+  c.fp8 = c.round_scale = true;
+  run_case(c, 3);
+}
+TEST(LowLatency, Fp8Ue8m0) {
+  LlCase c;
+  c.hidden = 7168;
+  c.fp8 = c.round_scale = c.ue8m0 = true;
+  run_case(c, 4);
+}
+TEST(LowLatency, HiddenSizes) {
+  for (int h : {2048, 4096, 8192}) {
+    LlCase c;
+    c.hidden = h;
+    run_case(c, 10 + h);
+    c.fp8 = true;
+    run_case(c, 20 + h, false);
+  }
+}
+TEST(LowLatency, HiddenNotMultipleOf128Throws) {
+  auto& w = world();
+  LlCase c;
+  c.hidden = 2880;
+  auto d_x = to_device(std::vector<uint16_t>(static_cast<std::size_t>(4) * c.hidden, 0));
+  auto d_topk = to_device(std::vector<int64_t>(4 * c.num_topk, 0));
+  for (bool fp8 : {false, true}) {
+    c.fp8 = fp8;
+    try {
+      w.buffer->low_latency_dispatch(dispatch_args(c, d_x.get(), d_topk.get(), 4));
+      ADD_FAILURE() << "hidden 2880 must be rejected";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("hidden"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("128"), std::string::npos) << e.what();
+    }
+  }
+}
+TEST(LowLatency, TopK) {
+  for (int k : {1, 2, 4, 6, 9, 16}) {
+    LlCase c;
+    c.num_topk = k;
+    c.num_experts = 32;
+    c.hidden = 1024;
+    run_case(c, 30 + k);
+  }
+}
+TEST(LowLatency, MaskedPicksEmptyTokenAndDuplicates) {
+  LlCase c;
+  c.masked = 0.3;
+  c.empty_token = true;
+  c.duplicate_picks = true;
+  run_case(c, 40);
+  c.fp8 = true;
+  run_case(c, 41);
+}
+TEST(LowLatency, RankWithoutTokens) {
+  LlCase c;
+  c.rank1_no_tokens = true;
+  run_case(c, 42);
+}
+TEST(LowLatency, FewExpertsManyRows) {  // one expert per rank receives every token
+  LlCase c;
+  c.num_experts = world().num_ranks;
+  c.num_topk = 1;
+  c.max_tokens = 256;
+  c.hidden = 1024;
+  run_case(c, 43);
+}
+TEST(LowLatency, HookMode) {
+  LlCase c;
+  c.hook = true;
+  run_case(c, 50);
+  c.fp8 = true;
+  c.async = true;
+  run_case(c, 51);
+}
+TEST(LowLatency, AsyncFinish) {
+  LlCase c;
+  c.async = true;
+  run_case(c, 52);
+}
+TEST(LowLatency, ZeroCopyAndOut) {
+  LlCase c;
+  c.zero_copy = true;
+  run_case(c, 60);
+  c.zero_copy = false;
+  c.use_out = true;
+  run_case(c, 61);
+  c.zero_copy = true;
+  c.hook = true;
+  run_case(c, 62);
+}
+TEST(LowLatency, LogFmt) {
+  LlCase c;
+  c.logfmt = true;
+  run_case(c, 70);
+  c.hidden = 7168;
+  c.num_topk = 4;
+  c.hook = true;
+  run_case(c, 71);
+}
+TEST(LowLatency, CumulativeStats) {
+  LlCase c;
+  c.stats = true;
+  run_case(c, 80, false);
+}
+
+// ---- repeated calls, overlap, graphs ------------------------------------------
+
+/// 50 dispatch+combine pairs issued back to back (no host sync in between),
+/// each with fresh routing; every result is checked afterwards.
+TEST(LowLatency, BackToBack50) {
+  auto& w = world();
+  const int R = w.num_ranks, me = w.rank, N = 50;
+  LlCase c;
+  c.max_tokens = 32;
+  c.hidden = 1024;
+  c.num_experts = 32;
+  c.masked = 0.1;
+  if (c.num_experts % R) GTEST_SKIP();
+  const int E_local = c.num_experts / R, RT = R * c.max_tokens, H = c.hidden, K = c.num_topk;
+  std::vector<LlInputs> ins;
+  std::vector<std::vector<ref::LlDispatchOutput>> ros;
+  std::vector<std::vector<std::vector<uint16_t>>> eos;
+  std::vector<DeviceArray<uint8_t>> keep;
+  std::vector<LowLatencyDispatchResult> ds;
+  std::vector<LowLatencyCombineResult> cs;
+  for (int i = 0; i < N; ++i) {
+    LlCase ci = c;
+    ci.fp8 = (i % 3) == 1;
+    ins.push_back(make_inputs(ci, R, 900 + i));
+    ros.push_back(ref::ll_dispatch(ins[i].x, ins[i].topk, ins[i].num_tokens, H, K, c.num_experts, c.max_tokens,
+                                   ci.fp8, false));
+    eos.push_back(make_expert_out(ci, R, ros[i], 900 + i));
+  }
+  // Inputs on the device first, then all calls without any host sync.
+  for (int i = 0; i < N; ++i) {
+    keep.push_back(to_device_bytes(ins[i].x[me].data(), ins[i].x[me].size() * 2));
+    keep.push_back(to_device_bytes(ins[i].topk[me].data(), ins[i].topk[me].size() * 8));
+    keep.push_back(to_device_bytes(ins[i].weights[me].data(), ins[i].weights[me].size() * 4));
+    keep.push_back(to_device_bytes(eos[i][me].data(), eos[i][me].size() * 2));
+  }
+  for (int i = 0; i < N; ++i) {
+    LlCase ci = c;
+    ci.fp8 = (i % 3) == 1;
+    const int T = ins[i].num_tokens[me];
+    void* dx = keep[4 * i].get();
+    void* dt = keep[4 * i + 1].get();
+    void* dw = keep[4 * i + 2].get();
+    void* de = keep[4 * i + 3].get();
+    ds.push_back(w.buffer->low_latency_dispatch(dispatch_args(ci, dx, dt, T)));
+    LowLatencyCombineArgs ca;
+    ca.x = view(de, DType::kBF16, {E_local, RT, H});
+    ca.topk_idx = view(dt, DType::kI64, {T, K});
+    ca.topk_weights = view(dw, DType::kF32, {T, K});
+    ca.handle = ds.back().handle;
+    ca.stream = w.stream;
+    cs.push_back(w.buffer->low_latency_combine(ca));
+  }
+  ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+  for (int i = 0; i < N && !::testing::Test::HasFailure(); ++i) {
+    LlCase ci = c;
+    ci.fp8 = (i % 3) == 1;
+    check_dispatch(ci, ins[i], ds[i], ros[i][me]);
+    auto rc = ref::ll_combine(eos[i], ins[i].topk, ins[i].weights, ins[i].num_tokens, H, K, c.num_experts,
+                              c.max_tokens, false);
+    check_combine(ci, ins[i], ros[i], eos[i], to_host<uint16_t>(cs[i].combined_x), rc[me]);
+  }
+  EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
+}
+
+/// DeepEP's two-micro-batch overlap: two dispatches in flight (hooks), then
+/// both receives, then two combines in flight, then both receives.
+TEST(LowLatency, TwoBatchOverlapWithHooks) {
+  auto& w = world();
+  const int R = w.num_ranks, me = w.rank;
+  LlCase c;
+  c.hook = true;
+  if (c.num_experts % R) GTEST_SKIP();
+  if (Buffer::get_low_latency_rdma_size_hint(c.max_tokens, c.hidden, R, c.num_experts) > ll_buffer_bytes())
+    GTEST_SKIP() << "buffer too small for zero-copy";
+  const int H = c.hidden, K = c.num_topk;
+  for (int round = 0; round < 3; ++round) {
+    LlInputs in[2];
+    std::vector<ref::LlDispatchOutput> ro[2];
+    std::vector<std::vector<uint16_t>> eo[2];
+    DeviceArray<uint8_t> dx[2], dt[2], dw[2];
+    LowLatencyDispatchResult d[2];
+    for (int b = 0; b < 2; ++b) {
+      LlCase cb = c;
+      cb.fp8 = b == 1;
+      in[b] = make_inputs(cb, R, 500 + 10 * round + b);
+      ro[b] = ref::ll_dispatch(in[b].x, in[b].topk, in[b].num_tokens, H, K, c.num_experts, c.max_tokens, cb.fp8,
+                               false);
+      eo[b] = make_expert_out(cb, R, ro[b], 600 + 10 * round + b);
+      const int T = in[b].num_tokens[me];
+      dx[b] = to_device_bytes(in[b].x[me].data(), in[b].x[me].size() * 2);
+      dt[b] = to_device_bytes(in[b].topk[me].data(), in[b].topk[me].size() * 8);
+      dw[b] = to_device_bytes(in[b].weights[me].data(), in[b].weights[me].size() * 4);
+      d[b] = w.buffer->low_latency_dispatch(dispatch_args(cb, dx[b].get(), dt[b].get(), T));
+    }
+    d[0].hook();
+    d[1].hook();
+    ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+    for (int b = 0; b < 2; ++b) {
+      LlCase cb = c;
+      cb.fp8 = b == 1;
+      check_dispatch(cb, in[b], d[b], ro[b][me]);
+    }
+    ASSERT_TRUE(all_ranks(!::testing::Test::HasFailure()));
+    LowLatencyCombineResult cr[2];
+    for (int b = 0; b < 2; ++b) {
+      const int T = in[b].num_tokens[me];
+      TensorView xv = w.buffer->get_next_low_latency_combine_buffer(*d[b].handle);
+      ASSERT_EQ(cudaMemcpy(xv.data, eo[b][me].data(), eo[b][me].size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+      LowLatencyCombineArgs ca;
+      ca.x = xv;
+      ca.topk_idx = view(dt[b].get(), DType::kI64, {T, K});
+      ca.topk_weights = view(dw[b].get(), DType::kF32, {T, K});
+      ca.handle = d[b].handle;
+      ca.zero_copy = true;
+      ca.return_recv_hook = true;
+      ca.stream = w.stream;
+      cr[b] = w.buffer->low_latency_combine(ca);
+    }
+    cr[0].hook();
+    cr[1].hook();
+    ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+    for (int b = 0; b < 2; ++b) {
+      LlCase cb = c;
+      cb.fp8 = b == 1;
+      auto rc = ref::ll_combine(eo[b], in[b].topk, in[b].weights, in[b].num_tokens, H, K, c.num_experts,
+                                c.max_tokens, false);
+      check_combine(cb, in[b], ro[b], eo[b], to_host<uint16_t>(cr[b].combined_x), rc[me]);
+    }
+    ASSERT_TRUE(all_ranks(!::testing::Test::HasFailure()));
+  }
+}
+
+/// Dispatch (BF16) + combine of the dispatched rows captured once in a CUDA
+/// graph and replayed 1000 times; before each replay new routing is written
+/// into the same topk_idx buffer. combine(dispatch(x)) = (sum of the valid
+/// weights) * x per token. Every replay's output is checked; recv_count is
+/// checked against the reference on a sample of replays.
+TEST(LowLatency, GraphReplay1000WithChangingRouting) {
+  auto& w = world();
+  const int R = w.num_ranks, me = w.rank, T = 48, maxT = 64, H = 1024, K = 8, E = 32;
+  if (E % R) GTEST_SKIP();
+  const int E_local = E / R;
+  auto x = random_bf16(static_cast<std::size_t>(T) * H, 4242 + me);
+  auto wts = random_f32(static_cast<std::size_t>(T) * K, 4343 + me);
+  auto d_x = to_device(x);
+  auto d_w = to_device(wts);
+  auto routing = [&](int replay) { return random_topk(T, K, E, 0.15, 77000 + 131 * replay + me); };
+  auto d_topk = to_device(routing(-1));
+  auto d_out = to_device(std::vector<uint16_t>(static_cast<std::size_t>(T) * H, 0xffff));
+
+  LowLatencyDispatchArgs a;
+  a.x = view(d_x.get(), DType::kBF16, {T, H});
+  a.topk_idx = view(d_topk.get(), DType::kI64, {T, K});
+  a.num_max_dispatch_tokens_per_rank = maxT;
+  a.num_experts = E;
+  a.use_fp8 = false;
+  a.stream = w.stream;
+  // One eager call first, so lazy setup does not land in the graph.
+  {
+    auto r1 = w.buffer->low_latency_dispatch(a);
+    LowLatencyCombineArgs ca;
+    ca.x = r1.recv_x.view;
+    ca.topk_idx = a.topk_idx;
+    ca.topk_weights = view(d_w.get(), DType::kF32, {T, K});
+    ca.handle = r1.handle;
+    ca.out = view(d_out.get(), DType::kBF16, {T, H});
+    ca.stream = w.stream;
+    w.buffer->low_latency_combine(ca);
+    ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+  }
+  ASSERT_TRUE(all_ranks(true));
+
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(w.stream, cudaStreamCaptureModeRelaxed), cudaSuccess);
+  Tensor recv_count;
+  {
+    auto r1 = w.buffer->low_latency_dispatch(a);
+    LowLatencyCombineArgs ca;
+    ca.x = r1.recv_x.view;
+    ca.topk_idx = a.topk_idx;
+    ca.topk_weights = view(d_w.get(), DType::kF32, {T, K});
+    ca.handle = r1.handle;
+    ca.out = view(d_out.get(), DType::kBF16, {T, H});
+    ca.stream = w.stream;
+    w.buffer->low_latency_combine(ca);
+    recv_count = r1.recv_count;
+  }
+  ASSERT_EQ(cudaStreamEndCapture(w.stream, &graph), cudaSuccess);
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaGraphInstantiateWithFlags(&exec, graph, cudaGraphInstantiateFlagAutoFreeOnLaunch), cudaSuccess);
+
+  int bad_replays = 0;
+  std::vector<uint16_t> got(static_cast<std::size_t>(T) * H);
+  for (int i = 0; i < 1000; ++i) {
+    auto topk = routing(i);
+    ASSERT_EQ(cudaMemcpyAsync(d_topk.get(), topk.data(), topk.size() * 8, cudaMemcpyHostToDevice, w.stream),
+              cudaSuccess);
+    ASSERT_EQ(cudaMemsetAsync(d_out.get(), 0xff, got.size() * 2, w.stream), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, w.stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(got.data(), d_out.get(), got.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    // Values are checked on every replay (cheap); the routing-derived counts
+    // against the reference on a sample of replays.
+    const bool full = i < 5 || i % 97 == 0 || i == 999;
+    int bad = 0;
+    for (int t = 0; t < T; ++t) {
+      double wsum = 0, wabs = 0;
+      for (int k = 0; k < K; ++k)
+        if (topk[static_cast<std::size_t>(t) * K + k] >= 0) {
+          wsum += wts[static_cast<std::size_t>(t) * K + k];
+          wabs += std::fabs(wts[static_cast<std::size_t>(t) * K + k]);
+        }
+      for (int hh = 0; hh < H; ++hh) {
+        const std::size_t idx = static_cast<std::size_t>(t) * H + hh;
+        const double xv = bf(x[idx]), g = bf(got[idx]);
+        const double want = wsum * xv;
+        const double tol = 1e-2 * std::fabs(want) + 1e-2 + 0x1p-8 * wabs * std::fabs(xv);
+        if (!(std::fabs(g - want) <= tol)) ++bad;
+      }
+    }
+    if (full) {
+      // recv_count of this replay vs the reference of this replay's routing.
+      std::vector<std::vector<int64_t>> all(R);
+      std::vector<std::vector<uint16_t>> xs(R);
+      std::vector<int> nt(R, T);
+      for (int r = 0; r < R; ++r) {
+        all[r] = random_topk(T, K, E, 0.15, 77000 + 131 * i + r);
+        xs[r].assign(static_cast<std::size_t>(T) * H, 0);
+      }
+      auto ro = ref::ll_dispatch(xs, all, nt, H, K, E, maxT, false, false);
+      if (to_host<int>(recv_count) != ro[me].recv_count) ++bad;
+    }
+    if (bad) {
+      if (bad_replays < 3) ADD_FAILURE() << "replay " << i << ": " << bad << " bad values/checks";
+      ++bad_replays;
+    }
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  EXPECT_EQ(bad_replays, 0);
+  EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
+  (void)E_local;
+}
+
+// ---- errors ----------------------------------------------------------------------
+
+/// An expert id out of range is reported by the send kernel (treated as
+/// masked) and raised at the next call on every rank.
+TEST(LowLatency, BadExpertIdIsRaisedAtNextCall) {
+  auto& w = world();
+  LlCase c;
+  c.max_tokens = 8;
+  c.hidden = 1024;
+  if (c.num_experts % w.num_ranks) GTEST_SKIP();
+  auto in = make_inputs(c, w.num_ranks, 3);
+  const int T = in.num_tokens[w.rank];
+  auto topk = in.topk[w.rank];
+  topk[3] = 999;
+  auto d_x = to_device(in.x[w.rank]);
+  auto d_topk = to_device(topk);
+  auto res = w.buffer->low_latency_dispatch(dispatch_args(c, d_x.get(), d_topk.get(), T));
+  ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+  try {
+    w.buffer->low_latency_dispatch(dispatch_args(c, d_x.get(), d_topk.get(), T));
+    ADD_FAILURE() << "expected an error for expert 999";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("topk_idx"), std::string::npos) << e.what();
+  }
+  ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+  EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
+}
+
+/// Only rank 0 dispatches: its receive phase must give up after the timeout
+/// and the next call must raise kTimeout naming the op; after
+/// clean_low_latency_buffer everything works again.
+TEST(LowLatency, TimeoutIsReportedAndCleanRecovers) {
+  auto& w = world();
+  if (w.num_ranks < 2) GTEST_SKIP() << "needs a peer that stays silent";
+  LlCase c;
+  c.max_tokens = 16;
+  c.hidden = 1024;
+  c.num_experts = 8 * w.num_ranks;
+  BufferOptions o;
+  o.num_rdma_bytes = static_cast<int64_t>(
+      Buffer::get_low_latency_rdma_size_hint(c.max_tokens, c.hidden, w.num_ranks, c.num_experts));
+  o.timeout_s = 1.0;
+  o.allocator = poisoning_allocator();
+  Buffer b(w.comm, o);
+  auto in = make_inputs(c, w.num_ranks, 5);
+  const int T = in.num_tokens[w.rank];
+  auto d_x = to_device(in.x[w.rank]);
+  auto d_topk = to_device(in.topk[w.rank]);
+  if (w.rank == 0) {
+    b.low_latency_dispatch(dispatch_args(c, d_x.get(), d_topk.get(), T));
+    ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+    try {
+      b.low_latency_dispatch(dispatch_args(c, d_x.get(), d_topk.get(), T));
+      ADD_FAILURE() << "expected a timeout";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+      EXPECT_NE(std::string(e.what()).find("low_latency_dispatch (recv)"), std::string::npos) << e.what();
+    }
+  }
+  ASSERT_TRUE(all_ranks(true));
+  b.clean_low_latency_buffer(c.max_tokens, c.hidden, c.num_experts);
+  auto ro = ref::ll_dispatch(in.x, in.topk, in.num_tokens, c.hidden, c.num_topk, c.num_experts, c.max_tokens,
+                             false, false);
+  for (int i = 0; i < 3; ++i) {
+    auto res = b.low_latency_dispatch(dispatch_args(c, d_x.get(), d_topk.get(), T));
+    ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+    EXPECT_EQ(to_host<int>(res.recv_count), ro[w.rank].recv_count) << "after clean, call " << i;
+  }
+  EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
+  b.destroy();
+}
+
+TEST(LowLatency, SizeHint) {
+  // Standard decode workload: 128 tokens, hidden 7168, 256 experts.
+  for (int R : {2, 4, 8}) {
+    const std::size_t core_and_zero_copy = Buffer::get_low_latency_rdma_size_hint(128, 7168, R, 256);
+    // The zero-copy inputs alone are 2 x [E_local, R*maxT, H] bf16.
+    EXPECT_GE(core_and_zero_copy, 2ull * (256 / R) * R * 128 * 7168 * 2);
+  }
+  EXPECT_THROW(Buffer::get_low_latency_rdma_size_hint(128, 7168, 4, 255), Error);
+}
+
+}  // namespace
+}  // namespace epx::test
