@@ -35,13 +35,15 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
   {
     std::vector<float> row(H);
     for (int t = 0; t < T; ++t) {
-      for (int h = 0; h < H; ++h) row[h] = ref::bf16_to_float(xb[static_cast<std::size_t>(t) * H + h]);
+      for (int h = 0; h < H; ++h)
+        row[h] = ref::bf16_to_float(xb[static_cast<std::size_t>(t) * H + h]);
       ref::quantize_row_fp8(row.data(), H, false, xq.data() + static_cast<std::size_t>(t) * H,
                             xs.data() + static_cast<std::size_t>(t) * (H / 128));
     }
   }
   std::vector<float> weights(static_cast<std::size_t>(T) * K, 0.125f);
-  auto d_topk = upload(topk), d_x = upload(xb), d_xq = upload(xq), d_xs = upload(xs), d_w = upload(weights);
+  auto d_topk = upload(topk), d_x = upload(xb), d_xq = upload(xq), d_xs = upload(xs),
+       d_w = upload(weights);
 
   StreamArgs s;
   s.stream = w.stream;
@@ -86,13 +88,18 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
   Config best_d = base, best_c = base;
   nlohmann::json sweep = nlohmann::json::array();
   auto measure = [&](const Config& c, double& td, double& tc) {
-    td = max_over_ranks(w, time_us(w, [&] { dispatch_cached(c, false); }, 2, 10));
-    tc = max_over_ranks(w, time_us(w, [&] { combine(c); }, 2, 10));
-    sweep.push_back({{"num_sms", c.num_sms}, {"chunk", c.num_max_send_tokens}, {"send_sms", c.send_sms()},
-                     {"dispatch_us", td}, {"combine_us", tc}});
+    td = max_over_ranks(w, time_us(
+                               w, [&] { dispatch_cached(c, false); }, 2, 10));
+    tc = max_over_ranks(w, time_us(
+                               w, [&] { combine(c); }, 2, 10));
+    sweep.push_back({{"num_sms", c.num_sms},
+                     {"chunk", c.num_max_send_tokens},
+                     {"send_sms", c.send_sms()},
+                     {"dispatch_us", td},
+                     {"combine_us", tc}});
     if (w.rank == 0)
-      std::printf("sweep sms=%d send=%d chunk=%d: dispatch %.1f us, combine %.1f us\n", c.num_sms, c.send_sms(),
-                  c.num_max_send_tokens, td, tc);
+      std::printf("sweep sms=%d send=%d chunk=%d: dispatch %.1f us, combine %.1f us\n", c.num_sms,
+                  c.send_sms(), c.num_max_send_tokens, td, tc);
   };
   if (o.sweep) {
     double bd = 1e30, bc = 1e30;
@@ -117,10 +124,14 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
     }
   }
 
-  const double t_full = time_us(w, [&] { w.buffer->dispatch(full); }, o.warmup, o.iters);
-  const double t_bf16 = time_us(w, [&] { dispatch_cached(best_d, false); }, o.warmup, o.iters);
-  const double t_fp8 = time_us(w, [&] { dispatch_cached(best_d, true); }, o.warmup, o.iters);
-  const double t_comb = time_us(w, [&] { combine(best_c); }, o.warmup, o.iters);
+  const double t_full = time_us(
+      w, [&] { w.buffer->dispatch(full); }, o.warmup, o.iters);
+  const double t_bf16 = time_us(
+      w, [&] { dispatch_cached(best_d, false); }, o.warmup, o.iters);
+  const double t_fp8 = time_us(
+      w, [&] { dispatch_cached(best_d, true); }, o.warmup, o.iters);
+  const double t_comb = time_us(
+      w, [&] { combine(best_c); }, o.warmup, o.iters);
 
   const double g_bf16 = mean_over_ranks(w, bytes_bf16 / t_bf16 / 1e3);
   const double g_fp8 = mean_over_ranks(w, bytes_fp8 / t_fp8 / 1e3);
@@ -134,9 +145,11 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
 
   result["family"] = "ht";
   result["num_sms"] = o.num_sms;
-  result["dispatch_config"] = {{"num_sms", best_d.num_sms}, {"send_sms", best_d.send_sms()},
+  result["dispatch_config"] = {{"num_sms", best_d.num_sms},
+                               {"send_sms", best_d.send_sms()},
                                {"chunk", best_d.num_max_send_tokens}};
-  result["combine_config"] = {{"num_sms", best_c.num_sms}, {"send_sms", best_c.send_sms()},
+  result["combine_config"] = {{"num_sms", best_c.num_sms},
+                              {"send_sms", best_c.send_sms()},
                               {"chunk", best_c.num_max_send_tokens}};
   result["dispatch_bf16_gbps"] = g_bf16;
   result["dispatch_fp8_gbps"] = g_fp8;
@@ -146,13 +159,16 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
   result["combine_us"] = us_comb;
   result["dispatch_bf16_uncached_us"] = us_full;
   result["dispatch_bf16_uncached_gbps"] = g_full;
-  result["min_rank_gbps"] = {{"dispatch_bf16", min_bf16}, {"dispatch_fp8", min_fp8}, {"combine", min_comb}};
+  result["min_rank_gbps"] = {
+      {"dispatch_bf16", min_bf16}, {"dispatch_fp8", min_fp8}, {"combine", min_comb}};
   result["recv_tokens_rank0"] = N;
-  result["timing"] = "median of iters per rank (L2 flushed, ranks aligned by an all-reduce), mean over ranks";
+  result["timing"] =
+      "median of iters per rank (L2 flushed, ranks aligned by an all-reduce), mean over ranks";
   result["sweep"] = sweep;
   if (w.rank == 0) {
-    std::printf("\nEPX high-throughput, %d ranks, %d tokens, hidden %d, top-%d, %d experts, %d SMs\n", R, T, H, K,
-                E, o.num_sms);
+    std::printf(
+        "\nEPX high-throughput, %d ranks, %d tokens, hidden %d, top-%d, %d experts, %d SMs\n", R, T,
+        H, K, E, o.num_sms);
     std::printf("%-28s %10s %10s\n", "op", "us", "GB/s");
     std::printf("%-28s %10.1f %10.1f\n", "dispatch BF16 (cached)", us_bf16, g_bf16);
     std::printf("%-28s %10.1f %10.1f\n", "dispatch FP8 (cached)", us_fp8, g_fp8);

@@ -98,7 +98,8 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
   auto topk = random_topk(T, K, E, 1000 + w.rank);
   auto xb = random_bf16(static_cast<std::size_t>(T) * H, 2000 + w.rank);
   std::vector<float> weights(static_cast<std::size_t>(T) * K);
-  for (std::size_t i = 0; i < weights.size(); ++i) weights[i] = 0.5f + 0.5f * static_cast<float>(i % 7) / 7.0f;
+  for (std::size_t i = 0; i < weights.size(); ++i)
+    weights[i] = 0.5f + 0.5f * static_cast<float>(i % 7) / 7.0f;
   auto d_topk = upload(topk), d_x = upload(xb), d_w = upload(weights);
   int64_t selections = 0;
   for (int64_t e : topk) selections += e >= 0;
@@ -126,10 +127,14 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
   LowLatencyCombineArgs comb_logfmt = comb;
   comb_logfmt.use_logfmt = true;
 
-  const double t_dfp8 = time_us(w, [&] { w.buffer->low_latency_dispatch(dfp8); }, o.warmup, o.iters);
-  const double t_dbf16 = time_us(w, [&] { w.buffer->low_latency_dispatch(dbf16); }, o.warmup, o.iters);
-  const double t_comb = time_us(w, [&] { w.buffer->low_latency_combine(comb); }, o.warmup, o.iters);
-  const double t_comb_lf = time_us(w, [&] { w.buffer->low_latency_combine(comb_logfmt); }, o.warmup, o.iters);
+  const double t_dfp8 = time_us(
+      w, [&] { w.buffer->low_latency_dispatch(dfp8); }, o.warmup, o.iters);
+  const double t_dbf16 = time_us(
+      w, [&] { w.buffer->low_latency_dispatch(dbf16); }, o.warmup, o.iters);
+  const double t_comb = time_us(
+      w, [&] { w.buffer->low_latency_combine(comb); }, o.warmup, o.iters);
+  const double t_comb_lf = time_us(
+      w, [&] { w.buffer->low_latency_combine(comb_logfmt); }, o.warmup, o.iters);
 
   // Hook mode: send and receive phases apart.
   LowLatencyDispatchArgs dhook = dfp8;
@@ -173,7 +178,8 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
   region.num_experts = E;
 
   int num_sms = 0;
-  EPX_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, w.comm->device()));
+  EPX_CUDA_CHECK(
+      cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, w.comm->device()));
   result["family"] = "ll";
   result["num_sms"] = num_sms;
   result["num_max_dispatch_tokens_per_rank"] = maxT;
@@ -199,14 +205,21 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
       "median of iters per rank (L2 flushed, ranks aligned by an all-reduce), mean over ranks; "
       "hook split: ranks aligned again (and L2 flushed) between send and receive";
   if (w.rank == 0) {
-    std::printf("\nEPX low-latency, %d ranks, %d tokens, hidden %d, top-%d, %d experts\n", R, T, H, K, E);
+    std::printf("\nEPX low-latency, %d ranks, %d tokens, hidden %d, top-%d, %d experts\n", R, T, H,
+                K, E);
     std::printf("%-26s %10s %10s %10s %10s\n", "op", "us", "GB/s", "send us", "recv us");
-    std::printf("%-26s %10.1f %10.1f %10.1f %10.1f\n", "dispatch FP8", us_dfp8, g_dfp8, us_ds, us_dr);
+    std::printf("%-26s %10.1f %10.1f %10.1f %10.1f\n", "dispatch FP8", us_dfp8, g_dfp8, us_ds,
+                us_dr);
     std::printf("%-26s %10.1f %10.1f %10s %10s\n", "dispatch BF16", us_dbf16, g_dbf16, "-", "-");
-    std::printf("%-26s %10.1f %10.1f %10.1f %10.1f\n", "combine BF16", us_comb, g_comb, us_cs, us_cr);
-    std::printf("%-26s %10.1f %10s %10s %10s\n", "combine BF16 + LogFMT", us_comb_lf, "-", "-", "-");
-    std::printf("buffer bytes per rank: %zu (hint %zu = %zu for the ops + %zu zero-copy inputs); DeepEP's hint: %zu\n",
-                w.buffer->buffer_bytes(), hint, region.core_bytes(), 2 * region.zero_copy_bytes(), deepep_hint);
+    std::printf("%-26s %10.1f %10.1f %10.1f %10.1f\n", "combine BF16", us_comb, g_comb, us_cs,
+                us_cr);
+    std::printf("%-26s %10.1f %10s %10s %10s\n", "combine BF16 + LogFMT", us_comb_lf, "-", "-",
+                "-");
+    std::printf(
+        "buffer bytes per rank: %zu (hint %zu = %zu for the ops + %zu zero-copy inputs); DeepEP's "
+        "hint: %zu\n",
+        w.buffer->buffer_bytes(), hint, region.core_bytes(), 2 * region.zero_copy_bytes(),
+        deepep_hint);
   }
 }
 

@@ -1,7 +1,7 @@
 // epx-bench: the EPX benchmark. Run one process per GPU:
 //   scripts/launch.sh 4 build/default/bench/epx-bench ht --json bench/results/h200x4-ht.json
-#include <CLI/CLI.hpp>
 #include <nccl.h>
+#include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <cstdio>
@@ -73,7 +73,9 @@ std::string device_name() {
   return std::string(p.name) + " x" + std::to_string(n);
 }
 
-std::string git_commit() { return EPX_GIT_COMMIT; }
+std::string git_commit() {
+  return EPX_GIT_COMMIT;
+}
 
 std::vector<int64_t> random_topk(int T, int K, int E, uint64_t seed) {
   std::mt19937_64 g(seed);
@@ -143,8 +145,8 @@ int main(int argc, char** argv) {
       bo.num_nvl_bytes = static_cast<int64_t>(
           c.get_nvl_buffer_size_hint(static_cast<std::size_t>(o.hidden) * 2, w.num_ranks, o.topk));
     } else {
-      bo.num_rdma_bytes = static_cast<int64_t>(epx::Buffer::get_low_latency_rdma_size_hint(
-          o.tokens, o.hidden, w.num_ranks, o.experts));
+      bo.num_rdma_bytes = static_cast<int64_t>(
+          epx::Buffer::get_low_latency_rdma_size_hint(o.tokens, o.hidden, w.num_ranks, o.experts));
     }
     w.buffer = std::make_unique<epx::Buffer>(w.comm, bo);
     nlohmann::json result;
@@ -152,7 +154,10 @@ int main(int argc, char** argv) {
     result["commit"] = git_commit();
     result["command"] = o.command;
     result["num_ranks"] = w.num_ranks;
-    result["workload"] = {{"tokens", o.tokens}, {"hidden", o.hidden}, {"topk", o.topk}, {"experts", o.experts},
+    result["workload"] = {{"tokens", o.tokens},
+                          {"hidden", o.hidden},
+                          {"topk", o.topk},
+                          {"experts", o.experts},
                           {"routing", "uniform random distinct experts, seeded"}};
     result["buffer_bytes_per_rank"] = w.buffer->buffer_bytes();
     if (o.family == "ht") {

@@ -96,21 +96,21 @@ struct Layout {
 /// dispatch. Device tensors stay valid as long as the handle lives.
 struct DispatchHandle {
   int num_ranks = 0, num_tokens = 0, num_recv_tokens = 0, hidden = 0;
-  Tensor send_counts;         ///< [R] i32: tokens this rank sends to each rank
-  Tensor recv_offsets;        ///< [R + 1] i32: first received row of each source rank, then N
-  Tensor is_token_in_rank;    ///< [T, R] bool
-  Tensor send_slot;           ///< [T, R] i32: position of token t among those sent to r, or -1
-  Tensor send_list;           ///< [R, T] i32: the tokens sent to r, in slot order
-  Tensor recv_src_idx;        ///< [N] i32: source token index of each received row
+  Tensor send_counts;       ///< [R] i32: tokens this rank sends to each rank
+  Tensor recv_offsets;      ///< [R + 1] i32: first received row of each source rank, then N
+  Tensor is_token_in_rank;  ///< [T, R] bool
+  Tensor send_slot;         ///< [T, R] i32: position of token t among those sent to r, or -1
+  Tensor send_list;         ///< [R, T] i32: the tokens sent to r, in slot order
+  Tensor recv_src_idx;      ///< [N] i32: source token index of each received row
   std::vector<int> num_recv_tokens_per_expert;
   std::vector<int> recv_counts;  ///< host copy: rows received from each source
 };
 
 struct DispatchArgs {
-  TensorView x;                             ///< [T, H] bf16, or fp8 e4m3 with x_scales
-  std::optional<TensorView> x_scales;       ///< [T, H/128] f32 (fp8 only)
-  std::optional<TensorView> topk_idx;       ///< [T, K] i64, -1 = unused slot
-  std::optional<TensorView> topk_weights;   ///< [T, K] f32
+  TensorView x;                                     ///< [T, H] bf16, or fp8 e4m3 with x_scales
+  std::optional<TensorView> x_scales;               ///< [T, H/128] f32 (fp8 only)
+  std::optional<TensorView> topk_idx;               ///< [T, K] i64, -1 = unused slot
+  std::optional<TensorView> topk_weights;           ///< [T, K] f32
   std::optional<TensorView> num_tokens_per_rank;    ///< [R] i32 (from get_dispatch_layout)
   std::optional<TensorView> is_token_in_rank;       ///< [T, R] bool
   std::optional<TensorView> num_tokens_per_expert;  ///< [E] i32
@@ -122,9 +122,9 @@ struct DispatchArgs {
 };
 
 struct DispatchResult {
-  Tensor recv_x;                        ///< [N, H] same dtype as x
-  std::optional<Tensor> recv_x_scales;  ///< [N, H/128] f32
-  std::optional<Tensor> recv_topk_idx;  ///< [N, K] i64, rebased to local experts, -1 elsewhere
+  Tensor recv_x;                            ///< [N, H] same dtype as x
+  std::optional<Tensor> recv_x_scales;      ///< [N, H/128] f32
+  std::optional<Tensor> recv_topk_idx;      ///< [N, K] i64, rebased to local experts, -1 elsewhere
   std::optional<Tensor> recv_topk_weights;  ///< [N, K] f32
   std::vector<int> num_recv_tokens_per_expert;  ///< empty when num_worst_tokens > 0
   std::shared_ptr<const DispatchHandle> handle;
@@ -132,7 +132,7 @@ struct DispatchResult {
 };
 
 struct CombineArgs {
-  TensorView x;                            ///< [N, H] bf16, rows in dispatch receive order
+  TensorView x;  ///< [N, H] bf16, rows in dispatch receive order
   std::shared_ptr<const DispatchHandle> handle;
   std::optional<TensorView> topk_weights;  ///< [N, K] f32
   std::optional<TensorView> bias_0;        ///< [T, H] bf16
@@ -237,8 +237,7 @@ class Buffer {
   /// [E_local, R*maxT, H] bf16 view where the next low_latency_combine with
   /// zero_copy expects its input.
   TensorView get_next_low_latency_combine_buffer(const LowLatencyHandle& handle);
-  void clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, int hidden,
-                                int num_experts);
+  void clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, int hidden, int num_experts);
   static std::size_t get_low_latency_rdma_size_hint(int num_max_dispatch_tokens_per_rank,
                                                     int hidden, int num_ranks, int num_experts);
 

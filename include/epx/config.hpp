@@ -23,7 +23,9 @@ struct Config {
 
   Config() = default;
   Config(int sms, int send_tokens, int recv_tokens, int send_sms = 0)
-      : num_sms(sms), num_max_send_tokens(send_tokens), num_max_recv_tokens(recv_tokens),
+      : num_sms(sms),
+        num_max_send_tokens(send_tokens),
+        num_max_recv_tokens(recv_tokens),
         num_send_sms(send_sms) {}
 
   int send_sms() const { return num_send_sms > 0 ? num_send_sms : num_sms / 2; }

@@ -31,8 +31,8 @@ class Event {
 /// Allocates an output tensor of `dtype` and `shape` for use on `stream`.
 /// C++ default: stream-ordered cudaMallocAsync; Python: torch.empty on the
 /// right stream (caching allocator).
-using Allocator = std::function<Tensor(DType dtype, const std::vector<int64_t>& shape,
-                                       cudaStream_t stream)>;
+using Allocator =
+    std::function<Tensor(DType dtype, const std::vector<int64_t>& shape, cudaStream_t stream)>;
 
 /// The default allocator: cudaMallocAsync from the device's default pool on
 /// `stream`, freed with cudaFreeAsync on the same stream when the last copy of

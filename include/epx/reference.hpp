@@ -49,10 +49,10 @@ Layout get_dispatch_layout(const std::vector<int64_t>& topk_idx, int num_tokens,
 struct HtInput {  ///< one rank's dispatch input
   int num_tokens = 0;
   bool fp8 = false;
-  std::vector<uint16_t> x_bf16;   ///< [T, H] when !fp8
-  std::vector<uint8_t> x_fp8;     ///< [T, H] when fp8
-  std::vector<float> x_scales;    ///< [T, H/128] when fp8
-  std::vector<int64_t> topk_idx;  ///< [T, K]
+  std::vector<uint16_t> x_bf16;     ///< [T, H] when !fp8
+  std::vector<uint8_t> x_fp8;       ///< [T, H] when fp8
+  std::vector<float> x_scales;      ///< [T, H/128] when fp8
+  std::vector<int64_t> topk_idx;    ///< [T, K]
   std::vector<float> topk_weights;  ///< [T, K] or empty
 };
 
@@ -61,11 +61,11 @@ struct HtDispatchOutput {  ///< one rank's dispatch output
   std::vector<uint16_t> recv_x_bf16;
   std::vector<uint8_t> recv_x_fp8;
   std::vector<float> recv_x_scales;
-  std::vector<int64_t> recv_topk_idx;     ///< [N, K] local expert ids, -1 elsewhere
-  std::vector<float> recv_topk_weights;   ///< [N, K] unchanged weights (empty if none given)
+  std::vector<int64_t> recv_topk_idx;           ///< [N, K] local expert ids, -1 elsewhere
+  std::vector<float> recv_topk_weights;         ///< [N, K] unchanged weights (empty if none given)
   std::vector<int> num_recv_tokens_per_expert;  ///< [E_local], each rounded up to alignment
-  std::vector<int> recv_src_rank;         ///< [N]
-  std::vector<int> recv_src_idx;          ///< [N]
+  std::vector<int> recv_src_rank;               ///< [N]
+  std::vector<int> recv_src_idx;                ///< [N]
 };
 
 /// Received rows are grouped by source rank in rank order, and within a source
@@ -74,13 +74,13 @@ struct HtDispatchOutput {  ///< one rank's dispatch output
 std::vector<HtDispatchOutput> ht_dispatch(const std::vector<HtInput>& inputs, int hidden,
                                           int num_topk, int num_experts, int expert_alignment);
 
-struct HtCombineInput {  ///< one rank's combine input (rows in its dispatch receive order)
-  std::vector<uint16_t> x;            ///< [N, H] bf16
-  std::vector<float> topk_weights;    ///< [N, K] or empty
+struct HtCombineInput {     ///< one rank's combine input (rows in its dispatch receive order)
+  std::vector<uint16_t> x;  ///< [N, H] bf16
+  std::vector<float> topk_weights;       ///< [N, K] or empty
   std::vector<uint16_t> bias_0, bias_1;  ///< [T, H] of the receiving (original) rank, or empty
 };
 struct HtCombineOutput {
-  std::vector<uint16_t> combined_x;          ///< [T, H] bf16: sum over ranks the token went to (+bias)
+  std::vector<uint16_t> combined_x;  ///< [T, H] bf16: sum over ranks the token went to (+bias)
   std::vector<float> combined_topk_weights;  ///< [T, K] sum of the weights rows, or empty
 };
 /// `routing` is the dispatch input of every rank (only num_tokens and
@@ -96,11 +96,11 @@ struct LlDispatchOutput {  ///< one rank's low-latency dispatch output
   /// unspecified (left as zero here).
   std::vector<uint16_t> recv_x_bf16;
   std::vector<uint8_t> recv_x_fp8;
-  std::vector<float> recv_x_scales;  ///< [E_local, R*maxT, H/128] row-major here (logical)
-  std::vector<int> recv_count;       ///< [E_local]
-  std::vector<int> src_info;         ///< [E_local, R*maxT] source token index, -1 past count
-  std::vector<int> recv_src_rank;    ///< [E_local, R*maxT] source rank, -1 past count
-  std::vector<int64_t> layout_range; ///< [E_local, R]: (begin << 32) | count
+  std::vector<float> recv_x_scales;   ///< [E_local, R*maxT, H/128] row-major here (logical)
+  std::vector<int> recv_count;        ///< [E_local]
+  std::vector<int> src_info;          ///< [E_local, R*maxT] source token index, -1 past count
+  std::vector<int> recv_src_rank;     ///< [E_local, R*maxT] source rank, -1 past count
+  std::vector<int64_t> layout_range;  ///< [E_local, R]: (begin << 32) | count
 };
 /// x per rank is [T_r, H] bf16 (T_r <= max_tokens); topk_idx per rank [T_r, K].
 std::vector<LlDispatchOutput> ll_dispatch(const std::vector<std::vector<uint16_t>>& x,
@@ -113,10 +113,11 @@ std::vector<LlDispatchOutput> ll_dispatch(const std::vector<std::vector<uint16_t
 /// ll_dispatch. Returns per rank [T_r, H] bf16: sum over k of
 /// topk_weights[t][k] * expert_out(row of (t, k)), float32 accumulate.
 /// use_logfmt passes each expert row through logfmt encode/decode first.
-std::vector<std::vector<uint16_t>> ll_combine(
-    const std::vector<std::vector<uint16_t>>& expert_out,
-    const std::vector<std::vector<int64_t>>& topk_idx,
-    const std::vector<std::vector<float>>& topk_weights, const std::vector<int>& num_tokens,
-    int hidden, int num_topk, int num_experts, int max_tokens, bool use_logfmt);
+std::vector<std::vector<uint16_t>> ll_combine(const std::vector<std::vector<uint16_t>>& expert_out,
+                                              const std::vector<std::vector<int64_t>>& topk_idx,
+                                              const std::vector<std::vector<float>>& topk_weights,
+                                              const std::vector<int>& num_tokens, int hidden,
+                                              int num_topk, int num_experts, int max_tokens,
+                                              bool use_logfmt);
 
 }  // namespace epx::ref

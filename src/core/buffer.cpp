@@ -15,17 +15,28 @@ std::atomic<int>& default_num_sms();
 
 const char* op_name(OpId op) {
   switch (op) {
-    case OpId::kNone: return "none";
-    case OpId::kLayout: return "get_dispatch_layout";
-    case OpId::kDispatchNotify: return "dispatch (notify)";
-    case OpId::kDispatch: return "dispatch";
-    case OpId::kCombineNotify: return "combine (notify)";
-    case OpId::kCombine: return "combine";
-    case OpId::kLowLatencyDispatchSend: return "low_latency_dispatch (send)";
-    case OpId::kLowLatencyDispatchRecv: return "low_latency_dispatch (recv)";
-    case OpId::kLowLatencyCombineSend: return "low_latency_combine (send)";
-    case OpId::kLowLatencyCombineRecv: return "low_latency_combine (recv)";
-    case OpId::kBarrier: return "barrier";
+    case OpId::kNone:
+      return "none";
+    case OpId::kLayout:
+      return "get_dispatch_layout";
+    case OpId::kDispatchNotify:
+      return "dispatch (notify)";
+    case OpId::kDispatch:
+      return "dispatch";
+    case OpId::kCombineNotify:
+      return "combine (notify)";
+    case OpId::kCombine:
+      return "combine";
+    case OpId::kLowLatencyDispatchSend:
+      return "low_latency_dispatch (send)";
+    case OpId::kLowLatencyDispatchRecv:
+      return "low_latency_dispatch (recv)";
+    case OpId::kLowLatencyCombineSend:
+      return "low_latency_combine (send)";
+    case OpId::kLowLatencyCombineRecv:
+      return "low_latency_combine (recv)";
+    case OpId::kBarrier:
+      return "barrier";
   }
   return "?";
 }
@@ -50,20 +61,26 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
   require(d.device == d.comm->device(), "device",
           "the current CUDA device (" + std::to_string(d.device) +
               ") must be the communicator's (" + std::to_string(d.comm->device()) + ")");
-  EPX_CUDA_CHECK(cudaDeviceGetAttribute(&d.num_sms_device, cudaDevAttrMultiProcessorCount, d.device));
+  EPX_CUDA_CHECK(
+      cudaDeviceGetAttribute(&d.num_sms_device, cudaDevAttrMultiProcessorCount, d.device));
   d.backend = transport::make_backend(options.backend, *d.comm);
-  if (options.num_nvl_bytes > 0) d.ht = d.backend->alloc(static_cast<std::size_t>(options.num_nvl_bytes));
-  if (options.num_rdma_bytes > 0) d.ll = d.backend->alloc(static_cast<std::size_t>(options.num_rdma_bytes));
+  if (options.num_nvl_bytes > 0)
+    d.ht = d.backend->alloc(static_cast<std::size_t>(options.num_nvl_bytes));
+  if (options.num_rdma_bytes > 0)
+    d.ll = d.backend->alloc(static_cast<std::size_t>(options.num_rdma_bytes));
   EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&d.comm_stream, cudaStreamNonBlocking));
   EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.ht_op_counter), 2 * sizeof(uint32_t)));
   EPX_CUDA_CHECK(cudaMemset(d.ht_op_counter, 0, 2 * sizeof(uint32_t)));
   d.ll_op_counter = d.ht_op_counter + 1;
-  EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&d.diag_host), sizeof(DeviceDiag), cudaHostAllocMapped));
+  EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&d.diag_host), sizeof(DeviceDiag),
+                               cudaHostAllocMapped));
   std::memset(d.diag_host, 0, sizeof(DeviceDiag));
   EPX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&d.diag_dev), d.diag_host, 0));
-  EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&d.counts_host), sizeof(int) * Impl::kCountsInts, cudaHostAllocMapped));
+  EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&d.counts_host),
+                               sizeof(int) * Impl::kCountsInts, cudaHostAllocMapped));
   std::memset(d.counts_host, 0, sizeof(int) * Impl::kCountsInts);
-  EPX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&d.counts_dev), d.counts_host, 0));
+  EPX_CUDA_CHECK(
+      cudaHostGetDevicePointer(reinterpret_cast<void**>(&d.counts_dev), d.counts_host, 0));
 }
 
 Buffer::~Buffer() {
@@ -87,11 +104,21 @@ void Buffer::destroy() {
   cudaStreamDestroy(d.comm_stream);
 }
 
-int Buffer::rank() const { return impl_->comm->rank(); }
-int Buffer::num_ranks() const { return impl_->comm->num_ranks(); }
-cudaStream_t Buffer::comm_stream() const { return impl_->comm_stream; }
-const char* Buffer::backend_name() const { return impl_->backend->name(); }
-std::size_t Buffer::buffer_bytes() const { return impl_->ht.bytes + impl_->ll.bytes; }
+int Buffer::rank() const {
+  return impl_->comm->rank();
+}
+int Buffer::num_ranks() const {
+  return impl_->comm->num_ranks();
+}
+cudaStream_t Buffer::comm_stream() const {
+  return impl_->comm_stream;
+}
+const char* Buffer::backend_name() const {
+  return impl_->backend->name();
+}
+std::size_t Buffer::buffer_bytes() const {
+  return impl_->ht.bytes + impl_->ll.bytes;
+}
 
 TensorView Buffer::local_buffer(bool low_latency) const {
   const auto& r = low_latency ? impl_->ll : impl_->ht;
@@ -104,7 +131,9 @@ void Buffer::set_num_sms(int num_sms) {
           "must be an even number >= 2, got " + std::to_string(num_sms));
   detail::default_num_sms().store(num_sms);
 }
-int Buffer::num_sms() { return detail::default_num_sms().load(); }
+int Buffer::num_sms() {
+  return detail::default_num_sms().load();
+}
 
 void Buffer::Impl::raise_if_failed(const char* op) {
   volatile DeviceDiag* g = diag_host;
@@ -115,18 +144,20 @@ void Buffer::Impl::raise_if_failed(const char* op) {
     os << op_name(static_cast<OpId>(g->op)) << ": rank " << g->rank << " waited more than "
        << timeout_s << " s for rank " << g->peer << " (chunk/slot " << g->channel
        << ", expected epoch " << g->expected << ", saw " << g->seen
-       << "); the peer is stalled, crashed, or called a different op (set EPX_TIMEOUT_S to wait longer)";
+       << "); the peer is stalled, crashed, or called a different op (set EPX_TIMEOUT_S to wait "
+          "longer)";
   } else if (code == DiagCode::kTooManyTokens) {
     os << op_name(static_cast<OpId>(g->op)) << ": num_worst_tokens: rank " << g->rank
        << " received at least " << (g->seen + 1) << " tokens but the outputs hold only "
        << g->expected << " rows; raise num_worst_tokens (rows past it were dropped)";
   } else {
-    os << op_name(static_cast<OpId>(g->op)) << ": topk_idx: values must be -1 or in [0, num_experts); token "
-       << g->token << " slot " << g->channel << " holds " << static_cast<int32_t>(g->seen);
+    os << op_name(static_cast<OpId>(g->op))
+       << ": topk_idx: values must be -1 or in [0, num_experts); token " << g->token << " slot "
+       << g->channel << " holds " << static_cast<int32_t>(g->seen);
   }
   std::memset(const_cast<DeviceDiag*>(diag_host), 0, sizeof(DeviceDiag));
   throw Error(code == DiagCode::kTimeout ? ErrorCode::kTimeout : ErrorCode::kInvalidArgument,
-             
+
               std::string(op) + ": " + os.str());
 }
 
@@ -142,10 +173,10 @@ void Buffer::Impl::wait_host_flag(volatile int* flag, const char* op) {
     if (++spins > 1000) std::this_thread::yield();
     if (std::chrono::steady_clock::now() - start > limit) {
       cudaError_t e = cudaStreamQuery(comm_stream);
-      throw Error(ErrorCode::kTimeout,
-                  std::string(op) + ": rank " + std::to_string(comm->rank()) +
-                      ": the count exchange did not finish within " + std::to_string(timeout_s) +
-                      " s (comm stream: " + cudaGetErrorString(e) + ")");
+      throw Error(ErrorCode::kTimeout, std::string(op) + ": rank " + std::to_string(comm->rank()) +
+                                           ": the count exchange did not finish within " +
+                                           std::to_string(timeout_s) +
+                                           " s (comm stream: " + cudaGetErrorString(e) + ")");
     }
   }
 }

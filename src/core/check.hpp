@@ -14,25 +14,24 @@ namespace epx::detail {
 
 }  // namespace epx::detail
 
-#define EPX_CUDA_CHECK(expr)                                                      \
-  do {                                                                            \
-    cudaError_t epx_err_ = (expr);                                                \
-    if (epx_err_ != cudaSuccess)                                                  \
-      ::epx::detail::throw_cuda(epx_err_, #expr, __FILE__, __LINE__);             \
+#define EPX_CUDA_CHECK(expr)                                                                     \
+  do {                                                                                           \
+    cudaError_t epx_err_ = (expr);                                                               \
+    if (epx_err_ != cudaSuccess) ::epx::detail::throw_cuda(epx_err_, #expr, __FILE__, __LINE__); \
   } while (0)
 
-#define EPX_NCCL_CHECK(expr)                                                      \
-  do {                                                                            \
-    int epx_res_ = static_cast<int>(expr);                                        \
+#define EPX_NCCL_CHECK(expr)                                                           \
+  do {                                                                                 \
+    int epx_res_ = static_cast<int>(expr);                                             \
     if (epx_res_ != 0) ::epx::detail::throw_nccl(epx_res_, #expr, __FILE__, __LINE__); \
   } while (0)
 
 /// Checks the launch that just happened (configuration errors surface here).
 #define EPX_LAUNCH_CHECK() EPX_CUDA_CHECK(cudaGetLastError())
 
-#define EPX_INTERNAL_ASSERT(cond)                                                 \
-  do {                                                                            \
-    if (!(cond))                                                                  \
-      throw ::epx::Error(::epx::ErrorCode::kInternal,                             \
+#define EPX_INTERNAL_ASSERT(cond)                                                    \
+  do {                                                                               \
+    if (!(cond))                                                                     \
+      throw ::epx::Error(::epx::ErrorCode::kInternal,                                \
                          std::string("assertion failed: " #cond " at ") + __FILE__); \
   } while (0)

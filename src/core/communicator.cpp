@@ -22,8 +22,9 @@ UniqueId Communicator::new_unique_id() {
 
 std::shared_ptr<Communicator> Communicator::create(const UniqueId& id, int rank, int num_ranks) {
   require(num_ranks >= 1, "num_ranks", "must be >= 1, got " + std::to_string(num_ranks));
-  require(rank >= 0 && rank < num_ranks, "rank",
-          "must be in [0, num_ranks=" + std::to_string(num_ranks) + "), got " + std::to_string(rank));
+  require(
+      rank >= 0 && rank < num_ranks, "rank",
+      "must be in [0, num_ranks=" + std::to_string(num_ranks) + "), got " + std::to_string(rank));
   std::shared_ptr<Communicator> c(new Communicator());
   c->rank_ = rank;
   c->num_ranks_ = num_ranks;

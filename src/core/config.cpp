@@ -29,12 +29,14 @@ std::size_t Config::get_nvl_buffer_size_hint(std::size_t hidden_bytes, int num_r
   return plan::align_up(r.total_bytes(), plan::kAlign);
 }
 
-std::size_t Config::get_rdma_buffer_size_hint(std::size_t, int) const { return 0; }
+std::size_t Config::get_rdma_buffer_size_hint(std::size_t, int) const {
+  return 0;
+}
 
 void Config::validate(int num_ranks, int device_sm_count) const {
   const std::string op = "config";
-  require(num_sms >= 2, "config.num_sms", "must be >= 2 (one send and one receive SM), got " +
-                                              std::to_string(num_sms));
+  require(num_sms >= 2, "config.num_sms",
+          "must be >= 2 (one send and one receive SM), got " + std::to_string(num_sms));
   require(device_sm_count <= 0 || num_sms <= device_sm_count, "config.num_sms",
           "must not exceed the device's " + std::to_string(device_sm_count) + " SMs, got " +
               std::to_string(num_sms));

@@ -57,16 +57,17 @@ RankInfo rank_info() {
     info.launcher = "mpirun";
     info.rank = static_cast<int>(*get_int("OMPI_COMM_WORLD_RANK"));
     info.world_size = static_cast<int>(get_int("OMPI_COMM_WORLD_SIZE").value_or(1));
-    info.local_rank =
-        static_cast<int>(get_int("OMPI_COMM_WORLD_LOCAL_RANK").value_or(info.rank));
+    info.local_rank = static_cast<int>(get_int("OMPI_COMM_WORLD_LOCAL_RANK").value_or(info.rank));
     info.master_addr = get("MASTER_ADDR").value_or("127.0.0.1");
     info.master_port = static_cast<int>(get_int("MASTER_PORT").value_or(29500));
   }
-  require(info.world_size >= 1, "WORLD_SIZE", "must be >= 1, got " + std::to_string(info.world_size));
+  require(info.world_size >= 1, "WORLD_SIZE",
+          "must be >= 1, got " + std::to_string(info.world_size));
   require(info.rank >= 0 && info.rank < info.world_size, "RANK",
           "must be in [0, WORLD_SIZE=" + std::to_string(info.world_size) + "), got " +
               std::to_string(info.rank));
-  require(info.local_rank >= 0, "LOCAL_RANK", "must be >= 0, got " + std::to_string(info.local_rank));
+  require(info.local_rank >= 0, "LOCAL_RANK",
+          "must be >= 0, got " + std::to_string(info.local_rank));
   require(info.master_port > 0 && info.master_port < 65535, "MASTER_PORT",
           "must be in [1, 65534], got " + std::to_string(info.master_port));
   return info;

@@ -4,14 +4,22 @@ namespace epx {
 
 const char* to_string(ErrorCode code) noexcept {
   switch (code) {
-    case ErrorCode::kInvalidArgument: return "invalid argument";
-    case ErrorCode::kBufferTooSmall: return "buffer too small";
-    case ErrorCode::kTimeout: return "timeout";
-    case ErrorCode::kCuda: return "CUDA error";
-    case ErrorCode::kNccl: return "NCCL error";
-    case ErrorCode::kBootstrap: return "bootstrap error";
-    case ErrorCode::kUnsupported: return "unsupported";
-    case ErrorCode::kInternal: return "internal error";
+    case ErrorCode::kInvalidArgument:
+      return "invalid argument";
+    case ErrorCode::kBufferTooSmall:
+      return "buffer too small";
+    case ErrorCode::kTimeout:
+      return "timeout";
+    case ErrorCode::kCuda:
+      return "CUDA error";
+    case ErrorCode::kNccl:
+      return "NCCL error";
+    case ErrorCode::kBootstrap:
+      return "bootstrap error";
+    case ErrorCode::kUnsupported:
+      return "unsupported";
+    case ErrorCode::kInternal:
+      return "internal error";
   }
   return "error";
 }

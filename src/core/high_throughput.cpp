@@ -25,16 +25,17 @@ kernels::HtOffsets offsets_of(const plan::HtRegion& r) {
 }
 
 /// Plans the region for a call and checks that the buffer holds it.
-plan::HtRegion plan_region(const char* op, const Buffer::Impl& d, const Config& cfg, int num_experts,
-                           std::size_t row_bytes, int num_tokens) {
+plan::HtRegion plan_region(const char* op, const Buffer::Impl& d, const Config& cfg,
+                           int num_experts, std::size_t row_bytes, int num_tokens) {
   plan::HtRegion r;
   r.num_ranks = d.comm->num_ranks();
   r.num_experts = num_experts;
   r.capacity = cfg.num_max_recv_tokens;
   r.chunk = cfg.num_max_send_tokens;
   r.row_bytes = row_bytes;
-  require(r.chunks_needed() <= plan::kMaxChunks, "config.num_max_send_tokens",
-          "num_max_recv_tokens / num_max_send_tokens must be <= " + std::to_string(plan::kMaxChunks));
+  require(
+      r.chunks_needed() <= plan::kMaxChunks, "config.num_max_send_tokens",
+      "num_max_recv_tokens / num_max_send_tokens must be <= " + std::to_string(plan::kMaxChunks));
   require(num_experts / r.num_ranks <= plan::kMaxLocalExperts, "num_experts",
           "at most " + std::to_string(plan::kMaxLocalExperts) + " experts per rank");
   require(num_tokens <= r.capacity, op,
@@ -42,10 +43,11 @@ plan::HtRegion plan_region(const char* op, const Buffer::Impl& d, const Config& 
               std::to_string(r.capacity) + "; raise it (and num_nvl_bytes) or send fewer tokens");
   if (r.total_bytes() > d.ht.bytes)
     throw Error(ErrorCode::kBufferTooSmall,
-                std::string(op) + ": num_nvl_bytes: the call needs " + std::to_string(r.total_bytes()) +
-                    " bytes of NVLink buffer (" + std::to_string(r.capacity) + " rows of " +
-                    std::to_string(row_bytes) + " B per source rank) but the buffer has " +
-                    std::to_string(d.ht.bytes) + "; use Config::get_nvl_buffer_size_hint");
+                std::string(op) + ": num_nvl_bytes: the call needs " +
+                    std::to_string(r.total_bytes()) + " bytes of NVLink buffer (" +
+                    std::to_string(r.capacity) + " rows of " + std::to_string(row_bytes) +
+                    " B per source rank) but the buffer has " + std::to_string(d.ht.bytes) +
+                    "; use Config::get_nvl_buffer_size_hint");
   return r;
 }
 
@@ -53,21 +55,24 @@ Tensor copy_of(const TensorView& v, Buffer::Impl& d, const StreamArgs& s) {
   std::vector<int64_t> shape(v.shape.begin(), v.shape.begin() + v.ndim);
   Tensor t = d.make(v.dtype, shape, s);
   if (v.nbytes() > 0)
-    EPX_CUDA_CHECK(cudaMemcpyAsync(t.view.data, v.data, v.nbytes(), cudaMemcpyDeviceToDevice, d.comm_stream));
+    EPX_CUDA_CHECK(
+        cudaMemcpyAsync(t.view.data, v.data, v.nbytes(), cudaMemcpyDeviceToDevice, d.comm_stream));
   return t;
 }
 
 }  // namespace
 
-Layout Buffer::get_dispatch_layout(const TensorView& topk_idx, int num_experts, const StreamArgs& s) {
+Layout Buffer::get_dispatch_layout(const TensorView& topk_idx, int num_experts,
+                                   const StreamArgs& s) {
   auto& d = *impl_;
   d.check_alive("get_dispatch_layout");
   const int R = d.comm->num_ranks();
   validate::num_experts("get_dispatch_layout", num_experts, R);
-  validate::tensor("get_dispatch_layout", "topk_idx", topk_idx, DType::kI64, {validate::kAny, validate::kAny},
-                   d.device);
+  validate::tensor("get_dispatch_layout", "topk_idx", topk_idx, DType::kI64,
+                   {validate::kAny, validate::kAny}, d.device);
   validate::num_topk("get_dispatch_layout", topk_idx.shape[1]);
-  require(num_experts <= 8192, "num_experts", "must be <= 8192, got " + std::to_string(num_experts));
+  require(num_experts <= 8192, "num_experts",
+          "must be <= 8192, got " + std::to_string(num_experts));
   d.enter(s);
   const int T = static_cast<int>(topk_idx.shape[0]);
   Layout out;
@@ -109,10 +114,12 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   if (a.handle) {
     require(a.handle->num_ranks == R, "handle", "was made by a buffer of another rank count");
     require(a.handle->num_tokens == T, "handle",
-            "was made for " + std::to_string(a.handle->num_tokens) + " tokens, x has " + std::to_string(T));
+            "was made for " + std::to_string(a.handle->num_tokens) + " tokens, x has " +
+                std::to_string(T));
   }
-  const plan::HtRegion region = plan_region(
-      "dispatch", d, cfg, a.handle ? R : E, plan::ht_dispatch_row_bytes(hidden_bytes, num_scales, K), T);
+  const plan::HtRegion region =
+      plan_region("dispatch", d, cfg, a.handle ? R : E,
+                  plan::ht_dispatch_row_bytes(hidden_bytes, num_scales, K), T);
   const auto off = offsets_of(region);
   const auto tr = d.transport(d.ht);
 
@@ -175,8 +182,8 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   if (a.topk_idx && !a.handle) {
     res.recv_topk_idx = d.make(DType::kI64, {N, K}, a.streams);
     if (a.num_worst_tokens > 0 && N > 0)
-      EPX_CUDA_CHECK(cudaMemsetAsync(res.recv_topk_idx->view.data, 0xff, res.recv_topk_idx->view.nbytes(),
-                                     d.comm_stream));
+      EPX_CUDA_CHECK(cudaMemsetAsync(res.recv_topk_idx->view.data, 0xff,
+                                     res.recv_topk_idx->view.nbytes(), d.comm_stream));
   }
   if (a.topk_weights && !a.handle) res.recv_topk_weights = d.make(DType::kF32, {N, K}, a.streams);
   Tensor recv_src_idx = d.make(DType::kI32, {N}, a.streams);
@@ -266,7 +273,8 @@ CombineResult Buffer::combine(const CombineArgs& a) {
   p.send_slot = h.send_slot.ptr<int>();
   p.recv_offsets = h.recv_offsets.ptr<int>();
   p.combined_x = res.combined_x.ptr<uint16_t>();
-  p.combined_topk_weights = res.combined_topk_weights ? res.combined_topk_weights->ptr<float>() : nullptr;
+  p.combined_topk_weights =
+      res.combined_topk_weights ? res.combined_topk_weights->ptr<float>() : nullptr;
   p.num_send_blocks = cfg.send_sms();
   p.timeout_ns = d.timeout_ns();
   p.diag = d.diag_dev;

@@ -21,7 +21,9 @@ constexpr int kDispatchChunk = 512;
 constexpr int kCombineChunk = 1024;
 constexpr int kStateInts = 16;
 
-int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+int ceil_div(int64_t a, int64_t b) {
+  return static_cast<int>((a + b - 1) / b);
+}
 
 plan::LlRegion region_of(int num_ranks, int max_tokens, int hidden, int num_experts) {
   plan::LlRegion r;
@@ -70,8 +72,8 @@ void check_fits(const char* op, const Buffer::Impl& d, const plan::LlRegion& r, 
                   std::to_string(d.ll.bytes) +
                   "; size it with Buffer::get_low_latency_rdma_size_hint(" +
                   std::to_string(r.max_tokens) + ", " + std::to_string(r.hidden) + ", " +
-                  std::to_string(r.num_ranks) + ", " + std::to_string(r.num_experts) + ") = " +
-                  std::to_string(r.total_bytes()));
+                  std::to_string(r.num_ranks) + ", " + std::to_string(r.num_experts) +
+                  ") = " + std::to_string(r.total_bytes()));
 }
 
 /// Column-major view over the last two dims of a tensor allocated as
@@ -250,8 +252,8 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   sp.logfmt = a.use_logfmt;
   sp.timeout_ns = d.timeout_ns();
   sp.diag = d.diag_dev;
-  const int send_blocks = std::clamp(
-      ceil_div(static_cast<int64_t>(R) * maxT * C, kWarpsPerBlock), 1, d.num_sms_device);
+  const int send_blocks =
+      std::clamp(ceil_div(static_cast<int64_t>(R) * maxT * C, kWarpsPerBlock), 1, d.num_sms_device);
   kernels::launch_ll_combine_send(sp, send_blocks, d.comm_stream);
 
   kernels::LlCombineRecvParams rp{};
@@ -294,14 +296,16 @@ TensorView Buffer::get_next_low_latency_combine_buffer(const LowLatencyHandle& h
   auto& d = *impl_;
   d.check_alive(op);
   const int R = d.comm->num_ranks();
-  require(h.num_ranks == R, "get_next_low_latency_combine_buffer: handle", "was made by a buffer of another rank count");
-  require(h.num_max_dispatch_tokens_per_rank > 0 && h.hidden > 0 && h.num_experts > 0, "get_next_low_latency_combine_buffer: handle",
-          "must come from low_latency_dispatch");
-  const plan::LlRegion region = region_of(R, h.num_max_dispatch_tokens_per_rank, h.hidden, h.num_experts);
+  require(h.num_ranks == R, "get_next_low_latency_combine_buffer: handle",
+          "was made by a buffer of another rank count");
+  require(h.num_max_dispatch_tokens_per_rank > 0 && h.hidden > 0 && h.num_experts > 0,
+          "get_next_low_latency_combine_buffer: handle", "must come from low_latency_dispatch");
+  const plan::LlRegion region =
+      region_of(R, h.num_max_dispatch_tokens_per_rank, h.hidden, h.num_experts);
   check_fits(op, d, region, region.total_bytes(), "the zero-copy combine input");
   char* p = static_cast<char*>(d.ll.local) + region.zero_copy_offset(h.buffer_slot & 1);
-  return TensorView::contiguous(p, DType::kBF16,
-                                {region.local_experts(), region.rows_per_expert(), h.hidden}, d.device);
+  return TensorView::contiguous(
+      p, DType::kBF16, {region.local_experts(), region.rows_per_expert(), h.hidden}, d.device);
 }
 
 void Buffer::clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, int hidden,
@@ -330,8 +334,9 @@ void Buffer::clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, int 
 std::size_t Buffer::get_low_latency_rdma_size_hint(int num_max_dispatch_tokens_per_rank, int hidden,
                                                    int num_ranks, int num_experts) {
   static constexpr const char* op = "get_low_latency_rdma_size_hint";
-  require(num_ranks >= 1 && num_ranks <= plan::kMaxRanks, "num_ranks",
-          "must be in [1, " + std::to_string(plan::kMaxRanks) + "], got " + std::to_string(num_ranks));
+  require(
+      num_ranks >= 1 && num_ranks <= plan::kMaxRanks, "num_ranks",
+      "must be in [1, " + std::to_string(plan::kMaxRanks) + "], got " + std::to_string(num_ranks));
   require(num_max_dispatch_tokens_per_rank > 0, "num_max_dispatch_tokens_per_rank",
           "must be > 0, got " + std::to_string(num_max_dispatch_tokens_per_rank));
   require(hidden > 0, "hidden", "must be > 0, got " + std::to_string(hidden));

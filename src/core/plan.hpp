@@ -10,7 +10,9 @@ namespace epx::plan {
 inline constexpr int kMaxRanks = 8;
 inline constexpr std::size_t kAlign = 128;
 
-constexpr std::size_t align_up(std::size_t v, std::size_t a) { return (v + a - 1) / a * a; }
+constexpr std::size_t align_up(std::size_t v, std::size_t a) {
+  return (v + a - 1) / a * a;
+}
 
 /// One staged dispatch row: payload, FP8 scales (f32), top-k ids (i32),
 /// weights (f32), source token index (i32).
@@ -113,17 +115,18 @@ struct LlRegion {
     return meta_offset() + static_cast<std::size_t>(num_ranks) * meta_stride();
   }
   std::size_t weights_offset() const {
-    return align_up(dispatch_rows_offset() + static_cast<std::size_t>(num_ranks) * max_tokens *
-                                                 dispatch_row_capacity(),
+    return align_up(dispatch_rows_offset() +
+                        static_cast<std::size_t>(num_ranks) * max_tokens * dispatch_row_capacity(),
                     kAlign);
   }
   std::size_t combine_rows_offset() const {
-    return align_up(weights_offset() + 4u * static_cast<std::size_t>(num_ranks) * max_tokens * kLlMaxTopK,
-                    kAlign);
+    return align_up(
+        weights_offset() + 4u * static_cast<std::size_t>(num_ranks) * max_tokens * kLlMaxTopK,
+        kAlign);
   }
   std::size_t half_bytes() const {
-    return align_up(combine_rows_offset() + static_cast<std::size_t>(num_ranks) * max_tokens *
-                                                combine_row_bytes(),
+    return align_up(combine_rows_offset() +
+                        static_cast<std::size_t>(num_ranks) * max_tokens * combine_row_bytes(),
                     kAlign);
   }
   std::size_t half_offset(int parity) const { return control_bytes() + parity * half_bytes(); }
@@ -131,7 +134,8 @@ struct LlRegion {
   std::size_t core_bytes() const { return control_bytes() + 2 * half_bytes(); }
   /// One zero-copy combine input [E_local, R*maxT, H] bf16.
   std::size_t zero_copy_bytes() const {
-    return align_up(2u * static_cast<std::size_t>(local_experts()) * rows_per_expert() * hidden, kAlign);
+    return align_up(2u * static_cast<std::size_t>(local_experts()) * rows_per_expert() * hidden,
+                    kAlign);
   }
   std::size_t zero_copy_offset(int slot) const { return core_bytes() + slot * zero_copy_bytes(); }
   /// Everything, zero-copy inputs included (get_low_latency_rdma_size_hint).

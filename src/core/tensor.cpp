@@ -58,8 +58,8 @@ namespace detail {
 
 void throw_cuda(cudaError_t err, const char* expr, const char* file, int line) {
   std::ostringstream os;
-  os << "CUDA error " << cudaGetErrorName(err) << " (" << cudaGetErrorString(err) << ") in "
-     << expr << " at " << file << ":" << line;
+  os << "CUDA error " << cudaGetErrorName(err) << " (" << cudaGetErrorString(err) << ") in " << expr
+     << " at " << file << ":" << line;
   throw Error(ErrorCode::kCuda, os.str());
 }
 

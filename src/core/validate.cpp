@@ -14,7 +14,8 @@ std::string shape_str(std::initializer_list<int64_t> shape) {
   std::ostringstream os;
   os << "[";
   int i = 0;
-  for (int64_t s : shape) os << (i++ ? ", " : "") << (s == kAny ? std::string("*") : std::to_string(s));
+  for (int64_t s : shape)
+    os << (i++ ? ", " : "") << (s == kAny ? std::string("*") : std::to_string(s));
   os << "]";
   return os.str();
 }
@@ -46,7 +47,8 @@ void tensor(const char* op, const char* name, const TensorView& t, DType dtype,
 }
 
 void num_experts(const char* op, int num_experts, int num_ranks) {
-  if (num_experts <= 0) fail(op, "num_experts", "must be > 0 (got " + std::to_string(num_experts) + ")");
+  if (num_experts <= 0)
+    fail(op, "num_experts", "must be > 0 (got " + std::to_string(num_experts) + ")");
   if (num_experts % num_ranks != 0)
     fail(op, "num_experts",
          "must be divisible by the number of ranks " + std::to_string(num_ranks) + " (got " +
@@ -65,7 +67,8 @@ void hidden(const char* op, int64_t hidden, DType dtype, bool fp8_path) {
 
 void num_topk(const char* op, int64_t k) {
   if (k < 1 || k > kMaxTopK)
-    fail(op, "topk_idx", "top-k must be in [1, " + std::to_string(kMaxTopK) + "] (got " + std::to_string(k) + ")");
+    fail(op, "topk_idx",
+         "top-k must be in [1, " + std::to_string(kMaxTopK) + "] (got " + std::to_string(k) + ")");
 }
 
 void topk_idx_values(const char* op, const TensorView& t, int num_experts) {
@@ -74,8 +77,8 @@ void topk_idx_values(const char* op, const TensorView& t, int num_experts) {
   for (int64_t i = 0; i < t.numel(); ++i) {
     if (v[i] != -1 && (v[i] < 0 || v[i] >= num_experts))
       fail(op, "topk_idx",
-           "values must be -1 or in [0, num_experts=" + std::to_string(num_experts) + ") (element " +
-               std::to_string(i) + " is " + std::to_string(v[i]) + ")");
+           "values must be -1 or in [0, num_experts=" + std::to_string(num_experts) +
+               ") (element " + std::to_string(i) + " is " + std::to_string(v[i]) + ")");
   }
 }
 
@@ -85,13 +88,16 @@ void dispatch(const DispatchArgs& a, int num_ranks, int device) {
   if (a.x.dtype != DType::kBF16 && !fp8)
     fail(op, "x", "must be bfloat16, or float8_e4m3fn with x_scales (got " + a.x.describe() + ")");
   if (a.x.ndim != 2) fail(op, "x", "must be [num_tokens, hidden] (got " + a.x.describe() + ")");
-  if (a.x.device != device) fail(op, "x", "must be on cuda:" + std::to_string(device) + " (got " + a.x.describe() + ")");
+  if (a.x.device != device)
+    fail(op, "x", "must be on cuda:" + std::to_string(device) + " (got " + a.x.describe() + ")");
   const int64_t T = a.x.shape[0], H = a.x.shape[1];
   hidden(op, H, a.x.dtype, fp8);
-  if (a.x.strides[1] != 1 || (a.x.strides[0] * static_cast<int64_t>(element_size(a.x.dtype))) % 16 != 0)
+  if (a.x.strides[1] != 1 ||
+      (a.x.strides[0] * static_cast<int64_t>(element_size(a.x.dtype))) % 16 != 0)
     fail(op, "x", "rows must be contiguous and 16-byte aligned (got " + a.x.describe() + ")");
   if (fp8) {
-    if (!a.x_scales) fail(op, "x_scales", "is required with float8_e4m3fn x ([num_tokens, hidden/128] float32)");
+    if (!a.x_scales)
+      fail(op, "x_scales", "is required with float8_e4m3fn x ([num_tokens, hidden/128] float32)");
     tensor(op, "x_scales", *a.x_scales, DType::kF32, {T, H / 128}, device, false);
   } else if (a.x_scales) {
     fail(op, "x_scales", "must be None unless x is float8_e4m3fn");
@@ -103,12 +109,14 @@ void dispatch(const DispatchArgs& a, int num_ranks, int device) {
   if (a.handle) {
     if (a.topk_idx || a.topk_weights)
       fail(op, "topk_idx", "must be None for a cached dispatch (handle given)");
-    if (a.num_worst_tokens > 0) fail(op, "num_worst_tokens", "must be 0 for a cached dispatch (handle given)");
+    if (a.num_worst_tokens > 0)
+      fail(op, "num_worst_tokens", "must be 0 for a cached dispatch (handle given)");
     return;
   }
   if (!a.num_tokens_per_rank || !a.is_token_in_rank || !a.num_tokens_per_expert)
     fail(op, "num_tokens_per_rank",
-         "num_tokens_per_rank, is_token_in_rank and num_tokens_per_expert are required without a handle "
+         "num_tokens_per_rank, is_token_in_rank and num_tokens_per_expert are required without a "
+         "handle "
          "(from get_dispatch_layout)");
   tensor(op, "num_tokens_per_rank", *a.num_tokens_per_rank, DType::kI32, {num_ranks}, device);
   tensor(op, "is_token_in_rank", *a.is_token_in_rank, DType::kBool, {T, num_ranks}, device);
@@ -118,7 +126,8 @@ void dispatch(const DispatchArgs& a, int num_ranks, int device) {
   if (a.topk_idx) {
     tensor(op, "topk_idx", *a.topk_idx, DType::kI64, {T, kAny}, device);
     num_topk(op, a.topk_idx->shape[1]);
-    if (a.topk_weights) tensor(op, "topk_weights", *a.topk_weights, DType::kF32, {T, a.topk_idx->shape[1]}, device);
+    if (a.topk_weights)
+      tensor(op, "topk_weights", *a.topk_weights, DType::kF32, {T, a.topk_idx->shape[1]}, device);
   }
 }
 
@@ -129,7 +138,9 @@ void combine(const CombineArgs& a, int num_ranks, int device) {
   if (h.num_ranks != num_ranks) fail(op, "handle", "was made by a buffer of another rank count");
   tensor(op, "x", a.x, DType::kBF16, {h.num_recv_tokens, kAny}, device);
   if (h.hidden && a.x.shape[1] != h.hidden)
-    fail(op, "x", "hidden must match the dispatch (" + std::to_string(h.hidden) + ", got " + a.x.describe() + ")");
+    fail(op, "x",
+         "hidden must match the dispatch (" + std::to_string(h.hidden) + ", got " + a.x.describe() +
+             ")");
   hidden(op, a.x.shape[1], DType::kBF16, false);
   if (a.topk_weights) {
     tensor(op, "topk_weights", *a.topk_weights, DType::kF32, {h.num_recv_tokens, kAny}, device);
@@ -141,25 +152,28 @@ void combine(const CombineArgs& a, int num_ranks, int device) {
 
 void low_latency_dispatch(const LowLatencyDispatchArgs& a, int num_ranks, int device) {
   const char* op = "low_latency_dispatch";
-  if (a.num_max_dispatch_tokens_per_rank <= 0 || a.num_max_dispatch_tokens_per_rank > kMaxLowLatencyTokens)
+  if (a.num_max_dispatch_tokens_per_rank <= 0 ||
+      a.num_max_dispatch_tokens_per_rank > kMaxLowLatencyTokens)
     fail(op, "num_max_dispatch_tokens_per_rank",
          "must be in [1, " + std::to_string(kMaxLowLatencyTokens) + "] (got " +
              std::to_string(a.num_max_dispatch_tokens_per_rank) + ")");
   tensor(op, "x", a.x, DType::kBF16, {kAny, kAny}, device);
   const int64_t T = a.x.shape[0], H = a.x.shape[1];
   if (T > a.num_max_dispatch_tokens_per_rank)
-    fail(op, "x", "has " + std::to_string(T) + " tokens, more than num_max_dispatch_tokens_per_rank=" +
-                      std::to_string(a.num_max_dispatch_tokens_per_rank));
+    fail(op, "x",
+         "has " + std::to_string(T) + " tokens, more than num_max_dispatch_tokens_per_rank=" +
+             std::to_string(a.num_max_dispatch_tokens_per_rank));
   if (H % 128 != 0) fail(op, "hidden", "must be a multiple of 128 (got " + std::to_string(H) + ")");
   tensor(op, "topk_idx", a.topk_idx, DType::kI64, {T, kAny}, device);
   num_topk(op, a.topk_idx.shape[1]);
   num_experts(op, a.num_experts, num_ranks);
   if (!a.use_fp8 && (a.round_scale || a.use_ue8m0))
     fail(op, "use_fp8", "round_scale and use_ue8m0 need use_fp8=True");
-  if (a.use_ue8m0 && !a.round_scale) fail(op, "use_ue8m0", "needs round_scale=True (UE8M0 scales are powers of two)");
+  if (a.use_ue8m0 && !a.round_scale)
+    fail(op, "use_ue8m0", "needs round_scale=True (UE8M0 scales are powers of two)");
   if (a.cumulative_local_expert_recv_stats)
-    tensor(op, "cumulative_local_expert_recv_stats", *a.cumulative_local_expert_recv_stats, DType::kI32,
-           {a.num_experts / num_ranks}, device);
+    tensor(op, "cumulative_local_expert_recv_stats", *a.cumulative_local_expert_recv_stats,
+           DType::kI32, {a.num_experts / num_ranks}, device);
 }
 
 void low_latency_combine(const LowLatencyCombineArgs& a, int num_ranks, int device) {
@@ -167,7 +181,8 @@ void low_latency_combine(const LowLatencyCombineArgs& a, int num_ranks, int devi
   if (!a.handle) fail(op, "handle", "is required (the handle returned by low_latency_dispatch)");
   const auto& h = *a.handle;
   if (h.num_ranks != num_ranks) fail(op, "handle", "was made by a buffer of another rank count");
-  const int64_t E_local = h.num_experts / num_ranks, rows = static_cast<int64_t>(num_ranks) * h.num_max_dispatch_tokens_per_rank;
+  const int64_t E_local = h.num_experts / num_ranks,
+                rows = static_cast<int64_t>(num_ranks) * h.num_max_dispatch_tokens_per_rank;
   tensor(op, "x", a.x, DType::kBF16, {E_local, rows, h.hidden}, device);
   tensor(op, "topk_idx", a.topk_idx, DType::kI64, {h.num_tokens, h.num_topk}, device);
   tensor(op, "topk_weights", a.topk_weights, DType::kF32, {h.num_tokens, h.num_topk}, device);

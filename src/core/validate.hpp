@@ -10,8 +10,8 @@
 
 namespace epx::validate {
 
-inline constexpr int64_t kAny = -1;     ///< wildcard in an expected shape
-inline constexpr int kAnyDevice = -2;    ///< wildcard device: any CUDA device (not host)
+inline constexpr int64_t kAny = -1;    ///< wildcard in an expected shape
+inline constexpr int kAnyDevice = -2;  ///< wildcard device: any CUDA device (not host)
 
 /// dtype, rank (ndim), shape (kAny = any extent), device (kAnyDevice = any
 /// CUDA device; kCpu = host), and row-major contiguity.
@@ -29,7 +29,7 @@ void num_topk(const char* op, int64_t num_topk);
 void topk_idx_values(const char* op, const TensorView& topk_idx, int num_experts);
 
 inline constexpr int kMaxTopK = 16;
-inline constexpr int kMaxRanks = 8;  ///< NVLink domain served today
+inline constexpr int kMaxRanks = 8;                ///< NVLink domain served today
 inline constexpr int kMaxLowLatencyTokens = 1024;  ///< per rank, per call
 
 /// Whole-call checks. Return nothing; throw on the first broken rule.

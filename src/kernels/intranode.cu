@@ -17,9 +17,9 @@ constexpr int kWarps = kThreads / 32;
 
 /// Warp-cooperative copy of `bytes` (multiple of 16). Software-pipelined: each
 /// lane keeps 8 vectors in flight, loading the next batch's vector right after
-/// storing the current one, so reads overlap the (NVLink or HBM) stores. kCoherent: the source is written
-/// by peers during the kernel (L2-coherent loads, kept after the flag wait);
-/// otherwise read-only loads.
+/// storing the current one, so reads overlap the (NVLink or HBM) stores. kCoherent: the source is
+/// written by peers during the kernel (L2-coherent loads, kept after the flag wait); otherwise
+/// read-only loads.
 template <bool kCoherent>
 __device__ __forceinline__ int4 load16(const int4* p) {
   if constexpr (kCoherent) {
@@ -52,7 +52,9 @@ __device__ __forceinline__ void warp_copy(uint8_t* dst, const uint8_t* src, int 
   for (int i = full + lane; i < n; i += 32) dev::st_na(d + i, load16<kCoherent>(s + i));
 }
 
-__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+__device__ __forceinline__ int ceil_div(int a, int b) {
+  return (a + b - 1) / b;
+}
 
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams p) {
   const int R = p.t.num_ranks, me = p.t.rank;
@@ -93,7 +95,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams 
             const int64_t e = p.topk_idx[static_cast<int64_t>(t) * K + lane];
             p.recv_topk_idx[row * K + lane] = (e >= lo_e && e < lo_e + epr) ? e - lo_e : -1;
             if (p.topk_weights)
-              p.recv_topk_weights[row * K + lane] = p.topk_weights[static_cast<int64_t>(t) * K + lane];
+              p.recv_topk_weights[row * K + lane] =
+                  p.topk_weights[static_cast<int64_t>(t) * K + lane];
           }
           if (lane == 0) p.recv_src_idx[row] = t;
         } else {
@@ -111,7 +114,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams 
               v = (e >= lo_e && e < lo_e + epr) ? static_cast<int>(e - lo_e) : -1;
             } else if (i < p.num_scales + 2 * K) {
               const int kk = i - p.num_scales - K;
-              v = p.topk_weights ? __float_as_int(p.topk_weights[static_cast<int64_t>(t) * K + kk]) : 0;
+              v = p.topk_weights ? __float_as_int(p.topk_weights[static_cast<int64_t>(t) * K + kk])
+                                 : 0;
             } else {
               v = t;
             }
@@ -134,7 +138,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams 
   if (R == 1) return;
   int max_chunks = 0;
   for (int s = 0; s < R; ++s)
-    if (s != me) max_chunks = max(max_chunks, ceil_div(p.recv_offsets[s + 1] - p.recv_offsets[s], CH));
+    if (s != me)
+      max_chunks = max(max_chunks, ceil_div(p.recv_offsets[s + 1] - p.recv_offsets[s], CH));
   const int gw = (blockIdx.x - p.num_send_blocks) * kWarps + warp;
   const int nw = (gridDim.x - p.num_send_blocks) * kWarps;
   const uint8_t* staging = reinterpret_cast<const uint8_t*>(p.t.local_ptr(p.off.staging));
@@ -143,11 +148,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams 
     const int count = p.recv_offsets[src + 1] - p.recv_offsets[src];
     const int k0 = j * CH, k1 = min(count, k0 + CH);
     if (k0 >= k1) continue;
-    if (!p.t.wait_warp(p.off.flags + 4 * (static_cast<std::size_t>(src) * p.off.max_chunks + j), epoch,
-                       p.timeout_ns, p.diag, OpId::kDispatch, src, j))
+    if (!p.t.wait_warp(p.off.flags + 4 * (static_cast<std::size_t>(src) * p.off.max_chunks + j),
+                       epoch, p.timeout_ns, p.diag, OpId::kDispatch, src, j))
       return;
     for (int k = k0; k < k1; ++k) {
-      const uint8_t* row_in = staging + (static_cast<int64_t>(src) * p.off.capacity + k) * p.off.row_bytes;
+      const uint8_t* row_in =
+          staging + (static_cast<int64_t>(src) * p.off.capacity + k) * p.off.row_bytes;
       const int64_t row = p.recv_offsets[src] + k;
       if (row >= p.max_recv_rows) {
         if (lane == 0)
@@ -164,7 +170,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams 
         } else if (i < p.num_scales + K) {
           if (p.recv_topk_idx) p.recv_topk_idx[row * K + (i - p.num_scales)] = v;
         } else if (i < p.num_scales + 2 * K) {
-          if (p.recv_topk_weights) p.recv_topk_weights[row * K + (i - p.num_scales - K)] = __int_as_float(v);
+          if (p.recv_topk_weights)
+            p.recv_topk_weights[row * K + (i - p.num_scales - K)] = __int_as_float(v);
         } else {
           p.recv_src_idx[row] = v;
         }
@@ -186,7 +193,7 @@ __device__ __forceinline__ void accumulate_bf16x8(float (&acc)[8], const int4& v
 __device__ __forceinline__ uint32_t f32_to_bf16_bits(float f) {
   uint32_t u = __float_as_uint(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);                       // round to nearest even
+  u += 0x7fffu + ((u >> 16) & 1u);                      // round to nearest even
   return u >> 16;
 }
 
@@ -211,7 +218,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(HtCombineParams p)
     if (R == 1) return;
     int max_chunks = 0;
     for (int s = 0; s < R; ++s)
-      if (s != me) max_chunks = max(max_chunks, ceil_div(p.recv_offsets[s + 1] - p.recv_offsets[s], CH));
+      if (s != me)
+        max_chunks = max(max_chunks, ceil_div(p.recv_offsets[s + 1] - p.recv_offsets[s], CH));
     const int gw = blockIdx.x * kWarps + warp, nw = p.num_send_blocks * kWarps;
     for (int item = gw; item < max_chunks * (R - 1); item += nw) {
       const int j = item / (R - 1), dst = (me + 1 + item % (R - 1)) % R;
@@ -222,14 +230,16 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(HtCombineParams p)
         const int64_t row = p.recv_offsets[dst] + k;
         uint8_t* dst_row = reinterpret_cast<uint8_t*>(p.t.peer_ptr(dst, p.off.staging)) +
                            (static_cast<int64_t>(me) * p.off.capacity + k) * p.off.row_bytes;
-        warp_copy<false>(dst_row, reinterpret_cast<const uint8_t*>(p.x + row * H), row_payload, lane);
+        warp_copy<false>(dst_row, reinterpret_cast<const uint8_t*>(p.x + row * H), row_payload,
+                         lane);
         if (p.topk_weights && lane < K)
           reinterpret_cast<float*>(dst_row + row_payload)[lane] = p.topk_weights[row * K + lane];
       }
       __threadfence_system();
       __syncwarp();
       if (lane == 0)
-        p.t.signal(dst, p.off.flags + 4 * (static_cast<std::size_t>(me) * p.off.max_chunks + j), epoch);
+        p.t.signal(dst, p.off.flags + 4 * (static_cast<std::size_t>(me) * p.off.max_chunks + j),
+                   epoch);
     }
     return;
   }
@@ -258,12 +268,14 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(HtCombineParams p)
 #pragma unroll
         for (int rr = 0; rr < plan::kMaxRanks; ++rr) {
           if (rr == r && ready_chunk[rr] < j) {
-            ok = p.t.wait_warp(p.off.flags + 4 * (static_cast<std::size_t>(r) * p.off.max_chunks + j),
-                               epoch, p.timeout_ns, p.diag, OpId::kCombine, r, j);
+            ok = p.t.wait_warp(
+                p.off.flags + 4 * (static_cast<std::size_t>(r) * p.off.max_chunks + j), epoch,
+                p.timeout_ns, p.diag, OpId::kCombine, r, j);
             ready_chunk[rr] = j;
           }
         }
-        const uint8_t* row_in = staging + (static_cast<int64_t>(r) * p.off.capacity + k) * p.off.row_bytes;
+        const uint8_t* row_in =
+            staging + (static_cast<int64_t>(r) * p.off.capacity + k) * p.off.row_bytes;
         rows[n] = row_in;
         wrows[n] = p.topk_weights ? reinterpret_cast<const float*>(row_in + row_payload) : nullptr;
       }

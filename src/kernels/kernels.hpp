@@ -60,18 +60,18 @@ struct HtDispatchParams {
   int64_t x_row_bytes;
   const float* x_scales;  ///< nullable
   int64_t scale_stride_token, scale_stride_channel;
-  const int64_t* topk_idx;     ///< [T, K] nullable
-  const float* topk_weights;   ///< [T, K] nullable
+  const int64_t* topk_idx;    ///< [T, K] nullable
+  const float* topk_weights;  ///< [T, K] nullable
   int num_tokens, hidden_bytes, num_scales, num_topk, num_experts;
-  const int* send_list;     ///< [R, T]
-  const int* send_counts;   ///< [R]
-  const int* recv_offsets;  ///< [R + 1]
-  uint8_t* recv_x;          ///< [N, hidden_bytes]
-  float* recv_scales;       ///< [N, num_scales]
-  int64_t* recv_topk_idx;   ///< [N, K]
-  float* recv_topk_weights; ///< [N, K]
-  int* recv_src_idx;        ///< [N]
-  int max_recv_rows;        ///< rows allocated for recv_* (num_worst_tokens or N)
+  const int* send_list;      ///< [R, T]
+  const int* send_counts;    ///< [R]
+  const int* recv_offsets;   ///< [R + 1]
+  uint8_t* recv_x;           ///< [N, hidden_bytes]
+  float* recv_scales;        ///< [N, num_scales]
+  int64_t* recv_topk_idx;    ///< [N, K]
+  float* recv_topk_weights;  ///< [N, K]
+  int* recv_src_idx;         ///< [N]
+  int max_recv_rows;         ///< rows allocated for recv_* (num_worst_tokens or N)
   int num_send_blocks;
   uint64_t timeout_ns;
   DeviceDiag* diag;
@@ -82,10 +82,10 @@ struct HtCombineParams {
   dev::NvlinkTransport t;
   HtOffsets off;
   const uint32_t* op_counter;
-  const uint16_t* x;           ///< [N, H] bf16
-  const float* topk_weights;   ///< [N, K] nullable
-  const uint16_t* bias0;       ///< [T, H] nullable
-  const uint16_t* bias1;       ///< [T, H] nullable
+  const uint16_t* x;          ///< [N, H] bf16
+  const float* topk_weights;  ///< [N, K] nullable
+  const uint16_t* bias0;      ///< [T, H] nullable
+  const uint16_t* bias1;      ///< [T, H] nullable
   int num_tokens, hidden, num_topk;
   const bool* is_token_in_rank;  ///< [T, R]
   const int* send_slot;          ///< [T, R]
@@ -110,7 +110,7 @@ namespace epx::kernels {
 /// Where things live inside the low-latency symmetric region (plan::LlRegion).
 /// Sub-offsets are relative to a half; half h starts at half0 + h * half_bytes.
 struct LlOffsets {
-  std::size_t control;     ///< local completion counters (uint32[2])
+  std::size_t control;  ///< local completion counters (uint32[2])
   std::size_t half0, half_bytes;
   std::size_t flags, meta, meta_stride, disp_rows, weights, comb_rows;
   std::size_t flags_half_bytes;  ///< flags of half 1 start at flags + flags_half_bytes
@@ -119,13 +119,13 @@ struct LlOffsets {
 struct LlDispatchSendParams {
   dev::NvlinkTransport t;
   LlOffsets off;
-  uint32_t* op_counter;      ///< local LL epoch counter (read + 1; the last block stores it)
-  int32_t* state;            ///< handle state: [0] <- this op's epoch
-  const uint16_t* x;         ///< [T, H] bf16, contiguous
-  const int64_t* topk_idx;   ///< [T, K]
-  int64_t* topk_copy;        ///< [T, K] handle copy of topk_idx (nullable)
+  uint32_t* op_counter;     ///< local LL epoch counter (read + 1; the last block stores it)
+  int32_t* state;           ///< handle state: [0] <- this op's epoch
+  const uint16_t* x;        ///< [T, H] bf16, contiguous
+  const int64_t* topk_idx;  ///< [T, K]
+  int64_t* topk_copy;       ///< [T, K] handle copy of topk_idx (nullable)
   int num_tokens, hidden, num_topk, num_experts, max_tokens;
-  int row_bytes;             ///< dispatch row stride in the receive slots
+  int row_bytes;  ///< dispatch row stride in the receive slots
   bool fp8, round_scale;
   DeviceDiag* diag;
 };
@@ -134,17 +134,18 @@ void launch_ll_dispatch_send(const LlDispatchSendParams& p, int num_blocks, cuda
 struct LlDispatchRecvParams {
   dev::NvlinkTransport t;
   LlOffsets off;
-  int32_t* state;            ///< handle state: [0] epoch (read); [8 + s] <- tokens of source s
+  int32_t* state;  ///< handle state: [0] epoch (read); [8 + s] <- tokens of source s
   int hidden, num_topk, num_experts, max_tokens, row_bytes;
-  int parts;                 ///< blocks per local expert (grid = E_local * parts)
+  int parts;  ///< blocks per local expert (grid = E_local * parts)
   bool fp8, ue8m0;
-  uint8_t* recv_x;           ///< [E_local, R*maxT, H] bf16 or fp8
-  void* recv_scales;         ///< f32 [E_local, G, R*maxT] or i32 [E_local, ceil(G/4), R*maxT] (memory order)
-  int* recv_count;           ///< [E_local]
-  int* src_info;             ///< [E_local, R*maxT]
-  int64_t* layout_range;     ///< [E_local, R]
-  int* combine_rows;         ///< [R, maxT, K]
-  int* stats;                ///< [E_local] nullable, += recv_count
+  uint8_t* recv_x;  ///< [E_local, R*maxT, H] bf16 or fp8
+  void*
+      recv_scales;  ///< f32 [E_local, G, R*maxT] or i32 [E_local, ceil(G/4), R*maxT] (memory order)
+  int* recv_count;  ///< [E_local]
+  int* src_info;    ///< [E_local, R*maxT]
+  int64_t* layout_range;  ///< [E_local, R]
+  int* combine_rows;      ///< [R, maxT, K]
+  int* stats;             ///< [E_local] nullable, += recv_count
   uint64_t timeout_ns;
   DeviceDiag* diag;
 };

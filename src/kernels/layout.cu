@@ -13,8 +13,8 @@ constexpr int kLayoutThreads = 256;
 /// counts (shared-memory histograms flushed with one atomic per bin).
 __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutParams p) {
   extern __shared__ int smem[];
-  int* expert_hist = smem;                  // [E]
-  int* rank_hist = smem + p.num_experts;    // [R]
+  int* expert_hist = smem;                // [E]
+  int* rank_hist = smem + p.num_experts;  // [R]
   for (int i = threadIdx.x; i < p.num_experts + p.num_ranks; i += blockDim.x) smem[i] = 0;
   __syncthreads();
   const int experts_per_rank = p.num_experts / p.num_ranks;
@@ -65,7 +65,8 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(HtNotifyParams p
     __syncthreads();
     for (int base = 0; base < p.num_tokens; base += kNotifyThreads) {
       const int t = base + threadIdx.x;
-      const int in = t < p.num_tokens ? (p.is_token_in_rank[static_cast<int64_t>(t) * R + r] ? 1 : 0) : 0;
+      const int in =
+          t < p.num_tokens ? (p.is_token_in_rank[static_cast<int64_t>(t) * R + r] ? 1 : 0) : 0;
       int prefix = 0, total = 0;
       Scan(tmp).ExclusiveSum(in, prefix, total);
       if (t < p.num_tokens) {
@@ -95,7 +96,8 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(HtNotifyParams p
     // My row in every peer: [tokens I send you, my picks of each of your experts].
     for (int i = threadIdx.x; i < R * (1 + epr); i += blockDim.x) {
       const int dst = i / (1 + epr), j = i % (1 + epr);
-      const int v = j == 0 ? p.num_tokens_per_rank[dst] : p.num_tokens_per_expert[dst * epr + j - 1];
+      const int v =
+          j == 0 ? p.num_tokens_per_rank[dst] : p.num_tokens_per_expert[dst * epr + j - 1];
       int* row = reinterpret_cast<int*>(p.t.peer_ptr(dst, p.off.counts[parity])) + me * row_ints;
       row[j] = v;
     }
@@ -104,8 +106,8 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(HtNotifyParams p
   __syncthreads();
   if (threadIdx.x < R) p.t.signal(threadIdx.x, p.off.barrier + 4 * me, epoch);
   if (threadIdx.x < R) {
-    if (!p.t.wait(p.off.barrier + 4 * threadIdx.x, epoch, p.timeout_ns, p.diag, p.op,
-                  threadIdx.x, -1))
+    if (!p.t.wait(p.off.barrier + 4 * threadIdx.x, epoch, p.timeout_ns, p.diag, p.op, threadIdx.x,
+                  -1))
       atomicExch(&failed, 1);
   }
   __syncthreads();

@@ -42,7 +42,9 @@ constexpr int kFlagDispatch = 0, kFlagWeights = 1, kFlagCombine = 2;
 // Local completion counters in the control area.
 constexpr int kDoneDispatch = 0, kDoneCombine = 1;
 
-__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+__device__ __forceinline__ int ceil_div(int a, int b) {
+  return (a + b - 1) / b;
+}
 
 __device__ __forceinline__ std::size_t flag_offset(std::size_t half, const LlOffsets& o, int kind,
                                                    int src) {
@@ -355,7 +357,8 @@ __global__ void __launch_bounds__(kThreads) ll_dispatch_recv(LlDispatchRecvParam
     if (static_cast<int>(threadIdx.x) < R) {
       const int s = threadIdx.x;
       p.layout_range[static_cast<int64_t>(le) * R + s] =
-          (static_cast<int64_t>(s_begin[s]) << 32) | static_cast<int64_t>(s_begin[s + 1] - s_begin[s]);
+          (static_cast<int64_t>(s_begin[s]) << 32) |
+          static_cast<int64_t>(s_begin[s + 1] - s_begin[s]);
     }
   }
   // src_info of my rows (-1 past the count) and the combine plan of my rows.
@@ -502,8 +505,9 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
       if (!__all_sync(kFull, ok)) break;  // reported; still count in below
       weights_ready |= 1u << s;
     }
-    const float* wsrc = reinterpret_cast<const float*>(p.t.local_ptr(
-        half + p.off.weights + static_cast<std::size_t>(s) * maxT * plan::kLlMaxTopK * sizeof(float)));
+    const float* wsrc = reinterpret_cast<const float*>(
+        p.t.local_ptr(half + p.off.weights +
+                      static_cast<std::size_t>(s) * maxT * plan::kLlMaxTopK * sizeof(float)));
     const float w = row >= 0 ? __ldcg(wsrc + t * K + lane) : 0.0f;
     float acc[kCombineSteps][8];
 #pragma unroll
@@ -611,8 +615,8 @@ void launch_ll_dispatch_recv(const LlDispatchRecvParams& p, cudaStream_t stream)
   const int E_local = p.num_experts / p.t.num_ranks;
   const std::size_t smem = sizeof(int) * static_cast<std::size_t>(p.t.num_ranks) * p.max_tokens;
   if (smem > 48 * 1024)
-    EPX_CUDA_CHECK(cudaFuncSetAttribute(ll_dispatch_recv, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(smem)));
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(
+        ll_dispatch_recv, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   ll_dispatch_recv<<<E_local * p.parts, kThreads, smem, stream>>>(p);
   EPX_LAUNCH_CHECK();
 }

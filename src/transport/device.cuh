@@ -38,8 +38,8 @@ __device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
 __device__ __forceinline__ int4 ld_nc(const int4* p) {
   int4 v;
   asm("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
   return v;
 }
 
@@ -54,14 +54,14 @@ __device__ __forceinline__ int4 ld_l2(const int4* p) {
 }
 
 __device__ __forceinline__ void st_na(int4* p, const int4& v) {
-  asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x),
-               "r"(v.y), "r"(v.z), "r"(v.w)
+  asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
                : "memory");
 }
 
 /// Records the first diagnostic of a launch (later ones are dropped).
-__device__ __forceinline__ void report(DeviceDiag* diag, DiagCode code, OpId op, int rank,
-                                       int peer, int channel, uint32_t expected, uint32_t seen,
+__device__ __forceinline__ void report(DeviceDiag* diag, DiagCode code, OpId op, int rank, int peer,
+                                       int channel, uint32_t expected, uint32_t seen,
                                        int token = -1) {
   if (diag == nullptr) return;
   if (atomicCAS(&diag->code, 0u, static_cast<uint32_t>(code)) == 0u) {
@@ -112,17 +112,21 @@ struct NvlinkTransport {
   __device__ __forceinline__ char* peer_ptr(int r, std::size_t offset) const {
     return base[r] + offset;
   }
-  __device__ __forceinline__ char* local_ptr(std::size_t offset) const { return base[rank] + offset; }
+  __device__ __forceinline__ char* local_ptr(std::size_t offset) const {
+    return base[rank] + offset;
+  }
 
   /// Cooperative copy of `bytes` (multiple of 16) from local `src` to peer
   /// `r` at `offset`; `lane` of `width` threads take part.
-  __device__ __forceinline__ void put(int r, std::size_t offset, const void* src,
-                                      std::size_t bytes, int lane, int width) const {
+  __device__ __forceinline__ void put(int r, std::size_t offset, const void* src, std::size_t bytes,
+                                      int lane, int width) const {
     auto* d = reinterpret_cast<int4*>(peer_ptr(r, offset));
     auto* s = reinterpret_cast<const int4*>(src);
     for (std::size_t i = lane; i < bytes / 16; i += width) st_na(d + i, ld_nc(s + i));
   }
-  __device__ __forceinline__ void flush() const { __threadfence_system(); }
+  __device__ __forceinline__ void flush() const {
+    __threadfence_system();
+  }
   __device__ __forceinline__ void signal(int r, std::size_t offset, uint32_t value) const {
     st_release_sys(reinterpret_cast<uint32_t*>(peer_ptr(r, offset)), value);
   }
@@ -133,9 +137,9 @@ struct NvlinkTransport {
   }
   /// Warp-wide wait: lane 0 polls, the warp continues together (the warp
   /// barrier orders the other lanes' later loads after lane 0's acquire).
-  __device__ __forceinline__ bool wait_warp(std::size_t offset, uint32_t value,
-                                            uint64_t timeout_ns, DeviceDiag* diag, OpId op,
-                                            int peer, int channel) const {
+  __device__ __forceinline__ bool wait_warp(std::size_t offset, uint32_t value, uint64_t timeout_ns,
+                                            DeviceDiag* diag, OpId op, int peer,
+                                            int channel) const {
     int ok = 1;
     if ((threadIdx.x & 31) == 0) ok = wait(offset, value, timeout_ns, diag, op, peer, channel);
     ok = __shfl_sync(0xffffffffu, ok, 0);

@@ -25,7 +25,8 @@ Allocator poisoning_allocator() {
 
 DeviceArray<uint8_t> to_device_bytes(const void* data, std::size_t bytes) {
   void* p = nullptr;
-  if (cudaMalloc(&p, bytes ? bytes : 16) != cudaSuccess) throw Error(ErrorCode::kCuda, "cudaMalloc");
+  if (cudaMalloc(&p, bytes ? bytes : 16) != cudaSuccess)
+    throw Error(ErrorCode::kCuda, "cudaMalloc");
   if (bytes && cudaMemcpy(p, data, bytes, cudaMemcpyHostToDevice) != cudaSuccess)
     throw Error(ErrorCode::kCuda, "cudaMemcpy");
   return {std::shared_ptr<void>(p, [](void* q) { cudaFree(q); }), bytes};

@@ -17,14 +17,15 @@ struct HtCase {
   int num_topk;
   int num_experts;
   bool fp8;
-  double masked;       ///< fraction of -1 top-k slots
+  double masked;  ///< fraction of -1 top-k slots
   bool with_weights;
   int expert_alignment;
-  bool starve_rank1;   ///< no token routes to rank 1 (a rank that receives nothing)
+  bool starve_rank1;  ///< no token routes to rank 1 (a rank that receives nothing)
   std::string name() const {
-    return "T" + std::to_string(num_tokens) + "_H" + std::to_string(hidden) + (fp8 ? "_fp8" : "_bf16") +
-           "_K" + std::to_string(num_topk) + "_E" + std::to_string(num_experts) +
-           (starve_rank1 ? "_starve" : "") + "_a" + std::to_string(expert_alignment);
+    return "T" + std::to_string(num_tokens) + "_H" + std::to_string(hidden) +
+           (fp8 ? "_fp8" : "_bf16") + "_K" + std::to_string(num_topk) + "_E" +
+           std::to_string(num_experts) + (starve_rank1 ? "_starve" : "") + "_a" +
+           std::to_string(expert_alignment);
   }
 };
 
@@ -50,19 +51,24 @@ std::vector<ref::HtInput> make_inputs(const HtCase& c, int R, uint64_t seed) {
       x.x_scales.resize(static_cast<std::size_t>(x.num_tokens) * (c.hidden / 128));
       std::vector<float> row(c.hidden);
       for (int t = 0; t < x.num_tokens; ++t) {
-        for (int h = 0; h < c.hidden; ++h) row[h] = ref::bf16_to_float(xb[static_cast<std::size_t>(t) * c.hidden + h]);
-        ref::quantize_row_fp8(row.data(), c.hidden, false, x.x_fp8.data() + static_cast<std::size_t>(t) * c.hidden,
+        for (int h = 0; h < c.hidden; ++h)
+          row[h] = ref::bf16_to_float(xb[static_cast<std::size_t>(t) * c.hidden + h]);
+        ref::quantize_row_fp8(row.data(), c.hidden, false,
+                              x.x_fp8.data() + static_cast<std::size_t>(t) * c.hidden,
                               x.x_scales.data() + static_cast<std::size_t>(t) * (c.hidden / 128));
       }
     } else {
       x.x_bf16 = std::move(xb);
     }
-    if (c.with_weights) x.topk_weights = random_f32(static_cast<std::size_t>(x.num_tokens) * c.num_topk, s + 2);
+    if (c.with_weights)
+      x.topk_weights = random_f32(static_cast<std::size_t>(x.num_tokens) * c.num_topk, s + 2);
   }
   return in;
 }
 
-float bf(uint16_t v) { return ref::bf16_to_float(v); }
+float bf(uint16_t v) {
+  return ref::bf16_to_float(v);
+}
 
 void run_case(const HtCase& c, int iters, uint64_t seed0) {
   auto& w = world();
@@ -77,7 +83,8 @@ void run_case(const HtCase& c, int iters, uint64_t seed0) {
     const int T = mine.num_tokens, H = c.hidden, K = c.num_topk;
 
     auto d_topk = to_device(mine.topk_idx);
-    auto layout = w.buffer->get_dispatch_layout(view(d_topk.get(), DType::kI64, {T, K}), c.num_experts, s);
+    auto layout =
+        w.buffer->get_dispatch_layout(view(d_topk.get(), DType::kI64, {T, K}), c.num_experts, s);
     cudaStreamSynchronize(w.stream);
     auto rl = ref::get_dispatch_layout(mine.topk_idx, T, K, c.num_experts, R);
     ASSERT_EQ(to_host<int>(layout.num_tokens_per_rank), rl.num_tokens_per_rank) << c.name();
@@ -87,7 +94,8 @@ void run_case(const HtCase& c, int iters, uint64_t seed0) {
       ASSERT_EQ(got, rl.is_token_in_rank) << c.name();
     }
 
-    DeviceArray<uint8_t> d_x = c.fp8 ? to_device(mine.x_fp8) : to_device_bytes(mine.x_bf16.data(), mine.x_bf16.size() * 2);
+    DeviceArray<uint8_t> d_x =
+        c.fp8 ? to_device(mine.x_fp8) : to_device_bytes(mine.x_bf16.data(), mine.x_bf16.size() * 2);
     auto d_scales = to_device(mine.x_scales);
     auto d_w = to_device(mine.topk_weights);
     DispatchArgs a;
@@ -116,7 +124,8 @@ void run_case(const HtCase& c, int iters, uint64_t seed0) {
       ASSERT_EQ(to_host<uint16_t>(res.recv_x), ro.recv_x_bf16) << c.name();
     }
     ASSERT_EQ(to_host<int64_t>(*res.recv_topk_idx), ro.recv_topk_idx) << c.name();
-    if (c.with_weights) ASSERT_EQ(to_host<float>(*res.recv_topk_weights), ro.recv_topk_weights) << c.name();
+    if (c.with_weights)
+      ASSERT_EQ(to_host<float>(*res.recv_topk_weights), ro.recv_topk_weights) << c.name();
     ASSERT_EQ(to_host<int>(res.handle->recv_src_idx), ro.recv_src_idx) << c.name();
 
     // Cached dispatch reuses the layout and must reproduce recv_x.
@@ -137,7 +146,8 @@ void run_case(const HtCase& c, int iters, uint64_t seed0) {
     std::vector<std::vector<uint16_t>> outs(R);
     std::vector<ref::HtCombineInput> cin(R);
     for (int r = 0; r < R; ++r) {
-      cin[r].x = random_bf16(static_cast<std::size_t>(ref_out[r].num_recv_tokens) * H, seed * 31 + r);
+      cin[r].x =
+          random_bf16(static_cast<std::size_t>(ref_out[r].num_recv_tokens) * H, seed * 31 + r);
       if (c.with_weights) cin[r].topk_weights = ref_out[r].recv_topk_weights;
       if (it % 2 == 1) {
         cin[r].bias_0 = random_bf16(static_cast<std::size_t>(in[r].num_tokens) * H, seed * 37 + r);
@@ -167,7 +177,8 @@ void run_case(const HtCase& c, int iters, uint64_t seed0) {
       const float g = bf(got[i]), r = bf(rc[me].combined_x[i]);
       if (!(std::fabs(g - r) <= 1e-2f * std::fabs(r) + 1e-2f)) ++bad;
     }
-    EXPECT_EQ(bad, 0u) << c.name() << ": combined_x differs from the reference in " << bad << " values";
+    EXPECT_EQ(bad, 0u) << c.name() << ": combined_x differs from the reference in " << bad
+                       << " values";
     if (c.with_weights) {
       auto gw = to_host<float>(*cres.combined_topk_weights);
       ASSERT_EQ(gw.size(), rc[me].combined_topk_weights.size());
@@ -178,13 +189,21 @@ void run_case(const HtCase& c, int iters, uint64_t seed0) {
   }
 }
 
-TEST(HighThroughput, Bf16Hidden7168) { run_case({512, 7168, 8, 256, false, 0.1, true, 1, false}, 2, 11); }
-TEST(HighThroughput, Fp8Hidden7168) { run_case({512, 7168, 8, 256, true, 0.1, true, 1, false}, 2, 12); }
-TEST(HighThroughput, HiddenSizes) {
-  for (int h : {2048, 2880, 4096, 8192}) run_case({300, h, 8, 64, false, 0.05, true, 1, false}, 1, 100 + h);
-  for (int h : {2048, 4096, 8192}) run_case({300, h, 8, 64, true, 0.05, false, 1, false}, 1, 200 + h);
+TEST(HighThroughput, Bf16Hidden7168) {
+  run_case({512, 7168, 8, 256, false, 0.1, true, 1, false}, 2, 11);
 }
-TEST(HighThroughput, RankReceivesNothing) { run_case({256, 2048, 4, 32, false, 0.0, true, 1, true}, 1, 13); }
+TEST(HighThroughput, Fp8Hidden7168) {
+  run_case({512, 7168, 8, 256, true, 0.1, true, 1, false}, 2, 12);
+}
+TEST(HighThroughput, HiddenSizes) {
+  for (int h : {2048, 2880, 4096, 8192})
+    run_case({300, h, 8, 64, false, 0.05, true, 1, false}, 1, 100 + h);
+  for (int h : {2048, 4096, 8192})
+    run_case({300, h, 8, 64, true, 0.05, false, 1, false}, 1, 200 + h);
+}
+TEST(HighThroughput, RankReceivesNothing) {
+  run_case({256, 2048, 4, 32, false, 0.0, true, 1, true}, 1, 13);
+}
 TEST(HighThroughput, OneAndZeroTokens) {
   run_case({1, 2048, 8, 64, false, 0.0, true, 1, false}, 1, 14);
   run_case({0, 2048, 8, 64, false, 0.0, true, 1, false}, 1, 15);
@@ -192,7 +211,9 @@ TEST(HighThroughput, OneAndZeroTokens) {
 TEST(HighThroughput, ExpertAlignmentAndMaskedRows) {
   run_case({333, 4096, 6, 48, false, 0.5, true, 128, false}, 1, 16);
 }
-TEST(HighThroughput, FullWorkload4096) { run_case({4095, 7168, 8, 256, false, 0.0, true, 1, false}, 1, 17); }  // ranks hold 4095 or 4096 tokens
+TEST(HighThroughput, FullWorkload4096) {
+  run_case({4095, 7168, 8, 256, false, 0.0, true, 1, false}, 1, 17);
+}  // ranks hold 4095 or 4096 tokens
 
 /// 200 back-to-back dispatch+combine pairs on fixed inputs without
 /// reallocating; each result is checked (catches races between calls).
@@ -208,7 +229,8 @@ TEST(HighThroughput, Stress200Calls) {
   auto d_topk = to_device(mine.topk_idx);
   auto d_x = to_device(mine.x_bf16);
   auto d_w = to_device(mine.topk_weights);
-  auto layout = w.buffer->get_dispatch_layout(view(d_topk.get(), DType::kI64, {mine.num_tokens, K}), E, s);
+  auto layout =
+      w.buffer->get_dispatch_layout(view(d_topk.get(), DType::kI64, {mine.num_tokens, K}), E, s);
   const auto rl = ref::get_dispatch_layout(mine.topk_idx, mine.num_tokens, K, E, R);
   int bad_calls = 0;
   for (int i = 0; i < 200; ++i) {
@@ -280,7 +302,8 @@ TEST(HighThroughput, WorstTokensAndGraphReplay) {
   gx.resize(static_cast<std::size_t>(N) * H);
   ASSERT_EQ(gx, ro[me].recv_x_bf16);
   auto gi = to_host<int64_t>(*res.recv_topk_idx);
-  for (std::size_t i = static_cast<std::size_t>(N) * K; i < gi.size(); ++i) ASSERT_EQ(gi[i], -1) << "tail row " << i / K;
+  for (std::size_t i = static_cast<std::size_t>(N) * K; i < gi.size(); ++i)
+    ASSERT_EQ(gi[i], -1) << "tail row " << i / K;
 
   // Graph capture of dispatch (worst-token mode) + combine, then replays.
   cudaGraph_t graph;
@@ -298,11 +321,14 @@ TEST(HighThroughput, WorstTokensAndGraphReplay) {
   }
   ASSERT_EQ(cudaStreamEndCapture(w.stream, &graph), cudaSuccess);
   cudaGraphExec_t exec;
-  ASSERT_EQ(cudaGraphInstantiateWithFlags(&exec, graph, cudaGraphInstantiateFlagAutoFreeOnLaunch), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiateWithFlags(&exec, graph, cudaGraphInstantiateFlagAutoFreeOnLaunch),
+            cudaSuccess);
   for (int i = 0; i < 20; ++i) {
     // Graph-owned outputs exist once the graph has run: poison them between
     // replays (the addresses stay fixed across launches).
-    if (i > 0) ASSERT_EQ(cudaMemsetAsync(gx_out.view.data, 0xff, gx_out.view.nbytes(), w.stream), cudaSuccess);
+    if (i > 0)
+      ASSERT_EQ(cudaMemsetAsync(gx_out.view.data, 0xff, gx_out.view.nbytes(), w.stream),
+                cudaSuccess);
     ASSERT_EQ(cudaGraphLaunch(exec, w.stream), cudaSuccess);
     ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
     auto g = to_host<uint16_t>(gx_out);
@@ -320,7 +346,9 @@ TEST(HighThroughput, BadInputsThrowBeforeAnyKernel) {
   s.stream = w.stream;
   auto d = to_device(std::vector<int64_t>(64, 0));
   if (w.num_ranks > 1)  // 4R+1 experts cannot be spread evenly
-    EXPECT_THROW(w.buffer->get_dispatch_layout(view(d.get(), DType::kI64, {8, 8}), 4 * w.num_ranks + 1, s), Error);
+    EXPECT_THROW(
+        w.buffer->get_dispatch_layout(view(d.get(), DType::kI64, {8, 8}), 4 * w.num_ranks + 1, s),
+        Error);
   EXPECT_THROW(w.buffer->get_dispatch_layout(view(d.get(), DType::kI32, {8, 8}), 64, s), Error);
   EXPECT_THROW(w.buffer->get_dispatch_layout(view(d.get(), DType::kI64, {8, 32}), 64, s), Error);
   // Out-of-range expert ids are caught by the layout kernel and raised.

@@ -30,9 +30,9 @@ struct LlCase {
   int num_experts = 64;
   bool fp8 = false, round_scale = false, ue8m0 = false;
   double masked = 0.0;
-  bool empty_token = false;       ///< token 0 of every rank picks nothing (all -1)
-  bool rank1_no_tokens = false;   ///< rank 1 sends no token at all
-  bool duplicate_picks = false;   ///< token 1 of every rank picks one expert twice
+  bool empty_token = false;      ///< token 0 of every rank picks nothing (all -1)
+  bool rank1_no_tokens = false;  ///< rank 1 sends no token at all
+  bool duplicate_picks = false;  ///< token 1 of every rank picks one expert twice
   bool hook = false, async = false, logfmt = false, zero_copy = false, use_out = false;
   bool stats = false;
   std::string name() const {
@@ -51,9 +51,9 @@ struct LlCase {
 
 struct LlInputs {
   std::vector<int> num_tokens;
-  std::vector<std::vector<uint16_t>> x;        ///< [T_r, H]
-  std::vector<std::vector<int64_t>> topk;      ///< [T_r, K]
-  std::vector<std::vector<float>> weights;     ///< [T_r, K]
+  std::vector<std::vector<uint16_t>> x;     ///< [T_r, H]
+  std::vector<std::vector<int64_t>> topk;   ///< [T_r, K]
+  std::vector<std::vector<float>> weights;  ///< [T_r, K]
 };
 
 LlInputs make_inputs(const LlCase& c, int R, uint64_t seed) {
@@ -81,7 +81,9 @@ LlInputs make_inputs(const LlCase& c, int R, uint64_t seed) {
   return in;
 }
 
-std::size_t ll_buffer_bytes() { return world().buffer->local_buffer(true).nbytes(); }
+std::size_t ll_buffer_bytes() {
+  return world().buffer->local_buffer(true).nbytes();
+}
 
 /// Expert outputs of every rank: random rows where the reference placed a
 /// token, zero elsewhere.
@@ -101,7 +103,9 @@ std::vector<std::vector<uint16_t>> make_expert_out(const LlCase& c, int R,
   return eo;
 }
 
-float bf(uint16_t v) { return ref::bf16_to_float(v); }
+float bf(uint16_t v) {
+  return ref::bf16_to_float(v);
+}
 
 /// Checks this rank's dispatch outputs against the reference.
 void check_dispatch(const LlCase& c, const LlInputs& in, const LowLatencyDispatchResult& res,
@@ -118,7 +122,8 @@ void check_dispatch(const LlCase& c, const LlInputs& in, const LowLatencyDispatc
   ASSERT_EQ(count, ro.recv_count) << c.name() << ": recv_count";
   ASSERT_EQ(to_host<int>(h.src_info), ro.src_info) << c.name() << ": src_info";
   ASSERT_EQ(to_host<int64_t>(h.layout_range), ro.layout_range) << c.name() << ": layout_range";
-  if (in.num_tokens[me] > 0) ASSERT_EQ(to_host<int64_t>(h.topk_idx), in.topk[me]) << c.name() << ": handle topk";
+  if (in.num_tokens[me] > 0)
+    ASSERT_EQ(to_host<int64_t>(h.topk_idx), in.topk[me]) << c.name() << ": handle topk";
   if (!c.fp8) {
     ASSERT_EQ(res.recv_x.view.dtype, DType::kBF16);
     auto got = to_host<uint16_t>(res.recv_x);
@@ -166,17 +171,20 @@ void check_dispatch(const LlCase& c, const LlInputs& in, const LowLatencyDispatc
     for (int le = 0; le < E_local; ++le)
       for (int j = 0; j < count[le]; ++j)
         for (int g = 0; g < G; ++g) {
-          const uint32_t packed = static_cast<uint32_t>(sc[(static_cast<std::size_t>(le) * cols + g / 4) * RT + j]);
+          const uint32_t packed =
+              static_cast<uint32_t>(sc[(static_cast<std::size_t>(le) * cols + g / 4) * RT + j]);
           const uint8_t got_e = static_cast<uint8_t>(packed >> (8 * (g % 4)));
-          const uint8_t want =
-              ref::scale_to_ue8m0(ro.recv_x_scales[(static_cast<std::size_t>(le) * RT + j) * G + g]);
-          ASSERT_EQ(got_e, want) << c.name() << ": ue8m0 le " << le << " row " << j << " group " << g;
+          const uint8_t want = ref::scale_to_ue8m0(
+              ro.recv_x_scales[(static_cast<std::size_t>(le) * RT + j) * G + g]);
+          ASSERT_EQ(got_e, want) << c.name() << ": ue8m0 le " << le << " row " << j << " group "
+                                 << g;
         }
   }
 }
 
 /// |combined - ref| <= 1e-2 |ref| + 1e-2 + slack * sum_k |w_k x_k| for every value.
-void check_combine(const LlCase& c, const LlInputs& in, const std::vector<ref::LlDispatchOutput>& ro,
+void check_combine(const LlCase& c, const LlInputs& in,
+                   const std::vector<ref::LlDispatchOutput>& ro,
                    const std::vector<std::vector<uint16_t>>& eo, const std::vector<uint16_t>& got,
                    const std::vector<uint16_t>& want) {
   auto& w = world();
@@ -214,13 +222,14 @@ void check_combine(const LlCase& c, const LlInputs& in, const std::vector<ref::L
       const double tol = 1e-2 * std::fabs(r) + 1e-2 + slack * mag[hh];
       if (!(std::fabs(g - r) <= tol)) {
         if (bad < 5)
-          ADD_FAILURE() << c.name() << ": combined_x[" << t << ", " << hh << "] = " << g << ", reference "
-                        << r << ", tolerance " << tol;
+          ADD_FAILURE() << c.name() << ": combined_x[" << t << ", " << hh << "] = " << g
+                        << ", reference " << r << ", tolerance " << tol;
         ++bad;
       }
     }
   }
-  EXPECT_EQ(bad, 0u) << c.name() << ": combined_x differs from the reference in " << bad << " values";
+  EXPECT_EQ(bad, 0u) << c.name() << ": combined_x differs from the reference in " << bad
+                     << " values";
 }
 
 LowLatencyDispatchArgs dispatch_args(const LlCase& c, void* x, void* topk, int T) {
@@ -248,8 +257,9 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true) {
   const int R = w.num_ranks, me = w.rank;
   if (c.num_experts % R) GTEST_SKIP() << "experts not divisible by ranks";
   if (c.rank1_no_tokens && R < 2) GTEST_SKIP();
-  const std::size_t need = c.zero_copy ? Buffer::get_low_latency_rdma_size_hint(c.max_tokens, c.hidden, R, c.num_experts)
-                                       : 0;
+  const std::size_t need =
+      c.zero_copy ? Buffer::get_low_latency_rdma_size_hint(c.max_tokens, c.hidden, R, c.num_experts)
+                  : 0;
   if (need > ll_buffer_bytes()) GTEST_SKIP() << "zero-copy needs " << need << " bytes";
   const int E_local = c.num_experts / R, RT = R * c.max_tokens, H = c.hidden, K = c.num_topk;
 
@@ -277,8 +287,10 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true) {
   check_dispatch(c, in, res, ro[me]);
   if (c.stats) {
     std::vector<int> got(E_local);
-    ASSERT_EQ(cudaMemcpy(got.data(), d_stats.get(), E_local * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-    for (int le = 0; le < E_local; ++le) EXPECT_EQ(got[le], stats0[le] + ro[me].recv_count[le]) << "stats " << le;
+    ASSERT_EQ(cudaMemcpy(got.data(), d_stats.get(), E_local * 4, cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    for (int le = 0; le < E_local; ++le)
+      EXPECT_EQ(got[le], stats0[le] + ro[me].recv_count[le]) << "stats " << le;
   }
   ASSERT_TRUE(all_ranks(!::testing::Test::HasFailure())) << "another rank failed " << c.name();
   if (!with_combine) return;
@@ -291,7 +303,8 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true) {
     ASSERT_EQ(xv.shape[0], E_local);
     ASSERT_EQ(xv.shape[1], RT);
     ASSERT_EQ(xv.shape[2], H);
-    ASSERT_EQ(cudaMemcpy(xv.data, eo[me].data(), eo[me].size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(xv.data, eo[me].data(), eo[me].size() * 2, cudaMemcpyHostToDevice),
+              cudaSuccess);
   } else {
     d_eo = to_device(eo[me]);
     xv = view(d_eo.get(), DType::kBF16, {E_local, RT, H});
@@ -314,8 +327,8 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true) {
   if (cres.hook) cres.hook();
   finish(cres.event);
   if (c.use_out) EXPECT_EQ(cres.combined_x.view.data, static_cast<void*>(d_out.get()));
-  auto rc = ref::ll_combine(eo, in.topk, in.weights, in.num_tokens, H, K, c.num_experts, c.max_tokens,
-                            c.logfmt);
+  auto rc = ref::ll_combine(eo, in.topk, in.weights, in.num_tokens, H, K, c.num_experts,
+                            c.max_tokens, c.logfmt);
   check_combine(c, in, ro, eo, to_host<uint16_t>(cres.combined_x), rc[me]);
   if (c.empty_token && T > 0) {
     auto got = to_host<uint16_t>(cres.combined_x);
@@ -474,8 +487,8 @@ TEST(LowLatency, BackToBack50) {
     LlCase ci = c;
     ci.fp8 = (i % 3) == 1;
     ins.push_back(make_inputs(ci, R, 900 + i));
-    ros.push_back(ref::ll_dispatch(ins[i].x, ins[i].topk, ins[i].num_tokens, H, K, c.num_experts, c.max_tokens,
-                                   ci.fp8, false));
+    ros.push_back(ref::ll_dispatch(ins[i].x, ins[i].topk, ins[i].num_tokens, H, K, c.num_experts,
+                                   c.max_tokens, ci.fp8, false));
     eos.push_back(make_expert_out(ci, R, ros[i], 900 + i));
   }
   // Inputs on the device first, then all calls without any host sync.
@@ -507,8 +520,8 @@ TEST(LowLatency, BackToBack50) {
     LlCase ci = c;
     ci.fp8 = (i % 3) == 1;
     check_dispatch(ci, ins[i], ds[i], ros[i][me]);
-    auto rc = ref::ll_combine(eos[i], ins[i].topk, ins[i].weights, ins[i].num_tokens, H, K, c.num_experts,
-                              c.max_tokens, false);
+    auto rc = ref::ll_combine(eos[i], ins[i].topk, ins[i].weights, ins[i].num_tokens, H, K,
+                              c.num_experts, c.max_tokens, false);
     check_combine(ci, ins[i], ros[i], eos[i], to_host<uint16_t>(cs[i].combined_x), rc[me]);
   }
   EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
@@ -522,7 +535,8 @@ TEST(LowLatency, TwoBatchOverlapWithHooks) {
   LlCase c;
   c.hook = true;
   if (c.num_experts % R) GTEST_SKIP();
-  if (Buffer::get_low_latency_rdma_size_hint(c.max_tokens, c.hidden, R, c.num_experts) > ll_buffer_bytes())
+  if (Buffer::get_low_latency_rdma_size_hint(c.max_tokens, c.hidden, R, c.num_experts) >
+      ll_buffer_bytes())
     GTEST_SKIP() << "buffer too small for zero-copy";
   const int H = c.hidden, K = c.num_topk;
   for (int round = 0; round < 3; ++round) {
@@ -535,8 +549,8 @@ TEST(LowLatency, TwoBatchOverlapWithHooks) {
       LlCase cb = c;
       cb.fp8 = b == 1;
       in[b] = make_inputs(cb, R, 500 + 10 * round + b);
-      ro[b] = ref::ll_dispatch(in[b].x, in[b].topk, in[b].num_tokens, H, K, c.num_experts, c.max_tokens, cb.fp8,
-                               false);
+      ro[b] = ref::ll_dispatch(in[b].x, in[b].topk, in[b].num_tokens, H, K, c.num_experts,
+                               c.max_tokens, cb.fp8, false);
       eo[b] = make_expert_out(cb, R, ro[b], 600 + 10 * round + b);
       const int T = in[b].num_tokens[me];
       dx[b] = to_device_bytes(in[b].x[me].data(), in[b].x[me].size() * 2);
@@ -557,7 +571,8 @@ TEST(LowLatency, TwoBatchOverlapWithHooks) {
     for (int b = 0; b < 2; ++b) {
       const int T = in[b].num_tokens[me];
       TensorView xv = w.buffer->get_next_low_latency_combine_buffer(*d[b].handle);
-      ASSERT_EQ(cudaMemcpy(xv.data, eo[b][me].data(), eo[b][me].size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(xv.data, eo[b][me].data(), eo[b][me].size() * 2, cudaMemcpyHostToDevice),
+                cudaSuccess);
       LowLatencyCombineArgs ca;
       ca.x = xv;
       ca.topk_idx = view(dt[b].get(), DType::kI64, {T, K});
@@ -574,8 +589,8 @@ TEST(LowLatency, TwoBatchOverlapWithHooks) {
     for (int b = 0; b < 2; ++b) {
       LlCase cb = c;
       cb.fp8 = b == 1;
-      auto rc = ref::ll_combine(eo[b], in[b].topk, in[b].weights, in[b].num_tokens, H, K, c.num_experts,
-                                c.max_tokens, false);
+      auto rc = ref::ll_combine(eo[b], in[b].topk, in[b].weights, in[b].num_tokens, H, K,
+                                c.num_experts, c.max_tokens, false);
       check_combine(cb, in[b], ro[b], eo[b], to_host<uint16_t>(cr[b].combined_x), rc[me]);
     }
     ASSERT_TRUE(all_ranks(!::testing::Test::HasFailure()));
@@ -639,18 +654,21 @@ TEST(LowLatency, GraphReplay1000WithChangingRouting) {
   }
   ASSERT_EQ(cudaStreamEndCapture(w.stream, &graph), cudaSuccess);
   cudaGraphExec_t exec;
-  ASSERT_EQ(cudaGraphInstantiateWithFlags(&exec, graph, cudaGraphInstantiateFlagAutoFreeOnLaunch), cudaSuccess);
+  ASSERT_EQ(cudaGraphInstantiateWithFlags(&exec, graph, cudaGraphInstantiateFlagAutoFreeOnLaunch),
+            cudaSuccess);
 
   int bad_replays = 0;
   std::vector<uint16_t> got(static_cast<std::size_t>(T) * H);
   for (int i = 0; i < 1000; ++i) {
     auto topk = routing(i);
-    ASSERT_EQ(cudaMemcpyAsync(d_topk.get(), topk.data(), topk.size() * 8, cudaMemcpyHostToDevice, w.stream),
+    ASSERT_EQ(cudaMemcpyAsync(d_topk.get(), topk.data(), topk.size() * 8, cudaMemcpyHostToDevice,
+                              w.stream),
               cudaSuccess);
     ASSERT_EQ(cudaMemsetAsync(d_out.get(), 0xff, got.size() * 2, w.stream), cudaSuccess);
     ASSERT_EQ(cudaGraphLaunch(exec, w.stream), cudaSuccess);
     ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(got.data(), d_out.get(), got.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(got.data(), d_out.get(), got.size() * 2, cudaMemcpyDeviceToHost),
+              cudaSuccess);
     // Values are checked on every replay (cheap); the routing-derived counts
     // against the reference on a sample of replays.
     const bool full = i < 5 || i % 97 == 0 || i == 999;
@@ -750,13 +768,14 @@ TEST(LowLatency, TimeoutIsReportedAndCleanRecovers) {
       ADD_FAILURE() << "expected a timeout";
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
-      EXPECT_NE(std::string(e.what()).find("low_latency_dispatch (recv)"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("low_latency_dispatch (recv)"), std::string::npos)
+          << e.what();
     }
   }
   ASSERT_TRUE(all_ranks(true));
   b.clean_low_latency_buffer(c.max_tokens, c.hidden, c.num_experts);
-  auto ro = ref::ll_dispatch(in.x, in.topk, in.num_tokens, c.hidden, c.num_topk, c.num_experts, c.max_tokens,
-                             false, false);
+  auto ro = ref::ll_dispatch(in.x, in.topk, in.num_tokens, c.hidden, c.num_topk, c.num_experts,
+                             c.max_tokens, false, false);
   for (int i = 0; i < 3; ++i) {
     auto res = b.low_latency_dispatch(dispatch_args(c, d_x.get(), d_topk.get(), T));
     ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
@@ -769,7 +788,8 @@ TEST(LowLatency, TimeoutIsReportedAndCleanRecovers) {
 TEST(LowLatency, SizeHint) {
   // Standard decode workload: 128 tokens, hidden 7168, 256 experts.
   for (int R : {2, 4, 8}) {
-    const std::size_t core_and_zero_copy = Buffer::get_low_latency_rdma_size_hint(128, 7168, R, 256);
+    const std::size_t core_and_zero_copy =
+        Buffer::get_low_latency_rdma_size_hint(128, 7168, R, 256);
     // The zero-copy inputs alone are 2 x [E_local, R*maxT, H] bf16.
     EXPECT_GE(core_and_zero_copy, 2ull * (256 / R) * R * 128 * 7168 * 2);
   }

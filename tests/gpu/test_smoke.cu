@@ -31,7 +31,8 @@ TEST(Smoke, SymmetricPeerStores) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   backend->barrier();
   std::vector<uint32_t> got(static_cast<size_t>(words) * w.num_ranks);
-  ASSERT_EQ(cudaMemcpy(got.data(), region.local, got.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(got.data(), region.local, got.size() * 4, cudaMemcpyDeviceToHost),
+            cudaSuccess);
   size_t bad = 0;
   for (int src = 0; src < w.num_ranks; ++src)
     for (int i = 0; i < words; ++i)

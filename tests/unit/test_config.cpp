@@ -77,7 +77,8 @@ TEST(Plan, RegionsDoNotOverlapAndAreAligned) {
   r.row_bytes = plan::ht_dispatch_row_bytes(14336, 0, 8);
   EXPECT_LE(r.chunks_needed(), plan::kMaxChunks);
   EXPECT_LT(plan::HtRegion::counts_offset(0), plan::HtRegion::counts_offset(1));
-  EXPECT_LE(plan::HtRegion::counts_offset(1) + plan::HtRegion::counts_bytes(), plan::HtRegion::flags_offset());
+  EXPECT_LE(plan::HtRegion::counts_offset(1) + plan::HtRegion::counts_bytes(),
+            plan::HtRegion::flags_offset());
   EXPECT_LE(plan::HtRegion::flags_offset() + 4u * plan::kMaxRanks * plan::kMaxChunks,
             plan::HtRegion::staging_offset());
   EXPECT_EQ(plan::HtRegion::staging_offset() % 128, 0u);
@@ -90,7 +91,8 @@ TEST(Plan, RegionsDoNotOverlapAndAreAligned) {
 }
 
 TEST(Plan, RowBytes) {
-  EXPECT_EQ(plan::ht_dispatch_row_bytes(14336, 0, 8), 14336u + 80u);  // ids, weights, src idx: 68 -> 80
+  EXPECT_EQ(plan::ht_dispatch_row_bytes(14336, 0, 8),
+            14336u + 80u);  // ids, weights, src idx: 68 -> 80
   EXPECT_EQ(plan::ht_dispatch_row_bytes(7168, 56, 8), 7168u + 224u + 80u);
   EXPECT_EQ(plan::ht_combine_row_bytes(7168, 8), 14336u + 32u);
   EXPECT_EQ(plan::ht_combine_row_bytes(2880, 0), 5760u);

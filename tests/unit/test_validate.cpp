@@ -13,9 +13,12 @@
 namespace epx {
 namespace {
 
-void* fake(std::size_t k = 1) { return reinterpret_cast<void*>(0x10000 * k); }
+void* fake(std::size_t k = 1) {
+  return reinterpret_cast<void*>(0x10000 * k);
+}
 
-TensorView dev_view(DType d, std::initializer_list<int64_t> shape, int device = 0, std::size_t k = 1) {
+TensorView dev_view(DType d, std::initializer_list<int64_t> shape, int device = 0,
+                    std::size_t k = 1) {
   return TensorView::contiguous(fake(k), d, shape, device);
 }
 
@@ -28,7 +31,9 @@ void expect_error(Fn&& fn, std::initializer_list<const char*> parts,
     ADD_FAILURE() << "no error thrown";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), code) << e.what();
-    for (const char* p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what() << " lacks '" << p << "'";
+    for (const char* p : parts)
+      EXPECT_NE(std::string(e.what()).find(p), std::string::npos)
+          << e.what() << " lacks '" << p << "'";
   }
 }
 
@@ -43,7 +48,9 @@ DispatchArgs good_dispatch(int T = 64, int H = 7168, int K = 8, int E = 256, int
   return a;
 }
 
-TEST(Validate, GoodDispatchPasses) { EXPECT_NO_THROW(validate::dispatch(good_dispatch(), 4, 0)); }
+TEST(Validate, GoodDispatchPasses) {
+  EXPECT_NO_THROW(validate::dispatch(good_dispatch(), 4, 0));
+}
 
 TEST(Validate, DispatchXDtype) {
   auto a = good_dispatch();
@@ -69,7 +76,8 @@ TEST(Validate, HiddenAlignment) {
   auto a = good_dispatch(64, 100);
   a.x = dev_view(DType::kBF16, {64, 100});
   expect_error([&] { validate::dispatch(a, 4, 0); }, {"hidden", "multiple of 16 bytes"});
-  expect_error([] { validate::hidden("op", 2880, DType::kFP8E4M3, true); }, {"hidden", "FP8", "128"});
+  expect_error([] { validate::hidden("op", 2880, DType::kFP8E4M3, true); },
+               {"hidden", "FP8", "128"});
   EXPECT_NO_THROW(validate::hidden("op", 2880, DType::kBF16, false));
 }
 
@@ -96,7 +104,8 @@ TEST(Validate, TopkShapeAndRange) {
   expect_error([] { validate::num_topk("op", 0); }, {"topk_idx", "[1, 16]"});
   std::vector<int64_t> host = {0, 5, -1, 255, 256, 3};
   auto hv = TensorView::contiguous(host.data(), DType::kI64, {3, 2}, kCpu);
-  expect_error([&] { validate::topk_idx_values("op", hv, 256); }, {"topk_idx", "-1 or in [0, num_experts=256)", "256"});
+  expect_error([&] { validate::topk_idx_values("op", hv, 256); },
+               {"topk_idx", "-1 or in [0, num_experts=256)", "256"});
   host[4] = -2;
   expect_error([&] { validate::topk_idx_values("op", hv, 256); }, {"topk_idx", "-2"});
   host[4] = -1;
@@ -113,7 +122,8 @@ TEST(Validate, WeightsNeedIdsAndMatchingShape) {
 }
 
 TEST(Validate, NumExpertsDivisible) {
-  expect_error([] { validate::num_experts("op", 250, 4); }, {"num_experts", "divisible", "4", "250"});
+  expect_error([] { validate::num_experts("op", 250, 4); },
+               {"num_experts", "divisible", "4", "250"});
   expect_error([] { validate::num_experts("op", 0, 4); }, {"num_experts", "> 0"});
   auto a = good_dispatch();
   a.num_tokens_per_expert = dev_view(DType::kI32, {254});
@@ -185,12 +195,15 @@ TEST(Validate, LowLatencyDispatchRules) {
   a.num_experts = 256;
   EXPECT_NO_THROW(validate::low_latency_dispatch(a, 4, 0));
   a.num_max_dispatch_tokens_per_rank = 64;
-  expect_error([&] { validate::low_latency_dispatch(a, 4, 0); }, {"x", "num_max_dispatch_tokens_per_rank=64"});
+  expect_error([&] { validate::low_latency_dispatch(a, 4, 0); },
+               {"x", "num_max_dispatch_tokens_per_rank=64"});
   a.num_max_dispatch_tokens_per_rank = 0;
-  expect_error([&] { validate::low_latency_dispatch(a, 4, 0); }, {"num_max_dispatch_tokens_per_rank", "[1, 1024]"});
+  expect_error([&] { validate::low_latency_dispatch(a, 4, 0); },
+               {"num_max_dispatch_tokens_per_rank", "[1, 1024]"});
   a.num_max_dispatch_tokens_per_rank = 128;
   a.x = dev_view(DType::kBF16, {128, 2880});
-  expect_error([&] { validate::low_latency_dispatch(a, 4, 0); }, {"hidden", "multiple of 128", "2880"});
+  expect_error([&] { validate::low_latency_dispatch(a, 4, 0); },
+               {"hidden", "multiple of 128", "2880"});
   a.x = dev_view(DType::kBF16, {128, 7168});
   a.use_fp8 = false;
   a.round_scale = true;
@@ -201,7 +214,8 @@ TEST(Validate, LowLatencyDispatchRules) {
   expect_error([&] { validate::low_latency_dispatch(a, 4, 0); }, {"use_ue8m0", "round_scale"});
   a.use_ue8m0 = false;
   a.cumulative_local_expert_recv_stats = dev_view(DType::kI32, {65});
-  expect_error([&] { validate::low_latency_dispatch(a, 4, 0); }, {"cumulative_local_expert_recv_stats", "[64]"});
+  expect_error([&] { validate::low_latency_dispatch(a, 4, 0); },
+               {"cumulative_local_expert_recv_stats", "[64]"});
 }
 
 TEST(Validate, LowLatencyCombineRules) {
@@ -233,7 +247,8 @@ TEST(Validate, AnyDeviceWildcard) {
   auto t = dev_view(DType::kI32, {4}, 3);
   EXPECT_NO_THROW(validate::tensor("op", "t", t, DType::kI32, {4}, validate::kAnyDevice));
   auto h = dev_view(DType::kI32, {4}, kCpu);
-  expect_error([&] { validate::tensor("op", "t", h, DType::kI32, {4}, validate::kAnyDevice); }, {"t", "CUDA device"});
+  expect_error([&] { validate::tensor("op", "t", h, DType::kI32, {4}, validate::kAnyDevice); },
+               {"t", "CUDA device"});
   EXPECT_NO_THROW(validate::tensor("op", "t", h, DType::kI32, {4}, kCpu));
 }
 
