@@ -48,8 +48,14 @@ double max_over_ranks(World& w, double v);
 
 std::string device_name();
 std::string git_commit();
-std::vector<int64_t> random_topk(int T, int K, int E, uint64_t seed);
-std::vector<uint16_t> random_bf16(std::size_t n, uint64_t seed);
+/// Device copy of host data (freed with the last owner).
+std::shared_ptr<void> upload_bytes(const void* data, std::size_t bytes);
+template <class T>
+std::shared_ptr<void> upload(const std::vector<T>& v) {
+  return upload_bytes(v.data(), v.size() * sizeof(T));
+}
+/// Contiguous view of device memory on the current device.
+TensorView tv(const void* p, DType d, std::initializer_list<int64_t> shape);
 
 /// Each family fills `result` (rank 0 writes it to Options::json_path).
 void run_ht(World& w, const Options& o, nlohmann::json& result);

@@ -8,28 +8,10 @@
 #include "epx/reference.hpp"
 
 namespace epx::bench {
-namespace {
-
-template <class T>
-std::shared_ptr<void> upload(const std::vector<T>& v) {
-  void* p = nullptr;
-  EPX_CUDA_CHECK(cudaMalloc(&p, std::max<std::size_t>(v.size() * sizeof(T), 16)));
-  EPX_CUDA_CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return std::shared_ptr<void>(p, [](void* q) { cudaFree(q); });
-}
-
-TensorView tv(const std::shared_ptr<void>& p, DType d, std::initializer_list<int64_t> shape) {
-  int dev = 0;
-  cudaGetDevice(&dev);
-  return TensorView::contiguous(p.get(), d, shape, dev);
-}
-
-}  // namespace
-
 void run_ht(World& w, const Options& o, nlohmann::json& result) {
   const int T = o.tokens, H = o.hidden, K = o.topk, E = o.experts, R = w.num_ranks;
-  auto topk = random_topk(T, K, E, 1000 + w.rank);
-  auto xb = random_bf16(static_cast<std::size_t>(T) * H, 2000 + w.rank);
+  auto topk = ref::random_topk(T, K, E, 0.0, 1000 + w.rank);
+  auto xb = ref::random_bf16(static_cast<std::size_t>(T) * H, 2000 + w.rank);
   std::vector<uint8_t> xq(static_cast<std::size_t>(T) * H);
   std::vector<float> xs(static_cast<std::size_t>(T) * (H / 128));
   {
@@ -47,11 +29,11 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
 
   StreamArgs s;
   s.stream = w.stream;
-  auto layout = w.buffer->get_dispatch_layout(tv(d_topk, DType::kI64, {T, K}), E, s);
+  auto layout = w.buffer->get_dispatch_layout(tv(d_topk.get(), DType::kI64, {T, K}), E, s);
   DispatchArgs full;
-  full.x = tv(d_x, DType::kBF16, {T, H});
-  full.topk_idx = tv(d_topk, DType::kI64, {T, K});
-  full.topk_weights = tv(d_w, DType::kF32, {T, K});
+  full.x = tv(d_x.get(), DType::kBF16, {T, H});
+  full.topk_idx = tv(d_topk.get(), DType::kI64, {T, K});
+  full.topk_weights = tv(d_w.get(), DType::kF32, {T, K});
   full.num_tokens_per_rank = layout.num_tokens_per_rank.view;
   full.is_token_in_rank = layout.is_token_in_rank.view;
   full.num_tokens_per_expert = layout.num_tokens_per_expert.view;
@@ -68,8 +50,8 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
 
   auto dispatch_cached = [&](const Config& c, bool fp8) {
     DispatchArgs a;
-    a.x = fp8 ? tv(d_xq, DType::kFP8E4M3, {T, H}) : tv(d_x, DType::kBF16, {T, H});
-    if (fp8) a.x_scales = tv(d_xs, DType::kF32, {T, H / 128});
+    a.x = fp8 ? tv(d_xq.get(), DType::kFP8E4M3, {T, H}) : tv(d_x.get(), DType::kBF16, {T, H});
+    if (fp8) a.x_scales = tv(d_xs.get(), DType::kF32, {T, H / 128});
     a.handle = first.handle;
     a.config = c;
     a.streams = s;

@@ -17,20 +17,6 @@
 namespace epx::bench {
 namespace {
 
-template <class T>
-std::shared_ptr<void> upload(const std::vector<T>& v) {
-  void* p = nullptr;
-  EPX_CUDA_CHECK(cudaMalloc(&p, std::max<std::size_t>(v.size() * sizeof(T), 16)));
-  EPX_CUDA_CHECK(cudaMemcpy(p, v.data(), v.size() * sizeof(T), cudaMemcpyHostToDevice));
-  return std::shared_ptr<void>(p, [](void* q) { cudaFree(q); });
-}
-
-TensorView tv(void* p, DType d, std::initializer_list<int64_t> shape) {
-  int dev = 0;
-  cudaGetDevice(&dev);
-  return TensorView::contiguous(p, d, shape, dev);
-}
-
 double median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
@@ -95,8 +81,8 @@ std::size_t deepep_ll_hint(int max_tokens, int hidden, int num_ranks, int num_ex
 void run_ll(World& w, const Options& o, nlohmann::json& result) {
   const int T = o.tokens, H = o.hidden, K = o.topk, E = o.experts, R = w.num_ranks;
   const int maxT = T;
-  auto topk = random_topk(T, K, E, 1000 + w.rank);
-  auto xb = random_bf16(static_cast<std::size_t>(T) * H, 2000 + w.rank);
+  auto topk = ref::random_topk(T, K, E, 0.0, 1000 + w.rank);
+  auto xb = ref::random_bf16(static_cast<std::size_t>(T) * H, 2000 + w.rank);
   std::vector<float> weights(static_cast<std::size_t>(T) * K);
   for (std::size_t i = 0; i < weights.size(); ++i)
     weights[i] = 0.5f + 0.5f * static_cast<float>(i % 7) / 7.0f;

@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
-#include <random>
 
 #include "bench/common.hpp"
 #include "core/check.hpp"
@@ -77,27 +76,17 @@ std::string git_commit() {
   return EPX_GIT_COMMIT;
 }
 
-std::vector<int64_t> random_topk(int T, int K, int E, uint64_t seed) {
-  std::mt19937_64 g(seed);
-  std::vector<int64_t> out(static_cast<std::size_t>(T) * K);
-  std::vector<int> perm(E);
-  for (int t = 0; t < T; ++t) {
-    for (int e = 0; e < E; ++e) perm[e] = e;
-    for (int k = 0; k < K; ++k) {
-      std::uniform_int_distribution<int> u(k, E - 1);
-      std::swap(perm[k], perm[u(g)]);
-      out[static_cast<std::size_t>(t) * K + k] = perm[k];
-    }
-  }
-  return out;
+std::shared_ptr<void> upload_bytes(const void* data, std::size_t bytes) {
+  void* p = nullptr;
+  EPX_CUDA_CHECK(cudaMalloc(&p, std::max<std::size_t>(bytes, 16)));
+  if (bytes) EPX_CUDA_CHECK(cudaMemcpy(p, data, bytes, cudaMemcpyHostToDevice));
+  return std::shared_ptr<void>(p, [](void* q) { cudaFree(q); });
 }
 
-std::vector<uint16_t> random_bf16(std::size_t n, uint64_t seed) {
-  std::mt19937_64 g(seed);
-  std::normal_distribution<float> d(0.f, 1.f);
-  std::vector<uint16_t> v(n);
-  for (auto& x : v) x = ref::float_to_bf16(d(g));
-  return v;
+TensorView tv(const void* p, DType d, std::initializer_list<int64_t> shape) {
+  int dev = 0;
+  EPX_CUDA_CHECK(cudaGetDevice(&dev));
+  return TensorView::contiguous(const_cast<void*>(p), d, shape, dev);
 }
 
 }  // namespace epx::bench

@@ -34,6 +34,14 @@ std::vector<float> logfmt_decode(const std::vector<uint8_t>& code, int hidden);
 std::size_t logfmt_bytes(int hidden);
 double logfmt_max_rel_error();
 
+// ---- seeded test data (tests and benchmarks draw from the same generators) ----
+/// [T, K] routing: K distinct experts per token, uniform over [0, E); each slot
+/// is -1 with probability `masked`. Deterministic in `seed`.
+std::vector<int64_t> random_topk(int num_tokens, int num_topk, int num_experts, double masked,
+                                 uint64_t seed);
+/// n BF16 values drawn from N(0, scale^2). Deterministic in `seed`.
+std::vector<uint16_t> random_bf16(std::size_t n, uint64_t seed, float scale = 1.0f);
+
 // ---- routing -----------------------------------------------------------------
 struct Layout {
   std::vector<int> num_tokens_per_rank;    ///< [R]

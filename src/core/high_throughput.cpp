@@ -51,6 +51,20 @@ plan::HtRegion plan_region(const char* op, const Buffer::Impl& d, const Config& 
   return r;
 }
 
+/// Barrier-only notify parameters; dispatch adds the count exchange.
+kernels::HtNotifyParams notify_params(const Buffer::Impl& d, const dev::NvlinkTransport& tr,
+                                      const kernels::HtOffsets& off, OpId op) {
+  kernels::HtNotifyParams np{};
+  np.t = tr;
+  np.off = off;
+  np.op_counter = d.ht_op_counter;
+  np.exchange = false;
+  np.timeout_ns = d.timeout_ns();
+  np.diag = d.diag_dev;
+  np.op = op;
+  return np;
+}
+
 Tensor copy_of(const TensorView& v, Buffer::Impl& d, const StreamArgs& s) {
   std::vector<int64_t> shape(v.shape.begin(), v.shape.begin() + v.ndim);
   Tensor t = d.make(v.dtype, shape, s);
@@ -129,13 +143,7 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   handle->num_tokens = T;
   handle->hidden = H;
 
-  kernels::HtNotifyParams np{};
-  np.t = tr;
-  np.off = off;
-  np.op_counter = d.ht_op_counter;
-  np.timeout_ns = d.timeout_ns();
-  np.diag = d.diag_dev;
-  np.op = OpId::kDispatchNotify;
+  kernels::HtNotifyParams np = notify_params(d, tr, off, OpId::kDispatchNotify);
   if (a.handle) {
     *handle = *a.handle;
     np.exchange = false;
@@ -245,14 +253,7 @@ CombineResult Buffer::combine(const CombineArgs& a) {
   const auto tr = d.transport(d.ht);
 
   d.enter(a.streams);
-  kernels::HtNotifyParams np{};
-  np.t = tr;
-  np.off = off;
-  np.op_counter = d.ht_op_counter;
-  np.exchange = false;
-  np.timeout_ns = d.timeout_ns();
-  np.diag = d.diag_dev;
-  np.op = OpId::kCombineNotify;
+  kernels::HtNotifyParams np = notify_params(d, tr, off, OpId::kCombineNotify);
   kernels::launch_ht_notify(np, d.comm_stream);
 
   CombineResult res;

@@ -39,27 +39,11 @@ TensorView view(void* p, DType dtype, std::initializer_list<int64_t> shape) {
 }
 
 std::vector<int64_t> random_topk(int T, int K, int E, double masked, uint64_t seed) {
-  std::mt19937_64 g(seed);
-  std::vector<int64_t> out(static_cast<std::size_t>(T) * K);
-  std::vector<int> perm(E);
-  for (int t = 0; t < T; ++t) {
-    for (int e = 0; e < E; ++e) perm[e] = e;
-    for (int k = 0; k < K; ++k) {
-      std::uniform_int_distribution<int> u(k, E - 1);
-      std::swap(perm[k], perm[u(g)]);
-      const bool m = std::uniform_real_distribution<double>(0, 1)(g) < masked;
-      out[static_cast<std::size_t>(t) * K + k] = m ? -1 : perm[k];
-    }
-  }
-  return out;
+  return ref::random_topk(T, K, E, masked, seed);
 }
 
 std::vector<uint16_t> random_bf16(std::size_t n, uint64_t seed, float scale) {
-  std::mt19937_64 g(seed);
-  std::normal_distribution<float> d(0.f, scale);
-  std::vector<uint16_t> v(n);
-  for (auto& x : v) x = ref::float_to_bf16(d(g));
-  return v;
+  return ref::random_bf16(n, seed, scale);
 }
 
 std::vector<float> random_f32(std::size_t n, uint64_t seed) {
