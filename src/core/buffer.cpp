@@ -101,7 +101,10 @@ void Buffer::destroy() {
   cudaFree(d.ht_op_counter);
   cudaFreeHost(d.diag_host);
   cudaFreeHost(d.counts_host);
-  cudaStreamDestroy(d.comm_stream);
+  // The comm stream is not destroyed: tensors used on it (torch's
+  // record_stream, events users keep) may be freed after the buffer, and an
+  // event recorded on a destroyed stream fails. One idle stream per buffer
+  // lives until the process exits.
 }
 
 int Buffer::rank() const {

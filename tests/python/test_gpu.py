@@ -330,7 +330,11 @@ def _case_low_latency(rank, world, group):
                                                      return_recv_hook=True)
     assert callable(hook)
     hook()
-    np.testing.assert_array_equal(_bits(recv2), recv_np)
+    # rows past recv_count are unspecified: compare the valid rows of each expert
+    cnt = count.cpu().numpy()
+    bits2 = _bits(recv2)
+    for le in range(El):
+        np.testing.assert_array_equal(bits2[le, :cnt[le]], recv_np[le, :cnt[le]])
     zbuf = buf.get_next_low_latency_combine_buffer(h2)
     assert zbuf.shape == (El, world * maxT, H) and zbuf.dtype == torch.bfloat16
     zbuf.copy_(recv2)
