@@ -160,7 +160,6 @@ void Buffer::Impl::raise_if_failed(const char* op) {
   }
   std::memset(const_cast<DeviceDiag*>(diag_host), 0, sizeof(DeviceDiag));
   throw Error(code == DiagCode::kTimeout ? ErrorCode::kTimeout : ErrorCode::kInvalidArgument,
-
               std::string(op) + ": " + os.str());
 }
 

@@ -27,16 +27,14 @@ void Event::synchronize() const {
 namespace {
 /// Keeps freed memory in the device's default pool (release threshold: never)
 /// so stream-ordered allocations are recycled instead of remapped every call.
+/// Setting it again is harmless, so nothing remembers which devices are done.
 void keep_pool_memory() {
   int dev = 0;
   EPX_CUDA_CHECK(cudaGetDevice(&dev));
-  static bool done[64] = {};
-  if (dev < 64 && done[dev]) return;
   cudaMemPool_t pool;
   EPX_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, dev));
   uint64_t threshold = UINT64_MAX;
   EPX_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &threshold));
-  if (dev < 64) done[dev] = true;
 }
 }  // namespace
 

@@ -122,8 +122,7 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   const int H = static_cast<int>(a.x.shape[1]);
   const int hidden_bytes = H * static_cast<int>(element_size(a.x.dtype));
   const int num_scales = fp8 ? H / 128 : 0;
-  const int K = a.handle ? (a.topk_idx ? static_cast<int>(a.topk_idx->shape[1]) : 0)
-                         : static_cast<int>(a.topk_idx ? a.topk_idx->shape[1] : 0);
+  const int K = a.topk_idx ? static_cast<int>(a.topk_idx->shape[1]) : 0;
   const int E = a.handle ? 0 : static_cast<int>(a.num_tokens_per_expert->shape[0]);
   if (a.handle) {
     require(a.handle->num_ranks == R, "handle", "was made by a buffer of another rank count");
@@ -226,9 +225,6 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   p.num_send_blocks = cfg.send_sms();
   p.timeout_ns = d.timeout_ns();
   p.diag = d.diag_dev;
-  if (a.topk_idx && !a.handle && p.num_topk > 0 && !p.topk_weights) {
-    // ids without weights: nothing to carry for weights
-  }
   kernels::launch_ht_dispatch(p, cfg.num_sms, d.comm_stream);
   if (!a.handle) handle->recv_src_idx = recv_src_idx;
   res.num_recv_tokens_per_expert = handle->num_recv_tokens_per_expert;
