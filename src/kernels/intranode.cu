@@ -56,6 +56,17 @@ __device__ __forceinline__ int ceil_div(int a, int b) {
   return (a + b - 1) / b;
 }
 
+/// False (and reported once) when a received row lies past the outputs, which
+/// happens only when num_worst_tokens was too small.
+__device__ __forceinline__ bool row_fits(const HtDispatchParams& p, int64_t row, int src, int slot,
+                                         int lane) {
+  if (row < p.max_recv_rows) return true;
+  if (lane == 0)
+    dev::report(p.diag, DiagCode::kTooManyTokens, OpId::kDispatch, p.t.rank, src, slot,
+                p.max_recv_rows, static_cast<uint32_t>(row));
+  return false;
+}
+
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams p) {
   const int R = p.t.num_ranks, me = p.t.rank;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -81,12 +92,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams 
         const uint8_t* src = p.x + static_cast<int64_t>(t) * p.x_row_bytes;
         if (self) {
           const int64_t row = p.recv_offsets[me] + k;
-          if (row >= p.max_recv_rows) {
-            if (lane == 0)
-              dev::report(p.diag, DiagCode::kTooManyTokens, OpId::kDispatch, me, me, k,
-                          p.max_recv_rows, static_cast<uint32_t>(row));
-            continue;
-          }
+          if (!row_fits(p, row, me, k, lane)) continue;
           warp_copy<false>(p.recv_x + row * p.hidden_bytes, src, p.hidden_bytes, lane);
           for (int i = lane; i < p.num_scales; i += 32)
             p.recv_scales[row * p.num_scales + i] =
@@ -155,12 +161,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams 
       const uint8_t* row_in =
           staging + (static_cast<int64_t>(src) * p.off.capacity + k) * p.off.row_bytes;
       const int64_t row = p.recv_offsets[src] + k;
-      if (row >= p.max_recv_rows) {
-        if (lane == 0)
-          dev::report(p.diag, DiagCode::kTooManyTokens, OpId::kDispatch, me, src, k,
-                      p.max_recv_rows, static_cast<uint32_t>(row));
-        continue;
-      }
+      if (!row_fits(p, row, src, k, lane)) continue;
       warp_copy<true>(p.recv_x + row * p.hidden_bytes, row_in, p.hidden_bytes, lane);
       const int* ext = reinterpret_cast<const int*>(row_in + p.hidden_bytes);
       for (int i = lane; i < extras; i += 32) {
