@@ -100,7 +100,7 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
     for (int sms : {32, 48, 64}) {
       Config c = best_d;
       c.num_sms = sms;
-      c.num_send_sms = sms / 2;
+      c.num_send_sms = sms / 3;
       double td, tc;
       measure(c, td, tc);
     }

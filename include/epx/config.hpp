@@ -8,18 +8,18 @@ namespace epx {
 
 /// Tuning knobs of the high-throughput kernels and the buffer sizes they imply.
 ///
-/// `num_sms`: SMs (thread blocks) the kernel occupies; half send, half receive
-///   unless `num_send_sms` says otherwise.
+/// `num_sms`: SMs (thread blocks) the kernel occupies; a third send, the rest
+///   receive (receivers also copy the rows a rank sends itself), unless
+///   `num_send_sms` says otherwise.
 /// `num_max_send_tokens`: tokens a sender warp moves between two progress
 ///   signals (the chunk size).
 /// `num_max_recv_tokens`: tokens the receive staging holds per source rank;
-///   calls that route more tokens from one source than this are split into
-///   rounds inside the call.
+///   a call with more tokens than this is refused with an error naming it.
 struct Config {
   int num_sms = 24;
   int num_max_send_tokens = 8;
   int num_max_recv_tokens = 4096;
-  int num_send_sms = 0;  ///< 0 = num_sms / 2
+  int num_send_sms = 0;  ///< 0 = max(1, num_sms / 3)
 
   Config() = default;
   Config(int sms, int send_tokens, int recv_tokens, int send_sms = 0)
@@ -28,7 +28,9 @@ struct Config {
         num_max_recv_tokens(recv_tokens),
         num_send_sms(send_sms) {}
 
-  int send_sms() const { return num_send_sms > 0 ? num_send_sms : num_sms / 2; }
+  int send_sms() const {
+    return num_send_sms > 0 ? num_send_sms : (num_sms >= 3 ? num_sms / 3 : 1);
+  }
   int recv_sms() const { return num_sms - send_sms(); }
 
   /// Bytes of NVLink-reachable buffer a rank needs for tokens of

@@ -41,7 +41,7 @@ class Config:
 
     @property
     def num_sms(self) -> int:
-        """SMs (thread blocks) the kernel occupies: half send, half receive."""
+        """SMs (thread blocks) the kernel occupies: a third send, the rest receive."""
         return self._cfg.num_sms
 
     @num_sms.setter

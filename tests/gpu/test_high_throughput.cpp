@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <string>
 
 #include "epx/reference.hpp"
@@ -70,7 +71,8 @@ float bf(uint16_t v) {
   return ref::bf16_to_float(v);
 }
 
-void run_case(const HtCase& c, int iters, uint64_t seed0) {
+void run_case(const HtCase& c, int iters, uint64_t seed0,
+              const std::optional<Config>& config = std::nullopt) {
   auto& w = world();
   const int R = w.num_ranks, me = w.rank;
   if (c.num_experts % R) GTEST_SKIP() << "experts not divisible by ranks";
@@ -108,6 +110,7 @@ void run_case(const HtCase& c, int iters, uint64_t seed0) {
     a.num_tokens_per_expert = layout.num_tokens_per_expert.view;
     a.expert_alignment = c.expert_alignment;
     a.streams = s;
+    a.config = config;
     auto res = w.buffer->dispatch(a);
     cudaStreamSynchronize(w.stream);
 
@@ -167,6 +170,7 @@ void run_case(const HtCase& c, int iters, uint64_t seed0) {
       ca.bias_1 = view(d_b1.get(), DType::kBF16, {T, H});
     }
     ca.streams = s;
+    ca.config = config;
     auto cres = w.buffer->combine(ca);
     cudaStreamSynchronize(w.stream);
     auto rc = ref::ht_combine(in, cin, H, K, c.num_experts);
@@ -210,6 +214,21 @@ TEST(HighThroughput, OneAndZeroTokens) {
 }
 TEST(HighThroughput, ExpertAlignmentAndMaskedRows) {
   run_case({333, 4096, 6, 48, false, 0.5, true, 128, false}, 1, 16);
+}
+/// Chunks of 1 row, of more rows than a warp batches at once (32), and of an
+/// odd size; few and many send SMs.
+TEST(HighThroughput, ChunkSizesAndSmSplits) {
+  struct Split {
+    int chunk, sms, send;
+  };
+  for (const Split sp : {Split{1, 3, 1}, Split{48, 6, 2}, Split{37, 24, 20}, Split{8, 40, 8}}) {
+    Config cfg = get_dispatch_config(world().num_ranks);
+    cfg.num_max_send_tokens = sp.chunk;
+    cfg.num_sms = sp.sms;
+    cfg.num_send_sms = sp.send;
+    run_case({700, 4096, 8, 64, false, 0.1, true, 1, false}, 1, 300 + sp.chunk, cfg);
+    run_case({300, 2048, 8, 64, true, 0.1, true, 1, false}, 1, 400 + sp.chunk, cfg);
+  }
 }
 TEST(HighThroughput, FullWorkload4096) {
   run_case({4095, 7168, 8, 256, false, 0.0, true, 1, false}, 1, 17);

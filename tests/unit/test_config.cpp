@@ -38,8 +38,10 @@ TEST(Config, ValidateNamesTheField) {
 
 TEST(Config, SplitOfSms) {
   Config c(24, 8, 4096);
-  EXPECT_EQ(c.send_sms(), 12);
-  EXPECT_EQ(c.recv_sms(), 12);
+  EXPECT_EQ(c.send_sms(), 8);
+  EXPECT_EQ(c.recv_sms(), 16);
+  EXPECT_EQ(Config(2, 8, 4096).send_sms(), 1);
+  EXPECT_EQ(Config(2, 8, 4096).recv_sms(), 1);
   c.num_send_sms = 16;
   EXPECT_EQ(c.send_sms(), 16);
   EXPECT_EQ(c.recv_sms(), 8);
