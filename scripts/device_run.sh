@@ -3,6 +3,8 @@
 # all local GPUs (EP2, then EP4/EP8 where there are GPUs), then the
 # benchmarks; logs and result JSON under $OUT; a short table last.
 #   EPX_RUN="tests bench"  (default both)   EPX_BENCH="ht ll"
+#   EPX_RUN="python" (or "tests bench python"): the Python package from a wheel in
+#   .device/wheel/ (pytest -m gpu, then python -m epx.bench), EPX_PY_TIMEOUT (300 s) each.
 set -uo pipefail
 D=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/epx-out}
@@ -43,6 +45,59 @@ if [[ " $RUN " == *" bench "* ]]; then
     grep -v "^sweep" "$OUT/bench-$fam.log" | tail -15
     summary+=("bench $fam EP$n: rc=$rc")
   done
+fi
+if [[ " $RUN " == *" python "* ]]; then
+  # The wheel (and any extra wheels, e.g. matplotlib's) goes to its own target dir;
+  # torch, numpy and pytest come from the machine's Python.
+  WHEEL_DIR=${EPX_WHEEL_DIR:-.device/wheel}
+  shopt -s nullglob
+  wheels=("$WHEEL_DIR"/*.whl)
+  shopt -u nullglob
+  if [ ${#wheels[@]} -eq 0 ]; then
+    echo "== python: no wheel in $WHEEL_DIR, skipped"
+    summary+=("python: skipped (no wheel in $WHEEL_DIR)")
+  else
+    echo "== python: installing ${wheels[*]##*/}"
+    rm -rf /tmp/epx-site
+    python3 -m pip install -q --no-deps --no-index --target /tmp/epx-site "${wheels[@]}" \
+      > "$OUT/py-install.log" 2>&1
+    rc=$?
+    summary+=("python install: rc=$rc")
+    if [ $rc -ne 0 ]; then
+      tail -20 "$OUT/py-install.log"
+    else
+      export PYTHONPATH="/tmp/epx-site${PYTHONPATH:+:$PYTHONPATH}"
+      # the NCCL wheel next to torch, wherever torch is installed ($SITE's is already first)
+      tlib=$(python3 -c 'import os, torch; print(os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), "nvidia", "nccl", "lib"))' 2>/dev/null)
+      if [ -n "$tlib" ] && [ -d "$tlib" ] && [[ ":${LD_LIBRARY_PATH:-}:" != *":$tlib:"* ]]; then
+        export LD_LIBRARY_PATH="$tlib:${LD_LIBRARY_PATH:-}"
+      fi
+      if [ -f "$D/COMMIT" ]; then
+        EPX_COMMIT=$(cat "$D/COMMIT")
+        export EPX_COMMIT
+      fi
+      echo "== python GPU tests (pytest tests/python -m gpu)"
+      timeout ${EPX_PY_TIMEOUT:-300} python3 -m pytest -x -q -ra tests/python -m gpu \
+        > "$OUT/py-tests.log" 2>&1
+      rc=$?
+      tail -15 "$OUT/py-tests.log"
+      summary+=("python tests: rc=$rc")
+      py_plot=(--plot "$OUT/py-bench.png")
+      if ! python3 -c "import matplotlib" 2>/dev/null; then
+        echo "(no matplotlib here: sweep kept in the JSON; draw it with --replot)"
+        py_plot=(--sweep)
+      fi
+      n=$GPUS
+      [ "$n" -gt 8 ] && n=8
+      echo "== python -m epx.bench EP$n"
+      timeout ${EPX_PY_TIMEOUT:-300} python3 -m epx.bench --ranks "$n" --compare-torch \
+        --json "$OUT/py-bench.json" "${py_plot[@]}" ${EPX_PY_BENCH_ARGS:-} \
+        > "$OUT/py-bench.log" 2>&1
+      rc=$?
+      grep -v "tokens done$" "$OUT/py-bench.log" | tail -45
+      summary+=("python bench EP$n: rc=$rc")
+    fi
+  fi
 fi
 echo "== summary"
 printf '%s\n' "${summary[@]}"

@@ -1,7 +1,11 @@
 """CPU tests of the epx package: binding conversions, validation messages, the
 reference model against independent NumPy computations, and the pure-Python
-parts of the DeepEP API. Need NumPy, not PyTorch or a GPU."""
+parts of the DeepEP API, epx.bench's command line, byte counts and report, and the
+example MoE layer's reference (examples/). Need NumPy, not PyTorch or a GPU; the
+tests that use PyTorch on the CPU (the example's expert steps, the torch baseline of
+epx.bench over gloo) or matplotlib skip without them."""
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -826,3 +830,424 @@ def test_torch_outputs():
     assert g.out(bits).dtype == torch.float8_e4m3fn  # EPX makes no uint8 outputs
     assert g.out(None) is None
     assert g.out(base) is base
+
+
+# ---- epx.bench: command line, byte counts, statistics, report, plot ------------------------------
+
+def _bench():
+    from epx import bench
+
+    return bench
+
+
+def test_bench_args_defaults():
+    args = _bench().parse_args([])
+    assert (args.mode, args.tokens, args.ll_tokens, args.hidden, args.topk, args.experts) == \
+        ("all", 4096, 128, 7168, 8, 256)
+    assert args.warmup == 10 and args.iters == 50  # DESIGN.md: median of >= 50 runs
+    assert not args.sweep and not args.compare_torch and args.plot == "" and args.json == ""
+    assert args.sweep_tokens == [256, 512, 1024, 2048, 4096]
+    assert args.sweep_ll_tokens == [1, 8, 32, 64, 128]
+    assert args.command == "python -m epx.bench"
+
+
+def test_bench_args_sweep_and_plot():
+    b = _bench()
+    args = b.parse_args(["--compare-torch", "--plot", "out.png", "--json", "r.json",
+                         "--ranks", "4"])
+    assert args.sweep and args.compare_torch and args.plot == "out.png" and args.ranks == 4
+    args = b.parse_args(["--sweep-tokens", "128,1024", "--mode", "ht"])
+    assert args.sweep and args.sweep_tokens == [128, 1024] and args.sweep_ll_tokens == [1, 8, 32,
+                                                                                          64, 128]
+    args = b.parse_args(["--sweep-ll-tokens=4,16"])
+    assert args.sweep and args.sweep_ll_tokens == [4, 16]
+    args = b.parse_args(["--sweep"])
+    assert args.sweep and args.sweep_tokens == list(b.HT_SWEEP)
+    assert b._points(b.parse_args(["--tokens", "300", "--sweep-tokens", "256,512", "--mode",
+                                   "ht"])) == {"ht": [256, 300, 512]}
+    assert b._points(b.parse_args(["--ll-tokens", "64"])) == {"ht": [4096], "ll": [64]}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sweep-tokens", "256,x"], "comma-separated"),
+    (["--sweep-tokens", "0,8"], "positive token counts"),
+    (["--tokens", "0"], "positive integer"),
+    (["--sms", "23"], "even number"),
+    (["--hidden", "1000"], "multiple of 128"),
+    (["--topk", "9", "--experts", "8"], "more than --experts"),
+    (["--replot", "r.json"], "--replot needs --plot"),
+    (["--mode", "xx"], "invalid choice"),
+])
+def test_bench_args_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        _bench().parse_args(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_byte_counts():
+    b = _bench()
+    H = 7168
+    assert b.ht_bytes(10, H) == 10 * H * 2
+    assert b.ht_bytes(10, H, fp8=True) == 10 * H + 10 * 56 * 4
+    assert b.ll_bytes(3, H) == 3 * 2 * H
+    assert b.ll_bytes(3, H, fp8=True) == 3 * (H + 56 * 4 + 16)
+    assert b.ll_bytes(0, H, fp8=True) == 0
+    assert b.op_bytes("ht", "fp8", 5, 256) == 5 * 256 + 5 * 2 * 4
+    assert b.op_bytes("ll", "bf16", 5, 256) == 5 * 512
+    assert b.op_bytes("ll", None, 5, 256) is None
+
+
+def test_bench_byte_counts_reproduce_cpp_figures():
+    """The formulas give the GB/s the C++ epx-bench published (bench/results), from its own
+    times and counts (GB/s there is the mean over ranks of bytes / time, so allow 2%)."""
+    import json
+    import os
+
+    b = _bench()
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results")
+    ll_path, ht_path = os.path.join(root, "h200x4-ll.json"), os.path.join(root, "h200x4-ht.json")
+    if not (os.path.exists(ll_path) and os.path.exists(ht_path)):
+        pytest.skip("bench/results/h200x4-{ll,ht}.json not present")
+    ll, ht = json.load(open(ll_path)), json.load(open(ht_path))
+    sel, H = int(ll["num_valid_selections"]), 7168
+    assert ll["num_valid_selections"] == 128 * 8
+    assert b.ll_bytes(sel, H, True) / ll["dispatch_us"] / 1e3 == \
+        pytest.approx(ll["dispatch_gbps"], rel=0.02)
+    assert b.ll_bytes(sel, H) / ll["dispatch_bf16_us"] / 1e3 == \
+        pytest.approx(ll["dispatch_bf16_gbps"], rel=0.02)
+    assert b.ll_bytes(sel, H) / ll["combine_us"] / 1e3 == pytest.approx(ll["combine_gbps"],
+                                                                        rel=0.02)
+    N = ht["recv_tokens_rank0"]  # rank 0's count; the other ranks' differ by a few %
+    assert b.ht_bytes(N, H) / ht["dispatch_bf16_us"] / 1e3 == \
+        pytest.approx(ht["dispatch_bf16_gbps"], rel=0.02)
+    assert b.ht_bytes(N, H, True) / ht["dispatch_fp8_us"] / 1e3 == \
+        pytest.approx(ht["dispatch_fp8_gbps"], rel=0.02)
+
+
+def test_bench_statistics():
+    b = _bench()
+    assert b.median([5.0, 1.0, 3.0]) == 3.0
+    assert b.median([4.0, 1.0, 3.0, 2.0]) == 3.0  # element n/2 of the sorted runs, as C++
+    assert b.spread([1.0, 2.0, 6.0]) == {"mean": 3.0, "min": 1.0, "max": 6.0}
+    with pytest.raises(ValueError):
+        b.median([])
+    s = b.summarize_op([{"us": 100.0, "bytes": 1_000_000}, {"us": 200.0, "bytes": 3_000_000}])
+    assert s["us"] == {"mean": 150.0, "min": 100.0, "max": 200.0}
+    # GB/s per rank first (10 and 15), then over ranks; not total bytes / mean time
+    assert s["gbps"] == {"mean": 12.5, "min": 10.0, "max": 15.0}
+    assert s["bytes"]["mean"] == 2_000_000
+    t = b.summarize_op([{"us": 7.0, "bytes": None}, {"us": 9.0, "bytes": None}])
+    assert t["gbps"] is None and t["us"]["mean"] == 8.0
+
+
+def _fake_ranks(world=2, sweep=True):
+    """Per-rank measurements as _measure_ht/_measure_ll return them, with made-up times."""
+    ranks = []
+    for r in range(world):
+        ht, ll = [], []
+        for T in ((256, 4096) if sweep else (4096,)):
+            N = 3 * T + 100 * r
+            ops = {k: {"us": (100.0 + r) * T / 256, "bytes": None if kind is None else
+                       _bench().op_bytes("ht", kind, N, 7168)}
+                   for k, _, kind in _bench().HT_OPS}
+            torch_ops = {k: {"us": ops[k]["us"] * 2, "bytes": ops[k]["bytes"]}
+                         for k in ("dispatch_bf16", "dispatch_fp8", "combine",
+                                   "dispatch_bf16_full")}
+            ht.append({"tokens": T, "num_recv_tokens": N, "ops": ops, "torch": torch_ops})
+        for T in ((8, 128) if sweep else (128,)):
+            sel = T * 8
+            ops = {k: {"us": 10.0 + r + T / 8, "bytes": None if kind is None else
+                       _bench().op_bytes("ll", kind, sel, 7168)}
+                   for k, _, kind in _bench().LL_OPS}
+            torch_ops = {k: {"us": ops[k]["us"] * 4, "bytes": ops[k]["bytes"]}
+                         for k in ("dispatch_fp8", "dispatch_bf16", "combine")}
+            ll.append({"tokens": T, "num_selections": sel, "ops": ops, "torch": torch_ops})
+        ranks.append({"ht": ht, "ll": ll})
+    return ranks
+
+
+def test_bench_result_and_report():
+    b = _bench()
+    args = b.parse_args(["--compare-torch", "--sweep-tokens", "256,4096", "--sweep-ll-tokens",
+                         "8,128"])
+    res = b.build_result(args, 2, _fake_ranks(), device="Fake GPU x2")
+    ht, ll = res["ht"], res["ll"]
+    assert res["num_ranks"] == 2 and res["device"] == "Fake GPU x2"
+    assert ht["tokens"] == 4096 and ll["tokens"] == 128
+    # headline names of the C++ bench, from the 4096-token point: rank 0 100*16 us, rank 1 101*16
+    us0, us1 = 100.0 * 16, 101.0 * 16
+    assert ht["dispatch_bf16_us"] == pytest.approx((us0 + us1) / 2)
+    g0 = b.ht_bytes(3 * 4096, 7168) / us0 / 1e3
+    g1 = b.ht_bytes(3 * 4096 + 100, 7168) / us1 / 1e3
+    assert ht["dispatch_bf16_gbps"] == pytest.approx((g0 + g1) / 2)
+    assert ht["min_rank_gbps"]["dispatch_bf16"] == pytest.approx(min(g0, g1))
+    assert ht["ops"]["dispatch_bf16"]["gbps"]["max"] == pytest.approx(max(g0, g1))
+    assert ht["epx_over_torch"]["dispatch_bf16"] == pytest.approx(2.0)
+    assert ht["epx_over_torch"]["combine"] == pytest.approx(2.0)
+    assert "layout" not in ht["epx_over_torch"]
+    assert ll["dispatch_us"] == pytest.approx((10 + 16 + 11 + 16) / 2)  # FP8 is the headline
+    assert ll["dispatch_send_us"] == pytest.approx(26.5) and ll["combine_recv_us"] > 0
+    assert ll["epx_over_torch"]["dispatch_fp8"] == pytest.approx(4.0, rel=1e-9)
+    assert ll["max_rank_us"]["dispatch"] == pytest.approx(27.0)
+    assert [p["tokens"] for p in res["sweep"]["ht"]] == [256, 4096]
+    assert [p["tokens"] for p in res["sweep"]["ll"]] == [8, 128]
+    json.dumps(res)  # serializable
+
+    text = b.format_report(res)
+    assert "EPX high-throughput: 4096 tokens per rank" in text
+    assert "EPX low-latency: 128 tokens per rank" in text
+    assert "EPX/torch" in text and "2.00x" in text and "4.00x" in text
+    line = next(s for s in text.splitlines() if s.startswith("dispatch BF16 (cached)"))
+    assert f"{(us0 + us1) / 2:.1f}" in line and f"{(g0 + g1) / 2:.1f}" in line
+    assert "sweep, high-throughput" in text and "sweep, low-latency" in text
+
+    # without --compare-torch and --sweep: no torch columns, no sweep
+    plain = b.parse_args([])
+    res2 = b.build_result(plain, 2, _fake_ranks(sweep=False))
+    assert res2["sweep"] == {} and "EPX/torch" not in b.format_report(res2)
+
+
+def test_bench_plot_and_replot(tmp_path):
+    pytest.importorskip("matplotlib")
+    b = _bench()
+    args = b.parse_args(["--compare-torch", "--sweep-tokens", "256,4096", "--sweep-ll-tokens",
+                         "8,128"])
+    res = b.build_result(args, 2, _fake_ranks())
+    png = tmp_path / "a.png"
+    b.plot_sweep(res, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(res))
+    png2 = tmp_path / "b.png"
+    assert b.main(["--replot", str(path), "--plot", str(png2)]) == 0
+    assert png2.read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="no sweep"):
+        b.plot_sweep(b.build_result(b.parse_args([]), 2, _fake_ranks(sweep=False)),
+                     str(tmp_path / "c.png"))
+
+
+def test_bench_plot_without_matplotlib():
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["matplotlib"] = None
+        from epx import bench
+        try:
+            bench.main(["--plot", "x.png"])
+        except SystemExit as e:
+            assert "needs matplotlib" in str(e), e
+        else:
+            raise AssertionError("--plot without matplotlib must stop with a message")
+    """)
+    env_path = [p for p in sys.path if p]
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={"PYTHONPATH": ":".join(env_path), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+
+
+# ---- examples/moe_reference.py: the single-process MoE reference -------------------------------
+
+def _moe_reference():
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    import moe_reference
+
+    return moe_reference
+
+
+def test_moe_reference_bf16_rounding():
+    m = _moe_reference()
+    x = (RNG.standard_normal(4096) * 10).astype(np.float32)
+    x[:4] = [1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -(1.0 + 2 ** -8), 0.0]  # ties to even
+    got = m.round_bf16(x)
+    np.testing.assert_array_equal(got, np_bf16_float(np_bf16_bits(x)))
+    assert list(got[:4]) == [1.0, 1.0 + 4 * 2 ** -8, -1.0, 0.0]
+    gate, w1, w2 = m.expert_weights(3, 8, 256, 64)
+    assert gate.shape == (256, 8) and w1.shape == (8, 256, 64) and w2.shape == (8, 64, 256)
+    for w in (gate, w1, w2):
+        np.testing.assert_array_equal(w, m.round_bf16(w))  # BF16 copies are exact
+    np.testing.assert_array_equal(w1, m.expert_weights(3, 8, 256, 64)[1])  # seeded
+    assert not np.array_equal(w1, m.expert_weights(4, 8, 256, 64)[1])
+
+
+def test_moe_reference_forward_matches_per_token_loop():
+    m = _moe_reference()
+    T, H, I, E, K = 24, 128, 32, 6, 3
+    _, w1, w2 = m.expert_weights(5, E, H, I)
+    x = m.random_tokens(6, T, H)
+    idx = random_topk(T, K, E, drop=0.2)
+    w = RNG.random((T, K)).astype(np.float32)
+    got = m.moe_forward(x, idx, w, w1, w2)
+    want = np.zeros((T, H))
+    for t in range(T):
+        for k in range(K):
+            e = idx[t, k]
+            if e >= 0:
+                h = x[t].astype(np.float64) @ w1[e]
+                want[t] += w[t, k] * ((h / (1 + np.exp(-h))) @ w2[e])
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+    assert np.abs(got).max() > 0.1  # not a test on zeros
+    with pytest.raises(ValueError, match="expert ids"):
+        m.moe_forward(x, np.full((T, K), E), w, w1, w2)
+
+
+def test_moe_reference_compare_can_fail():
+    m = _moe_reference()
+    T, H, I, E, K = 32, 128, 64, 8, 4
+    _, w1, w2 = m.expert_weights(7, E, H, I)
+    x = m.random_tokens(8, T, H)
+    idx = random_topk(T, K, E, drop=0.0)
+    w = RNG.random((T, K)).astype(np.float32)
+    w /= w.sum(1, keepdims=True)
+    want = m.moe_forward(x, idx, w, w1, w2)
+    assert m.compare(want, want) is None
+    assert m.compare(m.round_bf16(want), want) is None  # BF16 output rounding passes
+    # one token missing one of its experts
+    idx2 = idx.copy()
+    idx2[5, 1] = -1
+    assert "out of tolerance" in m.compare(m.moe_forward(x, idx2, w, w1, w2), want)
+    # two tokens swapped
+    swapped = want.copy()
+    swapped[[3, 4]] = swapped[[4, 3]]
+    assert m.compare(swapped, want) is not None
+    # weights not applied (sum of the experts' outputs)
+    assert m.compare(m.moe_forward(x, idx, np.ones_like(w), w1, w2), want) is not None
+    # a poisoned value, a wrong shape, a reference of zeros
+    bad = want.copy()
+    bad[1, 2] = np.nan
+    assert "non-finite" in m.compare(bad, want)
+    assert "shape" in m.compare(want[:-1], want)
+    assert "zeros" in m.compare(np.zeros_like(want), np.zeros_like(want))
+    # a small bias everywhere breaks the whole-tensor bound
+    assert m.compare(want + 0.02 * np.sqrt(np.mean(want ** 2)), want) is not None
+
+
+def test_moe_reference_fp8_roundtrip():
+    m = _moe_reference()
+    x = m.random_tokens(9, 8, 256)
+    q, s = ref.quantize_fp8(x)
+    np.testing.assert_array_equal(m.fp8_roundtrip(x), ref.dequantize_fp8(q, s))
+    err = np.abs(m.fp8_roundtrip(x) - x)
+    assert err.max() > 0 and err.max() <= np.abs(x).max() / 8  # e4m3: 3 mantissa bits
+
+
+# ---- PyTorch on the CPU (skipped without torch): example experts, torch baseline ---------------
+
+def _moe_layer():
+    pytest.importorskip("torch")
+    _moe_reference()
+    import moe_layer
+
+    return moe_layer
+
+
+def test_example_grouped_experts_cpu():
+    """The example's prefill expert step on one simulated rank (every expert local) against
+    the dense reference, in BF16 as on the GPU: checks the grouping and the tolerance."""
+    ml, m = _moe_layer(), _moe_reference()
+    import torch
+
+    T, H, I, E, K = 48, 256, 128, 8, 4
+    _, w1, w2 = m.expert_weights(11, E, H, I)
+    x = m.random_tokens(12, T, H)
+    idx = random_topk(T, K, E, drop=0.1)
+    w = RNG.random((T, K)).astype(np.float32)
+    counts = [int((idx == e).sum()) for e in range(E)]
+    got = ml.grouped_experts(torch.from_numpy(x).bfloat16(), torch.from_numpy(idx),
+                             torch.from_numpy(w), counts, torch.from_numpy(w1).bfloat16(),
+                             torch.from_numpy(w2).bfloat16())
+    assert got.dtype == torch.bfloat16 and got.shape == (T, H)
+    want = m.moe_forward(x, idx, w, w1, w2)
+    assert m.compare(got.float().numpy(), want) is None
+    # counts that disagree with recv_topk_idx are caught
+    with pytest.raises(RuntimeError, match="adds up to"):
+        ml.grouped_experts(torch.from_numpy(x).bfloat16(), torch.from_numpy(idx),
+                           torch.from_numpy(w), [c + 1 for c in counts],
+                           torch.from_numpy(w1).bfloat16(), torch.from_numpy(w2).bfloat16())
+    # per-expert counts shifted between two experts (same total): the output is wrong
+    shifted = list(counts)
+    shifted[0] += 1
+    shifted[1] -= 1
+    bad = ml.grouped_experts(torch.from_numpy(x).bfloat16(), torch.from_numpy(idx),
+                             torch.from_numpy(w), shifted, torch.from_numpy(w1).bfloat16(),
+                             torch.from_numpy(w2).bfloat16())
+    assert m.compare(bad.float().numpy(), want) is not None
+
+
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_example_masked_experts_cpu(use_fp8):
+    """The example's decode expert step on the packed layout of the reference model's
+    low-latency dispatch (2 simulated ranks), combined by the reference model, against
+    the dense reference."""
+    ml, m = _moe_layer(), _moe_reference()
+    import torch
+
+    R, H, I, E, K, maxT = 2, 256, 64, 8, 3, 16
+    El = E // R
+    _, w1, w2 = m.expert_weights(13, E, H, I)
+    xs = [m.random_tokens(14 + r, 10 + 3 * r, H) for r in range(R)]
+    idxs = [random_topk(a.shape[0], K, E, drop=0.1) for a in xs]
+    ws = [RNG.random((a.shape[0], K)).astype(np.float32) for a in xs]
+    bits = [ref.bf16_from_float(a) for a in xs]
+    disp = ref.ll_dispatch(bits, idxs, E, maxT, use_fp8=use_fp8)
+    outs = []
+    for r in range(R):
+        d = disp[r]
+        if use_fp8:
+            q = torch.from_numpy(d["recv_x"]).view(torch.float8_e4m3fn)
+            recv = (q, torch.from_numpy(d["recv_x_scales"]))
+        else:
+            recv = torch.from_numpy(d["recv_x"].view(np.int16)).view(torch.bfloat16).clone()
+            # rows past recv_count are stale in a real buffer: poison them
+            for e in range(El):
+                recv[e, int(d["recv_count"][e]):] = float("nan")
+        y = ml.masked_experts(recv, torch.from_numpy(d["recv_count"]),
+                              torch.from_numpy(w1[r * El:(r + 1) * El]).bfloat16(),
+                              torch.from_numpy(w2[r * El:(r + 1) * El]).bfloat16())
+        assert y.shape == (El, R * maxT, H) and torch.isfinite(y).all()
+        outs.append(y.contiguous().view(torch.int16).numpy().view(np.uint16))
+    combined = ref.ll_combine(outs, idxs, ws, E, maxT)
+    for r in range(R):
+        x_in = m.fp8_roundtrip(xs[r]) if use_fp8 else xs[r]
+        want = m.moe_forward(x_in, idxs[r], ws[r], w1, w2)
+        assert m.compare(ref.bf16_to_float(combined[r]), want) is None
+        if use_fp8:  # FP8 inputs are not the BF16 tokens: the check tells them apart
+            assert m.compare(ref.bf16_to_float(combined[r]),
+                             m.moe_forward(xs[r], idxs[r], ws[r], w1, w2)) is not None
+
+
+def _gloo_worker(rank, world, init, case):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        globals()[case](rank, world, dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn_gloo(case, world):
+    """Runs ``case`` in ``world`` CPU processes (gloo); a rank's exception fails the test
+    with its traceback."""
+    pytest.importorskip("torch")
+    import os
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    init = "file://" + os.path.join(tempfile.mkdtemp(prefix="epx-rdv-"), "store")
+    mp.spawn(_gloo_worker, args=(world, init, case), nprocs=world, join=True)
+
+
+def _case_torch_baseline(rank, world, group):
+    import torch_baseline_check
+
+    torch_baseline_check.check(rank, world, group, "cpu")
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_torch_baseline_gloo(world):
+    _spawn_gloo("_case_torch_baseline", world)

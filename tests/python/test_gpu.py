@@ -4,7 +4,8 @@ Skipped without PyTorch or with too few GPUs. Run: pytest tests/python -m gpu
 """
 
 import os
-import socket
+import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -25,19 +26,18 @@ def _num_gpus():
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous():
+    """A file:// init method in a fresh directory: no TCP port to collide with."""
+    return "file://" + os.path.join(tempfile.mkdtemp(prefix="epx-rdv-"), "store")
 
 
-def _worker(rank, world, port, case):
+def _worker(rank, world, init, case):
     import torch
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, device_id=torch.device("cuda", rank))
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
+                            device_id=torch.device("cuda", rank))
     try:
         globals()[case](rank, world, dist.group.WORLD)
         torch.cuda.synchronize()
@@ -52,7 +52,7 @@ def _spawn(case, world):
     import torch.multiprocessing as mp
 
     try:
-        mp.spawn(_worker, args=(world, _free_port(), case), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, _rendezvous(), case), nprocs=world, join=True)
     except Exception as e:  # a rank raised: its traceback is in the message
         if "EPXUnsupportedError" in str(e) and "not implemented" in str(e):
             pytest.skip(f"not implemented in this build: {str(e).splitlines()[-1]}")
@@ -67,6 +67,75 @@ def test_high_throughput(world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_low_latency(world):
     _spawn("_case_low_latency", world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_moe_layer_example(world):
+    """examples/moe_layer.py (deep_ep code, only the import changed) against a dense
+    single-process computation of the same layer."""
+    _spawn("_case_moe_layer_example", world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_torch_baseline(world):
+    """epx.bench's torch.distributed baseline moves what EPX moves (NCCL, on the GPUs)."""
+    _spawn("_case_torch_baseline", world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bench(world, tmp_path):
+    """python -m epx.bench end to end on a small workload: every figure present, bytes
+    counted as DESIGN.md says, the sweep and the torch comparison recorded."""
+    if _num_gpus() < world:
+        pytest.skip(f"needs {world} GPUs and PyTorch")
+    import json
+
+    from epx import bench
+
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    H, K, E = 1024, 4, 32
+    argv = ["--ranks", str(world), "--tokens", "256", "--ll-tokens", "32", "--hidden", str(H),
+            "--topk", str(K), "--experts", str(E), "--warmup", "2", "--iters", "5",
+            "--compare-torch", "--sweep-tokens", "64,256", "--sweep-ll-tokens", "8,32",
+            "--json", str(out)]
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is not None:
+        argv += ["--plot", str(png)]
+    else:
+        png = None
+    assert bench.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["num_ranks"] == world and res["iters"] == 5
+    ht, ll = res["ht"], res["ll"]
+    for fam, ops, torch_ops in (("ht", bench.HT_OPS, ("dispatch_bf16", "dispatch_fp8", "combine",
+                                                       "dispatch_bf16_full")),
+                                ("ll", bench.LL_OPS, ("dispatch_fp8", "dispatch_bf16",
+                                                      "combine"))):
+        r = res[fam]
+        for key, _, kind in ops:
+            s = r["ops"][key]
+            assert 0 < s["us"]["min"] <= s["us"]["mean"] <= s["us"]["max"] < 1e6, (fam, key, s)
+            assert (s["gbps"] is None) == (kind is None), (fam, key)
+        for key in torch_ops:
+            assert r["torch"][key]["us"]["mean"] > 0 and r["epx_over_torch"][key] > 0
+        assert [p["tokens"] for p in res["sweep"][fam]] == ([64, 256] if fam == "ht" else [8, 32])
+    # bytes as DESIGN.md counts them: HT from the rows received, LL per selection
+    n = ht["num_recv_tokens"]
+    assert n["min"] > 0
+    assert ht["ops"]["dispatch_bf16"]["bytes"]["min"] == bench.ht_bytes(int(n["min"]), H)
+    assert ht["ops"]["dispatch_fp8"]["bytes"]["max"] == bench.ht_bytes(int(n["max"]), H, True)
+    assert ht["torch"]["dispatch_bf16"]["bytes"] == ht["ops"]["dispatch_bf16"]["bytes"]
+    assert ll["num_selections"]["min"] == 32 * K  # every pick of the random routing is valid
+    assert ll["ops"]["dispatch_fp8"]["bytes"]["mean"] == bench.ll_bytes(32 * K, H, True)
+    assert ll["ops"]["combine"]["bytes"]["mean"] == bench.ll_bytes(32 * K, H)
+    for key in ("dispatch_bf16_gbps", "dispatch_fp8_gbps", "combine_gbps"):
+        assert ht[key] > 0
+    for key in ("dispatch_us", "combine_us", "dispatch_send_us", "dispatch_recv_us",
+                "combine_send_us", "combine_recv_us"):
+        assert ll[key] > 0
+    if png is not None:
+        assert png.read_bytes()[:4] == b"\x89PNG"
 
 
 # ---- helpers running inside the ranks ------------------------------------------------------------
@@ -387,3 +456,97 @@ def _core_ue8m0(scale):
     from epx import _core
 
     return _core.ref.scale_to_ue8m0(float(scale))
+
+
+# ---- the example MoE layer -----------------------------------------------------------------------
+
+def _examples():
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    import moe_layer
+    import moe_reference
+
+    return moe_layer, moe_reference
+
+
+def _case_moe_layer_example(rank, world, group):
+    import torch
+
+    ml, m = _examples()
+    dev = torch.device("cuda", rank)
+    H, I, E, K, maxT, seed = 512, 256, 4 * world, 4, 64, 5
+    El = E // world
+    _, w1, w2 = m.expert_weights(seed, E, H, I)
+
+    # the example as a function: prefill (high-throughput) and FP8 decode (low-latency),
+    # different token counts per rank
+    T, Td = 96 + 13 * rank, 40 + 5 * rank
+    r = ml.run_example(group, num_tokens=T, num_decode_tokens=Td,
+                       num_max_dispatch_tokens_per_rank=maxT, hidden=H, intermediate=I,
+                       num_experts=E, topk=K, seed=seed, use_fp8=True)
+    assert r["out"].shape == (T, H) and r["out_decode"].shape == (Td, H)
+    assert (r["topk_idx"] // El != rank).any(), "no token leaves this rank: a weak test"
+    every = _gather(group, r)
+    failures = []
+    if rank == 0:  # all ranks' tokens through the dense reference, in one process
+        def cat(key):
+            return np.concatenate([e[key] for e in every])
+
+        for name, x in (("prefill", cat("x")), ("decode", m.fp8_roundtrip(cat("x_decode")))):
+            sfx = "" if name == "prefill" else "_decode"
+            want = m.moe_forward(x, cat("topk_idx" + sfx), cat("topk_weights" + sfx), w1, w2)
+            err = m.compare(cat("out" + sfx), want)
+            if err is not None:
+                failures.append(f"{name}: {err}")
+    failures = _gather(group, failures)[0]
+    assert not failures, failures
+
+    # decode through the layer's steps, BF16 and FP8, with poisoned outputs: the expert
+    # rows past recv_count (which the combine must not read) and the combine's out=
+    layer = ml.MoELayer(group, H, I, E, K, num_max_dispatch_tokens_per_rank=maxT, seed=seed)
+    try:
+        x_np = m.random_tokens(300 + rank, Td, H)
+        x = torch.from_numpy(x_np).to(dev, torch.bfloat16)
+        idx, w = layer.route(x)
+        for use_fp8 in (False, True):
+            recv, count, handle = layer.dispatch_decode(x, idx, use_fp8)
+            assert int(count.sum()) > 0
+            y = ml.masked_experts(recv, count, layer.w1, layer.w2)
+            stale = torch.arange(y.shape[1], device=dev).unsqueeze(0) >= count.unsqueeze(1)
+            assert stale.any()
+            y[stale] = float("nan")
+            out = torch.full((Td, H), float("nan"), dtype=torch.bfloat16, device=dev)
+            got = layer.combine_decode(y, idx, w, handle, out=out)
+            assert got is out
+            x_in = m.fp8_roundtrip(x_np) if use_fp8 else x_np
+            want = m.moe_forward(x_in, idx.cpu().numpy(), w.cpu().numpy(), w1, w2)
+            err = m.compare(got.float().cpu().numpy(), want)
+            assert err is None, f"decode (fp8={use_fp8}) on rank {rank}: {err}"
+        # prefill through the steps: the grouped GEMM sees every received token
+        xp_np = m.random_tokens(400 + rank, T, H)
+        xp = torch.from_numpy(xp_np).to(dev, torch.bfloat16)
+        idx_p, w_p = layer.route(xp)
+        recv_x, recv_idx, recv_w, counts, handle = layer.dispatch(xp, idx_p, w_p)
+        assert len(counts) == El and sum(counts) == int((recv_idx >= 0).sum())
+        got = layer.combine(ml.grouped_experts(recv_x, recv_idx, recv_w, counts, layer.w1,
+                                               layer.w2), handle)
+        want = m.moe_forward(xp_np, idx_p.cpu().numpy(), w_p.cpu().numpy(), w1, w2)
+        err = m.compare(got.float().cpu().numpy(), want)
+        assert err is None, f"prefill steps on rank {rank}: {err}"
+        torch.cuda.synchronize()
+        import torch.distributed as dist
+
+        dist.barrier(group)
+    finally:
+        layer.close()
+
+
+# ---- the torch baseline of epx.bench -------------------------------------------------------------
+
+def _case_torch_baseline(rank, world, group):
+    import torch
+
+    import torch_baseline_check
+
+    torch_baseline_check.check(rank, world, group, torch.device("cuda", rank))
