@@ -101,3 +101,11 @@ if [[ " $RUN " == *" python "* ]]; then
 fi
 echo "== summary"
 printf '%s\n' "${summary[@]}"
+# The device tool brings back at most 8 files from $OUT: results stay files,
+# the logs travel as one archive (logs.tgz).
+(
+  cd "$OUT" || exit 0
+  shopt -s nullglob
+  logs=(*.log topo.tx[t])
+  if [ ${#logs[@]} -gt 0 ] && tar czf logs.tgz "${logs[@]}"; then rm -f "${logs[@]}"; fi
+) || true
