@@ -17,6 +17,9 @@ import epx as deep_ep  # the only line that differs from the same program writte
 # Run on every GPU of a node (checks each rank's output against the reference):
 #   torchrun --nproc-per-node 4 examples/moe_layer.py
 # or call run_example(group, ...) from a program that has set up torch.distributed.
+# The layer uses only deep_ep's API; the check of an FP8 run (moe_reference.py)
+# quantizes with EPX's reference model, so that check needs epx installed even
+# when the layer runs on DeepEP.
 
 import argparse
 import os

@@ -28,11 +28,13 @@ against it (needs matplotlib); ``--sweep`` records the sweep without drawing;
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -555,6 +557,9 @@ def families(mode: str) -> Tuple[str, ...]:
     return ("ht", "ll") if mode == "all" else (mode,)
 
 
+_TEARDOWN_TIMEOUT_S = 120  # seconds from the final barrier to process exit
+
+
 def _run(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -565,9 +570,19 @@ def _run(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
                             device_id=dev)
     try:
         _bench_rank(rank, world, dev, args)
-        dist.barrier()  # rank 0 writes the report and plot; leave together
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        # The peers may be inside a collective, so a collective teardown here
+        # (Buffer.destroy, destroy_process_group) would hang them and us: exit
+        # now; torch.multiprocessing then stops the other ranks and reports it.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    dist.barrier()  # rank 0 writes the report and plot; leave together
+    # Twice on 4x H200 a run wrote its results and then did not exit (cause
+    # not found yet). If teardown takes minutes, print every thread's stack
+    # (the diagnostic) and exit instead of hanging.
+    faulthandler.dump_traceback_later(_TEARDOWN_TIMEOUT_S, exit=True)
+    dist.destroy_process_group()
 
 
 def _bench_rank(rank: int, world: int, dev, args: argparse.Namespace) -> None:
@@ -594,17 +609,17 @@ def _bench_rank(rank: int, world: int, dev, args: argparse.Namespace) -> None:
         buf = epx.Buffer(group, nvl, rdma, low_latency_mode="ll" in points,
                          num_qps_per_rank=max(1, E // world), explicitly_destroy=True)
         timer = Timer(group, dev, args.warmup, args.iters)
-        try:
-            for fam, tokens in points.items():
-                measure = _measure_ht if fam == "ht" else _measure_ll
-                measured[fam] = []
-                for T in tokens:
-                    measured[fam].append(measure(buf, timer, group, args, T, rank, dev))
-                    if rank == 0 and len(tokens) > 1:
-                        print(f"epx.bench: {fam} {T} tokens done", file=sys.stderr, flush=True)
-            torch.cuda.synchronize()
-        finally:
-            buf.destroy()
+        for fam, tokens in points.items():
+            measure = _measure_ht if fam == "ht" else _measure_ll
+            measured[fam] = []
+            for T in tokens:
+                measured[fam].append(measure(buf, timer, group, args, T, rank, dev))
+                if rank == 0 and len(tokens) > 1:
+                    print(f"epx.bench: {fam} {T} tokens done", file=sys.stderr, flush=True)
+        torch.cuda.synchronize()
+        # Collective: only on the path every rank takes (an error exits instead, see _run).
+        buf.destroy()
+    del buf, timer  # EPX's communicator goes here, at the same point on every rank
     gathered: List[Any] = [None] * world
     dist.all_gather_object(gathered, measured, group)
     if rank == 0:
