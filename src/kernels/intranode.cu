@@ -213,10 +213,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams 
     if (k0 >= k1) continue;
     const int64_t row0 = p.recv_offsets[src] + k0;
     if (src == me) {
-      const int lo_e = me * epr;
-      for (int b0 = k0; b0 < k1; b0 += kBatch) {
+      // send_list[me] holds send_counts[me] ids; the two counts differ only
+      // when the caller's layout tensors disagree: never read past the list.
+      const int lo_e = me * epr, k1s = min(k1, p.send_counts[me]);
+      for (int b0 = k0; b0 < k1s; b0 += kBatch) {
         const int64_t out0 = p.recv_offsets[me] + b0;
-        const int nb = rows_fitting(p, out0, min(kBatch, k1 - b0), me, b0, lane);
+        const int nb = rows_fitting(p, out0, min(kBatch, k1s - b0), me, b0, lane);
         const int my_t = token_ids(me, b0, nb);
         for (int r = 0; r < nb; ++r) {
           const int t = __shfl_sync(kFull, my_t, r);
