@@ -103,6 +103,15 @@ def random_bf16(shape, scale=1.0):
 
 # ---- import, errors ------------------------------------------------------------------------------
 
+def _run_clean(code):
+    """Runs `code` in a fresh interpreter with this one's sys.path and a minimal
+    environment; fails the test with the child's stderr when it exits non-zero."""
+    env_path = [p for p in sys.path if p]
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env={"PYTHONPATH": ":".join(env_path), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr
+
+
 def test_import_does_not_need_torch():
     code = textwrap.dedent("""
         import sys
@@ -116,10 +125,7 @@ def test_import_does_not_need_torch():
         else:
             raise AssertionError("Buffer() without torch must raise ImportError")
     """)
-    env_path = [p for p in sys.path if p]
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env={"PYTHONPATH": ":".join(env_path), "PATH": "/usr/bin:/bin"})
-    assert r.returncode == 0, r.stderr
+    _run_clean(code)
 
 
 @pytest.mark.parametrize("code, cls, builtin", [
@@ -1039,10 +1045,7 @@ def test_bench_plot_without_matplotlib():
         else:
             raise AssertionError("--plot without matplotlib must stop with a message")
     """)
-    env_path = [p for p in sys.path if p]
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       env={"PYTHONPATH": ":".join(env_path), "PATH": "/usr/bin:/bin"})
-    assert r.returncode == 0, r.stderr
+    _run_clean(code)
 
 
 # ---- examples/moe_reference.py: the single-process MoE reference -------------------------------
