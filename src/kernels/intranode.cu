@@ -122,7 +122,8 @@ __device__ __forceinline__ void store_extra(const HtDispatchParams& p, int64_t r
 
 /// Moves the extras of `n` rows, `extras` words each: word w of the batch
 /// comes from get(r, i) and goes to put(r, i, v). Each lane loads
-/// kExtraDepth words before storing any. get/put are called with the same
+/// kExtraDepth words before storing any; lanes past the end load the last
+/// word again (in bounds) and store nothing. get/put are called with the same
 /// control flow on every lane (get may shuffle).
 template <class Get, class Put>
 __device__ __forceinline__ void move_extras(int n, int extras, Get get, Put put, int lane) {
@@ -132,7 +133,7 @@ __device__ __forceinline__ void move_extras(int n, int extras, Get get, Put put,
 #pragma unroll
     for (int u = 0; u < kExtraDepth; ++u) {
       const int w = min(base + 32 * u + lane, total - 1), r = w / extras;
-      v[u] = get(r, w - r * extras, base + 32 * u + lane < total);
+      v[u] = get(r, w - r * extras);
     }
 #pragma unroll
     for (int u = 0; u < kExtraDepth; ++u) {
@@ -140,6 +141,24 @@ __device__ __forceinline__ void move_extras(int n, int extras, Get get, Put put,
       if (w < total) put(r, w - r * extras, v[u]);
     }
   }
+}
+
+/// Copies the rows of `nb` tokens of x (ids one per lane in my_t) to
+/// dst_row(r), then their extras (routing rebased to the experts starting at
+/// lo_e) to put(r, i, v). Used for peers' staging and for a rank's own rows.
+template <class DstRow, class Put>
+__device__ __forceinline__ void copy_token_rows(const HtDispatchParams& p, int my_t, int nb,
+                                                int lo_e, int epr, int extras, DstRow dst_row,
+                                                Put put, int lane) {
+  for (int r = 0; r < nb; ++r) {
+    const int t = __shfl_sync(kFull, my_t, r);
+    warp_copy<false>(dst_row(r), p.x + static_cast<int64_t>(t) * p.x_row_bytes, p.hidden_bytes,
+                     lane);
+  }
+  move_extras(
+      nb, extras,
+      [&](int r, int i) { return extra_word(p, __shfl_sync(kFull, my_t, r), i, lo_e, epr); }, put,
+      lane);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams p) {
@@ -173,16 +192,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams 
       for (int b0 = k0; b0 < k1; b0 += kBatch) {
         const int nb = min(kBatch, k1 - b0);
         const int my_t = token_ids(dst, b0, nb);
-        for (int r = 0; r < nb; ++r) {
-          const int t = __shfl_sync(kFull, my_t, r);
-          warp_copy<false>(rows + static_cast<int64_t>(b0 + r) * p.off.row_bytes,
-                           p.x + static_cast<int64_t>(t) * p.x_row_bytes, p.hidden_bytes, lane);
-        }
-        move_extras(
-            nb, extras,
-            [&](int r, int i, bool) {
-              return extra_word(p, __shfl_sync(kFull, my_t, r), i, lo_e, epr);
-            },
+        copy_token_rows(
+            p, my_t, nb, lo_e, epr, extras,
+            [&](int r) { return rows + static_cast<int64_t>(b0 + r) * p.off.row_bytes; },
             [&](int r, int i, int v) {
               reinterpret_cast<int*>(rows + static_cast<int64_t>(b0 + r) * p.off.row_bytes +
                                      p.hidden_bytes)[i] = v;
@@ -220,16 +232,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams 
         const int64_t out0 = p.recv_offsets[me] + b0;
         const int nb = rows_fitting(p, out0, min(kBatch, k1s - b0), me, b0, lane);
         const int my_t = token_ids(me, b0, nb);
-        for (int r = 0; r < nb; ++r) {
-          const int t = __shfl_sync(kFull, my_t, r);
-          warp_copy<false>(p.recv_x + (out0 + r) * p.hidden_bytes,
-                           p.x + static_cast<int64_t>(t) * p.x_row_bytes, p.hidden_bytes, lane);
-        }
-        move_extras(
-            nb, extras,
-            [&](int r, int i, bool) {
-              return extra_word(p, __shfl_sync(kFull, my_t, r), i, lo_e, epr);
-            },
+        copy_token_rows(
+            p, my_t, nb, lo_e, epr, extras,
+            [&](int r) { return p.recv_x + (out0 + r) * p.hidden_bytes; },
             [&](int r, int i, int v) { store_extra(p, out0 + r, i, v); }, lane);
       }
       continue;
@@ -245,11 +250,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams 
                       in + static_cast<int64_t>(r) * p.off.row_bytes, p.hidden_bytes, lane);
     move_extras(
         n, extras,
-        [&](int r, int i, bool ok) {
-          return ok ? __ldcg(reinterpret_cast<const int*>(
-                                 in + static_cast<int64_t>(r) * p.off.row_bytes + p.hidden_bytes) +
-                             i)
-                    : 0;
+        [&](int r, int i) {
+          return __ldcg(reinterpret_cast<const int*>(
+                            in + static_cast<int64_t>(r) * p.off.row_bytes + p.hidden_bytes) +
+                        i);
         },
         [&](int r, int i, int v) { store_extra(p, row0 + r, i, v); }, lane);
   }
@@ -314,7 +318,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(HtCombineParams p)
       if (p.topk_weights) {
         const float* w = p.topk_weights + (p.recv_offsets[dst] + k0) * static_cast<int64_t>(K);
         move_extras(
-            k1 - k0, K, [&](int r, int i, bool) { return __float_as_int(__ldg(w + r * K + i)); },
+            k1 - k0, K, [&](int r, int i) { return __float_as_int(__ldg(w + r * K + i)); },
             [&](int r, int i, int v) {
               reinterpret_cast<int*>(out_rows + static_cast<int64_t>(r) * p.off.row_bytes +
                                      row_payload)[i] = v;
