@@ -1,6 +1,8 @@
 #include "gpu/harness.hpp"
 
 #include <cstring>
+#include <exception>
+#include <thread>
 
 #include "epx/reference.hpp"
 
@@ -52,6 +54,24 @@ std::vector<float> random_f32(std::size_t n, uint64_t seed) {
   std::vector<float> v(n);
   for (auto& x : v) x = d(g);
   return v;
+}
+
+void for_each_rank(int n, const std::function<void(int)>& f) {
+  std::vector<std::exception_ptr> errors(n);
+  {
+    std::vector<std::jthread> threads;
+    threads.reserve(n);
+    for (int r = 0; r < n; ++r)
+      threads.emplace_back([&, r] {
+        try {
+          f(r);
+        } catch (...) {
+          errors[r] = std::current_exception();
+        }
+      });
+  }
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
 }
 
 bool all_ranks(bool ok) {

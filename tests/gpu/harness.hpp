@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <random>
 #include <vector>
@@ -54,6 +55,11 @@ TensorView view(void* p, DType dtype, std::initializer_list<int64_t> shape);
 std::vector<int64_t> random_topk(int T, int K, int E, double masked, uint64_t seed);
 std::vector<uint16_t> random_bf16(std::size_t n, uint64_t seed, float scale = 1.0f);
 std::vector<float> random_f32(std::size_t n, uint64_t seed);
+
+/// Runs f(0) .. f(n-1) on n threads and waits for all of them. Every rank
+/// builds every rank's inputs, so at EP8 one thread per rank keeps the CPU
+/// side of a test from growing with the square of the rank count.
+void for_each_rank(int n, const std::function<void(int)>& f);
 
 /// All ranks agree (logical AND over ranks).
 bool all_ranks(bool ok);

@@ -35,7 +35,7 @@ struct HtCase {
 std::vector<ref::HtInput> make_inputs(const HtCase& c, int R, uint64_t seed) {
   std::vector<ref::HtInput> in(R);
   const int epr = c.num_experts / R;
-  for (int r = 0; r < R; ++r) {
+  for_each_rank(R, [&](int r) {
     auto& x = in[r];
     x.num_tokens = c.num_tokens + (r % 2);  // ranks differ in token count
     if (c.num_tokens == 0) x.num_tokens = 0;
@@ -63,7 +63,7 @@ std::vector<ref::HtInput> make_inputs(const HtCase& c, int R, uint64_t seed) {
     }
     if (c.with_weights)
       x.topk_weights = random_f32(static_cast<std::size_t>(x.num_tokens) * c.num_topk, s + 2);
-  }
+  });
   return in;
 }
 
@@ -148,7 +148,7 @@ void run_case(const HtCase& c, int iters, uint64_t seed0,
     // Combine: expert outputs are fresh random rows; bias on odd iterations.
     std::vector<std::vector<uint16_t>> outs(R);
     std::vector<ref::HtCombineInput> cin(R);
-    for (int r = 0; r < R; ++r) {
+    for_each_rank(R, [&](int r) {
       cin[r].x =
           random_bf16(static_cast<std::size_t>(ref_out[r].num_recv_tokens) * H, seed * 31 + r);
       if (c.with_weights) cin[r].topk_weights = ref_out[r].recv_topk_weights;
@@ -156,7 +156,7 @@ void run_case(const HtCase& c, int iters, uint64_t seed0,
         cin[r].bias_0 = random_bf16(static_cast<std::size_t>(in[r].num_tokens) * H, seed * 37 + r);
         cin[r].bias_1 = random_bf16(static_cast<std::size_t>(in[r].num_tokens) * H, seed * 41 + r);
       }
-    }
+    });
     auto d_cx = to_device(cin[me].x);
     auto d_cw = to_device(cin[me].topk_weights);
     auto d_b0 = to_device(cin[me].bias_0);

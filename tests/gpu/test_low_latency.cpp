@@ -62,7 +62,7 @@ LlInputs make_inputs(const LlCase& c, int R, uint64_t seed) {
   in.x.resize(R);
   in.topk.resize(R);
   in.weights.resize(R);
-  for (int r = 0; r < R; ++r) {
+  for_each_rank(R, [&](int r) {
     int T = c.max_tokens - (r % 3);  // ranks differ in token count
     if (T < 1) T = c.max_tokens;
     if (c.rank1_no_tokens && r == 1) T = 0;
@@ -77,7 +77,7 @@ LlInputs make_inputs(const LlCase& c, int R, uint64_t seed) {
     }
     in.x[r] = random_bf16(static_cast<std::size_t>(T) * c.hidden, s + 1);
     in.weights[r] = random_f32(static_cast<std::size_t>(T) * c.num_topk, s + 2);
-  }
+  });
   return in;
 }
 
@@ -92,14 +92,14 @@ std::vector<std::vector<uint16_t>> make_expert_out(const LlCase& c, int R,
                                                    uint64_t seed) {
   const int E_local = c.num_experts / R, RT = R * c.max_tokens, H = c.hidden;
   std::vector<std::vector<uint16_t>> eo(R);
-  for (int r = 0; r < R; ++r) {
+  for_each_rank(R, [&](int r) {
     eo[r].assign(static_cast<std::size_t>(E_local) * RT * H, 0);
     for (int le = 0; le < E_local; ++le) {
       const int n = ro[r].recv_count[le];
       auto rows = random_bf16(static_cast<std::size_t>(n) * H, seed * 131 + r * 1009 + le);
       std::memcpy(&eo[r][static_cast<std::size_t>(le) * RT * H], rows.data(), rows.size() * 2);
     }
-  }
+  });
   return eo;
 }
 
