@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <sstream>
@@ -200,11 +201,47 @@ std::optional<Event> Buffer::Impl::leave(const StreamArgs& s) {
 }
 
 Tensor Buffer::Impl::make(DType dtype, const std::vector<int64_t>& shape, const StreamArgs& s) {
-  cudaStream_t on = s.allocate_on_comm_stream ? comm_stream : s.stream;
-  Tensor t = alloc(dtype, shape, on);
+  return alloc(dtype, shape, s.allocate_on_comm_stream ? comm_stream : s.stream);
+}
+
+std::vector<Tensor> Buffer::Impl::make_parts(const std::vector<Part>& parts, cudaStream_t stream) {
+  constexpr std::size_t kAlign = 256;
+  std::vector<std::size_t> offset(parts.size());
+  std::size_t total = 0;
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    std::size_t n = element_size(parts[i].first);
+    for (int64_t d : parts[i].second) n *= static_cast<std::size_t>(d);
+    offset[i] = total;
+    total += (n + kAlign - 1) / kAlign * kAlign;
+  }
+  total = std::max(total, kAlign);
+  const Tensor base = alloc(DType::kI32, {static_cast<int64_t>(total / 4)}, stream);
+  std::vector<Tensor> out(parts.size());
+  for (std::size_t i = 0; i < parts.size(); ++i) {
+    TensorView& v = out[i].view;
+    v.data = static_cast<char*>(base.view.data) + offset[i];
+    v.dtype = parts[i].first;
+    v.ndim = static_cast<int>(parts[i].second.size());
+    v.device = base.view.device;
+    int64_t stride = 1;
+    for (int d = v.ndim - 1; d >= 0; --d) {
+      v.shape[d] = parts[i].second[d];
+      v.strides[d] = stride;
+      stride *= v.shape[d];
+    }
+    out[i].owner = base.owner;
+  }
+  return out;
+}
+
+std::vector<Tensor> Buffer::Impl::make_parts(const std::vector<Part>& parts, const StreamArgs& s) {
+  return make_parts(parts, s.allocate_on_comm_stream ? comm_stream : s.stream);
+}
+
+void Buffer::Impl::ordered_after_allocs(const StreamArgs& s) {
   // Memory allocated in another stream's order is used on the comm stream.
-  if (on != comm_stream) Event::record(on).stream_wait(comm_stream);
-  return t;
+  if (!s.allocate_on_comm_stream && s.stream != comm_stream)
+    Event::record(s.stream).stream_wait(comm_stream);
 }
 
 }  // namespace epx

@@ -58,7 +58,17 @@ struct Buffer::Impl {
   void enter(const StreamArgs& s);
   /// Finish: event for async_finish, or make the caller's stream wait.
   std::optional<Event> leave(const StreamArgs& s);
+  /// An output tensor, allocated in the caller's stream order (or the comm
+  /// stream's with allocate_on_comm_stream). The comm stream must not touch
+  /// it before ordered_after_allocs(s) (one event for all of an op's tensors).
   Tensor make(DType dtype, const std::vector<int64_t>& shape, const StreamArgs& s);
+  /// Several small tensors carved from one allocation (parts 256-byte
+  /// aligned, sharing ownership): one allocator call instead of one each.
+  using Part = std::pair<DType, std::vector<int64_t>>;
+  std::vector<Tensor> make_parts(const std::vector<Part>& parts, cudaStream_t stream);
+  std::vector<Tensor> make_parts(const std::vector<Part>& parts, const StreamArgs& s);
+  /// Orders the comm stream after the allocations make() did for `s`.
+  void ordered_after_allocs(const StreamArgs& s);
 };
 
 }  // namespace epx

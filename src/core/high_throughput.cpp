@@ -65,15 +65,6 @@ kernels::HtNotifyParams notify_params(const Buffer::Impl& d, const dev::NvlinkTr
   return np;
 }
 
-Tensor copy_of(const TensorView& v, Buffer::Impl& d, const StreamArgs& s) {
-  std::vector<int64_t> shape(v.shape.begin(), v.shape.begin() + v.ndim);
-  Tensor t = d.make(v.dtype, shape, s);
-  if (v.nbytes() > 0)
-    EPX_CUDA_CHECK(
-        cudaMemcpyAsync(t.view.data, v.data, v.nbytes(), cudaMemcpyDeviceToDevice, d.comm_stream));
-  return t;
-}
-
 }  // namespace
 
 Layout Buffer::get_dispatch_layout(const TensorView& topk_idx, int num_experts,
@@ -93,6 +84,7 @@ Layout Buffer::get_dispatch_layout(const TensorView& topk_idx, int num_experts,
   out.num_tokens_per_rank = d.make(DType::kI32, {R}, s);
   out.num_tokens_per_expert = d.make(DType::kI32, {num_experts}, s);
   out.is_token_in_rank = d.make(DType::kBool, {T, R}, s);
+  d.ordered_after_allocs(s);
   kernels::LayoutParams p{};
   p.topk_idx = topk_idx.ptr<int64_t>();
   p.num_tokens = T;
@@ -148,11 +140,23 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
     np.exchange = false;
     kernels::launch_ht_notify(np, d.comm_stream);
   } else {
-    handle->is_token_in_rank = copy_of(*a.is_token_in_rank, d, a.streams);
-    handle->send_slot = d.make(DType::kI32, {T, R}, a.streams);
-    handle->send_list = d.make(DType::kI32, {R, std::max(T, 1)}, a.streams);
-    handle->send_counts = d.make(DType::kI32, {R}, a.streams);
-    handle->recv_offsets = d.make(DType::kI32, {R + 1}, a.streams);
+    // The handle's routing state: one allocation, carved.
+    auto parts = d.make_parts({{DType::kBool, {T, R}},
+                               {DType::kI32, {T, R}},
+                               {DType::kI32, {R, std::max(T, 1)}},
+                               {DType::kI32, {R}},
+                               {DType::kI32, {R + 1}}},
+                              a.streams);
+    d.ordered_after_allocs(a.streams);
+    handle->is_token_in_rank = parts[0];
+    handle->send_slot = parts[1];
+    handle->send_list = parts[2];
+    handle->send_counts = parts[3];
+    handle->recv_offsets = parts[4];
+    const TensorView& src = *a.is_token_in_rank;
+    if (src.nbytes() > 0)
+      EPX_CUDA_CHECK(cudaMemcpyAsync(handle->is_token_in_rank.view.data, src.data, src.nbytes(),
+                                     cudaMemcpyDeviceToDevice, d.comm_stream));
     np.exchange = true;
     np.num_tokens_per_rank = a.num_tokens_per_rank->ptr<int>();
     np.num_tokens_per_expert = a.num_tokens_per_expert->ptr<int>();
@@ -186,14 +190,13 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   DispatchResult res;
   res.recv_x = d.make(a.x.dtype, {N, H}, a.streams);
   if (fp8) res.recv_x_scales = d.make(DType::kF32, {N, num_scales}, a.streams);
-  if (a.topk_idx && !a.handle) {
-    res.recv_topk_idx = d.make(DType::kI64, {N, K}, a.streams);
-    if (a.num_worst_tokens > 0 && N > 0)
-      EPX_CUDA_CHECK(cudaMemsetAsync(res.recv_topk_idx->view.data, 0xff,
-                                     res.recv_topk_idx->view.nbytes(), d.comm_stream));
-  }
+  if (a.topk_idx && !a.handle) res.recv_topk_idx = d.make(DType::kI64, {N, K}, a.streams);
   if (a.topk_weights && !a.handle) res.recv_topk_weights = d.make(DType::kF32, {N, K}, a.streams);
   Tensor recv_src_idx = d.make(DType::kI32, {N}, a.streams);
+  d.ordered_after_allocs(a.streams);
+  if (res.recv_topk_idx && a.num_worst_tokens > 0 && N > 0)
+    EPX_CUDA_CHECK(cudaMemsetAsync(res.recv_topk_idx->view.data, 0xff,
+                                   res.recv_topk_idx->view.nbytes(), d.comm_stream));
 
   kernels::HtDispatchParams p{};
   p.t = tr;
@@ -255,6 +258,7 @@ CombineResult Buffer::combine(const CombineArgs& a) {
   CombineResult res;
   res.combined_x = d.make(DType::kBF16, {T, H}, a.streams);
   if (a.topk_weights) res.combined_topk_weights = d.make(DType::kF32, {T, K}, a.streams);
+  d.ordered_after_allocs(a.streams);
   kernels::HtCombineParams p{};
   p.t = tr;
   p.off = off;

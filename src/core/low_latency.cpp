@@ -126,11 +126,19 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
     res.recv_x_scales = sc;
   }
   res.recv_count = d.alloc(DType::kI32, {E_local}, a.stream);
-  handle->src_info = d.alloc(DType::kI32, {E_local, RT}, a.stream);
-  handle->layout_range = d.alloc(DType::kI64, {E_local, R}, a.stream);
-  handle->topk_idx = d.alloc(DType::kI64, {T, K}, a.stream);
-  handle->combine_rows = d.alloc(DType::kI32, {R, maxT, K}, a.stream);
-  handle->state = d.alloc(DType::kI32, {kStateInts}, a.stream);
+  {  // the handle's state: one allocation, carved
+    auto parts = d.make_parts({{DType::kI32, {E_local, RT}},
+                               {DType::kI64, {E_local, R}},
+                               {DType::kI64, {T, K}},
+                               {DType::kI32, {R, maxT, K}},
+                               {DType::kI32, {kStateInts}}},
+                              a.stream);
+    handle->src_info = parts[0];
+    handle->layout_range = parts[1];
+    handle->topk_idx = parts[2];
+    handle->combine_rows = parts[3];
+    handle->state = parts[4];
+  }
   d.enter(s);
 
   const auto tr = d.transport(d.ll);
