@@ -82,17 +82,34 @@ class _TorchGlue:
         return obj
 
     def allocator(self, device: "torch.device") -> Callable:
-        """alloc(dtype, shape, stream): torch.empty from the caching allocator on `stream`."""
-        torch, dtypes, to_dlpack = self.torch, self.alloc_dtypes, self.to_dlpack
-        streams = {0: torch.cuda.default_stream(device)}
+        """alloc(dtype, shape, stream): torch.empty from the caching allocator on `stream`.
+
+        Returns (tensor, its data pointer): the core trusts a contiguous tensor of the
+        requested dtype and shape at that address, which skips a DLPack export per
+        output. Entering a stream context costs more than the allocation itself, so it
+        is done only when `stream` is not already the current one.
+        """
+        torch, dtypes = self.torch, self.alloc_dtypes
+        index = torch.device(device).index
+        if index is None:
+            index = torch.cuda.current_device()
+        streams = {0: torch.cuda.default_stream(index)}
+        current_raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if current_raw is None:  # pragma: no cover - very old PyTorch
+            def current_raw(i):
+                return torch.cuda.current_stream(i).cuda_stream
+        empty = torch.empty
 
         def alloc(dtype: int, shape: Tuple[int, ...], stream: int):
-            s = streams.get(stream)
-            if s is None:
-                s = streams[stream] = torch.cuda.ExternalStream(stream, device=device)
-            with torch.cuda.stream(s):
-                t = torch.empty(shape, dtype=dtypes[dtype], device=device)
-            return t, to_dlpack(t)  # the capsule skips __dlpack__'s stream synchronization
+            if current_raw(index) == stream:
+                t = empty(shape, dtype=dtypes[dtype], device=device)
+            else:
+                s = streams.get(stream)
+                if s is None:
+                    s = streams[stream] = torch.cuda.ExternalStream(stream, device=device)
+                with torch.cuda.stream(s):
+                    t = empty(shape, dtype=dtypes[dtype], device=device)
+            return t, t.data_ptr()
 
         return alloc
 

@@ -263,7 +263,33 @@ struct PyAllocator {
       src = r[1];
     }
     Tensor t;
-    t.view = view_of(src, "allocator result");
+    if (nb::isinstance<nb::int_>(src)) {
+      // (tensor, data pointer): a contiguous tensor of the requested dtype
+      // and shape on the current device at that address (epx.buffer's
+      // allocator), so no DLPack export is needed.
+      int64_t n = 1;
+      t.view.data = reinterpret_cast<void*>(nb::cast<uintptr_t>(src));
+      t.view.dtype = dtype;
+      t.view.ndim = static_cast<int>(shape.size());
+      for (int d = t.view.ndim - 1; d >= 0; --d) {
+        t.view.shape[d] = shape[d];
+        t.view.strides[d] = n;
+        n *= shape[d];
+      }
+      if (n > 0) {
+        cudaPointerAttributes attr{};
+        if (t.view.data == nullptr || cudaPointerGetAttributes(&attr, t.view.data) != cudaSuccess ||
+            attr.type != cudaMemoryTypeDevice)
+          throw epx::Error(epx::ErrorCode::kInternal,
+                           "the Python allocator returned a data pointer that is not CUDA "
+                           "device memory");
+        t.view.device = attr.device;
+      } else if (cudaGetDevice(&t.view.device) != cudaSuccess) {
+        throw epx::Error(epx::ErrorCode::kCuda, "allocator: cudaGetDevice failed");
+      }
+    } else {
+      t.view = view_of(src, "allocator result");
+    }
     bool ok = t.view.dtype == dtype && t.view.ndim == static_cast<int>(shape.size());
     for (int d = 0; ok && d < t.view.ndim; ++d) ok = t.view.shape[d] == shape[d];
     if (!ok || !t.view.is_contiguous())
@@ -710,7 +736,8 @@ NB_MODULE(_core, m) {
           [](epx::BufferOptions& o, std::optional<nb::callable> fn) {
             o.allocator = fn ? epx::Allocator(PyAllocator(*fn)) : epx::Allocator();
           },
-          "alloc(dtype: int, shape: tuple, stream: int) -> tensor, or (tensor, dlpack_source); "
+          "alloc(dtype: int, shape: tuple, stream: int) -> tensor, (tensor, dlpack_source), or "
+          "(tensor, data_ptr: int) for a contiguous tensor of that dtype and shape; "
           "None: EPX's cudaMallocAsync allocator.");
 
   m.def(

@@ -274,6 +274,14 @@ def test_allocator_errors():
     opts.allocator = lambda dtype, shape, stream: "not a tensor"
     with pytest.raises(TypeError, match="allocator result: expected a tensor"):
         _core._test_allocator(opts, D.int32, [2])
+    # (tensor, data pointer) is trusted only for CUDA device memory
+    host = np.zeros(2, np.int32)
+    opts.allocator = lambda dtype, shape, stream: (host, host.ctypes.data)
+    with pytest.raises(epx.EPXError, match="not CUDA device memory"):
+        _core._test_allocator(opts, D.int32, [2])
+    opts.allocator = lambda dtype, shape, stream: (host, 0)
+    with pytest.raises(epx.EPXError, match="not CUDA device memory"):
+        _core._test_allocator(opts, D.int32, [2])
 
     def boom(dtype, shape, stream):
         raise MemoryError("out of memory in the allocator")
@@ -945,6 +953,10 @@ def test_bench_statistics():
     assert s["bytes"]["mean"] == 2_000_000
     t = b.summarize_op([{"us": 7.0, "bytes": None}, {"us": 9.0, "bytes": None}])
     assert t["gbps"] is None and t["us"]["mean"] == 8.0
+    assert "host_us" not in t
+    h = b.summarize_op([{"us": 7.0, "host_us": 3.0, "bytes": None},
+                        {"us": 9.0, "host_us": 5.0, "bytes": None}])
+    assert h["host_us"] == {"mean": 4.0, "min": 3.0, "max": 5.0}
 
 
 def _fake_ranks(world=2, sweep=True):
@@ -954,8 +966,8 @@ def _fake_ranks(world=2, sweep=True):
         ht, ll = [], []
         for T in ((256, 4096) if sweep else (4096,)):
             N = 3 * T + 100 * r
-            ops = {k: {"us": (100.0 + r) * T / 256, "bytes": None if kind is None else
-                       _bench().op_bytes("ht", kind, N, 7168)}
+            ops = {k: {"us": (100.0 + r) * T / 256, "host_us": 20.0 + r, "bytes": None
+                       if kind is None else _bench().op_bytes("ht", kind, N, 7168)}
                    for k, _, kind in _bench().HT_OPS}
             torch_ops = {k: {"us": ops[k]["us"] * 2, "bytes": ops[k]["bytes"]}
                          for k in ("dispatch_bf16", "dispatch_fp8", "combine",
@@ -1006,6 +1018,7 @@ def test_bench_result_and_report():
     assert "EPX/torch" in text and "2.00x" in text and "4.00x" in text
     line = next(s for s in text.splitlines() if s.startswith("dispatch BF16 (cached)"))
     assert f"{(us0 + us1) / 2:.1f}" in line and f"{(g0 + g1) / 2:.1f}" in line
+    assert "host us" in text and line.split()[9] == "20.5"  # mean host us over the ranks
     assert "sweep, high-throughput" in text and "sweep, low-latency" in text
 
     # without --compare-torch and --sweep: no torch columns, no sweep
