@@ -34,6 +34,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -121,6 +122,8 @@ def summarize_op(per_rank: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     "bytes": spread or None}. GB/s per rank = bytes / time (1 GB = 1e9 B), then spread."""
     us = [r["us"] for r in per_rank]
     out: Dict[str, Any] = {"us": spread(us), "gbps": None, "bytes": None}
+    if all(r.get("host_us") is not None for r in per_rank):
+        out["host_us"] = spread([r["host_us"] for r in per_rank])
     if per_rank[0].get("bytes") is not None:
         b = [r["bytes"] for r in per_rank]
         out["bytes"] = spread(b)
@@ -369,6 +372,7 @@ class Timer:
         self.flush = torch.empty(flush_bytes, dtype=torch.uint8, device=device)
         self.sync = torch.zeros(1, dtype=torch.int32, device=device)
         self.runs = 0
+        self.last_host_us: Optional[float] = None  # host time of the last time_us's calls
 
     def _line_up(self, flush: bool = True) -> None:
         import torch.distributed as dist
@@ -379,22 +383,34 @@ class Timer:
         dist.all_reduce(self.sync, group=self.group)  # the current stream waits for it
 
     def time_us(self, fn: Callable[[], Any]) -> float:
-        """Median microseconds of ``fn`` over the timed runs."""
+        """Median microseconds of ``fn`` over the timed runs (GPU time between two events;
+        the GPU idles while the host prepares the call, so host time shows in it). The
+        median host time of the call itself (return to Python, no synchronization) is left
+        in ``last_host_us``."""
         import torch
 
         a = torch.cuda.Event(enable_timing=True)
         b = torch.cuda.Event(enable_timing=True)
-        samples = []
+        samples, host = [], []
         for i in range(self.warmup + self.iters):
             self._line_up()
             a.record()
+            t0 = time.perf_counter()
             keep = fn()
+            t1 = time.perf_counter()
             b.record()
             b.synchronize()
             del keep
             if i >= self.warmup:
                 samples.append(a.elapsed_time(b) * 1e3)
+                host.append((t1 - t0) * 1e6)
+        self.last_host_us = median(host)
         return median(samples)
+
+    def measure(self, fn: Callable[[], Any], nbytes: Optional[int]) -> Dict[str, Any]:
+        """{"us", "host_us", "bytes"} of ``fn`` (see time_us)."""
+        us = self.time_us(fn)
+        return {"us": us, "host_us": self.last_host_us, "bytes": nbytes}
 
     def split_us(self, send: Callable[[], Tuple]) -> Tuple[float, float]:
         """Hook mode: median microseconds of ``send()`` (which returns a tuple whose last
@@ -465,7 +481,7 @@ def _measure_ht(buf, timer: Timer, group, args, T: int, rank: int, dev) -> Dict[
     }
     point: Dict[str, Any] = {"tokens": T, "num_recv_tokens": N, "ops": {}, "torch": {}}
     for key, _, kind in HT_OPS:
-        point["ops"][key] = {"us": timer.time_us(fns[key]), "bytes": op_bytes("ht", kind, N, H)}
+        point["ops"][key] = timer.measure(fns[key], op_bytes("ht", kind, N, H))
 
     if args.compare_torch:
         tb = TorchAllToAll(group, E, per_rank=True)
@@ -487,7 +503,7 @@ def _measure_ht(buf, timer: Timer, group, args, T: int, rank: int, dev) -> Dict[
             "dispatch_bf16_full": (lambda: t_full(x), "bf16"),
         }
         for key, (fn, kind) in tfns.items():
-            point["torch"][key] = {"us": timer.time_us(fn), "bytes": op_bytes("ht", kind, N, H)}
+            point["torch"][key] = timer.measure(fn, op_bytes("ht", kind, N, H))
     return point
 
 
@@ -512,8 +528,7 @@ def _measure_ll(buf, timer: Timer, group, args, T: int, rank: int, dev) -> Dict[
     point: Dict[str, Any] = {"tokens": T, "num_selections": sel, "ops": {}, "torch": {}}
     for key, _, kind in LL_OPS:
         if key in fns:
-            point["ops"][key] = {"us": timer.time_us(fns[key]),
-                                 "bytes": op_bytes("ll", kind, sel, H)}
+            point["ops"][key] = timer.measure(fns[key], op_bytes("ll", kind, sel, H))
     ds, dr = timer.split_us(lambda: buf.low_latency_dispatch(x, idx, maxT, E, use_fp8=True,
                                                              return_recv_hook=True))
     cs, cr = timer.split_us(lambda: buf.low_latency_combine(recv, idx, w, handle,
@@ -537,7 +552,7 @@ def _measure_ll(buf, timer: Timer, group, args, T: int, rank: int, dev) -> Dict[
             "combine": (lambda: tb.combine(ty, r0, w), "bf16"),
         }
         for key, (fn, kind) in tfns.items():
-            point["torch"][key] = {"us": timer.time_us(fn), "bytes": op_bytes("ll", kind, sel, H)}
+            point["torch"][key] = timer.measure(fn, op_bytes("ll", kind, sel, H))
     return point
 
 
@@ -569,7 +584,20 @@ def _run(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
     dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
                             device_id=dev)
     try:
-        _bench_rank(rank, world, dev, args)
+        prof_path = os.environ.get("EPX_BENCH_PROFILE", "")
+        if prof_path and rank == 0:  # host-side profile of rank 0 (cProfile, by own time)
+            import cProfile
+            import io
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.runcall(_bench_rank, rank, world, dev, args)
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(40)
+            with open(prof_path, "w") as f:
+                f.write(out.getvalue())
+        else:
+            _bench_rank(rank, world, dev, args)
     except BaseException:
         # The peers may be inside a collective, so a collective teardown here
         # (Buffer.destroy, destroy_process_group) would hang them and us: exit
@@ -719,7 +747,7 @@ def format_report(result: Dict[str, Any]) -> str:
         lines.append("")
         lines.append(f"EPX {FAMILY_NAMES[fam]}: {r['tokens']} tokens per rank{extra}")
         head = (f"{'op':<28}{'us':>9}{'us min':>9}{'us max':>9}{'GB/s':>9}{'GB/s min':>9}"
-                f"{'GB/s max':>9}")
+                f"{'GB/s max':>9}{'host us':>9}")
         if has_torch:
             head += f"{'torch us':>10}{'torch GB/s':>11}{'EPX/torch':>10}"
         lines.append(head)
@@ -730,7 +758,7 @@ def format_report(result: Dict[str, Any]) -> str:
             g = s["gbps"] or {}
             line = (f"{label:<28}{_fmt(s['us']['mean'], 9)}{_fmt(s['us']['min'], 9)}"
                     f"{_fmt(s['us']['max'], 9)}{_fmt(g.get('mean'), 9)}{_fmt(g.get('min'), 9)}"
-                    f"{_fmt(g.get('max'), 9)}")
+                    f"{_fmt(g.get('max'), 9)}{_fmt((s.get('host_us') or {}).get('mean'), 9)}")
             if has_torch:
                 t = r["torch"].get(key)
                 ratio = r["epx_over_torch"].get(key)
@@ -742,6 +770,10 @@ def format_report(result: Dict[str, Any]) -> str:
             lines.append(f"tokens received per rank: {r['num_recv_tokens']['mean']:.0f} "
                          f"(min {r['num_recv_tokens']['min']:.0f}, max "
                          f"{r['num_recv_tokens']['max']:.0f})")
+    lines.append("")
+    lines.append("host us: median time of the Python call itself (until it returns; no sync). "
+                 "It includes GPU time only where the op waits on the host (dispatch with a "
+                 "new layout).")
     for fam, pts in result.get("sweep", {}).items():
         keys = PLOT_OPS[fam]
         labels = dict((k, lab) for k, lab, _ in (HT_OPS if fam == "ht" else LL_OPS))
