@@ -48,6 +48,24 @@ class _TorchGlue:
             D.bool.value: torch.bool,
         }
 
+        # torch dtype -> DType for the fast path of view() (CUDA tensors only)
+        self.view_dtypes = {
+            torch.bfloat16: D.bfloat16, torch.float32: D.float32, torch.int32: D.int32,
+            torch.int64: D.int64, torch.bool: D.bool, self.fp8: D.float8_e4m3fn,
+            torch.uint8: D.float8_e4m3fn,
+        }
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        if raw is None:  # pragma: no cover - very old PyTorch
+            def raw(index):
+                return torch.cuda.current_stream(index).cuda_stream
+        self.raw_stream = raw
+
+    def current_stream(self, device: "torch.device") -> int:
+        """The cudaStream_t of torch's current stream on ``device``, as an int (what
+        ``torch.cuda.current_stream(device).cuda_stream`` returns, for less host time)."""
+        index = device.index
+        return self.raw_stream(self.torch.cuda.current_device() if index is None else index)
+
     @classmethod
     def get(cls) -> "_TorchGlue":
         if cls._instance is None:
@@ -58,6 +76,10 @@ class _TorchGlue:
         """torch.Tensor -> TensorView (TypeError naming the argument otherwise)."""
         if not isinstance(t, self.torch.Tensor):
             raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+        if t.is_cuda:  # fast path: the view straight from the tensor's fields, no DLPack
+            dt = self.view_dtypes.get(t.dtype)
+            if dt is not None and t.dim() <= 4:
+                return _core.TensorView(t.data_ptr(), dt, t.shape, t.stride(), t.device.index)
         if t.requires_grad:
             t = t.detach()
         if t.dtype == self.fp8 and not self.fp8_dlpack:
@@ -94,11 +116,7 @@ class _TorchGlue:
         if index is None:
             index = torch.cuda.current_device()
         streams = {0: torch.cuda.default_stream(index)}
-        current_raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        if current_raw is None:  # pragma: no cover - very old PyTorch
-            def current_raw(i):
-                return torch.cuda.current_stream(i).cuda_stream
-        empty = torch.empty
+        current_raw, empty = self.raw_stream, torch.empty
 
         def alloc(dtype: int, shape: Tuple[int, ...], stream: int):
             if current_raw(index) == stream:
@@ -287,7 +305,7 @@ class Buffer:
 
     def _streams(self, previous_event, async_finish, allocate_on_comm_stream) -> _core.StreamArgs:
         s = _core.StreamArgs()
-        s.stream = self._glue.torch.cuda.current_stream(self._device).cuda_stream
+        s.stream = self._glue.current_stream(self._device)
         s.previous_event = _event_of(previous_event)
         s.async_finish = bool(async_finish)
         s.allocate_on_comm_stream = bool(allocate_on_comm_stream)
@@ -497,7 +515,7 @@ class Buffer:
                                                           cumulative_local_expert_recv_stats)
         a.use_fp8, a.round_scale, a.use_ue8m0 = bool(use_fp8), bool(round_scale), bool(use_ue8m0)
         a.async_finish, a.return_recv_hook = bool(async_finish), bool(return_recv_hook)
-        a.stream = g.torch.cuda.current_stream(self._device).cuda_stream
+        a.stream = g.current_stream(self._device)
         r = self._rt().low_latency_dispatch(a)
         recv_x, recv_scales = g.out(r.recv_x), g.out(r.recv_x_scales)
         recv_count = g.out(r.recv_count)
@@ -545,7 +563,7 @@ class Buffer:
         a.use_logfmt, a.zero_copy = bool(use_logfmt), bool(zero_copy)
         a.async_finish, a.return_recv_hook = bool(async_finish), bool(return_recv_hook)
         a.out = g.opt_view("out", out)
-        a.stream = g.torch.cuda.current_stream(self._device).cuda_stream
+        a.stream = g.current_stream(self._device)
         r = self._rt().low_latency_combine(a)
         combined_x = out if out is not None else g.out(r.combined_x)
         extra = (x, topk_idx, topk_weights, combined_x) if async_finish else None
