@@ -264,6 +264,7 @@ CombineResult Buffer::combine(const CombineArgs& a) {
   p.off = off;
   p.op_counter = d.ht_op_counter;
   p.x = a.x.ptr<uint16_t>();
+  p.num_x_rows = static_cast<int>(a.x.shape[0]);
   p.topk_weights = a.topk_weights ? a.topk_weights->ptr<float>() : nullptr;
   p.bias0 = a.bias_0 ? a.bias_0->ptr<uint16_t>() : nullptr;
   p.bias1 = a.bias_1 ? a.bias_1->ptr<uint16_t>() : nullptr;

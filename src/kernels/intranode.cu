@@ -60,6 +60,12 @@ __device__ __forceinline__ void warp_copy(uint8_t* dst, const uint8_t* src, int 
     if (full + lane + 32 * u < n) dev::st_na(d + full + lane + 32 * u, v[u]);
 }
 
+/// Warp-cooperative zero fill of `bytes` (multiple of 16).
+__device__ __forceinline__ void warp_zero(uint8_t* dst, int bytes, int lane) {
+  auto* d = reinterpret_cast<int4*>(dst);
+  for (int i = lane; i < bytes / 16; i += 32) dev::st_na(d + i, make_int4(0, 0, 0, 0));
+}
+
 __device__ __forceinline__ int ceil_div(int a, int b) {
   return (a + b - 1) / b;
 }
@@ -310,15 +316,23 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(HtCombineParams p)
       if (k0 >= k1) continue;
       uint8_t* out_rows = reinterpret_cast<uint8_t*>(p.t.peer_ptr(dst, p.off.staging)) +
                           (static_cast<int64_t>(me) * p.off.capacity + k0) * p.off.row_bytes;
-      const uint8_t* in_rows = reinterpret_cast<const uint8_t*>(p.x + (p.recv_offsets[dst] + k0) *
-                                                                          static_cast<int64_t>(H));
-      for (int r = 0; r < k1 - k0; ++r)
-        warp_copy<false>(out_rows + static_cast<int64_t>(r) * p.off.row_bytes,
-                         in_rows + static_cast<int64_t>(r) * row_payload, row_payload, lane);
+      const int row0 = p.recv_offsets[dst] + k0;  // row of x for k0
+      const uint8_t* in_rows =
+          reinterpret_cast<const uint8_t*>(p.x + row0 * static_cast<int64_t>(H));
+      // Rows past x (a truncated num_worst_tokens dispatch) go back as zeros.
+      const int n_in = max(0, min(k1 - k0, p.num_x_rows - row0));
+      for (int r = 0; r < k1 - k0; ++r) {
+        uint8_t* out = out_rows + static_cast<int64_t>(r) * p.off.row_bytes;
+        if (r < n_in)
+          warp_copy<false>(out, in_rows + static_cast<int64_t>(r) * row_payload, row_payload, lane);
+        else
+          warp_zero(out, row_payload, lane);
+      }
       if (p.topk_weights) {
-        const float* w = p.topk_weights + (p.recv_offsets[dst] + k0) * static_cast<int64_t>(K);
+        const float* w = p.topk_weights + row0 * static_cast<int64_t>(K);
         move_extras(
-            k1 - k0, K, [&](int r, int i) { return __float_as_int(__ldg(w + r * K + i)); },
+            k1 - k0, K,
+            [&](int r, int i) { return r < n_in ? __float_as_int(__ldg(w + r * K + i)) : 0; },
             [&](int r, int i, int v) {
               reinterpret_cast<int*>(out_rows + static_cast<int64_t>(r) * p.off.row_bytes +
                                      row_payload)[i] = v;
@@ -366,6 +380,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(HtCombineParams p)
       const int k = __shfl_sync(kFull, slot_cur, r);
       if (r == me) {
         const int64_t row = p.recv_offsets[me] + k;
+        if (row >= p.num_x_rows) continue;  // truncated dispatch: contributes nothing
         rows[n] = reinterpret_cast<const uint8_t*>(p.x + row * H);
         wrows[n] = p.topk_weights ? p.topk_weights + row * K : nullptr;
       } else {

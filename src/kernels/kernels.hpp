@@ -82,7 +82,10 @@ struct HtCombineParams {
   dev::NvlinkTransport t;
   HtOffsets off;
   const uint32_t* op_counter;
-  const uint16_t* x;          ///< [N, H] bf16
+  const uint16_t* x;  ///< [N, H] bf16
+  /// Rows of x (N). Rows the routing names past it (a dispatch that
+  /// num_worst_tokens truncated, an error already reported) count as zero.
+  int num_x_rows;
   const float* topk_weights;  ///< [N, K] nullable
   const uint16_t* bias0;      ///< [T, H] nullable
   const uint16_t* bias1;      ///< [T, H] nullable

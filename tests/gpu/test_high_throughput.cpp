@@ -359,6 +359,74 @@ TEST(HighThroughput, WorstTokensAndGraphReplay) {
   EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
 }
 
+// num_worst_tokens smaller than what arrives: rows past it are dropped and
+// reported at the next call. Under graph replay nothing checks in between, so
+// the combine captured with the dispatch must stay inside x (rows the routing
+// names past it count as zero) and still write every output row.
+TEST(HighThroughput, TruncatedWorstTokensStayInBounds) {
+  auto& w = world();
+  const int R = w.num_ranks, me = w.rank, H = 2048, K = 8, E = 64;
+  HtCase c{200, H, K, E, false, 0.1, true, 1, false};
+  auto in = make_inputs(c, R, 91);
+  auto ro = ref::ht_dispatch(in, H, K, E, 1);
+  const auto& mine = in[me];
+  const int T = mine.num_tokens, worst = 16;
+  ASSERT_GT(ro[me].num_recv_tokens, worst);
+  auto d_topk = to_device(mine.topk_idx);
+  auto d_x = to_device(mine.x_bf16);
+  auto d_w = to_device(mine.topk_weights);
+  StreamArgs s;
+  s.stream = w.stream;
+  auto layout = w.buffer->get_dispatch_layout(view(d_topk.get(), DType::kI64, {T, K}), E, s);
+  DispatchArgs a;
+  a.x = view(d_x.get(), DType::kBF16, {T, H});
+  a.topk_idx = view(d_topk.get(), DType::kI64, {T, K});
+  a.topk_weights = view(d_w.get(), DType::kF32, {T, K});
+  a.num_tokens_per_rank = layout.num_tokens_per_rank.view;
+  a.is_token_in_rank = layout.is_token_in_rank.view;
+  a.num_tokens_per_expert = layout.num_tokens_per_expert.view;
+  a.num_worst_tokens = worst;
+  a.streams = s;
+
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(w.stream, cudaStreamCaptureModeRelaxed), cudaSuccess);
+  Tensor combined, combined_w;
+  {
+    auto r1 = w.buffer->dispatch(a);
+    CombineArgs ca;
+    ca.x = r1.recv_x.view;
+    ca.topk_weights = r1.recv_topk_weights->view;
+    ca.handle = r1.handle;
+    ca.streams = s;
+    auto r2 = w.buffer->combine(ca);
+    combined = r2.combined_x;
+    combined_w = *r2.combined_topk_weights;
+  }
+  ASSERT_EQ(cudaStreamEndCapture(w.stream, &graph), cudaSuccess);
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaGraphInstantiateWithFlags(&exec, graph, cudaGraphInstantiateFlagAutoFreeOnLaunch),
+            cudaSuccess);
+  ASSERT_EQ(cudaGraphLaunch(exec, w.stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+  // Outputs are poisoned (NaN) when allocated: every row must be written,
+  // and from finite inputs and zeros only.
+  std::size_t bad = 0;
+  for (uint16_t v : to_host<uint16_t>(combined)) bad += std::isfinite(bf(v)) ? 0 : 1;
+  for (float v : to_host<float>(combined_w)) bad += std::isfinite(v) ? 0 : 1;
+  EXPECT_EQ(bad, 0u) << "combined values not written or read from outside x";
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  // The truncation is reported by the next call on this buffer.
+  try {
+    w.buffer->get_dispatch_layout(view(d_topk.get(), DType::kI64, {T, K}), E, s);
+    ADD_FAILURE() << "the truncated dispatch was not reported";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("num_worst_tokens"), std::string::npos) << e.what();
+  }
+  cudaStreamSynchronize(w.stream);
+  EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
+}
+
 TEST(HighThroughput, BadInputsThrowBeforeAnyKernel) {
   auto& w = world();
   StreamArgs s;
