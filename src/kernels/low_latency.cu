@@ -226,6 +226,15 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_send(LlDispatchSendPa
   const int items = p.num_tokens * C;
   for (int item = blockIdx.x * kWarps + warp; item < items; item += gridDim.x * kWarps) {
     const int t = item / C, c = item % C;
+    // The row's loads go out before the routing's (both in flight at once).
+    const int h0 = c * kDispatchChunk + lane * 16;  // this lane's 16 elements
+    const bool active = h0 < H;                     // H % 128 == 0: whole groups of 8 lanes
+    int4 a = make_int4(0, 0, 0, 0), b = a;
+    if (active) {
+      const int4* src = reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(t) * H + h0);
+      a = dev::ld_nc(src);
+      b = dev::ld_nc(src + 1);
+    }
     const int64_t e = lane < K ? p.topk_idx[static_cast<int64_t>(t) * K + lane] : -1;
     const bool valid = e >= 0 && e < E;
     const uint32_t dst_mask =
@@ -242,14 +251,6 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_send(LlDispatchSendPa
     }
     if (dst_mask == 0u) continue;
 
-    const int h0 = c * kDispatchChunk + lane * 16;  // this lane's 16 elements
-    const bool active = h0 < H;                     // H % 128 == 0: whole groups of 8 lanes
-    int4 a = make_int4(0, 0, 0, 0), b = a;
-    if (active) {
-      const int4* src = reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(t) * H + h0);
-      a = dev::ld_nc(src);
-      b = dev::ld_nc(src + 1);
-    }
     const std::size_t slot =
         half + p.off.disp_rows + (static_cast<std::size_t>(me) * p.max_tokens + t) * p.row_bytes;
     if (p.fp8) {
@@ -313,7 +314,7 @@ __device__ __forceinline__ void for_each_id(const int* ids, int K, F f) {
 // local expert le (the same result in each of its `parts` blocks), then moves
 // the rows j with j % parts == part.
 // ============================================================================
-__global__ void __launch_bounds__(kThreads) ll_dispatch_recv(LlDispatchRecvParams p) {
+__global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvParams p) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ int s_tokens[plan::kMaxRanks];
@@ -422,15 +423,27 @@ __global__ void __launch_bounds__(kThreads) ll_dispatch_recv(LlDispatchRecvParam
 #pragma unroll
     for (int q = 0; q < 4; ++q)
       v4[q] = c0 + 32 * q < n16 ? __ldcg(s4 + c0 + 32 * q) : make_int4(0, 0, 0, 0);
+    // f32 scales of rows up to hidden 8192 (G <= 64): loaded with the row.
+    const float* sc = reinterpret_cast<const float*>(src + H);
+    const bool early_scales = p.fp8 && seg == 0 && !p.ue8m0 && G <= 64;
+    float s2[2] = {0.0f, 0.0f};
+    if (early_scales) {
+      if (lane < G) s2[0] = __ldcg(sc + lane);
+      if (lane + 32 < G) s2[1] = __ldcg(sc + lane + 32);
+    }
 #pragma unroll
     for (int q = 0; q < 4; ++q)
       if (c0 + 32 * q < n16) d4[c0 + 32 * q] = v4[q];
     if (p.fp8 && seg == 0) {
-      const float* sc = reinterpret_cast<const float*>(src + H);
       if (!p.ue8m0) {
         float* out = static_cast<float*>(p.recv_scales);
-        for (int g = lane; g < G; g += 32)
-          out[(static_cast<int64_t>(le) * G + g) * RT + j] = __ldcg(sc + g);
+        if (early_scales) {
+          if (lane < G) out[(static_cast<int64_t>(le) * G + lane) * RT + j] = s2[0];
+          if (lane + 32 < G) out[(static_cast<int64_t>(le) * G + lane + 32) * RT + j] = s2[1];
+        } else {
+          for (int g = lane; g < G; g += 32)
+            out[(static_cast<int64_t>(le) * G + g) * RT + j] = __ldcg(sc + g);
+        }
       } else {
         int32_t* out = static_cast<int32_t*>(p.recv_scales);
         for (int q = lane; q < G4; q += 32) {
