@@ -118,8 +118,9 @@ def spread(values: Sequence[float]) -> Dict[str, float]:
 
 
 def summarize_op(per_rank: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
-    """One op's per-rank {"us", "bytes"} -> {"us": spread, "gbps": spread or None,
-    "bytes": spread or None}. GB/s per rank = bytes / time (1 GB = 1e9 B), then spread."""
+    """One op's per-rank {"us", "bytes"[, "host_us"]} -> {"us": spread, "gbps": spread or
+    None, "bytes": spread or None[, "host_us": spread]}. GB/s per rank = bytes / time
+    (1 GB = 1e9 B), then spread."""
     us = [r["us"] for r in per_rank]
     out: Dict[str, Any] = {"us": spread(us), "gbps": None, "bytes": None}
     if all(r.get("host_us") is not None for r in per_rank):
@@ -591,11 +592,13 @@ def _run(rank: int, world: int, init: str, args: argparse.Namespace) -> None:
             import pstats
 
             prof = cProfile.Profile()
-            prof.runcall(_bench_rank, rank, world, dev, args)
-            out = io.StringIO()
-            pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(40)
-            with open(prof_path, "w") as f:
-                f.write(out.getvalue())
+            try:
+                prof.runcall(_bench_rank, rank, world, dev, args)
+            finally:
+                out = io.StringIO()
+                pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(40)
+                with open(prof_path, "w") as f:
+                    f.write(out.getvalue())
         else:
             _bench_rank(rank, world, dev, args)
     except BaseException:
@@ -710,6 +713,9 @@ def build_result(args: argparse.Namespace, world: int,
         "compare_torch": bool(args.compare_torch),
         "sweep": {},
     }
+    if os.environ.get("EPX_BENCH_PROFILE"):
+        # rank 0 ran under cProfile and every rank waited for it at each line-up
+        result["profiled"] = "rank 0 under cProfile: times are not comparable"
     for fam in ranks[0]:
         pts = [summarize_point([r[fam][i] for r in ranks]) for i in range(len(ranks[0][fam]))]
         main_tokens = args.tokens if fam == "ht" else args.ll_tokens
@@ -738,6 +744,8 @@ def format_report(result: Dict[str, Any]) -> str:
     lines = [f"epx.bench on {result['device']}: {result['num_ranks']} ranks, hidden "
              f"{w['hidden']}, top-{w['topk']}, {w['experts']} experts; median of "
              f"{result['iters']} runs per rank (after {result['warmup']}), mean over ranks"]
+    if result.get("profiled"):
+        lines.append(f"PROFILED ({result['profiled']})")
     has_torch = result.get("compare_torch", False)
     for fam, ops in (("ht", HT_OPS), ("ll", LL_OPS)):
         if fam not in result:

@@ -258,12 +258,14 @@ struct PyAllocator {
     nb::object r = nb::borrow<nb::callable>(fn.get())(static_cast<int>(dtype), nb::tuple(dims),
                                                       from_stream(stream));
     nb::object keep = r, src = r;
+    bool pair = false;
     if (nb::isinstance<nb::tuple>(r) && nb::len(r) == 2) {
       keep = r[0];
       src = r[1];
+      pair = true;
     }
     Tensor t;
-    if (nb::isinstance<nb::int_>(src)) {
+    if (pair && nb::isinstance<nb::int_>(src)) {
       // (tensor, data pointer): a contiguous tensor of the requested dtype
       // and shape on the current device at that address (epx.buffer's
       // allocator), so no DLPack export is needed.
@@ -278,8 +280,10 @@ struct PyAllocator {
       }
       if (n > 0) {
         cudaPointerAttributes attr{};
-        if (t.view.data == nullptr || cudaPointerGetAttributes(&attr, t.view.data) != cudaSuccess ||
-            attr.type != cudaMemoryTypeDevice)
+        const cudaError_t e =
+            t.view.data == nullptr ? cudaSuccess : cudaPointerGetAttributes(&attr, t.view.data);
+        if (e != cudaSuccess) (void)cudaGetLastError();  // not left for a later launch check
+        if (t.view.data == nullptr || e != cudaSuccess || attr.type != cudaMemoryTypeDevice)
           throw epx::Error(epx::ErrorCode::kInternal,
                            "the Python allocator returned a data pointer that is not CUDA "
                            "device memory");

@@ -282,6 +282,10 @@ def test_allocator_errors():
     opts.allocator = lambda dtype, shape, stream: (host, 0)
     with pytest.raises(epx.EPXError, match="not CUDA device memory"):
         _core._test_allocator(opts, D.int32, [2])
+    # a bare pointer keeps nothing alive: refused like any non-tensor
+    opts.allocator = lambda dtype, shape, stream: host.ctypes.data
+    with pytest.raises(TypeError, match="allocator result: expected a tensor"):
+        _core._test_allocator(opts, D.int32, [2])
 
     def boom(dtype, shape, stream):
         raise MemoryError("out of memory in the allocator")
@@ -985,7 +989,7 @@ def _fake_ranks(world=2, sweep=True):
     return ranks
 
 
-def test_bench_result_and_report():
+def test_bench_result_and_report(monkeypatch):
     b = _bench()
     args = b.parse_args(["--compare-torch", "--sweep-tokens", "256,4096", "--sweep-ll-tokens",
                          "8,128"])
@@ -1025,6 +1029,10 @@ def test_bench_result_and_report():
     plain = b.parse_args([])
     res2 = b.build_result(plain, 2, _fake_ranks(sweep=False))
     assert res2["sweep"] == {} and "EPX/torch" not in b.format_report(res2)
+    assert "profiled" not in res2 and "PROFILED" not in b.format_report(res2)
+    monkeypatch.setenv("EPX_BENCH_PROFILE", "/tmp/profile.txt")
+    res3 = b.build_result(plain, 2, _fake_ranks(sweep=False))
+    assert "cProfile" in res3["profiled"] and "PROFILED" in b.format_report(res3)
 
 
 def test_bench_plot_and_replot(tmp_path):
