@@ -290,29 +290,55 @@ TEST(HighThroughput, Stress200Calls) {
 
 /// num_worst_tokens: no host sync; outputs sized to the worst case, then
 /// captured in a CUDA graph and replayed with the routing unchanged.
-TEST(HighThroughput, WorstTokensAndGraphReplay) {
+// The num_worst_tokens tests: 200 tokens (201 on odd ranks), hidden 2048,
+// top-8 of 64 experts, bf16 with weights; DispatchArgs with the layout and
+// `worst` output rows, on the world's stream.
+constexpr int kWorstTokens = 200, kWorstHidden = 2048, kWorstTopK = 8, kWorstExperts = 64;
+struct WorstTokenSetup {
+  std::vector<ref::HtDispatchOutput> ro;  ///< the reference dispatch, every rank
+  DeviceArray<int64_t> d_topk;
+  DeviceArray<uint16_t> d_x;
+  DeviceArray<float> d_w;
+  Layout layout;
+  DispatchArgs a;
+  int T = 0;
+};
+
+WorstTokenSetup worst_token_setup(uint64_t seed, int worst) {
   auto& w = world();
-  const int R = w.num_ranks, me = w.rank, H = 2048, K = 8, E = 64;
-  HtCase c{200, H, K, E, false, 0.1, true, 1, false};
-  auto in = make_inputs(c, R, 77);
-  auto ro = ref::ht_dispatch(in, H, K, E, 1);
-  const auto& mine = in[me];
-  const int T = mine.num_tokens, worst = (c.num_tokens + 1) * R;
-  auto d_topk = to_device(mine.topk_idx);
-  auto d_x = to_device(mine.x_bf16);
-  auto d_w = to_device(mine.topk_weights);
+  const int R = w.num_ranks, H = kWorstHidden, K = kWorstTopK, E = kWorstExperts;
+  HtCase c{kWorstTokens, H, K, E, false, 0.1, true, 1, false};
+  auto in = make_inputs(c, R, seed);
+  WorstTokenSetup st;
+  st.ro = ref::ht_dispatch(in, H, K, E, 1);
+  const auto& mine = in[w.rank];
+  const int T = st.T = mine.num_tokens;
+  st.d_topk = to_device(mine.topk_idx);
+  st.d_x = to_device(mine.x_bf16);
+  st.d_w = to_device(mine.topk_weights);
   StreamArgs s;
   s.stream = w.stream;
-  auto layout = w.buffer->get_dispatch_layout(view(d_topk.get(), DType::kI64, {T, K}), E, s);
-  DispatchArgs a;
-  a.x = view(d_x.get(), DType::kBF16, {T, H});
-  a.topk_idx = view(d_topk.get(), DType::kI64, {T, K});
-  a.topk_weights = view(d_w.get(), DType::kF32, {T, K});
-  a.num_tokens_per_rank = layout.num_tokens_per_rank.view;
-  a.is_token_in_rank = layout.is_token_in_rank.view;
-  a.num_tokens_per_expert = layout.num_tokens_per_expert.view;
+  st.layout = w.buffer->get_dispatch_layout(view(st.d_topk.get(), DType::kI64, {T, K}), E, s);
+  DispatchArgs& a = st.a;
+  a.x = view(st.d_x.get(), DType::kBF16, {T, H});
+  a.topk_idx = view(st.d_topk.get(), DType::kI64, {T, K});
+  a.topk_weights = view(st.d_w.get(), DType::kF32, {T, K});
+  a.num_tokens_per_rank = st.layout.num_tokens_per_rank.view;
+  a.is_token_in_rank = st.layout.is_token_in_rank.view;
+  a.num_tokens_per_expert = st.layout.num_tokens_per_expert.view;
   a.num_worst_tokens = worst;
   a.streams = s;
+  return st;
+}
+
+TEST(HighThroughput, WorstTokensAndGraphReplay) {
+  auto& w = world();
+  const int R = w.num_ranks, me = w.rank, H = kWorstHidden, K = kWorstTopK;
+  const int worst = (kWorstTokens + 1) * R;
+  auto st = worst_token_setup(77, worst);
+  const auto& ro = st.ro;
+  const auto& a = st.a;
+  const StreamArgs& s = st.a.streams;
   auto res = w.buffer->dispatch(a);
   cudaStreamSynchronize(w.stream);
   ASSERT_EQ(res.recv_x.size(0), worst);
@@ -365,28 +391,13 @@ TEST(HighThroughput, WorstTokensAndGraphReplay) {
 // names past it count as zero) and still write every output row.
 TEST(HighThroughput, TruncatedWorstTokensStayInBounds) {
   auto& w = world();
-  const int R = w.num_ranks, me = w.rank, H = 2048, K = 8, E = 64;
-  HtCase c{200, H, K, E, false, 0.1, true, 1, false};
-  auto in = make_inputs(c, R, 91);
-  auto ro = ref::ht_dispatch(in, H, K, E, 1);
-  const auto& mine = in[me];
-  const int T = mine.num_tokens, worst = 16;
-  ASSERT_GT(ro[me].num_recv_tokens, worst);
-  auto d_topk = to_device(mine.topk_idx);
-  auto d_x = to_device(mine.x_bf16);
-  auto d_w = to_device(mine.topk_weights);
-  StreamArgs s;
-  s.stream = w.stream;
-  auto layout = w.buffer->get_dispatch_layout(view(d_topk.get(), DType::kI64, {T, K}), E, s);
-  DispatchArgs a;
-  a.x = view(d_x.get(), DType::kBF16, {T, H});
-  a.topk_idx = view(d_topk.get(), DType::kI64, {T, K});
-  a.topk_weights = view(d_w.get(), DType::kF32, {T, K});
-  a.num_tokens_per_rank = layout.num_tokens_per_rank.view;
-  a.is_token_in_rank = layout.is_token_in_rank.view;
-  a.num_tokens_per_expert = layout.num_tokens_per_expert.view;
-  a.num_worst_tokens = worst;
-  a.streams = s;
+  const int me = w.rank, K = kWorstTopK, E = kWorstExperts, worst = 16;
+  auto st = worst_token_setup(91, worst);
+  ASSERT_GT(st.ro[me].num_recv_tokens, worst);
+  const int T = st.T;
+  const auto& a = st.a;
+  const StreamArgs& s = st.a.streams;
+  const DeviceArray<int64_t>& d_topk = st.d_topk;
 
   cudaGraph_t graph;
   ASSERT_EQ(cudaStreamBeginCapture(w.stream, cudaStreamCaptureModeRelaxed), cudaSuccess);
