@@ -6,6 +6,7 @@
 #include <initializer_list>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "epx/dtype.hpp"
 
@@ -25,6 +26,8 @@ struct TensorView {
 
   /// Contiguous (row-major) view of `shape`.
   static TensorView contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape,
+                               int device);
+  static TensorView contiguous(void* data, DType dtype, const std::vector<int64_t>& shape,
                                int device);
 
   int64_t size(int d) const { return shape[d]; }

@@ -269,16 +269,9 @@ struct PyAllocator {
       // (tensor, data pointer): a contiguous tensor of the requested dtype
       // and shape on the current device at that address (epx.buffer's
       // allocator), so no DLPack export is needed.
-      int64_t n = 1;
-      t.view.data = reinterpret_cast<void*>(nb::cast<uintptr_t>(src));
-      t.view.dtype = dtype;
-      t.view.ndim = static_cast<int>(shape.size());
-      for (int d = t.view.ndim - 1; d >= 0; --d) {
-        t.view.shape[d] = shape[d];
-        t.view.strides[d] = n;
-        n *= shape[d];
-      }
-      if (n > 0) {
+      t.view = TensorView::contiguous(reinterpret_cast<void*>(nb::cast<uintptr_t>(src)), dtype,
+                                      shape, epx::kCpu);
+      if (t.view.numel() > 0) {
         cudaPointerAttributes attr{};
         const cudaError_t e =
             t.view.data == nullptr ? cudaSuccess : cudaPointerGetAttributes(&attr, t.view.data);

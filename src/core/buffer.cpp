@@ -218,17 +218,8 @@ std::vector<Tensor> Buffer::Impl::make_parts(const std::vector<Part>& parts, cud
   const Tensor base = alloc(DType::kI32, {static_cast<int64_t>(total / 4)}, stream);
   std::vector<Tensor> out(parts.size());
   for (std::size_t i = 0; i < parts.size(); ++i) {
-    TensorView& v = out[i].view;
-    v.data = static_cast<char*>(base.view.data) + offset[i];
-    v.dtype = parts[i].first;
-    v.ndim = static_cast<int>(parts[i].second.size());
-    v.device = base.view.device;
-    int64_t stride = 1;
-    for (int d = v.ndim - 1; d >= 0; --d) {
-      v.shape[d] = parts[i].second[d];
-      v.strides[d] = stride;
-      stride *= v.shape[d];
-    }
+    out[i].view = TensorView::contiguous(static_cast<char*>(base.view.data) + offset[i],
+                                         parts[i].first, parts[i].second, base.view.device);
     out[i].owner = base.owner;
   }
   return out;

@@ -41,21 +41,11 @@ void keep_pool_memory() {
 Allocator default_allocator() {
   keep_pool_memory();
   return [](DType dtype, const std::vector<int64_t>& shape, cudaStream_t stream) {
+    int device = 0;
+    EPX_CUDA_CHECK(cudaGetDevice(&device));
     Tensor t;
-    t.view.dtype = dtype;
-    t.view.ndim = static_cast<int>(shape.size());
-    int64_t n = 1;
-    for (std::size_t d = 0; d < shape.size(); ++d) {
-      t.view.shape[d] = shape[d];
-      n *= shape[d];
-    }
-    int64_t stride = 1;
-    for (int d = t.view.ndim - 1; d >= 0; --d) {
-      t.view.strides[d] = stride;
-      stride *= t.view.shape[d];
-    }
-    EPX_CUDA_CHECK(cudaGetDevice(&t.view.device));
-    std::size_t bytes = static_cast<std::size_t>(n) * element_size(dtype);
+    t.view = TensorView::contiguous(nullptr, dtype, shape, device);
+    const std::size_t bytes = t.view.nbytes();
     void* p = nullptr;
     if (bytes > 0) EPX_CUDA_CHECK(cudaMallocAsync(&p, bytes, stream));
     t.view.data = p;

@@ -10,13 +10,17 @@ namespace epx {
 
 TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape,
                                   int device) {
+  return contiguous(data, dtype, std::vector<int64_t>(shape), device);
+}
+
+TensorView TensorView::contiguous(void* data, DType dtype, const std::vector<int64_t>& shape,
+                                  int device) {
   TensorView v;
   v.data = data;
   v.dtype = dtype;
   v.device = device;
   v.ndim = static_cast<int>(shape.size());
-  int i = 0;
-  for (int64_t s : shape) v.shape[i++] = s;
+  for (int d = 0; d < v.ndim; ++d) v.shape[d] = shape[d];
   int64_t stride = 1;
   for (int d = v.ndim - 1; d >= 0; --d) {
     v.strides[d] = stride;
