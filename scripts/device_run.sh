@@ -5,6 +5,8 @@
 #   EPX_RUN="tests bench"  (default both)   EPX_BENCH="ht ll"
 #   EPX_RUN="python" (or "tests bench python"): the Python package from a wheel in
 #   .device/wheel/ (pytest -m gpu, then python -m epx.bench), EPX_PY_TIMEOUT (300 s) each.
+#   EPX_RUN="pybuild python": the wheel built here by `pip wheel .` on this Python instead.
+#   EPX_PY_BENCH=0 skips python -m epx.bench.
 set -uo pipefail
 D=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/epx-out}
@@ -45,6 +47,27 @@ if [[ " $RUN " == *" bench "* ]]; then
     grep -v "^sweep" "$OUT/bench-$fam.log" | tail -15
     summary+=("bench $fam EP$n: rc=$rc")
   done
+fi
+if [[ " $RUN " == *" pybuild "* ]]; then
+  # `pip install .` the way a user runs it, on this machine's own Python, offline
+  # (its scikit-build-core, nanobind, cmake and ninja), against the pip NCCL.
+  # The wheel it builds is the one the python step installs.
+  echo "== pybuild: pip wheel . on $(python3 --version 2>&1)"
+  nccl_root=$(python3 -c 'import nvidia.nccl, os; print(list(nvidia.nccl.__path__)[0])' 2>/dev/null)
+  rm -rf /tmp/epx-devwheel
+  t0=$(date +%s)
+  # The compiler must be the one whose libstdc++ the Python process loads:
+  # EPX_PYBUILD_CXX (default: the system g++, not a newer one that $CXX may name).
+  cxx=${EPX_PYBUILD_CXX:-$(command -v /usr/bin/g++ || echo "${CXX:-g++}")}
+  echo "pybuild: CXX=$cxx ($($cxx --version | head -1)), env CXX=${CXX:-unset}"
+  CXX=$cxx CUDAHOSTCXX=$cxx NCCL_ROOT=$nccl_root CMAKE_BUILD_PARALLEL_LEVEL=$(nproc) timeout ${EPX_PYBUILD_TIMEOUT:-300} \
+    python3 -m pip wheel -v --no-build-isolation --no-deps . -w /tmp/epx-devwheel \
+    --config-settings=build-dir=/tmp/epx-devbuild > "$OUT/pybuild.log" 2>&1
+  rc=$?
+  echo "pybuild: rc=$rc in $(( $(date +%s) - t0 )) s: $(ls /tmp/epx-devwheel 2>/dev/null)"
+  [ $rc -eq 0 ] || tail -30 "$OUT/pybuild.log"
+  summary+=("pybuild: rc=$rc")
+  [ $rc -eq 0 ] && EPX_WHEEL_DIR=/tmp/epx-devwheel
 fi
 if [[ " $RUN " == *" python "* ]]; then
   # The wheel (and any extra wheels, e.g. matplotlib's) goes to its own target dir;
@@ -89,13 +112,17 @@ if [[ " $RUN " == *" python "* ]]; then
       fi
       n=$GPUS
       [ "$n" -gt 8 ] && n=8
-      echo "== python -m epx.bench EP$n"
-      timeout ${EPX_PY_TIMEOUT:-300} python3 -m epx.bench --ranks "$n" --compare-torch \
-        --json "$OUT/py-bench.json" "${py_plot[@]}" ${EPX_PY_BENCH_ARGS:-} \
-        > "$OUT/py-bench.log" 2>&1
-      rc=$?
-      grep -v "tokens done$" "$OUT/py-bench.log" | tail -45
-      summary+=("python bench EP$n: rc=$rc")
+      if [ "${EPX_PY_BENCH:-1}" = 0 ]; then
+        summary+=("python bench: not run (EPX_PY_BENCH=0)")
+      else
+        echo "== python -m epx.bench EP$n"
+        timeout ${EPX_PY_TIMEOUT:-300} python3 -m epx.bench --ranks "$n" --compare-torch \
+          --json "$OUT/py-bench.json" "${py_plot[@]}" ${EPX_PY_BENCH_ARGS:-} \
+          > "$OUT/py-bench.log" 2>&1
+        rc=$?
+        grep -v "tokens done$" "$OUT/py-bench.log" | tail -45
+        summary+=("python bench EP$n: rc=$rc")
+      fi
     fi
   fi
 fi
