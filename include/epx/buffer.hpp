@@ -156,9 +156,11 @@ struct LowLatencyHandle {
   Tensor topk_idx;      ///< [T, K] i64 copy of the routing (kept for combine)
   int buffer_slot = 0;  ///< which half of the double buffer the call used
   // Low-latency path internals (issue 4):
-  /// [R, maxT, K] i32 on this (expert) rank: packed row (local_expert * R*maxT + j) that
-  /// holds pick k of token t of source s, or -1; the combine's reduction plan.
-  Tensor combine_rows;
+  /// [R, ceil(maxT / 32), E_local, 2] i32 on this (expert) rank, the combine's reduction
+  /// plan: for source s, token word w and local expert le, {mask, j0}: bit b of mask is
+  /// set when token 32 w + b of s picked le, whose packed row is then
+  /// le * R*maxT + j0 + (set bits of mask below b).
+  Tensor combine_plan;
   /// [16] i32: [0] the dispatch's epoch (set by the send phase), [8 + s] tokens source s sent.
   Tensor state;
   bool use_fp8 = false;  ///< dispatched in FP8

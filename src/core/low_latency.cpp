@@ -45,6 +45,7 @@ kernels::LlOffsets offsets_of(const plan::LlRegion& r) {
   o.meta_stride = r.meta_stride();
   o.disp_rows = r.dispatch_rows_offset();
   o.weights = r.weights_offset();
+  o.weights_stride = r.weights_stride();
   o.comb_rows = r.combine_rows_offset();
   return o;
 }
@@ -130,13 +131,13 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
     auto parts = d.make_parts({{DType::kI32, {E_local, RT}},
                                {DType::kI64, {E_local, R}},
                                {DType::kI64, {T, K}},
-                               {DType::kI32, {R, maxT, K}},
+                               {DType::kI32, {R, region.mask_words(), E_local, 2}},
                                {DType::kI32, {kStateInts}}},
                               a.stream);
     handle->src_info = parts[0];
     handle->layout_range = parts[1];
     handle->topk_idx = parts[2];
-    handle->combine_rows = parts[3];
+    handle->combine_plan = parts[3];
     handle->state = parts[4];
   }
   d.enter(s);
@@ -185,7 +186,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   rp.recv_count = res.recv_count.ptr<int>();
   rp.src_info = handle->src_info.ptr<int>();
   rp.layout_range = handle->layout_range.ptr<int64_t>();
-  rp.combine_rows = handle->combine_rows.ptr<int>();
+  rp.combine_plan = reinterpret_cast<int2*>(handle->combine_plan.ptr<int>());
   rp.stats = a.cumulative_local_expert_recv_stats ? a.cumulative_local_expert_recv_stats->ptr<int>()
                                                   : nullptr;
   rp.timeout_ns = d.timeout_ns();
@@ -219,7 +220,7 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   validate::low_latency_combine(a, R, d.device);
   const auto handle = a.handle;
   const auto& h = *handle;
-  require(h.combine_rows.defined() && h.state.defined(), "low_latency_combine: handle",
+  require(h.combine_plan.defined() && h.state.defined(), "low_latency_combine: handle",
           "must come from low_latency_dispatch (this one carries no routing state)");
   const int T = h.num_tokens, H = h.hidden, K = h.num_topk, E = h.num_experts;
   const int maxT = h.num_max_dispatch_tokens_per_rank;
@@ -251,11 +252,13 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   sp.state = state.ptr<int32_t>();
   sp.disp_state = h.state.ptr<int32_t>();
   sp.x = a.x.ptr<uint16_t>();  // zero_copy or not, the send reads x where it is
+  sp.topk_idx = a.topk_idx.ptr<int64_t>();
   sp.topk_weights = a.topk_weights.ptr<float>();
-  sp.combine_rows = h.combine_rows.ptr<int>();
+  sp.combine_plan = reinterpret_cast<const int2*>(h.combine_plan.ptr<int>());
   sp.num_tokens = T;
   sp.hidden = H;
   sp.num_topk = K;
+  sp.num_experts = E;
   sp.max_tokens = maxT;
   sp.logfmt = a.use_logfmt;
   sp.timeout_ns = d.timeout_ns();

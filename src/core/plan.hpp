@@ -76,9 +76,12 @@ inline constexpr int kLlMaxTopK = 16;
 ///   [half 0][half 1]       one half per op parity (epoch & 1), each:
 ///       flags     uint32[3][kMaxRanks]: dispatch data, combine weights, combine data; one
 ///                 word per source rank holding the epoch of the last op that filled it
-///       meta      per source: [header 16 B: num_tokens][int32 topk ids [maxT][kLlMaxTopK]]
+///       meta      per source: [header 16 B: num_tokens][uint32 token masks [W][E_local]]
+///                 with W = ceil(maxT / 32): bit t % 32 of word [t / 32][le] is set when
+///                 token t of the source picks local expert le (of the receiving rank)
 ///       disp rows per source: [maxT] dispatch rows (payload, FP8 scales) at slot = token
-///       weights   per source: f32 [maxT][kLlMaxTopK] combine weights
+///       weights   per source: f32 [maxT][kLlMaxTopK] combine weights, then
+///                 int32 [maxT][kLlMaxTopK] the combine's expert ids (-1: none)
 ///       comb rows per source: [maxT] bf16 rows (one per (token, expert rank))
 ///   [zero-copy 0][zero-copy 1]  bf16 [E_local, R*maxT, H] combine inputs
 ///                               (get_next_low_latency_combine_buffer); optional: the ops
@@ -106,8 +109,14 @@ struct LlRegion {
   static constexpr std::size_t flags_bytes() { return align_up(3u * 4u * kMaxRanks, kAlign); }
   static constexpr std::size_t flags_base() { return kAlign; }
   std::size_t control_bytes() const { return kAlign + 2 * flags_bytes(); }
+  /// 32-token words of a token mask.
+  int mask_words() const { return (max_tokens + 31) / 32; }
   std::size_t meta_stride() const {
-    return align_up(16u + 4u * static_cast<std::size_t>(max_tokens) * kLlMaxTopK, kAlign);
+    return align_up(16u + 4u * static_cast<std::size_t>(mask_words()) * local_experts(), kAlign);
+  }
+  /// Per source in the weights area: weights, then expert ids.
+  std::size_t weights_stride() const {
+    return 8u * static_cast<std::size_t>(max_tokens) * kLlMaxTopK;
   }
   // Offsets inside a half (the half's flags live in the control area).
   std::size_t meta_offset() const { return 0; }
@@ -120,9 +129,8 @@ struct LlRegion {
                     kAlign);
   }
   std::size_t combine_rows_offset() const {
-    return align_up(
-        weights_offset() + 4u * static_cast<std::size_t>(num_ranks) * max_tokens * kLlMaxTopK,
-        kAlign);
+    return align_up(weights_offset() + static_cast<std::size_t>(num_ranks) * weights_stride(),
+                    kAlign);
   }
   std::size_t half_bytes() const {
     return align_up(combine_rows_offset() +

@@ -115,7 +115,7 @@ namespace epx::kernels {
 struct LlOffsets {
   std::size_t control;  ///< local completion counters (uint32[2])
   std::size_t half0, half_bytes;
-  std::size_t flags, meta, meta_stride, disp_rows, weights, comb_rows;
+  std::size_t flags, meta, meta_stride, disp_rows, weights, weights_stride, comb_rows;
   std::size_t flags_half_bytes;  ///< flags of half 1 start at flags + flags_half_bytes
 };
 
@@ -147,7 +147,7 @@ struct LlDispatchRecvParams {
   int* recv_count;  ///< [E_local]
   int* src_info;    ///< [E_local, R*maxT]
   int64_t* layout_range;  ///< [E_local, R]
-  int* combine_rows;      ///< [R, maxT, K]
+  int2* combine_plan;     ///< [R, W, E_local] (LowLatencyHandle::combine_plan)
   int* stats;             ///< [E_local] nullable, += recv_count
   uint64_t timeout_ns;
   DeviceDiag* diag;
@@ -161,9 +161,10 @@ struct LlCombineSendParams {
   int32_t* state;             ///< combine state: [0] <- this op's epoch
   const int32_t* disp_state;  ///< the dispatch's handle state ([8 + s]: tokens of source s)
   const uint16_t* x;          ///< [E_local, R*maxT, H] bf16
+  const int64_t* topk_idx;    ///< [T, K] of this rank's tokens
   const float* topk_weights;  ///< [T, K] of this rank's tokens
-  const int* combine_rows;    ///< [R, maxT, K] from the dispatch
-  int num_tokens, hidden, num_topk, max_tokens;
+  const int2* combine_plan;   ///< [R, W, E_local] from the dispatch
+  int num_tokens, hidden, num_topk, num_experts, max_tokens;
   bool logfmt;
   uint64_t timeout_ns;
   DeviceDiag* diag;

@@ -223,8 +223,41 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_send(LlDispatchSendPa
   }
 
   const int C = ceil_div(H, kDispatchChunk);
-  const int items = p.num_tokens * C;
+  const int row_items = p.num_tokens * C;
+  // Token masks: unit (w, g) sends, for the 32 tokens of word w and the 32
+  // experts of group g, one word per expert to the expert's rank.
+  const int groups = ceil_div(E, 32);
+  const int items = row_items + ceil_div(p.num_tokens, 32) * groups;
   for (int item = blockIdx.x * kWarps + warp; item < items; item += gridDim.x * kWarps) {
+    if (item >= row_items) {
+      const int w = (item - row_items) / groups, g = (item - row_items) % groups;
+      const int t = w * 32 + lane;
+      uint32_t mine = 0;  // bit j: token t picks expert 32 g + j
+      if (t < p.num_tokens) {
+        int64_t v[plan::kLlMaxTopK];
+#pragma unroll
+        for (int k = 0; k < plan::kLlMaxTopK; ++k)
+          v[k] = k < K ? p.topk_idx[static_cast<int64_t>(t) * K + k] : -1;
+#pragma unroll
+        for (int k = 0; k < plan::kLlMaxTopK; ++k) {
+          const int64_t j = v[k] - 32 * g;
+          if (v[k] >= 0 && v[k] < E && j >= 0 && j < 32) mine |= 1u << static_cast<int>(j);
+        }
+      }
+      uint32_t word = 0;  // lane j: the tokens that pick expert 32 g + j
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const uint32_t b = __ballot_sync(kFull, (mine >> j) & 1u);
+        if (lane == j) word = b;
+      }
+      const int e = 32 * g + lane;
+      if (e < E) {
+        const int r = e / E_local, le = e % E_local;
+        reinterpret_cast<uint32_t*>(
+            p.t.peer_ptr(r, my_meta + 16))[static_cast<std::size_t>(w) * E_local + le] = word;
+      }
+      continue;
+    }
     const int t = item / C, c = item % C;
     // The row's loads go out before the routing's (both in flight at once).
     const int h0 = c * kDispatchChunk + lane * 16;  // this lane's 16 elements
@@ -240,13 +273,9 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_send(LlDispatchSendPa
     const uint32_t dst_mask =
         __reduce_or_sync(kFull, valid ? (1u << static_cast<int>(e / E_local)) : 0u);
     if (c == 0 && lane < K) {
-      // This token's routing, for every rank (each finds its experts in it).
       if (!valid && e != -1)
         dev::report(p.diag, DiagCode::kBadExpert, OpId::kLowLatencyDispatchSend, me, -1, lane, 0,
                     static_cast<uint32_t>(e), t);
-      const int id = valid ? static_cast<int>(e) : -1;
-      for (int r = 0; r < R; ++r)
-        reinterpret_cast<int*>(p.t.peer_ptr(r, my_meta + 16))[t * K + lane] = id;
       if (p.topk_copy) p.topk_copy[static_cast<int64_t>(t) * K + lane] = e;
     }
     if (dst_mask == 0u) continue;
@@ -294,25 +323,10 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_send(LlDispatchSendPa
   finish_send(p.t, p.off, half, kFlagDispatch, kDoneDispatch, p.op_counter, epoch);
 }
 
-/// Calls f(k, id) for the K expert ids at `ids`, loading them 8 at a time
-/// with all 8 loads issued before any is used (one memory latency per 8 ids
-/// instead of one per id, without holding 16 registers).
-template <class F>
-__device__ __forceinline__ void for_each_id(const int* ids, int K, F f) {
-  for (int k0 = 0; k0 < K; k0 += 8) {
-    int v[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) v[i] = k0 + i < K ? __ldcg(ids + k0 + i) : -1;
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      if (k0 + i < K) f(k0 + i, v[i]);
-  }
-}
-
 // ============================================================================
-// dispatch: receive. Block (le, part): scans the routing of every source for
-// local expert le (the same result in each of its `parts` blocks), then moves
-// the rows j with j % parts == part.
+// dispatch: receive. Block (le, part): reads the token masks of every source
+// for local expert le (the same list in each of its `parts` blocks), then
+// moves the rows j with j % parts == part.
 // ============================================================================
 __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvParams p) {
   using Scan = cub::BlockScan<int, kThreads>;
@@ -321,11 +335,10 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvPa
   __shared__ int s_begin[plan::kMaxRanks + 1];
   extern __shared__ int s_list[];  // [R * maxT]: (source << 16) | token of packed row j
 
-  const int R = p.t.num_ranks, me = p.t.rank;
+  const int R = p.t.num_ranks;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int E_local = p.num_experts / R, RT = R * p.max_tokens, K = p.num_topk, H = p.hidden;
+  const int E_local = p.num_experts / R, RT = R * p.max_tokens, H = p.hidden;
   const int le = blockIdx.x / p.parts, part = blockIdx.x % p.parts;
-  const int ge = me * E_local + le;
   const uint32_t epoch = static_cast<uint32_t>(p.state[0]);
   const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
 
@@ -344,25 +357,28 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvPa
   __syncthreads();
 
   // Packed order: by source rank, then token; a token counts once however
-  // often it picks le. Positions (s, t) of all sources are scanned together,
-  // kThreads at a time (one round for R * maxT <= 512).
-  int count = 0;
-  for (int base = 0; base < RT; base += kThreads) {
-    const int pos = base + threadIdx.x;
-    const int s = pos / p.max_tokens, t = pos % p.max_tokens;
-    int pick = 0;
-    if (pos < RT && t < s_tokens[s]) {
-      for_each_id(meta_of(s) + 4 + t * K, K, [&](int, int e) { pick |= e == ge ? 1 : 0; });
-    }
+  // often it picks le. Thread (s, w) takes word w of source s's mask for le;
+  // one scan over all R * W words gives each word its first packed row.
+  const int W = ceil_div(p.max_tokens, 32);
+  {
+    const int pos = threadIdx.x, s = pos / W, w = pos % W;
+    uint32_t word = 0;
+    if (pos < R * W && 32 * w < s_tokens[s])
+      word = __ldcg(reinterpret_cast<const uint32_t*>(meta_of(s) + 4) +
+                    static_cast<std::size_t>(w) * E_local + le);
     int prefix = 0, total = 0;
-    Scan(scan_tmp).ExclusiveSum(pick, prefix, total);
-    if (pick) s_list[count + prefix] = (s << 16) | t;
-    if (pos < RT && t == 0) s_begin[s] = count + prefix;
-    count += total;
-    __syncthreads();  // scan_tmp is reused
+    Scan(scan_tmp).ExclusiveSum(__popc(word), prefix, total);
+    for (uint32_t m = word, i = prefix; m != 0u; m &= m - 1u, ++i)
+      s_list[i] = (s << 16) | (32 * w + __ffs(m) - 1);
+    if (pos < R * W && w == 0) s_begin[s] = prefix;
+    if (pos == 0) s_begin[R] = total;
+    // The combine's plan: {mask, first packed row} of (s, w, le).
+    if (part == 0 && pos < R * W)
+      p.combine_plan[static_cast<std::size_t>(pos) * E_local + le] =
+          make_int2(static_cast<int>(word), prefix);
   }
-  if (threadIdx.x == 0) s_begin[R] = count;
   __syncthreads();
+  const int count = s_begin[R];
 
   if (part == 0) {
     if (threadIdx.x == 0) {
@@ -376,30 +392,9 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvPa
           static_cast<int64_t>(s_begin[s + 1] - s_begin[s]);
     }
   }
-  // src_info of my rows (-1 past the count) and the combine plan of my rows.
-  for (int j = part + p.parts * static_cast<int>(threadIdx.x); j < RT; j += p.parts * kThreads) {
-    const int v = j < count ? s_list[j] : -1;
-    p.src_info[static_cast<int64_t>(le) * RT + j] = j < count ? (v & 0xffff) : -1;
-    if (j < count) {
-      const int s = v >> 16, t = v & 0xffff;
-      int* plan_row = p.combine_rows + (static_cast<int64_t>(s) * p.max_tokens + t) * K;
-      for_each_id(meta_of(s) + 4 + t * K, K, [&](int k, int e) {
-        if (e == ge) plan_row[k] = le * RT + j;
-      });
-    }
-  }
-  // Entries of the plan that name no local expert: -1 (spread over all blocks).
-  for (int i = blockIdx.x * kThreads + threadIdx.x; i < RT; i += gridDim.x * kThreads) {
-    const int s = i / p.max_tokens, t = i % p.max_tokens;
-    int* plan_row = p.combine_rows + static_cast<int64_t>(i) * K;
-    if (t < s_tokens[s]) {
-      for_each_id(meta_of(s) + 4 + t * K, K, [&](int k, int e) {
-        if (e < me * E_local || e >= (me + 1) * E_local) plan_row[k] = -1;
-      });
-    } else {
-      for (int k = 0; k < K; ++k) plan_row[k] = -1;
-    }
-  }
+  // src_info of my rows (-1 past the count).
+  for (int j = part + p.parts * static_cast<int>(threadIdx.x); j < RT; j += p.parts * kThreads)
+    p.src_info[static_cast<int64_t>(le) * RT + j] = j < count ? (s_list[j] & 0xffff) : -1;
 
   // Rows: work units of (row, segment of 128 int4 = 4 per lane), so that
   // the few rows of an expert spread over all warps of its blocks.
@@ -470,16 +465,22 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const uint32_t epoch = *p.op_counter + 1u;
   const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
-  const int H = p.hidden, K = p.num_topk, maxT = p.max_tokens;
+  const int H = p.hidden, K = p.num_topk, E = p.num_experts, maxT = p.max_tokens;
   const int H8 = H / 8;
 
   if (blockIdx.x == 0) {
+    // This rank's weights and expert ids, for every rank (each finds its picks).
     const int n = p.num_tokens * K;
     for (int r = 0; r < R; ++r) {
-      float* dst = reinterpret_cast<float*>(p.t.peer_ptr(
-          r, half + p.off.weights +
-                 static_cast<std::size_t>(me) * maxT * plan::kLlMaxTopK * sizeof(float)));
-      for (int i = threadIdx.x; i < n; i += kThreads) dst[i] = p.topk_weights[i];
+      char* dst = p.t.peer_ptr(
+          r, half + p.off.weights + static_cast<std::size_t>(me) * p.off.weights_stride);
+      float* dst_w = reinterpret_cast<float*>(dst);
+      int* dst_id = reinterpret_cast<int*>(dst + 4u * maxT * plan::kLlMaxTopK);
+      for (int i = threadIdx.x; i < n; i += kThreads) {
+        const int64_t e = p.topk_idx[i];
+        dst_w[i] = p.topk_weights[i];
+        dst_id[i] = e >= 0 && e < E ? static_cast<int>(e) : -1;
+      }
     }
     __threadfence_system();
     __syncthreads();
@@ -499,23 +500,33 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
 
   const int C = ceil_div(H, kCombineChunk);
   const int items = s_prefix[R] * C;
+  const int W = ceil_div(maxT, 32), E_local = E / R, RT = R * maxT;
   uint32_t weights_ready = 0;  // sources whose weights this warp has waited for
   for (int item = blockIdx.x * kWarps + warp; item < items; item += gridDim.x * kWarps) {
     const int pair = item / C, c = item % C;
     int s = 0;
     while (s + 1 < R && pair >= s_prefix[s + 1]) ++s;
     const int t = pair - s_prefix[s];
-    const int row = lane < K ? p.combine_rows[(static_cast<int64_t>(s) * maxT + t) * K + lane] : -1;
-    const uint32_t picks = __ballot_sync(kFull, row >= 0);
-    if (picks == 0u) continue;
+    const int2* plan_w = p.combine_plan + static_cast<std::size_t>(s * W + t / 32) * E_local;
+    const uint32_t below = (1u << (t % 32)) - 1u;
+    // The local experts token t of s picked (lane le), and the packed row of the first.
+    int n_experts = 0, row0 = -1;
+    for (int g = 0; g < E_local; g += 32) {
+      const int2 ent = g + lane < E_local ? __ldcg(plan_w + g + lane) : make_int2(0, 0);
+      const bool on = (static_cast<uint32_t>(ent.x) >> (t % 32)) & 1u;
+      const uint32_t picks = __ballot_sync(kFull, on);
+      const int row = (g + lane) * RT + ent.y + __popc(static_cast<uint32_t>(ent.x) & below);
+      if (n_experts == 0 && picks != 0u) row0 = __shfl_sync(kFull, row, __ffs(picks) - 1);
+      n_experts += __popc(picks);
+    }
+    if (n_experts == 0) continue;
     int4* dst = reinterpret_cast<int4*>(p.t.peer_ptr(
         s, half + p.off.comb_rows + (static_cast<std::size_t>(me) * maxT + t) * 2u * H));
     const int col0 = c * (kCombineChunk / 8) + lane;
 
-    if (__popc(picks) == 1) {
-      // One pick here: the raw expert row; the source weights it.
-      const int r0 = __shfl_sync(kFull, row, __ffs(picks) - 1);
-      const int4* src = reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(r0) * H);
+    if (n_experts == 1) {
+      // One expert here: its raw row; the source weights it.
+      const int4* src = reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(row0) * H);
       int4 v[kCombineSteps];
 #pragma unroll
       for (int st = 0; st < kCombineSteps; ++st)
@@ -526,7 +537,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
       continue;
     }
 
-    // Several picks here: their weighted sum (weights from the source).
+    // Several experts here: the weighted sum over the token's picks k (in k
+    // order) that name them; ids and weights come from the source.
     if (!((weights_ready >> s) & 1u)) {
       // Every lane acquires the flag itself; the warp agrees on the outcome.
       const bool ok = p.t.wait(flag_offset(half, p.off, kFlagWeights, s), epoch, p.timeout_ns,
@@ -534,10 +546,19 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
       if (!__all_sync(kFull, ok)) break;  // reported; still count in below
       weights_ready |= 1u << s;
     }
-    const float* wsrc = reinterpret_cast<const float*>(
-        p.t.local_ptr(half + p.off.weights +
-                      static_cast<std::size_t>(s) * maxT * plan::kLlMaxTopK * sizeof(float)));
-    const float w = row >= 0 ? __ldcg(wsrc + t * K + lane) : 0.0f;
+    const char* wsrc_base =
+        p.t.local_ptr(half + p.off.weights + static_cast<std::size_t>(s) * p.off.weights_stride);
+    const float* wsrc = reinterpret_cast<const float*>(wsrc_base);
+    const int* idsrc = reinterpret_cast<const int*>(wsrc_base + 4u * maxT * plan::kLlMaxTopK);
+    const int id = lane < K ? __ldcg(idsrc + t * K + lane) : -1;
+    const float w = lane < K ? __ldcg(wsrc + t * K + lane) : 0.0f;
+    const int le_k = id - me * E_local;
+    int row = -1;
+    if (id >= 0 && le_k >= 0 && le_k < E_local) {
+      const int2 ent = __ldcg(plan_w + le_k);
+      if ((static_cast<uint32_t>(ent.x) >> (t % 32)) & 1u)
+        row = le_k * RT + ent.y + __popc(static_cast<uint32_t>(ent.x) & below);
+    }
     float acc[kCombineSteps][8];
 #pragma unroll
     for (int st = 0; st < kCombineSteps; ++st)
@@ -570,7 +591,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
 
 // ============================================================================
 // combine: receive. Each warp takes (token, 1024-column chunk) items and sums
-// the rows of the ranks the token reached, in rank order.
+// the rows of the ranks the token reached, in rank order; a rank that hosts one
+// of the token's experts sent its raw row, weighted here.
 // ============================================================================
 __global__ void __launch_bounds__(kThreads, 1) ll_combine_recv(LlCombineRecvParams p) {
   const int R = p.t.num_ranks;
@@ -591,6 +613,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_recv(LlCombineRecvPara
     const int64_t e = lane < K ? p.topk_idx[static_cast<int64_t>(t) * K + lane] : -1;
     const int rank_of = (e >= 0 && e < E) ? static_cast<int>(e / E_local) : -1;
     const float w = lane < K ? p.topk_weights[static_cast<int64_t>(t) * K + lane] : 0.0f;
+    // First pick of each distinct expert (a repeated expert id counts once).
+    const bool first = lane == __ffs(__match_any_sync(kFull, e)) - 1;
     const int col0 = c * (kCombineChunk / 8) + lane;
     float acc[kCombineSteps][8];
 #pragma unroll
@@ -606,15 +630,18 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_recv(LlCombineRecvPara
 #pragma unroll
       for (int st = 0; st < kCombineSteps; ++st)
         v[st] = col0 + 32 * st < H8 ? __ldcg(src + col0 + 32 * st) : make_int4(0, 0, 0, 0);
-      if (__popc(picks) == 1) {
-        const float wk = __shfl_sync(kFull, w, __ffs(picks) - 1);
+      if (__popc(__ballot_sync(kFull, rank_of == r && first)) == 1) {
+        // One expert on rank r: its raw row, weighted here by each pick of it.
 #pragma unroll
         for (int st = 0; st < kCombineSteps; ++st) {
           float f[8];
           unpack_bf16x8(v[st], f);
           if (p.logfmt) logfmt_roundtrip(f);
+          for (uint32_t m = picks; m != 0u; m &= m - 1u) {
+            const float wk = __shfl_sync(kFull, w, __ffs(m) - 1);
 #pragma unroll
-          for (int i = 0; i < 8; ++i) acc[st][i] = fmaf(wk, f[i], acc[st][i]);
+            for (int i = 0; i < 8; ++i) acc[st][i] = fmaf(wk, f[i], acc[st][i]);
+          }
         }
       } else {
 #pragma unroll
