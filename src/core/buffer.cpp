@@ -97,6 +97,7 @@ void Buffer::destroy() {
   if (d.destroyed) return;
   d.destroyed = true;
   EPX_CUDA_CHECK(cudaStreamSynchronize(d.comm_stream));
+  d.ll_sync();
   d.backend->free(d.ht);
   d.backend->free(d.ll);
   cudaFree(d.ht_op_counter);
@@ -191,6 +192,34 @@ void Buffer::Impl::enter(const StreamArgs& s) {
   } else {
     Event::record(s.stream).stream_wait(comm_stream);
   }
+}
+
+cudaStream_t Buffer::Impl::ll_enter(const StreamArgs& s) {
+  const bool direct = !s.async_finish && !(s.previous_event && s.previous_event->valid());
+  if (!direct)
+    enter(s);
+  else
+    raise_if_failed("previous op");
+  const cudaStream_t x = direct ? s.stream : comm_stream;
+  if (ll_tail && ll_tail_stream != x) ll_tail->stream_wait(x);
+  return x;
+}
+
+std::optional<Event> Buffer::Impl::ll_leave(const StreamArgs& s, cudaStream_t launched) {
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  EPX_CUDA_CHECK(cudaStreamIsCapturing(launched, &cap));
+  if (cap == cudaStreamCaptureStatusNone) {
+    ll_tail = Event::record(launched);
+    ll_tail_stream = launched;
+  }
+  if (launched == comm_stream) return leave(s);
+  return std::nullopt;
+}
+
+void Buffer::Impl::ll_sync() {
+  if (ll_tail) ll_tail->synchronize();
+  ll_tail.reset();
+  ll_tail_stream = nullptr;
 }
 
 std::optional<Event> Buffer::Impl::leave(const StreamArgs& s) {

@@ -35,6 +35,11 @@ struct Buffer::Impl {
   int* counts_dev = nullptr;
   static constexpr int kCountsInts = 4096;
   int ll_parity = 0;  ///< which half of the low-latency double buffer is next
+  /// The last low-latency op (not under capture): the event after it and the
+  /// stream it ran on. An op on another stream waits for it first, so LL ops
+  /// stay in call order whichever stream each one runs on.
+  std::optional<Event> ll_tail;
+  cudaStream_t ll_tail_stream = nullptr;
 
   dev::NvlinkTransport transport(const transport::SymmetricRegion& region) const {
     dev::NvlinkTransport t{};
@@ -58,6 +63,14 @@ struct Buffer::Impl {
   void enter(const StreamArgs& s);
   /// Finish: event for async_finish, or make the caller's stream wait.
   std::optional<Event> leave(const StreamArgs& s);
+  /// Low-latency ops: the stream to launch on. Without async_finish that is
+  /// the caller's stream itself (DeepEP does the same in hook mode): no event
+  /// hop to the comm stream and back, the same order for the caller.
+  cudaStream_t ll_enter(const StreamArgs& s);
+  /// Pairs with ll_enter: records the tail; event / caller wait as leave().
+  std::optional<Event> ll_leave(const StreamArgs& s, cudaStream_t launched);
+  /// Waits (host) for the last low-latency op, wherever it ran.
+  void ll_sync();
   /// An output tensor, allocated in the caller's stream order (or the comm
   /// stream's with allocate_on_comm_stream). The comm stream must not touch
   /// it before ordered_after_allocs(s) (one event for all of an op's tensors).

@@ -140,7 +140,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
     handle->combine_plan = parts[3];
     handle->state = parts[4];
   }
-  d.enter(s);
+  const cudaStream_t launch = d.ll_enter(s);
 
   const auto tr = d.transport(d.ll);
   const auto off = offsets_of(region);
@@ -166,7 +166,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   const int send_blocks =
       std::clamp(ceil_div(static_cast<int64_t>(T) * ceil_div(H, kDispatchChunk), kWarpsPerBlock), 1,
                  d.num_sms_device);
-  kernels::launch_ll_dispatch_send(sp, send_blocks, d.comm_stream);
+  kernels::launch_ll_dispatch_send(sp, send_blocks, launch);
 
   kernels::LlDispatchRecvParams rp{};
   rp.t = tr;
@@ -193,12 +193,12 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   rp.diag = d.diag_dev;
 
   if (!a.return_recv_hook) {
-    kernels::launch_ll_dispatch_recv(rp, d.comm_stream);
-    res.event = d.leave(s);
+    kernels::launch_ll_dispatch_recv(rp, launch);
+    res.event = d.ll_leave(s, launch);
   } else {
     // The caller's stream is ordered after the send (or holds the event when
     // async_finish); the hook runs the receive phase on that stream.
-    res.event = d.leave(s);
+    res.event = d.ll_leave(s, launch);
     Impl* impl = &d;
     res.hook = [impl, rp, stream = a.stream, sent = res.event, recv_x = res.recv_x,
                 scales = res.recv_x_scales, count = res.recv_count, handle]() {
@@ -239,7 +239,7 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
     res.combined_x = d.alloc(DType::kBF16, {T, H}, a.stream);
   }
   Tensor state = d.alloc(DType::kI32, {4}, a.stream);
-  d.enter(s);
+  const cudaStream_t launch = d.ll_enter(s);
 
   const auto tr = d.transport(d.ll);
   const auto off = offsets_of(region);
@@ -265,7 +265,7 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   sp.diag = d.diag_dev;
   const int send_blocks =
       std::clamp(ceil_div(static_cast<int64_t>(R) * maxT * C, kWarpsPerBlock), 1, d.num_sms_device);
-  kernels::launch_ll_combine_send(sp, send_blocks, d.comm_stream);
+  kernels::launch_ll_combine_send(sp, send_blocks, launch);
 
   kernels::LlCombineRecvParams rp{};
   rp.t = tr;
@@ -286,10 +286,10 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
       std::clamp(ceil_div(static_cast<int64_t>(T) * C, kWarpsPerBlock), 1, d.num_sms_device);
 
   if (!a.return_recv_hook) {
-    kernels::launch_ll_combine_recv(rp, recv_blocks, d.comm_stream);
-    res.event = d.leave(s);
+    kernels::launch_ll_combine_recv(rp, recv_blocks, launch);
+    res.event = d.ll_leave(s, launch);
   } else {
-    res.event = d.leave(s);
+    res.event = d.ll_leave(s, launch);
     Impl* impl = &d;
     res.hook = [impl, rp, recv_blocks, stream = a.stream, sent = res.event, out = res.combined_x,
                 state, handle]() {
@@ -333,6 +333,7 @@ void Buffer::clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, int 
   // Collective: nobody may still be writing into a peer's region while it is
   // zeroed, and nobody may start a new op before every region is clean.
   EPX_CUDA_CHECK(cudaStreamSynchronize(d.comm_stream));
+  d.ll_sync();
   d.comm->barrier();
   const std::size_t bytes = std::min(region.core_bytes(), d.ll.bytes);
   if (bytes > 0) EPX_CUDA_CHECK(cudaMemsetAsync(d.ll.local, 0, bytes, d.comm_stream));
