@@ -6,7 +6,7 @@
 #   EPX_RUN="python" (or "tests bench python"): the Python package from a wheel in
 #   .device/wheel/ (pytest -m gpu, then python -m epx.bench), EPX_PY_TIMEOUT (300 s) each.
 #   EPX_RUN="pybuild python": the wheel built here by `pip wheel .` on this Python instead.
-#   EPX_PY_BENCH=0 skips python -m epx.bench.
+#   EPX_PY_BENCH=0 skips python -m epx.bench, EPX_PY_TESTS=0 the Python tests.
 set -uo pipefail
 D=$(cd "$(dirname "$0")" && pwd)
 OUT=${OUT:-/tmp/epx-out}
@@ -99,12 +99,16 @@ if [[ " $RUN " == *" python "* ]]; then
         EPX_COMMIT=$(cat "$D/COMMIT")
         export EPX_COMMIT
       fi
-      echo "== python GPU tests (pytest tests/python -m gpu)"
-      timeout ${EPX_PY_TIMEOUT:-300} python3 -m pytest -x -q -ra tests/python -m gpu \
-        > "$OUT/py-tests.log" 2>&1
-      rc=$?
-      tail -15 "$OUT/py-tests.log"
-      summary+=("python tests: rc=$rc")
+      if [ "${EPX_PY_TESTS:-1}" = 0 ]; then
+        summary+=("python tests: not run (EPX_PY_TESTS=0)")
+      else
+        echo "== python GPU tests (pytest tests/python -m gpu)"
+        timeout ${EPX_PY_TIMEOUT:-300} python3 -m pytest -x -q -ra tests/python -m gpu \
+          > "$OUT/py-tests.log" 2>&1
+        rc=$?
+        tail -15 "$OUT/py-tests.log"
+        summary+=("python tests: rc=$rc")
+      fi
       py_plot=(--plot "$OUT/py-bench.png")
       if ! python3 -c "import matplotlib" 2>/dev/null; then
         echo "(no matplotlib here: sweep kept in the JSON; draw it with --replot)"

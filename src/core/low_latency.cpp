@@ -163,9 +163,11 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   sp.fp8 = a.use_fp8;
   sp.round_scale = a.round_scale;
   sp.diag = d.diag_dev;
-  const int send_blocks =
-      std::clamp(ceil_div(static_cast<int64_t>(T) * ceil_div(H, kDispatchChunk), kWarpsPerBlock), 1,
-                 d.num_sms_device);
+  // One warp per work item where the SMs allow: the row items, then the
+  // token-mask units (32 tokens x 32 experts each).
+  const int64_t send_items = static_cast<int64_t>(T) * ceil_div(H, kDispatchChunk) +
+                             static_cast<int64_t>(ceil_div(T, 32)) * ceil_div(E, 32);
+  const int send_blocks = std::clamp(ceil_div(send_items, kWarpsPerBlock), 1, d.num_sms_device);
   kernels::launch_ll_dispatch_send(sp, send_blocks, launch);
 
   kernels::LlDispatchRecvParams rp{};
