@@ -31,12 +31,13 @@
 namespace epx::kernels {
 namespace {
 
-constexpr int kThreads = 512;
+constexpr int kThreads = kLlThreads;
 constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFull = 0xffffffffu;
-constexpr int kDispatchChunk = 512;  ///< elements of one dispatch work item: 16 per lane
-constexpr int kCombineSteps = 4;     ///< 256-element steps (8 per lane) of a combine work item
-constexpr int kCombineChunk = 256 * kCombineSteps;
+constexpr int kDispatchChunk = kLlDispatchChunk;  ///< 16 elements per lane
+constexpr int kCombineChunk = kLlCombineChunk;
+constexpr int kCombineSteps = kCombineChunk / 256;  ///< 256-element steps (8 per lane)
+static_assert(kDispatchChunk == 32 * 16 && kCombineChunk % 256 == 0);
 // Flag words inside a half (index * kMaxRanks + source).
 constexpr int kFlagDispatch = 0, kFlagWeights = 1, kFlagCombine = 2;
 // Local completion counters in the control area.
@@ -457,9 +458,10 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvPa
 
 // ============================================================================
 // combine: send. Weights go out first (block 0); then each warp takes
-// (source, token, 1024-column chunk) items of the tokens it received.
+// (source, token, 512-column chunk) items of the tokens it received.
 // ============================================================================
-__global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendParams p) {
+__global__ void __launch_bounds__(kThreads, kLlCombineBlocksPerSm)
+    ll_combine_send(LlCombineSendParams p) {
   __shared__ int s_prefix[plan::kMaxRanks + 1];
   const int R = p.t.num_ranks, me = p.t.rank;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -590,11 +592,12 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
 }
 
 // ============================================================================
-// combine: receive. Each warp takes (token, 1024-column chunk) items and sums
+// combine: receive. Each warp takes (token, 512-column chunk) items and sums
 // the rows of the ranks the token reached, in rank order; a rank that hosts one
 // of the token's experts sent its raw row, weighted here.
 // ============================================================================
-__global__ void __launch_bounds__(kThreads, 1) ll_combine_recv(LlCombineRecvParams p) {
+__global__ void __launch_bounds__(kThreads, kLlCombineBlocksPerSm)
+    ll_combine_recv(LlCombineRecvParams p) {
   const int R = p.t.num_ranks;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const uint32_t epoch = static_cast<uint32_t>(p.state[0]);
