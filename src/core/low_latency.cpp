@@ -18,7 +18,6 @@ namespace {
 
 constexpr int kWarpsPerBlock = kernels::kLlThreads / 32;
 constexpr int kDispatchChunk = kernels::kLlDispatchChunk;
-constexpr int kCombineChunk = kernels::kLlCombineChunk;
 constexpr int kStateInts = 16;
 
 int ceil_div(int64_t a, int64_t b) {
@@ -245,7 +244,8 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
 
   const auto tr = d.transport(d.ll);
   const auto off = offsets_of(region);
-  const int C = ceil_div(H, kCombineChunk);
+  const int C = ceil_div(H, kernels::kLlCombineSendChunk);
+  const int C_recv = ceil_div(H, kernels::kLlCombineRecvChunk);
 
   kernels::LlCombineSendParams sp{};
   sp.t = tr;
@@ -265,8 +265,8 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   sp.logfmt = a.use_logfmt;
   sp.timeout_ns = d.timeout_ns();
   sp.diag = d.diag_dev;
-  const int send_blocks = std::clamp(ceil_div(static_cast<int64_t>(R) * maxT * C, kWarpsPerBlock),
-                                     1, kernels::kLlCombineBlocksPerSm * d.num_sms_device);
+  const int send_blocks =
+      std::clamp(ceil_div(static_cast<int64_t>(R) * maxT * C, kWarpsPerBlock), 1, d.num_sms_device);
   kernels::launch_ll_combine_send(sp, send_blocks, launch);
 
   kernels::LlCombineRecvParams rp{};
@@ -284,8 +284,8 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   rp.logfmt = a.use_logfmt;
   rp.timeout_ns = d.timeout_ns();
   rp.diag = d.diag_dev;
-  const int recv_blocks = std::clamp(ceil_div(static_cast<int64_t>(T) * C, kWarpsPerBlock), 1,
-                                     kernels::kLlCombineBlocksPerSm * d.num_sms_device);
+  const int recv_blocks = std::clamp(ceil_div(static_cast<int64_t>(T) * C_recv, kWarpsPerBlock), 1,
+                                     kernels::kLlCombineRecvBlocksPerSm * d.num_sms_device);
 
   if (!a.return_recv_hook) {
     kernels::launch_ll_combine_recv(rp, recv_blocks, launch);

@@ -112,9 +112,10 @@ namespace epx::kernels {
 
 /// Work-item sizes of the low-latency kernels (the host sizes grids with them).
 inline constexpr int kLlThreads = 512;
-inline constexpr int kLlDispatchChunk = 512;  ///< elements per dispatch work item
-inline constexpr int kLlCombineChunk = 512;   ///< elements per combine work item
-inline constexpr int kLlCombineBlocksPerSm = 2;
+inline constexpr int kLlDispatchChunk = 512;      ///< elements per dispatch work item
+inline constexpr int kLlCombineSendChunk = 1024;  ///< elements per combine-send work item
+inline constexpr int kLlCombineRecvChunk = 512;   ///< elements per combine-receive work item
+inline constexpr int kLlCombineRecvBlocksPerSm = 2;
 
 /// Where things live inside the low-latency symmetric region (plan::LlRegion).
 /// Sub-offsets are relative to a half; half h starts at half0 + h * half_bytes.

@@ -35,9 +35,8 @@ constexpr int kThreads = kLlThreads;
 constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kDispatchChunk = kLlDispatchChunk;  ///< 16 elements per lane
-constexpr int kCombineChunk = kLlCombineChunk;
-constexpr int kCombineSteps = kCombineChunk / 256;  ///< 256-element steps (8 per lane)
-static_assert(kDispatchChunk == 32 * 16 && kCombineChunk % 256 == 0);
+static_assert(kDispatchChunk == 32 * 16 && kLlCombineSendChunk % 256 == 0 &&
+              kLlCombineRecvChunk % 256 == 0);
 // Flag words inside a half (index * kMaxRanks + source).
 constexpr int kFlagDispatch = 0, kFlagWeights = 1, kFlagCombine = 2;
 // Local completion counters in the control area.
@@ -458,10 +457,9 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvPa
 
 // ============================================================================
 // combine: send. Weights go out first (block 0); then each warp takes
-// (source, token, 512-column chunk) items of the tokens it received.
+// (source, token, 1024-column chunk) items of the tokens it received.
 // ============================================================================
-__global__ void __launch_bounds__(kThreads, kLlCombineBlocksPerSm)
-    ll_combine_send(LlCombineSendParams p) {
+__global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendParams p) {
   __shared__ int s_prefix[plan::kMaxRanks + 1];
   const int R = p.t.num_ranks, me = p.t.rank;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -469,6 +467,7 @@ __global__ void __launch_bounds__(kThreads, kLlCombineBlocksPerSm)
   const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
   const int H = p.hidden, K = p.num_topk, E = p.num_experts, maxT = p.max_tokens;
   const int H8 = H / 8;
+  constexpr int kCombineChunk = kLlCombineSendChunk, kCombineSteps = kCombineChunk / 256;
 
   if (blockIdx.x == 0) {
     // This rank's weights and expert ids, for every rank (each finds its picks).
@@ -596,7 +595,7 @@ __global__ void __launch_bounds__(kThreads, kLlCombineBlocksPerSm)
 // the rows of the ranks the token reached, in rank order; a rank that hosts one
 // of the token's experts sent its raw row, weighted here.
 // ============================================================================
-__global__ void __launch_bounds__(kThreads, kLlCombineBlocksPerSm)
+__global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
     ll_combine_recv(LlCombineRecvParams p) {
   const int R = p.t.num_ranks;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -604,6 +603,7 @@ __global__ void __launch_bounds__(kThreads, kLlCombineBlocksPerSm)
   const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
   const int H = p.hidden, K = p.num_topk, E = p.num_experts, E_local = E / R;
   const int H8 = H / 8;
+  constexpr int kCombineChunk = kLlCombineRecvChunk, kCombineSteps = kCombineChunk / 256;
 
   if (!wait_all_sources(p.t, p.off, half, kFlagCombine, epoch, p.timeout_ns, p.diag,
                         OpId::kLowLatencyCombineRecv, -1))
