@@ -21,6 +21,8 @@ class Event {
   void stream_wait(cudaStream_t stream) const;
   /// Blocks the host until the event completes.
   void synchronize() const;
+  /// True once the event has completed (or when there is none); no block.
+  bool done() const;
   bool valid() const { return static_cast<bool>(ev_); }
   cudaEvent_t get() const { return ev_ ? *ev_ : nullptr; }
 

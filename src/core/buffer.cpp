@@ -194,6 +194,14 @@ void Buffer::Impl::enter(const StreamArgs& s) {
   }
 }
 
+namespace {
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  EPX_CUDA_CHECK(cudaStreamIsCapturing(stream, &cap));
+  return cap != cudaStreamCaptureStatusNone;
+}
+}  // namespace
+
 cudaStream_t Buffer::Impl::ll_enter(const StreamArgs& s) {
   const bool direct = !s.async_finish && !(s.previous_event && s.previous_event->valid());
   if (!direct)
@@ -201,14 +209,14 @@ cudaStream_t Buffer::Impl::ll_enter(const StreamArgs& s) {
   else
     raise_if_failed("previous op");
   const cudaStream_t x = direct ? s.stream : comm_stream;
-  if (ll_tail && ll_tail_stream != x) ll_tail->stream_wait(x);
+  // A capturing stream cannot wait for an event recorded outside the capture:
+  // a captured op is ordered by the graph launch instead.
+  if (ll_tail && ll_tail_stream != x && !capturing(x)) ll_tail->stream_wait(x);
   return x;
 }
 
 std::optional<Event> Buffer::Impl::ll_leave(const StreamArgs& s, cudaStream_t launched) {
-  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-  EPX_CUDA_CHECK(cudaStreamIsCapturing(launched, &cap));
-  if (cap == cudaStreamCaptureStatusNone) {
+  if (!capturing(launched)) {
     ll_tail = Event::record(launched);
     ll_tail_stream = launched;
   }
@@ -220,6 +228,14 @@ void Buffer::Impl::ll_sync() {
   if (ll_tail) ll_tail->synchronize();
   ll_tail.reset();
   ll_tail_stream = nullptr;
+  for (const Event& e : ll_hook_events) e.synchronize();
+  ll_hook_events.clear();
+}
+
+void Buffer::Impl::ll_hook_launched(cudaStream_t stream) {
+  if (capturing(stream)) return;
+  std::erase_if(ll_hook_events, [](const Event& e) { return e.done(); });
+  ll_hook_events.push_back(Event::record(stream));
 }
 
 std::optional<Event> Buffer::Impl::leave(const StreamArgs& s) {

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/check.hpp"
 #include "core/diag.hpp"
@@ -40,6 +41,10 @@ struct Buffer::Impl {
   /// stay in call order whichever stream each one runs on.
   std::optional<Event> ll_tail;
   cudaStream_t ll_tail_stream = nullptr;
+  /// Events after receive kernels launched by hooks (not under capture), which
+  /// run whenever the caller calls them; completed ones are dropped as new
+  /// ones come. ll_sync waits for them too.
+  std::vector<Event> ll_hook_events;
 
   dev::NvlinkTransport transport(const transport::SymmetricRegion& region) const {
     dev::NvlinkTransport t{};
@@ -69,8 +74,11 @@ struct Buffer::Impl {
   cudaStream_t ll_enter(const StreamArgs& s);
   /// Pairs with ll_enter: records the tail; event / caller wait as leave().
   std::optional<Event> ll_leave(const StreamArgs& s, cudaStream_t launched);
-  /// Waits (host) for the last low-latency op, wherever it ran.
+  /// Waits (host) for the last low-latency op, wherever it ran, and for the
+  /// receive kernels hooks launched.
   void ll_sync();
+  /// After a hook launched a receive kernel on `stream`.
+  void ll_hook_launched(cudaStream_t stream);
   /// An output tensor, allocated in the caller's stream order (or the comm
   /// stream's with allocate_on_comm_stream). The comm stream must not touch
   /// it before ordered_after_allocs(s) (one event for all of an op's tensors).

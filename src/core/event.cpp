@@ -24,6 +24,17 @@ void Event::synchronize() const {
   if (ev_) EPX_CUDA_CHECK(cudaEventSynchronize(*ev_));
 }
 
+bool Event::done() const {
+  if (!ev_) return true;
+  const cudaError_t e = cudaEventQuery(*ev_);
+  if (e == cudaErrorNotReady) {
+    (void)cudaGetLastError();  // not an error; not left for a later check
+    return false;
+  }
+  EPX_CUDA_CHECK(e);
+  return true;
+}
+
 namespace {
 /// Keeps freed memory in the device's default pool (release threshold: never)
 /// so stream-ordered allocations are recycled instead of remapped every call.

@@ -207,6 +207,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
       impl->raise_if_failed(op);
       if (sent) sent->stream_wait(stream);
       kernels::launch_ll_dispatch_recv(rp, stream);
+      impl->ll_hook_launched(stream);
     };
   }
   res.handle = handle;
@@ -299,6 +300,7 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
       impl->raise_if_failed(op);
       if (sent) sent->stream_wait(stream);
       kernels::launch_ll_combine_recv(rp, recv_blocks, stream);
+      impl->ll_hook_launched(stream);
     };
   }
   return res;

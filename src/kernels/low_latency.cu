@@ -26,6 +26,7 @@
 #include <cfloat>
 
 #include "core/check.hpp"
+#include "core/validate.hpp"
 #include "kernels/kernels.hpp"
 
 namespace epx::kernels {
@@ -360,6 +361,8 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvPa
   // often it picks le. Thread (s, w) takes word w of source s's mask for le;
   // one scan over all R * W words gives each word its first packed row.
   const int W = ceil_div(p.max_tokens, 32);
+  // One scan round: every (source, word) pair has its thread.
+  static_assert(plan::kMaxRanks * ((validate::kMaxLowLatencyTokens + 31) / 32) <= kThreads);
   {
     const int pos = threadIdx.x, s = pos / W, w = pos % W;
     uint32_t word = 0;

@@ -637,10 +637,16 @@ TEST(LowLatency, GraphReplay1000WithChangingRouting) {
   }
   ASSERT_TRUE(all_ranks(true));
 
+  // Captured on another stream than the eager call (as torch.cuda.graph
+  // does): the event that orders LL ops across streams, recorded outside the
+  // capture, must stay out of it.
+  cudaStream_t cap = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&cap, cudaStreamNonBlocking), cudaSuccess);
   cudaGraph_t graph;
-  ASSERT_EQ(cudaStreamBeginCapture(w.stream, cudaStreamCaptureModeRelaxed), cudaSuccess);
+  ASSERT_EQ(cudaStreamBeginCapture(cap, cudaStreamCaptureModeRelaxed), cudaSuccess);
   Tensor recv_count;
   {
+    a.stream = cap;
     auto r1 = w.buffer->low_latency_dispatch(a);
     LowLatencyCombineArgs ca;
     ca.x = r1.recv_x.view;
@@ -648,11 +654,11 @@ TEST(LowLatency, GraphReplay1000WithChangingRouting) {
     ca.topk_weights = view(d_w.get(), DType::kF32, {T, K});
     ca.handle = r1.handle;
     ca.out = view(d_out.get(), DType::kBF16, {T, H});
-    ca.stream = w.stream;
+    ca.stream = cap;
     w.buffer->low_latency_combine(ca);
     recv_count = r1.recv_count;
   }
-  ASSERT_EQ(cudaStreamEndCapture(w.stream, &graph), cudaSuccess);
+  ASSERT_EQ(cudaStreamEndCapture(cap, &graph), cudaSuccess);
   cudaGraphExec_t exec;
   ASSERT_EQ(cudaGraphInstantiateWithFlags(&exec, graph, cudaGraphInstantiateFlagAutoFreeOnLaunch),
             cudaSuccess);
@@ -707,6 +713,9 @@ TEST(LowLatency, GraphReplay1000WithChangingRouting) {
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
+  recv_count = Tensor{};  // freed on `cap` (stream-ordered), before it goes
+  EXPECT_EQ(cudaStreamSynchronize(cap), cudaSuccess);
+  EXPECT_EQ(cudaStreamDestroy(cap), cudaSuccess);
   EXPECT_EQ(bad_replays, 0);
   EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
   (void)E_local;
