@@ -45,6 +45,7 @@ kernels::LlOffsets offsets_of(const plan::LlRegion& r) {
   o.disp_rows = r.dispatch_rows_offset();
   o.weights = r.weights_offset();
   o.weights_stride = r.weights_stride();
+  o.weight_ids = r.weight_ids_offset();
   o.comb_rows = r.combine_rows_offset();
   return o;
 }

@@ -114,10 +114,12 @@ struct LlRegion {
   std::size_t meta_stride() const {
     return align_up(16u + 4u * static_cast<std::size_t>(mask_words()) * local_experts(), kAlign);
   }
-  /// Per source in the weights area: weights, then expert ids.
-  std::size_t weights_stride() const {
-    return 8u * static_cast<std::size_t>(max_tokens) * kLlMaxTopK;
+  /// Per source in the weights area: f32 weights, then int32 expert ids at
+  /// weight_ids_offset() (both [maxT][kLlMaxTopK]).
+  std::size_t weight_ids_offset() const {
+    return 4u * static_cast<std::size_t>(max_tokens) * kLlMaxTopK;
   }
+  std::size_t weights_stride() const { return 2u * weight_ids_offset(); }
   // Offsets inside a half (the half's flags live in the control area).
   std::size_t meta_offset() const { return 0; }
   std::size_t dispatch_rows_offset() const {

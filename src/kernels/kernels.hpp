@@ -122,7 +122,7 @@ inline constexpr int kLlCombineRecvBlocksPerSm = 2;
 struct LlOffsets {
   std::size_t control;  ///< local completion counters (uint32[2])
   std::size_t half0, half_bytes;
-  std::size_t flags, meta, meta_stride, disp_rows, weights, weights_stride, comb_rows;
+  std::size_t flags, meta, meta_stride, disp_rows, weights, weights_stride, weight_ids, comb_rows;
   std::size_t flags_half_bytes;  ///< flags of half 1 start at flags + flags_half_bytes
 };
 

@@ -458,6 +458,15 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvPa
   }
 }
 
+/// The packed row of token t at local expert le from the combine plan entry
+/// `ent` = {mask, first row} of t's 32-token word, or -1 when t did not pick le
+/// (LowLatencyHandle::combine_plan).
+__device__ __forceinline__ int plan_row(int2 ent, int le, int t, int rows_per_expert) {
+  const uint32_t mask = static_cast<uint32_t>(ent.x), bit = static_cast<uint32_t>(t % 32);
+  if (!((mask >> bit) & 1u)) return -1;
+  return le * rows_per_expert + ent.y + __popc(mask & ((1u << bit) - 1u));
+}
+
 // ============================================================================
 // combine: send. Weights go out first (block 0); then each warp takes
 // (source, token, 1024-column chunk) items of the tokens it received.
@@ -479,7 +488,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
       char* dst = p.t.peer_ptr(
           r, half + p.off.weights + static_cast<std::size_t>(me) * p.off.weights_stride);
       float* dst_w = reinterpret_cast<float*>(dst);
-      int* dst_id = reinterpret_cast<int*>(dst + 4u * maxT * plan::kLlMaxTopK);
+      int* dst_id = reinterpret_cast<int*>(dst + p.off.weight_ids);
       for (int i = threadIdx.x; i < n; i += kThreads) {
         const int64_t e = p.topk_idx[i];
         dst_w[i] = p.topk_weights[i];
@@ -512,14 +521,12 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
     while (s + 1 < R && pair >= s_prefix[s + 1]) ++s;
     const int t = pair - s_prefix[s];
     const int2* plan_w = p.combine_plan + static_cast<std::size_t>(s * W + t / 32) * E_local;
-    const uint32_t below = (1u << (t % 32)) - 1u;
     // The local experts token t of s picked (lane le), and the packed row of the first.
     int n_experts = 0, row0 = -1;
     for (int g = 0; g < E_local; g += 32) {
       const int2 ent = g + lane < E_local ? __ldcg(plan_w + g + lane) : make_int2(0, 0);
-      const bool on = (static_cast<uint32_t>(ent.x) >> (t % 32)) & 1u;
-      const uint32_t picks = __ballot_sync(kFull, on);
-      const int row = (g + lane) * RT + ent.y + __popc(static_cast<uint32_t>(ent.x) & below);
+      const int row = plan_row(ent, g + lane, t, RT);
+      const uint32_t picks = __ballot_sync(kFull, row >= 0);
       if (n_experts == 0 && picks != 0u) row0 = __shfl_sync(kFull, row, __ffs(picks) - 1);
       n_experts += __popc(picks);
     }
@@ -553,16 +560,12 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
     const char* wsrc_base =
         p.t.local_ptr(half + p.off.weights + static_cast<std::size_t>(s) * p.off.weights_stride);
     const float* wsrc = reinterpret_cast<const float*>(wsrc_base);
-    const int* idsrc = reinterpret_cast<const int*>(wsrc_base + 4u * maxT * plan::kLlMaxTopK);
+    const int* idsrc = reinterpret_cast<const int*>(wsrc_base + p.off.weight_ids);
     const int id = lane < K ? __ldcg(idsrc + t * K + lane) : -1;
     const float w = lane < K ? __ldcg(wsrc + t * K + lane) : 0.0f;
     const int le_k = id - me * E_local;
-    int row = -1;
-    if (id >= 0 && le_k >= 0 && le_k < E_local) {
-      const int2 ent = __ldcg(plan_w + le_k);
-      if ((static_cast<uint32_t>(ent.x) >> (t % 32)) & 1u)
-        row = le_k * RT + ent.y + __popc(static_cast<uint32_t>(ent.x) & below);
-    }
+    const int row =
+        id >= 0 && le_k >= 0 && le_k < E_local ? plan_row(__ldcg(plan_w + le_k), le_k, t, RT) : -1;
     float acc[kCombineSteps][8];
 #pragma unroll
     for (int st = 0; st < kCombineSteps; ++st)
