@@ -23,11 +23,14 @@ nvidia-smi topo -m > "$OUT/topo.txt" 2>&1 || true
 RUN=${EPX_RUN:-tests bench}
 BENCH=${EPX_BENCH:-ht ll}
 summary=()
+LINEBUF=()
+command -v stdbuf >/dev/null 2>&1 && LINEBUF=(stdbuf -oL -eL)
 if [[ " $RUN " == *" tests "* ]]; then
   for n in 2 4 8; do
     [ "$GPUS" -ge "$n" ] || continue
     echo "== GPU tests EP$n"
-    timeout ${EPX_TEST_TIMEOUT:-420} "$D/launch.sh" "$n" "$D/epx_gpu_tests" ${EPX_GTEST_FILTER:+--gtest_filter=$EPX_GTEST_FILTER} \
+    # Line-buffered, so a run killed by the timeout still leaves its log.
+    timeout ${EPX_TEST_TIMEOUT:-420} "$D/launch.sh" "$n" ${LINEBUF[@]+"${LINEBUF[@]}"} "$D/epx_gpu_tests" ${EPX_GTEST_FILTER:+--gtest_filter=$EPX_GTEST_FILTER} \
       > "$OUT/gpu-tests-ep$n.log" 2>&1
     rc=$?
     grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|tests passed|FAILURES|SKIPPED|rank [0-9]+:" "$OUT/gpu-tests-ep$n.log" | sort | uniq -c | head -30

@@ -43,9 +43,9 @@ kernels::LlOffsets offsets_of(const plan::LlRegion& r) {
   o.meta = r.meta_offset();
   o.meta_stride = r.meta_stride();
   o.disp_rows = r.dispatch_rows_offset();
-  o.weights = r.weights_offset();
-  o.weights_stride = r.weights_stride();
-  o.weight_ids = r.weight_ids_offset();
+  o.weights = plan::LlRegion::weights_base();
+  o.weights_stride = plan::LlRegion::weights_stride();
+  o.weights_half_bytes = r.weights_half_bytes();
   o.comb_rows = r.combine_rows_offset();
   return o;
 }
@@ -195,7 +195,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   rp.diag = d.diag_dev;
 
   if (!a.return_recv_hook) {
-    kernels::launch_ll_dispatch_recv(rp, launch);
+    kernels::launch_ll_dispatch_recv(rp, launch, /*dependent=*/true);
     res.event = d.ll_leave(s, launch);
   } else {
     // The caller's stream is ordered after the send (or holds the event when
@@ -207,7 +207,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
       impl->check_alive(op);
       impl->raise_if_failed(op);
       if (sent) sent->stream_wait(stream);
-      kernels::launch_ll_dispatch_recv(rp, stream);
+      kernels::launch_ll_dispatch_recv(rp, stream, /*dependent=*/false);
       impl->ll_hook_launched(stream);
     };
   }
@@ -290,7 +290,7 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
                                      kernels::kLlCombineRecvBlocksPerSm * d.num_sms_device);
 
   if (!a.return_recv_hook) {
-    kernels::launch_ll_combine_recv(rp, recv_blocks, launch);
+    kernels::launch_ll_combine_recv(rp, recv_blocks, launch, /*dependent=*/true);
     res.event = d.ll_leave(s, launch);
   } else {
     res.event = d.ll_leave(s, launch);
@@ -300,7 +300,7 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
       impl->check_alive(op);
       impl->raise_if_failed(op);
       if (sent) sent->stream_wait(stream);
-      kernels::launch_ll_combine_recv(rp, recv_blocks, stream);
+      kernels::launch_ll_combine_recv(rp, recv_blocks, stream, /*dependent=*/false);
       impl->ll_hook_launched(stream);
     };
   }

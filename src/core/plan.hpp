@@ -70,18 +70,23 @@ namespace epx::plan {
 
 /// Picks reserved per token in the routing metadata (the size hint has no top-k).
 inline constexpr int kLlMaxTopK = 16;
+/// Most tokens per rank and call (num_max_dispatch_tokens_per_rank).
+inline constexpr int kLlMaxTokens = 1024;
 
 /// Low-latency region, per rank (all offsets from the region start):
 ///   [control: local completion counters of the send kernels]
+///   [flags of half 0][flags of half 1]  uint32[2][kMaxRanks]: dispatch data, combine
+///                 data; one word per source rank holding the epoch of the last op
+///                 that filled it
+///   [weights of half 0][weights of half 1]  per source: uint64 [kLlMaxTokens][kLlMaxTopK]
+///                 combine weights, entry [t][j] = {f32 weight bits, epoch << 32} of the
+///                 j-th distinct local expert (ascending id) that token t of the source
+///                 picked on the receiving rank
 ///   [half 0][half 1]       one half per op parity (epoch & 1), each:
-///       flags     uint32[3][kMaxRanks]: dispatch data, combine weights, combine data; one
-///                 word per source rank holding the epoch of the last op that filled it
 ///       meta      per source: [header 16 B: num_tokens][uint32 token masks [W][E_local]]
 ///                 with W = ceil(maxT / 32): bit t % 32 of word [t / 32][le] is set when
 ///                 token t of the source picks local expert le (of the receiving rank)
 ///       disp rows per source: [maxT] dispatch rows (payload, FP8 scales) at slot = token
-///       weights   per source: f32 [maxT][kLlMaxTopK] combine weights, then
-///                 int32 [maxT][kLlMaxTopK] the combine's expert ids (-1: none)
 ///       comb rows per source: [maxT] bf16 rows (one per (token, expert rank))
 ///   [zero-copy 0][zero-copy 1]  bf16 [E_local, R*maxT, H] combine inputs
 ///                               (get_next_low_latency_combine_buffer); optional: the ops
@@ -103,35 +108,34 @@ struct LlRegion {
   }
   std::size_t combine_row_bytes() const { return 2u * static_cast<std::size_t>(hidden); }
 
-  /// Completion counters, then the flags of both halves: a fixed place and
-  /// size whatever maxT and hidden are, so no call's rows ever land on a flag
-  /// a later call with another shape compares against its epoch.
-  static constexpr std::size_t flags_bytes() { return align_up(3u * 4u * kMaxRanks, kAlign); }
+  /// Completion counters, the flags and the weights of both halves: a fixed
+  /// place and size whatever maxT, hidden and E are, so no call's rows ever
+  /// land on a word that a later call with another shape compares against
+  /// its epoch (the weights carry their epoch in the word itself).
+  static constexpr std::size_t flags_bytes() { return align_up(2u * 4u * kMaxRanks, kAlign); }
   static constexpr std::size_t flags_base() { return kAlign; }
-  std::size_t control_bytes() const { return kAlign + 2 * flags_bytes(); }
+  /// Per source in a weights area: uint64 [kLlMaxTokens][kLlMaxTopK].
+  static constexpr std::size_t weights_stride() {
+    return 8u * static_cast<std::size_t>(kLlMaxTokens) * kLlMaxTopK;
+  }
+  std::size_t weights_half_bytes() const {
+    return static_cast<std::size_t>(num_ranks) * weights_stride();
+  }
+  static constexpr std::size_t weights_base() { return flags_base() + 2 * flags_bytes(); }
+  std::size_t control_bytes() const { return weights_base() + 2 * weights_half_bytes(); }
   /// 32-token words of a token mask.
   int mask_words() const { return (max_tokens + 31) / 32; }
   std::size_t meta_stride() const {
     return align_up(16u + 4u * static_cast<std::size_t>(mask_words()) * local_experts(), kAlign);
   }
-  /// Per source in the weights area: f32 weights, then int32 expert ids at
-  /// weight_ids_offset() (both [maxT][kLlMaxTopK]).
-  std::size_t weight_ids_offset() const {
-    return 4u * static_cast<std::size_t>(max_tokens) * kLlMaxTopK;
-  }
-  std::size_t weights_stride() const { return 2u * weight_ids_offset(); }
-  // Offsets inside a half (the half's flags live in the control area).
+  // Offsets inside a half (its flags and weights live in the control area).
   std::size_t meta_offset() const { return 0; }
   std::size_t dispatch_rows_offset() const {
     return meta_offset() + static_cast<std::size_t>(num_ranks) * meta_stride();
   }
-  std::size_t weights_offset() const {
+  std::size_t combine_rows_offset() const {
     return align_up(dispatch_rows_offset() +
                         static_cast<std::size_t>(num_ranks) * max_tokens * dispatch_row_capacity(),
-                    kAlign);
-  }
-  std::size_t combine_rows_offset() const {
-    return align_up(weights_offset() + static_cast<std::size_t>(num_ranks) * weights_stride(),
                     kAlign);
   }
   std::size_t half_bytes() const {

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <initializer_list>
 
+#include "core/plan.hpp"
 #include "epx/buffer.hpp"
 
 namespace epx::validate {
@@ -29,8 +30,8 @@ void num_topk(const char* op, int64_t num_topk);
 void topk_idx_values(const char* op, const TensorView& topk_idx, int num_experts);
 
 inline constexpr int kMaxTopK = 16;
-inline constexpr int kMaxRanks = 8;                ///< NVLink domain served today
-inline constexpr int kMaxLowLatencyTokens = 1024;  ///< per rank, per call
+inline constexpr int kMaxRanks = 8;                              ///< NVLink domain served today
+inline constexpr int kMaxLowLatencyTokens = plan::kLlMaxTokens;  ///< per rank, per call
 
 /// Whole-call checks. Return nothing; throw on the first broken rule.
 void dispatch(const DispatchArgs& a, int num_ranks, int device);

@@ -116,14 +116,17 @@ inline constexpr int kLlDispatchChunk = 512;      ///< elements per dispatch wor
 inline constexpr int kLlCombineSendChunk = 1024;  ///< elements per combine-send work item
 inline constexpr int kLlCombineRecvChunk = 512;   ///< elements per combine-receive work item
 inline constexpr int kLlCombineRecvBlocksPerSm = 2;
+inline constexpr int kLlCombineSendRowsAtOnce = 4;  ///< expert rows loaded together
 
 /// Where things live inside the low-latency symmetric region (plan::LlRegion).
 /// Sub-offsets are relative to a half; half h starts at half0 + h * half_bytes.
 struct LlOffsets {
   std::size_t control;  ///< local completion counters (uint32[2])
   std::size_t half0, half_bytes;
-  std::size_t flags, meta, meta_stride, disp_rows, weights, weights_stride, weight_ids, comb_rows;
+  std::size_t flags, meta, meta_stride, disp_rows, comb_rows;
   std::size_t flags_half_bytes;  ///< flags of half 1 start at flags + flags_half_bytes
+  /// Combine weights (absolute, like flags): half h at weights + h * weights_half_bytes.
+  std::size_t weights, weights_stride, weights_half_bytes;
 };
 
 struct LlDispatchSendParams {
@@ -159,7 +162,9 @@ struct LlDispatchRecvParams {
   uint64_t timeout_ns;
   DeviceDiag* diag;
 };
-void launch_ll_dispatch_recv(const LlDispatchRecvParams& p, cudaStream_t stream);
+/// `dependent`: launched right behind this op's send kernel in the same stream
+/// (no hook); its blocks then start while the send runs (programmatic launch).
+void launch_ll_dispatch_recv(const LlDispatchRecvParams& p, cudaStream_t stream, bool dependent);
 
 struct LlCombineSendParams {
   dev::NvlinkTransport t;
@@ -190,6 +195,7 @@ struct LlCombineRecvParams {
   uint64_t timeout_ns;
   DeviceDiag* diag;
 };
-void launch_ll_combine_recv(const LlCombineRecvParams& p, int num_blocks, cudaStream_t stream);
+void launch_ll_combine_recv(const LlCombineRecvParams& p, int num_blocks, cudaStream_t stream,
+                            bool dependent);
 
 }  // namespace epx::kernels

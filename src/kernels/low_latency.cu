@@ -11,16 +11,20 @@
 // and graph replays keep counting on the device.
 //
 // Dispatch: one message per (token, destination rank) at slot [me][token] of
-// the destination's receive area (FP8 quantized by the sender), plus every
-// token's top-k ids for every rank. The last sender block release-stores the
-// per-source flag. The receiver packs rows per local expert in the canonical
-// order (source rank, then token) from the routing it received.
+// the destination's receive area (FP8 quantized by the sender), plus one
+// 32-token mask word per local expert for every rank. The last sender block
+// release-stores the per-source flag. The receiver packs rows per local
+// expert in the canonical order (source rank, then token) from the masks.
 //
 // Combine: the expert rank sums the weighted outputs of a token's experts that
 // it hosts and sends one row per (token, rank) back; a rank that hosts a
 // single pick of the token sends the raw expert row (the source applies the
-// weight, exactly). Weights travel from the source first (one small block per
-// rank, its own flag).
+// weight, exactly). Weights travel from the source as epoch-tagged 64-bit
+// words, one per (token, distinct expert), so they need no flag of their own.
+//
+// Without a hook the receive kernel is a programmatic dependent launch: its
+// blocks are scheduled while the send kernel runs and wait for it in
+// griddepcontrol.wait.
 #include <cub/block/block_scan.cuh>
 
 #include <cfloat>
@@ -38,8 +42,8 @@ constexpr unsigned kFull = 0xffffffffu;
 constexpr int kDispatchChunk = kLlDispatchChunk;  ///< 16 elements per lane
 static_assert(kDispatchChunk == 32 * 16 && kLlCombineSendChunk % 256 == 0 &&
               kLlCombineRecvChunk % 256 == 0);
-// Flag words inside a half (index * kMaxRanks + source).
-constexpr int kFlagDispatch = 0, kFlagWeights = 1, kFlagCombine = 2;
+// Flag words of a half (kind * kMaxRanks + source).
+constexpr int kFlagDispatch = 0, kFlagCombine = 1;
 // Local completion counters in the control area.
 constexpr int kDoneDispatch = 0, kDoneCombine = 1;
 
@@ -210,6 +214,7 @@ __device__ __forceinline__ bool wait_all_sources(const dev::NvlinkTransport& t, 
 // dispatch: send
 // ============================================================================
 __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_send(LlDispatchSendParams p) {
+  dev::launch_dependents();
   const int R = p.t.num_ranks, me = p.t.rank;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const uint32_t epoch = *p.op_counter + 1u;
@@ -340,6 +345,7 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvPa
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int E_local = p.num_experts / R, RT = R * p.max_tokens, H = p.hidden;
   const int le = blockIdx.x / p.parts, part = blockIdx.x % p.parts;
+  dev::wait_prerequisite_grid();  // the send kernel (a no-op in hook mode)
   const uint32_t epoch = static_cast<uint32_t>(p.state[0]);
   const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
 
@@ -468,44 +474,70 @@ __device__ __forceinline__ int plan_row(int2 ent, int le, int t, int rows_per_ex
 }
 
 // ============================================================================
-// combine: send. Weights go out first (block 0); then each warp takes
-// (source, token, 1024-column chunk) items of the tokens it received.
+// combine: send. The first warps send this rank's weights (one tagged word per
+// (token, distinct expert) to the expert's rank); then each warp takes
+// (source, token, 1024-column chunk) items of the tokens it received. An item
+// with several local experts loads their rows before it waits for their
+// weights, and sums them in ascending expert id.
 // ============================================================================
+template <bool kLogFmt>
 __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendParams p) {
+  __shared__ int s_tokens[plan::kMaxRanks];
   __shared__ int s_prefix[plan::kMaxRanks + 1];
+  __shared__ int s_rows[kWarps][plan::kLlMaxTopK];  // per warp: rows of the item's experts
+  dev::launch_dependents();
   const int R = p.t.num_ranks, me = p.t.rank;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const uint32_t epoch = *p.op_counter + 1u;
   const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
+  const std::size_t weights = p.off.weights + (epoch & 1u) * p.off.weights_half_bytes;
   const int H = p.hidden, K = p.num_topk, E = p.num_experts, maxT = p.max_tokens;
-  const int H8 = H / 8;
+  const int H8 = H / 8, E_local = E / R;
   constexpr int kCombineChunk = kLlCombineSendChunk, kCombineSteps = kCombineChunk / 256;
+  constexpr int kRowsAtOnce = kLogFmt ? 1 : kLlCombineSendRowsAtOnce;  // LogFMT: registers
 
-  if (blockIdx.x == 0) {
-    // This rank's weights and expert ids, for every rank (each finds its picks).
-    const int n = p.num_tokens * K;
-    for (int r = 0; r < R; ++r) {
-      char* dst = p.t.peer_ptr(
-          r, half + p.off.weights + static_cast<std::size_t>(me) * p.off.weights_stride);
-      float* dst_w = reinterpret_cast<float*>(dst);
-      int* dst_id = reinterpret_cast<int*>(dst + p.off.weight_ids);
-      for (int i = threadIdx.x; i < n; i += kThreads) {
-        const int64_t e = p.topk_idx[i];
-        dst_w[i] = p.topk_weights[i];
-        dst_id[i] = e >= 0 && e < E ? static_cast<int>(e) : -1;
-      }
+  const int n_src = static_cast<int>(threadIdx.x) < R ? p.disp_state[8 + threadIdx.x] : 0;
+  if (blockIdx.x == 0 && threadIdx.x == 0) p.state[0] = static_cast<int32_t>(epoch);
+
+  // Weights: warp gw takes tokens gw, gw + all warps, ... For each distinct
+  // expert of token t (the sum of the weights of the picks naming it, in k
+  // order), entry [me][t][j] at the expert's rank, j = the expert's place in
+  // ascending id among t's experts on that rank (the receiver's order).
+  // Branch-free around the shuffles: every lane loads (a clamped pick) and
+  // every lane takes every step, so the warp never splits around them.
+  for (int t = blockIdx.x * kWarps + warp; t < p.num_tokens; t += gridDim.x * kWarps) {
+    const int kk = min(lane, K - 1);
+    const int64_t e64 = p.topk_idx[static_cast<int64_t>(t) * K + kk];
+    const float w = p.topk_weights[static_cast<int64_t>(t) * K + kk];
+    const int e = lane < K && e64 >= 0 && e64 < E ? static_cast<int>(e64) : -1;
+    const int r = e >= 0 ? e / E_local : -1;
+    float wsum = 0.0f;    // weights of the picks naming e, in k order
+    bool first = e >= 0;  // no earlier pick names e
+    for (int k = 0; k < K; ++k) {
+      const int ek = __shfl_sync(kFull, e, k);
+      const float wk = __shfl_sync(kFull, w, k);
+      wsum += ek == e ? wk : 0.0f;
+      first = first && !(ek == e && k < lane);
     }
-    __threadfence_system();
-    __syncthreads();
-    if (static_cast<int>(threadIdx.x) < R)
-      p.t.signal(threadIdx.x, flag_offset(half, p.off, kFlagWeights, me), epoch);
-    if (threadIdx.x == 0) p.state[0] = static_cast<int32_t>(epoch);
+    int j = 0;  // distinct experts of t on rank r with a smaller id
+    for (int k = 0; k < K; ++k) {
+      const int ek = __shfl_sync(kFull, e, k);
+      const bool first_k = __shfl_sync(kFull, first ? 1 : 0, k) != 0;  // implies ek >= 0
+      j += first_k && ek / E_local == r && ek < e ? 1 : 0;
+    }
+    if (first)
+      p.t.put_tagged(r,
+                     weights + static_cast<std::size_t>(me) * p.off.weights_stride +
+                         (static_cast<std::size_t>(t) * plan::kLlMaxTopK + j) * 8u,
+                     __float_as_uint(wsum), epoch);
   }
+  if (static_cast<int>(threadIdx.x) < R) s_tokens[threadIdx.x] = min(max(n_src, 0), maxT);
+  __syncthreads();
   if (threadIdx.x == 0) {
     int acc = 0;
     for (int s = 0; s < R; ++s) {
       s_prefix[s] = acc;
-      acc += min(max(p.disp_state[8 + s], 0), maxT);
+      acc += s_tokens[s];
     }
     s_prefix[R] = acc;
   }
@@ -513,31 +545,38 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
 
   const int C = ceil_div(H, kCombineChunk);
   const int items = s_prefix[R] * C;
-  const int W = ceil_div(maxT, 32), E_local = E / R, RT = R * maxT;
-  uint32_t weights_ready = 0;  // sources whose weights this warp has waited for
+  const int W = ceil_div(maxT, 32), RT = R * maxT;
   for (int item = blockIdx.x * kWarps + warp; item < items; item += gridDim.x * kWarps) {
     const int pair = item / C, c = item % C;
     int s = 0;
     while (s + 1 < R && pair >= s_prefix[s + 1]) ++s;
     const int t = pair - s_prefix[s];
     const int2* plan_w = p.combine_plan + static_cast<std::size_t>(s * W + t / 32) * E_local;
-    // The local experts token t of s picked (lane le), and the packed row of the first.
-    int n_experts = 0, row0 = -1;
+    // The packed rows of the local experts token t of s picked, in ascending
+    // id, to s_rows[warp][0, n).
+    int n = 0;
+#pragma unroll 2
     for (int g = 0; g < E_local; g += 32) {
       const int2 ent = g + lane < E_local ? __ldcg(plan_w + g + lane) : make_int2(0, 0);
       const int row = plan_row(ent, g + lane, t, RT);
       const uint32_t picks = __ballot_sync(kFull, row >= 0);
-      if (n_experts == 0 && picks != 0u) row0 = __shfl_sync(kFull, row, __ffs(picks) - 1);
-      n_experts += __popc(picks);
+      const int j = n + __popc(picks & ((1u << lane) - 1u));
+      if (row >= 0 && j < plan::kLlMaxTopK) s_rows[warp][j] = row;
+      n += __popc(picks);
     }
-    if (n_experts == 0) continue;
+    if (n == 0) continue;
+    n = min(n, plan::kLlMaxTopK);  // at most K distinct experts
+    __syncwarp();
+    const int my_row = lane < n ? s_rows[warp][lane] : -1;
+    __syncwarp();  // read before the next item writes
     int4* dst = reinterpret_cast<int4*>(p.t.peer_ptr(
         s, half + p.off.comb_rows + (static_cast<std::size_t>(me) * maxT + t) * 2u * H));
     const int col0 = c * (kCombineChunk / 8) + lane;
 
-    if (n_experts == 1) {
+    if (n == 1) {
       // One expert here: its raw row; the source weights it.
-      const int4* src = reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(row0) * H);
+      const int4* src = reinterpret_cast<const int4*>(
+          p.x + static_cast<int64_t>(__shfl_sync(kFull, my_row, 0)) * H);
       int4 v[kCombineSteps];
 #pragma unroll
       for (int st = 0; st < kCombineSteps; ++st)
@@ -548,47 +587,49 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
       continue;
     }
 
-    // Several experts here: the weighted sum over the token's picks k (in k
-    // order) that name them; ids and weights come from the source.
-    if (!((weights_ready >> s) & 1u)) {
-      // Every lane acquires the flag itself; the warp agrees on the outcome.
-      const bool ok = p.t.wait(flag_offset(half, p.off, kFlagWeights, s), epoch, p.timeout_ns,
-                               p.diag, OpId::kLowLatencyCombineSend, s, t);
-      if (!__all_sync(kFull, ok)) break;  // reported; still count in below
-      weights_ready |= 1u << s;
-    }
-    const char* wsrc_base =
-        p.t.local_ptr(half + p.off.weights + static_cast<std::size_t>(s) * p.off.weights_stride);
-    const float* wsrc = reinterpret_cast<const float*>(wsrc_base);
-    const int* idsrc = reinterpret_cast<const int*>(wsrc_base + p.off.weight_ids);
-    const int id = lane < K ? __ldcg(idsrc + t * K + lane) : -1;
-    const float w = lane < K ? __ldcg(wsrc + t * K + lane) : 0.0f;
-    const int le_k = id - me * E_local;
-    const int row =
-        id >= 0 && le_k >= 0 && le_k < E_local ? plan_row(__ldcg(plan_w + le_k), le_k, t, RT) : -1;
+    // Several experts here: sum_j weight_j * row_j, rows kRowsAtOnce at a time;
+    // the first rows are in flight while the weights are awaited.
     float acc[kCombineSteps][8];
 #pragma unroll
     for (int st = 0; st < kCombineSteps; ++st)
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[st][i] = 0.0f;
-    for (int k = 0; k < K; ++k) {
-      const int rk = __shfl_sync(kFull, row, k);
-      const float wk = __shfl_sync(kFull, w, k);
-      if (rk < 0) continue;  // warp-uniform
-      const int4* src = reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(rk) * H);
-      int4 v[kCombineSteps];
+    uint32_t w_bits = 0;
+    bool ok = true;
+    for (int j0 = 0; j0 < n; j0 += kRowsAtOnce) {
+      int4 v[kRowsAtOnce][kCombineSteps];
 #pragma unroll
-      for (int st = 0; st < kCombineSteps; ++st)
-        v[st] = col0 + 32 * st < H8 ? dev::ld_nc(src + col0 + 32 * st) : make_int4(0, 0, 0, 0);
+      for (int jj = 0; jj < kRowsAtOnce; ++jj) {
+        const int rj = __shfl_sync(kFull, my_row, (j0 + jj) & 31);
+        const int4* src = reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(rj) * H);
 #pragma unroll
-      for (int st = 0; st < kCombineSteps; ++st) {
-        float f[8];
-        unpack_bf16x8(v[st], f);
-        if (p.logfmt) logfmt_roundtrip(f);
+        for (int st = 0; st < kCombineSteps; ++st)
+          v[jj][st] = j0 + jj < n && col0 + 32 * st < H8 ? dev::ld_nc(src + col0 + 32 * st)
+                                                         : make_int4(0, 0, 0, 0);
+      }
+      if (j0 == 0) {
+        if (lane < n)
+          ok = p.t.wait_tagged(weights + static_cast<std::size_t>(s) * p.off.weights_stride +
+                                   (static_cast<std::size_t>(t) * plan::kLlMaxTopK + lane) * 8u,
+                               epoch, w_bits, p.timeout_ns, p.diag, OpId::kLowLatencyCombineSend, s,
+                               t);
+        if (!__all_sync(kFull, ok)) break;  // reported; still counted in below
+      }
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[st][i] = fmaf(wk, f[i], acc[st][i]);
+      for (int jj = 0; jj < kRowsAtOnce; ++jj) {
+        if (j0 + jj >= n) break;  // warp-uniform
+        const float wj = __uint_as_float(__shfl_sync(kFull, w_bits, j0 + jj));
+#pragma unroll
+        for (int st = 0; st < kCombineSteps; ++st) {
+          float f[8];
+          unpack_bf16x8(v[jj][st], f);
+          if constexpr (kLogFmt) logfmt_roundtrip(f);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[st][i] = fmaf(wj, f[i], acc[st][i]);
+        }
       }
     }
+    if (!__all_sync(kFull, ok)) break;
 #pragma unroll
     for (int st = 0; st < kCombineSteps; ++st)
       if (col0 + 32 * st < H8) dev::st_na(dst + col0 + 32 * st, pack_bf16x8(acc[st]));
@@ -605,6 +646,7 @@ __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
     ll_combine_recv(LlCombineRecvParams p) {
   const int R = p.t.num_ranks;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  dev::wait_prerequisite_grid();  // the send kernel (a no-op in hook mode)
   const uint32_t epoch = static_cast<uint32_t>(p.state[0]);
   const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
   const int H = p.hidden, K = p.num_topk, E = p.num_experts, E_local = E / R;
@@ -676,24 +718,44 @@ void launch_ll_dispatch_send(const LlDispatchSendParams& p, int num_blocks, cuda
   EPX_LAUNCH_CHECK();
 }
 
-void launch_ll_dispatch_recv(const LlDispatchRecvParams& p, cudaStream_t stream) {
+/// Launches with the programmatic-stream-serialization attribute when
+/// `dependent` (the previous kernel in the stream is this op's send kernel).
+template <class Params>
+void launch_recv(void (*kernel)(Params), const Params& p, int blocks, std::size_t smem,
+                 cudaStream_t stream, bool dependent) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = dependent ? 1u : 0u;
+  EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+}
+
+void launch_ll_dispatch_recv(const LlDispatchRecvParams& p, cudaStream_t stream, bool dependent) {
   const int E_local = p.num_experts / p.t.num_ranks;
   const std::size_t smem = sizeof(int) * static_cast<std::size_t>(p.t.num_ranks) * p.max_tokens;
   if (smem > 48 * 1024)
     EPX_CUDA_CHECK(cudaFuncSetAttribute(
         ll_dispatch_recv, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  ll_dispatch_recv<<<E_local * p.parts, kThreads, smem, stream>>>(p);
-  EPX_LAUNCH_CHECK();
+  launch_recv(ll_dispatch_recv, p, E_local * p.parts, smem, stream, dependent);
 }
 
 void launch_ll_combine_send(const LlCombineSendParams& p, int num_blocks, cudaStream_t stream) {
-  ll_combine_send<<<num_blocks, kThreads, 0, stream>>>(p);
+  if (p.logfmt)
+    ll_combine_send<true><<<num_blocks, kThreads, 0, stream>>>(p);
+  else
+    ll_combine_send<false><<<num_blocks, kThreads, 0, stream>>>(p);
   EPX_LAUNCH_CHECK();
 }
 
-void launch_ll_combine_recv(const LlCombineRecvParams& p, int num_blocks, cudaStream_t stream) {
-  ll_combine_recv<<<num_blocks, kThreads, 0, stream>>>(p);
-  EPX_LAUNCH_CHECK();
+void launch_ll_combine_recv(const LlCombineRecvParams& p, int num_blocks, cudaStream_t stream,
+                            bool dependent) {
+  launch_recv(ll_combine_recv, p, num_blocks, 0, stream, dependent);
 }
 
 }  // namespace epx::kernels

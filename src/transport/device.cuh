@@ -5,6 +5,7 @@
 //   put(rank, offset, src, bytes, lane, width)  cooperative copy into a peer
 //   signal(rank, offset, value)  release-store a 32-bit flag in a peer
 //   wait(offset, value, ...)     acquire-spin on a local flag (with deadline)
+//   put_tagged / wait_tagged     a 32-bit value with its epoch in one 64-bit word
 //   flush()                      make prior puts visible before a signal
 // NvlinkTransport is the one whose put is a plain store.
 #pragma once
@@ -32,6 +33,28 @@ __device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
 
 __device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+/// 64-bit relaxed system-scope accesses: single-copy atomic, so a value and
+/// the epoch packed beside it in one word arrive together (no fence, no flag).
+__device__ __forceinline__ uint64_t ld_relaxed_sys_u64(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_relaxed_sys_u64(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+/// Programmatic dependent launch: let the next kernel in the stream start its
+/// blocks now / wait until the previous kernel has finished and its writes are
+/// visible. Both are no-ops when the launch was not a dependent one.
+__device__ __forceinline__ void launch_dependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+__device__ __forceinline__ void wait_prerequisite_grid() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
 }
 
 /// Read-only 16-byte load that skips L1 (memory no one writes during the kernel).
@@ -99,6 +122,36 @@ __device__ __forceinline__ bool wait_ge(const uint32_t* flag, uint32_t value, ui
   }
 }
 
+/// Spins until the high half (an epoch) of the tagged word *p is >= epoch
+/// (wrap-safe) and returns its low half in `value`. False (after reporting)
+/// on the deadline or when another thread already reported a failure.
+__device__ __forceinline__ bool wait_tagged(const uint64_t* p, uint32_t epoch, uint32_t& value,
+                                            uint64_t timeout_ns, DeviceDiag* diag, OpId op,
+                                            int rank, int peer, int channel) {
+  uint64_t w = ld_relaxed_sys_u64(p);
+  if (static_cast<int32_t>(static_cast<uint32_t>(w >> 32) - epoch) >= 0) {
+    value = static_cast<uint32_t>(w);
+    return true;
+  }
+  const uint64_t start = globaltimer_ns();
+  uint32_t spins = 0;
+  while (true) {
+    w = ld_relaxed_sys_u64(p);
+    if (static_cast<int32_t>(static_cast<uint32_t>(w >> 32) - epoch) >= 0) {
+      value = static_cast<uint32_t>(w);
+      return true;
+    }
+    if ((++spins & 1023u) == 0) {
+      if (diag && *static_cast<volatile uint32_t*>(&diag->code) != 0u) return false;
+      if (globaltimer_ns() - start > timeout_ns) {
+        report(diag, DiagCode::kTimeout, op, rank, peer, channel, epoch,
+               static_cast<uint32_t>(w >> 32));
+        return false;
+      }
+    }
+  }
+}
+
 #endif  // __CUDACC__
 
 /// Load/store transport over NVLink (NCCL symmetric window mappings). Host
@@ -129,6 +182,20 @@ struct NvlinkTransport {
   }
   __device__ __forceinline__ void signal(int r, std::size_t offset, uint32_t value) const {
     st_release_sys(reinterpret_cast<uint32_t*>(peer_ptr(r, offset)), value);
+  }
+  /// 32-bit value and epoch as one tagged word at peer `r` (8-byte aligned
+  /// `offset`): the reader needs no flag and the writer no fence.
+  __device__ __forceinline__ void put_tagged(int r, std::size_t offset, uint32_t value,
+                                             uint32_t epoch) const {
+    st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(peer_ptr(r, offset)),
+                       (static_cast<uint64_t>(epoch) << 32) | value);
+  }
+  /// Waits for a tagged word of `epoch` (or later) at local `offset`.
+  __device__ __forceinline__ bool wait_tagged(std::size_t offset, uint32_t epoch, uint32_t& value,
+                                              uint64_t timeout_ns, DeviceDiag* diag, OpId op,
+                                              int peer, int channel) const {
+    return dev::wait_tagged(reinterpret_cast<const uint64_t*>(local_ptr(offset)), epoch, value,
+                            timeout_ns, diag, op, rank, peer, channel);
   }
   __device__ __forceinline__ bool wait(std::size_t offset, uint32_t value, uint64_t timeout_ns,
                                        DeviceDiag* diag, OpId op, int peer, int channel) const {
