@@ -6,6 +6,7 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <string>
 
@@ -58,6 +59,38 @@ std::pair<double, double> split_us(World& w, const std::function<std::function<v
   }
   for (auto& e : ev) cudaEventDestroy(e);
   return {median(ts), median(tr)};
+}
+
+/// Median host time of one call of `fn` (the C++ API's own per-call work; the
+/// stream is drained before each call so the GPU never holds it back).
+double host_us(World& w, const std::function<void()>& fn, int iters) {
+  std::vector<double> v;
+  for (int i = 0; i < iters; ++i) {
+    EPX_CUDA_CHECK(cudaStreamSynchronize(w.stream));
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    const auto t1 = std::chrono::steady_clock::now();
+    v.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+  }
+  EPX_CUDA_CHECK(cudaStreamSynchronize(w.stream));
+  return median(v);
+}
+
+/// `fn` captured once into a CUDA graph, then timed like time_us (L2 flush,
+/// line-up, events) per replay: the GPU time without the host's per-call work.
+double graph_us(World& w, const std::function<void()>& fn, int warmup, int iters) {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  EPX_CUDA_CHECK(cudaStreamBeginCapture(w.stream, cudaStreamCaptureModeRelaxed));
+  fn();  // its outputs are allocated and released inside the capture
+  EPX_CUDA_CHECK(cudaStreamEndCapture(w.stream, &graph));
+  EPX_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  const double t = time_us(
+      w, [&] { EPX_CUDA_CHECK(cudaGraphLaunch(exec, w.stream)); }, warmup, iters);
+  EPX_CUDA_CHECK(cudaStreamSynchronize(w.stream));
+  EPX_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  EPX_CUDA_CHECK(cudaGraphDestroy(graph));
+  return t;
 }
 
 /// DeepEP V1's get_low_latency_rdma_size_hint, recomputed from its documented
@@ -122,6 +155,17 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
   const double t_comb_lf = time_us(
       w, [&] { w.buffer->low_latency_combine(comb_logfmt); }, o.warmup, o.iters);
 
+  // The same calls without the host: replayed from a CUDA graph; and the host
+  // time of one call.
+  const double t_dfp8_graph = graph_us(
+      w, [&] { w.buffer->low_latency_dispatch(dfp8); }, o.warmup, o.iters);
+  const double t_comb_graph = graph_us(
+      w, [&] { w.buffer->low_latency_combine(comb); }, o.warmup, o.iters);
+  const double h_dfp8 = host_us(
+      w, [&] { w.buffer->low_latency_dispatch(dfp8); }, o.iters);
+  const double h_comb = host_us(
+      w, [&] { w.buffer->low_latency_combine(comb); }, o.iters);
+
   // Hook mode: send and receive phases apart.
   LowLatencyDispatchArgs dhook = dfp8;
   dhook.return_recv_hook = true;
@@ -181,6 +225,10 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
   result["dispatch_recv_us"] = us_dr;
   result["combine_send_us"] = us_cs;
   result["combine_recv_us"] = us_cr;
+  result["dispatch_graph_us"] = mean_over_ranks(w, t_dfp8_graph);
+  result["combine_graph_us"] = mean_over_ranks(w, t_comb_graph);
+  result["dispatch_host_us"] = mean_over_ranks(w, h_dfp8);
+  result["combine_host_us"] = mean_over_ranks(w, h_comb);
   result["max_rank_us"] = {{"dispatch", max_dfp8}, {"combine", max_comb}};
   result["rdma_bytes_per_rank"] = hint;
   result["rdma_bytes_core_per_rank"] = region.core_bytes();  // without the zero-copy inputs
@@ -201,6 +249,13 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
                 us_cr);
     std::printf("%-26s %10.1f %10s %10s %10s\n", "combine BF16 + LogFMT", us_comb_lf, "-", "-",
                 "-");
+    std::printf(
+        "replayed from a CUDA graph: dispatch FP8 %.1f us, combine %.1f us; host time per call: "
+        "dispatch %.1f us, combine %.1f us\n",
+        static_cast<double>(result["dispatch_graph_us"]),
+        static_cast<double>(result["combine_graph_us"]),
+        static_cast<double>(result["dispatch_host_us"]),
+        static_cast<double>(result["combine_host_us"]));
     std::printf(
         "buffer bytes per rank: %zu (hint %zu = %zu for the ops + %zu zero-copy inputs); DeepEP's "
         "hint: %zu\n",

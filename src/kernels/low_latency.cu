@@ -356,25 +356,27 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvPa
     return reinterpret_cast<const int*>(
         p.t.local_ptr(half + p.off.meta + static_cast<std::size_t>(s) * p.off.meta_stride));
   };
+  // Packed order: by source rank, then token; a token counts once however
+  // often it picks le. Thread (s, w) takes word w of source s's mask for le;
+  // one scan over all R * W words gives each word its first packed row. The
+  // words load together with the token counts (one memory latency, not two);
+  // words past a source's count are stale and count as zero.
+  const int W = ceil_div(p.max_tokens, 32);
+  // One scan round: every (source, word) pair has its thread.
+  static_assert(plan::kMaxRanks * ((validate::kMaxLowLatencyTokens + 31) / 32) <= kThreads);
+  const int pos = threadIdx.x, s = pos / W, w = pos % W;
+  uint32_t word = 0;
+  if (pos < R * W)
+    word = __ldcg(reinterpret_cast<const uint32_t*>(meta_of(s) + 4) +
+                  static_cast<std::size_t>(w) * E_local + le);
   if (static_cast<int>(threadIdx.x) < R) {
     const int n = __ldcg(meta_of(threadIdx.x));
     s_tokens[threadIdx.x] = min(max(n, 0), p.max_tokens);
     if (blockIdx.x == 0) p.state[8 + threadIdx.x] = s_tokens[threadIdx.x];
   }
   __syncthreads();
-
-  // Packed order: by source rank, then token; a token counts once however
-  // often it picks le. Thread (s, w) takes word w of source s's mask for le;
-  // one scan over all R * W words gives each word its first packed row.
-  const int W = ceil_div(p.max_tokens, 32);
-  // One scan round: every (source, word) pair has its thread.
-  static_assert(plan::kMaxRanks * ((validate::kMaxLowLatencyTokens + 31) / 32) <= kThreads);
+  if (pos < R * W && 32 * w >= s_tokens[s]) word = 0;
   {
-    const int pos = threadIdx.x, s = pos / W, w = pos % W;
-    uint32_t word = 0;
-    if (pos < R * W && 32 * w < s_tokens[s])
-      word = __ldcg(reinterpret_cast<const uint32_t*>(meta_of(s) + 4) +
-                    static_cast<std::size_t>(w) * E_local + le);
     int prefix = 0, total = 0;
     Scan(scan_tmp).ExclusiveSum(__popc(word), prefix, total);
     for (uint32_t m = word, i = prefix; m != 0u; m &= m - 1u, ++i)
