@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 #include "core/plan.hpp"
 #include "epx/buffer.hpp"
@@ -90,6 +91,51 @@ TEST(Plan, RegionsDoNotOverlapAndAreAligned) {
   other.num_experts = 8;
   other.chunk = 32;
   EXPECT_EQ(other.staging_offset(), r.staging_offset());
+}
+
+// Words compared against an epoch (flags, tagged combine weights) must sit
+// at one place whatever the call's shape: at a shape-dependent place, rows of
+// an earlier call with another shape would read as epochs.
+TEST(Plan, LowLatencyEpochWordsHaveAFixedPlace) {
+  for (int R : {2, 4, 8}) {
+    std::vector<plan::LlRegion> shapes;
+    for (int maxT : {1, 64, 128, plan::kLlMaxTokens})
+      for (int H : {128, 2880, 7168})
+        for (int E : {R, 8 * R, 256}) {
+          plan::LlRegion r;
+          r.num_ranks = R;
+          r.max_tokens = maxT;
+          r.hidden = H;
+          r.num_experts = E;
+          shapes.push_back(r);
+        }
+    const plan::LlRegion& a = shapes.front();
+    for (const plan::LlRegion& r : shapes) {
+      SCOPED_TRACE(::testing::Message() << "R=" << R << " maxT=" << r.max_tokens
+                                        << " H=" << r.hidden << " E=" << r.num_experts);
+      EXPECT_EQ(r.control_bytes(), a.control_bytes());
+      EXPECT_EQ(r.weights_half_bytes(), a.weights_half_bytes());
+      // control < flags (both halves) < weights (both halves) < half 0 < half 1 < zero-copy
+      EXPECT_LE(plan::LlRegion::flags_base() + 2 * plan::LlRegion::flags_bytes(),
+                plan::LlRegion::weights_base());
+      EXPECT_LE(plan::LlRegion::weights_base() + 2 * r.weights_half_bytes(), r.half_offset(0));
+      EXPECT_LE(r.half_offset(0) + r.half_bytes(), r.half_offset(1));
+      EXPECT_LE(r.half_offset(1) + r.half_bytes(), r.zero_copy_offset(0));
+      // inside a half: meta < dispatch rows < combine rows
+      EXPECT_LE(r.meta_offset() + static_cast<std::size_t>(R) * r.meta_stride(),
+                r.dispatch_rows_offset());
+      EXPECT_LE(r.dispatch_rows_offset() +
+                    static_cast<std::size_t>(R) * r.max_tokens * r.dispatch_row_capacity(),
+                r.combine_rows_offset());
+      // tagged weights are 8-byte words, rows 16-byte vectors
+      EXPECT_EQ(plan::LlRegion::weights_base() % 8, 0u);
+      EXPECT_EQ(r.half_offset(0) % 16, 0u);
+      EXPECT_EQ(r.half_bytes() % 16, 0u);
+      EXPECT_EQ(r.dispatch_row_capacity() % 16, 0u);
+    }
+    EXPECT_GE(plan::LlRegion::weights_stride(),
+              8u * static_cast<std::size_t>(plan::kLlMaxTokens) * plan::kLlMaxTopK);
+  }
 }
 
 TEST(Plan, RowBytes) {
