@@ -122,14 +122,17 @@ __device__ __forceinline__ bool wait_ge(const uint32_t* flag, uint32_t value, ui
   }
 }
 
-/// Spins until the high half (an epoch) of the tagged word *p is >= epoch
-/// (wrap-safe) and returns its low half in `value`. False (after reporting)
-/// on the deadline or when another thread already reported a failure.
+/// Spins until the high half (an epoch) of the tagged word *p equals `epoch`
+/// and returns its low half in `value`. Exact match, not the wrap-safe >= of
+/// flags: a tagged word is rewritten only when its slot is used, so after
+/// 2^31 ops a word left from long ago (or never written) would pass a >=
+/// test; and no later epoch can be there while this op reads it. False (after
+/// reporting) on the deadline or when another thread already reported.
 __device__ __forceinline__ bool wait_tagged(const uint64_t* p, uint32_t epoch, uint32_t& value,
                                             uint64_t timeout_ns, DeviceDiag* diag, OpId op,
                                             int rank, int peer, int channel) {
   uint64_t w = ld_relaxed_sys_u64(p);
-  if (static_cast<int32_t>(static_cast<uint32_t>(w >> 32) - epoch) >= 0) {
+  if (static_cast<uint32_t>(w >> 32) == epoch) {
     value = static_cast<uint32_t>(w);
     return true;
   }
@@ -137,7 +140,7 @@ __device__ __forceinline__ bool wait_tagged(const uint64_t* p, uint32_t epoch, u
   uint32_t spins = 0;
   while (true) {
     w = ld_relaxed_sys_u64(p);
-    if (static_cast<int32_t>(static_cast<uint32_t>(w >> 32) - epoch) >= 0) {
+    if (static_cast<uint32_t>(w >> 32) == epoch) {
       value = static_cast<uint32_t>(w);
       return true;
     }
@@ -190,7 +193,7 @@ struct NvlinkTransport {
     st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(peer_ptr(r, offset)),
                        (static_cast<uint64_t>(epoch) << 32) | value);
   }
-  /// Waits for a tagged word of `epoch` (or later) at local `offset`.
+  /// Waits for the tagged word of `epoch` at local `offset`.
   __device__ __forceinline__ bool wait_tagged(std::size_t offset, uint32_t epoch, uint32_t& value,
                                               uint64_t timeout_ns, DeviceDiag* diag, OpId op,
                                               int peer, int channel) const {
