@@ -47,6 +47,75 @@ constexpr int kFlagDispatch = 0, kFlagCombine = 1;
 // Local completion counters in the control area.
 constexpr int kDoneDispatch = 0, kDoneCombine = 1;
 
+// ---- optional phase timeline (build with -DEPX_LL_TIMELINE=1) -----------------
+// Thread 0 of each block stamps %globaltimer at phase marks; the last receive
+// block of an op prints one line per rank ("TL ...", ns after the first send
+// block started, this GPU's clock only) and clears the marks. Off by default:
+// it adds barriers and atomics to the timed path.
+#ifndef EPX_LL_TIMELINE
+#define EPX_LL_TIMELINE 0
+#endif
+enum TlMark : int {
+  kTlSendStart,     // first send block started (min)
+  kTlSendStartMax,  // last send block started
+  kTlSendItems,     // last send block done with its items
+  kTlSendCounted,   // last send block fenced and counted
+  kTlSendSignal,    // flags stored to every rank
+  kTlRecvStart,     // first receive block started (min)
+  kTlRecvGo,        // first receive block past griddepcontrol.wait (min)
+  kTlRecvFlags,     // last receive block saw every flag
+  kTlRecvMid,       // dispatch: last block done with its scan
+  kTlRecvEnd,       // last receive block done
+  kTlMarks
+};
+struct Timeline {
+  unsigned long long m[2][kTlMarks];  // min marks hold ~t
+  unsigned int done[2];
+};
+__device__ Timeline g_timeline;
+
+__device__ __forceinline__ void tl_mark(int kind, int mark) {
+  if constexpr (EPX_LL_TIMELINE != 0) {
+    if (threadIdx.x != 0) return;
+    const unsigned long long t = dev::globaltimer_ns();
+    const bool is_min = mark == kTlSendStart || mark == kTlRecvStart || mark == kTlRecvGo;
+    atomicMax(&g_timeline.m[kind][mark], is_min ? ~t : t);
+  }
+}
+
+/// The last receive block prints the op's marks and clears them.
+__device__ __forceinline__ void tl_finish(int kind, int rank) {
+  if constexpr (EPX_LL_TIMELINE != 0) {
+    __syncthreads();
+    tl_mark(kind, kTlRecvEnd);
+    if (threadIdx.x != 0) return;
+    __threadfence();
+    if (atomicAdd(&g_timeline.done[kind], 1u) != gridDim.x - 1) return;
+    __threadfence();
+    unsigned long long v[kTlMarks];
+    for (int i = 0; i < kTlMarks; ++i) {
+      v[i] = atomicExch(&g_timeline.m[kind][i], 0ull);
+      if (i == kTlSendStart || i == kTlRecvStart || i == kTlRecvGo) v[i] = ~v[i];
+    }
+    g_timeline.done[kind] = 0u;
+    const long long t0 = static_cast<long long>(v[kTlSendStart]);
+    auto at = [&](int i) { return static_cast<long long>(v[i]) - t0; };
+    printf(
+        "TL rank=%d op=%s send_start_max=%lld items=%lld counted=%lld signal=%lld "
+        "recv_start=%lld recv_go=%lld flags=%lld mid=%lld end=%lld\n",
+        rank, kind == 0 ? "dispatch" : "combine", at(kTlSendStartMax), at(kTlSendItems),
+        at(kTlSendCounted), at(kTlSendSignal), at(kTlRecvStart), at(kTlRecvGo), at(kTlRecvFlags),
+        at(kTlRecvMid), at(kTlRecvEnd));
+  }
+}
+#define EPX_TL(kind, mark)                \
+  do {                                    \
+    if constexpr (EPX_LL_TIMELINE != 0) { \
+      __syncthreads();                    \
+      tl_mark(kind, mark);                \
+    }                                     \
+  } while (0)
+
 __device__ __forceinline__ int ceil_div(int a, int b) {
   return (a + b - 1) / b;
 }
@@ -173,24 +242,32 @@ __device__ __forceinline__ void logfmt_roundtrip(float* v) {
 
 /// Every block calls this once at its end (also after a failed wait, so the
 /// count stays right). The last block release-stores `epoch` into flag
-/// `kind`/[me] of every rank, resets the counter and publishes the epoch.
+/// `kind`/[me] of every rank, resets the counters and publishes the epoch.
+/// One fence per block, not per thread: the barrier orders every thread's
+/// peer stores before thread 0's system-scope release fence, and release is
+/// cumulative (PTX memory model), so the count carries them all.
 __device__ __forceinline__ void finish_send(const dev::NvlinkTransport& t, const LlOffsets& o,
                                             std::size_t half, int kind, int counter,
                                             uint32_t* op_counter, uint32_t epoch) {
   __shared__ int is_last;
-  __threadfence_system();  // this thread's peer stores before the count
+  EPX_TL(kind, kTlSendItems);
   __syncthreads();
-  uint32_t* done = reinterpret_cast<uint32_t*>(t.local_ptr(o.control)) + counter;
-  if (threadIdx.x == 0) is_last = atomicAdd(done, 1u) == gridDim.x - 1 ? 1 : 0;
+  uint32_t* control = reinterpret_cast<uint32_t*>(t.local_ptr(o.control));
+  if (threadIdx.x == 0) {
+    dev::fence_acq_rel_sys();  // release: the block's peer stores before the count
+    is_last = atomicAdd(control + counter, 1u) == gridDim.x - 1 ? 1 : 0;
+    if (is_last) dev::fence_acq_rel_sys();  // acquire: every block's stores before the flags
+  }
   __syncthreads();
+  tl_mark(kind, kTlSendCounted);
   if (!is_last) return;
-  __threadfence_system();
   if (static_cast<int>(threadIdx.x) < t.num_ranks)
     t.signal(threadIdx.x, flag_offset(half, o, kind, t.rank), epoch);
   if (threadIdx.x == 0) {
-    *done = 0u;
+    control[counter] = 0u;
     *op_counter = epoch;
   }
+  tl_mark(kind, kTlSendSignal);
 }
 
 /// Block-wide wait for flag `kind` of every source; false when any timed out.
@@ -215,6 +292,8 @@ __device__ __forceinline__ bool wait_all_sources(const dev::NvlinkTransport& t, 
 // ============================================================================
 __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_send(LlDispatchSendParams p) {
   dev::launch_dependents();
+  tl_mark(kFlagDispatch, kTlSendStart);
+  tl_mark(kFlagDispatch, kTlSendStartMax);
   const int R = p.t.num_ranks, me = p.t.rank;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const uint32_t epoch = *p.op_counter + 1u;
@@ -345,13 +424,18 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvPa
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int E_local = p.num_experts / R, RT = R * p.max_tokens, H = p.hidden;
   const int le = blockIdx.x / p.parts, part = blockIdx.x % p.parts;
+  tl_mark(kFlagDispatch, kTlRecvStart);
   dev::wait_prerequisite_grid();  // the send kernel (a no-op in hook mode)
+  tl_mark(kFlagDispatch, kTlRecvGo);
   const uint32_t epoch = static_cast<uint32_t>(p.state[0]);
   const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
 
   if (!wait_all_sources(p.t, p.off, half, kFlagDispatch, epoch, p.timeout_ns, p.diag,
-                        OpId::kLowLatencyDispatchRecv, le))
+                        OpId::kLowLatencyDispatchRecv, le)) {
+    tl_finish(kFlagDispatch, p.t.rank);
     return;
+  }
+  tl_mark(kFlagDispatch, kTlRecvFlags);
   auto meta_of = [&](int s) {
     return reinterpret_cast<const int*>(
         p.t.local_ptr(half + p.off.meta + static_cast<std::size_t>(s) * p.off.meta_stride));
@@ -389,6 +473,7 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvPa
           make_int2(static_cast<int>(word), prefix);
   }
   __syncthreads();
+  tl_mark(kFlagDispatch, kTlRecvMid);
   const int count = s_begin[R];
 
   if (part == 0) {
@@ -464,6 +549,7 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvPa
       }
     }
   }
+  tl_finish(kFlagDispatch, p.t.rank);
 }
 
 /// The packed row of token t at local expert le from the combine plan entry
@@ -488,6 +574,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
   __shared__ int s_prefix[plan::kMaxRanks + 1];
   __shared__ int s_rows[kWarps][plan::kLlMaxTopK];  // per warp: rows of the item's experts
   dev::launch_dependents();
+  tl_mark(kFlagCombine, kTlSendStart);
+  tl_mark(kFlagCombine, kTlSendStartMax);
   const int R = p.t.num_ranks, me = p.t.rank;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const uint32_t epoch = *p.op_counter + 1u;
@@ -648,7 +736,9 @@ __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
     ll_combine_recv(LlCombineRecvParams p) {
   const int R = p.t.num_ranks;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  tl_mark(kFlagCombine, kTlRecvStart);
   dev::wait_prerequisite_grid();  // the send kernel (a no-op in hook mode)
+  tl_mark(kFlagCombine, kTlRecvGo);
   const uint32_t epoch = static_cast<uint32_t>(p.state[0]);
   const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
   const int H = p.hidden, K = p.num_topk, E = p.num_experts, E_local = E / R;
@@ -656,8 +746,11 @@ __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
   constexpr int kCombineChunk = kLlCombineRecvChunk, kCombineSteps = kCombineChunk / 256;
 
   if (!wait_all_sources(p.t, p.off, half, kFlagCombine, epoch, p.timeout_ns, p.diag,
-                        OpId::kLowLatencyCombineRecv, -1))
+                        OpId::kLowLatencyCombineRecv, -1)) {
+    tl_finish(kFlagCombine, p.t.rank);
     return;
+  }
+  tl_mark(kFlagCombine, kTlRecvFlags);
 
   const int C = ceil_div(H, kCombineChunk);
   const int items = p.num_tokens * C;
@@ -711,6 +804,7 @@ __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
     for (int st = 0; st < kCombineSteps; ++st)
       if (col0 + 32 * st < H8) out[col0 + 32 * st] = pack_bf16x8(acc[st]);
   }
+  tl_finish(kFlagCombine, p.t.rank);
 }
 
 }  // namespace
@@ -747,12 +841,25 @@ void launch_ll_dispatch_recv(const LlDispatchRecvParams& p, cudaStream_t stream,
   launch_recv(ll_dispatch_recv, p, E_local * p.parts, smem, stream, dependent);
 }
 
+/// A cooperative launch: every block is resident at once or the launch fails.
+/// Items of one rank's combine send wait for weight words that blocks of the
+/// other ranks' sends produce; with part of a grid kept off the SMs (by other
+/// work) until the rest ends, ranks could wait on each other until the
+/// deadline.
 void launch_ll_combine_send(const LlCombineSendParams& p, int num_blocks, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(num_blocks));
+  cfg.blockDim = dim3(kThreads);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeCooperative;
+  attr.val.cooperative = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
   if (p.logfmt)
-    ll_combine_send<true><<<num_blocks, kThreads, 0, stream>>>(p);
+    EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, ll_combine_send<true>, p));
   else
-    ll_combine_send<false><<<num_blocks, kThreads, 0, stream>>>(p);
-  EPX_LAUNCH_CHECK();
+    EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, ll_combine_send<false>, p));
 }
 
 void launch_ll_combine_recv(const LlCombineRecvParams& p, int num_blocks, cudaStream_t stream,

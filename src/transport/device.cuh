@@ -35,6 +35,12 @@ __device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+/// Release/acquire fence at system scope (lighter than __threadfence_system's
+/// fence.sc); with a barrier before it, it covers the whole block's stores.
+__device__ __forceinline__ void fence_acq_rel_sys() {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
+
 /// 64-bit relaxed system-scope accesses: single-copy atomic, so a value and
 /// the epoch packed beside it in one word arrive together (no fence, no flag).
 __device__ __forceinline__ uint64_t ld_relaxed_sys_u64(const uint64_t* p) {
