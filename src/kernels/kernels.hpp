@@ -114,9 +114,10 @@ namespace epx::kernels {
 inline constexpr int kLlThreads = 512;
 inline constexpr int kLlDispatchChunk = 512;      ///< elements per dispatch work item
 inline constexpr int kLlCombineSendChunk = 1024;  ///< elements per combine-send work item
-inline constexpr int kLlCombineRecvChunk = 512;   ///< elements per combine-receive work item
+inline constexpr int kLlCombineRecvChunk = 256;   ///< elements per combine-receive work item
 inline constexpr int kLlCombineRecvBlocksPerSm = 2;
-inline constexpr int kLlCombineSendRowsAtOnce = 4;  ///< expert rows loaded together
+inline constexpr int kLlCombineRecvRanksAtOnce = 4;  ///< ranks' rows loaded together
+inline constexpr int kLlCombineSendRowsAtOnce = 4;   ///< expert rows loaded together
 
 /// Where things live inside the low-latency symmetric region (plan::LlRegion).
 /// Sub-offsets are relative to a half; half h starts at half0 + h * half_bytes.

@@ -156,17 +156,17 @@ __device__ __forceinline__ int4 pack_bf16x8(const float* f) {
   return o;
 }
 
-/// ref::float_to_fp8_e4m3: round to nearest even, saturate to +-448, NaN -> 0x7F.
-__device__ __forceinline__ uint32_t fp8_e4m3_bits(float v) {
-  const uint32_t u = __float_as_uint(v);
-  const uint32_t sign = (u >> 24) & 0x80u;
-  const uint32_t a_bits = u & 0x7fffffffu;
-  if (a_bits > 0x7f800000u) return sign | 0x7fu;
-  const float a = __uint_as_float(a_bits);
-  if (a >= 448.0f) return sign | 0x7eu;
-  if (a < 0x1p-6f) return sign | static_cast<uint32_t>(__float2int_rn(a * 512.0f));
-  const uint32_t b = a_bits + 0x7ffffu + ((a_bits >> 20) & 1u);
-  return sign | ((b >> 20) - ((127u - 7u) << 3));
+/// ref::float_to_fp8_e4m3 of two values, as bytes {lo, hi}: the hardware
+/// conversion (round to nearest even, saturating to +-448, also for +-inf) is
+/// the reference bit for bit except for NaN, which the reference maps to
+/// sign | 0x7F.
+__device__ __forceinline__ uint32_t fp8x2_e4m3_bits(float lo, float hi) {
+  uint16_t d;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(d) : "f"(hi), "f"(lo));
+  uint32_t r = d;
+  if (isnan(lo)) r = (r & 0xff00u) | ((__float_as_uint(lo) >> 24) & 0x80u) | 0x7fu;
+  if (isnan(hi)) r = (r & 0x00ffu) | ((((__float_as_uint(hi) >> 24) & 0x80u) | 0x7fu) << 8);
+  return r;
 }
 
 /// ref::quantize_row_fp8's scale of one group from its amax.
@@ -378,14 +378,16 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_send(LlDispatchSendPa
       amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 2));
       amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 4));
       const float scale = fp8_scale(amax, p.round_scale);
+      // x / scale, correctly rounded; a power-of-two scale (round_scale) has an
+      // exact reciprocal, and x * (1 / scale) is then the same number.
+      const float inv = 1.0f / scale;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) f[i] = p.round_scale ? f[i] * inv : __fdiv_rn(f[i], scale);
       uint32_t w[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        w[i] = fp8_e4m3_bits(__fdiv_rn(f[4 * i], scale)) |
-               (fp8_e4m3_bits(__fdiv_rn(f[4 * i + 1], scale)) << 8) |
-               (fp8_e4m3_bits(__fdiv_rn(f[4 * i + 2], scale)) << 16) |
-               (fp8_e4m3_bits(__fdiv_rn(f[4 * i + 3], scale)) << 24);
-      }
+      for (int i = 0; i < 4; ++i)
+        w[i] = fp8x2_e4m3_bits(f[4 * i], f[4 * i + 1]) |
+               (fp8x2_e4m3_bits(f[4 * i + 2], f[4 * i + 3]) << 16);
       const int4 q = make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]),
                                static_cast<int>(w[2]), static_cast<int>(w[3]));
       if (active) {
@@ -728,22 +730,39 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
 }
 
 // ============================================================================
-// combine: receive. Each warp takes (token, 512-column chunk) items and sums
+// combine: receive. Each warp takes (token, 256-column chunk) items and sums
 // the rows of the ranks the token reached, in rank order; a rank that hosts one
-// of the token's experts sent its raw row, weighted here.
+// of the token's experts sent its raw row, weighted here. The rows of up to
+// kRanksAtOnce ranks load together, before the token's routing is known (most
+// (token, rank) pairs carry a row), and the first item's routing loads
+// before the wait for the send kernel (it is input, not the send's output).
 // ============================================================================
+template <bool kLogFmt>
 __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
     ll_combine_recv(LlCombineRecvParams p) {
   const int R = p.t.num_ranks;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int H = p.hidden, K = p.num_topk, E = p.num_experts, E_local = E / R;
+  const int H8 = H / 8;
+  constexpr int kCombineChunk = kLlCombineRecvChunk, kCombineSteps = kCombineChunk / 256;
+  constexpr int kRanksAtOnce = kLogFmt ? 1 : kLlCombineRecvRanksAtOnce;  // LogFMT: registers
+  const int C = ceil_div(H, kCombineChunk);
+  const int items = p.num_tokens * C;
+  int item = blockIdx.x * kWarps + warp;
+  auto pick_of = [&](int it, int64_t& e, float& w) {
+    const int64_t at = static_cast<int64_t>(it / C) * K + min(lane, K - 1);
+    e = lane < K ? p.topk_idx[at] : -1;
+    w = lane < K ? p.topk_weights[at] : 0.0f;
+  };
+  int64_t e = -1;
+  float w = 0.0f;
+  if (item < items) pick_of(item, e, w);
+
   tl_mark(kFlagCombine, kTlRecvStart);
   dev::wait_prerequisite_grid();  // the send kernel (a no-op in hook mode)
   tl_mark(kFlagCombine, kTlRecvGo);
   const uint32_t epoch = static_cast<uint32_t>(p.state[0]);
   const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
-  const int H = p.hidden, K = p.num_topk, E = p.num_experts, E_local = E / R;
-  const int H8 = H / 8;
-  constexpr int kCombineChunk = kLlCombineRecvChunk, kCombineSteps = kCombineChunk / 256;
 
   if (!wait_all_sources(p.t, p.off, half, kFlagCombine, epoch, p.timeout_ns, p.diag,
                         OpId::kLowLatencyCombineRecv, -1)) {
@@ -752,50 +771,60 @@ __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
   }
   tl_mark(kFlagCombine, kTlRecvFlags);
 
-  const int C = ceil_div(H, kCombineChunk);
-  const int items = p.num_tokens * C;
-  for (int item = blockIdx.x * kWarps + warp; item < items; item += gridDim.x * kWarps) {
+  for (bool first_item = true; item < items; item += gridDim.x * kWarps, first_item = false) {
     const int t = item / C, c = item % C;
-    const int64_t e = lane < K ? p.topk_idx[static_cast<int64_t>(t) * K + lane] : -1;
-    const int rank_of = (e >= 0 && e < E) ? static_cast<int>(e / E_local) : -1;
-    const float w = lane < K ? p.topk_weights[static_cast<int64_t>(t) * K + lane] : 0.0f;
-    // First pick of each distinct expert (a repeated expert id counts once).
-    const bool first = lane == __ffs(__match_any_sync(kFull, e)) - 1;
     const int col0 = c * (kCombineChunk / 8) + lane;
+    const int4* rows = reinterpret_cast<const int4*>(
+        p.t.local_ptr(half + p.off.comb_rows + static_cast<std::size_t>(t) * 2u * H));
+    const std::size_t rank_stride = static_cast<std::size_t>(p.max_tokens) * H8;  // in int4
     float acc[kCombineSteps][8];
 #pragma unroll
     for (int st = 0; st < kCombineSteps; ++st)
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[st][i] = 0.0f;
-    for (int r = 0; r < R; ++r) {
-      const uint32_t picks = __ballot_sync(kFull, rank_of == r);
-      if (picks == 0u) continue;
-      const int4* src = reinterpret_cast<const int4*>(p.t.local_ptr(
-          half + p.off.comb_rows + (static_cast<std::size_t>(r) * p.max_tokens + t) * 2u * H));
-      int4 v[kCombineSteps];
+    int4 v[kRanksAtOnce][kCombineSteps];
+    auto load_rows = [&](int r0) {
 #pragma unroll
-      for (int st = 0; st < kCombineSteps; ++st)
-        v[st] = col0 + 32 * st < H8 ? __ldcg(src + col0 + 32 * st) : make_int4(0, 0, 0, 0);
-      if (__popc(__ballot_sync(kFull, rank_of == r && first)) == 1) {
-        // One expert on rank r: its raw row, weighted here by each pick of it.
+      for (int rr = 0; rr < kRanksAtOnce; ++rr)
 #pragma unroll
-        for (int st = 0; st < kCombineSteps; ++st) {
-          float f[8];
-          unpack_bf16x8(v[st], f);
-          if (p.logfmt) logfmt_roundtrip(f);
-          for (uint32_t m = picks; m != 0u; m &= m - 1u) {
-            const float wk = __shfl_sync(kFull, w, __ffs(m) - 1);
+        for (int st = 0; st < kCombineSteps; ++st)
+          v[rr][st] = r0 + rr < R && col0 + 32 * st < H8
+                          ? __ldcg(rows + (r0 + rr) * rank_stride + col0 + 32 * st)
+                          : make_int4(0, 0, 0, 0);
+    };
+    load_rows(0);  // before the routing: one memory latency, not two
+    if (!first_item) pick_of(item, e, w);
+    const int rank_of = (e >= 0 && e < E) ? static_cast<int>(e / E_local) : -1;
+    // First pick of each distinct expert (a repeated expert id counts once).
+    const bool first = lane == __ffs(__match_any_sync(kFull, e)) - 1;
+    for (int r0 = 0; r0 < R; r0 += kRanksAtOnce) {
+      if (r0 > 0) load_rows(r0);
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[st][i] = fmaf(wk, f[i], acc[st][i]);
+      for (int rr = 0; rr < kRanksAtOnce; ++rr) {
+        const int r = r0 + rr;
+        const uint32_t picks = __ballot_sync(kFull, rank_of == r);  // none when r >= R
+        if (picks == 0u) continue;
+        if (__popc(__ballot_sync(kFull, rank_of == r && first)) == 1) {
+          // One expert on rank r: its raw row, weighted here by each pick of it.
+#pragma unroll
+          for (int st = 0; st < kCombineSteps; ++st) {
+            float f[8];
+            unpack_bf16x8(v[rr][st], f);
+            if constexpr (kLogFmt) logfmt_roundtrip(f);
+            for (uint32_t m = picks; m != 0u; m &= m - 1u) {
+              const float wk = __shfl_sync(kFull, w, __ffs(m) - 1);
+#pragma unroll
+              for (int i = 0; i < 8; ++i) acc[st][i] = fmaf(wk, f[i], acc[st][i]);
+            }
           }
-        }
-      } else {
+        } else {
 #pragma unroll
-        for (int st = 0; st < kCombineSteps; ++st) {
-          float f[8];
-          unpack_bf16x8(v[st], f);
+          for (int st = 0; st < kCombineSteps; ++st) {
+            float f[8];
+            unpack_bf16x8(v[rr][st], f);
 #pragma unroll
-          for (int i = 0; i < 8; ++i) acc[st][i] += f[i];
+            for (int i = 0; i < 8; ++i) acc[st][i] += f[i];
+          }
         }
       }
     }
@@ -864,7 +893,10 @@ void launch_ll_combine_send(const LlCombineSendParams& p, int num_blocks, cudaSt
 
 void launch_ll_combine_recv(const LlCombineRecvParams& p, int num_blocks, cudaStream_t stream,
                             bool dependent) {
-  launch_recv(ll_combine_recv, p, num_blocks, 0, stream, dependent);
+  if (p.logfmt)
+    launch_recv(ll_combine_recv<true>, p, num_blocks, 0, stream, dependent);
+  else
+    launch_recv(ll_combine_recv<false>, p, num_blocks, 0, stream, dependent);
 }
 
 }  // namespace epx::kernels
