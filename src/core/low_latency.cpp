@@ -40,8 +40,10 @@ kernels::LlOffsets offsets_of(const plan::LlRegion& r) {
   o.half_bytes = r.half_bytes();
   o.flags = plan::LlRegion::flags_base();
   o.flags_half_bytes = plan::LlRegion::flags_bytes();
-  o.meta = r.meta_offset();
-  o.meta_stride = r.meta_stride();
+  o.dtags = r.dtags_base();
+  o.dtags_half_bytes = r.dtags_half_bytes();
+  o.dtag_masks = plan::LlRegion::dtag_masks_offset();
+  o.dtag_chunks = plan::LlRegion::dtag_chunks_offset();
   o.disp_rows = r.dispatch_rows_offset();
   o.weights = plan::LlRegion::weights_base();
   o.weights_stride = plan::LlRegion::weights_stride();
@@ -163,12 +165,11 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   sp.fp8 = a.use_fp8;
   sp.round_scale = a.round_scale;
   sp.diag = d.diag_dev;
-  // One warp per work item where the SMs allow: the row items, then the
-  // token-mask units (32 tokens x 32 experts each).
+  // Hook mode: one warp per work item where the SMs allow: the row items,
+  // then the token-mask units (32 tokens of maxT x 32 experts each).
   const int64_t send_items = static_cast<int64_t>(T) * ceil_div(H, kDispatchChunk) +
-                             static_cast<int64_t>(ceil_div(T, 32)) * ceil_div(E, 32);
-  const int send_blocks = std::clamp(ceil_div(send_items, kWarpsPerBlock), 1, d.num_sms_device);
-  kernels::launch_ll_dispatch_send(sp, send_blocks, launch);
+                             static_cast<int64_t>(ceil_div(maxT, 32)) * ceil_div(E, 32);
+  const int send_blocks = std::clamp(ceil_div(send_items, kWarpsPerBlock), 1, 2 * d.num_sms_device);
 
   kernels::LlDispatchRecvParams rp{};
   rp.t = tr;
@@ -195,11 +196,13 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   rp.diag = d.diag_dev;
 
   if (!a.return_recv_hook) {
-    kernels::launch_ll_dispatch_recv(rp, launch, /*dependent=*/true);
+    // One kernel: every block sends, then receives (2 blocks per SM).
+    kernels::launch_ll_dispatch_fused(sp, rp, 2 * d.num_sms_device, launch);
     res.event = d.ll_leave(s, launch);
   } else {
     // The caller's stream is ordered after the send (or holds the event when
     // async_finish); the hook runs the receive phase on that stream.
+    kernels::launch_ll_dispatch_send(sp, send_blocks, launch);
     res.event = d.ll_leave(s, launch);
     Impl* impl = &d;
     res.hook = [impl, rp, stream = a.stream, sent = res.event, recv_x = res.recv_x,
@@ -207,7 +210,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
       impl->check_alive(op);
       impl->raise_if_failed(op);
       if (sent) sent->stream_wait(stream);
-      kernels::launch_ll_dispatch_recv(rp, stream, /*dependent=*/false);
+      kernels::launch_ll_dispatch_recv(rp, stream);
       impl->ll_hook_launched(stream);
     };
   }

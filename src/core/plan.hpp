@@ -72,6 +72,15 @@ namespace epx::plan {
 inline constexpr int kLlMaxTopK = 16;
 /// Most tokens per rank and call (num_max_dispatch_tokens_per_rank).
 inline constexpr int kLlMaxTokens = 1024;
+/// Most experts in total, and the largest hidden size (the dispatch's tag area
+/// has a fixed size for every shape).
+inline constexpr int kLlMaxExperts = 1024;
+inline constexpr int kLlMaxHidden = 16384;
+/// Elements per dispatch chunk (one sender warp, one arrival flag).
+inline constexpr int kLlChunk = 512;
+inline constexpr int kLlMaxChunks = kLlMaxHidden / kLlChunk;
+/// 32-token words of a token mask at most.
+inline constexpr int kLlMaxMaskWords = kLlMaxTokens / 32;
 
 /// Low-latency region, per rank (all offsets from the region start):
 ///   [control: local completion counters of the send kernels]
@@ -82,10 +91,14 @@ inline constexpr int kLlMaxTokens = 1024;
 ///                 combine weights, entry [t][j] = {f32 weight bits, epoch << 32} of the
 ///                 j-th distinct local expert (ascending id) that token t of the source
 ///                 picked on the receiving rank
+///   [dispatch tags of half 0][of half 1]   only epoch-tagged words, each:
+///       counts    uint64 [kMaxRanks]: {num_tokens, epoch << 32} per source
+///       masks     uint64 [R][kLlMaxMaskWords][E_local]: {token mask, epoch << 32};
+///                 bit t % 32 of word [s][t / 32][le] is set when token t of source s
+///                 picks local expert le of the receiving rank
+///       chunks    uint32 [R][kLlMaxTokens][kLlMaxChunks]: epoch of the op whose chunk
+///                 c of token t of source s has arrived (release-stored after it)
 ///   [half 0][half 1]       one half per op parity (epoch & 1), each:
-///       meta      per source: [header 16 B: num_tokens][uint32 token masks [W][E_local]]
-///                 with W = ceil(maxT / 32): bit t % 32 of word [t / 32][le] is set when
-///                 token t of the source picks local expert le (of the receiving rank)
 ///       disp rows per source: [maxT] dispatch rows (payload, FP8 scales) at slot = token
 ///       comb rows per source: [maxT] bf16 rows (one per (token, expert rank))
 ///   [zero-copy 0][zero-copy 1]  bf16 [E_local, R*maxT, H] combine inputs
@@ -122,17 +135,23 @@ struct LlRegion {
     return static_cast<std::size_t>(num_ranks) * weights_stride();
   }
   static constexpr std::size_t weights_base() { return flags_base() + 2 * flags_bytes(); }
-  std::size_t control_bytes() const { return weights_base() + 2 * weights_half_bytes(); }
+  /// Dispatch tags: sub-offsets inside one half's tag area, and its size.
+  static constexpr std::size_t dtag_counts_offset() { return 0; }
+  static constexpr std::size_t dtag_masks_offset() { return kAlign; }
+  static constexpr std::size_t dtag_chunks_offset() {
+    return dtag_masks_offset() + 8u * kLlMaxMaskWords * static_cast<std::size_t>(kLlMaxExperts);
+  }
+  std::size_t dtags_half_bytes() const {
+    return align_up(dtag_chunks_offset() +
+                        4u * static_cast<std::size_t>(num_ranks) * kLlMaxTokens * kLlMaxChunks,
+                    kAlign);
+  }
+  std::size_t dtags_base() const { return weights_base() + 2 * weights_half_bytes(); }
+  std::size_t control_bytes() const { return dtags_base() + 2 * dtags_half_bytes(); }
   /// 32-token words of a token mask.
   int mask_words() const { return (max_tokens + 31) / 32; }
-  std::size_t meta_stride() const {
-    return align_up(16u + 4u * static_cast<std::size_t>(mask_words()) * local_experts(), kAlign);
-  }
-  // Offsets inside a half (its flags and weights live in the control area).
-  std::size_t meta_offset() const { return 0; }
-  std::size_t dispatch_rows_offset() const {
-    return meta_offset() + static_cast<std::size_t>(num_ranks) * meta_stride();
-  }
+  // Offsets inside a half (its flags, weights and tags live before the halves).
+  std::size_t dispatch_rows_offset() const { return 0; }
   std::size_t combine_rows_offset() const {
     return align_up(dispatch_rows_offset() +
                         static_cast<std::size_t>(num_ranks) * max_tokens * dispatch_row_capacity(),

@@ -164,9 +164,17 @@ void low_latency_dispatch(const LowLatencyDispatchArgs& a, int num_ranks, int de
          "has " + std::to_string(T) + " tokens, more than num_max_dispatch_tokens_per_rank=" +
              std::to_string(a.num_max_dispatch_tokens_per_rank));
   if (H % 128 != 0) fail(op, "hidden", "must be a multiple of 128 (got " + std::to_string(H) + ")");
+  if (H > plan::kLlMaxHidden)
+    fail(op, "hidden",
+         "must be at most " + std::to_string(plan::kLlMaxHidden) + " (got " + std::to_string(H) +
+             ")");
   tensor(op, "topk_idx", a.topk_idx, DType::kI64, {T, kAny}, device);
   num_topk(op, a.topk_idx.shape[1]);
   num_experts(op, a.num_experts, num_ranks);
+  if (a.num_experts > plan::kLlMaxExperts)
+    fail(op, "num_experts",
+         "must be at most " + std::to_string(plan::kLlMaxExperts) + " for low-latency (got " +
+             std::to_string(a.num_experts) + ")");
   if (!a.use_fp8 && (a.round_scale || a.use_ue8m0))
     fail(op, "use_fp8", "round_scale and use_ue8m0 need use_fp8=True");
   if (a.use_ue8m0 && !a.round_scale)

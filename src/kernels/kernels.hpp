@@ -112,9 +112,9 @@ namespace epx::kernels {
 
 /// Work-item sizes of the low-latency kernels (the host sizes grids with them).
 inline constexpr int kLlThreads = 512;
-inline constexpr int kLlDispatchChunk = 512;      ///< elements per dispatch work item
-inline constexpr int kLlCombineSendChunk = 1024;  ///< elements per combine-send work item
-inline constexpr int kLlCombineRecvChunk = 256;   ///< elements per combine-receive work item
+inline constexpr int kLlDispatchChunk = plan::kLlChunk;  ///< elements per dispatch work item
+inline constexpr int kLlCombineSendChunk = 1024;         ///< elements per combine-send work item
+inline constexpr int kLlCombineRecvChunk = 256;          ///< elements per combine-receive work item
 inline constexpr int kLlCombineRecvBlocksPerSm = 2;
 inline constexpr int kLlCombineRecvRanksAtOnce = 4;  ///< ranks' rows loaded together
 inline constexpr int kLlCombineSendRowsAtOnce = 4;   ///< expert rows loaded together
@@ -124,7 +124,10 @@ inline constexpr int kLlCombineSendRowsAtOnce = 4;   ///< expert rows loaded tog
 struct LlOffsets {
   std::size_t control;  ///< local completion counters (uint32[2])
   std::size_t half0, half_bytes;
-  std::size_t flags, meta, meta_stride, disp_rows, comb_rows;
+  std::size_t flags, disp_rows, comb_rows;
+  /// Dispatch tags (absolute, like flags): half h at dtags + h * dtags_half_bytes;
+  /// inside, counts at 0, masks at dtag_masks, chunk flags at dtag_chunks.
+  std::size_t dtags, dtags_half_bytes, dtag_masks, dtag_chunks;
   std::size_t flags_half_bytes;  ///< flags of half 1 start at flags + flags_half_bytes
   /// Combine weights (absolute, like flags): half h at weights + h * weights_half_bytes.
   std::size_t weights, weights_stride, weights_half_bytes;
@@ -150,7 +153,7 @@ struct LlDispatchRecvParams {
   LlOffsets off;
   int32_t* state;  ///< handle state: [0] epoch (read); [8 + s] <- tokens of source s
   int hidden, num_topk, num_experts, max_tokens, row_bytes;
-  int parts;  ///< blocks per local expert (grid = E_local * parts)
+  int parts;  ///< units per local expert (E_local * parts units, one block each at most)
   bool fp8, ue8m0;
   uint8_t* recv_x;  ///< [E_local, R*maxT, H] bf16 or fp8
   void*
@@ -163,9 +166,12 @@ struct LlDispatchRecvParams {
   uint64_t timeout_ns;
   DeviceDiag* diag;
 };
-/// `dependent`: launched right behind this op's send kernel in the same stream
-/// (no hook); its blocks then start while the send runs (programmatic launch).
-void launch_ll_dispatch_recv(const LlDispatchRecvParams& p, cudaStream_t stream, bool dependent);
+/// Hook mode: the receive phase alone, after the send kernel.
+void launch_ll_dispatch_recv(const LlDispatchRecvParams& p, cudaStream_t stream);
+/// No hook: send and receive in one cooperative launch of `num_blocks` blocks
+/// (at most 2 per SM, all resident).
+void launch_ll_dispatch_fused(const LlDispatchSendParams& sp, const LlDispatchRecvParams& rp,
+                              int num_blocks, cudaStream_t stream);
 
 struct LlCombineSendParams {
   dev::NvlinkTransport t;

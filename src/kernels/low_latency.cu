@@ -288,32 +288,57 @@ __device__ __forceinline__ bool wait_all_sources(const dev::NvlinkTransport& t, 
 }
 
 // ============================================================================
-// dispatch: send
+// dispatch: send. Warps take (token, 512-column chunk) row items and
+// (32-token word, 32-expert group) mask units. A row item stores its chunk
+// into slot [me][token] of every rank that hosts one of the token's picks,
+// then release-stores this op's epoch into that rank's arrival flag of
+// (me, token, chunk). A mask unit sends one tagged word {mask, epoch} per
+// expert to the expert's rank, for every word of maxT (zero past the token
+// count), so a receiver needs no count to know which words to wait for.
 // ============================================================================
-__global__ void __launch_bounds__(kThreads, 1) ll_dispatch_send(LlDispatchSendParams p) {
-  dev::launch_dependents();
-  tl_mark(kFlagDispatch, kTlSendStart);
-  tl_mark(kFlagDispatch, kTlSendStartMax);
-  const int R = p.t.num_ranks, me = p.t.rank;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const uint32_t epoch = *p.op_counter + 1u;
-  const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
-  const int H = p.hidden, K = p.num_topk, E = p.num_experts, E_local = E / R;
-  const std::size_t my_meta = half + p.off.meta + static_cast<std::size_t>(me) * p.off.meta_stride;
+__device__ __forceinline__ std::size_t tags_of(const LlOffsets& o, uint32_t epoch) {
+  return o.dtags + (epoch & 1u) * o.dtags_half_bytes;
+}
 
+__device__ __forceinline__ std::size_t mask_word_offset(const LlOffsets& o, std::size_t tags,
+                                                        int src, int w, int le, int E_local) {
+  return tags + o.dtag_masks +
+         8u * ((static_cast<std::size_t>(src) * plan::kLlMaxMaskWords + w) * E_local + le);
+}
+
+__device__ __forceinline__ std::size_t chunk_flag_offset(const LlOffsets& o, std::size_t tags,
+                                                         int src, int t, int c) {
+  return tags + o.dtag_chunks +
+         4u * ((static_cast<std::size_t>(src) * plan::kLlMaxTokens + t) * plan::kLlMaxChunks + c);
+}
+
+/// The op's epoch (the op counter + 1); block 0 records it in the handle state
+/// and sends this rank's token count to every rank.
+__device__ __forceinline__ uint32_t dispatch_begin(const LlDispatchSendParams& p) {
+  const uint32_t epoch = *p.op_counter + 1u;
   if (blockIdx.x == 0) {
-    if (static_cast<int>(threadIdx.x) < R)
-      *reinterpret_cast<int*>(p.t.peer_ptr(threadIdx.x, my_meta)) = p.num_tokens;
+    const std::size_t tags = tags_of(p.off, epoch);
+    if (static_cast<int>(threadIdx.x) < p.t.num_ranks)
+      p.t.put_tagged(threadIdx.x, tags + 8u * static_cast<std::size_t>(p.t.rank),
+                     static_cast<uint32_t>(p.num_tokens), epoch);
     if (threadIdx.x == 0) p.state[0] = static_cast<int32_t>(epoch);
   }
+  return epoch;
+}
 
+/// Send work of warps gw = first, first + stride, ...
+__device__ __forceinline__ void dispatch_send_items(const LlDispatchSendParams& p, uint32_t epoch,
+                                                    int first, int stride) {
+  const int R = p.t.num_ranks, me = p.t.rank;
+  const int lane = threadIdx.x % 32;
+  const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
+  const std::size_t tags = tags_of(p.off, epoch);
+  const int H = p.hidden, K = p.num_topk, E = p.num_experts, E_local = E / R;
   const int C = ceil_div(H, kDispatchChunk);
   const int row_items = p.num_tokens * C;
-  // Token masks: unit (w, g) sends, for the 32 tokens of word w and the 32
-  // experts of group g, one word per expert to the expert's rank.
-  const int groups = ceil_div(E, 32);
-  const int items = row_items + ceil_div(p.num_tokens, 32) * groups;
-  for (int item = blockIdx.x * kWarps + warp; item < items; item += gridDim.x * kWarps) {
+  const int groups = ceil_div(E, 32), W = ceil_div(p.max_tokens, 32);
+  const int items = row_items + W * groups;
+  for (int item = first; item < items; item += stride) {
     if (item >= row_items) {
       const int w = (item - row_items) / groups, g = (item - row_items) % groups;
       const int t = w * 32 + lane;
@@ -336,11 +361,9 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_send(LlDispatchSendPa
         if (lane == j) word = b;
       }
       const int e = 32 * g + lane;
-      if (e < E) {
-        const int r = e / E_local, le = e % E_local;
-        reinterpret_cast<uint32_t*>(
-            p.t.peer_ptr(r, my_meta + 16))[static_cast<std::size_t>(w) * E_local + le] = word;
-      }
+      if (e < E)
+        p.t.put_tagged(e / E_local, mask_word_offset(p.off, tags, me, w, e % E_local, E_local),
+                       word, epoch);
       continue;
     }
     const int t = item / C, c = item % C;
@@ -406,62 +429,82 @@ __global__ void __launch_bounds__(kThreads, 1) ll_dispatch_send(LlDispatchSendPa
         dev::st_na(row + 1, b);
       }
     }
+    // Arrival of this chunk: the warp barrier orders every lane's stores
+    // before lane r's release store (cumulative), which the receiver acquires.
+    __syncwarp();
+    if (lane < R && ((dst_mask >> lane) & 1u))
+      p.t.signal(lane, chunk_flag_offset(p.off, tags, me, t, c), epoch);
   }
-  finish_send(p.t, p.off, half, kFlagDispatch, kDoneDispatch, p.op_counter, epoch);
+}
+
+/// Every block calls this once after its send work; the last one resets the
+/// count and publishes the epoch to the next op. Nothing waits for it.
+__device__ __forceinline__ void dispatch_count_done(const LlDispatchSendParams& p, uint32_t epoch) {
+  __shared__ int is_last;
+  EPX_TL(kFlagDispatch, kTlSendItems);
+  __syncthreads();
+  uint32_t* control = reinterpret_cast<uint32_t*>(p.t.local_ptr(p.off.control));
+  if (threadIdx.x == 0) {
+    is_last = atomicAdd(control + kDoneDispatch, 1u) == gridDim.x - 1 ? 1 : 0;
+    if (is_last) {
+      control[kDoneDispatch] = 0u;
+      *p.op_counter = epoch;
+    }
+  }
+  tl_mark(kFlagDispatch, kTlSendCounted);
+}
+
+__global__ void __launch_bounds__(kThreads, 2) ll_dispatch_send(LlDispatchSendParams p) {
+  tl_mark(kFlagDispatch, kTlSendStart);
+  tl_mark(kFlagDispatch, kTlSendStartMax);
+  const uint32_t epoch = dispatch_begin(p);
+  dispatch_send_items(p, epoch, blockIdx.x * kWarps + threadIdx.x / 32, gridDim.x * kWarps);
+  dispatch_count_done(p, epoch);
 }
 
 // ============================================================================
-// dispatch: receive. Block (le, part): reads the token masks of every source
-// for local expert le (the same list in each of its `parts` blocks), then
-// moves the rows j with j % parts == part.
+// dispatch: receive. Unit (le, part): waits for the token masks of every
+// source for local expert le (tagged words, one per thread) and for the token
+// counts, takes one block-wide scan of the masks (the canonical packed order,
+// the same in each of le's `parts` units), then moves the rows j with
+// j % parts == part, 2 KiB segments at a time, each after the arrival flags of
+// its chunks: rows are copied as they arrive, not after the slowest sender.
+// Returns false when a wait failed (reported).
 // ============================================================================
-__global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvParams p) {
+__device__ __forceinline__ bool dispatch_recv_unit(const LlDispatchRecvParams& p, uint32_t epoch,
+                                                   int unit, int* s_list) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
-  __shared__ int s_tokens[plan::kMaxRanks];
   __shared__ int s_begin[plan::kMaxRanks + 1];
-  extern __shared__ int s_list[];  // [R * maxT]: (source << 16) | token of packed row j
-
   const int R = p.t.num_ranks;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int E_local = p.num_experts / R, RT = R * p.max_tokens, H = p.hidden;
-  const int le = blockIdx.x / p.parts, part = blockIdx.x % p.parts;
-  tl_mark(kFlagDispatch, kTlRecvStart);
-  dev::wait_prerequisite_grid();  // the send kernel (a no-op in hook mode)
-  tl_mark(kFlagDispatch, kTlRecvGo);
-  const uint32_t epoch = static_cast<uint32_t>(p.state[0]);
+  const int le = unit / p.parts, part = unit % p.parts;
   const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
+  const std::size_t tags = tags_of(p.off, epoch);
 
-  if (!wait_all_sources(p.t, p.off, half, kFlagDispatch, epoch, p.timeout_ns, p.diag,
-                        OpId::kLowLatencyDispatchRecv, le)) {
-    tl_finish(kFlagDispatch, p.t.rank);
-    return;
-  }
-  tl_mark(kFlagDispatch, kTlRecvFlags);
-  auto meta_of = [&](int s) {
-    return reinterpret_cast<const int*>(
-        p.t.local_ptr(half + p.off.meta + static_cast<std::size_t>(s) * p.off.meta_stride));
-  };
   // Packed order: by source rank, then token; a token counts once however
-  // often it picks le. Thread (s, w) takes word w of source s's mask for le;
-  // one scan over all R * W words gives each word its first packed row. The
-  // words load together with the token counts (one memory latency, not two);
-  // words past a source's count are stale and count as zero.
+  // often it picks le. Thread (s, w) waits for word w of source s's mask for
+  // le; one scan over all R * W words gives each word its first packed row.
   const int W = ceil_div(p.max_tokens, 32);
-  // One scan round: every (source, word) pair has its thread.
-  static_assert(plan::kMaxRanks * ((validate::kMaxLowLatencyTokens + 31) / 32) <= kThreads);
+  static_assert(plan::kMaxRanks * plan::kLlMaxMaskWords <= kThreads);
   const int pos = threadIdx.x, s = pos / W, w = pos % W;
   uint32_t word = 0;
+  bool ok = true;
   if (pos < R * W)
-    word = __ldcg(reinterpret_cast<const uint32_t*>(meta_of(s) + 4) +
-                  static_cast<std::size_t>(w) * E_local + le);
-  if (static_cast<int>(threadIdx.x) < R) {
-    const int n = __ldcg(meta_of(threadIdx.x));
-    s_tokens[threadIdx.x] = min(max(n, 0), p.max_tokens);
-    if (blockIdx.x == 0) p.state[8 + threadIdx.x] = s_tokens[threadIdx.x];
+    ok = p.t.wait_tagged(mask_word_offset(p.off, tags, s, w, le, E_local), epoch, word,
+                         p.timeout_ns, p.diag, OpId::kLowLatencyDispatchRecv, s, le);
+  if (unit == 0 && static_cast<int>(threadIdx.x) < R) {
+    // The token counts, which the combine reads from the handle state.
+    uint32_t n = 0;
+    if (p.t.wait_tagged(tags + 8u * threadIdx.x, epoch, n, p.timeout_ns, p.diag,
+                        OpId::kLowLatencyDispatchRecv, threadIdx.x, le))
+      p.state[8 + threadIdx.x] = min(static_cast<int>(n), p.max_tokens);
+    else
+      ok = false;
   }
-  __syncthreads();
-  if (pos < R * W && 32 * w >= s_tokens[s]) word = 0;
+  if (__syncthreads_or(ok ? 0 : 1) != 0) return false;
+  tl_mark(kFlagDispatch, kTlRecvFlags);
   {
     int prefix = 0, total = 0;
     Scan(scan_tmp).ExclusiveSum(__popc(word), prefix, total);
@@ -494,18 +537,32 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvPa
   for (int j = part + p.parts * static_cast<int>(threadIdx.x); j < RT; j += p.parts * kThreads)
     p.src_info[static_cast<int64_t>(le) * RT + j] = j < count ? (s_list[j] & 0xffff) : -1;
 
-  // Rows: work units of (row, segment of 128 int4 = 4 per lane), so that
-  // the few rows of an expert spread over all warps of its blocks.
+  // Rows: work units of (row, 2 KiB segment = 128 int4, 4 per lane), so that
+  // the few rows of an expert spread over all warps of its blocks. A segment
+  // holds 4 FP8 chunks (512 B each, with their 16 scales) or 2 BF16 chunks.
   const int out_row_bytes = p.fp8 ? H : 2 * H;
   const int n16 = out_row_bytes / 16;
   const int segs = ceil_div(n16, 128);
+  const int C = ceil_div(H, kDispatchChunk);
+  const int seg_chunks = p.fp8 ? 4 : 2;
   const int G = H / 128, G4 = (G + 3) / 4;
   const int my_rows = count > part ? ceil_div(count - part, p.parts) : 0;
+  bool all_ok = true;
   for (int u = warp; u < my_rows * segs; u += kWarps) {
     const int i = u / segs, seg = u % segs;
     const int j = part + i * p.parts;
     const int v = s_list[j];
     const int s = v >> 16, t = v & 0xffff;
+    const int c = seg * seg_chunks + lane;
+    bool arrived = true;
+    if (lane < seg_chunks && c < C)
+      arrived = p.t.wait_eq(chunk_flag_offset(p.off, tags, s, t, c), epoch, p.timeout_ns, p.diag,
+                            OpId::kLowLatencyDispatchRecv, s, le);
+    if (!__all_sync(kFull, arrived)) {
+      all_ok = false;
+      break;
+    }
+    __syncwarp();  // the waiting lanes' acquires before every lane's loads
     const char* src = p.t.local_ptr(half + p.off.disp_rows +
                                     (static_cast<std::size_t>(s) * p.max_tokens + t) * p.row_bytes);
     uint8_t* dst = p.recv_x + (static_cast<int64_t>(le) * RT + j) * out_row_bytes;
@@ -515,43 +572,68 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvPa
     int4 v4[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q)
-      v4[q] = c0 + 32 * q < n16 ? __ldcg(s4 + c0 + 32 * q) : make_int4(0, 0, 0, 0);
-    // f32 scales of rows up to hidden 8192 (G <= 64): loaded with the row.
+      v4[q] = c0 + 32 * q < n16 ? dev::ld_l2(s4 + c0 + 32 * q) : make_int4(0, 0, 0, 0);
+    // The scales of this segment's 16 groups load with its data.
     const float* sc = reinterpret_cast<const float*>(src + H);
-    const bool early_scales = p.fp8 && seg == 0 && !p.ue8m0 && G <= 64;
-    float s2[2] = {0.0f, 0.0f};
-    if (early_scales) {
-      if (lane < G) s2[0] = __ldcg(sc + lane);
-      if (lane + 32 < G) s2[1] = __ldcg(sc + lane + 32);
-    }
+    const int g = 16 * seg + lane;
+    float s1 = 0.0f;
+    if (p.fp8 && !p.ue8m0 && lane < 16 && g < G) s1 = __ldcg(sc + g);
 #pragma unroll
     for (int q = 0; q < 4; ++q)
       if (c0 + 32 * q < n16) d4[c0 + 32 * q] = v4[q];
-    if (p.fp8 && seg == 0) {
-      if (!p.ue8m0) {
-        float* out = static_cast<float*>(p.recv_scales);
-        if (early_scales) {
-          if (lane < G) out[(static_cast<int64_t>(le) * G + lane) * RT + j] = s2[0];
-          if (lane + 32 < G) out[(static_cast<int64_t>(le) * G + lane + 32) * RT + j] = s2[1];
-        } else {
-          for (int g = lane; g < G; g += 32)
-            out[(static_cast<int64_t>(le) * G + g) * RT + j] = __ldcg(sc + g);
+    if (p.fp8 && !p.ue8m0) {
+      if (lane < 16 && g < G)
+        static_cast<float*>(p.recv_scales)[(static_cast<int64_t>(le) * G + g) * RT + j] = s1;
+    } else if (p.fp8) {
+      const int q = 4 * seg + lane;  // packed word q holds groups 4q .. 4q+3
+      if (lane < 4 && q < G4) {
+        uint32_t packed = 0;
+        for (int b = 0; b < 4; ++b) {
+          const int gg = 4 * q + b;
+          const uint32_t byte = gg < G ? (__float_as_uint(__ldcg(sc + gg)) >> 23) & 0xffu : 0u;
+          packed |= byte << (8 * b);
         }
-      } else {
-        int32_t* out = static_cast<int32_t*>(p.recv_scales);
-        for (int q = lane; q < G4; q += 32) {
-          uint32_t packed = 0;
-          for (int b = 0; b < 4; ++b) {
-            const int g = 4 * q + b;
-            const uint32_t byte = g < G ? (__float_as_uint(__ldcg(sc + g)) >> 23) & 0xffu : 0u;
-            packed |= byte << (8 * b);
-          }
-          out[(static_cast<int64_t>(le) * G4 + q) * RT + j] = static_cast<int32_t>(packed);
-        }
+        static_cast<int32_t*>(p.recv_scales)[(static_cast<int64_t>(le) * G4 + q) * RT + j] =
+            static_cast<int32_t>(packed);
       }
     }
   }
+  return __syncthreads_and(all_ok ? 1 : 0) != 0;
+}
+
+/// Hook mode: the receive phase alone (epoch from the handle state).
+__global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvParams p) {
+  extern __shared__ int s_list[];  // [R * maxT]: (source << 16) | token of packed row j
+  tl_mark(kFlagDispatch, kTlRecvStart);
+  tl_mark(kFlagDispatch, kTlRecvGo);
+  const uint32_t epoch = static_cast<uint32_t>(p.state[0]);
+  const int units = p.num_experts / p.t.num_ranks * p.parts;
+  for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
+    if (!dispatch_recv_unit(p, epoch, unit, s_list)) break;
+    __syncthreads();  // s_list and the scan storage are reused
+  }
   tl_finish(kFlagDispatch, p.t.rank);
+}
+
+/// Without a hook: send and receive in one cooperative launch (every block
+/// resident, so receiving blocks cannot keep sending ones off the SMs). A
+/// block starts receiving as soon as its own send work is done.
+__global__ void __launch_bounds__(kThreads, 2)
+    ll_dispatch_fused(LlDispatchSendParams sp, LlDispatchRecvParams rp) {
+  extern __shared__ int s_list[];
+  tl_mark(kFlagDispatch, kTlSendStart);
+  tl_mark(kFlagDispatch, kTlSendStartMax);
+  const uint32_t epoch = dispatch_begin(sp);
+  dispatch_send_items(sp, epoch, blockIdx.x * kWarps + threadIdx.x / 32, gridDim.x * kWarps);
+  dispatch_count_done(sp, epoch);
+  tl_mark(kFlagDispatch, kTlRecvStart);
+  tl_mark(kFlagDispatch, kTlRecvGo);
+  const int units = rp.num_experts / rp.t.num_ranks * rp.parts;
+  for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
+    __syncthreads();  // s_list and the scan storage are reused
+    if (!dispatch_recv_unit(rp, epoch, unit, s_list)) break;
+  }
+  tl_finish(kFlagDispatch, rp.t.rank);
 }
 
 /// The packed row of token t at local expert le from the combine plan entry
@@ -861,13 +943,40 @@ void launch_recv(void (*kernel)(Params), const Params& p, int blocks, std::size_
   EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
-void launch_ll_dispatch_recv(const LlDispatchRecvParams& p, cudaStream_t stream, bool dependent) {
-  const int E_local = p.num_experts / p.t.num_ranks;
-  const std::size_t smem = sizeof(int) * static_cast<std::size_t>(p.t.num_ranks) * p.max_tokens;
+namespace {
+std::size_t dispatch_recv_smem(const LlDispatchRecvParams& p) {
+  return sizeof(int) * static_cast<std::size_t>(p.t.num_ranks) * p.max_tokens;
+}
+template <class Kernel>
+void allow_smem(Kernel kernel, std::size_t smem) {
   if (smem > 48 * 1024)
-    EPX_CUDA_CHECK(cudaFuncSetAttribute(
-        ll_dispatch_recv, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  launch_recv(ll_dispatch_recv, p, E_local * p.parts, smem, stream, dependent);
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
+}
+}  // namespace
+
+void launch_ll_dispatch_recv(const LlDispatchRecvParams& p, cudaStream_t stream) {
+  const int E_local = p.num_experts / p.t.num_ranks;
+  const std::size_t smem = dispatch_recv_smem(p);
+  allow_smem(ll_dispatch_recv, smem);
+  launch_recv(ll_dispatch_recv, p, E_local * p.parts, smem, stream, /*dependent=*/false);
+}
+
+void launch_ll_dispatch_fused(const LlDispatchSendParams& sp, const LlDispatchRecvParams& rp,
+                              int num_blocks, cudaStream_t stream) {
+  const std::size_t smem = dispatch_recv_smem(rp);
+  allow_smem(ll_dispatch_fused, smem);
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(num_blocks));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeCooperative;
+  attr.val.cooperative = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, ll_dispatch_fused, sp, rp));
 }
 
 /// A cooperative launch: every block is resident at once or the launch fails.

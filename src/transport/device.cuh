@@ -4,7 +4,8 @@
 //   peer_ptr(rank, offset)       -> char* (non-null when load/store reachable)
 //   put(rank, offset, src, bytes, lane, width)  cooperative copy into a peer
 //   signal(rank, offset, value)  release-store a 32-bit flag in a peer
-//   wait(offset, value, ...)     acquire-spin on a local flag (with deadline)
+//   wait(offset, value, ...)     acquire-spin on a local flag until >= value (with deadline)
+//   wait_eq(offset, value, ...)  the same until == value (words that only hold epochs)
 //   put_tagged / wait_tagged     a 32-bit value with its epoch in one 64-bit word
 //   flush()                      make prior puts visible before a signal
 // NvlinkTransport is the one whose put is a plain store.
@@ -105,60 +106,61 @@ __device__ __forceinline__ void report(DeviceDiag* diag, DiagCode code, OpId op,
   }
 }
 
-/// Spins until *flag >= value (wrap-safe compare of epochs). Returns false
-/// (after reporting) when the deadline passes or another thread already
-/// reported a failure, so every waiter gives up instead of hanging.
-__device__ __forceinline__ bool wait_ge(const uint32_t* flag, uint32_t value, uint64_t timeout_ns,
-                                        DeviceDiag* diag, OpId op, int rank, int peer,
-                                        int channel) {
-  uint32_t seen = ld_acquire_sys(flag);
-  if (static_cast<int32_t>(seen - value) >= 0) return true;
+/// Spins until `done(v)` holds for v = load(); false (after reporting
+/// `seen(v)` against `expected`) when the deadline passes or another thread
+/// already reported a failure, so every waiter gives up instead of hanging.
+template <class Load, class Done, class Seen>
+__device__ __forceinline__ bool spin_until(Load load, Done done, Seen seen, uint32_t expected,
+                                           uint64_t timeout_ns, DeviceDiag* diag, OpId op, int rank,
+                                           int peer, int channel) {
+  auto v = load();
+  if (done(v)) return true;
   const uint64_t start = globaltimer_ns();
   uint32_t spins = 0;
   while (true) {
-    seen = ld_acquire_sys(flag);
-    if (static_cast<int32_t>(seen - value) >= 0) return true;
+    v = load();
+    if (done(v)) return true;
     if ((++spins & 1023u) == 0) {
       if (diag && *static_cast<volatile uint32_t*>(&diag->code) != 0u) return false;
       if (globaltimer_ns() - start > timeout_ns) {
-        report(diag, DiagCode::kTimeout, op, rank, peer, channel, value, seen);
+        report(diag, DiagCode::kTimeout, op, rank, peer, channel, expected, seen(v));
         return false;
       }
     }
   }
 }
 
+/// Spins until *flag >= value (wrap-safe compare of epochs).
+__device__ __forceinline__ bool wait_ge(const uint32_t* flag, uint32_t value, uint64_t timeout_ns,
+                                        DeviceDiag* diag, OpId op, int rank, int peer,
+                                        int channel) {
+  return spin_until([&] { return ld_acquire_sys(flag); },
+                    [&](uint32_t v) { return static_cast<int32_t>(v - value) >= 0; },
+                    [](uint32_t v) { return v; }, value, timeout_ns, diag, op, rank, peer, channel);
+}
+
+/// Spins until *flag == value exactly: for words that only ever hold epochs
+/// and are rewritten only when their slot is used (a wrap-safe >= would take
+/// a word left 2^31 ops ago).
+__device__ __forceinline__ bool wait_eq(const uint32_t* flag, uint32_t value, uint64_t timeout_ns,
+                                        DeviceDiag* diag, OpId op, int rank, int peer,
+                                        int channel) {
+  return spin_until([&] { return ld_acquire_sys(flag); }, [&](uint32_t v) { return v == value; },
+                    [](uint32_t v) { return v; }, value, timeout_ns, diag, op, rank, peer, channel);
+}
+
 /// Spins until the high half (an epoch) of the tagged word *p equals `epoch`
-/// and returns its low half in `value`. Exact match, not the wrap-safe >= of
-/// flags: a tagged word is rewritten only when its slot is used, so after
-/// 2^31 ops a word left from long ago (or never written) would pass a >=
-/// test; and no later epoch can be there while this op reads it. False (after
-/// reporting) on the deadline or when another thread already reported.
+/// and returns its low half in `value`. Exact match, as wait_eq.
 __device__ __forceinline__ bool wait_tagged(const uint64_t* p, uint32_t epoch, uint32_t& value,
                                             uint64_t timeout_ns, DeviceDiag* diag, OpId op,
                                             int rank, int peer, int channel) {
-  uint64_t w = ld_relaxed_sys_u64(p);
-  if (static_cast<uint32_t>(w >> 32) == epoch) {
-    value = static_cast<uint32_t>(w);
-    return true;
-  }
-  const uint64_t start = globaltimer_ns();
-  uint32_t spins = 0;
-  while (true) {
-    w = ld_relaxed_sys_u64(p);
-    if (static_cast<uint32_t>(w >> 32) == epoch) {
-      value = static_cast<uint32_t>(w);
-      return true;
-    }
-    if ((++spins & 1023u) == 0) {
-      if (diag && *static_cast<volatile uint32_t*>(&diag->code) != 0u) return false;
-      if (globaltimer_ns() - start > timeout_ns) {
-        report(diag, DiagCode::kTimeout, op, rank, peer, channel, epoch,
-               static_cast<uint32_t>(w >> 32));
-        return false;
-      }
-    }
-  }
+  uint64_t last = 0;
+  const bool ok = spin_until([&] { return last = ld_relaxed_sys_u64(p); },
+                             [&](uint64_t w) { return static_cast<uint32_t>(w >> 32) == epoch; },
+                             [](uint64_t w) { return static_cast<uint32_t>(w >> 32); }, epoch,
+                             timeout_ns, diag, op, rank, peer, channel);
+  value = static_cast<uint32_t>(last);
+  return ok;
 }
 
 #endif  // __CUDACC__
@@ -205,6 +207,12 @@ struct NvlinkTransport {
                                               int peer, int channel) const {
     return dev::wait_tagged(reinterpret_cast<const uint64_t*>(local_ptr(offset)), epoch, value,
                             timeout_ns, diag, op, rank, peer, channel);
+  }
+  /// Waits until the local flag at `offset` holds exactly `value`.
+  __device__ __forceinline__ bool wait_eq(std::size_t offset, uint32_t value, uint64_t timeout_ns,
+                                          DeviceDiag* diag, OpId op, int peer, int channel) const {
+    return dev::wait_eq(reinterpret_cast<const uint32_t*>(local_ptr(offset)), value, timeout_ns,
+                        diag, op, rank, peer, channel);
   }
   __device__ __forceinline__ bool wait(std::size_t offset, uint32_t value, uint64_t timeout_ns,
                                        DeviceDiag* diag, OpId op, int peer, int channel) const {

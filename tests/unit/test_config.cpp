@@ -101,7 +101,7 @@ TEST(Plan, LowLatencyEpochWordsHaveAFixedPlace) {
     std::vector<plan::LlRegion> shapes;
     for (int maxT : {1, 64, 128, plan::kLlMaxTokens})
       for (int H : {128, 2880, 7168})
-        for (int E : {R, 8 * R, 256}) {
+        for (int E : {R, 8 * R, 256, plan::kLlMaxExperts}) {
           plan::LlRegion r;
           r.num_ranks = R;
           r.max_tokens = maxT;
@@ -115,15 +115,26 @@ TEST(Plan, LowLatencyEpochWordsHaveAFixedPlace) {
                                         << " H=" << r.hidden << " E=" << r.num_experts);
       EXPECT_EQ(r.control_bytes(), a.control_bytes());
       EXPECT_EQ(r.weights_half_bytes(), a.weights_half_bytes());
-      // control < flags (both halves) < weights (both halves) < half 0 < half 1 < zero-copy
+      EXPECT_EQ(r.dtags_base(), a.dtags_base());
+      EXPECT_EQ(r.dtags_half_bytes(), a.dtags_half_bytes());
+      // control < flags < weights < dispatch tags (both halves each) < half 0 < half 1 < zero-copy
       EXPECT_LE(plan::LlRegion::flags_base() + 2 * plan::LlRegion::flags_bytes(),
                 plan::LlRegion::weights_base());
-      EXPECT_LE(plan::LlRegion::weights_base() + 2 * r.weights_half_bytes(), r.half_offset(0));
+      EXPECT_LE(plan::LlRegion::weights_base() + 2 * r.weights_half_bytes(), r.dtags_base());
+      EXPECT_LE(r.dtags_base() + 2 * r.dtags_half_bytes(), r.half_offset(0));
+      // inside a tag area: counts < masks < chunk flags, each big enough for any shape
+      EXPECT_LE(8u * plan::kMaxRanks, plan::LlRegion::dtag_masks_offset());
+      EXPECT_LE(plan::LlRegion::dtag_masks_offset() +
+                    8u * static_cast<std::size_t>(R) * r.mask_words() * r.local_experts(),
+                plan::LlRegion::dtag_chunks_offset());
+      EXPECT_LE(plan::LlRegion::dtag_chunks_offset() +
+                    4u * static_cast<std::size_t>(R) * plan::kLlMaxTokens * plan::kLlMaxChunks,
+                r.dtags_half_bytes());
+      EXPECT_GE(plan::kLlMaxChunks * plan::kLlChunk, plan::kLlMaxHidden);
+      EXPECT_EQ(r.dtags_base() % 8, 0u);
       EXPECT_LE(r.half_offset(0) + r.half_bytes(), r.half_offset(1));
       EXPECT_LE(r.half_offset(1) + r.half_bytes(), r.zero_copy_offset(0));
-      // inside a half: meta < dispatch rows < combine rows
-      EXPECT_LE(r.meta_offset() + static_cast<std::size_t>(R) * r.meta_stride(),
-                r.dispatch_rows_offset());
+      // inside a half: dispatch rows < combine rows
       EXPECT_LE(r.dispatch_rows_offset() +
                     static_cast<std::size_t>(R) * r.max_tokens * r.dispatch_row_capacity(),
                 r.combine_rows_offset());
