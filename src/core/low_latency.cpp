@@ -196,8 +196,12 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   rp.diag = d.diag_dev;
 
   if (!a.return_recv_hook) {
-    // One kernel: every block sends, then receives (2 blocks per SM).
-    kernels::launch_ll_dispatch_fused(sp, rp, 2 * d.num_sms_device, launch);
+    // One kernel of 2 blocks per SM: up to half of them send (a warp per
+    // item), the rest receive from the start.
+    const int blocks = 2 * d.num_sms_device;
+    const int senders = std::clamp(ceil_div(send_items, kWarpsPerBlock), 1, blocks / 2);
+    rp.parts = std::clamp((blocks - senders) / E_local, 1, 8);
+    kernels::launch_ll_dispatch_fused(sp, rp, blocks, senders, launch);
     res.event = d.ll_leave(s, launch);
   } else {
     // The caller's stream is ordered after the send (or holds the event when

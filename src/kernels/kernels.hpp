@@ -169,9 +169,10 @@ struct LlDispatchRecvParams {
 /// Hook mode: the receive phase alone, after the send kernel.
 void launch_ll_dispatch_recv(const LlDispatchRecvParams& p, cudaStream_t stream);
 /// No hook: send and receive in one cooperative launch of `num_blocks` blocks
-/// (at most 2 per SM, all resident).
+/// (at most 2 per SM, all resident): the first `send_blocks` send, the others
+/// take the rp.parts * E_local receive units.
 void launch_ll_dispatch_fused(const LlDispatchSendParams& sp, const LlDispatchRecvParams& rp,
-                              int num_blocks, cudaStream_t stream);
+                              int num_blocks, int send_blocks, cudaStream_t stream);
 
 struct LlCombineSendParams {
   dev::NvlinkTransport t;

@@ -335,12 +335,13 @@ __device__ __forceinline__ void dispatch_send_items(const LlDispatchSendParams& 
   const std::size_t tags = tags_of(p.off, epoch);
   const int H = p.hidden, K = p.num_topk, E = p.num_experts, E_local = E / R;
   const int C = ceil_div(H, kDispatchChunk);
-  const int row_items = p.num_tokens * C;
+  // The mask units come first: receivers need them before any row.
   const int groups = ceil_div(E, 32), W = ceil_div(p.max_tokens, 32);
-  const int items = row_items + W * groups;
+  const int mask_units = W * groups;
+  const int items = mask_units + p.num_tokens * C;
   for (int item = first; item < items; item += stride) {
-    if (item >= row_items) {
-      const int w = (item - row_items) / groups, g = (item - row_items) % groups;
+    if (item < mask_units) {
+      const int w = item / groups, g = item % groups;
       const int t = w * 32 + lane;
       uint32_t mine = 0;  // bit j: token t picks expert 32 g + j
       if (t < p.num_tokens) {
@@ -366,7 +367,7 @@ __device__ __forceinline__ void dispatch_send_items(const LlDispatchSendParams& 
                        word, epoch);
       continue;
     }
-    const int t = item / C, c = item % C;
+    const int t = (item - mask_units) / C, c = (item - mask_units) % C;
     // The row's loads go out before the routing's (both in flight at once).
     const int h0 = c * kDispatchChunk + lane * 16;  // this lane's 16 elements
     const bool active = h0 < H;                     // H % 128 == 0: whole groups of 8 lanes
@@ -616,20 +617,24 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvPa
 }
 
 /// Without a hook: send and receive in one cooperative launch (every block
-/// resident, so receiving blocks cannot keep sending ones off the SMs). A
-/// block starts receiving as soon as its own send work is done.
+/// resident). Blocks [0, send_blocks) send; the others receive from the
+/// start, so no receiving block waits for its own stores to drain, and rows
+/// are copied while later ones are still crossing.
 __global__ void __launch_bounds__(kThreads, 2)
-    ll_dispatch_fused(LlDispatchSendParams sp, LlDispatchRecvParams rp) {
+    ll_dispatch_fused(LlDispatchSendParams sp, LlDispatchRecvParams rp, int send_blocks) {
   extern __shared__ int s_list[];
   tl_mark(kFlagDispatch, kTlSendStart);
   tl_mark(kFlagDispatch, kTlSendStartMax);
   const uint32_t epoch = dispatch_begin(sp);
-  dispatch_send_items(sp, epoch, blockIdx.x * kWarps + threadIdx.x / 32, gridDim.x * kWarps);
+  const int b = static_cast<int>(blockIdx.x);
+  if (b < send_blocks)
+    dispatch_send_items(sp, epoch, b * kWarps + threadIdx.x / 32, send_blocks * kWarps);
   dispatch_count_done(sp, epoch);
+  if (b < send_blocks) return;
   tl_mark(kFlagDispatch, kTlRecvStart);
   tl_mark(kFlagDispatch, kTlRecvGo);
   const int units = rp.num_experts / rp.t.num_ranks * rp.parts;
-  for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
+  for (int unit = b - send_blocks; unit < units; unit += gridDim.x - send_blocks) {
     __syncthreads();  // s_list and the scan storage are reused
     if (!dispatch_recv_unit(rp, epoch, unit, s_list)) break;
   }
@@ -963,7 +968,7 @@ void launch_ll_dispatch_recv(const LlDispatchRecvParams& p, cudaStream_t stream)
 }
 
 void launch_ll_dispatch_fused(const LlDispatchSendParams& sp, const LlDispatchRecvParams& rp,
-                              int num_blocks, cudaStream_t stream) {
+                              int num_blocks, int send_blocks, cudaStream_t stream) {
   const std::size_t smem = dispatch_recv_smem(rp);
   allow_smem(ll_dispatch_fused, smem);
   cudaLaunchConfig_t cfg{};
@@ -976,7 +981,7 @@ void launch_ll_dispatch_fused(const LlDispatchSendParams& sp, const LlDispatchRe
   attr.val.cooperative = 1;
   cfg.attrs = &attr;
   cfg.numAttrs = 1;
-  EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, ll_dispatch_fused, sp, rp));
+  EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, ll_dispatch_fused, sp, rp, send_blocks));
 }
 
 /// A cooperative launch: every block is resident at once or the launch fails.
