@@ -196,13 +196,10 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   rp.diag = d.diag_dev;
 
   if (!a.return_recv_hook) {
-    // One kernel, one block per SM: up to half of them send the rows (a warp
-    // per item), the rest send the masks and receive from the start.
-    const int blocks = std::max(d.num_sms_device, 2);
-    const int fused_warps = kernels::kLlFusedThreads / 32;
-    const int senders =
-        std::clamp(ceil_div(static_cast<int64_t>(T) * ceil_div(H, kDispatchChunk), fused_warps), 1,
-                   blocks / 2);
+    // One kernel of 2 blocks per SM: up to half of them send (a warp per
+    // item), the rest receive from the start.
+    const int blocks = 2 * d.num_sms_device;
+    const int senders = std::clamp(ceil_div(send_items, kWarpsPerBlock), 1, blocks / 2);
     rp.parts = std::clamp((blocks - senders) / E_local, 1, 8);
     kernels::launch_ll_dispatch_fused(sp, rp, blocks, senders, launch);
     res.event = d.ll_leave(s, launch);

@@ -112,7 +112,6 @@ namespace epx::kernels {
 
 /// Work-item sizes of the low-latency kernels (the host sizes grids with them).
 inline constexpr int kLlThreads = 512;
-inline constexpr int kLlFusedThreads = 1024;             ///< the fused dispatch: one block per SM
 inline constexpr int kLlDispatchChunk = plan::kLlChunk;  ///< elements per dispatch work item
 inline constexpr int kLlCombineSendChunk = 1024;         ///< elements per combine-send work item
 inline constexpr int kLlCombineRecvChunk = 256;          ///< elements per combine-receive work item
@@ -169,10 +168,9 @@ struct LlDispatchRecvParams {
 };
 /// Hook mode: the receive phase alone, after the send kernel.
 void launch_ll_dispatch_recv(const LlDispatchRecvParams& p, cudaStream_t stream);
-/// No hook: send and receive in one cooperative launch of `num_blocks`
-/// blocks of kLlFusedThreads (one per SM, all resident): the first
-/// `send_blocks` send the rows, the others the masks, then take the
-/// rp.parts * E_local receive units.
+/// No hook: send and receive in one cooperative launch of `num_blocks` blocks
+/// (at most 2 per SM, all resident): the first `send_blocks` send, the others
+/// take the rp.parts * E_local receive units.
 void launch_ll_dispatch_fused(const LlDispatchSendParams& sp, const LlDispatchRecvParams& rp,
                               int num_blocks, int send_blocks, cudaStream_t stream);
 

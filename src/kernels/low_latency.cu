@@ -312,69 +312,62 @@ __device__ __forceinline__ std::size_t chunk_flag_offset(const LlOffsets& o, std
          4u * ((static_cast<std::size_t>(src) * plan::kLlMaxTokens + t) * plan::kLlMaxChunks + c);
 }
 
-/// The op's epoch (the op counter + 1); block 0 records it in the handle state.
+/// The op's epoch (the op counter + 1); block 0 records it in the handle state
+/// and sends this rank's token count to every rank.
 __device__ __forceinline__ uint32_t dispatch_begin(const LlDispatchSendParams& p) {
   const uint32_t epoch = *p.op_counter + 1u;
-  if (blockIdx.x == 0 && threadIdx.x == 0) p.state[0] = static_cast<int32_t>(epoch);
+  if (blockIdx.x == 0) {
+    const std::size_t tags = tags_of(p.off, epoch);
+    if (static_cast<int>(threadIdx.x) < p.t.num_ranks)
+      p.t.put_tagged(threadIdx.x, tags + 8u * static_cast<std::size_t>(p.t.rank),
+                     static_cast<uint32_t>(p.num_tokens), epoch);
+    if (threadIdx.x == 0) p.state[0] = static_cast<int32_t>(epoch);
+  }
   return epoch;
 }
 
-/// Sends this rank's token count to every rank (threads 0 .. R-1 of one block).
-__device__ __forceinline__ void dispatch_send_count(const LlDispatchSendParams& p, uint32_t epoch) {
-  if (static_cast<int>(threadIdx.x) < p.t.num_ranks)
-    p.t.put_tagged(threadIdx.x, tags_of(p.off, epoch) + 8u * static_cast<std::size_t>(p.t.rank),
-                   static_cast<uint32_t>(p.num_tokens), epoch);
-}
-
-/// Token-mask units of warps first, first + stride, ...: unit (w, g) sends,
-/// for the 32 tokens of word w (of maxT) and the 32 experts of group g, one
-/// tagged word per expert to the expert's rank (zero past the token count).
-__device__ __forceinline__ void dispatch_send_masks(const LlDispatchSendParams& p, uint32_t epoch,
+/// Send work of warps gw = first, first + stride, ...
+__device__ __forceinline__ void dispatch_send_items(const LlDispatchSendParams& p, uint32_t epoch,
                                                     int first, int stride) {
-  const int R = p.t.num_ranks, me = p.t.rank;
-  const int lane = threadIdx.x % 32;
-  const std::size_t tags = tags_of(p.off, epoch);
-  const int K = p.num_topk, E = p.num_experts, E_local = E / R;
-  const int groups = ceil_div(E, 32), W = ceil_div(p.max_tokens, 32);
-  for (int unit = first; unit < W * groups; unit += stride) {
-    const int w = unit / groups, g = unit % groups;
-    const int t = w * 32 + lane;
-    uint32_t mine = 0;  // bit j: token t picks expert 32 g + j
-    if (t < p.num_tokens) {
-      int64_t v[plan::kLlMaxTopK];
-#pragma unroll
-      for (int k = 0; k < plan::kLlMaxTopK; ++k)
-        v[k] = k < K ? p.topk_idx[static_cast<int64_t>(t) * K + k] : -1;
-#pragma unroll
-      for (int k = 0; k < plan::kLlMaxTopK; ++k) {
-        const int64_t j = v[k] - 32 * g;
-        if (v[k] >= 0 && v[k] < E && j >= 0 && j < 32) mine |= 1u << static_cast<int>(j);
-      }
-    }
-    uint32_t word = 0;  // lane j: the tokens that pick expert 32 g + j
-#pragma unroll
-    for (int j = 0; j < 32; ++j) {
-      const uint32_t b = __ballot_sync(kFull, (mine >> j) & 1u);
-      if (lane == j) word = b;
-    }
-    const int e = 32 * g + lane;
-    if (e < E)
-      p.t.put_tagged(e / E_local, mask_word_offset(p.off, tags, me, w, e % E_local, E_local), word,
-                     epoch);
-  }
-}
-
-/// Row items (token, 512-column chunk) of warps first, first + stride, ...
-__device__ __forceinline__ void dispatch_send_rows(const LlDispatchSendParams& p, uint32_t epoch,
-                                                   int first, int stride) {
   const int R = p.t.num_ranks, me = p.t.rank;
   const int lane = threadIdx.x % 32;
   const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
   const std::size_t tags = tags_of(p.off, epoch);
   const int H = p.hidden, K = p.num_topk, E = p.num_experts, E_local = E / R;
   const int C = ceil_div(H, kDispatchChunk);
-  for (int item = first; item < p.num_tokens * C; item += stride) {
-    const int t = item / C, c = item % C;
+  // The mask units come first: receivers need them before any row.
+  const int groups = ceil_div(E, 32), W = ceil_div(p.max_tokens, 32);
+  const int mask_units = W * groups;
+  const int items = mask_units + p.num_tokens * C;
+  for (int item = first; item < items; item += stride) {
+    if (item < mask_units) {
+      const int w = item / groups, g = item % groups;
+      const int t = w * 32 + lane;
+      uint32_t mine = 0;  // bit j: token t picks expert 32 g + j
+      if (t < p.num_tokens) {
+        int64_t v[plan::kLlMaxTopK];
+#pragma unroll
+        for (int k = 0; k < plan::kLlMaxTopK; ++k)
+          v[k] = k < K ? p.topk_idx[static_cast<int64_t>(t) * K + k] : -1;
+#pragma unroll
+        for (int k = 0; k < plan::kLlMaxTopK; ++k) {
+          const int64_t j = v[k] - 32 * g;
+          if (v[k] >= 0 && v[k] < E && j >= 0 && j < 32) mine |= 1u << static_cast<int>(j);
+        }
+      }
+      uint32_t word = 0;  // lane j: the tokens that pick expert 32 g + j
+#pragma unroll
+      for (int j = 0; j < 32; ++j) {
+        const uint32_t b = __ballot_sync(kFull, (mine >> j) & 1u);
+        if (lane == j) word = b;
+      }
+      const int e = 32 * g + lane;
+      if (e < E)
+        p.t.put_tagged(e / E_local, mask_word_offset(p.off, tags, me, w, e % E_local, E_local),
+                       word, epoch);
+      continue;
+    }
+    const int t = (item - mask_units) / C, c = (item - mask_units) % C;
     // The row's loads go out before the routing's (both in flight at once).
     const int h0 = c * kDispatchChunk + lane * 16;  // this lane's 16 elements
     const bool active = h0 < H;                     // H % 128 == 0: whole groups of 8 lanes
@@ -466,12 +459,7 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_send(LlDispatchSendPa
   tl_mark(kFlagDispatch, kTlSendStart);
   tl_mark(kFlagDispatch, kTlSendStartMax);
   const uint32_t epoch = dispatch_begin(p);
-  if (blockIdx.x == 0) dispatch_send_count(p, epoch);
-  // The mask units first (receivers need them before any row), then the rows.
-  const int gw = blockIdx.x * kWarps + threadIdx.x / 32, nw = gridDim.x * kWarps;
-  const int mask_units = ceil_div(p.max_tokens, 32) * ceil_div(p.num_experts, 32);
-  dispatch_send_masks(p, epoch, gw, nw);
-  dispatch_send_rows(p, epoch, (gw - mask_units % nw + nw) % nw, nw);
+  dispatch_send_items(p, epoch, blockIdx.x * kWarps + threadIdx.x / 32, gridDim.x * kWarps);
   dispatch_count_done(p, epoch);
 }
 
@@ -484,10 +472,8 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_send(LlDispatchSendPa
 // its chunks: rows are copied as they arrive, not after the slowest sender.
 // Returns false when a wait failed (reported).
 // ============================================================================
-template <int kBlockThreads>
 __device__ __forceinline__ bool dispatch_recv_unit(const LlDispatchRecvParams& p, uint32_t epoch,
                                                    int unit, int* s_list) {
-  constexpr int kThreads = kBlockThreads, kWarps = kBlockThreads / 32;
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ int s_begin[plan::kMaxRanks + 1];
@@ -624,34 +610,25 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvPa
   const uint32_t epoch = static_cast<uint32_t>(p.state[0]);
   const int units = p.num_experts / p.t.num_ranks * p.parts;
   for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-    if (!dispatch_recv_unit<kThreads>(p, epoch, unit, s_list)) break;
+    if (!dispatch_recv_unit(p, epoch, unit, s_list)) break;
     __syncthreads();  // s_list and the scan storage are reused
   }
   tl_finish(kFlagDispatch, p.t.rank);
 }
 
-/// Without a hook: send and receive in one cooperative launch of one
-/// 1024-thread block per SM. Blocks [0, send_blocks) send the rows; the
-/// others send the token masks and counts, then receive. Senders and
-/// receivers sit on different SMs: an SM's stores leave it in order, so
-/// masks or local copies queued behind its NVLink row stores would wait
-/// until those have crossed.
-__global__ void __launch_bounds__(kLlFusedThreads, 1)
+/// Without a hook: send and receive in one cooperative launch (every block
+/// resident). Blocks [0, send_blocks) send; the others receive from the
+/// start, so no receiving block waits for its own stores to drain, and rows
+/// are copied while later ones are still crossing.
+__global__ void __launch_bounds__(kThreads, 2)
     ll_dispatch_fused(LlDispatchSendParams sp, LlDispatchRecvParams rp, int send_blocks) {
-  constexpr int kFusedWarps = kLlFusedThreads / 32;
   extern __shared__ int s_list[];
   tl_mark(kFlagDispatch, kTlSendStart);
   tl_mark(kFlagDispatch, kTlSendStartMax);
   const uint32_t epoch = dispatch_begin(sp);
-  const int b = static_cast<int>(blockIdx.x), warp = threadIdx.x / 32;
-  const int recv_blocks = gridDim.x - send_blocks;
-  if (b < send_blocks) {
-    dispatch_send_rows(sp, epoch, b * kFusedWarps + warp, send_blocks * kFusedWarps);
-  } else {
-    if (b == send_blocks) dispatch_send_count(sp, epoch);
-    dispatch_send_masks(sp, epoch, (b - send_blocks) * kFusedWarps + warp,
-                        recv_blocks * kFusedWarps);
-  }
+  const int b = static_cast<int>(blockIdx.x);
+  if (b < send_blocks)
+    dispatch_send_items(sp, epoch, b * kWarps + threadIdx.x / 32, send_blocks * kWarps);
   dispatch_count_done(sp, epoch);
   if (b < send_blocks) {
     tl_finish(kFlagDispatch, rp.t.rank);  // (timeline builds count every block)
@@ -660,9 +637,9 @@ __global__ void __launch_bounds__(kLlFusedThreads, 1)
   tl_mark(kFlagDispatch, kTlRecvStart);
   tl_mark(kFlagDispatch, kTlRecvGo);
   const int units = rp.num_experts / rp.t.num_ranks * rp.parts;
-  for (int unit = b - send_blocks; unit < units; unit += recv_blocks) {
+  for (int unit = b - send_blocks; unit < units; unit += gridDim.x - send_blocks) {
     __syncthreads();  // s_list and the scan storage are reused
-    if (!dispatch_recv_unit<kLlFusedThreads>(rp, epoch, unit, s_list)) break;
+    if (!dispatch_recv_unit(rp, epoch, unit, s_list)) break;
   }
   tl_finish(kFlagDispatch, rp.t.rank);
 }
@@ -999,7 +976,7 @@ void launch_ll_dispatch_fused(const LlDispatchSendParams& sp, const LlDispatchRe
   allow_smem(ll_dispatch_fused, smem);
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(num_blocks));
-  cfg.blockDim = dim3(kLlFusedThreads);
+  cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr{};
