@@ -1,30 +1,31 @@
 // Low-latency dispatch and combine (decode). See docs/low_latency.md.
 //
-// Every op has a send kernel and a receive kernel; with return_recv_hook the
-// receive kernel is launched later by the hook, so nothing holds SMs between.
+// Every op has a send phase and a receive phase; with return_recv_hook they
+// are two kernels and the hook launches the receive one later, so nothing
+// holds SMs in between.
 //
-// Epochs: the send kernel takes epoch = *op_counter + 1 (the last block to
-// finish stores it back), picks the half (epoch & 1) of the double buffer,
-// and writes the epoch into the op's state word, from which the receive
-// kernel reads it. Flags hold the epoch of the last op that filled a slot and
-// are compared with a wrap-safe >=, so nothing is ever reset between calls
-// and graph replays keep counting on the device.
+// Epochs: the send takes epoch = *op_counter + 1 (the last block to finish
+// stores it back), picks the half (epoch & 1) of the double buffer, and writes
+// the epoch into the op's state word, from which a hook's receive kernel
+// reads it. Nothing is reset between calls, so graph replays keep counting.
 //
 // Dispatch: one message per (token, destination rank) at slot [me][token] of
-// the destination's receive area (FP8 quantized by the sender), plus one
-// 32-token mask word per local expert for every rank. The last sender block
-// release-stores the per-source flag. The receiver packs rows per local
-// expert in the canonical order (source rank, then token) from the masks.
+// the destination's receive area (FP8 quantized by the sender). Every
+// 512-column chunk of a message is followed by a release-stored arrival flag
+// (the epoch) for (me, token, chunk); token masks (one 32-token word per local
+// expert) and token counts travel as epoch-tagged 64-bit words. The receiver
+// waits for the masks, packs rows per local expert in the canonical order
+// (source rank, then token), and copies each 2 KiB segment as soon as its
+// chunks' flags are there. Without a hook, send and receive are one
+// cooperative kernel whose first blocks send and the others receive.
 //
 // Combine: the expert rank sums the weighted outputs of a token's experts that
 // it hosts and sends one row per (token, rank) back; a rank that hosts a
 // single pick of the token sends the raw expert row (the source applies the
 // weight, exactly). Weights travel from the source as epoch-tagged 64-bit
 // words, one per (token, distinct expert), so they need no flag of their own.
-//
-// Without a hook the receive kernel is a programmatic dependent launch: its
-// blocks are scheduled while the send kernel runs and wait for it in
-// griddepcontrol.wait.
+// The last send block release-stores one flag per rank; the receive kernel is
+// a programmatic dependent launch without a hook.
 #include <cub/block/block_scan.cuh>
 
 #include <cfloat>

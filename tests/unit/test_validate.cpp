@@ -204,7 +204,16 @@ TEST(Validate, LowLatencyDispatchRules) {
   a.x = dev_view(DType::kBF16, {128, 2880});
   expect_error([&] { validate::low_latency_dispatch(a, 4, 0); },
                {"hidden", "multiple of 128", "2880"});
+  a.x = dev_view(DType::kBF16, {128, 16384 + 128});
+  expect_error([&] { validate::low_latency_dispatch(a, 4, 0); },
+               {"hidden", "at most 16384", "16512"});
   a.x = dev_view(DType::kBF16, {128, 7168});
+  a.num_experts = 1028;
+  expect_error([&] { validate::low_latency_dispatch(a, 4, 0); },
+               {"num_experts", "at most 1024", "1028"});
+  a.num_experts = 1024;
+  EXPECT_NO_THROW(validate::low_latency_dispatch(a, 4, 0));
+  a.num_experts = 256;
   a.use_fp8 = false;
   a.round_scale = true;
   expect_error([&] { validate::low_latency_dispatch(a, 4, 0); }, {"use_fp8", "round_scale"});
