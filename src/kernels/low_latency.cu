@@ -29,6 +29,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include <cfloat>
+#include <utility>
 
 #include "core/check.hpp"
 #include "core/validate.hpp"
@@ -934,22 +935,30 @@ void launch_ll_dispatch_send(const LlDispatchSendParams& p, int num_blocks, cuda
   EPX_LAUNCH_CHECK();
 }
 
-/// Launches with the programmatic-stream-serialization attribute when
-/// `dependent` (the previous kernel in the stream is this op's send kernel).
-template <class Params>
-void launch_recv(void (*kernel)(Params), const Params& p, int blocks, std::size_t smem,
-                 cudaStream_t stream, bool dependent) {
+enum class Launch { kPlain, kDependent, kCooperative };
+
+/// cudaLaunchKernelEx with at most one attribute: kDependent = programmatic
+/// stream serialization (the previous kernel in the stream is this op's send
+/// kernel), kCooperative = every block resident at once or the launch fails.
+template <class... Params, class... Args>
+void launch_ex(void (*kernel)(Params...), int blocks, int threads, std::size_t smem,
+               cudaStream_t stream, Launch how, Args&&... args) {
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-  cfg.blockDim = dim3(kThreads);
+  cfg.blockDim = dim3(static_cast<unsigned>(threads));
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
+  if (how == Launch::kDependent) {
+    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr.val.programmaticStreamSerializationAllowed = 1;
+  } else if (how == Launch::kCooperative) {
+    attr.id = cudaLaunchAttributeCooperative;
+    attr.val.cooperative = 1;
+  }
   cfg.attrs = &attr;
-  cfg.numAttrs = dependent ? 1u : 0u;
-  EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+  cfg.numAttrs = how == Launch::kPlain ? 0u : 1u;
+  EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 
 namespace {
@@ -968,24 +977,15 @@ void launch_ll_dispatch_recv(const LlDispatchRecvParams& p, cudaStream_t stream)
   const int E_local = p.num_experts / p.t.num_ranks;
   const std::size_t smem = dispatch_recv_smem(p);
   allow_smem(ll_dispatch_recv, smem);
-  launch_recv(ll_dispatch_recv, p, E_local * p.parts, smem, stream, /*dependent=*/false);
+  launch_ex(ll_dispatch_recv, E_local * p.parts, kThreads, smem, stream, Launch::kPlain, p);
 }
 
 void launch_ll_dispatch_fused(const LlDispatchSendParams& sp, const LlDispatchRecvParams& rp,
                               int num_blocks, int send_blocks, cudaStream_t stream) {
   const std::size_t smem = dispatch_recv_smem(rp);
   allow_smem(ll_dispatch_fused, smem);
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(num_blocks));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeCooperative;
-  attr.val.cooperative = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, ll_dispatch_fused, sp, rp, send_blocks));
+  launch_ex(ll_dispatch_fused, num_blocks, kThreads, smem, stream, Launch::kCooperative, sp, rp,
+            send_blocks);
 }
 
 /// A cooperative launch: every block is resident at once or the launch fails.
@@ -994,27 +994,14 @@ void launch_ll_dispatch_fused(const LlDispatchSendParams& sp, const LlDispatchRe
 /// work) until the rest ends, ranks could wait on each other until the
 /// deadline.
 void launch_ll_combine_send(const LlCombineSendParams& p, int num_blocks, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(num_blocks));
-  cfg.blockDim = dim3(kThreads);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeCooperative;
-  attr.val.cooperative = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  if (p.logfmt)
-    EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, ll_combine_send<true>, p));
-  else
-    EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, ll_combine_send<false>, p));
+  launch_ex(p.logfmt ? ll_combine_send<true> : ll_combine_send<false>, num_blocks, kThreads, 0,
+            stream, Launch::kCooperative, p);
 }
 
 void launch_ll_combine_recv(const LlCombineRecvParams& p, int num_blocks, cudaStream_t stream,
                             bool dependent) {
-  if (p.logfmt)
-    launch_recv(ll_combine_recv<true>, p, num_blocks, 0, stream, dependent);
-  else
-    launch_recv(ll_combine_recv<false>, p, num_blocks, 0, stream, dependent);
+  launch_ex(p.logfmt ? ll_combine_recv<true> : ll_combine_recv<false>, num_blocks, kThreads, 0,
+            stream, dependent ? Launch::kDependent : Launch::kPlain, p);
 }
 
 }  // namespace epx::kernels
