@@ -84,9 +84,9 @@ inline constexpr int kLlMaxMaskWords = kLlMaxTokens / 32;
 
 /// Low-latency region, per rank (all offsets from the region start):
 ///   [control: local completion counters of the send kernels]
-///   [flags of half 0][flags of half 1]  uint32[2][kMaxRanks]: dispatch data, combine
-///                 data; one word per source rank holding the epoch of the last op
-///                 that filled it
+///   [flags of half 0][flags of half 1]  uint32[2][kMaxRanks]: row 1 the combine's,
+///                 one word per source rank holding the epoch of the last op that
+///                 filled it; row 0 unused (the dispatch has per-chunk flags below)
 ///   [weights of half 0][weights of half 1]  per source: uint64 [kLlMaxTokens][kLlMaxTopK]
 ///                 combine weights, entry [t][j] = {f32 weight bits, epoch << 32} of the
 ///                 j-th distinct local expert (ascending id) that token t of the source

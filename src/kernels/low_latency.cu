@@ -44,8 +44,12 @@ constexpr unsigned kFull = 0xffffffffu;
 constexpr int kDispatchChunk = kLlDispatchChunk;  ///< 16 elements per lane
 static_assert(kDispatchChunk == 32 * 16 && kLlCombineSendChunk % 256 == 0 &&
               kLlCombineRecvChunk % 256 == 0);
-// Flag words of a half (kind * kMaxRanks + source).
-constexpr int kFlagDispatch = 0, kFlagCombine = 1;
+// Flag words of a half: [kFlagCombine][source] is the combine's; row 0 held the
+// dispatch's flags before its per-chunk arrival flags and is unused (kept, so
+// the layout does not move).
+constexpr int kFlagCombine = 1;
+// Ops of the phase timeline.
+constexpr int kTlDispatch = 0, kTlCombine = 1;
 // Local completion counters in the control area.
 constexpr int kDoneDispatch = 0, kDoneCombine = 1;
 
@@ -242,47 +246,49 @@ __device__ __forceinline__ void logfmt_roundtrip(float* v) {
 
 // ---- completion: the last block of a send kernel signals every rank ------------
 
-/// Every block calls this once at its end (also after a failed wait, so the
-/// count stays right). The last block release-stores `epoch` into flag
-/// `kind`/[me] of every rank, resets the counters and publishes the epoch.
-/// One fence per block, not per thread: the barrier orders every thread's
-/// peer stores before thread 0's system-scope release fence, and release is
-/// cumulative (PTX memory model), so the count carries them all.
-__device__ __forceinline__ void finish_send(const dev::NvlinkTransport& t, const LlOffsets& o,
-                                            std::size_t half, int kind, int counter,
-                                            uint32_t* op_counter, uint32_t epoch) {
+/// Every block of a combine send calls this once at its end (also after a
+/// failed wait, so the count stays right). The last block release-stores
+/// `epoch` into the combine flag [me] of every rank, resets the counter and
+/// publishes the epoch. One fence per block, not per thread: the barrier
+/// orders every thread's peer stores before thread 0's system-scope release
+/// fence, and release is cumulative (PTX memory model), so the count carries
+/// them all.
+__device__ __forceinline__ void finish_combine_send(const dev::NvlinkTransport& t,
+                                                    const LlOffsets& o, std::size_t half,
+                                                    uint32_t* op_counter, uint32_t epoch) {
   __shared__ int is_last;
-  EPX_TL(kind, kTlSendItems);
+  EPX_TL(kTlCombine, kTlSendItems);
   __syncthreads();
   uint32_t* control = reinterpret_cast<uint32_t*>(t.local_ptr(o.control));
   if (threadIdx.x == 0) {
     dev::fence_acq_rel_sys();  // release: the block's peer stores before the count
-    is_last = atomicAdd(control + counter, 1u) == gridDim.x - 1 ? 1 : 0;
+    is_last = atomicAdd(control + kDoneCombine, 1u) == gridDim.x - 1 ? 1 : 0;
     if (is_last) dev::fence_acq_rel_sys();  // acquire: every block's stores before the flags
   }
   __syncthreads();
-  tl_mark(kind, kTlSendCounted);
+  tl_mark(kTlCombine, kTlSendCounted);
   if (!is_last) return;
   if (static_cast<int>(threadIdx.x) < t.num_ranks)
-    t.signal(threadIdx.x, flag_offset(half, o, kind, t.rank), epoch);
+    t.signal(threadIdx.x, flag_offset(half, o, kFlagCombine, t.rank), epoch);
   if (threadIdx.x == 0) {
-    control[counter] = 0u;
+    control[kDoneCombine] = 0u;
     *op_counter = epoch;
   }
-  tl_mark(kind, kTlSendSignal);
+  tl_mark(kTlCombine, kTlSendSignal);
 }
 
-/// Block-wide wait for flag `kind` of every source; false when any timed out.
-__device__ __forceinline__ bool wait_all_sources(const dev::NvlinkTransport& t, const LlOffsets& o,
-                                                 std::size_t half, int kind, uint32_t epoch,
-                                                 uint64_t timeout_ns, DeviceDiag* diag, OpId op,
-                                                 int channel) {
+/// Block-wide wait for the combine flag of every source; false when any timed out.
+__device__ __forceinline__ bool wait_combine_flags(const dev::NvlinkTransport& t,
+                                                   const LlOffsets& o, std::size_t half,
+                                                   uint32_t epoch, uint64_t timeout_ns,
+                                                   DeviceDiag* diag) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
   if (static_cast<int>(threadIdx.x) < t.num_ranks) {
     const int s = threadIdx.x;
-    if (!t.wait(flag_offset(half, o, kind, s), epoch, timeout_ns, diag, op, s, channel))
+    if (!t.wait(flag_offset(half, o, kFlagCombine, s), epoch, timeout_ns, diag,
+                OpId::kLowLatencyCombineRecv, s, -1))
       atomicExch(&failed, 1);
   }
   __syncthreads();
@@ -444,7 +450,7 @@ __device__ __forceinline__ void dispatch_send_items(const LlDispatchSendParams& 
 /// count and publishes the epoch to the next op. Nothing waits for it.
 __device__ __forceinline__ void dispatch_count_done(const LlDispatchSendParams& p, uint32_t epoch) {
   __shared__ int is_last;
-  EPX_TL(kFlagDispatch, kTlSendItems);
+  EPX_TL(kTlDispatch, kTlSendItems);
   __syncthreads();
   uint32_t* control = reinterpret_cast<uint32_t*>(p.t.local_ptr(p.off.control));
   if (threadIdx.x == 0) {
@@ -454,12 +460,12 @@ __device__ __forceinline__ void dispatch_count_done(const LlDispatchSendParams& 
       *p.op_counter = epoch;
     }
   }
-  tl_mark(kFlagDispatch, kTlSendCounted);
+  tl_mark(kTlDispatch, kTlSendCounted);
 }
 
 __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_send(LlDispatchSendParams p) {
-  tl_mark(kFlagDispatch, kTlSendStart);
-  tl_mark(kFlagDispatch, kTlSendStartMax);
+  tl_mark(kTlDispatch, kTlSendStart);
+  tl_mark(kTlDispatch, kTlSendStartMax);
   const uint32_t epoch = dispatch_begin(p);
   dispatch_send_items(p, epoch, blockIdx.x * kWarps + threadIdx.x / 32, gridDim.x * kWarps);
   dispatch_count_done(p, epoch);
@@ -507,7 +513,7 @@ __device__ __forceinline__ bool dispatch_recv_unit(const LlDispatchRecvParams& p
       ok = false;
   }
   if (__syncthreads_or(ok ? 0 : 1) != 0) return false;
-  tl_mark(kFlagDispatch, kTlRecvFlags);
+  tl_mark(kTlDispatch, kTlRecvFlags);
   {
     int prefix = 0, total = 0;
     Scan(scan_tmp).ExclusiveSum(__popc(word), prefix, total);
@@ -521,7 +527,7 @@ __device__ __forceinline__ bool dispatch_recv_unit(const LlDispatchRecvParams& p
           make_int2(static_cast<int>(word), prefix);
   }
   __syncthreads();
-  tl_mark(kFlagDispatch, kTlRecvMid);
+  tl_mark(kTlDispatch, kTlRecvMid);
   const int count = s_begin[R];
 
   if (part == 0) {
@@ -607,15 +613,15 @@ __device__ __forceinline__ bool dispatch_recv_unit(const LlDispatchRecvParams& p
 /// Hook mode: the receive phase alone (epoch from the handle state).
 __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvParams p) {
   extern __shared__ int s_list[];  // [R * maxT]: (source << 16) | token of packed row j
-  tl_mark(kFlagDispatch, kTlRecvStart);
-  tl_mark(kFlagDispatch, kTlRecvGo);
+  tl_mark(kTlDispatch, kTlRecvStart);
+  tl_mark(kTlDispatch, kTlRecvGo);
   const uint32_t epoch = static_cast<uint32_t>(p.state[0]);
   const int units = p.num_experts / p.t.num_ranks * p.parts;
   for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
     if (!dispatch_recv_unit(p, epoch, unit, s_list)) break;
     __syncthreads();  // s_list and the scan storage are reused
   }
-  tl_finish(kFlagDispatch, p.t.rank);
+  tl_finish(kTlDispatch, p.t.rank);
 }
 
 /// Without a hook: send and receive in one cooperative launch (every block
@@ -625,25 +631,25 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvPa
 __global__ void __launch_bounds__(kThreads, 2)
     ll_dispatch_fused(LlDispatchSendParams sp, LlDispatchRecvParams rp, int send_blocks) {
   extern __shared__ int s_list[];
-  tl_mark(kFlagDispatch, kTlSendStart);
-  tl_mark(kFlagDispatch, kTlSendStartMax);
+  tl_mark(kTlDispatch, kTlSendStart);
+  tl_mark(kTlDispatch, kTlSendStartMax);
   const uint32_t epoch = dispatch_begin(sp);
   const int b = static_cast<int>(blockIdx.x);
   if (b < send_blocks)
     dispatch_send_items(sp, epoch, b * kWarps + threadIdx.x / 32, send_blocks * kWarps);
   dispatch_count_done(sp, epoch);
   if (b < send_blocks) {
-    tl_finish(kFlagDispatch, rp.t.rank);  // (timeline builds count every block)
+    tl_finish(kTlDispatch, rp.t.rank);  // (timeline builds count every block)
     return;
   }
-  tl_mark(kFlagDispatch, kTlRecvStart);
-  tl_mark(kFlagDispatch, kTlRecvGo);
+  tl_mark(kTlDispatch, kTlRecvStart);
+  tl_mark(kTlDispatch, kTlRecvGo);
   const int units = rp.num_experts / rp.t.num_ranks * rp.parts;
   for (int unit = b - send_blocks; unit < units; unit += gridDim.x - send_blocks) {
     __syncthreads();  // s_list and the scan storage are reused
     if (!dispatch_recv_unit(rp, epoch, unit, s_list)) break;
   }
-  tl_finish(kFlagDispatch, rp.t.rank);
+  tl_finish(kTlDispatch, rp.t.rank);
 }
 
 /// The packed row of token t at local expert le from the combine plan entry
@@ -668,8 +674,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
   __shared__ int s_prefix[plan::kMaxRanks + 1];
   __shared__ int s_rows[kWarps][plan::kLlMaxTopK];  // per warp: rows of the item's experts
   dev::launch_dependents();
-  tl_mark(kFlagCombine, kTlSendStart);
-  tl_mark(kFlagCombine, kTlSendStartMax);
+  tl_mark(kTlCombine, kTlSendStart);
+  tl_mark(kTlCombine, kTlSendStartMax);
   const int R = p.t.num_ranks, me = p.t.rank;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const uint32_t epoch = *p.op_counter + 1u;
@@ -818,7 +824,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
     for (int st = 0; st < kCombineSteps; ++st)
       if (col0 + 32 * st < H8) dev::st_na(dst + col0 + 32 * st, pack_bf16x8(acc[st]));
   }
-  finish_send(p.t, p.off, half, kFlagCombine, kDoneCombine, p.op_counter, epoch);
+  finish_combine_send(p.t, p.off, half, p.op_counter, epoch);
 }
 
 // ============================================================================
@@ -850,18 +856,17 @@ __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
   float w = 0.0f;
   if (item < items) pick_of(item, e, w);
 
-  tl_mark(kFlagCombine, kTlRecvStart);
+  tl_mark(kTlCombine, kTlRecvStart);
   dev::wait_prerequisite_grid();  // the send kernel (a no-op in hook mode)
-  tl_mark(kFlagCombine, kTlRecvGo);
+  tl_mark(kTlCombine, kTlRecvGo);
   const uint32_t epoch = static_cast<uint32_t>(p.state[0]);
   const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
 
-  if (!wait_all_sources(p.t, p.off, half, kFlagCombine, epoch, p.timeout_ns, p.diag,
-                        OpId::kLowLatencyCombineRecv, -1)) {
-    tl_finish(kFlagCombine, p.t.rank);
+  if (!wait_combine_flags(p.t, p.off, half, epoch, p.timeout_ns, p.diag)) {
+    tl_finish(kTlCombine, p.t.rank);
     return;
   }
-  tl_mark(kFlagCombine, kTlRecvFlags);
+  tl_mark(kTlCombine, kTlRecvFlags);
 
   for (bool first_item = true; item < items; item += gridDim.x * kWarps, first_item = false) {
     const int t = item / C, c = item % C;
@@ -925,7 +930,7 @@ __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
     for (int st = 0; st < kCombineSteps; ++st)
       if (col0 + 32 * st < H8) out[col0 + 32 * st] = pack_bf16x8(acc[st]);
   }
-  tl_finish(kFlagCombine, p.t.rank);
+  tl_finish(kTlCombine, p.t.rank);
 }
 
 }  // namespace
