@@ -298,9 +298,10 @@ __device__ __forceinline__ bool wait_combine_flags(const dev::NvlinkTransport& t
 // ============================================================================
 // dispatch: send. Warps take (token, 512-column chunk) row items and
 // (32-token word, 32-expert group) mask units. A row item stores its chunk
-// into slot [me][token] of every rank that hosts one of the token's picks,
-// then release-stores this op's epoch into that rank's arrival flag of
-// (me, token, chunk). A mask unit sends one tagged word {mask, epoch} per
+// into slot [me][token] of every rank that hosts one of the token's picks
+// (in the order me + 1, me + 2, ...: ranks start on different peers, so no
+// rank's ingress takes everyone's first stores), then release-stores this op's epoch into that
+// rank's arrival flag of (me, token, chunk). A mask unit sends one tagged word {mask, epoch} per
 // expert to the expert's rank, for every word of maxT (zero past the token
 // count), so a receiver needs no count to know which words to wait for.
 // ============================================================================
@@ -423,7 +424,8 @@ __device__ __forceinline__ void dispatch_send_items(const LlDispatchSendParams& 
       const int4 q = make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]),
                                static_cast<int>(w[2]), static_cast<int>(w[3]));
       if (active) {
-        for (int r = 0; r < R; ++r) {
+        for (int i = 1; i <= R; ++i) {
+          const int r = (me + i) % R;  // rotated, see kernel comment
           if (!((dst_mask >> r) & 1u)) continue;
           char* row = p.t.peer_ptr(r, slot);
           dev::st_na(reinterpret_cast<int4*>(row + h0), q);
@@ -431,7 +433,8 @@ __device__ __forceinline__ void dispatch_send_items(const LlDispatchSendParams& 
         }
       }
     } else if (active) {
-      for (int r = 0; r < R; ++r) {
+      for (int i = 1; i <= R; ++i) {
+        const int r = (me + i) % R;
         if (!((dst_mask >> r) & 1u)) continue;
         int4* row = reinterpret_cast<int4*>(p.t.peer_ptr(r, slot) + 2 * h0);
         dev::st_na(row, a);
@@ -670,8 +673,7 @@ __device__ __forceinline__ int plan_row(int2 ent, int le, int t, int rows_per_ex
 // ============================================================================
 template <bool kLogFmt>
 __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendParams p) {
-  __shared__ int s_tokens[plan::kMaxRanks];
-  __shared__ int s_prefix[plan::kMaxRanks + 1];
+  __shared__ int s_tokens[plan::kMaxRanks + 1];     // [kMaxRanks]: the largest
   __shared__ int s_rows[kWarps][plan::kLlMaxTopK];  // per warp: rows of the item's experts
   dev::launch_dependents();
   tl_mark(kTlCombine, kTlSendStart);
@@ -724,23 +726,22 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
   if (static_cast<int>(threadIdx.x) < R) s_tokens[threadIdx.x] = min(max(n_src, 0), maxT);
   __syncthreads();
   if (threadIdx.x == 0) {
-    int acc = 0;
-    for (int s = 0; s < R; ++s) {
-      s_prefix[s] = acc;
-      acc += s_tokens[s];
-    }
-    s_prefix[R] = acc;
+    int t_max = 0;
+    for (int s = 0; s < R; ++s) t_max = max(t_max, s_tokens[s]);
+    s_tokens[plan::kMaxRanks] = t_max;
   }
   __syncthreads();
 
+  // Items token-major, the sources rotated from me + 1: at any moment every
+  // rank's warps write to all sources at once, each from a different start,
+  // instead of every rank writing to source 0 first (one hot ingress).
   const int C = ceil_div(H, kCombineChunk);
-  const int items = s_prefix[R] * C;
+  const int items = R * s_tokens[plan::kMaxRanks] * C;
   const int W = ceil_div(maxT, 32), RT = R * maxT;
   for (int item = blockIdx.x * kWarps + warp; item < items; item += gridDim.x * kWarps) {
     const int pair = item / C, c = item % C;
-    int s = 0;
-    while (s + 1 < R && pair >= s_prefix[s + 1]) ++s;
-    const int t = pair - s_prefix[s];
+    const int s = (me + 1 + pair % R) % R, t = pair / R;
+    if (t >= s_tokens[s]) continue;
     const int2* plan_w = p.combine_plan + static_cast<std::size_t>(s * W + t / 32) * E_local;
     // The packed rows of the local experts token t of s picked, in ascending
     // id, to s_rows[warp][0, n).
