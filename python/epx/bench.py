@@ -45,8 +45,11 @@ if TYPE_CHECKING:  # pragma: no cover
 HT_SWEEP = (256, 512, 1024, 2048, 4096)
 LL_SWEEP = (1, 8, 32, 64, 128)
 FLUSH_BYTES = 256 << 20  # > 2x the L2 of H100 / H200 (50 / 60 MB)
+HOLD_US = 500  # GPU hold after each line-up (--hold-us), longer than any timed call's host time
 TIMING = ("CUDA events around each call on the benchmark stream; per run: L2 flushed (256 MB "
-          "fill), ranks lined up by a device all-reduce; median of the timed runs per rank; "
+          "fill), ranks lined up by a device all-reduce, then the GPU held (--hold-us) so that "
+          "the host has queued the call before the first event: GPU time, as the C++ epx-bench, "
+          "with the host time of the call reported apart; median of the timed runs per rank; "
           "headline = mean over ranks (min/max kept); hook split: ranks lined up again (and L2 "
           "flushed) between the send call and the hook")
 
@@ -366,10 +369,12 @@ class Timer:
     """CUDA-event timing of one call per run, as the C++ bench's time_us / split_us."""
 
     def __init__(self, group: Any, device: "torch.device", warmup: int, iters: int,
-                 flush_bytes: int = FLUSH_BYTES) -> None:
+                 flush_bytes: int = FLUSH_BYTES, hold_us: int = HOLD_US) -> None:
         import torch
 
         self.group, self.warmup, self.iters = group, warmup, iters
+        # About 2 cycles per ns (H100/H200 clocks); torch.cuda._sleep spins that many.
+        self.hold_cycles = 2000 * hold_us if hasattr(torch.cuda, "_sleep") else 0
         self.flush = torch.empty(flush_bytes, dtype=torch.uint8, device=device)
         self.sync = torch.zeros(1, dtype=torch.int32, device=device)
         self.runs = 0
@@ -382,12 +387,19 @@ class Timer:
             self.flush.fill_(self.runs & 0xFF)
             self.runs += 1
         dist.all_reduce(self.sync, group=self.group)  # the current stream waits for it
+        if self.hold_cycles > 0:
+            # Every rank's GPU waits the same time after the line-up, while its host queues
+            # the timed call: the events then time the GPU's work, not the host's (a rank
+            # whose host is late would otherwise hold up every rank's LL kernels).
+            import torch
+
+            torch.cuda._sleep(self.hold_cycles)
 
     def time_us(self, fn: Callable[[], Any]) -> float:
         """Median microseconds of ``fn`` over the timed runs (GPU time between two events;
-        the GPU idles while the host prepares the call, so host time shows in it). The
-        median host time of the call itself (return to Python, no synchronization) is left
-        in ``last_host_us``."""
+        with ``hold_us`` 0 the GPU idles while the host prepares the call, so host time
+        shows in it). The median host time of the call itself (return to Python, no
+        synchronization) is left in ``last_host_us``."""
         import torch
 
         a = torch.cuda.Event(enable_timing=True)
@@ -639,7 +651,7 @@ def _bench_rank(rank: int, world: int, dev, args: argparse.Namespace) -> None:
     with torch.cuda.stream(stream):
         buf = epx.Buffer(group, nvl, rdma, low_latency_mode="ll" in points,
                          num_qps_per_rank=max(1, E // world), explicitly_destroy=True)
-        timer = Timer(group, dev, args.warmup, args.iters)
+        timer = Timer(group, dev, args.warmup, args.iters, hold_us=args.hold_us)
         for fam, tokens in points.items():
             measure = _measure_ht if fam == "ht" else _measure_ll
             measured[fam] = []
@@ -708,7 +720,7 @@ def build_result(args: argparse.Namespace, world: int,
         "workload": {"tokens": args.tokens, "ll_tokens": args.ll_tokens, "hidden": args.hidden,
                      "topk": args.topk, "experts": args.experts,
                      "routing": "uniform random distinct experts, seeded per rank"},
-        "warmup": args.warmup, "iters": args.iters,
+        "warmup": args.warmup, "iters": args.iters, "hold_us": args.hold_us,
         "timing": TIMING,
         "compare_torch": bool(args.compare_torch),
         "sweep": {},
@@ -885,6 +897,16 @@ def _positive(text: str) -> int:
     return v
 
 
+def _non_negative(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {v}")
+    return v
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """Parses and checks the command line (SystemExit with a message on errors)."""
     p = argparse.ArgumentParser(prog="python -m epx.bench", description=__doc__.splitlines()[0])
@@ -904,6 +926,10 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=10, help="untimed runs per op (default 10)")
     p.add_argument("--iters", type=_positive, default=50,
                    help="timed runs per op, median reported (default 50)")
+    p.add_argument("--hold-us", type=_non_negative, default=HOLD_US,
+                   help="microseconds the GPU waits after each line-up, so the events time "
+                        f"the GPU's work and not the host's (default {HOLD_US}; 0: eager, "
+                        "host time included where it exceeds the flush)")
     p.add_argument("--compare-torch", action="store_true",
                    help="also time torch.distributed.all_to_all_single moving the same data")
     p.add_argument("--sweep", action="store_true", help="also measure the token sweeps")

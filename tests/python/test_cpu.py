@@ -867,6 +867,7 @@ def test_bench_args_defaults():
     assert args.sweep_tokens == [256, 512, 1024, 2048, 4096]
     assert args.sweep_ll_tokens == [1, 8, 32, 64, 128]
     assert args.command == "python -m epx.bench"
+    assert args.hold_us == _bench().HOLD_US and _bench().parse_args(["--hold-us", "0"]).hold_us == 0
 
 
 def test_bench_args_sweep_and_plot():
@@ -895,6 +896,7 @@ def test_bench_args_sweep_and_plot():
     (["--topk", "9", "--experts", "8"], "more than --experts"),
     (["--replot", "r.json"], "--replot needs --plot"),
     (["--mode", "xx"], "invalid choice"),
+    (["--hold-us", "-1"], "non-negative integer"),
 ])
 def test_bench_args_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
