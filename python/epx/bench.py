@@ -887,24 +887,21 @@ def _token_list(text: str) -> List[int]:
     return vals
 
 
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
+def _int_at_least(low: int, what: str) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``low`` (``what`` names the rule in the error)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
+        if v < low:
+            raise argparse.ArgumentTypeError(f"expected a {what} integer, got {v}")
+        return v
+    return parse
 
 
-def _non_negative(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}")
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {v}")
-    return v
+_positive = _int_at_least(1, "positive")
+_non_negative = _int_at_least(0, "non-negative")
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
