@@ -165,11 +165,12 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   sp.fp8 = a.use_fp8;
   sp.round_scale = a.round_scale;
   sp.diag = d.diag_dev;
-  // Hook mode: one warp per work item where the SMs allow: the row items,
-  // then the token-mask units (32 tokens of maxT x 32 experts each).
+  // One warp per work item where the SMs allow: the row items, then the
+  // token-mask units (32 tokens of maxT x 32 experts each).
   const int64_t send_items = static_cast<int64_t>(T) * ceil_div(H, kDispatchChunk) +
                              static_cast<int64_t>(ceil_div(maxT, 32)) * ceil_div(E, 32);
-  const int send_blocks = std::clamp(ceil_div(send_items, kWarpsPerBlock), 1, 2 * d.num_sms_device);
+  const int send_blocks_max =
+      std::clamp(ceil_div(send_items, kWarpsPerBlock), 1, 2 * d.num_sms_device);
 
   kernels::LlDispatchRecvParams rp{};
   rp.t = tr;
@@ -180,8 +181,6 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   rp.num_experts = E;
   rp.max_tokens = maxT;
   rp.row_bytes = row_bytes;
-  // Blocks per local expert: about two per SM in total (one wave at 2 blocks/SM).
-  rp.parts = std::clamp(2 * d.num_sms_device / E_local, 1, 8);
   rp.fp8 = a.use_fp8;
   rp.ue8m0 = a.use_ue8m0;
   rp.recv_x = static_cast<uint8_t*>(res.recv_x.view.data);
@@ -199,14 +198,17 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
     // One kernel of 2 blocks per SM: up to half of them send (a warp per
     // item), the rest receive from the start.
     const int blocks = 2 * d.num_sms_device;
-    const int senders = std::clamp(ceil_div(send_items, kWarpsPerBlock), 1, blocks / 2);
+    const int senders = std::min(send_blocks_max, blocks / 2);
     rp.parts = std::clamp((blocks - senders) / E_local, 1, 8);
     kernels::launch_ll_dispatch_fused(sp, rp, blocks, senders, launch);
     res.event = d.ll_leave(s, launch);
   } else {
     // The caller's stream is ordered after the send (or holds the event when
     // async_finish); the hook runs the receive phase on that stream.
-    kernels::launch_ll_dispatch_send(sp, send_blocks, launch);
+    // Receive blocks per local expert: about two per SM in total (one wave at
+    // 2 blocks/SM).
+    rp.parts = std::clamp(2 * d.num_sms_device / E_local, 1, 8);
+    kernels::launch_ll_dispatch_send(sp, send_blocks_max, launch);
     res.event = d.ll_leave(s, launch);
     Impl* impl = &d;
     res.hook = [impl, rp, stream = a.stream, sent = res.event, recv_x = res.recv_x,
