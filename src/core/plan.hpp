@@ -31,7 +31,10 @@ constexpr std::size_t ht_combine_row_bytes(int hidden, int num_topk) {
 ///   [barrier flags uint32[kMaxRanks]]
 ///   [two count-exchange areas: int32[kMaxRanks][1 + kMaxLocalExperts]]
 ///   [chunk flags uint32[kMaxRanks][kMaxChunks]]
-///   [staging: R sources x capacity rows x row_bytes]   (varies per call)
+///   [staging: R - 1 peer sources x capacity rows x row_bytes]   (varies per call)
+/// A rank's own rows never stage (dispatch copies them from x, combine reads
+/// them from x), so the staging has no area for the rank itself: source `src`
+/// uses area staging_index(src, me).
 inline constexpr int kMaxLocalExperts = 1024;
 inline constexpr int kMaxChunks = 16384;  ///< per source rank and call
 
@@ -41,6 +44,10 @@ struct HtRegion {
 
   int max_chunks() const { return kMaxChunks; }
   int chunks_needed() const { return (capacity + chunk - 1) / chunk; }
+  /// Staging areas: one per peer.
+  int staged_sources() const { return num_ranks > 1 ? num_ranks - 1 : 0; }
+  /// Area of source `src` (a peer, src != me) in the staging of rank `me`.
+  static constexpr int staging_index(int src, int me) { return src < me ? src : src - 1; }
   /// Count-exchange row a source writes: [count to me, then E_local per-expert counts].
   int count_row_ints() const { return 1 + kMaxLocalExperts; }
 
@@ -56,7 +63,7 @@ struct HtRegion {
     return align_up(flags_offset() + 4u * kMaxRanks * kMaxChunks, kAlign);
   }
   std::size_t total_bytes() const {
-    return staging_offset() + static_cast<std::size_t>(num_ranks) * capacity * row_bytes;
+    return staging_offset() + static_cast<std::size_t>(staged_sources()) * capacity * row_bytes;
   }
 };
 

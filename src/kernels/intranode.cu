@@ -1,6 +1,6 @@
 // High-throughput intranode dispatch and combine.
 //
-// Every rank's receive staging holds `capacity` rows per source rank. Sender
+// Every rank's receive staging holds `capacity` rows per peer rank. Sender
 // warps copy whole chunks of rows (num_max_send_tokens) straight into the
 // destination's staging with NVLink stores, then release-store the chunk's
 // flag there with the op's epoch. Receiver warps acquire flags and move rows
@@ -194,7 +194,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams 
       if (k0 >= k1) continue;
       const int lo_e = dst * epr;
       uint8_t* rows = reinterpret_cast<uint8_t*>(p.t.peer_ptr(dst, p.off.staging)) +
-                      static_cast<int64_t>(me) * p.off.capacity * p.off.row_bytes;
+                      static_cast<int64_t>(plan::HtRegion::staging_index(me, dst)) *
+                          p.off.capacity * p.off.row_bytes;
       for (int b0 = k0; b0 < k1; b0 += kBatch) {
         const int nb = min(kBatch, k1 - b0);
         const int my_t = token_ids(dst, b0, nb);
@@ -249,7 +250,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams 
                        epoch, p.timeout_ns, p.diag, OpId::kDispatch, src, j))
       return;
     const uint8_t* in =
-        staging + (static_cast<int64_t>(src) * p.off.capacity + k0) * p.off.row_bytes;
+        staging +
+        (static_cast<int64_t>(plan::HtRegion::staging_index(src, me)) * p.off.capacity + k0) *
+            p.off.row_bytes;
     const int n = rows_fitting(p, row0, k1 - k0, src, k0, lane);
     for (int r = 0; r < n; ++r)
       warp_copy<true>(p.recv_x + (row0 + r) * p.hidden_bytes,
@@ -314,8 +317,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(HtCombineParams p)
       const int count = p.recv_offsets[dst + 1] - p.recv_offsets[dst];
       const int k0 = j * CH, k1 = min(count, k0 + CH);
       if (k0 >= k1) continue;
-      uint8_t* out_rows = reinterpret_cast<uint8_t*>(p.t.peer_ptr(dst, p.off.staging)) +
-                          (static_cast<int64_t>(me) * p.off.capacity + k0) * p.off.row_bytes;
+      uint8_t* out_rows =
+          reinterpret_cast<uint8_t*>(p.t.peer_ptr(dst, p.off.staging)) +
+          (static_cast<int64_t>(plan::HtRegion::staging_index(me, dst)) * p.off.capacity + k0) *
+              p.off.row_bytes;
       const int row0 = p.recv_offsets[dst] + k0;  // row of x for k0
       const uint8_t* in_rows =
           reinterpret_cast<const uint8_t*>(p.x + row0 * static_cast<int64_t>(H));
@@ -395,7 +400,9 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(HtCombineParams p)
           }
         }
         const uint8_t* row_in =
-            staging + (static_cast<int64_t>(r) * p.off.capacity + k) * p.off.row_bytes;
+            staging +
+            (static_cast<int64_t>(plan::HtRegion::staging_index(r, me)) * p.off.capacity + k) *
+                p.off.row_bytes;
         rows[n] = row_in;
         wrows[n] = p.topk_weights ? reinterpret_cast<const float*>(row_in + row_payload) : nullptr;
       }

@@ -72,6 +72,47 @@ TEST(Config, SizeHintCoversThePlan) {
   EXPECT_EQ(Config().get_rdma_buffer_size_hint(14336, 4), 0u);
 }
 
+// A rank's own rows never stage: the staging has one area per peer, and the
+// areas of the peers of every rank are distinct and fill [0, R - 1).
+TEST(Plan, StagingHasOneAreaPerPeer) {
+  for (int R : {1, 2, 4, 8}) {
+    plan::HtRegion r;
+    r.num_ranks = R;
+    r.capacity = 4096;
+    r.chunk = 8;
+    r.row_bytes = plan::ht_dispatch_row_bytes(14336, 0, 8);
+    EXPECT_EQ(r.staged_sources(), R - 1);
+    EXPECT_EQ(r.total_bytes(), plan::HtRegion::staging_offset() +
+                                   static_cast<std::size_t>(R - 1) * 4096 * r.row_bytes);
+    for (int me = 0; me < R; ++me) {
+      std::vector<int> seen(static_cast<std::size_t>(R), 0);
+      for (int src = 0; src < R; ++src) {
+        if (src == me) continue;
+        const int i = plan::HtRegion::staging_index(src, me);
+        ASSERT_GE(i, 0);
+        ASSERT_LT(i, R - 1) << "R=" << R << " me=" << me << " src=" << src;
+        ++seen[static_cast<std::size_t>(i)];
+      }
+      for (int i = 0; i + 1 < R; ++i) EXPECT_EQ(seen[static_cast<std::size_t>(i)], 1);
+    }
+  }
+}
+
+// Issue 3: the buffer for the standard workload (hidden 7168 BF16, top-8,
+// 4096 tokens, 24 SMs) is no larger than DeepEP V1's get_nvl_buffer_size_hint
+// for it at EP2 and EP4. DeepEP's hint, as its Config computes it: (num_sms / 2)
+// channels x ranks x 256 ring tokens x (hidden bytes + 8 B source meta +
+// 128 ids x 8 B + 128 weights x 4 B + 128 scales x 4 B), plus a small header.
+TEST(Config, SizeHintWithinDeepEpsForTheStandardWorkload) {
+  const std::size_t hidden_bytes = 7168 * 2;
+  for (int R : {2, 4}) {
+    const std::size_t deepep = static_cast<std::size_t>(24 / 2) * R * 256 *
+                               (hidden_bytes + 8 + 128 * 8 + 128 * 4 + 128 * 4);
+    const std::size_t ours = get_dispatch_config(R).get_nvl_buffer_size_hint(hidden_bytes, R, 8);
+    EXPECT_LE(ours, deepep) << "R=" << R;
+  }
+}
+
 TEST(Plan, RegionsDoNotOverlapAndAreAligned) {
   plan::HtRegion r;
   r.num_ranks = 8;
