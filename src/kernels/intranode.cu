@@ -14,6 +14,25 @@ namespace epx::kernels {
 namespace {
 
 constexpr int kThreads = 512;
+// Vectors in flight per lane in a warp copy: senders (NVLink stores) and
+// receivers (local copies: staging or x into recv_x). Measured at EP2
+// (nvidia-h200-x2): receivers at 16 instead of 8 cut the dispatch by 3-4%;
+// senders at 16 spill and gain nothing. The combine at R <= 2 reduces 8
+// segments per pass (two rows in flight instead of four). The macros exist
+// for A/B builds (-DEPX_HT_RECV_U=8 ...).
+#ifndef EPX_HT_SEND_U
+#define EPX_HT_SEND_U 8
+#endif
+#ifndef EPX_HT_RECV_U
+#define EPX_HT_RECV_U 16
+#endif
+#ifndef EPX_HT_COMBINE_GROUP
+#define EPX_HT_COMBINE_GROUP 1
+#endif
+#ifndef EPX_HT_COMBINE_SEG2
+#define EPX_HT_COMBINE_SEG2 8
+#endif
+constexpr int kSendU = EPX_HT_SEND_U, kRecvU = EPX_HT_RECV_U;
 constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFull = 0xffffffffu;
 
@@ -32,9 +51,8 @@ __device__ __forceinline__ int4 load16(const int4* p) {
 /// full before it is stored, so a row costs about one memory latency per
 /// batch. kCoherent: the source is written by peers during the kernel
 /// (L2-coherent loads, kept after the flag wait); otherwise read-only loads.
-template <bool kCoherent>
+template <bool kCoherent, int kU>
 __device__ __forceinline__ void warp_copy(uint8_t* dst, const uint8_t* src, int bytes, int lane) {
-  constexpr int kU = 8;
   auto* d = reinterpret_cast<int4*>(dst);
   auto* s = reinterpret_cast<const int4*>(src);
   const int n = bytes / 16;
@@ -152,14 +170,14 @@ __device__ __forceinline__ void move_extras(int n, int extras, Get get, Put put,
 /// Copies the rows of `nb` tokens of x (ids one per lane in my_t) to
 /// dst_row(r), then their extras (routing rebased to the experts starting at
 /// lo_e) to put(r, i, v). Used for peers' staging and for a rank's own rows.
-template <class DstRow, class Put>
+template <int kU, class DstRow, class Put>
 __device__ __forceinline__ void copy_token_rows(const HtDispatchParams& p, int my_t, int nb,
                                                 int lo_e, int epr, int extras, DstRow dst_row,
                                                 Put put, int lane) {
   for (int r = 0; r < nb; ++r) {
     const int t = __shfl_sync(kFull, my_t, r);
-    warp_copy<false>(dst_row(r), p.x + static_cast<int64_t>(t) * p.x_row_bytes, p.hidden_bytes,
-                     lane);
+    warp_copy<false, kU>(dst_row(r), p.x + static_cast<int64_t>(t) * p.x_row_bytes, p.hidden_bytes,
+                         lane);
   }
   move_extras(
       nb, extras,
@@ -199,7 +217,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams 
       for (int b0 = k0; b0 < k1; b0 += kBatch) {
         const int nb = min(kBatch, k1 - b0);
         const int my_t = token_ids(dst, b0, nb);
-        copy_token_rows(
+        copy_token_rows<kSendU>(
             p, my_t, nb, lo_e, epr, extras,
             [&](int r) { return rows + static_cast<int64_t>(b0 + r) * p.off.row_bytes; },
             [&](int r, int i, int v) {
@@ -239,7 +257,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams 
         const int64_t out0 = p.recv_offsets[me] + b0;
         const int nb = rows_fitting(p, out0, min(kBatch, k1s - b0), me, b0, lane);
         const int my_t = token_ids(me, b0, nb);
-        copy_token_rows(
+        copy_token_rows<kRecvU>(
             p, my_t, nb, lo_e, epr, extras,
             [&](int r) { return p.recv_x + (out0 + r) * p.hidden_bytes; },
             [&](int r, int i, int v) { store_extra(p, out0 + r, i, v); }, lane);
@@ -255,8 +273,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams 
             p.off.row_bytes;
     const int n = rows_fitting(p, row0, k1 - k0, src, k0, lane);
     for (int r = 0; r < n; ++r)
-      warp_copy<true>(p.recv_x + (row0 + r) * p.hidden_bytes,
-                      in + static_cast<int64_t>(r) * p.off.row_bytes, p.hidden_bytes, lane);
+      warp_copy<true, kRecvU>(p.recv_x + (row0 + r) * p.hidden_bytes,
+                              in + static_cast<int64_t>(r) * p.off.row_bytes, p.hidden_bytes, lane);
     move_extras(
         n, extras,
         [&](int r, int i) {
@@ -329,7 +347,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(HtCombineParams p)
       for (int r = 0; r < k1 - k0; ++r) {
         uint8_t* out = out_rows + static_cast<int64_t>(r) * p.off.row_bytes;
         if (r < n_in)
-          warp_copy<false>(out, in_rows + static_cast<int64_t>(r) * row_payload, row_payload, lane);
+          warp_copy<false, kSendU>(out, in_rows + static_cast<int64_t>(r) * row_payload,
+                                   row_payload, lane);
         else
           warp_zero(out, row_payload, lane);
       }
@@ -371,11 +390,17 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(HtCombineParams p)
       slot = p.send_slot[static_cast<int64_t>(t) * R + lane];
     }
   };
+  // A warp reduces groups of kGroup consecutive tokens (groups gw, gw + nw, ...),
+  // so that consecutive tokens of a warp mostly share their chunks' flags.
+  constexpr int kGroup = EPX_HT_COMBINE_GROUP;
+  auto next_token = [&](int t) {
+    return t % kGroup + 1 < kGroup ? t + 1 : t + 1 + (nw - 1) * kGroup;
+  };
   int in_cur, slot_cur;
-  load_meta(gw, in_cur, slot_cur);
-  for (int t = gw; t < p.num_tokens; t += nw) {
+  load_meta(gw * kGroup, in_cur, slot_cur);
+  for (int t = gw * kGroup; t < p.num_tokens; t = next_token(t)) {
     int in_next, slot_next;
-    load_meta(t + nw, in_next, slot_next);
+    load_meta(next_token(t), in_next, slot_next);
     const uint8_t* rows[kMaxN];
     const float* wrows[kMaxN];
     int n = 0;
@@ -456,7 +481,9 @@ void launch_ht_dispatch(const HtDispatchParams& p, int num_blocks, cudaStream_t 
 }
 
 void launch_ht_combine(const HtCombineParams& p, int num_blocks, cudaStream_t stream) {
-  if (p.t.num_ranks <= 4) {
+  if (p.t.num_ranks <= 2) {
+    combine_kernel<2, EPX_HT_COMBINE_SEG2><<<num_blocks, kThreads, 0, stream>>>(p);
+  } else if (p.t.num_ranks <= 4) {
     combine_kernel<4, 4><<<num_blocks, kThreads, 0, stream>>>(p);
   } else {
     combine_kernel<plan::kMaxRanks, 2><<<num_blocks, kThreads, 0, stream>>>(p);
