@@ -13,7 +13,7 @@ namespace epx {
 ///   `num_send_sms` says otherwise.
 /// `num_max_send_tokens`: tokens a sender warp moves between two progress
 ///   signals (the chunk size).
-/// `num_max_recv_tokens`: tokens the receive staging holds per source rank;
+/// `num_max_recv_tokens`: tokens the receive staging holds per peer rank;
 ///   a call with more tokens than this is refused with an error naming it.
 struct Config {
   int num_sms = 24;

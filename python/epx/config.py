@@ -13,7 +13,7 @@ class Config:
     ``epx::Config``: ``num_max_nvl_chunked_send_tokens`` is the number of tokens a
     sender moves between two progress signals (``num_max_send_tokens``) and
     ``num_max_nvl_chunked_recv_tokens`` the number of tokens the receive staging
-    holds per source rank (``num_max_recv_tokens``). The RDMA values are kept for
+    holds per peer rank (``num_max_recv_tokens``). The RDMA values are kept for
     compatibility and not used (EPX runs within one NVLink domain).
     """
 
