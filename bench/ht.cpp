@@ -85,7 +85,7 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
   };
   if (o.sweep) {
     double bd = 1e30, bc = 1e30;
-    for (int chunk : {4, 8, 16}) {
+    for (int chunk : {1, 2, 4, 8, 16}) {
       // Fewer senders than a third: at EP2 (2026-11-24) the receivers were the
       // bottleneck (8 -> 16 of 24 SMs sending cost 50-95%).
       for (int send : {o.num_sms / 6, o.num_sms / 4, o.num_sms / 3, o.num_sms / 2}) {

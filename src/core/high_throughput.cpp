@@ -273,6 +273,7 @@ CombineResult Buffer::combine(const CombineArgs& a) {
   p.num_topk = K;
   p.is_token_in_rank = h.is_token_in_rank.ptr<bool>();
   p.send_slot = h.send_slot.ptr<int>();
+  p.send_counts = h.send_counts.ptr<int>();
   p.recv_offsets = h.recv_offsets.ptr<int>();
   p.combined_x = res.combined_x.ptr<uint16_t>();
   p.combined_topk_weights =

@@ -188,7 +188,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams 
   const uint32_t epoch = *p.op_counter;
   const int K = p.num_topk, epr = p.num_experts > 0 ? p.num_experts / R : 0;
   const int extras = p.num_scales + 2 * K + 1;  // 4-byte words after the payload
-  const int CH = p.off.chunk;
+  const int send_warps = p.num_send_blocks * kWarps;
+  auto chunk_of = [&](int rows) { return plan::ht_pair_chunk(rows, p.off.chunk, send_warps, R); };
 
   // Rows [b0, b0 + nb) of the send list to `dst`, one token id per lane.
   auto token_ids = [&](int dst, int b0, int nb) {
@@ -201,11 +202,13 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams 
     if (R == 1) return;
     int max_chunks = 0;
     for (int r = 0; r < R; ++r)
-      if (r != me) max_chunks = max(max_chunks, ceil_div(p.send_counts[r], CH));
+      if (r != me)
+        max_chunks = max(max_chunks, ceil_div(p.send_counts[r], chunk_of(p.send_counts[r])));
     const int gw = blockIdx.x * kWarps + warp, nw = p.num_send_blocks * kWarps;
     for (int item = gw; item < max_chunks * (R - 1); item += nw) {
       const int j = item / (R - 1), dst = (me + 1 + item % (R - 1)) % R;
-      const int k0 = j * CH, k1 = min(p.send_counts[dst], k0 + CH);
+      const int ch = chunk_of(p.send_counts[dst]);
+      const int k0 = j * ch, k1 = min(p.send_counts[dst], k0 + ch);
       if (k0 >= k1) continue;
       const int lo_e = dst * epr;
       uint8_t* rows = reinterpret_cast<uint8_t*>(p.t.peer_ptr(dst, p.off.staging)) +
@@ -236,14 +239,17 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams 
 
   // ---------------- receive (and the rows a rank sends itself) ----------------
   int max_chunks = 0;
-  for (int s = 0; s < R; ++s)
-    max_chunks = max(max_chunks, ceil_div(p.recv_offsets[s + 1] - p.recv_offsets[s], CH));
+  for (int s = 0; s < R; ++s) {
+    const int n = p.recv_offsets[s + 1] - p.recv_offsets[s];
+    max_chunks = max(max_chunks, ceil_div(n, chunk_of(n)));
+  }
   const int gw = (blockIdx.x - p.num_send_blocks) * kWarps + warp;
   const int nw = (gridDim.x - p.num_send_blocks) * kWarps;
   const uint8_t* staging = reinterpret_cast<const uint8_t*>(p.t.local_ptr(p.off.staging));
   for (int item = gw; item < max_chunks * R; item += nw) {
     const int j = item / R, src = (me + 1 + item % R) % R;
-    const int k0 = j * CH, k1 = min(p.recv_offsets[src + 1] - p.recv_offsets[src], k0 + CH);
+    const int n_src = p.recv_offsets[src + 1] - p.recv_offsets[src], ch = chunk_of(n_src);
+    const int k0 = j * ch, k1 = min(n_src, k0 + ch);
     if (k0 >= k1) continue;
     const int64_t row0 = p.recv_offsets[src] + k0;
     if (src == me) {
@@ -316,21 +322,26 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(HtCombineParams p)
   const int R = p.t.num_ranks, me = p.t.rank;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const uint32_t epoch = *p.op_counter;
-  const int K = p.num_topk, H = p.hidden, CH = p.off.chunk;
+  const int K = p.num_topk, H = p.hidden;
   const int row_payload = 2 * H;
+  const int send_warps = p.num_send_blocks * kWarps;
+  auto chunk_of = [&](int rows) { return plan::ht_pair_chunk(rows, p.off.chunk, send_warps, R); };
 
   if (static_cast<int>(blockIdx.x) < p.num_send_blocks) {
     // ---------------- send: my rows for source s go back to s ----------------
     if (R == 1) return;
     int max_chunks = 0;
     for (int s = 0; s < R; ++s)
-      if (s != me)
-        max_chunks = max(max_chunks, ceil_div(p.recv_offsets[s + 1] - p.recv_offsets[s], CH));
+      if (s != me) {
+        const int n = p.recv_offsets[s + 1] - p.recv_offsets[s];
+        max_chunks = max(max_chunks, ceil_div(n, chunk_of(n)));
+      }
     const int gw = blockIdx.x * kWarps + warp, nw = p.num_send_blocks * kWarps;
     for (int item = gw; item < max_chunks * (R - 1); item += nw) {
       const int j = item / (R - 1), dst = (me + 1 + item % (R - 1)) % R;
       const int count = p.recv_offsets[dst + 1] - p.recv_offsets[dst];
-      const int k0 = j * CH, k1 = min(count, k0 + CH);
+      const int ch = chunk_of(count);
+      const int k0 = j * ch, k1 = min(count, k0 + ch);
       if (k0 >= k1) continue;
       uint8_t* out_rows =
           reinterpret_cast<uint8_t*>(p.t.peer_ptr(dst, p.off.staging)) +
@@ -374,6 +385,12 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(HtCombineParams p)
   const int gw = (blockIdx.x - p.num_send_blocks) * kWarps + warp;
   const int nw = (gridDim.x - p.num_send_blocks) * kWarps;
   const uint8_t* staging = reinterpret_cast<const uint8_t*>(p.t.local_ptr(p.off.staging));
+  // Rows per chunk from each rank: its rows back to me are as many as I sent
+  // to it (send_counts[r]).
+  __shared__ int s_chunk[plan::kMaxRanks];
+  if (static_cast<int>(threadIdx.x) < R)
+    s_chunk[threadIdx.x] = chunk_of(p.send_counts[threadIdx.x]);
+  __syncthreads();
   int ready_chunk[plan::kMaxRanks];
 #pragma unroll
   for (int r = 0; r < plan::kMaxRanks; ++r) ready_chunk[r] = -1;
@@ -409,7 +426,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(HtCombineParams p)
         rows[n] = reinterpret_cast<const uint8_t*>(p.x + row * H);
         wrows[n] = p.topk_weights ? p.topk_weights + row * K : nullptr;
       } else {
-        const int j = k / CH;
+        const int j = k / s_chunk[r];
 #pragma unroll
         for (int rr = 0; rr < plan::kMaxRanks; ++rr) {
           if (rr == r && ready_chunk[rr] < j) {

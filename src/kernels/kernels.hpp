@@ -92,6 +92,7 @@ struct HtCombineParams {
   int num_tokens, hidden, num_topk;
   const bool* is_token_in_rank;  ///< [T, R]
   const int* send_slot;          ///< [T, R]
+  const int* send_counts;        ///< [R]: my tokens sent to each rank
   const int* recv_offsets;       ///< [R + 1]
   uint16_t* combined_x;          ///< [T, H]
   float* combined_topk_weights;  ///< [T, K] nullable

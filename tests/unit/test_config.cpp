@@ -1,6 +1,7 @@
 // Config rules, size hints and the buffer plan (pure arithmetic, no GPU).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -110,6 +111,32 @@ TEST(Config, SizeHintWithinDeepEpsForTheStandardWorkload) {
                                (hidden_bytes + 8 + 128 * 8 + 128 * 4 + 128 * 4);
     const std::size_t ours = get_dispatch_config(R).get_nvl_buffer_size_hint(hidden_bytes, R, 8);
     EXPECT_LE(ours, deepep) << "R=" << R;
+  }
+}
+
+// Chunks shrink for pairs with few rows (so every sender warp gets work) and
+// never exceed the config's chunk; the flags a pair needs stay within
+// kMaxChunks whenever the config's own chunk count does.
+TEST(Plan, PairChunkShrinksForFewRows) {
+  // EP2, 8 send SMs of 16 warps, config chunk 4: measured best at these sizes.
+  EXPECT_EQ(plan::ht_pair_chunk(128, 4, 128, 2), 1);
+  EXPECT_EQ(plan::ht_pair_chunk(256, 4, 128, 2), 2);
+  EXPECT_EQ(plan::ht_pair_chunk(4096, 4, 128, 2), 4);
+  EXPECT_EQ(plan::ht_pair_chunk(0, 4, 128, 2), 1);
+  EXPECT_EQ(plan::ht_pair_chunk(100, 8, 128, 1), 8);  // one rank: no peers
+  for (int R : {2, 3, 4, 8}) {
+    for (int warps : {16, 128, 512, 132 * 16}) {
+      for (int chunk : {1, 4, 8, 16, 1024}) {
+        for (int rows = 0; rows <= 16384; rows += rows < 64 ? 1 : 97) {
+          const int c = plan::ht_pair_chunk(rows, chunk, warps, R);
+          ASSERT_GE(c, 1);
+          ASSERT_LE(c, chunk);
+          const int chunks = (rows + c - 1) / c;
+          const int bound = std::max((rows + chunk - 1) / chunk, 2 * warps / (R - 1) + 1);
+          ASSERT_LE(chunks, bound) << "R=" << R << " warps=" << warps << " rows=" << rows;
+        }
+      }
+    }
   }
 }
 
