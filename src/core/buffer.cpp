@@ -70,9 +70,11 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
   if (options.num_rdma_bytes > 0)
     d.ll = d.backend->alloc(static_cast<std::size_t>(options.num_rdma_bytes));
   EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&d.comm_stream, cudaStreamNonBlocking));
-  EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.ht_op_counter), 2 * sizeof(uint32_t)));
-  EPX_CUDA_CHECK(cudaMemset(d.ht_op_counter, 0, 2 * sizeof(uint32_t)));
+  // [HT op counter, LL op counter, HT kernels' finished blocks, spare]
+  EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.ht_op_counter), 4 * sizeof(uint32_t)));
+  EPX_CUDA_CHECK(cudaMemset(d.ht_op_counter, 0, 4 * sizeof(uint32_t)));
   d.ll_op_counter = d.ht_op_counter + 1;
+  d.ht_done_blocks = d.ht_op_counter + 2;
   EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&d.diag_host), sizeof(DeviceDiag),
                                cudaHostAllocMapped));
   std::memset(d.diag_host, 0, sizeof(DeviceDiag));

@@ -27,8 +27,9 @@ struct Buffer::Impl {
   bool destroyed = false;
 
   // Local device state.
-  uint32_t* ht_op_counter = nullptr;  ///< epochs of high-throughput ops
-  uint32_t* ll_op_counter = nullptr;  ///< epochs of low-latency ops
+  uint32_t* ht_op_counter = nullptr;   ///< epochs of high-throughput ops
+  uint32_t* ll_op_counter = nullptr;   ///< epochs of low-latency ops
+  uint32_t* ht_done_blocks = nullptr;  ///< HT kernels with their own barrier: blocks done
   // Host-mapped memory the kernels write: diagnostics and dispatch counts.
   DeviceDiag* diag_host = nullptr;
   DeviceDiag* diag_dev = nullptr;

@@ -136,9 +136,8 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
 
   kernels::HtNotifyParams np = notify_params(d, tr, off, OpId::kDispatchNotify);
   if (a.handle) {
+    // No count exchange: the main kernel is its own barrier (no notify kernel).
     *handle = *a.handle;
-    np.exchange = false;
-    kernels::launch_ht_notify(np, d.comm_stream);
   } else {
     // The handle's routing state: one allocation, carved.
     auto parts = d.make_parts({{DType::kBool, {T, R}},
@@ -202,6 +201,8 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   p.t = tr;
   p.off = off;
   p.op_counter = d.ht_op_counter;
+  p.done_blocks = d.ht_done_blocks;
+  p.own_barrier = a.handle != nullptr;
   p.x = static_cast<const uint8_t*>(a.x.data);
   p.x_row_bytes = a.x.strides[0] * static_cast<int64_t>(element_size(a.x.dtype));
   if (fp8) {
@@ -252,17 +253,18 @@ CombineResult Buffer::combine(const CombineArgs& a) {
   const auto tr = d.transport(d.ht);
 
   d.enter(a.streams);
-  kernels::HtNotifyParams np = notify_params(d, tr, off, OpId::kCombineNotify);
-  kernels::launch_ht_notify(np, d.comm_stream);
 
   CombineResult res;
   res.combined_x = d.make(DType::kBF16, {T, H}, a.streams);
   if (a.topk_weights) res.combined_topk_weights = d.make(DType::kF32, {T, K}, a.streams);
   d.ordered_after_allocs(a.streams);
+  // The combine kernel is its own barrier (no notify kernel).
   kernels::HtCombineParams p{};
   p.t = tr;
   p.off = off;
   p.op_counter = d.ht_op_counter;
+  p.done_blocks = d.ht_done_blocks;
+  p.own_barrier = true;
   p.x = a.x.ptr<uint16_t>();
   p.num_x_rows = static_cast<int>(a.x.shape[0]);
   p.topk_weights = a.topk_weights ? a.topk_weights->ptr<float>() : nullptr;

@@ -96,6 +96,44 @@ __device__ __forceinline__ int rows_fitting(const HtDispatchParams& p, int64_t r
   return p.max_recv_rows > row0 ? static_cast<int>(p.max_recv_rows - row0) : 0;
 }
 
+/// The op's epoch (HtDispatchParams). With its own barrier, block 0 tells
+/// every rank that this rank has reached the op: its previous op's kernel
+/// has finished, so peers may write into its staging.
+template <class P>
+__device__ __forceinline__ uint32_t op_begin(const P& p) {
+  const uint32_t epoch = *p.op_counter + static_cast<uint32_t>(p.own_barrier);
+  if (p.own_barrier && blockIdx.x == 0 && static_cast<int>(threadIdx.x) < p.t.num_ranks)
+    p.t.signal(threadIdx.x, p.off.barrier + 4 * static_cast<std::size_t>(p.t.rank), epoch);
+  return epoch;
+}
+
+/// A sender warp, with the op's own barrier: waits until every peer has
+/// reached this op (lane r polls rank r's flag; the warp barrier orders the
+/// other lanes' later stores after the acquires). False when a wait failed.
+template <class P>
+__device__ __forceinline__ bool peers_reached(const P& p, uint32_t epoch, OpId op, int lane) {
+  if (!p.own_barrier) return true;
+  bool ok = true;
+  if (lane < p.t.num_ranks && lane != p.t.rank)
+    ok = p.t.wait(p.off.barrier + 4 * static_cast<std::size_t>(lane), epoch, p.timeout_ns, p.diag,
+                  op, lane, -1);
+  const bool all = __all_sync(kFull, ok);
+  __syncwarp();
+  return all;
+}
+
+/// Every block once, at its end (also after a failed wait): with the op's own
+/// barrier the last one resets the count and publishes the epoch to the next op.
+template <class P>
+__device__ __forceinline__ void op_end(const P& p, uint32_t epoch) {
+  if (!p.own_barrier) return;
+  __syncthreads();
+  if (threadIdx.x == 0 && atomicAdd(p.done_blocks, 1u) == gridDim.x - 1) {
+    *p.done_blocks = 0u;
+    *p.op_counter = epoch;
+  }
+}
+
 /// Rows of a chunk go through a warp in batches of up to 32 (one token id per lane).
 constexpr int kBatch = 32;
 /// Extra words a lane loads before it stores any (hides their latency).
@@ -182,10 +220,9 @@ __device__ __forceinline__ void copy_token_rows(const HtDispatchParams& p, int m
       lane);
 }
 
-__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams p) {
+__device__ __forceinline__ void dispatch_body(const HtDispatchParams& p, uint32_t epoch) {
   const int R = p.t.num_ranks, me = p.t.rank;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const uint32_t epoch = *p.op_counter;
   const int K = p.num_topk, epr = p.num_experts > 0 ? p.num_experts / R : 0;
   const int extras = p.num_scales + 2 * K + 1;  // 4-byte words after the payload
   const int send_warps = p.num_send_blocks * kWarps;
@@ -199,7 +236,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams 
 
   if (static_cast<int>(blockIdx.x) < p.num_send_blocks) {
     // ---------------- send (peers only) ----------------
-    if (R == 1) return;
+    if (R == 1 || !peers_reached(p, epoch, OpId::kDispatchNotify, lane)) return;
     int max_chunks = 0;
     for (int r = 0; r < R; ++r)
       if (r != me)
@@ -289,6 +326,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams 
   }
 }
 
+__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams p) {
+  const uint32_t epoch = op_begin(p);
+  dispatch_body(p, epoch);
+  op_end(p, epoch);
+}
+
 __device__ __forceinline__ void accumulate_bf16x8(float (&acc)[8], const int4& v) {
   const uint32_t w[4] = {static_cast<uint32_t>(v.x), static_cast<uint32_t>(v.y),
                          static_cast<uint32_t>(v.z), static_cast<uint32_t>(v.w)};
@@ -318,10 +361,9 @@ __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
 /// kMaxN: most ranks a token can come back from (R); kSeg: 256-channel
 /// segments per reduction pass (registers: kMaxN * kSeg * 4).
 template <int kMaxN, int kSeg>
-__global__ void __launch_bounds__(kThreads, 1) combine_kernel(HtCombineParams p) {
+__device__ __forceinline__ void combine_body(const HtCombineParams& p, uint32_t epoch) {
   const int R = p.t.num_ranks, me = p.t.rank;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const uint32_t epoch = *p.op_counter;
   const int K = p.num_topk, H = p.hidden;
   const int row_payload = 2 * H;
   const int send_warps = p.num_send_blocks * kWarps;
@@ -329,7 +371,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(HtCombineParams p)
 
   if (static_cast<int>(blockIdx.x) < p.num_send_blocks) {
     // ---------------- send: my rows for source s go back to s ----------------
-    if (R == 1) return;
+    if (R == 1 || !peers_reached(p, epoch, OpId::kCombineNotify, lane)) return;
     int max_chunks = 0;
     for (int s = 0; s < R; ++s)
       if (s != me) {
@@ -483,6 +525,13 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(HtCombineParams p)
       p.combined_topk_weights[static_cast<int64_t>(t) * K + lane] = w;
     }
   }
+}
+
+template <int kMaxN, int kSeg>
+__global__ void __launch_bounds__(kThreads, 1) combine_kernel(HtCombineParams p) {
+  const uint32_t epoch = op_begin(p);
+  combine_body<kMaxN, kSeg>(p, epoch);
+  op_end(p, epoch);
 }
 
 }  // namespace

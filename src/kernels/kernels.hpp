@@ -52,10 +52,19 @@ struct HtNotifyParams {
 };
 void launch_ht_notify(const HtNotifyParams& p, cudaStream_t stream);
 
+/// How a high-throughput main kernel gets its epoch (`op_counter`,
+/// `done_blocks`, `own_barrier` in both params structs). After a notify
+/// kernel (own_barrier false) the counter already holds it. Without one
+/// (cached dispatch, combine) the kernel is its own barrier: it takes
+/// counter + 1, block 0 tells every rank that this rank has reached the op,
+/// each sender warp waits until every peer has before its first store into
+/// the peer's staging, and the last block to finish stores the counter.
 struct HtDispatchParams {
   dev::NvlinkTransport t;
   HtOffsets off;
-  const uint32_t* op_counter;
+  uint32_t* op_counter;
+  uint32_t* done_blocks;  ///< own_barrier: blocks finished (the last one resets it)
+  bool own_barrier;
   const uint8_t* x;  ///< rows of hidden_bytes
   int64_t x_row_bytes;
   const float* x_scales;  ///< nullable
@@ -81,7 +90,9 @@ void launch_ht_dispatch(const HtDispatchParams& p, int num_blocks, cudaStream_t 
 struct HtCombineParams {
   dev::NvlinkTransport t;
   HtOffsets off;
-  const uint32_t* op_counter;
+  uint32_t* op_counter;
+  uint32_t* done_blocks;
+  bool own_barrier;
   const uint16_t* x;  ///< [N, H] bf16
   /// Rows of x (N). Rows the routing names past it (a dispatch that
   /// num_worst_tokens truncated, an error already reported) count as zero.

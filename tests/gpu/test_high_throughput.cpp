@@ -464,5 +464,59 @@ TEST(HighThroughput, BadInputsThrowBeforeAnyKernel) {
   cudaStreamSynchronize(w.stream);
 }
 
+/// Only rank 0 combines. The combine kernel is its own barrier: its senders
+/// wait for the peers to reach the op and its receivers for their rows; all
+/// of them give up at the deadline, and the next call raises kTimeout naming
+/// the op and the silent peer. (Afterwards the ranks' epochs differ: the
+/// buffer is destroyed, as the docs say.)
+TEST(HighThroughput, TimeoutIsReported) {
+  auto& w = world();
+  const int R = w.num_ranks, me = w.rank;
+  if (R < 2) GTEST_SKIP() << "needs a peer that stays silent";
+  const HtCase c{64, 1024, 4, 8 * R, false, 0.0, false, 1, false};
+  BufferOptions o;
+  o.num_nvl_bytes = static_cast<int64_t>(
+      get_dispatch_config(R).get_nvl_buffer_size_hint(2u * c.hidden, R, c.num_topk));
+  o.timeout_s = 1.0;
+  o.allocator = poisoning_allocator();
+  Buffer b(w.comm, o);
+  StreamArgs s;
+  s.stream = w.stream;
+  auto in = make_inputs(c, R, 5);
+  const int T = in[me].num_tokens, H = c.hidden, K = c.num_topk;
+  auto d_topk = to_device(in[me].topk_idx);
+  auto d_x = to_device_bytes(in[me].x_bf16.data(), in[me].x_bf16.size() * 2);
+  auto layout = b.get_dispatch_layout(view(d_topk.get(), DType::kI64, {T, K}), c.num_experts, s);
+  DispatchArgs a;
+  a.x = view(d_x.get(), DType::kBF16, {T, H});
+  a.topk_idx = view(d_topk.get(), DType::kI64, {T, K});
+  a.num_tokens_per_rank = layout.num_tokens_per_rank.view;
+  a.is_token_in_rank = layout.is_token_in_rank.view;
+  a.num_tokens_per_expert = layout.num_tokens_per_expert.view;
+  a.streams = s;
+  auto res = b.dispatch(a);  // every rank: the handle
+  ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+  ASSERT_TRUE(all_ranks(true));
+  if (me == 0) {
+    CombineArgs ca;
+    ca.x = res.recv_x.view;
+    ca.handle = res.handle;
+    ca.streams = s;
+    b.combine(ca);  // no peer takes part: every wait runs into the deadline
+    ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+    try {
+      b.combine(ca);
+      ADD_FAILURE() << "expected a timeout";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("combine"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("rank 0 waited"), std::string::npos) << msg;
+    }
+  }
+  EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
+  b.destroy();
+}
+
 }  // namespace
 }  // namespace epx::test
