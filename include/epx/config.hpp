@@ -13,6 +13,9 @@ namespace epx {
 ///   `num_send_sms` says otherwise.
 /// `num_max_send_tokens`: tokens a sender warp moves between two progress
 ///   signals (the chunk size).
+/// Every rank must pass the same Config to an op (as in DeepEP): both ends of
+/// a (sender, receiver) pair derive its chunk size from it
+/// (`num_max_send_tokens` caps it; pairs with few rows use smaller chunks).
 /// `num_max_recv_tokens`: tokens the receive staging holds per peer rank;
 ///   a call with more tokens than this is refused with an error naming it.
 struct Config {
