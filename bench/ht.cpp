@@ -34,9 +34,7 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
   full.x = tv(d_x.get(), DType::kBF16, {T, H});
   full.topk_idx = tv(d_topk.get(), DType::kI64, {T, K});
   full.topk_weights = tv(d_w.get(), DType::kF32, {T, K});
-  full.num_tokens_per_rank = layout.num_tokens_per_rank.view;
-  full.is_token_in_rank = layout.is_token_in_rank.view;
-  full.num_tokens_per_expert = layout.num_tokens_per_expert.view;
+  full.set_layout(layout);
   full.streams = s;
   Config base = get_dispatch_config(R);
   base.num_sms = o.num_sms;

@@ -119,6 +119,14 @@ struct DispatchArgs {
   int num_worst_tokens = 0;  ///< >0: no host sync; outputs sized to this many rows
   std::optional<Config> config;
   StreamArgs streams;
+
+  /// Takes the three layout tensors of a get_dispatch_layout result.
+  DispatchArgs& set_layout(const Layout& l) {
+    num_tokens_per_rank = l.num_tokens_per_rank.view;
+    is_token_in_rank = l.is_token_in_rank.view;
+    num_tokens_per_expert = l.num_tokens_per_expert.view;
+    return *this;
+  }
 };
 
 struct DispatchResult {

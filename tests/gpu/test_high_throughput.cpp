@@ -105,9 +105,7 @@ void run_case(const HtCase& c, int iters, uint64_t seed0,
     if (c.fp8) a.x_scales = view(d_scales.get(), DType::kF32, {T, H / 128});
     a.topk_idx = view(d_topk.get(), DType::kI64, {T, K});
     if (c.with_weights) a.topk_weights = view(d_w.get(), DType::kF32, {T, K});
-    a.num_tokens_per_rank = layout.num_tokens_per_rank.view;
-    a.is_token_in_rank = layout.is_token_in_rank.view;
-    a.num_tokens_per_expert = layout.num_tokens_per_expert.view;
+    a.set_layout(layout);
     a.expert_alignment = c.expert_alignment;
     a.streams = s;
     a.config = config;
@@ -257,9 +255,7 @@ TEST(HighThroughput, Stress200Calls) {
     a.x = view(d_x.get(), DType::kBF16, {mine.num_tokens, H});
     a.topk_idx = view(d_topk.get(), DType::kI64, {mine.num_tokens, K});
     a.topk_weights = view(d_w.get(), DType::kF32, {mine.num_tokens, K});
-    a.num_tokens_per_rank = layout.num_tokens_per_rank.view;
-    a.is_token_in_rank = layout.is_token_in_rank.view;
-    a.num_tokens_per_expert = layout.num_tokens_per_expert.view;
+    a.set_layout(layout);
     a.streams = s;
     auto res = w.buffer->dispatch(a);
     CombineArgs ca;
@@ -323,9 +319,7 @@ WorstTokenSetup worst_token_setup(uint64_t seed, int worst) {
   a.x = view(st.d_x.get(), DType::kBF16, {T, H});
   a.topk_idx = view(st.d_topk.get(), DType::kI64, {T, K});
   a.topk_weights = view(st.d_w.get(), DType::kF32, {T, K});
-  a.num_tokens_per_rank = st.layout.num_tokens_per_rank.view;
-  a.is_token_in_rank = st.layout.is_token_in_rank.view;
-  a.num_tokens_per_expert = st.layout.num_tokens_per_expert.view;
+  a.set_layout(st.layout);
   a.num_worst_tokens = worst;
   a.streams = s;
   return st;
@@ -490,9 +484,7 @@ TEST(HighThroughput, TimeoutIsReported) {
   DispatchArgs a;
   a.x = view(d_x.get(), DType::kBF16, {T, H});
   a.topk_idx = view(d_topk.get(), DType::kI64, {T, K});
-  a.num_tokens_per_rank = layout.num_tokens_per_rank.view;
-  a.is_token_in_rank = layout.is_token_in_rank.view;
-  a.num_tokens_per_expert = layout.num_tokens_per_expert.view;
+  a.set_layout(layout);
   a.streams = s;
   auto res = b.dispatch(a);  // every rank: the handle
   ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
