@@ -70,7 +70,7 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
   if (options.num_rdma_bytes > 0)
     d.ll = d.backend->alloc(static_cast<std::size_t>(options.num_rdma_bytes));
   EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&d.comm_stream, cudaStreamNonBlocking));
-  // [HT op counter, LL op counter, HT kernels' finished blocks, spare]
+  // [HT op counter, LL op counter, finished blocks of HT main kernels, of notify kernels]
   EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.ht_op_counter), 4 * sizeof(uint32_t)));
   EPX_CUDA_CHECK(cudaMemset(d.ht_op_counter, 0, 4 * sizeof(uint32_t)));
   d.ll_op_counter = d.ht_op_counter + 1;
@@ -153,6 +153,11 @@ void Buffer::Impl::raise_if_failed(const char* op) {
        << ", expected epoch " << g->expected << ", saw " << g->seen
        << "); the peer is stalled, crashed, or called a different op (set EPX_TIMEOUT_S to wait "
           "longer)";
+  } else if (code == DiagCode::kBadLayout) {
+    os << op_name(static_cast<OpId>(g->op)) << ": num_tokens_per_rank[" << g->peer << "] is "
+       << g->expected << " on rank " << g->rank << " but is_token_in_rank marks " << g->seen
+       << " tokens for rank " << g->peer
+       << "; pass the tensors of one get_dispatch_layout call unchanged";
   } else if (code == DiagCode::kTooManyTokens) {
     os << op_name(static_cast<OpId>(g->op)) << ": num_worst_tokens: rank " << g->rank
        << " received at least " << (g->seen + 1) << " tokens but the outputs hold only "
@@ -167,11 +172,11 @@ void Buffer::Impl::raise_if_failed(const char* op) {
               std::string(op) + ": " + os.str());
 }
 
-void Buffer::Impl::wait_host_flag(volatile int* flag, const char* op) {
+void Buffer::Impl::wait_host_flag(volatile int* flag, int expected, const char* op) {
   const auto start = std::chrono::steady_clock::now();
   const auto limit = std::chrono::duration<double>(timeout_s + 5.0);
   uint32_t spins = 0;
-  while (*flag == 0) {
+  while (*flag != expected) {
     if (diag_host->code != 0) {
       EPX_CUDA_CHECK(cudaStreamSynchronize(comm_stream));
       raise_if_failed(op);

@@ -27,9 +27,10 @@ struct Buffer::Impl {
   bool destroyed = false;
 
   // Local device state.
-  uint32_t* ht_op_counter = nullptr;   ///< epochs of high-throughput ops
-  uint32_t* ll_op_counter = nullptr;   ///< epochs of low-latency ops
-  uint32_t* ht_done_blocks = nullptr;  ///< HT kernels with their own barrier: blocks done
+  uint32_t* ht_op_counter = nullptr;  ///< epochs of high-throughput ops
+  uint32_t* ll_op_counter = nullptr;  ///< epochs of low-latency ops
+  /// [0] HT main kernels with their own barrier, [1] notify kernels: blocks done.
+  uint32_t* ht_done_blocks = nullptr;
   // Host-mapped memory the kernels write: diagnostics and dispatch counts.
   DeviceDiag* diag_host = nullptr;
   DeviceDiag* diag_dev = nullptr;
@@ -64,7 +65,14 @@ struct Buffer::Impl {
   /// Throws the first diagnostic a kernel recorded (and clears it).
   void raise_if_failed(const char* op);
   /// Host wait with deadline on a flag a kernel sets in mapped memory.
-  void wait_host_flag(volatile int* flag, const char* op);
+  /// Waits (with a deadline) until the mapped word *flag holds `expected`.
+  void wait_host_flag(volatile int* flag, int expected, const char* op);
+  /// Sequence numbers of the dispatches whose counts the host waits for (> 0).
+  int host_seq = 0;
+  int next_host_seq() {
+    host_seq = host_seq >= (1 << 30) ? 1 : host_seq + 1;
+    return host_seq;
+  }
   /// Order the comm stream after the caller (previous_event or stream).
   void enter(const StreamArgs& s);
   /// Finish: event for async_finish, or make the caller's stream wait.

@@ -21,7 +21,13 @@ enum class OpId : uint32_t {
   kBarrier = 10,
 };
 
-enum class DiagCode : uint32_t { kOk = 0, kTimeout = 1, kBadExpert = 2, kTooManyTokens = 3 };
+enum class DiagCode : uint32_t {
+  kOk = 0,
+  kTimeout = 1,
+  kBadExpert = 2,
+  kTooManyTokens = 3,
+  kBadLayout = 4,  ///< num_tokens_per_rank disagrees with is_token_in_rank
+};
 
 struct DeviceDiag {
   uint32_t code;      ///< DiagCode; the first reporter wins (atomicCAS from 0)

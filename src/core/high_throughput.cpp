@@ -46,18 +46,19 @@ plan::HtRegion plan_region(const char* op, const Buffer::Impl& d, const Config& 
                 std::string(op) + ": num_nvl_bytes: the call needs " +
                     std::to_string(r.total_bytes()) + " bytes of NVLink buffer (" +
                     std::to_string(r.capacity) + " rows of " + std::to_string(row_bytes) +
-                    " B per source rank) but the buffer has " + std::to_string(d.ht.bytes) +
+                    " B per peer rank) but the buffer has " + std::to_string(d.ht.bytes) +
                     "; use Config::get_nvl_buffer_size_hint");
   return r;
 }
 
-/// Barrier-only notify parameters; dispatch adds the count exchange.
+/// Notify parameters without the exchange part (the dispatch without a handle fills it in).
 kernels::HtNotifyParams notify_params(const Buffer::Impl& d, const dev::NvlinkTransport& tr,
                                       const kernels::HtOffsets& off, OpId op) {
   kernels::HtNotifyParams np{};
   np.t = tr;
   np.off = off;
   np.op_counter = d.ht_op_counter;
+  np.done_blocks = d.ht_done_blocks + 1;
   np.exchange = false;
   np.timeout_ns = d.timeout_ns();
   np.diag = d.diag_dev;
@@ -134,7 +135,6 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   handle->num_tokens = T;
   handle->hidden = H;
 
-  kernels::HtNotifyParams np = notify_params(d, tr, off, OpId::kDispatchNotify);
   if (a.handle) {
     // No count exchange: the main kernel is its own barrier (no notify kernel).
     *handle = *a.handle;
@@ -147,6 +147,7 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
                                {DType::kI32, {R + 1}}},
                               a.streams);
     d.ordered_after_allocs(a.streams);
+    kernels::HtNotifyParams np = notify_params(d, tr, off, OpId::kDispatchNotify);
     handle->is_token_in_rank = parts[0];
     handle->send_slot = parts[1];
     handle->send_list = parts[2];
@@ -167,15 +168,21 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
     np.send_list = handle->send_list.ptr<int>();
     np.send_counts = handle->send_counts.ptr<int>();
     np.recv_offsets = handle->recv_offsets.ptr<int>();
-    np.host_counts = d.counts_dev;
     const int epr = E / R;
     require(2 + R + epr <= Buffer::Impl::kCountsInts, "num_experts", "too many local experts");
-    reinterpret_cast<volatile int*>(d.counts_host)[0] = 0;
+    // The host reads the counts only without num_worst_tokens, and waits for
+    // this dispatch's own sequence number: a queued num_worst_tokens dispatch
+    // (no host wait) never writes the counts, and an earlier notify cannot
+    // pass for this one.
+    const bool host_waits = a.num_worst_tokens <= 0;
+    np.host_counts = host_waits ? d.counts_dev : nullptr;
+    np.host_seq = host_waits ? d.next_host_seq() : 0;
     kernels::launch_ht_notify(np, d.comm_stream);
-    if (a.num_worst_tokens > 0) {
+    if (!host_waits) {
       handle->num_recv_tokens = a.num_worst_tokens;
     } else {
-      d.wait_host_flag(reinterpret_cast<volatile int*>(d.counts_host), "dispatch");
+      d.wait_host_flag(reinterpret_cast<volatile int*>(d.counts_host), np.host_seq, "dispatch");
+      d.raise_if_failed("dispatch");  // a layout mismatch, before any data moves
       volatile int* c = d.counts_host;
       handle->num_recv_tokens = c[1];
       handle->recv_counts.assign(R, 0);

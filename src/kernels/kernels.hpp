@@ -33,8 +33,9 @@ struct HtOffsets {
 struct HtNotifyParams {
   dev::NvlinkTransport t;
   HtOffsets off;
-  uint32_t* op_counter;  ///< local: ops started so far (epoch source)
-  bool exchange;         ///< false: barrier only (cached dispatch, combine)
+  uint32_t* op_counter;   ///< local: ops started so far (epoch source)
+  uint32_t* done_blocks;  ///< host_counts: blocks finished (the last one resets it)
+  bool exchange;          ///< false: barrier only
   // exchange inputs
   const int* num_tokens_per_rank;    ///< [R]
   const int* num_tokens_per_expert;  ///< [E]
@@ -45,7 +46,10 @@ struct HtNotifyParams {
   int* send_list;     ///< [R, T]
   int* send_counts;   ///< [R]
   int* recv_offsets;  ///< [R + 1]
-  int* host_counts;   ///< mapped: [0] ready flag, [1] N, [2..2+R) per source, then E_local
+  int* host_counts;   ///< mapped, nullable: [0] = host_seq once every block is done (so a
+                      ///< layout mismatch is reported before), [1] N, [2..2+R) per source,
+                      ///< then E_local
+  int host_seq;       ///< the value [0] gets: the host waits for exactly this dispatch's
   uint64_t timeout_ns;
   DeviceDiag* diag;
   OpId op;

@@ -54,7 +54,7 @@ constexpr int kNotifyThreads = 512;
 
 /// Block 0: barrier (+ count exchange). Blocks 1..R: scan is_token_in_rank
 /// column r into send slots and the send list for rank r.
-__global__ void __launch_bounds__(kNotifyThreads) notify_kernel(HtNotifyParams p) {
+__device__ __forceinline__ void notify_body(const HtNotifyParams& p) {
   const int R = p.t.num_ranks, me = p.t.rank;
   if (blockIdx.x > 0) {
     const int r = blockIdx.x - 1;
@@ -78,7 +78,14 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(HtNotifyParams p
       if (threadIdx.x == 0) carry += total;
       __syncthreads();
     }
-    if (threadIdx.x == 0) p.send_counts[r] = carry;
+    if (threadIdx.x == 0) {
+      p.send_counts[r] = carry;
+      // Peers size their receive side from num_tokens_per_rank, this rank's
+      // sends from is_token_in_rank: they must agree.
+      if (carry != p.num_tokens_per_rank[r])
+        dev::report(p.diag, DiagCode::kBadLayout, p.op, me, r, -1,
+                    static_cast<uint32_t>(p.num_tokens_per_rank[r]), static_cast<uint32_t>(carry));
+    }
     return;
   }
 
@@ -114,26 +121,39 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(HtNotifyParams p
   if (threadIdx.x == 0) *p.op_counter = epoch;
   if (!p.exchange || failed) return;
   const int* rows = reinterpret_cast<const int*>(p.t.local_ptr(p.off.counts[parity]));
+  int* host = p.host_counts;  // null with num_worst_tokens: the host reads no counts
   if (threadIdx.x == 0) {
     int acc = 0;
     for (int s = 0; s < R; ++s) {
       const int c = rows[s * row_ints];
       p.recv_offsets[s] = acc;
-      p.host_counts[2 + s] = c;
+      if (host) host[2 + s] = c;
       acc += c;
     }
     p.recv_offsets[R] = acc;
-    p.host_counts[1] = acc;
+    if (host) host[1] = acc;
   }
+  if (host == nullptr) return;
   for (int j = threadIdx.x; j < epr; j += blockDim.x) {
     int c = 0;
     for (int s = 0; s < R; ++s) c += rows[s * row_ints + 1 + j];
     const int a = p.expert_alignment;
-    p.host_counts[2 + R + j] = (c + a - 1) / a * a;
+    host[2 + R + j] = (c + a - 1) / a * a;
   }
+}
+
+__global__ void __launch_bounds__(kNotifyThreads) notify_kernel(HtNotifyParams p) {
+  notify_body(p);
+  if (p.host_counts == nullptr) return;
+  // The last block to finish tells the host: by then every count is written
+  // and any layout mismatch or timeout is in the diagnostic record.
   __threadfence_system();
   __syncthreads();
-  if (threadIdx.x == 0) *reinterpret_cast<volatile int*>(p.host_counts) = 1;
+  if (threadIdx.x == 0 && atomicAdd(p.done_blocks, 1u) == gridDim.x - 1) {
+    *p.done_blocks = 0u;
+    __threadfence_system();
+    *reinterpret_cast<volatile int*>(p.host_counts) = p.host_seq;
+  }
 }
 
 }  // namespace

@@ -108,7 +108,10 @@ __device__ __forceinline__ void report(DeviceDiag* diag, DiagCode code, OpId op,
 
 /// Spins until `done(v)` holds for v = load(); false (after reporting
 /// `seen(v)` against `expected`) when the deadline passes or another thread
-/// already reported a failure, so every waiter gives up instead of hanging.
+/// already reported a timeout, so every waiter gives up instead of hanging.
+/// Other reports (a truncated num_worst_tokens dispatch, a bad expert id)
+/// leave the protocol intact: waits go on, and the host raises the report
+/// at the next call.
 template <class Load, class Done, class Seen>
 __device__ __forceinline__ bool spin_until(Load load, Done done, Seen seen, uint32_t expected,
                                            uint64_t timeout_ns, DeviceDiag* diag, OpId op, int rank,
@@ -121,7 +124,9 @@ __device__ __forceinline__ bool spin_until(Load load, Done done, Seen seen, uint
     v = load();
     if (done(v)) return true;
     if ((++spins & 1023u) == 0) {
-      if (diag && *static_cast<volatile uint32_t*>(&diag->code) != 0u) return false;
+      if (diag && *static_cast<volatile uint32_t*>(&diag->code) ==
+                      static_cast<uint32_t>(DiagCode::kTimeout))
+        return false;
       if (globaltimer_ns() - start > timeout_ns) {
         report(diag, DiagCode::kTimeout, op, rank, peer, channel, expected, seen(v));
         return false;
@@ -219,13 +224,16 @@ struct NvlinkTransport {
     return wait_ge(reinterpret_cast<const uint32_t*>(local_ptr(offset)), value, timeout_ns, diag,
                    op, rank, peer, channel);
   }
-  /// Warp-wide wait: lane 0 polls, the warp continues together (the warp
-  /// barrier orders the other lanes' later loads after lane 0's acquire).
+  /// Warp-wide wait until the local flag at `offset` holds exactly `value`:
+  /// lane 0 polls, the warp continues together (the warp barrier orders the
+  /// other lanes' later loads after lane 0's acquire). Exact, for flags a
+  /// writer cannot move past `value` while anyone waits for it (a wrap-safe
+  /// >= would take a flag left 2^31 ops ago).
   __device__ __forceinline__ bool wait_warp(std::size_t offset, uint32_t value, uint64_t timeout_ns,
                                             DeviceDiag* diag, OpId op, int peer,
                                             int channel) const {
     int ok = 1;
-    if ((threadIdx.x & 31) == 0) ok = wait(offset, value, timeout_ns, diag, op, peer, channel);
+    if ((threadIdx.x & 31) == 0) ok = wait_eq(offset, value, timeout_ns, diag, op, peer, channel);
     ok = __shfl_sync(0xffffffffu, ok, 0);
     __syncwarp();
     return ok != 0;
