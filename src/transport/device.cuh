@@ -224,16 +224,16 @@ struct NvlinkTransport {
     return wait_ge(reinterpret_cast<const uint32_t*>(local_ptr(offset)), value, timeout_ns, diag,
                    op, rank, peer, channel);
   }
-  /// Warp-wide wait until the local flag at `offset` holds exactly `value`:
-  /// lane 0 polls, the warp continues together (the warp barrier orders the
-  /// other lanes' later loads after lane 0's acquire). Exact, for flags a
-  /// writer cannot move past `value` while anyone waits for it (a wrap-safe
-  /// >= would take a flag left 2^31 ops ago).
+  /// Warp-wide wait: lane 0 polls, the warp continues together (the warp
+  /// barrier orders the other lanes' later loads after lane 0's acquire).
+  /// Wrap-safe >=: a flag left unwritten for 2^31 ops would pass (see
+  /// docs/status.md; an exact match is argued safe for the HT chunk flags but
+  /// not yet run on two GPUs).
   __device__ __forceinline__ bool wait_warp(std::size_t offset, uint32_t value, uint64_t timeout_ns,
                                             DeviceDiag* diag, OpId op, int peer,
                                             int channel) const {
     int ok = 1;
-    if ((threadIdx.x & 31) == 0) ok = wait_eq(offset, value, timeout_ns, diag, op, peer, channel);
+    if ((threadIdx.x & 31) == 0) ok = wait(offset, value, timeout_ns, diag, op, peer, channel);
     ok = __shfl_sync(0xffffffffu, ok, 0);
     __syncwarp();
     return ok != 0;
