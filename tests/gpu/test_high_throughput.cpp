@@ -458,6 +458,29 @@ TEST(HighThroughput, BadInputsThrowBeforeAnyKernel) {
   cudaStreamSynchronize(w.stream);
 }
 
+/// Rank `me`'s BF16 inputs of case c on the device, a layout from `buf` and
+/// dispatch arguments made from them.
+struct Bf16Dispatch {
+  DeviceArray<int64_t> topk;
+  DeviceArray<uint8_t> x;
+  Layout layout;
+  DispatchArgs args;
+};
+Bf16Dispatch bf16_dispatch(Buffer& buf, const HtCase& c, const ref::HtInput& mine,
+                           const StreamArgs& s) {
+  const int T = mine.num_tokens, H = c.hidden, K = c.num_topk;
+  Bf16Dispatch d{to_device(mine.topk_idx),
+                 to_device_bytes(mine.x_bf16.data(), mine.x_bf16.size() * 2),
+                 {},
+                 {}};
+  d.layout = buf.get_dispatch_layout(view(d.topk.get(), DType::kI64, {T, K}), c.num_experts, s);
+  d.args.x = view(d.x.get(), DType::kBF16, {T, H});
+  d.args.topk_idx = view(d.topk.get(), DType::kI64, {T, K});
+  d.args.set_layout(d.layout);
+  d.args.streams = s;
+  return d;
+}
+
 /// Only rank 0 combines. The combine kernel is its own barrier: its senders
 /// wait for the peers to reach the op and its receivers for their rows; all
 /// of them give up at the deadline, and the next call raises kTimeout naming
@@ -478,18 +501,10 @@ TEST(HighThroughput, TimeoutIsReported) {
   StreamArgs s;
   s.stream = w.stream;
   auto in = make_inputs(c, R, 5);
-  const int T = in[me].num_tokens, H = c.hidden, K = c.num_topk;
-  auto d_topk = to_device(in[me].topk_idx);
-  auto d_x = to_device_bytes(in[me].x_bf16.data(), in[me].x_bf16.size() * 2);
-  auto layout = b.get_dispatch_layout(view(d_topk.get(), DType::kI64, {T, K}), c.num_experts, s);
-  DispatchArgs a;
-  a.x = view(d_x.get(), DType::kBF16, {T, H});
-  a.topk_idx = view(d_topk.get(), DType::kI64, {T, K});
-  a.set_layout(layout);
-  a.streams = s;
+  auto d = bf16_dispatch(b, c, in[me], s);
   EXPECT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
-  all_ranks(true);           // line up: the 1 s deadline also covers this dispatch
-  auto res = b.dispatch(a);  // every rank: the handle
+  all_ranks(true);                // line up: the 1 s deadline also covers this dispatch
+  auto res = b.dispatch(d.args);  // every rank: the handle
   EXPECT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
   if (all_ranks(!::testing::Test::HasFailure()) && me == 0) {
     CombineArgs ca;
@@ -525,23 +540,14 @@ TEST(HighThroughput, MismatchedLayoutIsRefused) {
   StreamArgs s;
   s.stream = w.stream;
   auto in = make_inputs(c, R, 9);
-  const int T = in[me].num_tokens, H = c.hidden, K = c.num_topk;
-  auto d_topk = to_device(in[me].topk_idx);
-  auto d_x = to_device_bytes(in[me].x_bf16.data(), in[me].x_bf16.size() * 2);
-  auto layout =
-      w.buffer->get_dispatch_layout(view(d_topk.get(), DType::kI64, {T, K}), c.num_experts, s);
+  auto d = bf16_dispatch(*w.buffer, c, in[me], s);
   EXPECT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
-  auto counts = to_host<int>(layout.num_tokens_per_rank);
+  auto counts = to_host<int>(d.layout.num_tokens_per_rank);
   for (auto& v : counts) v += 1;  // one token too many for every rank
   auto d_counts = to_device(counts);
-  DispatchArgs a;
-  a.x = view(d_x.get(), DType::kBF16, {T, H});
-  a.topk_idx = view(d_topk.get(), DType::kI64, {T, K});
-  a.set_layout(layout);
-  a.num_tokens_per_rank = view(d_counts.get(), DType::kI32, {R});
-  a.streams = s;
+  d.args.num_tokens_per_rank = view(d_counts.get(), DType::kI32, {R});
   try {
-    w.buffer->dispatch(a);
+    w.buffer->dispatch(d.args);
     ADD_FAILURE() << "expected an error for the mismatched layout";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
