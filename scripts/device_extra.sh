@@ -11,12 +11,8 @@
 # Logs, JSON and reports go to $OUT.
 set -uo pipefail
 D=$(cd "$(dirname "$0")" && pwd)
-OUT=${OUT:-/tmp/epx-out}
-mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-SITE=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' 2>/dev/null || echo /nonexistent)
-export LD_LIBRARY_PATH="$SITE/nvidia/nccl/lib:${LD_LIBRARY_PATH:-}" NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-n=$(nvidia-smi -L | grep -c '^GPU')
+source "$D/device_env.sh"  # OUT, GPUS, the environment
+n=$GPUS
 [ "$n" -gt 8 ] && n=8
 case "${1:-}" in
   tokens)

@@ -9,15 +9,7 @@
 #   EPX_PY_BENCH=0 skips python -m epx.bench, EPX_PY_TESTS=0 the Python tests.
 set -uo pipefail
 D=$(cd "$(dirname "$0")" && pwd)
-OUT=${OUT:-/tmp/epx-out}
-mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-SITE=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' 2>/dev/null || echo /nonexistent)
-for lib in "$SITE/nvidia/nccl/lib" "$SITE/nvidia/nvshmem/lib"; do
-  [ -d "$lib" ] && export LD_LIBRARY_PATH="$lib:${LD_LIBRARY_PATH:-}"
-done
-export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
-GPUS=$(nvidia-smi -L | grep -c '^GPU' || true)
+source "$D/device_env.sh"  # OUT, SITE, GPUS, the environment
 echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1), $GPUS GPUs, commit $(cat "$D/COMMIT" 2>/dev/null)"
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1 || true
 RUN=${EPX_RUN:-tests bench}
