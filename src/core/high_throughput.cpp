@@ -51,21 +51,6 @@ plan::HtRegion plan_region(const char* op, const Buffer::Impl& d, const Config& 
   return r;
 }
 
-/// Notify parameters without the exchange part (the dispatch without a handle fills it in).
-kernels::HtNotifyParams notify_params(const Buffer::Impl& d, const dev::NvlinkTransport& tr,
-                                      const kernels::HtOffsets& off, OpId op) {
-  kernels::HtNotifyParams np{};
-  np.t = tr;
-  np.off = off;
-  np.op_counter = d.ht_op_counter;
-  np.done_blocks = d.ht_done_blocks + 1;
-  np.exchange = false;
-  np.timeout_ns = d.timeout_ns();
-  np.diag = d.diag_dev;
-  np.op = op;
-  return np;
-}
-
 }  // namespace
 
 Layout Buffer::get_dispatch_layout(const TensorView& topk_idx, int num_experts,
@@ -147,7 +132,6 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
                                {DType::kI32, {R + 1}}},
                               a.streams);
     d.ordered_after_allocs(a.streams);
-    kernels::HtNotifyParams np = notify_params(d, tr, off, OpId::kDispatchNotify);
     handle->is_token_in_rank = parts[0];
     handle->send_slot = parts[1];
     handle->send_list = parts[2];
@@ -157,7 +141,14 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
     if (src.nbytes() > 0)
       EPX_CUDA_CHECK(cudaMemcpyAsync(handle->is_token_in_rank.view.data, src.data, src.nbytes(),
                                      cudaMemcpyDeviceToDevice, d.comm_stream));
-    np.exchange = true;
+    kernels::HtNotifyParams np{};
+    np.t = tr;
+    np.off = off;
+    np.op_counter = d.ht_op_counter;
+    np.done_blocks = d.ht_done_blocks + 1;
+    np.timeout_ns = d.timeout_ns();
+    np.diag = d.diag_dev;
+    np.op = OpId::kDispatchNotify;
     np.num_tokens_per_rank = a.num_tokens_per_rank->ptr<int>();
     np.num_tokens_per_expert = a.num_tokens_per_expert->ptr<int>();
     np.is_token_in_rank = handle->is_token_in_rank.ptr<bool>();

@@ -128,10 +128,7 @@ template <class P>
 __device__ __forceinline__ void op_end(const P& p, uint32_t epoch) {
   if (!p.own_barrier) return;
   __syncthreads();
-  if (threadIdx.x == 0 && atomicAdd(p.done_blocks, 1u) == gridDim.x - 1) {
-    *p.done_blocks = 0u;
-    *p.op_counter = epoch;
-  }
+  if (threadIdx.x == 0 && dev::last_block_done(p.done_blocks)) *p.op_counter = epoch;
 }
 
 /// Rows of a chunk go through a warp in batches of up to 32 (one token id per lane).

@@ -29,13 +29,13 @@ struct HtOffsets {
   int capacity, chunk, max_chunks, count_row_ints;
 };
 
-/// Barrier over all ranks, optional count exchange, and the send plan.
+/// A dispatch without a handle: barrier over all ranks, count exchange, and
+/// the send plan. (The cached dispatch and the combine are their own barrier.)
 struct HtNotifyParams {
   dev::NvlinkTransport t;
   HtOffsets off;
   uint32_t* op_counter;   ///< local: ops started so far (epoch source)
   uint32_t* done_blocks;  ///< host_counts: blocks finished (the last one resets it)
-  bool exchange;          ///< false: barrier only
   // exchange inputs
   const int* num_tokens_per_rank;    ///< [R]
   const int* num_tokens_per_expert;  ///< [E]
@@ -49,7 +49,7 @@ struct HtNotifyParams {
   int* host_counts;   ///< mapped, nullable: [0] = host_seq once every block is done (so a
                       ///< layout mismatch is reported before), [1] N, [2..2+R) per source,
                       ///< then E_local
-  int host_seq;       ///< the value [0] gets: the host waits for exactly this dispatch's
+  int host_seq;       ///< what [0] gets; the host waits for exactly this value (its dispatch)
   uint64_t timeout_ns;
   DeviceDiag* diag;
   OpId op;

@@ -98,16 +98,13 @@ __device__ __forceinline__ void notify_body(const HtNotifyParams& p) {
   __syncthreads();
   const int parity = epoch & 1;
   const int row_ints = p.off.count_row_ints;
-  const int epr = p.exchange ? p.num_experts / R : 0;
-  if (p.exchange) {
-    // My row in every peer: [tokens I send you, my picks of each of your experts].
-    for (int i = threadIdx.x; i < R * (1 + epr); i += blockDim.x) {
-      const int dst = i / (1 + epr), j = i % (1 + epr);
-      const int v =
-          j == 0 ? p.num_tokens_per_rank[dst] : p.num_tokens_per_expert[dst * epr + j - 1];
-      int* row = reinterpret_cast<int*>(p.t.peer_ptr(dst, p.off.counts[parity])) + me * row_ints;
-      row[j] = v;
-    }
+  const int epr = p.num_experts / R;
+  // My row in every peer: [tokens I send you, my picks of each of your experts].
+  for (int i = threadIdx.x; i < R * (1 + epr); i += blockDim.x) {
+    const int dst = i / (1 + epr), j = i % (1 + epr);
+    const int v = j == 0 ? p.num_tokens_per_rank[dst] : p.num_tokens_per_expert[dst * epr + j - 1];
+    int* row = reinterpret_cast<int*>(p.t.peer_ptr(dst, p.off.counts[parity])) + me * row_ints;
+    row[j] = v;
   }
   __threadfence_system();
   __syncthreads();
@@ -119,7 +116,7 @@ __device__ __forceinline__ void notify_body(const HtNotifyParams& p) {
   }
   __syncthreads();
   if (threadIdx.x == 0) *p.op_counter = epoch;
-  if (!p.exchange || failed) return;
+  if (failed) return;
   const int* rows = reinterpret_cast<const int*>(p.t.local_ptr(p.off.counts[parity]));
   int* host = p.host_counts;  // null with num_worst_tokens: the host reads no counts
   if (threadIdx.x == 0) {
@@ -149,8 +146,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(HtNotifyParams p
   // and any layout mismatch or timeout is in the diagnostic record.
   __threadfence_system();
   __syncthreads();
-  if (threadIdx.x == 0 && atomicAdd(p.done_blocks, 1u) == gridDim.x - 1) {
-    *p.done_blocks = 0u;
+  if (threadIdx.x == 0 && dev::last_block_done(p.done_blocks)) {
     __threadfence_system();
     *reinterpret_cast<volatile int*>(p.host_counts) = p.host_seq;
   }
@@ -172,7 +168,7 @@ void launch_layout(const LayoutParams& p, cudaStream_t stream) {
 }
 
 void launch_ht_notify(const HtNotifyParams& p, cudaStream_t stream) {
-  const int blocks = 1 + (p.exchange ? p.t.num_ranks : 0);
+  const int blocks = 1 + p.t.num_ranks;
   notify_kernel<<<blocks, kNotifyThreads, 0, stream>>>(p);
   EPX_LAUNCH_CHECK();
 }

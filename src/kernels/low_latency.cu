@@ -452,17 +452,10 @@ __device__ __forceinline__ void dispatch_send_items(const LlDispatchSendParams& 
 /// Every block calls this once after its send work; the last one resets the
 /// count and publishes the epoch to the next op. Nothing waits for it.
 __device__ __forceinline__ void dispatch_count_done(const LlDispatchSendParams& p, uint32_t epoch) {
-  __shared__ int is_last;
   EPX_TL(kTlDispatch, kTlSendItems);
   __syncthreads();
   uint32_t* control = reinterpret_cast<uint32_t*>(p.t.local_ptr(p.off.control));
-  if (threadIdx.x == 0) {
-    is_last = atomicAdd(control + kDoneDispatch, 1u) == gridDim.x - 1 ? 1 : 0;
-    if (is_last) {
-      control[kDoneDispatch] = 0u;
-      *p.op_counter = epoch;
-    }
-  }
+  if (threadIdx.x == 0 && dev::last_block_done(control + kDoneDispatch)) *p.op_counter = epoch;
   tl_mark(kTlDispatch, kTlSendCounted);
 }
 

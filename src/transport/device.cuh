@@ -106,6 +106,14 @@ __device__ __forceinline__ void report(DeviceDiag* diag, DiagCode code, OpId op,
   }
 }
 
+/// Thread 0 of each block of a launch, once, as the block finishes: true for
+/// the last block to count in, which also resets the count for the next launch.
+__device__ __forceinline__ bool last_block_done(uint32_t* done) {
+  if (atomicAdd(done, 1u) != gridDim.x - 1) return false;
+  *done = 0u;
+  return true;
+}
+
 /// Spins until `done(v)` holds for v = load(); false (after reporting
 /// `seen(v)` against `expected`) when the deadline passes or another thread
 /// already reported a timeout, so every waiter gives up instead of hanging.
