@@ -1,8 +1,9 @@
 // High-throughput intranode dispatch and combine.
 //
 // Every rank's receive staging holds `capacity` rows per peer rank. Sender
-// warps copy whole chunks of rows (num_max_send_tokens) straight into the
-// destination's staging with NVLink stores, then release-store the chunk's
+// warps copy whole chunks of rows (num_max_send_tokens at most, fewer for a
+// pair with few rows: plan::ht_pair_chunk) straight into the destination's
+// staging with NVLink stores, then release-store the chunk's
 // flag there with the op's epoch. Receiver warps acquire flags and move rows
 // out (dispatch: into recv_x in rank order; combine: reduce per token).
 // Tokens a rank sends to itself skip the staging: in dispatch the receiver
@@ -96,7 +97,7 @@ __device__ __forceinline__ int rows_fitting(const HtDispatchParams& p, int64_t r
   return p.max_recv_rows > row0 ? static_cast<int>(p.max_recv_rows - row0) : 0;
 }
 
-/// The op's epoch (HtDispatchParams). With its own barrier, block 0 tells
+/// The op's epoch (see the comment above HtDispatchParams). With its own barrier, block 0 tells
 /// every rank that this rank has reached the op: its previous op's kernel
 /// has finished, so peers may write into its staging.
 template <class P>
