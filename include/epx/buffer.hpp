@@ -26,11 +26,16 @@ namespace epx {
 namespace transport {
 class Backend;
 }
+namespace detail {
+class InProcessGroup;
+}
 
 inline constexpr int kUniqueIdBytes = 128;
 using UniqueId = std::array<uint8_t, kUniqueIdBytes>;
 
-/// The rank group EPX runs on: an NCCL communicator over R ranks, one GPU each.
+/// The rank group EPX runs on: an NCCL communicator over R ranks, one GPU
+/// each (create, from_env), or R ranks that are threads of one process
+/// (create_in_process).
 class Communicator {
  public:
   /// A fresh id; rank 0 makes it and every rank passes the same bytes to create().
@@ -42,6 +47,22 @@ class Communicator {
   /// device LOCAL_RANK. The id travels through NCCL's own bootstrap root
   /// (NCCL_COMM_ID = MASTER_ADDR:MASTER_PORT+1 unless already set).
   static std::shared_ptr<Communicator> from_env();
+  /// R ranks in this process, one thread each: element r is rank r, on CUDA
+  /// device `devices[r]` (default: every rank on the current device). Each
+  /// rank's thread makes that device current and then uses its communicator
+  /// as it would use one from create(); every collective (barrier, Buffer
+  /// construction, ops) needs all R threads. Buffers over it use the
+  /// "in_process" backend: each rank's symmetric memory is a cudaMalloc that
+  /// the others reach by pointer (peer access is enabled between distinct
+  /// devices). Ranks sharing a device split its SMs: Buffer's SM budget per
+  /// rank is the device's SMs / the ranks on it, so that every rank's kernels
+  /// can be resident at once. Meant for tests and development on one GPU:
+  /// every rank's traffic stays in that GPU's memory, so its speed says
+  /// nothing about NVLink. A barrier that waits longer than `timeout_s`
+  /// throws kTimeout naming the ranks that did not arrive.
+  static std::vector<std::shared_ptr<Communicator>> create_in_process(int num_ranks,
+                                                                      std::vector<int> devices = {},
+                                                                      double timeout_s = 300.0);
 
   ~Communicator();
   Communicator(const Communicator&) = delete;
@@ -50,7 +71,11 @@ class Communicator {
   int rank() const { return rank_; }
   int num_ranks() const { return num_ranks_; }
   int device() const { return device_; }
-  void* nccl_comm() const { return comm_; }  ///< ncclComm_t
+  void* nccl_comm() const { return comm_; }  ///< ncclComm_t; nullptr when in_process()
+  /// True for ranks from create_in_process().
+  bool in_process() const { return group_ != nullptr; }
+  /// How many of the group's ranks share this rank's GPU (1 unless in_process()).
+  int ranks_on_device() const { return ranks_on_device_; }
   /// Host-blocking barrier over all ranks (an NCCL all-reduce of one int).
   void barrier();
   /// All-gather of `bytes` bytes from every rank (host memory in and out).
@@ -59,8 +84,9 @@ class Communicator {
  private:
   Communicator() = default;
   void* comm_ = nullptr;
-  int rank_ = 0, num_ranks_ = 1, device_ = 0;
-  void* scratch_ = nullptr;  // device scratch for host collectives
+  int rank_ = 0, num_ranks_ = 1, device_ = 0, ranks_on_device_ = 1;
+  std::shared_ptr<detail::InProcessGroup> group_;  // set for in-process ranks
+  void* scratch_ = nullptr;                        // device scratch for host collectives
   cudaStream_t stream_ = nullptr;
 };
 
@@ -71,7 +97,7 @@ struct BufferOptions {
   int num_qps_per_rank = 1;
   bool allow_nvlink_for_low_latency_mode = true;
   bool allow_mnnvl = false;
-  std::string backend = "auto";  ///< auto | nvlink (EPX_BACKEND overrides "auto")
+  std::string backend = "auto";  ///< auto | nvlink | in_process (EPX_BACKEND overrides "auto")
   double timeout_s = 0;          ///< 0: EPX_TIMEOUT_S or 100 s
   Allocator allocator;           ///< empty: default_allocator()
 };

@@ -7,6 +7,7 @@
 #include "core/buffer_impl.hpp"
 #include "core/env.hpp"
 #include "core/plan.hpp"
+#include "kernels/kernels.hpp"
 
 namespace epx {
 
@@ -64,6 +65,17 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
               ") must be the communicator's (" + std::to_string(d.comm->device()) + ")");
   EPX_CUDA_CHECK(
       cudaDeviceGetAttribute(&d.num_sms_device, cudaDevAttrMultiProcessorCount, d.device));
+  // In-process ranks that share a GPU share its SMs, so that all of their
+  // kernels (which wait for each other) fit on it at once.
+  d.num_sms_gpu = d.num_sms_device;
+  d.num_sms_device = std::max(1, d.num_sms_device / d.comm->ranks_on_device());
+  if (d.comm->ranks_on_device() > 1) {
+    // Ranks sharing a GPU share its CUDA context: no EPX kernel may be loaded
+    // lazily at a first launch while a peer's kernel waits for this rank.
+    kernels::preload_layout_kernels();
+    kernels::preload_ht_kernels();
+    kernels::preload_ll_kernels();
+  }
   d.backend = transport::make_backend(options.backend, *d.comm);
   if (options.num_nvl_bytes > 0)
     d.ht = d.backend->alloc(static_cast<std::size_t>(options.num_nvl_bytes));

@@ -1,6 +1,7 @@
 // core/buffer_impl.hpp - Buffer's private state, shared by the op files.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -21,7 +22,18 @@ struct Buffer::Impl {
   transport::SymmetricRegion ht;  ///< high-throughput region (num_nvl_bytes)
   transport::SymmetricRegion ll;  ///< low-latency region (num_rdma_bytes)
   cudaStream_t comm_stream = nullptr;
-  int device = 0, num_sms_device = 0;
+  int device = 0;
+  int num_sms_device = 0;  ///< SMs this rank may use: the GPU's, split among in-process ranks on it
+  int num_sms_gpu = 0;     ///< SMs of the whole GPU
+  /// Block budget of one low-latency launch that `per_sm` blocks per SM would
+  /// fill on this rank's SMs. With in-process ranks sharing the GPU, the
+  /// hardware does not keep a rank's blocks on its share, and a block may
+  /// take a whole SM: every rank's (at most two) resident LL kernels must fit
+  /// at one block per SM, so each gets SMs / (2 x ranks on the GPU) blocks.
+  int ll_blocks(int per_sm) const {
+    const int sharing = comm->ranks_on_device();
+    return sharing > 1 ? std::max(1, num_sms_gpu / (2 * sharing)) : per_sm * num_sms_device;
+  }
   double timeout_s = 60;
   Allocator alloc;
   bool destroyed = false;

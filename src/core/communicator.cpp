@@ -1,11 +1,15 @@
 #include <nccl.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <set>
 #include <string>
 
 #include "core/check.hpp"
 #include "core/env.hpp"
+#include "core/in_process_group.hpp"
+#include "core/plan.hpp"
 #include "epx/buffer.hpp"
 
 namespace epx {
@@ -55,6 +59,58 @@ std::shared_ptr<Communicator> Communicator::from_env() {
   return create(new_unique_id(), info.rank, info.world_size);
 }
 
+std::vector<std::shared_ptr<Communicator>> Communicator::create_in_process(int num_ranks,
+                                                                           std::vector<int> devices,
+                                                                           double timeout_s) {
+  require(
+      num_ranks >= 1 && num_ranks <= plan::kMaxRanks, "num_ranks",
+      "must be in [1, " + std::to_string(plan::kMaxRanks) + "], got " + std::to_string(num_ranks));
+  require(devices.empty() || static_cast<int>(devices.size()) == num_ranks, "devices",
+          "must be empty (every rank on the current device) or name one device per rank: " +
+              std::to_string(devices.size()) + " given for " + std::to_string(num_ranks) +
+              " ranks");
+  require(timeout_s > 0, "timeout_s", "must be > 0 seconds, got " + std::to_string(timeout_s));
+  int current = 0, ndev = 0;
+  EPX_CUDA_CHECK(cudaGetDevice(&current));
+  EPX_CUDA_CHECK(cudaGetDeviceCount(&ndev));
+  if (devices.empty()) devices.assign(static_cast<std::size_t>(num_ranks), current);
+  for (int r = 0; r < num_ranks; ++r)
+    require(devices[r] >= 0 && devices[r] < ndev, "devices",
+            "device of rank " + std::to_string(r) + " must be in [0, " + std::to_string(ndev) +
+                "), got " + std::to_string(devices[r]));
+  // Ranks on distinct devices reach each other's memory by pointer.
+  const std::set<int> distinct(devices.begin(), devices.end());
+  for (int a : distinct)
+    for (int b : distinct) {
+      if (a == b) continue;
+      int ok = 0;
+      EPX_CUDA_CHECK(cudaDeviceCanAccessPeer(&ok, a, b));
+      if (!ok)
+        throw Error(ErrorCode::kUnsupported, "create_in_process: device " + std::to_string(a) +
+                                                 " cannot access device " + std::to_string(b) +
+                                                 "'s memory (no peer access)");
+      EPX_CUDA_CHECK(cudaSetDevice(a));
+      cudaError_t e = cudaDeviceEnablePeerAccess(b, 0);
+      if (e == cudaErrorPeerAccessAlreadyEnabled)
+        (void)cudaGetLastError();  // so a later launch check does not report it
+      else
+        EPX_CUDA_CHECK(e);
+    }
+  EPX_CUDA_CHECK(cudaSetDevice(current));
+  auto group = std::make_shared<detail::InProcessGroup>(num_ranks, timeout_s);
+  std::vector<std::shared_ptr<Communicator>> out;
+  for (int r = 0; r < num_ranks; ++r) {
+    std::shared_ptr<Communicator> c(new Communicator());
+    c->rank_ = r;
+    c->num_ranks_ = num_ranks;
+    c->device_ = devices[r];
+    c->ranks_on_device_ = static_cast<int>(std::count(devices.begin(), devices.end(), devices[r]));
+    c->group_ = group;
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
 Communicator::~Communicator() {
   if (comm_) ncclCommDestroy(static_cast<ncclComm_t>(comm_));
   if (scratch_) cudaFree(scratch_);
@@ -62,12 +118,14 @@ Communicator::~Communicator() {
 }
 
 void Communicator::barrier() {
+  if (group_) return group_->barrier(rank_);
   auto* nc = static_cast<ncclComm_t>(comm_);
   EPX_NCCL_CHECK(ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, nc, stream_));
   EPX_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
 std::vector<uint8_t> Communicator::allgather(const void* data, std::size_t bytes) {
+  if (group_) return group_->allgather(rank_, data, bytes);
   auto* nc = static_cast<ncclComm_t>(comm_);
   void* d = nullptr;
   EPX_CUDA_CHECK(cudaMallocAsync(&d, bytes * (num_ranks_ + 1), stream_));

@@ -169,8 +169,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   // token-mask units (32 tokens of maxT x 32 experts each).
   const int64_t send_items = static_cast<int64_t>(T) * ceil_div(H, kDispatchChunk) +
                              static_cast<int64_t>(ceil_div(maxT, 32)) * ceil_div(E, 32);
-  const int send_blocks_max =
-      std::clamp(ceil_div(send_items, kWarpsPerBlock), 1, 2 * d.num_sms_device);
+  const int send_blocks_max = std::clamp(ceil_div(send_items, kWarpsPerBlock), 1, d.ll_blocks(2));
 
   kernels::LlDispatchRecvParams rp{};
   rp.t = tr;
@@ -197,7 +196,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   if (!a.return_recv_hook) {
     // One kernel of 2 blocks per SM: up to half of them send (a warp per
     // item), the rest receive from the start.
-    const int blocks = 2 * d.num_sms_device;
+    const int blocks = d.ll_blocks(2);
     const int senders = std::min(send_blocks_max, blocks / 2);
     rp.parts = std::clamp((blocks - senders) / E_local, 1, 8);
     kernels::launch_ll_dispatch_fused(sp, rp, blocks, senders, launch);
@@ -207,7 +206,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
     // async_finish); the hook runs the receive phase on that stream.
     // Receive blocks per local expert: about two per SM in total (one wave at
     // 2 blocks/SM).
-    rp.parts = std::clamp(2 * d.num_sms_device / E_local, 1, 8);
+    rp.parts = std::clamp(d.ll_blocks(2) / E_local, 1, 8);
     kernels::launch_ll_dispatch_send(sp, send_blocks_max, launch);
     res.event = d.ll_leave(s, launch);
     Impl* impl = &d;
@@ -277,7 +276,7 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   sp.timeout_ns = d.timeout_ns();
   sp.diag = d.diag_dev;
   const int send_blocks =
-      std::clamp(ceil_div(static_cast<int64_t>(R) * maxT * C, kWarpsPerBlock), 1, d.num_sms_device);
+      std::clamp(ceil_div(static_cast<int64_t>(R) * maxT * C, kWarpsPerBlock), 1, d.ll_blocks(1));
   kernels::launch_ll_combine_send(sp, send_blocks, launch);
 
   kernels::LlCombineRecvParams rp{};
@@ -296,10 +295,14 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   rp.timeout_ns = d.timeout_ns();
   rp.diag = d.diag_dev;
   const int recv_blocks = std::clamp(ceil_div(static_cast<int64_t>(T) * C_recv, kWarpsPerBlock), 1,
-                                     kernels::kLlCombineRecvBlocksPerSm * d.num_sms_device);
+                                     d.ll_blocks(kernels::kLlCombineRecvBlocksPerSm));
 
   if (!a.return_recv_hook) {
-    kernels::launch_ll_combine_recv(rp, recv_blocks, launch, /*dependent=*/true);
+    // The receive kernel starts early (programmatic dependent launch) and
+    // waits on the SMs the send leaves; with ranks sharing a GPU those SMs may
+    // be what a peer's (cooperative) send needs, so there it starts after.
+    kernels::launch_ll_combine_recv(rp, recv_blocks, launch,
+                                    /*dependent=*/d.comm->ranks_on_device() == 1);
     res.event = d.ll_leave(s, launch);
   } else {
     res.event = d.ll_leave(s, launch);

@@ -550,4 +550,12 @@ void launch_ht_combine(const HtCombineParams& p, int num_blocks, cudaStream_t st
   EPX_LAUNCH_CHECK();
 }
 
+void preload_ht_kernels() {
+  cudaFuncAttributes a{};
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, dispatch_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, combine_kernel<2, EPX_HT_COMBINE_SEG2>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, combine_kernel<4, 4>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, combine_kernel<plan::kMaxRanks, 2>));
+}
+
 }  // namespace epx::kernels

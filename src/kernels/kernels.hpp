@@ -222,4 +222,12 @@ struct LlCombineRecvParams {
 void launch_ll_combine_recv(const LlCombineRecvParams& p, int num_blocks, cudaStream_t stream,
                             bool dependent);
 
+/// Load every kernel of a family now (cudaFuncGetAttributes), not at its
+/// first launch: with CUDA's lazy loading a first launch may wait for the
+/// kernels running, which for ranks sharing a GPU can be a peer's kernel
+/// waiting for this rank.
+void preload_layout_kernels();
+void preload_ht_kernels();
+void preload_ll_kernels();
+
 }  // namespace epx::kernels

@@ -173,4 +173,10 @@ void launch_ht_notify(const HtNotifyParams& p, cudaStream_t stream) {
   EPX_LAUNCH_CHECK();
 }
 
+void preload_layout_kernels() {
+  cudaFuncAttributes a{};
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, layout_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, notify_kernel));
+}
+
 }  // namespace epx::kernels

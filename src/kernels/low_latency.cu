@@ -1003,4 +1003,15 @@ void launch_ll_combine_recv(const LlCombineRecvParams& p, int num_blocks, cudaSt
             stream, dependent ? Launch::kDependent : Launch::kPlain, p);
 }
 
+void preload_ll_kernels() {
+  cudaFuncAttributes a{};
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_send));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_recv));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_fused));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_send<false>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_send<true>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_recv<false>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_recv<true>));
+}
+
 }  // namespace epx::kernels

@@ -41,11 +41,16 @@ class Backend {
   virtual void barrier() = 0;
 };
 
-/// `name`: "auto" | "nvlink" (EPX_BACKEND overrides "auto"). Throws
-/// epx::Error(kUnsupported) when the machine cannot serve the choice.
+/// `name`: "auto" | "nvlink" | "in_process" (EPX_BACKEND overrides "auto").
+/// "auto" is "in_process" for a communicator from create_in_process, else
+/// "nvlink". Throws epx::Error(kUnsupported) when the machine or the
+/// communicator cannot serve the choice.
 std::unique_ptr<Backend> make_backend(const std::string& name, Communicator& comm);
 
 /// The NVLink backend: NCCL symmetric windows, peers reached by load/store.
 std::unique_ptr<Backend> make_nvlink_backend(Communicator& comm);
+
+/// Ranks that are threads of one process: cudaMalloc'd memory reached by pointer.
+std::unique_ptr<Backend> make_in_process_backend(Communicator& comm);
 
 }  // namespace epx::transport

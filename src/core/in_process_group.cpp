@@ -1,0 +1,84 @@
+#include "core/in_process_group.hpp"
+
+#include <chrono>
+#include <cstring>
+#include <string>
+
+#include "epx/error.hpp"
+
+namespace epx::detail {
+
+InProcessGroup::InProcessGroup(int num_ranks, double timeout_s)
+    : num_ranks_(num_ranks),
+      timeout_s_(timeout_s),
+      arrived_(static_cast<std::size_t>(num_ranks), 0),
+      slots_(static_cast<std::size_t>(num_ranks)) {
+  require(num_ranks >= 1, "num_ranks", "must be >= 1, got " + std::to_string(num_ranks));
+  require(timeout_s > 0, "timeout_s", "must be > 0 seconds, got " + std::to_string(timeout_s));
+}
+
+void InProcessGroup::check_rank(int rank) const {
+  require(rank >= 0 && rank < num_ranks_, "rank",
+          "must be in [0, " + std::to_string(num_ranks_) + "), got " + std::to_string(rank));
+}
+
+void InProcessGroup::barrier(int rank) {
+  check_rank(rank);
+  std::unique_lock lock(m_);
+  if (broken_)
+    throw Error(ErrorCode::kTimeout, "in-process barrier: rank " + std::to_string(rank) +
+                                         " entered after an earlier barrier timed out");
+  if (arrived_[rank])
+    throw Error(ErrorCode::kInternal,
+                "in-process barrier: rank " + std::to_string(rank) + " entered twice");
+  arrived_[rank] = 1;
+  if (++num_arrived_ == num_ranks_) {
+    std::fill(arrived_.begin(), arrived_.end(), 0);
+    num_arrived_ = 0;
+    ++generation_;
+    cv_.notify_all();
+    return;
+  }
+  const uint64_t mine = generation_;
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(timeout_s_));
+  const bool done = cv_.wait_until(lock, deadline, [&] { return generation_ != mine || broken_; });
+  if (done && generation_ != mine) return;
+  std::string missing;
+  for (int r = 0; r < num_ranks_; ++r)
+    if (!arrived_[r]) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+  const bool first = !broken_;
+  broken_ = true;
+  cv_.notify_all();
+  throw Error(ErrorCode::kTimeout, "in-process barrier: rank " + std::to_string(rank) +
+                                       (first ? " waited " + std::to_string(timeout_s_) +
+                                                    " s; rank(s) " + missing + " did not arrive"
+                                              : " gave up: another rank's barrier timed out"));
+}
+
+std::vector<uint8_t> InProcessGroup::allgather(int rank, const void* data, std::size_t bytes) {
+  check_rank(rank);
+  {
+    std::lock_guard lock(m_);
+    auto& s = slots_[rank];
+    s.resize(bytes);
+    if (bytes) std::memcpy(s.data(), data, bytes);
+  }
+  barrier(rank);  // every slot is written
+  std::vector<uint8_t> out;
+  {
+    std::lock_guard lock(m_);
+    for (int r = 0; r < num_ranks_; ++r)
+      require(slots_[r].size() == bytes, "bytes",
+              "must be the same on every rank: rank " + std::to_string(rank) + " gives " +
+                  std::to_string(bytes) + ", rank " + std::to_string(r) + " " +
+                  std::to_string(slots_[r].size()));
+    out.reserve(bytes * num_ranks_);
+    for (const auto& s : slots_) out.insert(out.end(), s.begin(), s.end());
+  }
+  barrier(rank);  // nobody overwrites a slot before every rank has read it
+  return out;
+}
+
+}  // namespace epx::detail

@@ -1,0 +1,44 @@
+// core/in_process_group.hpp - the host collectives of ranks that are threads
+// of one process (Communicator::create_in_process): a barrier with a deadline
+// and an all-gather through shared host memory. No CUDA here, so the CPU
+// tests cover it.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+namespace epx::detail {
+
+class InProcessGroup {
+ public:
+  /// `timeout_s`: how long a rank waits in a barrier for the others.
+  InProcessGroup(int num_ranks, double timeout_s);
+
+  int num_ranks() const { return num_ranks_; }
+
+  /// Returns once every rank has entered this barrier. Throws kTimeout naming
+  /// the ranks that did not arrive; after a timeout every later call throws
+  /// at once (the ranks no longer agree on which barrier is which).
+  void barrier(int rank);
+
+  /// `bytes` from every rank, in rank order. Every rank passes the same size.
+  std::vector<uint8_t> allgather(int rank, const void* data, std::size_t bytes);
+
+ private:
+  void check_rank(int rank) const;
+
+  const int num_ranks_;
+  const double timeout_s_;
+  std::mutex m_;
+  std::condition_variable cv_;
+  uint64_t generation_ = 0;
+  std::vector<char> arrived_;  ///< who has entered the current barrier
+  int num_arrived_ = 0;
+  bool broken_ = false;
+  std::vector<std::vector<uint8_t>> slots_;
+};
+
+}  // namespace epx::detail

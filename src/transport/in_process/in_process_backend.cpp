@@ -1,0 +1,65 @@
+// In-process backend: ranks are threads of one process (Communicator::
+// create_in_process). Each rank's symmetric memory is a plain cudaMalloc; the
+// ranks swap pointers through the communicator's all-gather, and every peer
+// reaches every other by load/store (one device, or peer access enabled
+// between devices). The kernels see the same device struct as over NVLink.
+#include <cstring>
+
+#include "core/check.hpp"
+#include "epx/buffer.hpp"
+#include "transport/backend.hpp"
+
+namespace epx::transport {
+namespace {
+
+class InProcessBackend final : public Backend {
+ public:
+  explicit InProcessBackend(Communicator& comm) : comm_(comm) {
+    EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  }
+  ~InProcessBackend() override { cudaStreamDestroy(stream_); }
+
+  const char* name() const override { return "in_process"; }
+  int rank() const override { return comm_.rank(); }
+  int num_ranks() const override { return comm_.num_ranks(); }
+
+  SymmetricRegion alloc(std::size_t bytes) override {
+    SymmetricRegion r;
+    r.bytes = plan::align_up(bytes == 0 ? plan::kAlign : bytes, 4096);
+    EPX_CUDA_CHECK(cudaMalloc(&r.local, r.bytes));
+    // On a stream of its own: the other ranks' kernels on this device keep running.
+    EPX_CUDA_CHECK(cudaMemsetAsync(r.local, 0, r.bytes, stream_));
+    EPX_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    // The all-gather is a barrier too: every rank's zero fill is done before anyone writes.
+    const auto all = comm_.allgather(&r.local, sizeof(void*));
+    for (int w = 0; w < comm_.num_ranks(); ++w)
+      std::memcpy(&r.peers[w], all.data() + w * sizeof(void*), sizeof(void*));
+    return r;
+  }
+
+  void free(SymmetricRegion& r) override {
+    if (!r.local) return;
+    // Once every rank is here, none issues more work, so waiting for the device
+    // (which on a shared GPU includes the other ranks' kernels) cannot block a
+    // peer; the second barrier keeps memory alive until every device is idle.
+    barrier();
+    EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    barrier();
+    EPX_CUDA_CHECK(cudaFree(r.local));
+    r = SymmetricRegion{};
+  }
+
+  void barrier() override { comm_.barrier(); }
+
+ private:
+  Communicator& comm_;
+  cudaStream_t stream_ = nullptr;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_in_process_backend(Communicator& comm) {
+  return std::make_unique<InProcessBackend>(comm);
+}
+
+}  // namespace epx::transport

@@ -1,0 +1,137 @@
+// The host collectives of in-process ranks (threads of one process) and the
+// argument rules of Communicator::create_in_process; no GPU needed.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/in_process_group.hpp"
+#include "epx/buffer.hpp"
+
+namespace epx {
+namespace {
+
+std::string message_of(const std::function<void()>& f, ErrorCode code) {
+  try {
+    f();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), code) << e.what();
+    return e.what();
+  }
+  ADD_FAILURE() << "expected an epx::Error";
+  return {};
+}
+
+TEST(InProcessGroup, AllGatherIsInRankOrderOnEveryRankAndRepeats) {
+  constexpr int R = 4;
+  detail::InProcessGroup g(R, 30.0);
+  std::vector<std::vector<uint8_t>> got(R * 50);
+  {
+    std::vector<std::jthread> threads;
+    for (int r = 0; r < R; ++r)
+      threads.emplace_back([&, r] {
+        for (int i = 0; i < 50; ++i) {
+          const int mine[2] = {r, 1000 * i + r};
+          got[i * R + r] = g.allgather(r, mine, sizeof(mine));
+        }
+      });
+  }
+  for (int i = 0; i < 50; ++i)
+    for (int r = 0; r < R; ++r) {
+      const auto& v = got[i * R + r];
+      ASSERT_EQ(v.size(), R * 2 * sizeof(int));
+      for (int s = 0; s < R; ++s) {
+        int pair[2];
+        std::memcpy(pair, v.data() + s * sizeof(pair), sizeof(pair));
+        EXPECT_EQ(pair[0], s) << "call " << i << " on rank " << r;
+        EXPECT_EQ(pair[1], 1000 * i + s) << "call " << i << " on rank " << r;
+      }
+    }
+}
+
+TEST(InProcessGroup, BarrierHoldsEveryRankUntilTheLastArrives) {
+  constexpr int R = 3;
+  detail::InProcessGroup g(R, 30.0);
+  std::atomic<int> before{0}, passed_early{0};
+  {
+    std::vector<std::jthread> threads;
+    for (int r = 0; r < R; ++r)
+      threads.emplace_back([&, r] {
+        if (r == R - 1) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        before.fetch_add(1);
+        g.barrier(r);
+        if (before.load() != R) passed_early.fetch_add(1);
+      });
+  }
+  EXPECT_EQ(passed_early.load(), 0);
+}
+
+TEST(InProcessGroup, TimeoutNamesTheMissingRankAndBreaksTheGroup) {
+  detail::InProcessGroup g(3, 0.2);
+  std::string first, second;
+  {
+    std::jthread a([&] { first = message_of([&] { g.barrier(0); }, ErrorCode::kTimeout); });
+    std::jthread b([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      second = message_of([&] { g.barrier(1); }, ErrorCode::kTimeout);
+    });
+  }
+  // Rank 2 never came: whoever timed out first names it; the other gives up.
+  const std::string both = first + " | " + second;
+  EXPECT_NE(both.find("rank(s) 2 did not arrive"), std::string::npos) << both;
+  EXPECT_NE(both.find("gave up"), std::string::npos) << both;
+  const std::string late = message_of([&] { g.barrier(2); }, ErrorCode::kTimeout);
+  EXPECT_NE(late.find("after an earlier barrier timed out"), std::string::npos) << late;
+}
+
+TEST(InProcessGroup, BadArgumentsAreNamed) {
+  EXPECT_NE(message_of([] { detail::InProcessGroup(0, 1.0); }, ErrorCode::kInvalidArgument)
+                .find("num_ranks"),
+            std::string::npos);
+  EXPECT_NE(message_of([] { detail::InProcessGroup(2, 0.0); }, ErrorCode::kInvalidArgument)
+                .find("timeout_s"),
+            std::string::npos);
+  detail::InProcessGroup g(2, 1.0);
+  EXPECT_NE(message_of([&] { g.barrier(2); }, ErrorCode::kInvalidArgument).find("rank"),
+            std::string::npos);
+}
+
+TEST(InProcessGroup, AllGatherRefusesDifferentSizes) {
+  detail::InProcessGroup g(2, 30.0);
+  std::string m0, m1;
+  {
+    std::jthread a([&] {
+      int v = 1;
+      m0 = message_of([&] { g.allgather(0, &v, sizeof(v)); }, ErrorCode::kInvalidArgument);
+    });
+    std::jthread b([&] {
+      int64_t v = 1;
+      m1 = message_of([&] { g.allgather(1, &v, sizeof(v)); }, ErrorCode::kInvalidArgument);
+    });
+  }
+  EXPECT_NE(m0.find("bytes"), std::string::npos) << m0;
+  EXPECT_NE(m1.find("same on every rank"), std::string::npos) << m1;
+}
+
+TEST(InProcessGroup, CreateInProcessChecksItsArgumentsFirst) {
+  // These fail before any CUDA call, so they run without a GPU.
+  EXPECT_NE(message_of([] { Communicator::create_in_process(0); }, ErrorCode::kInvalidArgument)
+                .find("num_ranks"),
+            std::string::npos);
+  EXPECT_NE(message_of([] { Communicator::create_in_process(9); }, ErrorCode::kInvalidArgument)
+                .find("num_ranks"),
+            std::string::npos);
+  EXPECT_NE(message_of([] { Communicator::create_in_process(2, {0}); }, ErrorCode::kInvalidArgument)
+                .find("devices"),
+            std::string::npos);
+  EXPECT_NE(
+      message_of([] { Communicator::create_in_process(2, {}, -1.0); }, ErrorCode::kInvalidArgument)
+          .find("timeout_s"),
+      std::string::npos);
+}
+
+}  // namespace
+}  // namespace epx
