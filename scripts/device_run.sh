@@ -3,6 +3,8 @@
 # all local GPUs (EP2, then EP4/EP8 where there are GPUs), then the
 # benchmarks; logs and result JSON under $OUT; a short table last.
 #   EPX_RUN="tests bench"  (default both)   EPX_BENCH="ht ll"
+#   EPX_IN_PROCESS="2 4": the test suite again with that many ranks as threads of
+#   one process on GPU 0 (default "2 4" on a 1-GPU machine, else none).
 #   EPX_RUN="python" (or "tests bench python"): the Python package from a wheel in
 #   .device/wheel/ (pytest -m gpu, then python -m epx.bench), EPX_PY_TIMEOUT (300 s) each.
 #   EPX_RUN="pybuild python": the wheel built here by `pip wheel .` on this Python instead.
@@ -28,6 +30,18 @@ if [[ " $RUN " == *" tests "* ]]; then
     grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|tests passed|FAILURES|SKIPPED|rank [0-9]+:" "$OUT/gpu-tests-ep$n.log" | sort | uniq -c | head -30
     [ $rc -eq 0 ] || tail -40 "$OUT/gpu-tests-ep$n.log"
     summary+=("gpu tests EP$n: rc=$rc")
+  done
+  # Ranks as threads of one process on GPU 0: the multi-rank protocol where
+  # there are fewer GPUs (EPX_IN_PROCESS="2 4" by default on a 1-GPU machine).
+  inproc=${EPX_IN_PROCESS-$([ "$GPUS" -lt 2 ] && echo "2 4")}
+  for n in $inproc; do
+    echo "== GPU tests, $n in-process ranks on one GPU"
+    timeout ${EPX_TEST_TIMEOUT:-420} ${LINEBUF[@]+"${LINEBUF[@]}"} "$D/epx_gpu_tests" --in-process="$n" \
+      ${EPX_GTEST_FILTER:+--gtest_filter=$EPX_GTEST_FILTER} > "$OUT/gpu-tests-inproc$n.log" 2>&1
+    rc=$?
+    grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|tests passed|FAILURES|SKIPPED|in-process ranks" "$OUT/gpu-tests-inproc$n.log" | sort | uniq -c | head -30
+    [ $rc -eq 0 ] || tail -40 "$OUT/gpu-tests-inproc$n.log"
+    summary+=("gpu tests, $n in-process ranks: rc=$rc")
   done
 fi
 if [[ " $RUN " == *" bench "* ]]; then

@@ -1,5 +1,6 @@
 #include "gpu/harness.hpp"
 
+#include <algorithm>
 #include <cstring>
 #include <exception>
 #include <thread>
@@ -8,9 +9,46 @@
 
 namespace epx::test {
 
+namespace {
+thread_local World* t_world = nullptr;  // set on the threads of in-process ranks
+}
+
 World& world() {
   static World w;
-  return w;
+  return t_world ? *t_world : w;
+}
+
+std::vector<World>& in_process_worlds() {
+  static std::vector<World> v;
+  return v;
+}
+
+int sm_budget() {
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, world().comm->device()) !=
+      cudaSuccess)
+    throw Error(ErrorCode::kCuda, "cudaDeviceGetAttribute");
+  return std::max(1, sms / world().comm->ranks_on_device());
+}
+
+void on_every_rank(void (*body)()) {
+  auto& worlds = in_process_worlds();
+  if (worlds.empty()) return body();
+  std::vector<std::jthread> threads;
+  for (auto& w : worlds)
+    threads.emplace_back([&w, body] {
+      SCOPED_TRACE("rank " + std::to_string(w.rank));
+      t_world = &w;
+      if (cudaSetDevice(w.comm->device()) != cudaSuccess) {
+        ADD_FAILURE() << "rank " << w.rank << ": cudaSetDevice failed";
+        return;
+      }
+      try {
+        body();
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << "rank " << w.rank << " threw: " << e.what();
+      }
+    });
 }
 
 Allocator poisoning_allocator() {
@@ -26,12 +64,18 @@ Allocator poisoning_allocator() {
 }
 
 DeviceArray<uint8_t> to_device_bytes(const void* data, std::size_t bytes) {
+  // Stream-ordered on the rank's stream: cudaFree would wait for the whole
+  // device, which in-process ranks share, while a peer's kernel may wait for
+  // this rank's next call.
+  cudaStream_t s = world().stream;
   void* p = nullptr;
-  if (cudaMalloc(&p, bytes ? bytes : 16) != cudaSuccess)
-    throw Error(ErrorCode::kCuda, "cudaMalloc");
-  if (bytes && cudaMemcpy(p, data, bytes, cudaMemcpyHostToDevice) != cudaSuccess)
-    throw Error(ErrorCode::kCuda, "cudaMemcpy");
-  return {std::shared_ptr<void>(p, [](void* q) { cudaFree(q); }), bytes};
+  if (cudaMallocAsync(&p, bytes ? bytes : 16, s) != cudaSuccess)
+    throw Error(ErrorCode::kCuda, "cudaMallocAsync");
+  if (bytes && cudaMemcpyAsync(p, data, bytes, cudaMemcpyHostToDevice, s) != cudaSuccess)
+    throw Error(ErrorCode::kCuda, "cudaMemcpyAsync");
+  if (cudaStreamSynchronize(s) != cudaSuccess)
+    throw Error(ErrorCode::kCuda, "cudaStreamSynchronize");
+  return {std::shared_ptr<void>(p, [s](void* q) { cudaFreeAsync(q, s); }), bytes};
 }
 
 TensorView view(void* p, DType dtype, std::initializer_list<int64_t> shape) {
@@ -58,11 +102,13 @@ std::vector<float> random_f32(std::size_t n, uint64_t seed) {
 
 void for_each_rank(int n, const std::function<void(int)>& f) {
   std::vector<std::exception_ptr> errors(n);
+  World* caller = t_world;
   {
     std::vector<std::jthread> threads;
     threads.reserve(n);
     for (int r = 0; r < n; ++r)
       threads.emplace_back([&, r] {
+        t_world = caller;
         try {
           f(r);
         } catch (...) {

@@ -13,14 +13,37 @@
 
 namespace epx::test {
 
-/// The process's communicator and one buffer shared by all tests.
+/// One rank's communicator and the buffer shared by all tests.
 struct World {
   std::shared_ptr<Communicator> comm;
   std::unique_ptr<Buffer> buffer;
   int rank = 0, num_ranks = 1;
   cudaStream_t stream = nullptr;  ///< the "compute" stream tests call from
 };
+/// The calling thread's rank: the process's one rank, or with in-process
+/// ranks (--in-process=R) the rank whose thread runs the test body.
 World& world();
+
+/// In-process mode: the R ranks' worlds (main.cpp fills them). Empty when
+/// the process is one rank.
+std::vector<World>& in_process_worlds();
+
+/// Runs a test body once per rank: directly when the process is one rank,
+/// else on one thread per in-process rank (each with its device and world;
+/// failures carry the rank). A body that throws fails the test on that rank.
+void on_every_rank(void (*body)());
+
+/// SMs this rank may use: the GPU's, split among the in-process ranks on it
+/// (as Buffer splits them).
+int sm_budget();
+
+/// A multi-rank GPU test: TEST whose body runs on every rank (on_every_rank).
+#define EPX_GPU_TEST(suite, name)                               \
+  static void epx_gpu_body_##suite##_##name();                  \
+  TEST(suite, name) {                                           \
+    ::epx::test::on_every_rank(&epx_gpu_body_##suite##_##name); \
+  }                                                             \
+  static void epx_gpu_body_##suite##_##name()
 
 /// Allocator that fills every output with 0xFF bytes (NaN in bf16/f32, -1 in
 /// ints) so unwritten outputs are caught.
@@ -58,7 +81,8 @@ std::vector<float> random_f32(std::size_t n, uint64_t seed);
 
 /// Runs f(0) .. f(n-1) on n threads and waits for all of them. Every rank
 /// builds every rank's inputs, so at EP8 one thread per rank keeps the CPU
-/// side of a test from growing with the square of the rank count.
+/// side of a test from growing with the square of the rank count. The
+/// threads see the caller's world().
 void for_each_rank(int n, const std::function<void(int)>& f);
 
 /// All ranks agree (logical AND over ranks).

@@ -1,42 +1,109 @@
-// Multi-rank GPU test runner: one process per GPU (scripts/launch.sh or
-// torchrun). Every rank runs every test; a rank's failure fails the run.
+// Multi-rank GPU test runner. Either one process per GPU (scripts/launch.sh
+// or torchrun), or with --in-process=R (or EPX_TEST_IN_PROCESS=R) R ranks as
+// threads of this process on the current GPU (Communicator::create_in_process):
+// the multi-rank protocol on one GPU, for machines with fewer GPUs than ranks.
+// Every rank runs every test; a rank's failure fails the run.
 #include <gtest/gtest.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
 
 #include "gpu/harness.hpp"
 
+namespace {
+
+/// Communicator, buffer and stream of one rank (collective: every rank at once).
+void set_up(epx::test::World& w, std::shared_ptr<epx::Communicator> comm) {
+  w.comm = std::move(comm);
+  w.rank = w.comm->rank();
+  w.num_ranks = w.comm->num_ranks();
+  epx::BufferOptions o;
+  o.num_nvl_bytes = static_cast<int64_t>(std::getenv("EPX_TEST_NVL_BYTES")
+                                             ? std::atoll(std::getenv("EPX_TEST_NVL_BYTES"))
+                                             : (1ll << 30));
+  o.num_rdma_bytes = 1ll << 30;
+  o.allocator = epx::test::poisoning_allocator();
+  o.timeout_s = 20;
+  if (cudaStreamCreateWithFlags(&w.stream, cudaStreamNonBlocking) != cudaSuccess)
+    throw epx::Error(epx::ErrorCode::kCuda, "cudaStreamCreateWithFlags");
+  w.buffer = std::make_unique<epx::Buffer>(w.comm, o);
+}
+
+int in_process_ranks(int argc, char** argv) {
+  const char* v = std::getenv("EPX_TEST_IN_PROCESS");
+  for (int i = 1; i < argc; ++i)
+    if (std::strncmp(argv[i], "--in-process=", 13) == 0) v = argv[i] + 13;
+  return v ? std::atoi(v) : 0;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
+  const int in_process = in_process_ranks(argc, argv);
+  // In-process ranks share one CUDA context, where loading a kernel at its
+  // first launch (CUDA's default lazy loading) may wait for the kernels
+  // running: a peer's, waiting for this rank. Load every kernel at start-up.
+  if (in_process > 0) setenv("CUDA_MODULE_LOADING", "EAGER", 0);
   int ndev = 0;
   if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
     std::printf("epx_gpu_tests: SKIPPED: no CUDA device\n");
     return 77;
   }
-  auto& w = epx::test::world();
+  auto& worlds = epx::test::in_process_worlds();
   try {
-    w.comm = epx::Communicator::from_env();
-    w.rank = w.comm->rank();
-    w.num_ranks = w.comm->num_ranks();
-    epx::BufferOptions o;
-    o.num_nvl_bytes = static_cast<int64_t>(std::getenv("EPX_TEST_NVL_BYTES")
-                                               ? std::atoll(std::getenv("EPX_TEST_NVL_BYTES"))
-                                               : (1ll << 30));
-    o.num_rdma_bytes = 1ll << 30;
-    o.allocator = epx::test::poisoning_allocator();
-    o.timeout_s = 20;
-    w.buffer = std::make_unique<epx::Buffer>(w.comm, o);
-    cudaStreamCreateWithFlags(&w.stream, cudaStreamNonBlocking);
+    if (in_process > 0) {
+      // A rank that fails may leave the others in a collective: 120 s, not hours.
+      auto comms = epx::Communicator::create_in_process(in_process, {}, 120.0);
+      worlds.resize(comms.size());
+      std::vector<std::string> errors(comms.size());
+      {
+        std::vector<std::jthread> threads;
+        for (std::size_t r = 0; r < comms.size(); ++r)
+          threads.emplace_back([&, r] {
+            try {
+              cudaSetDevice(comms[r]->device());
+              set_up(worlds[r], comms[r]);
+            } catch (const std::exception& e) {
+              errors[r] = e.what();
+            }
+          });
+      }
+      for (const auto& e : errors)
+        if (!e.empty()) throw epx::Error(epx::ErrorCode::kInternal, e);
+      std::printf("epx_gpu_tests: %d in-process ranks on GPU %d (backend %s)\n", in_process,
+                  worlds[0].comm->device(), worlds[0].buffer->backend_name());
+    } else {
+      set_up(epx::test::world(), epx::Communicator::from_env());
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "epx_gpu_tests: setup failed: %s\n", e.what());
     return 1;
   }
+  const int rank = in_process > 0 ? 0 : epx::test::world().rank;
   // Rank 0 prints the whole report; the others print their failures only.
-  if (w.rank != 0) GTEST_FLAG_SET(brief, true);
+  if (rank != 0) GTEST_FLAG_SET(brief, true);
   int rc = RUN_ALL_TESTS();
-  w.buffer->destroy();
-  w.buffer.reset();
-  std::printf("rank %d: %s\n", w.rank, rc == 0 ? "all tests passed" : "FAILURES");
+  if (in_process > 0) {
+    std::vector<std::jthread> threads;
+    for (auto& w : worlds)
+      threads.emplace_back([&w] {
+        cudaSetDevice(w.comm->device());
+        try {
+          w.buffer->destroy();
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "rank %d: destroy failed: %s\n", w.rank, e.what());
+        }
+        w.buffer.reset();
+      });
+  } else {
+    auto& w = epx::test::world();
+    w.buffer->destroy();
+    w.buffer.reset();
+  }
+  std::printf("rank %d: %s\n", rank, rc == 0 ? "all tests passed" : "FAILURES");
   return rc;
 }

@@ -339,14 +339,14 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true) {
 
 // ---- dtype and flag combinations ----------------------------------------------
 
-TEST(LowLatency, Bf16StandardWorkload) {
+EPX_GPU_TEST(LowLatency, Bf16StandardWorkload) {
   LlCase c;
   c.max_tokens = 128;
   c.hidden = 7168;
   c.num_experts = 256;
   run_case(c, 1);
 }
-TEST(LowLatency, Fp8StandardWorkload) {
+EPX_GPU_TEST(LowLatency, Fp8StandardWorkload) {
   LlCase c;
   c.max_tokens = 128;
   c.hidden = 7168;
@@ -354,19 +354,19 @@ TEST(LowLatency, Fp8StandardWorkload) {
   c.fp8 = true;
   run_case(c, 2);
 }
-TEST(LowLatency, Fp8RoundScale) {
+EPX_GPU_TEST(LowLatency, Fp8RoundScale) {
   LlCase c;
   c.hidden = 7168;
   c.fp8 = c.round_scale = true;
   run_case(c, 3);
 }
-TEST(LowLatency, Fp8Ue8m0) {
+EPX_GPU_TEST(LowLatency, Fp8Ue8m0) {
   LlCase c;
   c.hidden = 7168;
   c.fp8 = c.round_scale = c.ue8m0 = true;
   run_case(c, 4);
 }
-TEST(LowLatency, HiddenSizes) {
+EPX_GPU_TEST(LowLatency, HiddenSizes) {
   for (int h : {2048, 4096, 8192}) {
     LlCase c;
     c.hidden = h;
@@ -375,7 +375,7 @@ TEST(LowLatency, HiddenSizes) {
     run_case(c, 20 + h, false);
   }
 }
-TEST(LowLatency, HiddenNotMultipleOf128Throws) {
+EPX_GPU_TEST(LowLatency, HiddenNotMultipleOf128Throws) {
   auto& w = world();
   LlCase c;
   c.hidden = 2880;
@@ -393,7 +393,7 @@ TEST(LowLatency, HiddenNotMultipleOf128Throws) {
     }
   }
 }
-TEST(LowLatency, TopK) {
+EPX_GPU_TEST(LowLatency, TopK) {
   for (int k : {1, 2, 4, 6, 9, 16}) {
     LlCase c;
     c.num_topk = k;
@@ -402,7 +402,7 @@ TEST(LowLatency, TopK) {
     run_case(c, 30 + k);
   }
 }
-TEST(LowLatency, MaskedPicksEmptyTokenAndDuplicates) {
+EPX_GPU_TEST(LowLatency, MaskedPicksEmptyTokenAndDuplicates) {
   LlCase c;
   c.masked = 0.3;
   c.empty_token = true;
@@ -411,12 +411,12 @@ TEST(LowLatency, MaskedPicksEmptyTokenAndDuplicates) {
   c.fp8 = true;
   run_case(c, 41);
 }
-TEST(LowLatency, RankWithoutTokens) {
+EPX_GPU_TEST(LowLatency, RankWithoutTokens) {
   LlCase c;
   c.rank1_no_tokens = true;
   run_case(c, 42);
 }
-TEST(LowLatency, FewExpertsManyRows) {  // one expert per rank receives every token
+EPX_GPU_TEST(LowLatency, FewExpertsManyRows) {  // one expert per rank receives every token
   LlCase c;
   c.num_experts = world().num_ranks;
   c.num_topk = 1;
@@ -424,7 +424,7 @@ TEST(LowLatency, FewExpertsManyRows) {  // one expert per rank receives every to
   c.hidden = 1024;
   run_case(c, 43);
 }
-TEST(LowLatency, HookMode) {
+EPX_GPU_TEST(LowLatency, HookMode) {
   LlCase c;
   c.hook = true;
   run_case(c, 50);
@@ -432,12 +432,12 @@ TEST(LowLatency, HookMode) {
   c.async = true;
   run_case(c, 51);
 }
-TEST(LowLatency, AsyncFinish) {
+EPX_GPU_TEST(LowLatency, AsyncFinish) {
   LlCase c;
   c.async = true;
   run_case(c, 52);
 }
-TEST(LowLatency, ZeroCopyAndOut) {
+EPX_GPU_TEST(LowLatency, ZeroCopyAndOut) {
   LlCase c;
   c.zero_copy = true;
   run_case(c, 60);
@@ -448,7 +448,7 @@ TEST(LowLatency, ZeroCopyAndOut) {
   c.hook = true;
   run_case(c, 62);
 }
-TEST(LowLatency, LogFmt) {
+EPX_GPU_TEST(LowLatency, LogFmt) {
   LlCase c;
   c.logfmt = true;
   run_case(c, 70);
@@ -457,7 +457,7 @@ TEST(LowLatency, LogFmt) {
   c.hook = true;
   run_case(c, 71);
 }
-TEST(LowLatency, CumulativeStats) {
+EPX_GPU_TEST(LowLatency, CumulativeStats) {
   LlCase c;
   c.stats = true;
   run_case(c, 80, false);
@@ -467,7 +467,7 @@ TEST(LowLatency, CumulativeStats) {
 
 /// 50 dispatch+combine pairs issued back to back (no host sync in between),
 /// each with fresh routing; every result is checked afterwards.
-TEST(LowLatency, BackToBack50) {
+EPX_GPU_TEST(LowLatency, BackToBack50) {
   auto& w = world();
   const int R = w.num_ranks, me = w.rank, N = 50;
   LlCase c;
@@ -529,7 +529,7 @@ TEST(LowLatency, BackToBack50) {
 
 /// DeepEP's two-micro-batch overlap: two dispatches in flight (hooks), then
 /// both receives, then two combines in flight, then both receives.
-TEST(LowLatency, TwoBatchOverlapWithHooks) {
+EPX_GPU_TEST(LowLatency, TwoBatchOverlapWithHooks) {
   auto& w = world();
   const int R = w.num_ranks, me = w.rank;
   LlCase c;
@@ -602,7 +602,7 @@ TEST(LowLatency, TwoBatchOverlapWithHooks) {
 /// into the same topk_idx buffer. combine(dispatch(x)) = (sum of the valid
 /// weights) * x per token. Every replay's output is checked; recv_count is
 /// checked against the reference on a sample of replays.
-TEST(LowLatency, GraphReplay1000WithChangingRouting) {
+EPX_GPU_TEST(LowLatency, GraphReplay1000WithChangingRouting) {
   auto& w = world();
   const int R = w.num_ranks, me = w.rank, T = 48, maxT = 64, H = 1024, K = 8, E = 32;
   if (E % R) GTEST_SKIP();
@@ -725,7 +725,7 @@ TEST(LowLatency, GraphReplay1000WithChangingRouting) {
 
 /// An expert id out of range is reported by the send kernel (treated as
 /// masked) and raised at the next call on every rank.
-TEST(LowLatency, BadExpertIdIsRaisedAtNextCall) {
+EPX_GPU_TEST(LowLatency, BadExpertIdIsRaisedAtNextCall) {
   auto& w = world();
   LlCase c;
   c.max_tokens = 8;
@@ -752,7 +752,7 @@ TEST(LowLatency, BadExpertIdIsRaisedAtNextCall) {
 /// Only rank 0 dispatches: its receive phase must give up after the timeout
 /// and the next call must raise kTimeout naming the op; after
 /// clean_low_latency_buffer everything works again.
-TEST(LowLatency, TimeoutIsReportedAndCleanRecovers) {
+EPX_GPU_TEST(LowLatency, TimeoutIsReportedAndCleanRecovers) {
   auto& w = world();
   if (w.num_ranks < 2) GTEST_SKIP() << "needs a peer that stays silent";
   LlCase c;

@@ -20,7 +20,7 @@ __global__ void write_peers(epx::transport::SymmetricRegion r, int me, int n, in
   }
 }
 
-TEST(Smoke, SymmetricPeerStores) {
+EPX_GPU_TEST(Smoke, SymmetricPeerStores) {
   auto& w = epx::test::world();
   auto backend = epx::transport::make_backend("auto", *w.comm);
   const int words = 1 << 20;  // 4 MiB from each rank
