@@ -232,16 +232,18 @@ struct NvlinkTransport {
     return wait_ge(reinterpret_cast<const uint32_t*>(local_ptr(offset)), value, timeout_ns, diag,
                    op, rank, peer, channel);
   }
-  /// Warp-wide wait: lane 0 polls, the warp continues together (the warp
-  /// barrier orders the other lanes' later loads after lane 0's acquire).
-  /// Wrap-safe >=: a flag left unwritten for 2^31 ops would pass (see
-  /// docs/status.md; an exact match is argued safe for the HT chunk flags but
-  /// not yet run on two GPUs).
+  /// Warp-wide wait until the local flag at `offset` holds exactly `value`:
+  /// lane 0 polls, the warp continues together (the warp barrier orders the
+  /// other lanes' later loads after lane 0's acquire). Exact, not >=: a chunk
+  /// flag holds the epoch of the last op that used its slot, and no sender
+  /// can store a later epoch before this rank has left the op (each op starts
+  /// with a barrier over the ranks), so only this op's store matches; a >=
+  /// (even wrap-safe) would take a flag left unwritten for 2^31 ops.
   __device__ __forceinline__ bool wait_warp(std::size_t offset, uint32_t value, uint64_t timeout_ns,
                                             DeviceDiag* diag, OpId op, int peer,
                                             int channel) const {
     int ok = 1;
-    if ((threadIdx.x & 31) == 0) ok = wait(offset, value, timeout_ns, diag, op, peer, channel);
+    if ((threadIdx.x & 31) == 0) ok = wait_eq(offset, value, timeout_ns, diag, op, peer, channel);
     ok = __shfl_sync(0xffffffffu, ok, 0);
     __syncwarp();
     return ok != 0;

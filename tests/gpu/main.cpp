@@ -58,6 +58,15 @@ int main(int argc, char** argv) {
     if (in_process > 0) {
       // A rank that fails may leave the others in a collective: 120 s, not hours.
       auto comms = epx::Communicator::create_in_process(in_process, {}, 120.0);
+      // The default configs' SMs must fit each rank's share of the GPU.
+      int sms = 0;
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, comms[0]->device());
+      const int share = sms / in_process;
+      if (epx::Buffer::num_sms() > share) {
+        epx::Buffer::set_num_sms(share);
+        std::printf("epx_gpu_tests: default configs use %d SMs per rank (%d on the GPU)\n", share,
+                    sms);
+      }
       worlds.resize(comms.size());
       std::vector<std::string> errors(comms.size());
       {

@@ -224,7 +224,7 @@ EPX_GPU_TEST(HighThroughput, ChunkSizesAndSmSplits) {
     Config cfg = get_dispatch_config(world().num_ranks);
     cfg.num_max_send_tokens = sp.chunk;
     cfg.num_sms = std::min(sp.sms, sm_budget());  // in-process ranks split a GPU
-    cfg.num_send_sms = sp.send;
+    cfg.num_send_sms = std::min(sp.send, cfg.num_sms - 1);
     run_case({700, 4096, 8, 64, false, 0.1, true, 1, false}, 1, 300 + sp.chunk, cfg);
     run_case({300, 2048, 8, 64, true, 0.1, true, 1, false}, 1, 400 + sp.chunk, cfg);
   }
