@@ -112,11 +112,16 @@ void Buffer::destroy() {
   d.destroyed = true;
   EPX_CUDA_CHECK(cudaStreamSynchronize(d.comm_stream));
   d.ll_sync();
-  d.backend->free(d.ht);
-  d.backend->free(d.ll);
+  // This rank's own memory first: its ops are done, and these frees may wait
+  // for the whole device (other in-process ranks' kernels, which no longer
+  // need this rank). The symmetric regions go last; the backend's final
+  // barrier keeps every rank here until all have freed, so no rank's next
+  // kernels can be waited for by a peer's free.
   cudaFree(d.ht_op_counter);
   cudaFreeHost(d.diag_host);
   cudaFreeHost(d.counts_host);
+  d.backend->free(d.ht);
+  d.backend->free(d.ll);
   // The comm stream is not destroyed: tensors used on it (torch's
   // record_stream, events users keep) may be freed after the buffer, and an
   // event recorded on a destroyed stream fails. One idle stream per buffer
@@ -204,7 +209,15 @@ void Buffer::Impl::wait_host_flag(volatile int* flag, int expected, const char* 
   }
 }
 
+void Buffer::Impl::check_stream(const StreamArgs& s) const {
+  require(comm->ranks_on_device() == 1 || (s.stream != nullptr && s.stream != cudaStreamLegacy),
+          "streams.stream",
+          "must not be the legacy default stream while in-process ranks share this GPU: every "
+          "rank's thread would order its waits behind the others' (give each rank a stream)");
+}
+
 void Buffer::Impl::enter(const StreamArgs& s) {
+  check_stream(s);
   raise_if_failed("previous op");
   if (s.previous_event && s.previous_event->valid()) {
     s.previous_event->stream_wait(comm_stream);
@@ -222,6 +235,7 @@ bool capturing(cudaStream_t stream) {
 }  // namespace
 
 cudaStream_t Buffer::Impl::ll_enter(const StreamArgs& s) {
+  check_stream(s);
   const bool direct = !s.async_finish && !(s.previous_event && s.previous_event->valid());
   if (!direct)
     enter(s);

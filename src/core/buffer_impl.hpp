@@ -86,6 +86,9 @@ struct Buffer::Impl {
     return host_seq;
   }
   /// Order the comm stream after the caller (previous_event or stream).
+  /// The caller's stream is usable: not the legacy default stream when
+  /// in-process ranks share the GPU.
+  void check_stream(const StreamArgs& s) const;
   void enter(const StreamArgs& s);
   /// Finish: event for async_finish, or make the caller's stream wait.
   std::optional<Event> leave(const StreamArgs& s);

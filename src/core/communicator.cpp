@@ -78,7 +78,12 @@ std::vector<std::shared_ptr<Communicator>> Communicator::create_in_process(int n
     require(devices[r] >= 0 && devices[r] < ndev, "devices",
             "device of rank " + std::to_string(r) + " must be in [0, " + std::to_string(ndev) +
                 "), got " + std::to_string(devices[r]));
-  // Ranks on distinct devices reach each other's memory by pointer.
+  // Ranks on distinct devices reach each other's memory by pointer. The
+  // caller's device is current again on every way out.
+  struct RestoreDevice {
+    int device;
+    ~RestoreDevice() { cudaSetDevice(device); }
+  } restore{current};
   const std::set<int> distinct(devices.begin(), devices.end());
   for (int a : distinct)
     for (int b : distinct) {
@@ -96,7 +101,6 @@ std::vector<std::shared_ptr<Communicator>> Communicator::create_in_process(int n
       else
         EPX_CUDA_CHECK(e);
     }
-  EPX_CUDA_CHECK(cudaSetDevice(current));
   auto group = std::make_shared<detail::InProcessGroup>(num_ranks, timeout_s);
   std::vector<std::shared_ptr<Communicator>> out;
   for (int r = 0; r < num_ranks; ++r) {

@@ -38,7 +38,9 @@ void Config::validate(int num_ranks, int device_sm_count) const {
   require(num_sms >= 2, "config.num_sms",
           "must be >= 2 (one send and one receive SM), got " + std::to_string(num_sms));
   require(device_sm_count <= 0 || num_sms <= device_sm_count, "config.num_sms",
-          "must not exceed the device's " + std::to_string(device_sm_count) + " SMs, got " +
+          "must not exceed the " + std::to_string(device_sm_count) +
+              " SMs this rank may use (the GPU's, split among in-process ranks sharing it), "
+              "got " +
               std::to_string(num_sms));
   require(send_sms() >= 1 && recv_sms() >= 1, "config.num_send_sms",
           "must leave at least one receive SM (0 < num_send_sms < num_sms), got " +

@@ -67,17 +67,23 @@ std::vector<uint8_t> InProcessGroup::allgather(int rank, const void* data, std::
   }
   barrier(rank);  // every slot is written
   std::vector<uint8_t> out;
+  std::string mismatch;
   {
     std::lock_guard lock(m_);
-    for (int r = 0; r < num_ranks_; ++r)
-      require(slots_[r].size() == bytes, "bytes",
-              "must be the same on every rank: rank " + std::to_string(rank) + " gives " +
-                  std::to_string(bytes) + ", rank " + std::to_string(r) + " " +
-                  std::to_string(slots_[r].size()));
-    out.reserve(bytes * num_ranks_);
-    for (const auto& s : slots_) out.insert(out.end(), s.begin(), s.end());
+    for (int r = 0; r < num_ranks_ && mismatch.empty(); ++r)
+      if (slots_[r].size() != bytes)
+        mismatch = "must be the same on every rank: rank " + std::to_string(rank) + " gives " +
+                   std::to_string(bytes) + ", rank " + std::to_string(r) + " " +
+                   std::to_string(slots_[r].size());
+    if (mismatch.empty()) {
+      out.reserve(bytes * num_ranks_);
+      for (const auto& s : slots_) out.insert(out.end(), s.begin(), s.end());
+    }
   }
-  barrier(rank);  // nobody overwrites a slot before every rank has read it
+  // Nobody overwrites a slot before every rank has read it, also when the
+  // sizes disagree (every rank then raises, after this barrier).
+  barrier(rank);
+  require(mismatch.empty(), "bytes", mismatch);
   return out;
 }
 

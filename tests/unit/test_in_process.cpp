@@ -99,21 +99,36 @@ TEST(InProcessGroup, BadArgumentsAreNamed) {
             std::string::npos);
 }
 
-TEST(InProcessGroup, AllGatherRefusesDifferentSizes) {
+TEST(InProcessGroup, AllGatherRefusesDifferentSizesAndStaysInStep) {
   detail::InProcessGroup g(2, 30.0);
   std::string m0, m1;
+  std::vector<uint8_t> after0, after1;
   {
+    // Rank 0 calls again at once after its error: the group must not hand
+    // rank 1 that next call's data for the failed one.
     std::jthread a([&] {
       int v = 1;
       m0 = message_of([&] { g.allgather(0, &v, sizeof(v)); }, ErrorCode::kInvalidArgument);
+      const int16_t next = 100;
+      after0 = g.allgather(0, &next, sizeof(next));
     });
     std::jthread b([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
       int64_t v = 1;
       m1 = message_of([&] { g.allgather(1, &v, sizeof(v)); }, ErrorCode::kInvalidArgument);
+      const int16_t next = 101;
+      after1 = g.allgather(1, &next, sizeof(next));
     });
   }
   EXPECT_NE(m0.find("bytes"), std::string::npos) << m0;
   EXPECT_NE(m1.find("same on every rank"), std::string::npos) << m1;
+  for (const auto* got : {&after0, &after1}) {
+    ASSERT_EQ(got->size(), 4u);
+    int16_t v[2];
+    std::memcpy(v, got->data(), 4);
+    EXPECT_EQ(v[0], 100);
+    EXPECT_EQ(v[1], 101);
+  }
 }
 
 TEST(InProcessGroup, CreateInProcessChecksItsArgumentsFirst) {

@@ -41,11 +41,13 @@ class InProcessBackend final : public Backend {
     if (!r.local) return;
     // Once every rank is here, none issues more work, so waiting for the device
     // (which on a shared GPU includes the other ranks' kernels) cannot block a
-    // peer; the second barrier keeps memory alive until every device is idle.
+    // peer. The free (which may wait for the device too) comes before the last
+    // barrier: no rank leaves to launch kernels a peer's free would wait for.
     barrier();
     EPX_CUDA_CHECK(cudaDeviceSynchronize());
-    barrier();
+    barrier();  // every device idle: nobody writes this memory any more
     EPX_CUDA_CHECK(cudaFree(r.local));
+    barrier();
     r = SymmetricRegion{};
   }
 
