@@ -36,7 +36,17 @@ int in_process_ranks(int argc, char** argv) {
   const char* v = std::getenv("EPX_TEST_IN_PROCESS");
   for (int i = 1; i < argc; ++i)
     if (std::strncmp(argv[i], "--in-process=", 13) == 0) v = argv[i] + 13;
-  return v ? std::atoi(v) : 0;
+  if (!v) return 0;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  if (end == v || *end != '\0' || n < 1) {
+    std::fprintf(stderr,
+                 "epx_gpu_tests: --in-process / EPX_TEST_IN_PROCESS must be a rank count "
+                 ">= 1, got '%s'\n",
+                 v);
+    std::exit(2);
+  }
+  return static_cast<int>(n);
 }
 
 }  // namespace
@@ -61,7 +71,7 @@ int main(int argc, char** argv) {
       // The default configs' SMs must fit each rank's share of the GPU.
       int sms = 0;
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, comms[0]->device());
-      const int share = sms / in_process;
+      const int share = (sms / in_process) & ~1;  // set_num_sms takes an even count
       if (epx::Buffer::num_sms() > share) {
         epx::Buffer::set_num_sms(share);
         std::printf("epx_gpu_tests: default configs use %d SMs per rank (%d on the GPU)\n", share,

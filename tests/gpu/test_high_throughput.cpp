@@ -73,8 +73,9 @@ float bf(uint16_t v) {
 }
 
 void run_case(const HtCase& c, int iters, uint64_t seed0,
-              const std::optional<Config>& config = std::nullopt) {
+              const std::optional<Config>& config = std::nullopt, Buffer* buffer = nullptr) {
   auto& w = world();
+  Buffer* const buf = buffer ? buffer : w.buffer.get();
   const int R = w.num_ranks, me = w.rank;
   if (c.num_experts % R) GTEST_SKIP() << "experts not divisible by ranks";
   StreamArgs s;
@@ -87,7 +88,7 @@ void run_case(const HtCase& c, int iters, uint64_t seed0,
 
     auto d_topk = to_device(mine.topk_idx);
     auto layout =
-        w.buffer->get_dispatch_layout(view(d_topk.get(), DType::kI64, {T, K}), c.num_experts, s);
+        buf->get_dispatch_layout(view(d_topk.get(), DType::kI64, {T, K}), c.num_experts, s);
     cudaStreamSynchronize(w.stream);
     auto rl = ref::get_dispatch_layout(mine.topk_idx, T, K, c.num_experts, R);
     ASSERT_EQ(to_host<int>(layout.num_tokens_per_rank), rl.num_tokens_per_rank) << c.name();
@@ -110,7 +111,7 @@ void run_case(const HtCase& c, int iters, uint64_t seed0,
     a.expert_alignment = c.expert_alignment;
     a.streams = s;
     a.config = config;
-    auto res = w.buffer->dispatch(a);
+    auto res = buf->dispatch(a);
     cudaStreamSynchronize(w.stream);
 
     auto ref_out = ref::ht_dispatch(in, H, K, c.num_experts, c.expert_alignment);
@@ -136,7 +137,7 @@ void run_case(const HtCase& c, int iters, uint64_t seed0,
     cached.x_scales = a.x_scales;
     cached.handle = res.handle;
     cached.streams = s;
-    auto res2 = w.buffer->dispatch(cached);
+    auto res2 = buf->dispatch(cached);
     cudaStreamSynchronize(w.stream);
     if (c.fp8) {
       ASSERT_EQ(to_host<uint8_t>(res2.recv_x), ro.recv_x_fp8) << c.name() << " (cached)";
@@ -170,7 +171,7 @@ void run_case(const HtCase& c, int iters, uint64_t seed0,
     }
     ca.streams = s;
     ca.config = config;
-    auto cres = w.buffer->combine(ca);
+    auto cres = buf->combine(ca);
     cudaStreamSynchronize(w.stream);
     auto rc = ref::ht_combine(in, cin, H, K, c.num_experts);
     auto got = to_host<uint16_t>(cres.combined_x);
@@ -199,10 +200,23 @@ EPX_GPU_TEST(HighThroughput, Fp8Hidden7168) {
   run_case({512, 7168, 8, 256, true, 0.1, true, 1, false}, 2, 12);
 }
 EPX_GPU_TEST(HighThroughput, HiddenSizes) {
-  for (int h : {2048, 2880, 4096, 8192})
+  for (int h : {256, 1024, 2048, 2880, 4096, 8192})
     run_case({300, h, 8, 64, false, 0.05, true, 1, false}, 1, 100 + h);
   for (int h : {2048, 4096, 8192})
     run_case({300, h, 8, 64, true, 0.05, false, 1, false}, 1, 200 + h);
+}
+/// The Python suite's HT case: a fresh buffer of the size hint, hidden 256.
+EPX_GPU_TEST(HighThroughput, FreshHintSizedBuffer) {
+  const int R = world().num_ranks;
+  const HtCase c{64, 256, 4, 8 * R, false, 0.1, true, 1, false};
+  BufferOptions o;
+  o.num_nvl_bytes =
+      static_cast<int64_t>(get_dispatch_config(R).get_nvl_buffer_size_hint(2u * c.hidden, R));
+  o.timeout_s = 20;
+  o.allocator = poisoning_allocator();
+  Buffer b(world().comm, o);
+  run_case(c, 3, 31, std::nullopt, &b);
+  b.destroy();
 }
 EPX_GPU_TEST(HighThroughput, RankReceivesNothing) {
   run_case({256, 2048, 4, 32, false, 0.0, true, 1, true}, 1, 13);
@@ -443,6 +457,15 @@ EPX_GPU_TEST(HighThroughput, BadInputsThrowBeforeAnyKernel) {
         w.buffer->get_dispatch_layout(view(d.get(), DType::kI64, {8, 8}), 4 * w.num_ranks + 1, s),
         Error);
   EXPECT_THROW(w.buffer->get_dispatch_layout(view(d.get(), DType::kI32, {8, 8}), 64, s), Error);
+  if (w.comm->ranks_on_device() > 1) {  // in-process ranks: the shared legacy stream is refused
+    try {
+      w.buffer->get_dispatch_layout(view(d.get(), DType::kI64, {8, 8}), 64, StreamArgs{});
+      ADD_FAILURE() << "expected an error for the legacy default stream";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("streams.stream"), std::string::npos) << e.what();
+    }
+  }
   EXPECT_THROW(w.buffer->get_dispatch_layout(view(d.get(), DType::kI64, {8, 32}), 64, s), Error);
   // Out-of-range expert ids are caught by the layout kernel and raised.
   std::vector<int64_t> bad(64, 1);
