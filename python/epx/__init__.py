@@ -20,12 +20,14 @@ from . import _core
 from ._core import EPXError, EPXTimeoutError, EPXUnsupportedError, EPXValueError
 from .buffer import Buffer
 from .config import Config
+from .in_process import InProcessComm, in_process_comms, run_in_process
 from .utils import EventHandle, EventOverlap
 
 __version__ = _core.__version__
 __all__ = [
     "Buffer", "Config", "EventHandle", "EventOverlap", "EPXError", "EPXValueError",
-    "EPXTimeoutError", "EPXUnsupportedError", "topk_idx_t", "alias_deep_ep",
+    "EPXTimeoutError", "EPXUnsupportedError", "topk_idx_t", "alias_deep_ep", "InProcessComm",
+    "in_process_comms", "run_in_process",
 ]
 
 

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 
 from . import _core
 from .config import Config, _core_config
+from .in_process import InProcessComm
 from .utils import EventHandle, EventOverlap, _event_of, _int, _torch, _wrap_event
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -174,8 +175,11 @@ class Buffer:
             explicitly_destroy: ``destroy()`` must be called to free the buffers; otherwise
                 they are freed when the Buffer is garbage collected.
             enable_shrink: not supported (raises EPXUnsupportedError when True).
-            comm: an mpi4py communicator, used when ``group`` is None.
-            backend: EPX transport ("auto" or "nvlink"; EPX_BACKEND overrides "auto").
+            comm: an mpi4py communicator, used when ``group`` is None; or an
+                ``epx.InProcessComm`` (ranks as threads of this process, see
+                ``epx.run_in_process``).
+            backend: EPX transport ("auto", "nvlink" or, for in-process ranks,
+                "in_process"; EPX_BACKEND overrides "auto").
             timeout_s: how long a rank waits for its peers (0: EPX_TIMEOUT_S, else 60 s).
         """
         glue = _TorchGlue.get()
@@ -209,9 +213,13 @@ class Buffer:
         self._glue = glue
         self._device = torch.device("cuda", torch.cuda.current_device())
         _core.cuda_set_device(self._device.index)  # EPX's CUDA runtime follows torch's device
-        unique_id = _core.new_unique_id() if self.rank == 0 else None
-        unique_id = all_gather_object(unique_id)[0]
-        self.communicator = _core.Communicator.create(unique_id, self.rank, self.group_size)
+        self._in_process = isinstance(comm, InProcessComm)
+        if self._in_process:
+            self.communicator = comm.communicator  # the ranks exist already
+        else:
+            unique_id = _core.new_unique_id() if self.rank == 0 else None
+            unique_id = all_gather_object(unique_id)[0]
+            self.communicator = _core.Communicator.create(unique_id, self.rank, self.group_size)
 
         opts = _core.BufferOptions()
         opts.num_nvl_bytes = self.num_nvl_bytes
@@ -298,6 +306,18 @@ class Buffer:
 
     # ---- helpers --------------------------------------------------------------------------------
 
+    def _settle(self, async_finish: bool) -> None:
+        """In-process ranks: returns once this rank's op has finished, waiting with the
+        GIL released. Otherwise a torch call that waits for the GPU while holding the
+        GIL (``.cpu()``) could keep a peer's thread from launching its part of the op
+        this rank's kernels wait for, until the deadline."""
+        if not self._in_process:
+            return
+        torch = self._glue.torch
+        torch.cuda.current_stream(self._device).synchronize()
+        if async_finish:
+            self.get_comm_stream().synchronize()
+
     def _rt(self) -> _core.Buffer:
         if self.runtime is None:
             raise RuntimeError("Buffer: used after destroy()")
@@ -348,6 +368,7 @@ class Buffer:
         streams = self._streams(previous_event, async_finish, allocate_on_comm_stream)
         r = self._rt().get_dispatch_layout(g.view("topk_idx", topk_idx),
                                            _int("num_experts", num_experts), streams)
+        self._settle(async_finish)
         per_rank, per_expert = g.out(r.num_tokens_per_rank), g.out(r.num_tokens_per_expert)
         in_rank = g.out(r.is_token_in_rank)
         self._record(async_finish, allocate_on_comm_stream, [topk_idx],
@@ -406,6 +427,7 @@ class Buffer:
         a.config = _core_config(config)
         a.streams = self._streams(previous_event, async_finish, allocate_on_comm_stream)
         r = self._rt().dispatch(a)
+        self._settle(async_finish)
 
         recv_x, recv_scales = g.out(r.recv_x), g.out(r.recv_x_scales)
         recv_topk_idx, recv_topk_weights = g.out(r.recv_topk_idx), g.out(r.recv_topk_weights)
@@ -461,6 +483,7 @@ class Buffer:
         a.config = _core_config(config)
         a.streams = self._streams(previous_event, async_finish, allocate_on_comm_stream)
         r = self._rt().combine(a)
+        self._settle(async_finish)
         combined_x, combined_w = g.out(r.combined_x), g.out(r.combined_topk_weights)
         self._record(async_finish, allocate_on_comm_stream, [x, topk_weights, bias_0, bias_1],
                      [combined_x, combined_w])
@@ -517,6 +540,7 @@ class Buffer:
         a.async_finish, a.return_recv_hook = bool(async_finish), bool(return_recv_hook)
         a.stream = g.current_stream(self._device)
         r = self._rt().low_latency_dispatch(a)
+        self._settle(async_finish)
         recv_x, recv_scales = g.out(r.recv_x), g.out(r.recv_x_scales)
         recv_count = g.out(r.recv_count)
         handle = r.handle
@@ -565,6 +589,7 @@ class Buffer:
         a.out = g.opt_view("out", out)
         a.stream = g.current_stream(self._device)
         r = self._rt().low_latency_combine(a)
+        self._settle(async_finish)
         combined_x = out if out is not None else g.out(r.combined_x)
         extra = (x, topk_idx, topk_weights, combined_x) if async_finish else None
         return combined_x, _wrap_event(r.event, extra), r.hook

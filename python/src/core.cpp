@@ -694,6 +694,13 @@ NB_MODULE(_core, m) {
           "Joins the group (collective); uses the current CUDA device.")
       .def_static("from_env", &epx::Communicator::from_env,
                   nb::call_guard<nb::gil_scoped_release>())
+      .def_static("create_in_process", &epx::Communicator::create_in_process, "num_ranks"_a,
+                  "devices"_a = std::vector<int>{}, "timeout_s"_a = 300.0,
+                  nb::call_guard<nb::gil_scoped_release>(),
+                  "num_ranks communicators whose ranks are threads of this process "
+                  "(element r is rank r, on devices[r], default the current device).")
+      .def_prop_ro("in_process", &epx::Communicator::in_process)
+      .def_prop_ro("ranks_on_device", &epx::Communicator::ranks_on_device)
       .def_prop_ro("rank", &epx::Communicator::rank)
       .def_prop_ro("num_ranks", &epx::Communicator::num_ranks)
       .def_prop_ro("device", &epx::Communicator::device)

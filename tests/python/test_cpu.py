@@ -1277,3 +1277,61 @@ def _case_torch_baseline(rank, world, group):
 @pytest.mark.parametrize("world", [2, 3])
 def test_torch_baseline_gloo(world):
     _spawn_gloo("_case_torch_baseline", world)
+
+
+# ---- in-process ranks ----------------------------------------------------------------------------
+
+class _FakeCoreComm:
+    """The part of _core.Communicator that epx.InProcessComm uses, over Python threads:
+    all-gather of equal-size byte strings (refused otherwise, like the C++ group)."""
+
+    def __init__(self, rank, shared):
+        self.rank, self.num_ranks, self.device = rank, shared["n"], 0
+        self._shared = shared
+
+    def allgather(self, data):
+        sh = self._shared
+        sh["slots"][self.rank] = bytes(data)
+        sh["barrier"].wait()
+        slots = list(sh["slots"])
+        sh["barrier"].wait()
+        assert len({len(s) for s in slots}) == 1, "sizes differ"
+        return b"".join(slots)
+
+    def barrier(self):
+        self._shared["barrier"].wait()
+
+
+def test_in_process_allgather_is_in_rank_order_for_objects_of_any_size():
+    import threading
+
+    n = 3
+    shared = {"n": n, "slots": [b""] * n, "barrier": threading.Barrier(n, timeout=30)}
+    comms = [epx.InProcessComm(_FakeCoreComm(r, shared)) for r in range(n)]
+    got = [None] * n
+
+    def run(r):
+        objs = {"rank": r, "payload": np.arange(10 * r + 1)}  # pickles differ in size
+        got[r] = [comms[r].allgather(objs), comms[r].allgather("x" * (100 * r))]
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for r in range(n):
+        first, second = got[r]
+        assert [o["rank"] for o in first] == [0, 1, 2]
+        for s in range(n):
+            np.testing.assert_array_equal(first[s]["payload"], np.arange(10 * s + 1))
+        assert second == ["", "x" * 100, "x" * 200]
+        assert comms[r].Get_rank() == r and comms[r].Get_size() == n
+
+
+@pytest.mark.parametrize("kwargs, arg", [({"num_ranks": 0}, "num_ranks"),
+                                         ({"num_ranks": 9}, "num_ranks"),
+                                         ({"num_ranks": 2, "devices": [0]}, "devices"),
+                                         ({"num_ranks": 2, "timeout_s": 0}, "timeout_s")])
+def test_in_process_comms_refuse_bad_arguments_before_any_cuda_call(kwargs, arg):
+    with pytest.raises(epx.EPXValueError, match=arg):
+        epx.in_process_comms(**kwargs)

@@ -69,6 +69,26 @@ def test_low_latency(world):
     _spawn("_case_low_latency", world)
 
 
+def _in_process(case, world):
+    """The case with `world` ranks as threads of this process on one GPU."""
+    if _num_gpus() < 1:
+        pytest.skip("needs a GPU and PyTorch")
+    import epx
+
+    epx.run_in_process(world, lambda comm: globals()[case](comm.Get_rank(), world, comm),
+                       timeout_s=120.0)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_high_throughput_in_process(world):
+    _in_process("_case_high_throughput", world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_low_latency_in_process(world):
+    _in_process("_case_low_latency", world)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_moe_layer_example(world):
     """examples/moe_layer.py (deep_ep code, only the import changed) against a dense
@@ -163,11 +183,35 @@ def _fp8(bits, device):
 
 
 def _gather(group, obj):
+    import epx
+
+    if isinstance(group, epx.InProcessComm):
+        return group.allgather(obj)
     import torch.distributed as dist
 
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group)
     return out
+
+
+def _device(rank, group):
+    """The rank's GPU: GPU `rank` with a process per GPU, the shared one in-process."""
+    import torch
+
+    import epx
+
+    if isinstance(group, epx.InProcessComm):
+        return torch.device("cuda", group.device)
+    return torch.device("cuda", rank)
+
+
+def _buffer(group, *args, **kwargs):
+    """epx.Buffer over a process group, or over an in-process rank (comm=)."""
+    import epx
+
+    if isinstance(group, epx.InProcessComm):
+        return epx.Buffer(None, *args, comm=group, **kwargs)
+    return epx.Buffer(group, *args, **kwargs)
 
 
 def _routing(rng, T, K, E, drop=0.1):
@@ -195,7 +239,7 @@ def _case_high_throughput(rank, world, group):
     import epx
     from epx import reference as ref
 
-    dev = torch.device("cuda", rank)
+    dev = _device(rank, group)
     H, K, E = 256, 4, 8 * world
     rng = np.random.default_rng(100 + rank)
     T = 64 + 17 * rank
@@ -214,7 +258,7 @@ def _case_high_throughput(rank, world, group):
     nvl = max(cfg.get_nvl_buffer_size_hint(hidden_bytes, world)
               for cfg in (epx.Buffer.get_dispatch_config(world),
                           epx.Buffer.get_combine_config(world)))
-    buf = epx.Buffer(group, nvl, 0, explicitly_destroy=True)
+    buf = _buffer(group, nvl, 0, explicitly_destroy=True)
     assert buf.rank == rank and buf.group_size == world
 
     # layout
@@ -355,7 +399,7 @@ def _case_low_latency(rank, world, group):
     import epx
     from epx import reference as ref
 
-    dev = torch.device("cuda", rank)
+    dev = _device(rank, group)
     H, K, E, maxT = 512, 4, 4 * world, 32  # UE8M0 packs 4 scales per int32: H % 512 == 0
     El = E // world
     rng = np.random.default_rng(200 + rank)
@@ -368,8 +412,8 @@ def _case_low_latency(rank, world, group):
     want = ref.ll_dispatch(all_x, all_idx, E, maxT)
 
     rdma = epx.Buffer.get_low_latency_rdma_size_hint(maxT, H, world, E)
-    buf = epx.Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=El,
-                     explicitly_destroy=True)
+    buf = _buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=El,
+                  explicitly_destroy=True)
     buf.clean_low_latency_buffer(maxT, H, E)
 
     # BF16 dispatch
