@@ -59,16 +59,6 @@ def _spawn(case, world):
         raise
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_high_throughput(world):
-    _spawn("_case_high_throughput", world)
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_low_latency(world):
-    _spawn("_case_low_latency", world)
-
-
 def _in_process(case, world):
     """The case with `world` ranks as threads of this process on one GPU."""
     if _num_gpus() < 1:
@@ -79,14 +69,20 @@ def _in_process(case, world):
                        timeout_s=120.0)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_high_throughput_in_process(world):
-    _in_process("_case_high_throughput", world)
+# "processes": one process per GPU; "in_process": the ranks as threads on one GPU.
+_RANKS = {"processes": _spawn, "in_process": _in_process}
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_low_latency_in_process(world):
-    _in_process("_case_low_latency", world)
+@pytest.mark.parametrize("ranks", list(_RANKS))
+def test_high_throughput(world, ranks):
+    _RANKS[ranks]("_case_high_throughput", world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("ranks", list(_RANKS))
+def test_low_latency(world, ranks):
+    _RANKS[ranks]("_case_low_latency", world)
 
 
 @pytest.mark.parametrize("world", [2, 4])
