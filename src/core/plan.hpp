@@ -14,6 +14,17 @@ constexpr std::size_t align_up(std::size_t v, std::size_t a) {
   return (v + a - 1) / a * a;
 }
 
+/// The epoch of the op after the one of epoch `e` (HT and LL counters alike):
+/// e + 1, except where the counter wraps, after 2^32 ops: 0 is what every flag
+/// and tagged word holds until first written, so an op of epoch 0 could take
+/// a never-written word as this op's; the wrap goes to 2, not 1, so that
+/// consecutive epochs keep alternating parity (the halves of the double
+/// buffers are picked by epoch & 1).
+constexpr uint32_t next_epoch(uint32_t e) {
+  const uint32_t n = e + 1u;
+  return n | (static_cast<uint32_t>(n == 0u) << 1);  // branch-free: 0 -> 2
+}
+
 /// One staged dispatch row: payload, FP8 scales (f32), top-k ids (i32),
 /// weights (f32), source token index (i32).
 constexpr std::size_t ht_dispatch_row_bytes(std::size_t hidden_bytes, int num_scales,

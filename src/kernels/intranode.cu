@@ -102,7 +102,10 @@ __device__ __forceinline__ int rows_fitting(const HtDispatchParams& p, int64_t r
 /// has finished, so peers may write into its staging.
 template <class P>
 __device__ __forceinline__ uint32_t op_begin(const P& p) {
-  const uint32_t epoch = *p.op_counter + static_cast<uint32_t>(p.own_barrier);
+  // After a notify kernel the counter holds the epoch already (never 0, so
+  // next_epoch(counter - 1) gives it back).
+  const uint32_t epoch =
+      plan::next_epoch(*p.op_counter - 1u + static_cast<uint32_t>(p.own_barrier));
   if (p.own_barrier && blockIdx.x == 0 && static_cast<int>(threadIdx.x) < p.t.num_ranks)
     p.t.signal(threadIdx.x, p.off.barrier + 4 * static_cast<std::size_t>(p.t.rank), epoch);
   return epoch;

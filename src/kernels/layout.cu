@@ -92,7 +92,7 @@ __device__ __forceinline__ void notify_body(const HtNotifyParams& p) {
   __shared__ uint32_t epoch;
   __shared__ int failed;
   if (threadIdx.x == 0) {
-    epoch = *p.op_counter + 1;
+    epoch = plan::next_epoch(*p.op_counter);
     failed = 0;
   }
   __syncthreads();

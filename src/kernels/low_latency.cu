@@ -4,8 +4,9 @@
 // are two kernels and the hook launches the receive one later, so nothing
 // holds SMs in between.
 //
-// Epochs: the send takes epoch = *op_counter + 1 (the last block to finish
-// stores it back), picks the half (epoch & 1) of the double buffer, and writes
+// Epochs: the send takes epoch = plan::next_epoch(*op_counter) (+ 1, never 0;
+// the last block to finish stores it back), picks the half (epoch & 1) of the
+// double buffer, and writes
 // the epoch into the op's state word, from which a hook's receive kernel
 // reads it. Nothing is reset between calls, so graph replays keep counting.
 //
@@ -324,7 +325,7 @@ __device__ __forceinline__ std::size_t chunk_flag_offset(const LlOffsets& o, std
 /// The op's epoch (the op counter + 1); block 0 records it in the handle state
 /// and sends this rank's token count to every rank.
 __device__ __forceinline__ uint32_t dispatch_begin(const LlDispatchSendParams& p) {
-  const uint32_t epoch = *p.op_counter + 1u;
+  const uint32_t epoch = plan::next_epoch(*p.op_counter);
   if (blockIdx.x == 0) {
     const std::size_t tags = tags_of(p.off, epoch);
     if (static_cast<int>(threadIdx.x) < p.t.num_ranks)
@@ -673,7 +674,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
   tl_mark(kTlCombine, kTlSendStartMax);
   const int R = p.t.num_ranks, me = p.t.rank;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const uint32_t epoch = *p.op_counter + 1u;
+  const uint32_t epoch = plan::next_epoch(*p.op_counter);
   const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
   const std::size_t weights = p.off.weights + (epoch & 1u) * p.off.weights_half_bytes;
   const int H = p.hidden, K = p.num_topk, E = p.num_experts, maxT = p.max_tokens;

@@ -234,5 +234,18 @@ TEST(Buffer, SetNumSmsRule) {
   Buffer::set_num_sms(before);
 }
 
+TEST(Plan, NextEpochSkipsZeroAndKeepsParityAlternating) {
+  EXPECT_EQ(plan::next_epoch(0u), 1u);
+  EXPECT_EQ(plan::next_epoch(41u), 42u);
+  EXPECT_EQ(plan::next_epoch(0xfffffffeu), 0xffffffffu);
+  EXPECT_EQ(plan::next_epoch(0xffffffffu), 2u);  // not 0: never-written words hold 0
+  for (uint32_t e = 0xfffffff0u; e != 8u; e = plan::next_epoch(e)) {
+    EXPECT_NE(plan::next_epoch(e), 0u);
+    EXPECT_NE(plan::next_epoch(e) & 1u, e & 1u) << e;  // the double buffers alternate
+    // Wrap-safe order (barrier flags): the next epoch is ahead of this one.
+    EXPECT_GT(static_cast<int32_t>(plan::next_epoch(e) - e), 0) << e;
+  }
+}
+
 }  // namespace
 }  // namespace epx
