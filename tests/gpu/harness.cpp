@@ -11,6 +11,23 @@ namespace epx::test {
 
 namespace {
 thread_local World* t_world = nullptr;  // set on the threads of in-process ranks
+thread_local bool t_failed = false;     // this thread reported a failure in this test
+
+/// gtest calls OnTestPartResult on the thread that reported the result.
+class RankFailureListener : public ::testing::EmptyTestEventListener {
+  void OnTestStart(const ::testing::TestInfo&) override { t_failed = false; }
+  void OnTestPartResult(const ::testing::TestPartResult& r) override {
+    if (r.failed()) t_failed = true;
+  }
+};
+}  // namespace
+
+bool rank_failed() {
+  return t_failed;
+}
+
+::testing::TestEventListener* new_rank_failure_listener() {
+  return new RankFailureListener();
 }
 
 World& world() {

@@ -85,6 +85,14 @@ std::vector<float> random_f32(std::size_t n, uint64_t seed);
 /// threads see the caller's world().
 void for_each_rank(int n, const std::function<void(int)>& f);
 
+/// Whether this rank has failed in the current test: with in-process ranks,
+/// the failures its own thread reported (gtest's Test::HasFailure() is shared
+/// by the rank threads, and reading it while another thread reports is a data
+/// race); otherwise the process's.
+bool rank_failed();
+/// The gtest listener behind rank_failed(); main() appends it.
+::testing::TestEventListener* new_rank_failure_listener();
+
 /// All ranks agree (logical AND over ranks).
 bool all_ranks(bool ok);
 

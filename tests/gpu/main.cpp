@@ -53,6 +53,7 @@ int in_process_ranks(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
+  ::testing::UnitTest::GetInstance()->listeners().Append(epx::test::new_rank_failure_listener());
   const int in_process = in_process_ranks(argc, argv);
   // In-process ranks share one CUDA context, where loading a kernel at its
   // first launch (CUDA's default lazy loading) may wait for the kernels

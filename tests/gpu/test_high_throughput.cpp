@@ -189,7 +189,7 @@ void run_case(const HtCase& c, int iters, uint64_t seed0,
       for (std::size_t i = 0; i < gw.size(); ++i)
         ASSERT_NEAR(gw[i], rc[me].combined_topk_weights[i], 1e-5f) << c.name() << " weight " << i;
     }
-    ASSERT_TRUE(all_ranks(!::testing::Test::HasFailure())) << "another rank failed " << c.name();
+    ASSERT_TRUE(all_ranks(!rank_failed())) << "another rank failed " << c.name();
   }
 }
 
@@ -391,7 +391,7 @@ EPX_GPU_TEST(HighThroughput, WorstTokensAndGraphReplay) {
   }
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
-  EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
+  EXPECT_TRUE(all_ranks(!rank_failed()));
 }
 
 // num_worst_tokens smaller than what arrives: rows past it are dropped and
@@ -444,7 +444,7 @@ EPX_GPU_TEST(HighThroughput, TruncatedWorstTokensStayInBounds) {
     EXPECT_NE(std::string(e.what()).find("num_worst_tokens"), std::string::npos) << e.what();
   }
   cudaStreamSynchronize(w.stream);
-  EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
+  EXPECT_TRUE(all_ranks(!rank_failed()));
 }
 
 EPX_GPU_TEST(HighThroughput, BadInputsThrowBeforeAnyKernel) {
@@ -530,7 +530,7 @@ EPX_GPU_TEST(HighThroughput, TimeoutIsReported) {
   all_ranks(true);                // line up: the 1 s deadline also covers this dispatch
   auto res = b.dispatch(d.args);  // every rank: the handle
   EXPECT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
-  if (all_ranks(!::testing::Test::HasFailure()) && me == 0) {
+  if (all_ranks(!rank_failed()) && me == 0) {
     CombineArgs ca;
     ca.x = res.recv_x.view;
     ca.handle = res.handle;
@@ -549,7 +549,7 @@ EPX_GPU_TEST(HighThroughput, TimeoutIsReported) {
       ADD_FAILURE() << "unexpected error: " << e.what();
     }
   }
-  EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
+  EXPECT_TRUE(all_ranks(!rank_failed()));
   b.destroy();
 }
 
@@ -580,7 +580,7 @@ EPX_GPU_TEST(HighThroughput, MismatchedLayoutIsRefused) {
     ADD_FAILURE() << "unexpected error: " << e.what();
   }
   EXPECT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
-  EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
+  EXPECT_TRUE(all_ranks(!rank_failed()));
   // The same buffer still dispatches and combines correctly.
   run_case({128, 1024, 4, 8 * R, false, 0.1, true, 1, false}, 1, 21);
 }

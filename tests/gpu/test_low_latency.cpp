@@ -292,7 +292,7 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true) {
     for (int le = 0; le < E_local; ++le)
       EXPECT_EQ(got[le], stats0[le] + ro[me].recv_count[le]) << "stats " << le;
   }
-  ASSERT_TRUE(all_ranks(!::testing::Test::HasFailure())) << "another rank failed " << c.name();
+  ASSERT_TRUE(all_ranks(!rank_failed())) << "another rank failed " << c.name();
   if (!with_combine) return;
 
   auto eo = make_expert_out(c, R, ro, seed);
@@ -334,7 +334,7 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true) {
     auto got = to_host<uint16_t>(cres.combined_x);
     for (int hh = 0; hh < H; ++hh) ASSERT_EQ(got[hh], 0) << "token with no picks must combine to 0";
   }
-  ASSERT_TRUE(all_ranks(!::testing::Test::HasFailure())) << "another rank failed " << c.name();
+  ASSERT_TRUE(all_ranks(!rank_failed())) << "another rank failed " << c.name();
 }
 
 // ---- dtype and flag combinations ----------------------------------------------
@@ -516,7 +516,7 @@ EPX_GPU_TEST(LowLatency, BackToBack50) {
     cs.push_back(w.buffer->low_latency_combine(ca));
   }
   ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
-  for (int i = 0; i < N && !::testing::Test::HasFailure(); ++i) {
+  for (int i = 0; i < N && !rank_failed(); ++i) {
     LlCase ci = c;
     ci.fp8 = (i % 3) == 1;
     check_dispatch(ci, ins[i], ds[i], ros[i][me]);
@@ -524,7 +524,7 @@ EPX_GPU_TEST(LowLatency, BackToBack50) {
                               c.num_experts, c.max_tokens, false);
     check_combine(ci, ins[i], ros[i], eos[i], to_host<uint16_t>(cs[i].combined_x), rc[me]);
   }
-  EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
+  EXPECT_TRUE(all_ranks(!rank_failed()));
 }
 
 /// DeepEP's two-micro-batch overlap: two dispatches in flight (hooks), then
@@ -566,7 +566,7 @@ EPX_GPU_TEST(LowLatency, TwoBatchOverlapWithHooks) {
       cb.fp8 = b == 1;
       check_dispatch(cb, in[b], d[b], ro[b][me]);
     }
-    ASSERT_TRUE(all_ranks(!::testing::Test::HasFailure()));
+    ASSERT_TRUE(all_ranks(!rank_failed()));
     LowLatencyCombineResult cr[2];
     for (int b = 0; b < 2; ++b) {
       const int T = in[b].num_tokens[me];
@@ -593,7 +593,7 @@ EPX_GPU_TEST(LowLatency, TwoBatchOverlapWithHooks) {
                                 c.num_experts, c.max_tokens, false);
       check_combine(cb, in[b], ro[b], eo[b], to_host<uint16_t>(cr[b].combined_x), rc[me]);
     }
-    ASSERT_TRUE(all_ranks(!::testing::Test::HasFailure()));
+    ASSERT_TRUE(all_ranks(!rank_failed()));
   }
 }
 
@@ -717,7 +717,7 @@ EPX_GPU_TEST(LowLatency, GraphReplay1000WithChangingRouting) {
   EXPECT_EQ(cudaStreamSynchronize(cap), cudaSuccess);
   EXPECT_EQ(cudaStreamDestroy(cap), cudaSuccess);
   EXPECT_EQ(bad_replays, 0);
-  EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
+  EXPECT_TRUE(all_ranks(!rank_failed()));
   (void)E_local;
 }
 
@@ -746,7 +746,7 @@ EPX_GPU_TEST(LowLatency, BadExpertIdIsRaisedAtNextCall) {
     EXPECT_NE(std::string(e.what()).find("topk_idx"), std::string::npos) << e.what();
   }
   ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
-  EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
+  EXPECT_TRUE(all_ranks(!rank_failed()));
 }
 
 /// Only rank 0 dispatches: its receive phase must give up after the timeout
@@ -790,7 +790,7 @@ EPX_GPU_TEST(LowLatency, TimeoutIsReportedAndCleanRecovers) {
     ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
     EXPECT_EQ(to_host<int>(res.recv_count), ro[w.rank].recv_count) << "after clean, call " << i;
   }
-  EXPECT_TRUE(all_ranks(!::testing::Test::HasFailure()));
+  EXPECT_TRUE(all_ranks(!rank_failed()));
   b.destroy();
 }
 
