@@ -47,7 +47,9 @@ fi
 if [[ " $RUN " == *" bench "* ]]; then
   n=$GPUS
   [ "$n" -gt 8 ] && n=8
-  kind="h200x$n"
+  # Result files are named by the GPU model (h100x1-ht.json, h200x4-ll.json, ...).
+  model=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE 'h[0-9]{3}' | head -1 | tr 'A-Z' 'a-z')
+  kind="${model:-gpu}x$n"
   for fam in $BENCH; do
     echo "== epx-bench $fam EP$n"
     timeout ${EPX_BENCH_TIMEOUT:-300} "$D/launch.sh" "$n" "$D/epx-bench" "$fam" --json "$OUT/$kind-$fam.json" ${EPX_BENCH_ARGS:-} \
