@@ -106,6 +106,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   StreamArgs s;
   s.stream = a.stream;
   s.async_finish = a.async_finish;
+  d.check_stream(s);  // before any state changes (the zero-copy slot below)
 
   auto handle = std::make_shared<LowLatencyHandle>();
   handle->num_ranks = R;
@@ -242,6 +243,7 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   StreamArgs s;
   s.stream = a.stream;
   s.async_finish = a.async_finish;
+  d.check_stream(s);  // before the outputs are allocated
 
   LowLatencyCombineResult res;
   if (a.out) {

@@ -60,7 +60,7 @@ void launch_ht_notify(const HtNotifyParams& p, cudaStream_t stream);
 /// `done_blocks`, `own_barrier` in both params structs). After a notify
 /// kernel (own_barrier false) the counter already holds it. Without one
 /// (cached dispatch, combine) the kernel is its own barrier: it takes
-/// counter + 1, block 0 tells every rank that this rank has reached the op,
+/// plan::next_epoch(counter), block 0 tells every rank that this rank has reached the op,
 /// each sender warp waits until every peer has before its first store into
 /// the peer's staging, and the last block to finish stores the counter.
 struct HtDispatchParams {
@@ -152,7 +152,7 @@ struct LlOffsets {
 struct LlDispatchSendParams {
   dev::NvlinkTransport t;
   LlOffsets off;
-  uint32_t* op_counter;     ///< local LL epoch counter (read + 1; the last block stores it)
+  uint32_t* op_counter;     ///< local LL epoch counter (next_epoch of it; the last block stores it)
   int32_t* state;           ///< handle state: [0] <- this op's epoch
   const uint16_t* x;        ///< [T, H] bf16, contiguous
   const int64_t* topk_idx;  ///< [T, K]

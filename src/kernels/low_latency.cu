@@ -322,7 +322,7 @@ __device__ __forceinline__ std::size_t chunk_flag_offset(const LlOffsets& o, std
          4u * ((static_cast<std::size_t>(src) * plan::kLlMaxTokens + t) * plan::kLlMaxChunks + c);
 }
 
-/// The op's epoch (the op counter + 1); block 0 records it in the handle state
+/// The op's epoch (next_epoch of the op counter); block 0 records it in the handle state
 /// and sends this rank's token count to every rank.
 __device__ __forceinline__ uint32_t dispatch_begin(const LlDispatchSendParams& p) {
   const uint32_t epoch = plan::next_epoch(*p.op_counter);

@@ -244,6 +244,8 @@ TEST(Plan, NextEpochSkipsZeroAndKeepsParityAlternating) {
     EXPECT_NE(plan::next_epoch(e) & 1u, e & 1u) << e;  // the double buffers alternate
     // Wrap-safe order (barrier flags): the next epoch is ahead of this one.
     EXPECT_GT(static_cast<int32_t>(plan::next_epoch(e) - e), 0) << e;
+    // A kernel after the notify kernel recovers the epoch the notify stored.
+    EXPECT_EQ(plan::next_epoch(plan::next_epoch(e) - 1u), plan::next_epoch(e)) << e;
   }
 }
 
