@@ -182,6 +182,11 @@ class Buffer:
                 "in_process"; EPX_BACKEND overrides "auto").
             timeout_s: how long a rank waits for its peers (0: EPX_TIMEOUT_S, else 60 s).
         """
+        if isinstance(comm, InProcessComm) and not explicitly_destroy:
+            # Destruction is collective; from the garbage collector it would wait for the
+            # other ranks' threads while holding the GIL they need.
+            raise ValueError("explicitly_destroy: must be True for in-process ranks "
+                             "(comm=InProcessComm): call destroy() on every rank's thread")
         glue = _TorchGlue.get()
         torch = glue.torch
         if enable_shrink:
@@ -314,9 +319,26 @@ class Buffer:
         if not self._in_process:
             return
         torch = self._glue.torch
+        if torch.cuda.is_current_stream_capturing():
+            return  # captured work runs at replay; nothing to wait for here
         torch.cuda.current_stream(self._device).synchronize()
         if async_finish:
             self.get_comm_stream().synchronize()
+
+    def _settled(self, hook: Optional[Callable[[], None]]) -> Optional[Callable[[], None]]:
+        """In-process ranks: a hook that also waits (GIL released) for the receive it
+        launches on the caller's stream, as _settle does for the ops."""
+        if hook is None or not self._in_process:
+            return hook
+        torch = self._glue.torch
+        stream = torch.cuda.current_stream(self._device)  # where the hook's receive runs
+
+        def run_and_settle() -> None:
+            hook()
+            if not torch.cuda.is_current_stream_capturing():
+                stream.synchronize()
+
+        return run_and_settle
 
     def _rt(self) -> _core.Buffer:
         if self.runtime is None:
@@ -550,7 +572,7 @@ class Buffer:
                      cumulative_local_expert_recv_stats,
                      *[g.out(t) for t in handle.tensors])
         recv = (recv_x, recv_scales) if use_fp8 else recv_x
-        return recv, recv_count, handle, _wrap_event(r.event, extra), r.hook
+        return recv, recv_count, handle, _wrap_event(r.event, extra), self._settled(r.hook)
 
     def low_latency_combine(self, x: "torch.Tensor", topk_idx: "torch.Tensor",
                             topk_weights: "torch.Tensor", handle: _core.LowLatencyHandle,
@@ -592,7 +614,7 @@ class Buffer:
         self._settle(async_finish)
         combined_x = out if out is not None else g.out(r.combined_x)
         extra = (x, topk_idx, topk_weights, combined_x) if async_finish else None
-        return combined_x, _wrap_event(r.event, extra), r.hook
+        return combined_x, _wrap_event(r.event, extra), self._settled(r.hook)
 
     def get_next_low_latency_combine_buffer(self, handle: _core.LowLatencyHandle) -> "torch.Tensor":
         """[E_local, R*maxT, H] bfloat16 view of the buffer the next zero-copy combine reads."""

@@ -97,7 +97,12 @@ def run_in_process(num_ranks: int, fn: Callable[..., Any], *args: Any,
         t.start()
     for t in threads:
         t.join()
-    for r, e in enumerate(errors):
-        if e is not None:
-            raise RuntimeError(f"in-process rank {r} of {len(comms)} failed: {e}") from e
+    # The root cause first: a rank that failed on its own, not one that timed out
+    # waiting for it. The exception keeps its type (EPXValueError, ...).
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        r, e = min(failed, key=lambda re: (isinstance(re[1], _core.EPXTimeoutError), re[0]))
+        if hasattr(e, "add_note"):  # Python >= 3.11
+            e.add_note(f"(in-process rank {r} of {len(comms)}; {len(failed)} rank(s) failed)")
+        raise e
     return results

@@ -1335,3 +1335,11 @@ def test_in_process_allgather_is_in_rank_order_for_objects_of_any_size():
 def test_in_process_comms_refuse_bad_arguments_before_any_cuda_call(kwargs, arg):
     with pytest.raises(epx.EPXValueError, match=arg):
         epx.in_process_comms(**kwargs)
+
+
+def test_in_process_buffer_needs_explicit_destroy():
+    """Destruction is collective: from the garbage collector it would wait for the other
+    ranks' threads while holding the GIL, so in-process ranks must destroy() explicitly."""
+    comm = epx.InProcessComm(_FakeCoreComm(0, {"n": 2}))
+    with pytest.raises(ValueError, match="explicitly_destroy"):
+        epx.Buffer(comm=comm, num_nvl_bytes=1 << 20)
