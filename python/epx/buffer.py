@@ -7,6 +7,7 @@ num_max_dispatch_tokens_per_rank.
 
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple, Union
 
@@ -14,6 +15,8 @@ from . import _core
 from .config import Config, _core_config
 from .in_process import InProcessComm
 from .utils import EventHandle, EventOverlap, _event_of, _int, _torch, _wrap_event
+
+_GLUE_LOCK = threading.Lock()
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -70,7 +73,9 @@ class _TorchGlue:
     @classmethod
     def get(cls) -> "_TorchGlue":
         if cls._instance is None:
-            cls._instance = cls()
+            with _GLUE_LOCK:  # in-process ranks' threads may get here at once
+                if cls._instance is None:
+                    cls._instance = cls()
         return cls._instance
 
     def view(self, name: str, t: Any) -> _core.TensorView:

@@ -120,7 +120,12 @@ void Buffer::destroy() {
   cudaFree(d.ht_op_counter);
   cudaFreeHost(d.diag_host);
   cudaFreeHost(d.counts_host);
-  d.backend->free(d.ht);
+  try {
+    d.backend->free(d.ht);
+  } catch (...) {
+    d.backend->free(d.ll);  // still collective: the peers are freeing theirs
+    throw;
+  }
   d.backend->free(d.ll);
   // The comm stream is not destroyed: tensors used on it (torch's
   // record_stream, events users keep) may be freed after the buffer, and an
