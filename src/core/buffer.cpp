@@ -240,7 +240,6 @@ bool capturing(cudaStream_t stream) {
 }  // namespace
 
 cudaStream_t Buffer::Impl::ll_enter(const StreamArgs& s) {
-  check_stream(s);
   const bool direct = !s.async_finish && !(s.previous_event && s.previous_event->valid());
   if (!direct)
     enter(s);

@@ -87,7 +87,8 @@ struct Buffer::Impl {
   }
   /// Order the comm stream after the caller (previous_event or stream).
   /// The caller's stream is usable: not the legacy default stream when
-  /// in-process ranks share the GPU.
+  /// in-process ranks share the GPU. enter() checks it; the LL ops check it
+  /// themselves first, before they change any state.
   void check_stream(const StreamArgs& s) const;
   void enter(const StreamArgs& s);
   /// Finish: event for async_finish, or make the caller's stream wait.
