@@ -40,12 +40,15 @@ std::vector<World>& in_process_worlds() {
   return v;
 }
 
-int sm_budget() {
+int sm_share(const Communicator& comm) {
   int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, world().comm->device()) !=
-      cudaSuccess)
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, comm.device()) != cudaSuccess)
     throw Error(ErrorCode::kCuda, "cudaDeviceGetAttribute");
-  return std::max(1, sms / world().comm->ranks_on_device());
+  return std::max(1, sms / comm.ranks_on_device());
+}
+
+int sm_budget() {
+  return sm_share(*world().comm);
 }
 
 void on_every_rank(void (*body)()) {

@@ -33,8 +33,10 @@ std::vector<World>& in_process_worlds();
 /// failures carry the rank). A body that throws fails the test on that rank.
 void on_every_rank(void (*body)());
 
-/// SMs this rank may use: the GPU's, split among the in-process ranks on it
-/// (as Buffer splits them).
+/// SMs a rank of `comm` may use: the GPU's, split among the in-process ranks
+/// on it (as Buffer splits them).
+int sm_share(const Communicator& comm);
+/// sm_share of the calling thread's rank.
 int sm_budget();
 
 /// A multi-rank GPU test: TEST whose body runs on every rank (on_every_rank).

@@ -70,13 +70,10 @@ int main(int argc, char** argv) {
       // A rank that fails may leave the others in a collective: 120 s, not hours.
       auto comms = epx::Communicator::create_in_process(in_process, {}, 120.0);
       // The default configs' SMs must fit each rank's share of the GPU.
-      int sms = 0;
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, comms[0]->device());
-      const int share = (sms / in_process) & ~1;  // set_num_sms takes an even count
+      const int share = epx::test::sm_share(*comms[0]) & ~1;  // set_num_sms takes an even count
       if (epx::Buffer::num_sms() > share) {
         epx::Buffer::set_num_sms(share);
-        std::printf("epx_gpu_tests: default configs use %d SMs per rank (%d on the GPU)\n", share,
-                    sms);
+        std::printf("epx_gpu_tests: default configs use %d SMs per rank\n", share);
       }
       worlds.resize(comms.size());
       std::vector<std::string> errors(comms.size());
