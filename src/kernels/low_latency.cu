@@ -6,9 +6,8 @@
 //
 // Epochs: the send takes epoch = plan::next_epoch(*op_counter) (+ 1, never 0;
 // the last block to finish stores it back), picks the half (epoch & 1) of the
-// double buffer, and writes
-// the epoch into the op's state word, from which a hook's receive kernel
-// reads it. Nothing is reset between calls, so graph replays keep counting.
+// double buffer, and writes the epoch into the op's state word, from which a
+// hook's receive kernel reads it. Nothing is reset between calls, so graph replays keep counting.
 //
 // Dispatch: one message per (token, destination rank) at slot [me][token] of
 // the destination's receive area (FP8 quantized by the sender). Every
