@@ -18,6 +18,7 @@ struct Options {
   std::string family;  ///< "ht" | "ll"
   int tokens = 0, hidden = 7168, topk = 8, experts = 256;
   int num_sms = 24;
+  int recv_tokens = 0;  ///< ht: ring rows per peer (0: the default config's)
   int warmup = 10, iters = 50;
   bool sweep = true;
   std::string json_path;

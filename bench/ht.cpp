@@ -38,7 +38,7 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
   full.streams = s;
   Config base = get_dispatch_config(R);
   base.num_sms = o.num_sms;
-  base.num_max_recv_tokens = std::max(T, 1);
+  if (o.recv_tokens > 0) base.num_max_recv_tokens = o.recv_tokens;
   full.config = base;
   auto first = w.buffer->dispatch(full);
   EPX_CUDA_CHECK(cudaStreamSynchronize(w.stream));
@@ -145,6 +145,7 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
   result["min_rank_gbps"] = {
       {"dispatch_bf16", min_bf16}, {"dispatch_fp8", min_fp8}, {"combine", min_comb}};
   result["recv_tokens_rank0"] = N;
+  result["ring_rows_per_peer"] = base.num_max_recv_tokens;
   result["timing"] =
       "median of iters per rank (L2 flushed, ranks aligned by an all-reduce), mean over ranks";
   result["sweep"] = sweep;
@@ -157,7 +158,8 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
     std::printf("%-28s %10.1f %10.1f\n", "dispatch FP8 (cached)", us_fp8, g_fp8);
     std::printf("%-28s %10.1f %10.1f\n", "combine BF16", us_comb, g_comb);
     std::printf("%-28s %10.1f %10.1f\n", "dispatch BF16 (with layout sync)", us_full, g_full);
-    std::printf("buffer bytes per rank: %zu\n", w.buffer->buffer_bytes());
+    std::printf("buffer bytes per rank: %zu (ring of %d rows per peer)\n", w.buffer->buffer_bytes(),
+                base.num_max_recv_tokens);
   }
 }
 

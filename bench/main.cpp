@@ -109,6 +109,10 @@ int main(int argc, char** argv) {
   }
   ht->add_option("--sms", o.num_sms, "SMs for the kernels")->capture_default_str();
   ht->add_flag("!--no-sweep", o.sweep, "skip the config sweep");
+  ht->add_option("--recv-tokens", o.recv_tokens,
+                 "ring rows per peer rank (config.num_max_recv_tokens; default: the default "
+                 "config's; fewer than a pair's rows makes the ring lap)")
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   o.family = ht->parsed() ? "ht" : "ll";
   if (o.tokens == 0) o.tokens = o.family == "ht" ? 4096 : 128;
@@ -129,8 +133,7 @@ int main(int argc, char** argv) {
     epx::BufferOptions bo;
     if (o.family == "ht") {
       epx::Config c = epx::get_dispatch_config(w.num_ranks);
-      c.num_max_recv_tokens = std::max(o.tokens, 1);
-      c.num_max_send_tokens = 4;  // the smallest chunk of the sweep sizes the flags
+      if (o.recv_tokens > 0) c.num_max_recv_tokens = o.recv_tokens;
       bo.num_nvl_bytes = static_cast<int64_t>(
           c.get_nvl_buffer_size_hint(static_cast<std::size_t>(o.hidden) * 2, w.num_ranks, o.topk));
     } else {

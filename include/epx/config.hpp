@@ -16,8 +16,10 @@ namespace epx {
 /// Every rank must pass the same Config to an op (as in DeepEP): both ends of
 /// a (sender, receiver) pair derive its chunk size from it
 /// (`num_max_send_tokens` caps it; pairs with few rows use smaller chunks).
-/// `num_max_recv_tokens`: tokens the receive staging holds per peer rank;
-///   a call with more tokens than this is refused with an error naming it.
+/// `num_max_recv_tokens`: rows of the receive ring per peer rank (the buffer
+///   size); a call may send any number of tokens: a pair with more rows than
+///   its ring reuses slots as the receiver frees them (a credit per chunk).
+///   Must be >= num_max_send_tokens.
 struct Config {
   int num_sms = 24;
   int num_max_send_tokens = 8;

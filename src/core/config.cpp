@@ -58,11 +58,23 @@ void Config::validate(int num_ranks, int device_sm_count) const {
 // 2026-11-24) chunk 4: dispatch 244 us, combine 298 us, against 264 / 362 us at
 // chunk 16 (finer chunks spread the receivers' items more evenly); EP4 and EP8
 // chunk 8.
+//
+// Ring rows per peer: 4096 up to EP4, so the standard 4096-token call never
+// laps (EP4: 183 MB per rank against DeepEP's 201 MB hint). At EP8 4096 rows
+// would take 427 MB (DeepEP: 403 MB); 3584 rows take 375 MB and still hold a
+// pair's share of that call (about 2/3 of 4096 tokens at top-8 of 256
+// experts), so it does not lap there either. Larger calls lap.
+namespace {
+int default_ring_rows(int num_ranks) {
+  return num_ranks <= 4 ? 4096 : 3584;
+}
+}  // namespace
+
 Config get_dispatch_config(int num_ranks) {
   Config c;
   c.num_sms = detail::default_num_sms().load();
   c.num_max_send_tokens = num_ranks <= 2 ? 4 : 8;
-  c.num_max_recv_tokens = 4096;
+  c.num_max_recv_tokens = default_ring_rows(num_ranks);
   return c;
 }
 
@@ -70,7 +82,7 @@ Config get_combine_config(int num_ranks) {
   Config c;
   c.num_sms = detail::default_num_sms().load();
   c.num_max_send_tokens = num_ranks <= 2 ? 4 : 8;
-  c.num_max_recv_tokens = 4096;
+  c.num_max_recv_tokens = default_ring_rows(num_ranks);
   return c;
 }
 

@@ -15,6 +15,8 @@ kernels::HtOffsets offsets_of(const plan::HtRegion& r) {
   o.counts[0] = r.counts_offset(0);
   o.counts[1] = r.counts_offset(1);
   o.flags = r.flags_offset();
+  o.credits = r.credits_offset();
+  o.consumed = r.consumed_offset();
   o.staging = r.staging_offset();
   o.row_bytes = r.row_bytes;
   o.capacity = r.capacity;
@@ -33,19 +35,19 @@ plan::HtRegion plan_region(const char* op, const Buffer::Impl& d, const Config& 
   r.capacity = cfg.num_max_recv_tokens;
   r.chunk = cfg.num_max_send_tokens;
   r.row_bytes = row_bytes;
-  require(
-      r.chunks_needed() <= plan::kMaxChunks, "config.num_max_send_tokens",
-      "num_max_recv_tokens / num_max_send_tokens must be <= " + std::to_string(plan::kMaxChunks));
   require(num_experts / r.num_ranks <= plan::kMaxLocalExperts, "num_experts",
           "at most " + std::to_string(plan::kMaxLocalExperts) + " experts per rank");
-  require(num_tokens <= r.capacity, op,
-          "x has " + std::to_string(num_tokens) + " tokens but config.num_max_recv_tokens is " +
-              std::to_string(r.capacity) + "; raise it (and num_nvl_bytes) or send fewer tokens");
+  // Any token count goes through the rings (they lap); only the chunk index
+  // of a pair is bounded, by the flag area.
+  require(plan::ht_num_chunks(num_tokens, r.chunk) < plan::kMaxChunks, op,
+          "x has " + std::to_string(num_tokens) + " tokens, more than " +
+              std::to_string(plan::kMaxChunks - 1) + " chunks of config.num_max_send_tokens (" +
+              std::to_string(r.chunk) + ") rows; raise num_max_send_tokens or send fewer tokens");
   if (r.total_bytes() > d.ht.bytes)
     throw Error(ErrorCode::kBufferTooSmall,
                 std::string(op) + ": num_nvl_bytes: the call needs " +
                     std::to_string(r.total_bytes()) + " bytes of NVLink buffer (" +
-                    std::to_string(r.capacity) + " rows of " + std::to_string(row_bytes) +
+                    std::to_string(r.capacity) + " ring rows of " + std::to_string(row_bytes) +
                     " B per peer rank) but the buffer has " + std::to_string(d.ht.bytes) +
                     "; use Config::get_nvl_buffer_size_hint");
   return r;

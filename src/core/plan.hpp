@@ -56,20 +56,39 @@ constexpr int ht_pair_chunk(int rows, int chunk, int send_warps, int num_ranks) 
 /// flag is never overwritten by another op's staged rows:
 ///   [barrier flags uint32[kMaxRanks]]
 ///   [two count-exchange areas: int32[kMaxRanks][1 + kMaxLocalExperts]]
-///   [chunk flags uint32[kMaxRanks][kMaxChunks]]
+///   [chunk flags uint32[kMaxRanks][kMaxChunks]]   [src][j]: epoch of the op whose
+///                 chunk j from src has landed here
+///   [credits uint32[kMaxRanks][kMaxChunks]]       [dst][j]: epoch of the op whose
+///                 chunk j to dst has been consumed there (written by dst)
+///   [consumed uint64[kMaxRanks][kMaxChunks]]      local: {rows of chunk j from src
+///                 reduced so far, epoch << 32} (combine receivers count rows)
 ///   [staging: R - 1 peer sources x capacity rows x row_bytes]   (varies per call)
 /// A rank's own rows never stage (dispatch copies them from x, combine reads
 /// them from x), so the staging has no area for the rank itself: source `src`
 /// uses area staging_index(src, me).
+///
+/// The staging of a pair is a ring of `capacity` rows (config.num_max_recv_tokens):
+/// chunk j of a pair lands in slot j % ring_slots(chunk), and a sender waits
+/// for the credit of chunk j - ring_slots before it writes chunk j, so a call
+/// may move any number of rows through a ring of any size. Flags and credits
+/// are per chunk index, not per slot, so a lap never mistakes one chunk for another.
 inline constexpr int kMaxLocalExperts = 1024;
-inline constexpr int kMaxChunks = 16384;  ///< per source rank and call
+inline constexpr int kMaxChunks = 16384;  ///< per (source, receiver) pair and call
+
+/// Chunks a pair with `rows` rows sends, at `chunk` rows per chunk.
+constexpr int ht_num_chunks(int rows, int chunk) {
+  return chunk > 0 ? (rows + chunk - 1) / chunk : 0;
+}
 
 struct HtRegion {
   int num_ranks = 0, num_experts = 0, capacity = 0, chunk = 0;
   std::size_t row_bytes = 0;
 
   int max_chunks() const { return kMaxChunks; }
-  int chunks_needed() const { return (capacity + chunk - 1) / chunk; }
+  /// Slots of `pair_chunk` rows in a pair's ring (at least one).
+  static constexpr int ring_slots(int capacity_rows, int pair_chunk) {
+    return pair_chunk > 0 && capacity_rows >= pair_chunk ? capacity_rows / pair_chunk : 1;
+  }
   /// Staging areas: one per peer.
   int staged_sources() const { return num_ranks > 1 ? num_ranks - 1 : 0; }
   /// Area of source `src` (a peer, src != me) in the staging of rank `me`.
@@ -85,8 +104,14 @@ struct HtRegion {
     return align_up(4u * kMaxRanks, kAlign) + parity * counts_bytes();
   }
   static constexpr std::size_t flags_offset() { return counts_offset(2); }
-  static constexpr std::size_t staging_offset() {
+  static constexpr std::size_t credits_offset() {
     return align_up(flags_offset() + 4u * kMaxRanks * kMaxChunks, kAlign);
+  }
+  static constexpr std::size_t consumed_offset() {
+    return align_up(credits_offset() + 4u * kMaxRanks * kMaxChunks, kAlign);
+  }
+  static constexpr std::size_t staging_offset() {
+    return align_up(consumed_offset() + 8u * kMaxRanks * kMaxChunks, kAlign);
   }
   std::size_t total_bytes() const {
     return staging_offset() + static_cast<std::size_t>(staged_sources()) * capacity * row_bytes;

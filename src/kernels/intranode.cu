@@ -1,13 +1,30 @@
 // High-throughput intranode dispatch and combine.
 //
-// Every rank's receive staging holds `capacity` rows per peer rank. Sender
-// warps copy whole chunks of rows (num_max_send_tokens at most, fewer for a
-// pair with few rows: plan::ht_pair_chunk) straight into the destination's
-// staging with NVLink stores, then release-store the chunk's
+// Every rank's receive staging holds a ring of `capacity` rows per peer rank
+// (plan::HtRegion). Sender warps copy whole chunks of rows (num_max_send_tokens
+// at most, fewer for a pair with few rows: plan::ht_pair_chunk) straight into
+// the destination's ring with NVLink stores, then release-store the chunk's
 // flag there with the op's epoch. Receiver warps acquire flags and move rows
 // out (dispatch: into recv_x in rank order; combine: reduce per token).
 // Tokens a rank sends to itself skip the staging: in dispatch the receiver
 // warps copy them (they wait for peers anyway), so sender SMs only feed NVLink.
+//
+// Rings: chunk j of a pair lands in slot j % slots. A pair with more chunks
+// than slots laps: the receiver stores a credit (the epoch, per chunk index)
+// into the sender's region once it has consumed chunk j, and the sender
+// waits for the credit of chunk j - slots before it writes chunk j. Why this
+// cannot deadlock:
+// - dispatch: senders and receivers both take their chunks in increasing
+//   chunk index over all pairs. A credit wait for chunk j needs chunk
+//   j - slots consumed, whose arrival needs only sends of index <= j - slots:
+//   every chain of waits strictly lowers the index, down to the first lap.
+// - combine: a receiver reduces in token order, and a token needs a chunk of
+//   every rank it went to, whatever their indices. So a sender that may wait
+//   for credits gives each destination its own warps (a warp never holds one
+//   pair's chunk while it waits on another's credit); then every wait at a
+//   receiver is for its own tokens of lower index, and chains end again.
+//   Senders whose pairs all fit their rings never wait and keep the
+//   interleaved order (which spreads uneven pairs over all warps).
 #include "core/check.hpp"
 #include "kernels/kernels.hpp"
 
@@ -84,6 +101,106 @@ __device__ __forceinline__ void warp_zero(uint8_t* dst, int bytes, int lane) {
 
 __device__ __forceinline__ int ceil_div(int a, int b) {
   return (a + b - 1) / b;
+}
+
+/// The ring of a (source, receiver) pair in the receiver's staging: chunk j
+/// of `ch` rows starts at row (j % slots) * ch of the pair's area, so row k
+/// of the pair sits at row k % (slots * ch).
+struct Ring {
+  uint8_t* area;  ///< the pair's area (capacity rows)
+  int ch, slots, chunks, span;
+  __device__ __forceinline__ uint8_t* row(int k, std::size_t row_bytes) const {
+    return area + static_cast<int64_t>(k % span) * static_cast<int64_t>(row_bytes);
+  }
+  /// Whether the receiver owes the sender a credit for chunk j: a later chunk reuses its slot.
+  __device__ __forceinline__ bool lapped(int j) const { return j + slots < chunks; }
+};
+
+template <class P>
+__device__ __forceinline__ Ring ring_of(const P& p, uint8_t* staging, int area, int rows, int ch) {
+  Ring g;
+  g.area = staging + static_cast<int64_t>(area) * p.off.capacity * p.off.row_bytes;
+  g.ch = ch;
+  g.slots = plan::HtRegion::ring_slots(p.off.capacity, ch);
+  g.chunks = ceil_div(rows, ch);
+  g.span = g.slots * ch;
+  return g;
+}
+
+/// Credit word of chunk j of the pair (me -> dst), in the sender's region.
+template <class P>
+__device__ __forceinline__ std::size_t credit_offset(const P& p, int dst, int j) {
+  return p.off.credits + 4 * (static_cast<std::size_t>(dst) * p.off.max_chunks + j);
+}
+
+/// A sender warp, before it writes chunk j of a pair into `dst`'s ring: waits
+/// until `dst` has consumed the chunk that last used the slot. False when the
+/// wait failed.
+template <class P>
+__device__ __forceinline__ bool slot_free(const P& p, const Ring& g, int dst, int j, uint32_t epoch,
+                                          OpId op) {
+  if (j < g.slots) return true;
+  return p.t.wait_warp(credit_offset(p, dst, j - g.slots), epoch, p.timeout_ns, p.diag, op, dst,
+                       j - g.slots);
+}
+
+/// A receiver, once chunk j from `src` is consumed (every lane's loads of it
+/// done: call after a warp barrier, on one lane): lets `src` reuse the slot.
+template <class P>
+__device__ __forceinline__ void give_credit(const P& p, int src, int j, uint32_t epoch) {
+  p.t.signal(src, credit_offset(p, p.t.rank, j), epoch);
+}
+
+/// A combine receiver lane, after its warp reduced a row of chunk j from
+/// `src` (after a warp barrier): counts the row in a word tagged with the
+/// op's epoch (so a word an earlier, failed op left behind counts from zero);
+/// the chunk's last row gives the slot back.
+template <class P>
+__device__ __forceinline__ void row_consumed(const P& p, int src, int j, int ch, uint32_t epoch) {
+  __threadfence();  // the warp's loads of the row come before the count that covers them
+  auto* w = reinterpret_cast<unsigned long long*>(p.t.local_ptr(p.off.consumed)) +
+            static_cast<std::size_t>(src) * p.off.max_chunks + j;
+  unsigned long long old = *reinterpret_cast<volatile unsigned long long*>(w), next;
+  while (true) {
+    next = static_cast<uint32_t>(old >> 32) == epoch
+               ? old + 1
+               : (static_cast<unsigned long long>(epoch) << 32) | 1ull;
+    const unsigned long long seen = atomicCAS(w, old, next);
+    if (seen == old) break;
+    old = seen;
+  }
+  if (static_cast<int>(static_cast<uint32_t>(next)) == ch) {
+    __threadfence();
+    give_credit(p, src, j, epoch);
+  }
+}
+
+/// The chunks a sender sends, in an order that cannot deadlock with credits
+/// (see the top of the file): body(dst, j) for every chunk j of every peer
+/// dst, as warp gw of nw; stops when body returns false. num_chunks(dst) and
+/// laps(dst) describe the pair.
+template <class NumChunks, class Body>
+__device__ __forceinline__ void for_each_send_chunk(int R, int me, int gw, int nw, bool own_warps,
+                                                    NumChunks num_chunks, Body body) {
+  // One loop, one inlined body, for both orders (two bodies spill registers).
+  // Interleaved: item i -> (chunk i / (R - 1), peer i % (R - 1)). Own warps:
+  // destination gw / per gets warps [d * per, (d + 1) * per) (nw >= 16 > R - 1;
+  // leftover warps idle), which take its chunks round-robin.
+  const int per = nw / (R - 1), own_dst = (me + 1 + gw / per) % R;
+  int end = 0;
+  if (own_warps) {
+    end = gw / per < R - 1 ? num_chunks(own_dst) : 0;
+  } else {
+    for (int r = 0; r < R; ++r)
+      if (r != me) end = max(end, num_chunks(r));
+    end *= R - 1;
+  }
+  const int stride = own_warps ? per : nw;
+  for (int i = own_warps ? gw % per : gw; i < end; i += stride) {
+    const int j = own_warps ? i : i / (R - 1);
+    const int dst = own_warps ? own_dst : (me + 1 + i % (R - 1)) % R;
+    if (j < num_chunks(dst) && !body(dst, j)) return;
+  }
 }
 
 /// How many of `n` rows starting at output row `row0` fit the outputs; fewer
@@ -238,40 +355,43 @@ __device__ __forceinline__ void dispatch_body(const HtDispatchParams& p, uint32_
   if (static_cast<int>(blockIdx.x) < p.num_send_blocks) {
     // ---------------- send (peers only) ----------------
     if (R == 1 || !peers_reached(p, epoch, OpId::kDispatchNotify, lane)) return;
-    int max_chunks = 0;
-    for (int r = 0; r < R; ++r)
-      if (r != me)
-        max_chunks = max(max_chunks, ceil_div(p.send_counts[r], chunk_of(p.send_counts[r])));
+    auto ring = [&](int dst) {
+      const int n = p.send_counts[dst];
+      return ring_of(p, reinterpret_cast<uint8_t*>(p.t.peer_ptr(dst, p.off.staging)),
+                     plan::HtRegion::staging_index(me, dst), n, chunk_of(n));
+    };
     const int gw = blockIdx.x * kWarps + warp, nw = p.num_send_blocks * kWarps;
-    for (int item = gw; item < max_chunks * (R - 1); item += nw) {
-      const int j = item / (R - 1), dst = (me + 1 + item % (R - 1)) % R;
-      const int ch = chunk_of(p.send_counts[dst]);
-      const int k0 = j * ch, k1 = min(p.send_counts[dst], k0 + ch);
-      if (k0 >= k1) continue;
-      const int lo_e = dst * epr;
-      uint8_t* rows = reinterpret_cast<uint8_t*>(p.t.peer_ptr(dst, p.off.staging)) +
-                      static_cast<int64_t>(plan::HtRegion::staging_index(me, dst)) *
-                          p.off.capacity * p.off.row_bytes;
-      for (int b0 = k0; b0 < k1; b0 += kBatch) {
-        const int nb = min(kBatch, k1 - b0);
-        const int my_t = token_ids(dst, b0, nb);
-        copy_token_rows<kSendU>(
-            p, my_t, nb, lo_e, epr, extras,
-            [&](int r) { return rows + static_cast<int64_t>(b0 + r) * p.off.row_bytes; },
-            [&](int r, int i, int v) {
-              reinterpret_cast<int*>(rows + static_cast<int64_t>(b0 + r) * p.off.row_bytes +
-                                     p.hidden_bytes)[i] = v;
-            },
-            lane);
-      }
-      // The warp barrier orders every lane's stores before lane 0's
-      // release-store at system scope (measured: a full fence per lane here
-      // costs 3-6%).
-      __syncwarp();
-      if (lane == 0)
-        p.t.signal(dst, p.off.flags + 4 * (static_cast<std::size_t>(me) * p.off.max_chunks + j),
-                   epoch);
-    }
+    // Interleaved order even when lapping: dispatch receivers consume in chunk order.
+    for_each_send_chunk(
+        R, me, gw, nw, false, [&](int dst) { return ring(dst).chunks; },
+        [&](int dst, int j) {
+          const Ring g = ring(dst);
+          if (!slot_free(p, g, dst, j, epoch, OpId::kDispatch)) return false;
+          const int k0 = j * g.ch, k1 = min(p.send_counts[dst], k0 + g.ch);
+          const int lo_e = dst * epr;
+          uint8_t* rows = g.row(j * g.ch, p.off.row_bytes);
+          for (int b0 = k0; b0 < k1; b0 += kBatch) {
+            const int nb = min(kBatch, k1 - b0);
+            const int my_t = token_ids(dst, b0, nb);
+            uint8_t* batch = rows + static_cast<int64_t>(b0 - k0) * p.off.row_bytes;
+            copy_token_rows<kSendU>(
+                p, my_t, nb, lo_e, epr, extras,
+                [&](int r) { return batch + static_cast<int64_t>(r) * p.off.row_bytes; },
+                [&](int r, int i, int v) {
+                  reinterpret_cast<int*>(batch + static_cast<int64_t>(r) * p.off.row_bytes +
+                                         p.hidden_bytes)[i] = v;
+                },
+                lane);
+          }
+          // The warp barrier orders every lane's stores before lane 0's
+          // release-store at system scope (measured: a full fence per
+          // lane here costs 3-6%).
+          __syncwarp();
+          if (lane == 0)
+            p.t.signal(dst, p.off.flags + 4 * (static_cast<std::size_t>(me) * p.off.max_chunks + j),
+                       epoch);
+          return true;
+        });
     return;
   }
 
@@ -283,7 +403,7 @@ __device__ __forceinline__ void dispatch_body(const HtDispatchParams& p, uint32_
   }
   const int gw = (blockIdx.x - p.num_send_blocks) * kWarps + warp;
   const int nw = (gridDim.x - p.num_send_blocks) * kWarps;
-  const uint8_t* staging = reinterpret_cast<const uint8_t*>(p.t.local_ptr(p.off.staging));
+  uint8_t* const staging = reinterpret_cast<uint8_t*>(p.t.local_ptr(p.off.staging));
   for (int item = gw; item < max_chunks * R; item += nw) {
     const int j = item / R, src = (me + 1 + item % R) % R;
     const int n_src = p.recv_offsets[src + 1] - p.recv_offsets[src], ch = chunk_of(n_src);
@@ -308,10 +428,8 @@ __device__ __forceinline__ void dispatch_body(const HtDispatchParams& p, uint32_
     if (!p.t.wait_warp(p.off.flags + 4 * (static_cast<std::size_t>(src) * p.off.max_chunks + j),
                        epoch, p.timeout_ns, p.diag, OpId::kDispatch, src, j))
       return;
-    const uint8_t* in =
-        staging +
-        (static_cast<int64_t>(plan::HtRegion::staging_index(src, me)) * p.off.capacity + k0) *
-            p.off.row_bytes;
+    const Ring g = ring_of(p, staging, plan::HtRegion::staging_index(src, me), n_src, ch);
+    const uint8_t* in = g.row(k0, p.off.row_bytes);
     const int n = rows_fitting(p, row0, k1 - k0, src, k0, lane);
     for (int r = 0; r < n; ++r)
       warp_copy<true, kRecvU>(p.recv_x + (row0 + r) * p.hidden_bytes,
@@ -324,6 +442,11 @@ __device__ __forceinline__ void dispatch_body(const HtDispatchParams& p, uint32_
                         i);
         },
         [&](int r, int i, int v) { store_extra(p, row0 + r, i, v); }, lane);
+    // Rows past num_worst_tokens were not copied, but the slot is free all the same.
+    if (g.lapped(j)) {
+      __syncwarp();
+      if (lane == 0) give_credit(p, src, j, epoch);
+    }
   }
 }
 
@@ -370,70 +493,78 @@ __device__ __forceinline__ void combine_body(const HtCombineParams& p, uint32_t 
   const int send_warps = p.num_send_blocks * kWarps;
   auto chunk_of = [&](int rows) { return plan::ht_pair_chunk(rows, p.off.chunk, send_warps, R); };
 
-  if (static_cast<int>(blockIdx.x) < p.num_send_blocks) {
+  // The rings this block uses, one per peer: a sender's in the peer's
+  // staging (its rows: what the peer sent me), a receiver's in mine (as many
+  // rows as I sent the peer). s_laps: some ring laps. (Kept in shared memory:
+  // recomputed per chunk they spill registers.)
+  const bool sender = static_cast<int>(blockIdx.x) < p.num_send_blocks;
+  __shared__ Ring s_ring[plan::kMaxRanks];
+  __shared__ int s_laps;
+  if (threadIdx.x == 0) s_laps = 0;
+  __syncthreads();
+  if (static_cast<int>(threadIdx.x) < R && static_cast<int>(threadIdx.x) != me) {
+    const int r = threadIdx.x;
+    const int n = sender ? p.recv_offsets[r + 1] - p.recv_offsets[r] : p.send_counts[r];
+    uint8_t* staging = reinterpret_cast<uint8_t*>(sender ? p.t.peer_ptr(r, p.off.staging)
+                                                         : p.t.local_ptr(p.off.staging));
+    s_ring[r] = ring_of(
+        p, staging,
+        sender ? plan::HtRegion::staging_index(me, r) : plan::HtRegion::staging_index(r, me), n,
+        chunk_of(n));
+    if (s_ring[r].chunks > s_ring[r].slots) atomicOr(&s_laps, 1);
+  }
+  __syncthreads();
+
+  if (sender) {
     // ---------------- send: my rows for source s go back to s ----------------
     if (R == 1 || !peers_reached(p, epoch, OpId::kCombineNotify, lane)) return;
-    int max_chunks = 0;
-    for (int s = 0; s < R; ++s)
-      if (s != me) {
-        const int n = p.recv_offsets[s + 1] - p.recv_offsets[s];
-        max_chunks = max(max_chunks, ceil_div(n, chunk_of(n)));
-      }
     const int gw = blockIdx.x * kWarps + warp, nw = p.num_send_blocks * kWarps;
-    for (int item = gw; item < max_chunks * (R - 1); item += nw) {
-      const int j = item / (R - 1), dst = (me + 1 + item % (R - 1)) % R;
-      const int count = p.recv_offsets[dst + 1] - p.recv_offsets[dst];
-      const int ch = chunk_of(count);
-      const int k0 = j * ch, k1 = min(count, k0 + ch);
-      if (k0 >= k1) continue;
-      uint8_t* out_rows =
-          reinterpret_cast<uint8_t*>(p.t.peer_ptr(dst, p.off.staging)) +
-          (static_cast<int64_t>(plan::HtRegion::staging_index(me, dst)) * p.off.capacity + k0) *
-              p.off.row_bytes;
-      const int row0 = p.recv_offsets[dst] + k0;  // row of x for k0
-      const uint8_t* in_rows =
-          reinterpret_cast<const uint8_t*>(p.x + row0 * static_cast<int64_t>(H));
-      // Rows past x (a truncated num_worst_tokens dispatch) go back as zeros.
-      const int n_in = max(0, min(k1 - k0, p.num_x_rows - row0));
-      for (int r = 0; r < k1 - k0; ++r) {
-        uint8_t* out = out_rows + static_cast<int64_t>(r) * p.off.row_bytes;
-        if (r < n_in)
-          warp_copy<false, kSendU>(out, in_rows + static_cast<int64_t>(r) * row_payload,
-                                   row_payload, lane);
-        else
-          warp_zero(out, row_payload, lane);
-      }
-      if (p.topk_weights) {
-        const float* w = p.topk_weights + row0 * static_cast<int64_t>(K);
-        move_extras(
-            k1 - k0, K,
-            [&](int r, int i) { return r < n_in ? __float_as_int(__ldg(w + r * K + i)) : 0; },
-            [&](int r, int i, int v) {
-              reinterpret_cast<int*>(out_rows + static_cast<int64_t>(r) * p.off.row_bytes +
-                                     row_payload)[i] = v;
-            },
-            lane);
-      }
-      // A full fence per lane stays here: without it combine measured slower.
-      __threadfence_system();
-      __syncwarp();
-      if (lane == 0)
-        p.t.signal(dst, p.off.flags + 4 * (static_cast<std::size_t>(me) * p.off.max_chunks + j),
-                   epoch);
-    }
+    for_each_send_chunk(
+        R, me, gw, nw, s_laps != 0, [&](int dst) { return s_ring[dst].chunks; },
+        [&](int dst, int j) {
+          const Ring& g = s_ring[dst];
+          if (!slot_free(p, g, dst, j, epoch, OpId::kCombine)) return false;
+          const int count = p.recv_offsets[dst + 1] - p.recv_offsets[dst];
+          const int k0 = j * g.ch, k1 = min(count, k0 + g.ch);
+          uint8_t* out_rows = g.row(k0, p.off.row_bytes);
+          const int row0 = p.recv_offsets[dst] + k0;  // row of x for k0
+          const uint8_t* in_rows =
+              reinterpret_cast<const uint8_t*>(p.x + row0 * static_cast<int64_t>(H));
+          // Rows past x (a truncated num_worst_tokens dispatch) go back as zeros.
+          const int n_in = max(0, min(k1 - k0, p.num_x_rows - row0));
+          for (int r = 0; r < k1 - k0; ++r) {
+            uint8_t* out = out_rows + static_cast<int64_t>(r) * p.off.row_bytes;
+            if (r < n_in)
+              warp_copy<false, kSendU>(out, in_rows + static_cast<int64_t>(r) * row_payload,
+                                       row_payload, lane);
+            else
+              warp_zero(out, row_payload, lane);
+          }
+          if (p.topk_weights) {
+            const float* w = p.topk_weights + row0 * static_cast<int64_t>(K);
+            move_extras(
+                k1 - k0, K,
+                [&](int r, int i) { return r < n_in ? __float_as_int(__ldg(w + r * K + i)) : 0; },
+                [&](int r, int i, int v) {
+                  reinterpret_cast<int*>(out_rows + static_cast<int64_t>(r) * p.off.row_bytes +
+                                         row_payload)[i] = v;
+                },
+                lane);
+          }
+          // A full fence per lane stays here: without it combine measured slower.
+          __threadfence_system();
+          __syncwarp();
+          if (lane == 0)
+            p.t.signal(dst, p.off.flags + 4 * (static_cast<std::size_t>(me) * p.off.max_chunks + j),
+                       epoch);
+          return true;
+        });
     return;
   }
 
   // ---------------- receive: reduce each token over the ranks it went to ----------------
   const int gw = (blockIdx.x - p.num_send_blocks) * kWarps + warp;
   const int nw = (gridDim.x - p.num_send_blocks) * kWarps;
-  const uint8_t* staging = reinterpret_cast<const uint8_t*>(p.t.local_ptr(p.off.staging));
-  // Rows per chunk from each rank: its rows back to me are as many as I sent
-  // to it (send_counts[r]).
-  __shared__ int s_chunk[plan::kMaxRanks];
-  if (static_cast<int>(threadIdx.x) < R)
-    s_chunk[threadIdx.x] = chunk_of(p.send_counts[threadIdx.x]);
-  __syncthreads();
   int ready_chunk[plan::kMaxRanks];
 #pragma unroll
   for (int r = 0; r < plan::kMaxRanks; ++r) ready_chunk[r] = -1;
@@ -469,7 +600,8 @@ __device__ __forceinline__ void combine_body(const HtCombineParams& p, uint32_t 
         rows[n] = reinterpret_cast<const uint8_t*>(p.x + row * H);
         wrows[n] = p.topk_weights ? p.topk_weights + row * K : nullptr;
       } else {
-        const int j = k / s_chunk[r];
+        const Ring& g = s_ring[r];
+        const int j = k / g.ch;
 #pragma unroll
         for (int rr = 0; rr < plan::kMaxRanks; ++rr) {
           if (rr == r && ready_chunk[rr] < j) {
@@ -479,10 +611,7 @@ __device__ __forceinline__ void combine_body(const HtCombineParams& p, uint32_t 
             ready_chunk[rr] = j;
           }
         }
-        const uint8_t* row_in =
-            staging +
-            (static_cast<int64_t>(plan::HtRegion::staging_index(r, me)) * p.off.capacity + k) *
-                p.off.row_bytes;
+        const uint8_t* row_in = g.row(k, p.off.row_bytes);
         rows[n] = row_in;
         wrows[n] = p.topk_weights ? reinterpret_cast<const float*>(row_in + row_payload) : nullptr;
       }
@@ -524,6 +653,18 @@ __device__ __forceinline__ void combine_body(const HtCombineParams& p, uint32_t 
       float w = 0.f;
       for (int i = 0; i < n; ++i) w += wrows[i] ? wrows[i][lane] : 0.f;
       p.combined_topk_weights[static_cast<int64_t>(t) * K + lane] = w;
+    }
+    // Rows of chunks whose slot a later chunk of the pair reuses are counted;
+    // the chunk's last row gives the slot back (lane r for rank r).
+    if (s_laps) {  // (shared memory and reloaded routing: no registers held over the loop)
+      __syncwarp();
+      int in_t, slot_t;
+      load_meta(t, in_t, slot_t);
+      if (lane < R && lane != me && in_t) {
+        const Ring& g = s_ring[lane];
+        const int j = slot_t / g.ch;
+        if (g.lapped(j)) row_consumed(p, lane, j, g.ch, epoch);
+      }
     }
   }
 }

@@ -25,8 +25,9 @@ void launch_layout(const LayoutParams& p, cudaStream_t stream);
 // ---- high-throughput ----------------------------------------------------------
 /// Where things live inside the high-throughput symmetric region.
 struct HtOffsets {
-  std::size_t barrier, counts[2], flags, staging, row_bytes;
-  int capacity, chunk, max_chunks, count_row_ints;
+  std::size_t barrier, counts[2], flags, credits, consumed, staging, row_bytes;
+  int capacity;  ///< ring rows per (source, receiver) pair (plan::HtRegion)
+  int chunk, max_chunks, count_row_ints;
 };
 
 /// A dispatch without a handle: barrier over all ranks, count exchange, and

@@ -137,6 +137,7 @@ void run_case(const HtCase& c, int iters, uint64_t seed0,
     cached.x_scales = a.x_scales;
     cached.handle = res.handle;
     cached.streams = s;
+    cached.config = config;
     auto res2 = buf->dispatch(cached);
     cudaStreamSynchronize(w.stream);
     if (c.fp8) {
@@ -243,13 +244,35 @@ EPX_GPU_TEST(HighThroughput, ChunkSizesAndSmSplits) {
     run_case({300, 2048, 8, 64, true, 0.1, true, 1, false}, 1, 400 + sp.chunk, cfg);
   }
 }
+/// Rings smaller than a pair's rows: every pair laps, senders wait for the
+/// receivers' credits (one slot: every chunk after the first waits), in
+/// dispatch, cached dispatch and combine, BF16 and FP8, with chunks that do
+/// and do not divide the ring.
+EPX_GPU_TEST(HighThroughput, RingsLap) {
+  struct Ring {
+    int rows, chunk;
+  };
+  for (const Ring rg : {Ring{64, 8}, Ring{20, 8}, Ring{8, 8}, Ring{5, 1}}) {
+    Config cfg = get_dispatch_config(world().num_ranks);
+    cfg.num_sms = std::min(cfg.num_sms, sm_budget());
+    cfg.num_max_recv_tokens = rg.rows;
+    cfg.num_max_send_tokens = rg.chunk;
+    run_case({900, 2048, 8, 64, false, 0.1, true, 1, false}, 1, 500 + rg.rows, cfg);
+    run_case({300, 4096, 8, 64, true, 0.1, true, 1, false}, 1, 600 + rg.rows, cfg);
+  }
+  // The standard call through a ring of a quarter of its rows.
+  Config cfg = get_dispatch_config(world().num_ranks);
+  cfg.num_sms = std::min(cfg.num_sms, sm_budget());
+  cfg.num_max_recv_tokens = 1024;
+  run_case({4095, 7168, 8, 256, false, 0.0, true, 1, false}, 1, 700, cfg);
+}
 EPX_GPU_TEST(HighThroughput, FullWorkload4096) {
   run_case({4095, 7168, 8, 256, false, 0.0, true, 1, false}, 1, 17);
 }  // ranks hold 4095 or 4096 tokens
 
 /// 200 back-to-back dispatch+combine pairs on fixed inputs without
 /// reallocating; each result is checked (catches races between calls).
-EPX_GPU_TEST(HighThroughput, Stress200Calls) {
+void stress_calls(int calls, const std::optional<Config>& config) {
   auto& w = world();
   const int R = w.num_ranks, me = w.rank, T = 256, H = 2048, K = 8, E = 64;
   HtCase c{T, H, K, E, false, 0.1, true, 1, false};
@@ -265,18 +288,20 @@ EPX_GPU_TEST(HighThroughput, Stress200Calls) {
       w.buffer->get_dispatch_layout(view(d_topk.get(), DType::kI64, {mine.num_tokens, K}), E, s);
   const auto rl = ref::get_dispatch_layout(mine.topk_idx, mine.num_tokens, K, E, R);
   int bad_calls = 0;
-  for (int i = 0; i < 200; ++i) {
+  for (int i = 0; i < calls; ++i) {
     DispatchArgs a;
     a.x = view(d_x.get(), DType::kBF16, {mine.num_tokens, H});
     a.topk_idx = view(d_topk.get(), DType::kI64, {mine.num_tokens, K});
     a.topk_weights = view(d_w.get(), DType::kF32, {mine.num_tokens, K});
     a.set_layout(layout);
     a.streams = s;
+    a.config = config;
     auto res = w.buffer->dispatch(a);
     CombineArgs ca;
     ca.x = res.recv_x.view;
     ca.handle = res.handle;
     ca.streams = s;
+    ca.config = config;
     auto cres = w.buffer->combine(ca);
     cudaStreamSynchronize(w.stream);
     if (to_host<uint16_t>(res.recv_x) != ro[me].recv_x_bf16) ++bad_calls;
@@ -297,6 +322,17 @@ EPX_GPU_TEST(HighThroughput, Stress200Calls) {
   }
   EXPECT_EQ(bad_calls, 0);
   EXPECT_TRUE(all_ranks(bad_calls == 0));
+}
+EPX_GPU_TEST(HighThroughput, Stress200Calls) {
+  stress_calls(200, std::nullopt);
+}
+/// The same through rings of 16 rows (chunks of 4): every call laps.
+EPX_GPU_TEST(HighThroughput, Stress200CallsLapping) {
+  Config cfg = get_dispatch_config(world().num_ranks);
+  cfg.num_sms = std::min(cfg.num_sms, sm_budget());
+  cfg.num_max_recv_tokens = 16;
+  cfg.num_max_send_tokens = 4;
+  stress_calls(200, cfg);
 }
 
 /// num_worst_tokens: no host sync; outputs sized to the worst case, then

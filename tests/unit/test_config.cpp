@@ -101,12 +101,12 @@ TEST(Plan, StagingHasOneAreaPerPeer) {
 
 // Issue 3: the buffer for the standard workload (hidden 7168 BF16, top-8,
 // 4096 tokens, 24 SMs) is no larger than DeepEP V1's get_nvl_buffer_size_hint
-// for it at EP2 and EP4. DeepEP's hint, as its Config computes it: (num_sms / 2)
-// channels x ranks x 256 ring tokens x (hidden bytes + 8 B source meta +
-// 128 ids x 8 B + 128 weights x 4 B + 128 scales x 4 B), plus a small header.
+// for it at EP2, EP4 and EP8 (EP8 through a ring smaller than the call). DeepEP's hint, as its
+// Config computes it: (num_sms / 2) channels x ranks x 256 ring tokens x (hidden bytes + 8 B source
+// meta + 128 ids x 8 B + 128 weights x 4 B + 128 scales x 4 B), plus a small header.
 TEST(Config, SizeHintWithinDeepEpsForTheStandardWorkload) {
   const std::size_t hidden_bytes = 7168 * 2;
-  for (int R : {2, 4}) {
+  for (int R : {2, 4, 8}) {
     const std::size_t deepep = static_cast<std::size_t>(24 / 2) * R * 256 *
                                (hidden_bytes + 8 + 128 * 8 + 128 * 4 + 128 * 4);
     const std::size_t ours = get_dispatch_config(R).get_nvl_buffer_size_hint(hidden_bytes, R, 8);
@@ -140,18 +140,41 @@ TEST(Plan, PairChunkShrinksForFewRows) {
   }
 }
 
+// A pair's ring: chunk j of ch rows goes to slot j % slots, so row k of the
+// pair sits at k % (slots * ch), inside the pair's capacity rows.
+TEST(Plan, RingSlotsHoldWholeChunks) {
+  for (int capacity : {1, 7, 8, 256, 3584, 4096})
+    for (int ch : {1, 3, 8, 37, 1024}) {
+      if (ch > capacity) continue;  // config.validate refuses chunk > capacity
+      const int slots = plan::HtRegion::ring_slots(capacity, ch);
+      ASSERT_GE(slots, 1);
+      ASSERT_LE(slots * ch, capacity) << capacity << " " << ch;
+      ASSERT_GT((slots + 1) * ch, capacity) << "a whole chunk more would fit";
+      for (int k = 0; k < 5 * capacity; k += 1 + k / 50) {
+        const int j = k / ch;
+        ASSERT_EQ(k % (slots * ch), (j % slots) * ch + k % ch);
+      }
+    }
+  EXPECT_EQ(plan::ht_num_chunks(0, 8), 0);
+  EXPECT_EQ(plan::ht_num_chunks(17, 8), 3);
+}
+
 TEST(Plan, RegionsDoNotOverlapAndAreAligned) {
   plan::HtRegion r;
   r.num_ranks = 8;
   r.capacity = 4096;
   r.chunk = 1;
   r.row_bytes = plan::ht_dispatch_row_bytes(14336, 0, 8);
-  EXPECT_LE(r.chunks_needed(), plan::kMaxChunks);
   EXPECT_LT(plan::HtRegion::counts_offset(0), plan::HtRegion::counts_offset(1));
   EXPECT_LE(plan::HtRegion::counts_offset(1) + plan::HtRegion::counts_bytes(),
             plan::HtRegion::flags_offset());
   EXPECT_LE(plan::HtRegion::flags_offset() + 4u * plan::kMaxRanks * plan::kMaxChunks,
+            plan::HtRegion::credits_offset());
+  EXPECT_LE(plan::HtRegion::credits_offset() + 4u * plan::kMaxRanks * plan::kMaxChunks,
+            plan::HtRegion::consumed_offset());
+  EXPECT_LE(plan::HtRegion::consumed_offset() + 8u * plan::kMaxRanks * plan::kMaxChunks,
             plan::HtRegion::staging_offset());
+  EXPECT_EQ(plan::HtRegion::consumed_offset() % 8, 0u);  // 64-bit atomics
   EXPECT_EQ(plan::HtRegion::staging_offset() % 128, 0u);
   EXPECT_EQ(r.row_bytes % 16, 0u);
   // the control and flag areas do not depend on the call's shape
