@@ -12,8 +12,9 @@ class Config:
     Takes DeepEP's arguments. The NVLink chunk sizes map onto EPX's
     ``epx::Config``: ``num_max_nvl_chunked_send_tokens`` is the number of tokens a
     sender moves between two progress signals (``num_max_send_tokens``) and
-    ``num_max_nvl_chunked_recv_tokens`` the number of tokens the receive staging
-    holds per peer rank (``num_max_recv_tokens``). The RDMA values are kept for
+    ``num_max_nvl_chunked_recv_tokens`` the rows of the receive ring per peer
+    rank (``num_max_recv_tokens``; calls may send more tokens: the ring laps).
+    The RDMA values are kept for
     compatibility and not used (EPX runs within one NVLink domain).
     """
 
