@@ -3,6 +3,7 @@
 # all local GPUs (EP2, then EP4/EP8 where there are GPUs), then the
 # benchmarks; logs and result JSON under $OUT; a short table last.
 #   EPX_RUN="tests bench"  (default both)   EPX_BENCH="ht ll"
+#   EPX_EPOCH_WRAP=2: the suite with 2 in-process ranks and epochs crossing 2^32 (default on 1 GPU)
 #   EPX_IN_PROCESS="2 4": the test suite again with that many ranks as threads of
 #   one process on GPU 0 (default "2 4" on a 1-GPU machine, else none).
 #   EPX_RUN="python" (or "tests bench python"): the Python package from a wheel in
@@ -42,6 +43,20 @@ if [[ " $RUN " == *" tests "* ]]; then
     grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|tests passed|FAILURES|SKIPPED|in-process ranks" "$OUT/gpu-tests-inproc$n.log" | sort | uniq -c | head -30
     [ $rc -eq 0 ] || tail -40 "$OUT/gpu-tests-inproc$n.log"
     summary+=("gpu tests, $n in-process ranks: rc=$rc")
+  done
+  # The epochs' 2^32 wrap: the suite with every buffer's counters starting 96
+  # ops short of it (EPX_EPOCH_WRAP=R ranks in-process; default 2 on a 1-GPU
+  # machine, "" to skip).
+  wrap=${EPX_EPOCH_WRAP-$([ "$GPUS" -lt 2 ] && echo 2)}
+  for n in $wrap; do
+    echo "== GPU tests, $n in-process ranks, epochs crossing the 2^32 wrap"
+    EPX_DEBUG_EPOCH_START=4294967200 timeout ${EPX_TEST_TIMEOUT:-420} ${LINEBUF[@]+"${LINEBUF[@]}"} \
+      "$D/epx_gpu_tests" --in-process="$n" ${EPX_GTEST_FILTER:+--gtest_filter=$EPX_GTEST_FILTER} \
+      > "$OUT/gpu-tests-inproc$n-wrap.log" 2>&1
+    rc=$?
+    grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|tests passed|FAILURES|SKIPPED|EPX_DEBUG_EPOCH_START" "$OUT/gpu-tests-inproc$n-wrap.log" | sort | uniq -c | head -30
+    [ $rc -eq 0 ] || tail -40 "$OUT/gpu-tests-inproc$n-wrap.log"
+    summary+=("gpu tests, $n in-process ranks, epoch wrap: rc=$rc")
   done
 fi
 if [[ " $RUN " == *" bench "* ]]; then

@@ -1,8 +1,10 @@
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <sstream>
 #include <thread>
+#include <vector>
 
 #include "core/buffer_impl.hpp"
 #include "core/env.hpp"
@@ -59,6 +61,8 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
   d.opts = options;
   d.alloc = options.allocator ? options.allocator : default_allocator();
   d.timeout_s = options.timeout_s > 0 ? options.timeout_s : env::timeout_seconds();
+  const auto epoch_start =
+      env::debug_epoch_start();  // a malformed value throws before any allocation
   EPX_CUDA_CHECK(cudaGetDevice(&d.device));
   require(d.device == d.comm->device(), "device",
           "the current CUDA device (" + std::to_string(d.device) +
@@ -87,6 +91,7 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
   EPX_CUDA_CHECK(cudaMemset(d.ht_op_counter, 0, 4 * sizeof(uint32_t)));
   d.ll_op_counter = d.ht_op_counter + 1;
   d.ht_done_blocks = d.ht_op_counter + 2;
+  if (epoch_start) d.start_epochs_at(*epoch_start);
   EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&d.diag_host), sizeof(DeviceDiag),
                                cudaHostAllocMapped));
   std::memset(d.diag_host, 0, sizeof(DeviceDiag));
@@ -162,6 +167,25 @@ void Buffer::set_num_sms(int num_sms) {
 }
 int Buffer::num_sms() {
   return detail::default_num_sms().load();
+}
+
+void Buffer::Impl::start_epochs_at(uint32_t start) {
+  const uint32_t counters[2] = {start, start};
+  EPX_CUDA_CHECK(cudaMemcpy(ht_op_counter, counters, sizeof(counters), cudaMemcpyHostToDevice));
+  auto fill = [&](void* region, std::size_t offset, std::size_t words) {
+    const std::vector<uint32_t> v(words, start);
+    EPX_CUDA_CHECK(cudaMemcpy(static_cast<char*>(region) + offset, v.data(), 4 * words,
+                              cudaMemcpyHostToDevice));
+  };
+  if (ht.bytes >= plan::HtRegion::flags_offset())
+    fill(ht.local, plan::HtRegion::barrier_offset(), plan::kMaxRanks);
+  if (ll.bytes >= plan::LlRegion::weights_base())
+    fill(ll.local, plan::LlRegion::flags_base(), 2 * plan::LlRegion::flags_bytes() / 4);
+  comm->barrier();  // no peer's first op may store before these words are set
+  static std::atomic<bool> told{false};
+  if (!told.exchange(true))
+    std::fprintf(stderr, "epx: EPX_DEBUG_EPOCH_START: op counters of new buffers start at %u\n",
+                 start);
 }
 
 void Buffer::Impl::raise_if_failed(const char* op) {

@@ -102,6 +102,10 @@ struct Buffer::Impl {
   /// Waits (host) for the last low-latency op, wherever it ran, and for the
   /// receive kernels hooks launched.
   void ll_sync();
+  /// EPX_DEBUG_EPOCH_START: both op counters at `start`, and the words
+  /// compared with a wrap-safe >= (HT barrier flags, LL combine flags) at
+  /// `start` too, as if `start` ops had run; collective (a barrier after).
+  void start_epochs_at(uint32_t start);
   /// After a hook launched a receive kernel on `stream`.
   void ll_hook_launched(cudaStream_t stream);
   /// An output tensor, allocated in the caller's stream order (or the comm

@@ -2,6 +2,7 @@
 
 #include <cerrno>
 #include <cstdlib>
+#include <string>
 
 #include "epx/error.hpp"
 
@@ -35,6 +36,16 @@ std::optional<double> get_double(const char* name) {
     throw Error(ErrorCode::kInvalidArgument,
                 std::string(name) + ": must be a number, got '" + *v + "'");
   return x;
+}
+
+std::optional<uint32_t> debug_epoch_start() {
+  static constexpr const char* name = "EPX_DEBUG_EPOCH_START";
+  const auto v = get_int(name);
+  if (!v) return std::nullopt;
+  if (*v < 0 || *v > 0xffffffffL)
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(name) + ": must be in [0, 4294967295], got " + std::to_string(*v));
+  return static_cast<uint32_t>(*v);
 }
 
 double timeout_seconds() {

@@ -1,6 +1,7 @@
 // core/env.hpp - environment variables EPX reads.
 #pragma once
 
+#include <cstdint>
 #include <optional>
 #include <string>
 
@@ -13,6 +14,11 @@ std::optional<double> get_double(const char* name);
 
 /// Default deadline of every wait, seconds: EPX_TIMEOUT_S or 60.
 double timeout_seconds();
+
+/// Test knob EPX_DEBUG_EPOCH_START: the op counters of every new buffer start
+/// there instead of 0, so that a few ops cross the 2^32 wrap of the epochs
+/// (plan::next_epoch). Must be in [0, 2^32); unset: nullopt.
+std::optional<uint32_t> debug_epoch_start();
 
 struct RankInfo {
   int rank = 0, world_size = 1, local_rank = 0;

@@ -291,6 +291,18 @@ TEST(Env, RankInfoFromTorchrunAndMpi) {
   EXPECT_DOUBLE_EQ(env::timeout_seconds(), 2.5);
   unsetenv("EPX_TIMEOUT_S");
   EXPECT_DOUBLE_EQ(env::timeout_seconds(), 60.0);
+  // the epoch-wrap test knob: unset, a 32-bit value, or an error naming it
+  unsetenv("EPX_DEBUG_EPOCH_START");
+  EXPECT_FALSE(env::debug_epoch_start().has_value());
+  setenv("EPX_DEBUG_EPOCH_START", "4294967290", 1);
+  EXPECT_EQ(env::debug_epoch_start(), std::optional<uint32_t>(4294967290u));
+  setenv("EPX_DEBUG_EPOCH_START", "4294967296", 1);
+  expect_error([] { env::debug_epoch_start(); }, {"EPX_DEBUG_EPOCH_START", "[0, 4294967295]"});
+  setenv("EPX_DEBUG_EPOCH_START", "-1", 1);
+  expect_error([] { env::debug_epoch_start(); }, {"EPX_DEBUG_EPOCH_START", "[0, 4294967295]"});
+  setenv("EPX_DEBUG_EPOCH_START", "x", 1);
+  expect_error([] { env::debug_epoch_start(); }, {"EPX_DEBUG_EPOCH_START", "integer"});
+  unsetenv("EPX_DEBUG_EPOCH_START");
 }
 
 }  // namespace
