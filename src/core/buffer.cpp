@@ -41,6 +41,10 @@ const char* op_name(OpId op) {
       return "low_latency_combine (recv)";
     case OpId::kBarrier:
       return "barrier";
+    case OpId::kDispatchSlot:
+      return "dispatch (waiting for the peer to free a ring slot)";
+    case OpId::kCombineSlot:
+      return "combine (waiting for the peer to free a ring slot)";
   }
   return "?";
 }

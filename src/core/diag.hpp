@@ -19,6 +19,8 @@ enum class OpId : uint32_t {
   kLowLatencyCombineSend = 8,
   kLowLatencyCombineRecv = 9,
   kBarrier = 10,
+  kDispatchSlot = 11,  ///< a dispatch sender waiting for a ring slot (the peer's credit)
+  kCombineSlot = 12,   ///< a combine sender waiting for a ring slot
 };
 
 enum class DiagCode : uint32_t {

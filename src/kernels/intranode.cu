@@ -25,6 +25,12 @@
 //   receiver is for its own tokens of lower index, and chains end again.
 //   Senders whose pairs all fit their rings never wait and keep the
 //   interleaved order (which spreads uneven pairs over all warps).
+// Both arguments, like the protocol without laps (a rank's receivers wait for
+// its peers' senders, whose receivers wait for this rank's senders), need
+// every block of each rank's kernel resident at once: one block per SM,
+// num_sms within the SMs the rank may use. MPS or green-context limits below
+// num_sms, or another persistent kernel holding SMs, stall the op until its
+// deadline, which reports it.
 #include "core/check.hpp"
 #include "kernels/kernels.hpp"
 
@@ -122,7 +128,11 @@ __device__ __forceinline__ Ring ring_of(const P& p, uint8_t* staging, int area, 
   g.area = staging + static_cast<int64_t>(area) * p.off.capacity * p.off.row_bytes;
   g.ch = ch;
   g.slots = plan::HtRegion::ring_slots(p.off.capacity, ch);
-  g.chunks = ceil_div(rows, ch);
+  // Never past the flag and credit areas, even when a peer's counts are wrong
+  // (an inconsistent layout with num_worst_tokens, which has no host check
+  // before the kernel): rows past it are not moved, and the notify kernel
+  // reports the layout.
+  g.chunks = min(ceil_div(rows, ch), p.off.max_chunks);
   g.span = g.slots * ch;
   return g;
 }
@@ -366,7 +376,7 @@ __device__ __forceinline__ void dispatch_body(const HtDispatchParams& p, uint32_
         R, me, gw, nw, false, [&](int dst) { return ring(dst).chunks; },
         [&](int dst, int j) {
           const Ring g = ring(dst);
-          if (!slot_free(p, g, dst, j, epoch, OpId::kDispatch)) return false;
+          if (!slot_free(p, g, dst, j, epoch, OpId::kDispatchSlot)) return false;
           const int k0 = j * g.ch, k1 = min(p.send_counts[dst], k0 + g.ch);
           const int lo_e = dst * epr;
           uint8_t* rows = g.row(j * g.ch, p.off.row_bytes);
@@ -401,6 +411,7 @@ __device__ __forceinline__ void dispatch_body(const HtDispatchParams& p, uint32_
     const int n = p.recv_offsets[s + 1] - p.recv_offsets[s];
     max_chunks = max(max_chunks, ceil_div(n, chunk_of(n)));
   }
+  max_chunks = min(max_chunks, p.off.max_chunks);  // as ring_of: wrong peer counts stay in bounds
   const int gw = (blockIdx.x - p.num_send_blocks) * kWarps + warp;
   const int nw = (gridDim.x - p.num_send_blocks) * kWarps;
   uint8_t* const staging = reinterpret_cast<uint8_t*>(p.t.local_ptr(p.off.staging));
@@ -523,7 +534,7 @@ __device__ __forceinline__ void combine_body(const HtCombineParams& p, uint32_t 
         R, me, gw, nw, s_laps != 0, [&](int dst) { return s_ring[dst].chunks; },
         [&](int dst, int j) {
           const Ring& g = s_ring[dst];
-          if (!slot_free(p, g, dst, j, epoch, OpId::kCombine)) return false;
+          if (!slot_free(p, g, dst, j, epoch, OpId::kCombineSlot)) return false;
           const int count = p.recv_offsets[dst + 1] - p.recv_offsets[dst];
           const int k0 = j * g.ch, k1 = min(count, k0 + g.ch);
           uint8_t* out_rows = g.row(k0, p.off.row_bytes);

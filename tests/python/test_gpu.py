@@ -299,6 +299,15 @@ def _case_high_throughput(rank, world, group):
     assert cw2 is None
     np.testing.assert_array_equal(_bits(cx2), plain)
 
+    # a DeepEP-style config whose ring (16 rows per peer) is smaller than a pair's
+    # rows (about 60): the staging laps, the results do not change
+    small = epx.Config(20, 4, 16)
+    rx_s, _, _, _, h_s, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, config=small, **layout)
+    np.testing.assert_array_equal(_bits(rx_s), mine["recv_x"])
+    again_s = buf.dispatch(x, handle=h_s, config=small)[0]
+    np.testing.assert_array_equal(_bits(again_s), mine["recv_x"])
+    np.testing.assert_array_equal(_bits(buf.combine(rx_s, h_s, config=small)[0]), plain)
+
     # asynchronous, ordered after a captured event, outputs on the comm stream
     for on_comm in (False, True):
         prev = epx.Buffer.capture()
