@@ -19,6 +19,7 @@ struct Options {
   int tokens = 0, hidden = 7168, topk = 8, experts = 256;
   int num_sms = 24;
   int recv_tokens = 0;  ///< ht: ring rows per peer (0: the default config's)
+  int in_process = 0;   ///< > 0: that many ranks as threads on one GPU (no NVLink: a proxy)
   int warmup = 10, iters = 50;
   bool sweep = true;
   std::string json_path;
@@ -35,6 +36,11 @@ struct World {
   std::size_t flush_bytes = 0;
   int* sync_word = nullptr;
 };
+
+/// Lines the ranks up before a timed run: a one-int NCCL all-reduce on the
+/// stream (in-process ranks, which have no NCCL communicator: a host barrier
+/// after the stream drains).
+void line_up(World& w);
 
 /// Median over `iters` runs of `fn` (microseconds), each run after an L2
 /// flush and a device-side all-reduce that lines the ranks up, timed with

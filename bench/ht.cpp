@@ -98,7 +98,11 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
       }
     }
     // Scaling beyond the SM budget, for the record (not the reported figure).
+    int gpu_sms = 0;
+    EPX_CUDA_CHECK(
+        cudaDeviceGetAttribute(&gpu_sms, cudaDevAttrMultiProcessorCount, w.comm->device()));
     for (int sms : {32, 48, 64}) {
+      if (sms > gpu_sms / w.comm->ranks_on_device()) continue;  // in-process ranks share a GPU
       Config c = best_d;
       c.num_sms = sms;
       c.num_send_sms = sms / 3;
@@ -151,8 +155,9 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
   result["sweep"] = sweep;
   if (w.rank == 0) {
     std::printf(
-        "\nEPX high-throughput, %d ranks, %d tokens, hidden %d, top-%d, %d experts, %d SMs\n", R, T,
-        H, K, E, o.num_sms);
+        "\nEPX high-throughput, %d ranks%s, %d tokens, hidden %d, top-%d, %d experts, %d SMs\n", R,
+        w.comm->in_process() ? " (in-process on one GPU: no NVLink, a proxy)" : "", T, H, K, E,
+        o.num_sms);
     std::printf("%-28s %10s %10s\n", "op", "us", "GB/s");
     std::printf("%-28s %10.1f %10.1f\n", "dispatch BF16 (cached)", us_bf16, g_bf16);
     std::printf("%-28s %10.1f %10.1f\n", "dispatch FP8 (cached)", us_fp8, g_fp8);

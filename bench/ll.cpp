@@ -3,7 +3,6 @@
 // H + H/128*4 + 16, BF16 2H. Hook mode splits each op into its send and
 // receive phases, timed separately (the ranks are lined up between them, so
 // the receive time is the receive phase alone).
-#include <nccl.h>
 
 #include <algorithm>
 #include <chrono>
@@ -22,11 +21,6 @@ double median(std::vector<double> v) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
-}
-
-void line_up(World& w) {
-  EPX_NCCL_CHECK(ncclAllReduce(w.sync_word, w.sync_word, 1, ncclInt32, ncclSum,
-                               static_cast<ncclComm_t>(w.comm->nccl_comm()), w.stream));
 }
 
 /// Hook mode: median send-phase and receive-phase times. Per run: L2 flush,
@@ -239,8 +233,9 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
       "median of iters per rank (L2 flushed, ranks aligned by an all-reduce), mean over ranks; "
       "hook split: ranks aligned again (and L2 flushed) between send and receive";
   if (w.rank == 0) {
-    std::printf("\nEPX low-latency, %d ranks, %d tokens, hidden %d, top-%d, %d experts\n", R, T, H,
-                K, E);
+    std::printf("\nEPX low-latency, %d ranks%s, %d tokens, hidden %d, top-%d, %d experts\n", R,
+                w.comm->in_process() ? " (in-process on one GPU: no NVLink, a proxy)" : "", T, H, K,
+                E);
     std::printf("%-26s %10s %10s %10s %10s\n", "op", "us", "GB/s", "send us", "recv us");
     std::printf("%-26s %10.1f %10.1f %10.1f %10.1f\n", "dispatch FP8", us_dfp8, g_dfp8, us_ds,
                 us_dr);

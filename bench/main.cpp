@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
+#include <thread>
+#include <vector>
 
 #include "bench/common.hpp"
 #include "core/check.hpp"
@@ -17,6 +19,17 @@
 
 namespace epx::bench {
 
+void line_up(World& w) {
+  if (w.comm->in_process()) {
+    // No NCCL communicator: the ranks line up on the host instead.
+    EPX_CUDA_CHECK(cudaStreamSynchronize(w.stream));
+    w.comm->barrier();
+    return;
+  }
+  EPX_NCCL_CHECK(ncclAllReduce(w.sync_word, w.sync_word, 1, ncclInt32, ncclSum,
+                               static_cast<ncclComm_t>(w.comm->nccl_comm()), w.stream));
+}
+
 double time_us(World& w, const std::function<void()>& fn, int warmup, int iters,
                std::vector<double>* samples) {
   cudaEvent_t a, b;
@@ -25,8 +38,7 @@ double time_us(World& w, const std::function<void()>& fn, int warmup, int iters,
   std::vector<double> t;
   for (int i = 0; i < warmup + iters; ++i) {
     EPX_CUDA_CHECK(cudaMemsetAsync(w.flush, i & 0xff, w.flush_bytes, w.stream));
-    EPX_NCCL_CHECK(ncclAllReduce(w.sync_word, w.sync_word, 1, ncclInt32, ncclSum,
-                                 static_cast<ncclComm_t>(w.comm->nccl_comm()), w.stream));
+    line_up(w);
     EPX_CUDA_CHECK(cudaEventRecord(a, w.stream));
     fn();
     EPX_CUDA_CHECK(cudaEventRecord(b, w.stream));
@@ -91,36 +103,12 @@ TensorView tv(const void* p, DType d, std::initializer_list<int64_t> shape) {
 
 }  // namespace epx::bench
 
-int main(int argc, char** argv) {
-  using namespace epx::bench;
-  CLI::App app{"epx-bench: EPX dispatch/combine benchmark (one process per GPU)"};
-  Options o;
-  app.require_subcommand(1);
-  auto* ht = app.add_subcommand("ht", "high-throughput dispatch/combine (training, prefill)");
-  auto* ll = app.add_subcommand("ll", "low-latency dispatch/combine (decode)");
-  for (auto* sc : {ht, ll}) {
-    sc->add_option("--tokens", o.tokens, "tokens per rank (ht: 4096, ll: 128)");
-    sc->add_option("--hidden", o.hidden, "hidden size")->capture_default_str();
-    sc->add_option("--topk", o.topk, "experts per token")->capture_default_str();
-    sc->add_option("--experts", o.experts, "experts in total")->capture_default_str();
-    sc->add_option("--warmup", o.warmup, "untimed runs")->capture_default_str();
-    sc->add_option("--iters", o.iters, "timed runs (median reported)")->capture_default_str();
-    sc->add_option("--json", o.json_path, "write results here (rank 0)");
-  }
-  ht->add_option("--sms", o.num_sms, "SMs for the kernels")->capture_default_str();
-  ht->add_flag("!--no-sweep", o.sweep, "skip the config sweep");
-  ht->add_option("--recv-tokens", o.recv_tokens,
-                 "ring rows per peer rank (config.num_max_recv_tokens; default: the default "
-                 "config's; fewer than a pair's rows makes the ring lap)")
-      ->check(CLI::PositiveNumber);
-  CLI11_PARSE(app, argc, argv);
-  o.family = ht->parsed() ? "ht" : "ll";
-  if (o.tokens == 0) o.tokens = o.family == "ht" ? 4096 : 128;
-  for (int i = 0; i < argc; ++i) o.command += (i ? " " : "") + std::string(argv[i]);
-
+namespace epx::bench {
+/// One rank's whole benchmark (a process, or a thread with --in-process).
+int run_rank(std::shared_ptr<Communicator> comm, const Options& o) {
   World w;
   try {
-    w.comm = epx::Communicator::from_env();
+    w.comm = std::move(comm);
     w.rank = w.comm->rank();
     w.num_ranks = w.comm->num_ranks();
     EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&w.stream, cudaStreamNonBlocking));
@@ -130,22 +118,24 @@ int main(int argc, char** argv) {
     EPX_CUDA_CHECK(cudaMalloc(&w.flush, w.flush_bytes));
     EPX_CUDA_CHECK(cudaMalloc(&w.sync_word, sizeof(int)));
     EPX_CUDA_CHECK(cudaMemset(w.sync_word, 0, sizeof(int)));
-    epx::BufferOptions bo;
+    BufferOptions bo;
     if (o.family == "ht") {
-      epx::Config c = epx::get_dispatch_config(w.num_ranks);
+      Config c = get_dispatch_config(w.num_ranks);
       if (o.recv_tokens > 0) c.num_max_recv_tokens = o.recv_tokens;
       bo.num_nvl_bytes = static_cast<int64_t>(
           c.get_nvl_buffer_size_hint(static_cast<std::size_t>(o.hidden) * 2, w.num_ranks, o.topk));
     } else {
       bo.num_rdma_bytes = static_cast<int64_t>(
-          epx::Buffer::get_low_latency_rdma_size_hint(o.tokens, o.hidden, w.num_ranks, o.experts));
+          Buffer::get_low_latency_rdma_size_hint(o.tokens, o.hidden, w.num_ranks, o.experts));
     }
-    w.buffer = std::make_unique<epx::Buffer>(w.comm, bo);
+    w.buffer = std::make_unique<Buffer>(w.comm, bo);
     nlohmann::json result;
     result["device"] = device_name();
     result["commit"] = git_commit();
     result["command"] = o.command;
     result["num_ranks"] = w.num_ranks;
+    // In-process ranks share one GPU: no NVLink, shared SMs and HBM (a proxy only).
+    result["in_process"] = w.comm->in_process();
     result["workload"] = {{"tokens", o.tokens},
                           {"hidden", o.hidden},
                           {"topk", o.topk},
@@ -167,4 +157,68 @@ int main(int argc, char** argv) {
     return 1;
   }
   return 0;
+}
+}  // namespace epx::bench
+
+int main(int argc, char** argv) {
+  using namespace epx::bench;
+  CLI::App app{"epx-bench: EPX dispatch/combine benchmark (one process per GPU)"};
+  Options o;
+  app.require_subcommand(1);
+  auto* ht = app.add_subcommand("ht", "high-throughput dispatch/combine (training, prefill)");
+  auto* ll = app.add_subcommand("ll", "low-latency dispatch/combine (decode)");
+  for (auto* sc : {ht, ll}) {
+    sc->add_option("--tokens", o.tokens, "tokens per rank (ht: 4096, ll: 128)");
+    sc->add_option("--hidden", o.hidden, "hidden size")->capture_default_str();
+    sc->add_option("--topk", o.topk, "experts per token")->capture_default_str();
+    sc->add_option("--experts", o.experts, "experts in total")->capture_default_str();
+    sc->add_option("--warmup", o.warmup, "untimed runs")->capture_default_str();
+    sc->add_option("--iters", o.iters, "timed runs (median reported)")->capture_default_str();
+    sc->add_option("--json", o.json_path, "write results here (rank 0)");
+  }
+  ht->add_option("--sms", o.num_sms, "SMs for the kernels")->capture_default_str();
+  ht->add_flag("!--no-sweep", o.sweep, "skip the config sweep");
+  for (auto* sc : {ht, ll})
+    sc->add_option("--in-process", o.in_process,
+                   "run that many ranks as threads on the current GPU (Communicator::"
+                   "create_in_process): no NVLink, the ranks share the GPU's SMs and memory; "
+                   "for relative comparisons on a one-GPU machine only")
+        ->check(CLI::Range(2, 8));
+  ht->add_option("--recv-tokens", o.recv_tokens,
+                 "ring rows per peer rank (config.num_max_recv_tokens; default: the default "
+                 "config's; fewer than a pair's rows makes the ring lap)")
+      ->check(CLI::PositiveNumber);
+  CLI11_PARSE(app, argc, argv);
+  o.family = ht->parsed() ? "ht" : "ll";
+  if (o.tokens == 0) o.tokens = o.family == "ht" ? 4096 : 128;
+  for (int i = 0; i < argc; ++i) o.command += (i ? " " : "") + std::string(argv[i]);
+
+  if (o.in_process > 0) {
+    int dev = 0;
+    EPX_CUDA_CHECK(cudaGetDevice(&dev));
+    std::vector<std::shared_ptr<epx::Communicator>> comms;
+    try {
+      comms = epx::Communicator::create_in_process(o.in_process);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "epx-bench: %s\n", e.what());
+      return 1;
+    }
+    std::vector<int> rc(comms.size(), 0);
+    std::vector<std::thread> threads;
+    for (std::size_t r = 0; r < comms.size(); ++r)
+      threads.emplace_back([&, r] {
+        cudaSetDevice(dev);
+        rc[r] = run_rank(comms[r], o);
+      });
+    for (auto& t : threads) t.join();
+    return *std::max_element(rc.begin(), rc.end());
+  }
+  std::shared_ptr<epx::Communicator> comm;
+  try {
+    comm = epx::Communicator::from_env();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "epx-bench: %s\n", e.what());
+    return 1;
+  }
+  return run_rank(comm, o);
 }
