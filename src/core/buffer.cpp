@@ -208,6 +208,11 @@ void Buffer::Impl::raise_if_failed(const char* op) {
        << g->expected << " on rank " << g->rank << " but is_token_in_rank marks " << g->seen
        << " tokens for rank " << g->peer
        << "; pass the tensors of one get_dispatch_layout call unchanged";
+  } else if (code == DiagCode::kBadConfig) {
+    os << op_name(static_cast<OpId>(g->op)) << ": rank " << g->rank << " and rank " << g->peer
+       << " called it with different configs or row layouts (every rank must pass the same "
+          "config: num_max_send_tokens, num_max_recv_tokens, num_sms / num_send_sms; and the "
+          "same hidden size, dtype, top-k and num_experts); no rows were sent";
   } else if (code == DiagCode::kTooManyTokens) {
     os << op_name(static_cast<OpId>(g->op)) << ": num_worst_tokens: rank " << g->rank
        << " received at least " << (g->seen + 1) << " tokens but the outputs hold only "

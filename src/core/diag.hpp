@@ -29,6 +29,7 @@ enum class DiagCode : uint32_t {
   kBadExpert = 2,
   kTooManyTokens = 3,
   kBadLayout = 4,  ///< num_tokens_per_rank disagrees with is_token_in_rank
+  kBadConfig = 5,  ///< a peer's config or row layout differs from this rank's (no data moved)
 };
 
 struct DeviceDiag {

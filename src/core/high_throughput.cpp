@@ -17,6 +17,7 @@ kernels::HtOffsets offsets_of(const plan::HtRegion& r) {
   o.flags = r.flags_offset();
   o.credits = r.credits_offset();
   o.consumed = r.consumed_offset();
+  o.config = r.config_offset();
   o.staging = r.staging_offset();
   o.row_bytes = r.row_bytes;
   o.capacity = r.capacity;
@@ -24,6 +25,19 @@ kernels::HtOffsets offsets_of(const plan::HtRegion& r) {
   o.max_chunks = r.max_chunks();
   o.count_row_ints = r.count_row_ints();
   return o;
+}
+
+/// FNV-1a over what both ends of every pair derive the ring and chunk layout
+/// from, and the op's row layout: ranks whose calls differ in any of them
+/// would read each other's rows at the wrong places.
+uint32_t config_fingerprint(std::initializer_list<long long> values) {
+  uint32_t h = 2166136261u;
+  for (long long v : values)
+    for (int i = 0; i < 8; ++i) {
+      h ^= static_cast<uint8_t>(static_cast<unsigned long long>(v) >> (8 * i));
+      h *= 16777619u;
+    }
+  return h;
 }
 
 /// Plans the region for a call and checks that the buffer holds it.
@@ -113,7 +127,9 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   const plan::HtRegion region =
       plan_region("dispatch", d, cfg, a.handle ? R : E,
                   plan::ht_dispatch_row_bytes(hidden_bytes, num_scales, K), T);
-  const auto off = offsets_of(region);
+  auto off = offsets_of(region);
+  off.config_fp = config_fingerprint({1, cfg.num_max_recv_tokens, cfg.num_max_send_tokens,
+                                      cfg.send_sms(), hidden_bytes, num_scales, K, E});
   const auto tr = d.transport(d.ht);
 
   d.enter(a.streams);
@@ -249,7 +265,9 @@ CombineResult Buffer::combine(const CombineArgs& a) {
   const int K = a.topk_weights ? static_cast<int>(a.topk_weights->shape[1]) : 0;
   const plan::HtRegion region =
       plan_region("combine", d, cfg, R, plan::ht_combine_row_bytes(H, K), T);
-  const auto off = offsets_of(region);
+  auto off = offsets_of(region);
+  off.config_fp = config_fingerprint(
+      {2, cfg.num_max_recv_tokens, cfg.num_max_send_tokens, cfg.send_sms(), H, K});
   const auto tr = d.transport(d.ht);
 
   d.enter(a.streams);

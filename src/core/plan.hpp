@@ -62,6 +62,8 @@ constexpr int ht_pair_chunk(int rows, int chunk, int send_warps, int num_ranks) 
 ///                 chunk j to dst has been consumed there (written by dst)
 ///   [consumed uint64[kMaxRanks][kMaxChunks]]      local: {rows of chunk j from src
 ///                 reduced so far, epoch << 32} (combine receivers count rows)
+///   [config uint64[kMaxRanks]]                    [src]: {src's config fingerprint,
+///                 epoch << 32} (every rank of an op must use the same ring and chunks)
 ///   [staging: R - 1 peer sources x capacity rows x row_bytes]   (varies per call)
 /// A rank's own rows never stage (dispatch copies them from x, combine reads
 /// them from x), so the staging has no area for the rank itself: source `src`
@@ -110,8 +112,13 @@ struct HtRegion {
   static constexpr std::size_t consumed_offset() {
     return align_up(credits_offset() + 4u * kMaxRanks * kMaxChunks, kAlign);
   }
-  static constexpr std::size_t staging_offset() {
+  /// uint64[kMaxRanks]: {fingerprint of the sender's config and row layout, epoch << 32}
+  /// per source, stored before its barrier flag; senders compare before any store.
+  static constexpr std::size_t config_offset() {
     return align_up(consumed_offset() + 8u * kMaxRanks * kMaxChunks, kAlign);
+  }
+  static constexpr std::size_t staging_offset() {
+    return align_up(config_offset() + 8u * kMaxRanks, kAlign);
   }
   std::size_t total_bytes() const {
     return staging_offset() + static_cast<std::size_t>(staged_sources()) * capacity * row_bytes;

@@ -224,6 +224,15 @@ __device__ __forceinline__ int rows_fitting(const HtDispatchParams& p, int64_t r
   return p.max_recv_rows > row0 ? static_cast<int>(p.max_recv_rows - row0) : 0;
 }
 
+/// Tells rank `r` that this rank has reached the op of `epoch`: the config
+/// fingerprint first, then the barrier flag, whose release store publishes
+/// both.
+__device__ __forceinline__ void announce(const dev::NvlinkTransport& t, const HtOffsets& off, int r,
+                                         uint32_t epoch) {
+  t.put_tagged(r, off.config + 8 * static_cast<std::size_t>(t.rank), off.config_fp, epoch);
+  t.signal(r, off.barrier + 4 * static_cast<std::size_t>(t.rank), epoch);
+}
+
 /// The op's epoch (see the comment above HtDispatchParams). With its own barrier, block 0 tells
 /// every rank that this rank has reached the op: its previous op's kernel
 /// has finished, so peers may write into its staging.
@@ -234,20 +243,46 @@ __device__ __forceinline__ uint32_t op_begin(const P& p) {
   const uint32_t epoch =
       plan::next_epoch(*p.op_counter - 1u + static_cast<uint32_t>(p.own_barrier));
   if (p.own_barrier && blockIdx.x == 0 && static_cast<int>(threadIdx.x) < p.t.num_ranks)
-    p.t.signal(threadIdx.x, p.off.barrier + 4 * static_cast<std::size_t>(p.t.rank), epoch);
+    announce(p.t, p.off, threadIdx.x, epoch);
   return epoch;
 }
 
-/// A sender warp, with the op's own barrier: waits until every peer has
-/// reached this op (lane r polls rank r's flag; the warp barrier orders the
-/// other lanes' later stores after the acquires). False when a wait failed.
+/// Reports peer `r`'s differing config fingerprint (cold: out of line).
+__device__ __noinline__ void report_bad_config(DeviceDiag* diag, OpId op, int rank, int r,
+                                               uint32_t mine, uint32_t theirs) {
+  dev::report(diag, DiagCode::kBadConfig, op, rank, r, -1, mine, theirs);
+}
+
+/// Whether peer `r`'s config fingerprint for this op equals this rank's
+/// (reports kBadConfig when not).
+__device__ __forceinline__ bool config_matches(const dev::NvlinkTransport& t, const HtOffsets& off,
+                                               uint32_t epoch, OpId op, int r, DeviceDiag* diag) {
+  const uint64_t w = dev::ld_relaxed_sys_u64(
+      reinterpret_cast<const uint64_t*>(t.local_ptr(off.config + 8 * static_cast<std::size_t>(r))));
+  // A different epoch: the peer has finished this op already (it needed nothing from us).
+  if (static_cast<uint32_t>(w >> 32) != epoch || static_cast<uint32_t>(w) == off.config_fp)
+    return true;
+  report_bad_config(diag, op, t.rank, r, off.config_fp, static_cast<uint32_t>(w));
+  return false;
+}
+
+/// A sender warp, before its first store into a peer: with the op's own
+/// barrier, waits until every peer has reached this op (lane r polls rank
+/// r's flag; the warp barrier orders the other lanes' later stores after the
+/// acquires); then checks that every peer's config fingerprint (stored before
+/// its flag, by this kernel or by the notify kernel) is this rank's. False
+/// when a wait failed or a peer's config differs (reported: kBadConfig ends
+/// every wait of the launch, on both ranks, since each checks the other).
 template <class P>
 __device__ __forceinline__ bool peers_reached(const P& p, uint32_t epoch, OpId op, int lane) {
-  if (!p.own_barrier) return true;
   bool ok = true;
-  if (lane < p.t.num_ranks && lane != p.t.rank)
+  if (p.own_barrier && lane < p.t.num_ranks && lane != p.t.rank)
     ok = p.t.wait(p.off.barrier + 4 * static_cast<std::size_t>(lane), epoch, p.timeout_ns, p.diag,
                   op, lane, -1);
+  if (ok && lane < p.t.num_ranks && lane != p.t.rank)
+    ok = config_matches(p.t, p.off, epoch,
+                        op == OpId::kDispatchNotify ? OpId::kDispatch : OpId::kCombine, lane,
+                        p.diag);
   const bool all = __all_sync(kFull, ok);
   __syncwarp();
   return all;
@@ -576,9 +611,9 @@ __device__ __forceinline__ void combine_body(const HtCombineParams& p, uint32_t 
   // ---------------- receive: reduce each token over the ranks it went to ----------------
   const int gw = (blockIdx.x - p.num_send_blocks) * kWarps + warp;
   const int nw = (gridDim.x - p.num_send_blocks) * kWarps;
-  int ready_chunk[plan::kMaxRanks];
-#pragma unroll
-  for (int r = 0; r < plan::kMaxRanks; ++r) ready_chunk[r] = -1;
+  // Lane r: the last chunk from rank r this warp has waited for (one register,
+  // not an array of kMaxRanks).
+  int ready_chunk = -1;
   // Lane r < R holds the token's (is it in rank r, slot there); the next
   // token's pair is loaded before this one is reduced.
   auto load_meta = [&](int t, int& in, int& slot) {
@@ -613,14 +648,10 @@ __device__ __forceinline__ void combine_body(const HtCombineParams& p, uint32_t 
       } else {
         const Ring& g = s_ring[r];
         const int j = k / g.ch;
-#pragma unroll
-        for (int rr = 0; rr < plan::kMaxRanks; ++rr) {
-          if (rr == r && ready_chunk[rr] < j) {
-            ok = p.t.wait_warp(
-                p.off.flags + 4 * (static_cast<std::size_t>(r) * p.off.max_chunks + j), epoch,
-                p.timeout_ns, p.diag, OpId::kCombine, r, j);
-            ready_chunk[rr] = j;
-          }
+        if (__shfl_sync(kFull, ready_chunk, r) < j) {
+          ok = p.t.wait_warp(p.off.flags + 4 * (static_cast<std::size_t>(r) * p.off.max_chunks + j),
+                             epoch, p.timeout_ns, p.diag, OpId::kCombine, r, j);
+          if (lane == r) ready_chunk = j;
         }
         const uint8_t* row_in = g.row(k, p.off.row_bytes);
         rows[n] = row_in;

@@ -25,7 +25,10 @@ void launch_layout(const LayoutParams& p, cudaStream_t stream);
 // ---- high-throughput ----------------------------------------------------------
 /// Where things live inside the high-throughput symmetric region.
 struct HtOffsets {
-  std::size_t barrier, counts[2], flags, credits, consumed, staging, row_bytes;
+  std::size_t barrier, counts[2], flags, credits, consumed, config, staging, row_bytes;
+  /// Fingerprint of what both ends of a pair must agree on (ring rows, chunk,
+  /// send SMs, row layout): a sender refuses a peer whose fingerprint differs.
+  uint32_t config_fp;
   int capacity;  ///< ring rows per (source, receiver) pair (plan::HtRegion)
   int chunk, max_chunks, count_row_ints;
 };

@@ -116,7 +116,8 @@ __device__ __forceinline__ bool last_block_done(uint32_t* done) {
 
 /// Spins until `done(v)` holds for v = load(); false (after reporting
 /// `seen(v)` against `expected`) when the deadline passes or another thread
-/// already reported a timeout, so every waiter gives up instead of hanging.
+/// already reported a timeout or a peer's differing config (kBadConfig: its
+/// senders stored nothing), so every waiter gives up instead of hanging.
 /// Other reports (a truncated num_worst_tokens dispatch, a bad expert id)
 /// leave the protocol intact: waits go on, and the host raises the report
 /// at the next call.
@@ -132,9 +133,13 @@ __device__ __forceinline__ bool spin_until(Load load, Done done, Seen seen, uint
     v = load();
     if (done(v)) return true;
     if ((++spins & 1023u) == 0) {
-      if (diag && *static_cast<volatile uint32_t*>(&diag->code) ==
-                      static_cast<uint32_t>(DiagCode::kTimeout))
-        return false;
+      if (diag) {
+        // A timeout or a config mismatch anywhere in this launch ends every wait.
+        const uint32_t code = *static_cast<volatile uint32_t*>(&diag->code);
+        if (code == static_cast<uint32_t>(DiagCode::kTimeout) ||
+            code == static_cast<uint32_t>(DiagCode::kBadConfig))
+          return false;
+      }
       if (globaltimer_ns() - start > timeout_ns) {
         report(diag, DiagCode::kTimeout, op, rank, peer, channel, expected, seen(v));
         return false;

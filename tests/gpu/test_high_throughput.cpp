@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <optional>
 #include <string>
 
@@ -619,6 +620,67 @@ EPX_GPU_TEST(HighThroughput, MismatchedLayoutIsRefused) {
   EXPECT_TRUE(all_ranks(!rank_failed()));
   // The same buffer still dispatches and combines correctly.
   run_case({128, 1024, 4, 8 * R, false, 0.1, true, 1, false}, 1, 21);
+}
+
+/// Rank 0 passes a config with another ring size. Every rank must refuse the
+/// op (each compares its peers' config fingerprints before sending): the
+/// dispatch with a layout raises at once (its count exchange sees the
+/// fingerprints), a cached dispatch or a combine at the next call. No rank
+/// hangs, and the buffer works afterwards.
+EPX_GPU_TEST(HighThroughput, MismatchedConfigIsRefused) {
+  auto& w = world();
+  const int R = w.num_ranks, me = w.rank;
+  if (R < 2) GTEST_SKIP() << "needs a peer";
+  const HtCase c{96, 1024, 4, 8 * R, false, 0.0, false, 1, false};
+  StreamArgs s;
+  s.stream = w.stream;
+  auto in = make_inputs(c, R, 19);
+  auto d = bf16_dispatch(*w.buffer, c, in[me], s);
+  auto res = w.buffer->dispatch(d.args);  // same config everywhere: the handle
+  EXPECT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+  Config odd = get_dispatch_config(R);
+  odd.num_sms = std::min(odd.num_sms, sm_budget());
+  if (me == 0) odd.num_max_recv_tokens = 2048;
+  auto expect_refused = [&](const char* what, const std::function<void()>& call) {
+    try {
+      call();
+      ADD_FAILURE() << what << ": expected an error for the mismatched config";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find("different configs"), std::string::npos) << e.what();
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << what << ": unexpected error: " << e.what();
+    }
+    EXPECT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+  };
+  // With a layout: the dispatch itself raises.
+  DispatchArgs a = d.args;
+  a.config = odd;
+  expect_refused("dispatch", [&] { w.buffer->dispatch(a); });
+  // Cached dispatch and combine: the kernel refuses, the next call raises.
+  DispatchArgs cached;
+  cached.x = d.args.x;
+  cached.handle = res.handle;
+  cached.streams = s;
+  cached.config = odd;
+  expect_refused("cached dispatch", [&] {
+    w.buffer->dispatch(cached);
+    EXPECT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+    w.buffer->get_dispatch_layout(d.args.topk_idx.value(), c.num_experts, s);
+  });
+  CombineArgs ca;
+  ca.x = res.recv_x.view;
+  ca.handle = res.handle;
+  ca.streams = s;
+  ca.config = odd;
+  expect_refused("combine", [&] {
+    w.buffer->combine(ca);
+    EXPECT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+    w.buffer->get_dispatch_layout(d.args.topk_idx.value(), c.num_experts, s);
+  });
+  EXPECT_TRUE(all_ranks(!rank_failed()));
+  // The same buffer still dispatches and combines correctly.
+  run_case({128, 1024, 4, 8 * R, false, 0.1, true, 1, false}, 1, 22);
 }
 
 }  // namespace

@@ -173,7 +173,10 @@ TEST(Plan, RegionsDoNotOverlapAndAreAligned) {
   EXPECT_LE(plan::HtRegion::credits_offset() + 4u * plan::kMaxRanks * plan::kMaxChunks,
             plan::HtRegion::consumed_offset());
   EXPECT_LE(plan::HtRegion::consumed_offset() + 8u * plan::kMaxRanks * plan::kMaxChunks,
+            plan::HtRegion::config_offset());
+  EXPECT_LE(plan::HtRegion::config_offset() + 8u * plan::kMaxRanks,
             plan::HtRegion::staging_offset());
+  EXPECT_EQ(plan::HtRegion::config_offset() % 8, 0u);
   EXPECT_EQ(plan::HtRegion::consumed_offset() % 8, 0u);  // 64-bit atomics
   EXPECT_EQ(plan::HtRegion::staging_offset() % 128, 0u);
   EXPECT_EQ(r.row_bytes % 16, 0u);
