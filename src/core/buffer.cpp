@@ -209,10 +209,14 @@ void Buffer::Impl::raise_if_failed(const char* op) {
        << " tokens for rank " << g->peer
        << "; pass the tensors of one get_dispatch_layout call unchanged";
   } else if (code == DiagCode::kBadConfig) {
+    const bool ll = static_cast<OpId>(g->op) == OpId::kLowLatencyDispatchRecv;
     os << op_name(static_cast<OpId>(g->op)) << ": rank " << g->rank << " and rank " << g->peer
-       << " called it with different configs or row layouts (every rank must pass the same "
-          "config: num_max_send_tokens, num_max_recv_tokens, num_sms / num_send_sms; and the "
-          "same hidden size, dtype, top-k and num_experts); no rows were sent";
+       << " called it with different configs or row layouts"
+       << (ll ? " (every rank must pass the same num_max_dispatch_tokens_per_rank, hidden, "
+                "num_experts and use_fp8); this dispatch's outputs are not valid"
+              : " (every rank must pass the same config: num_max_send_tokens, "
+                "num_max_recv_tokens, num_sms / num_send_sms; and the same hidden size, dtype, "
+                "top-k and num_experts); no rows were sent");
   } else if (code == DiagCode::kTooManyTokens) {
     os << op_name(static_cast<OpId>(g->op)) << ": num_worst_tokens: rank " << g->rank
        << " received at least " << (g->seen + 1) << " tokens but the outputs hold only "

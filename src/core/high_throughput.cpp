@@ -27,17 +27,11 @@ kernels::HtOffsets offsets_of(const plan::HtRegion& r) {
   return o;
 }
 
-/// FNV-1a over what both ends of every pair derive the ring and chunk layout
-/// from, and the op's row layout: ranks whose calls differ in any of them
-/// would read each other's rows at the wrong places.
+/// Fingerprint of what both ends of every pair derive the ring and chunk
+/// layout from, and of the op's row layout: ranks whose calls differ in any
+/// of them would read each other's rows at the wrong places.
 uint32_t config_fingerprint(std::initializer_list<long long> values) {
-  uint32_t h = 2166136261u;
-  for (long long v : values)
-    for (int i = 0; i < 8; ++i) {
-      h ^= static_cast<uint8_t>(static_cast<unsigned long long>(v) >> (8 * i));
-      h *= 16777619u;
-    }
-  return h;
+  return plan::fingerprint(values);
 }
 
 /// Plans the region for a call and checks that the buffer holds it.

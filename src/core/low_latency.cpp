@@ -146,7 +146,9 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   const cudaStream_t launch = d.ll_enter(s);
 
   const auto tr = d.transport(d.ll);
-  const auto off = offsets_of(region);
+  auto off = offsets_of(region);
+  // What a peer's rows and slots are laid out by: receivers refuse a sender whose differ.
+  off.shape_fp = plan::fingerprint({maxT, H, E, a.use_fp8 ? 1 : 0}) >> plan::kLlCountBits;
   const int row_bytes = static_cast<int>(region.dispatch_row_bytes(a.use_fp8));
 
   kernels::LlDispatchSendParams sp{};

@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 
 namespace epx::plan {
 
@@ -23,6 +24,18 @@ constexpr std::size_t align_up(std::size_t v, std::size_t a) {
 constexpr uint32_t next_epoch(uint32_t e) {
   const uint32_t n = e + 1u;
   return n | (static_cast<uint32_t>(n == 0u) << 1);  // branch-free: 0 -> 2
+}
+
+/// FNV-1a over `values` (8 bytes each): the fingerprint ranks exchange to
+/// check that they run an op with the same config and shapes.
+constexpr uint32_t fingerprint(std::initializer_list<long long> values) {
+  uint32_t h = 2166136261u;
+  for (long long v : values)
+    for (int i = 0; i < 8; ++i) {
+      h ^= static_cast<uint8_t>(static_cast<unsigned long long>(v) >> (8 * i));
+      h *= 16777619u;
+    }
+  return h;
 }
 
 /// One staged dispatch row: payload, FP8 scales (f32), top-k ids (i32),
@@ -144,6 +157,14 @@ inline constexpr int kLlMaxHidden = 16384;
 /// Elements per dispatch chunk (one sender warp, one arrival flag).
 inline constexpr int kLlChunk = 512;
 inline constexpr int kLlMaxChunks = kLlMaxHidden / kLlChunk;
+/// A source's token count travels with a 21-bit fingerprint of the op's
+/// shapes above it (count < 2^kLlCountBits), so a receiver refuses a sender
+/// whose maxT, hidden, experts or dtype differ from its own.
+inline constexpr int kLlCountBits = 11;
+static_assert(kLlMaxTokens < (1 << kLlCountBits));
+constexpr uint32_t ll_count_word(int num_tokens, uint32_t shape_fp) {
+  return static_cast<uint32_t>(num_tokens) | (shape_fp << kLlCountBits);
+}
 /// 32-token words of a token mask at most.
 inline constexpr int kLlMaxMaskWords = kLlMaxTokens / 32;
 

@@ -151,6 +151,9 @@ struct LlOffsets {
   std::size_t flags_half_bytes;  ///< flags of half 1 start at flags + flags_half_bytes
   /// Combine weights (absolute, like flags): half h at weights + h * weights_half_bytes.
   std::size_t weights, weights_stride, weights_half_bytes;
+  /// plan::fingerprint of the dispatch's shapes (maxT, hidden, experts, dtype), 21 bits,
+  /// sent above each token count (plan::ll_count_word)
+  uint32_t shape_fp;
 };
 
 struct LlDispatchSendParams {

@@ -329,7 +329,7 @@ __device__ __forceinline__ uint32_t dispatch_begin(const LlDispatchSendParams& p
     const std::size_t tags = tags_of(p.off, epoch);
     if (static_cast<int>(threadIdx.x) < p.t.num_ranks)
       p.t.put_tagged(threadIdx.x, tags + 8u * static_cast<std::size_t>(p.t.rank),
-                     static_cast<uint32_t>(p.num_tokens), epoch);
+                     plan::ll_count_word(p.num_tokens, p.off.shape_fp), epoch);
     if (threadIdx.x == 0) p.state[0] = static_cast<int32_t>(epoch);
   }
   return epoch;
@@ -502,11 +502,18 @@ __device__ __forceinline__ bool dispatch_recv_unit(const LlDispatchRecvParams& p
   if (unit == 0 && static_cast<int>(threadIdx.x) < R) {
     // The token counts, which the combine reads from the handle state.
     uint32_t n = 0;
-    if (p.t.wait_tagged(tags + 8u * threadIdx.x, epoch, n, p.timeout_ns, p.diag,
-                        OpId::kLowLatencyDispatchRecv, threadIdx.x, le))
-      p.state[8 + threadIdx.x] = min(static_cast<int>(n), p.max_tokens);
-    else
+    if (!p.t.wait_tagged(tags + 8u * threadIdx.x, epoch, n, p.timeout_ns, p.diag,
+                         OpId::kLowLatencyDispatchRecv, threadIdx.x, le)) {
       ok = false;
+    } else if ((n >> plan::kLlCountBits) != p.off.shape_fp) {
+      // The sender's shapes differ: its rows sit elsewhere. kBadConfig ends every wait.
+      dev::report(p.diag, DiagCode::kBadConfig, OpId::kLowLatencyDispatchRecv, p.t.rank,
+                  threadIdx.x, -1, p.off.shape_fp, n >> plan::kLlCountBits);
+      ok = false;
+    } else {
+      const int count = static_cast<int>(n & ((1u << plan::kLlCountBits) - 1u));
+      p.state[8 + threadIdx.x] = min(count, p.max_tokens);
+    }
   }
   if (__syncthreads_or(ok ? 0 : 1) != 0) return false;
   tl_mark(kTlDispatch, kTlRecvFlags);

@@ -725,6 +725,44 @@ EPX_GPU_TEST(LowLatency, GraphReplay1000WithChangingRouting) {
 
 /// An expert id out of range is reported by the send kernel (treated as
 /// masked) and raised at the next call on every rank.
+/// Rank 0 dispatches FP8 while the others dispatch BF16 (then rank 0 with
+/// another num_max_dispatch_tokens_per_rank): every receiver finds a sender
+/// whose shapes differ from its own in the token count word, and the next
+/// call raises on every rank. The buffer works afterwards.
+EPX_GPU_TEST(LowLatency, MismatchedShapesAreRefused) {
+  auto& w = world();
+  if (w.num_ranks < 2) GTEST_SKIP() << "needs a peer";
+  LlCase c;
+  c.max_tokens = 16;
+  c.hidden = 1024;
+  if (c.num_experts % w.num_ranks) GTEST_SKIP();
+  auto in = make_inputs(c, w.num_ranks, 5);
+  const int T = in.num_tokens[w.rank];
+  auto d_x = to_device(in.x[w.rank]);
+  auto d_topk = to_device(in.topk[w.rank]);
+  for (int variant = 0; variant < 2; ++variant) {
+    LlCase odd = c;
+    if (w.rank == 0) {
+      if (variant == 0)
+        odd.fp8 = true;
+      else
+        odd.max_tokens = 32;
+    }
+    w.buffer->low_latency_dispatch(dispatch_args(odd, d_x.get(), d_topk.get(), T));
+    ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+    try {
+      w.buffer->low_latency_dispatch(dispatch_args(c, d_x.get(), d_topk.get(), T));
+      ADD_FAILURE() << "expected an error for the mismatched shapes (variant " << variant << ")";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find("different configs"), std::string::npos) << e.what();
+    }
+    ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+    ASSERT_TRUE(all_ranks(!rank_failed()));
+  }
+  run_case(c, 6);
+}
+
 EPX_GPU_TEST(LowLatency, BadExpertIdIsRaisedAtNextCall) {
   auto& w = world();
   LlCase c;
