@@ -34,29 +34,31 @@ if [[ " $RUN " == *" tests "* ]]; then
   done
   # Ranks as threads of one process on GPU 0: the multi-rank protocol where
   # there are fewer GPUs (EPX_IN_PROCESS="2 4" by default on a 1-GPU machine).
+  # Then the epochs' 2^32 wrap: the suite with every buffer's counters starting
+  # 96 ops short of it (EPX_EPOCH_WRAP=R ranks; default 2 on a 1-GPU machine,
+  # "" to skip).
   inproc=${EPX_IN_PROCESS-$([ "$GPUS" -lt 2 ] && echo "2 4")}
-  for n in $inproc; do
-    echo "== GPU tests, $n in-process ranks on one GPU"
-    timeout ${EPX_TEST_TIMEOUT:-420} ${LINEBUF[@]+"${LINEBUF[@]}"} "$D/epx_gpu_tests" --in-process="$n" \
-      ${EPX_GTEST_FILTER:+--gtest_filter=$EPX_GTEST_FILTER} > "$OUT/gpu-tests-inproc$n.log" 2>&1
-    rc=$?
-    grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|tests passed|FAILURES|SKIPPED|in-process ranks" "$OUT/gpu-tests-inproc$n.log" | sort | uniq -c | head -30
-    [ $rc -eq 0 ] || tail -40 "$OUT/gpu-tests-inproc$n.log"
-    summary+=("gpu tests, $n in-process ranks: rc=$rc")
-  done
-  # The epochs' 2^32 wrap: the suite with every buffer's counters starting 96
-  # ops short of it (EPX_EPOCH_WRAP=R ranks in-process; default 2 on a 1-GPU
-  # machine, "" to skip).
   wrap=${EPX_EPOCH_WRAP-$([ "$GPUS" -lt 2 ] && echo 2)}
-  for n in $wrap; do
-    echo "== GPU tests, $n in-process ranks, epochs crossing the 2^32 wrap"
-    EPX_DEBUG_EPOCH_START=4294967200 timeout ${EPX_TEST_TIMEOUT:-420} ${LINEBUF[@]+"${LINEBUF[@]}"} \
-      "$D/epx_gpu_tests" --in-process="$n" ${EPX_GTEST_FILTER:+--gtest_filter=$EPX_GTEST_FILTER} \
-      > "$OUT/gpu-tests-inproc$n-wrap.log" 2>&1
+  runs=()
+  for n in $inproc; do runs+=("$n:"); done
+  for n in $wrap; do runs+=("$n:wrap"); done
+  for run in ${runs[@]+"${runs[@]}"}; do
+    n=${run%%:*}
+    start=()
+    log="$OUT/gpu-tests-inproc$n.log"
+    if [ "${run#*:}" = wrap ]; then
+      start=(env EPX_DEBUG_EPOCH_START=4294967200)
+      log="$OUT/gpu-tests-inproc$n-wrap.log"
+      echo "== GPU tests, $n in-process ranks, epochs crossing the 2^32 wrap"
+    else
+      echo "== GPU tests, $n in-process ranks on one GPU"
+    fi
+    timeout ${EPX_TEST_TIMEOUT:-420} ${start[@]+"${start[@]}"} ${LINEBUF[@]+"${LINEBUF[@]}"} \
+      "$D/epx_gpu_tests" --in-process="$n" ${EPX_GTEST_FILTER:+--gtest_filter=$EPX_GTEST_FILTER} > "$log" 2>&1
     rc=$?
-    grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|tests passed|FAILURES|SKIPPED|EPX_DEBUG_EPOCH_START" "$OUT/gpu-tests-inproc$n-wrap.log" | sort | uniq -c | head -30
-    [ $rc -eq 0 ] || tail -40 "$OUT/gpu-tests-inproc$n-wrap.log"
-    summary+=("gpu tests, $n in-process ranks, epoch wrap: rc=$rc")
+    grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|tests passed|FAILURES|SKIPPED|in-process ranks|EPX_DEBUG_EPOCH_START" "$log" | sort | uniq -c | head -30
+    [ $rc -eq 0 ] || tail -40 "$log"
+    summary+=("gpu tests, $n in-process ranks${start[*]:+, epoch wrap}: rc=$rc")
   done
 fi
 if [[ " $RUN " == *" bench "* ]]; then

@@ -663,21 +663,20 @@ EPX_GPU_TEST(HighThroughput, MismatchedConfigIsRefused) {
   cached.handle = res.handle;
   cached.streams = s;
   cached.config = odd;
-  expect_refused("cached dispatch", [&] {
-    w.buffer->dispatch(cached);
-    EXPECT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
-    w.buffer->get_dispatch_layout(d.args.topk_idx.value(), c.num_experts, s);
-  });
+  auto then_next_call = [&](const std::function<void()>& op) {
+    return [&, op] {
+      op();
+      EXPECT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+      w.buffer->get_dispatch_layout(d.args.topk_idx.value(), c.num_experts, s);
+    };
+  };
+  expect_refused("cached dispatch", then_next_call([&] { w.buffer->dispatch(cached); }));
   CombineArgs ca;
   ca.x = res.recv_x.view;
   ca.handle = res.handle;
   ca.streams = s;
   ca.config = odd;
-  expect_refused("combine", [&] {
-    w.buffer->combine(ca);
-    EXPECT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
-    w.buffer->get_dispatch_layout(d.args.topk_idx.value(), c.num_experts, s);
-  });
+  expect_refused("combine", then_next_call([&] { w.buffer->combine(ca); }));
   EXPECT_TRUE(all_ranks(!rank_failed()));
   // The same buffer still dispatches and combines correctly.
   run_case({128, 1024, 4, 8 * R, false, 0.1, true, 1, false}, 1, 22);
