@@ -27,13 +27,6 @@ kernels::HtOffsets offsets_of(const plan::HtRegion& r) {
   return o;
 }
 
-/// Fingerprint of what both ends of every pair derive the ring and chunk
-/// layout from, and of the op's row layout: ranks whose calls differ in any
-/// of them would read each other's rows at the wrong places.
-uint32_t config_fingerprint(std::initializer_list<long long> values) {
-  return plan::fingerprint(values);
-}
-
 /// Plans the region for a call and checks that the buffer holds it.
 plan::HtRegion plan_region(const char* op, const Buffer::Impl& d, const Config& cfg,
                            int num_experts, std::size_t row_bytes, int num_tokens) {
@@ -122,8 +115,11 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
       plan_region("dispatch", d, cfg, a.handle ? R : E,
                   plan::ht_dispatch_row_bytes(hidden_bytes, num_scales, K), T);
   auto off = offsets_of(region);
-  off.config_fp = config_fingerprint({1, cfg.num_max_recv_tokens, cfg.num_max_send_tokens,
-                                      cfg.send_sms(), hidden_bytes, num_scales, K, E});
+  // What both ends of every pair derive the ring and chunk layout from, and the
+  // row layout: ranks whose calls differ would read each other's rows at the
+  // wrong places (the kernels refuse them).
+  off.config_fp = plan::fingerprint({1, cfg.num_max_recv_tokens, cfg.num_max_send_tokens,
+                                     cfg.send_sms(), hidden_bytes, num_scales, K, E});
   const auto tr = d.transport(d.ht);
 
   d.enter(a.streams);
@@ -260,7 +256,7 @@ CombineResult Buffer::combine(const CombineArgs& a) {
   const plan::HtRegion region =
       plan_region("combine", d, cfg, R, plan::ht_combine_row_bytes(H, K), T);
   auto off = offsets_of(region);
-  off.config_fp = config_fingerprint(
+  off.config_fp = plan::fingerprint(  // as in dispatch
       {2, cfg.num_max_recv_tokens, cfg.num_max_send_tokens, cfg.send_sms(), H, K});
   const auto tr = d.transport(d.ht);
 

@@ -165,6 +165,12 @@ static_assert(kLlMaxTokens < (1 << kLlCountBits));
 constexpr uint32_t ll_count_word(int num_tokens, uint32_t shape_fp) {
   return static_cast<uint32_t>(num_tokens) | (shape_fp << kLlCountBits);
 }
+constexpr int ll_count_of(uint32_t word) {
+  return static_cast<int>(word & ((1u << kLlCountBits) - 1u));
+}
+constexpr uint32_t ll_shape_of(uint32_t word) {
+  return word >> kLlCountBits;
+}
 /// 32-token words of a token mask at most.
 inline constexpr int kLlMaxMaskWords = kLlMaxTokens / 32;
 

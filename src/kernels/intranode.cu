@@ -224,15 +224,6 @@ __device__ __forceinline__ int rows_fitting(const HtDispatchParams& p, int64_t r
   return p.max_recv_rows > row0 ? static_cast<int>(p.max_recv_rows - row0) : 0;
 }
 
-/// Tells rank `r` that this rank has reached the op of `epoch`: the config
-/// fingerprint first, then the barrier flag, whose release store publishes
-/// both.
-__device__ __forceinline__ void announce(const dev::NvlinkTransport& t, const HtOffsets& off, int r,
-                                         uint32_t epoch) {
-  t.put_tagged(r, off.config + 8 * static_cast<std::size_t>(t.rank), off.config_fp, epoch);
-  t.signal(r, off.barrier + 4 * static_cast<std::size_t>(t.rank), epoch);
-}
-
 /// The op's epoch (see the comment above HtDispatchParams). With its own barrier, block 0 tells
 /// every rank that this rank has reached the op: its previous op's kernel
 /// has finished, so peers may write into its staging.
@@ -242,28 +233,11 @@ __device__ __forceinline__ uint32_t op_begin(const P& p) {
   // next_epoch(counter - 1) gives it back).
   const uint32_t epoch =
       plan::next_epoch(*p.op_counter - 1u + static_cast<uint32_t>(p.own_barrier));
-  if (p.own_barrier && blockIdx.x == 0 && static_cast<int>(threadIdx.x) < p.t.num_ranks)
-    announce(p.t, p.off, threadIdx.x, epoch);
+  if (p.own_barrier && blockIdx.x == 0 && static_cast<int>(threadIdx.x) < p.t.num_ranks) {
+    publish_config(p.t, p.off, threadIdx.x, epoch);  // the flag's release store publishes it
+    p.t.signal(threadIdx.x, p.off.barrier + 4 * static_cast<std::size_t>(p.t.rank), epoch);
+  }
   return epoch;
-}
-
-/// Reports peer `r`'s differing config fingerprint (cold: out of line).
-__device__ __noinline__ void report_bad_config(DeviceDiag* diag, OpId op, int rank, int r,
-                                               uint32_t mine, uint32_t theirs) {
-  dev::report(diag, DiagCode::kBadConfig, op, rank, r, -1, mine, theirs);
-}
-
-/// Whether peer `r`'s config fingerprint for this op equals this rank's
-/// (reports kBadConfig when not).
-__device__ __forceinline__ bool config_matches(const dev::NvlinkTransport& t, const HtOffsets& off,
-                                               uint32_t epoch, OpId op, int r, DeviceDiag* diag) {
-  const uint64_t w = dev::ld_relaxed_sys_u64(
-      reinterpret_cast<const uint64_t*>(t.local_ptr(off.config + 8 * static_cast<std::size_t>(r))));
-  // A different epoch: the peer has finished this op already (it needed nothing from us).
-  if (static_cast<uint32_t>(w >> 32) != epoch || static_cast<uint32_t>(w) == off.config_fp)
-    return true;
-  report_bad_config(diag, op, t.rank, r, off.config_fp, static_cast<uint32_t>(w));
-  return false;
 }
 
 /// A sender warp, before its first store into a peer: with the op's own

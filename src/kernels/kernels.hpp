@@ -33,6 +33,36 @@ struct HtOffsets {
   int chunk, max_chunks, count_row_ints;
 };
 
+#if defined(__CUDACC__)
+/// Stores this rank's config fingerprint for the op of `epoch` into rank `r`;
+/// the caller's barrier flag to `r`, release-stored after it, publishes it
+/// (the main kernels' op_begin and the notify kernel).
+__device__ __forceinline__ void publish_config(const dev::NvlinkTransport& t, const HtOffsets& off,
+                                               int r, uint32_t epoch) {
+  t.put_tagged(r, off.config + 8 * static_cast<std::size_t>(t.rank), off.config_fp, epoch);
+}
+
+/// Reports peer `r`'s differing config fingerprint (cold: out of line, so that
+/// it takes no registers from the main kernels).
+static __device__ __noinline__ void report_bad_config(DeviceDiag* diag, OpId op, int rank, int r,
+                                                      uint32_t mine, uint32_t theirs) {
+  dev::report(diag, DiagCode::kBadConfig, op, rank, r, -1, mine, theirs);
+}
+
+/// After peer `r`'s barrier flag for `epoch` was seen: whether its config
+/// fingerprint for this op equals this rank's (reports kBadConfig when not).
+__device__ __forceinline__ bool config_matches(const dev::NvlinkTransport& t, const HtOffsets& off,
+                                               uint32_t epoch, OpId op, int r, DeviceDiag* diag) {
+  const uint64_t w = dev::ld_relaxed_sys_u64(
+      reinterpret_cast<const uint64_t*>(t.local_ptr(off.config + 8 * static_cast<std::size_t>(r))));
+  // A different epoch: the peer has finished this op already (it needed nothing from us).
+  if (static_cast<uint32_t>(w >> 32) != epoch || static_cast<uint32_t>(w) == off.config_fp)
+    return true;
+  report_bad_config(diag, op, t.rank, r, off.config_fp, static_cast<uint32_t>(w));
+  return false;
+}
+#endif  // __CUDACC__
+
 /// A dispatch without a handle: barrier over all ranks, count exchange, and
 /// the send plan. (The cached dispatch and the combine are their own barrier.)
 struct HtNotifyParams {

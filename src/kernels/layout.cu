@@ -107,9 +107,7 @@ __device__ __forceinline__ void notify_body(const HtNotifyParams& p) {
     row[j] = v;
   }
   // The main kernel's config fingerprint, published by the barrier flag too.
-  if (threadIdx.x < R)
-    p.t.put_tagged(threadIdx.x, p.off.config + 8 * static_cast<std::size_t>(me), p.off.config_fp,
-                   epoch);
+  if (threadIdx.x < R) publish_config(p.t, p.off, threadIdx.x, epoch);
   __threadfence_system();
   __syncthreads();
   if (threadIdx.x < R) p.t.signal(threadIdx.x, p.off.barrier + 4 * me, epoch);
@@ -121,11 +119,7 @@ __device__ __forceinline__ void notify_body(const HtNotifyParams& p) {
       // The peer's main kernel will use the config it stored: refuse it here, where the
       // host still waits (the dispatch raises before its main kernel runs; that kernel's
       // senders would find the same).
-      const uint64_t w = dev::ld_relaxed_sys_u64(reinterpret_cast<const uint64_t*>(
-          p.t.local_ptr(p.off.config + 8 * static_cast<std::size_t>(threadIdx.x))));
-      if (static_cast<uint32_t>(w >> 32) == epoch && static_cast<uint32_t>(w) != p.off.config_fp)
-        dev::report(p.diag, DiagCode::kBadConfig, OpId::kDispatch, me, threadIdx.x, -1,
-                    p.off.config_fp, static_cast<uint32_t>(w));
+      config_matches(p.t, p.off, epoch, OpId::kDispatch, threadIdx.x, p.diag);
     }
   }
   __syncthreads();

@@ -505,14 +505,13 @@ __device__ __forceinline__ bool dispatch_recv_unit(const LlDispatchRecvParams& p
     if (!p.t.wait_tagged(tags + 8u * threadIdx.x, epoch, n, p.timeout_ns, p.diag,
                          OpId::kLowLatencyDispatchRecv, threadIdx.x, le)) {
       ok = false;
-    } else if ((n >> plan::kLlCountBits) != p.off.shape_fp) {
+    } else if (plan::ll_shape_of(n) != p.off.shape_fp) {
       // The sender's shapes differ: its rows sit elsewhere. kBadConfig ends every wait.
       dev::report(p.diag, DiagCode::kBadConfig, OpId::kLowLatencyDispatchRecv, p.t.rank,
-                  threadIdx.x, -1, p.off.shape_fp, n >> plan::kLlCountBits);
+                  threadIdx.x, -1, p.off.shape_fp, plan::ll_shape_of(n));
       ok = false;
     } else {
-      const int count = static_cast<int>(n & ((1u << plan::kLlCountBits) - 1u));
-      p.state[8 + threadIdx.x] = min(count, p.max_tokens);
+      p.state[8 + threadIdx.x] = min(plan::ll_count_of(n), p.max_tokens);
     }
   }
   if (__syncthreads_or(ok ? 0 : 1) != 0) return false;

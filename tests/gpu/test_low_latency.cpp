@@ -723,8 +723,6 @@ EPX_GPU_TEST(LowLatency, GraphReplay1000WithChangingRouting) {
 
 // ---- errors ----------------------------------------------------------------------
 
-/// An expert id out of range is reported by the send kernel (treated as
-/// masked) and raised at the next call on every rank.
 /// Rank 0 dispatches FP8 while the others dispatch BF16 (then rank 0 with
 /// another num_max_dispatch_tokens_per_rank): every receiver finds a sender
 /// whose shapes differ from its own in the token count word, and the next
@@ -763,6 +761,8 @@ EPX_GPU_TEST(LowLatency, MismatchedShapesAreRefused) {
   run_case(c, 6);
 }
 
+/// An expert id out of range is reported by the send kernel (treated as
+/// masked) and raised at the next call on every rank.
 EPX_GPU_TEST(LowLatency, BadExpertIdIsRaisedAtNextCall) {
   auto& w = world();
   LlCase c;

@@ -159,6 +159,17 @@ TEST(Plan, RingSlotsHoldWholeChunks) {
   EXPECT_EQ(plan::ht_num_chunks(17, 8), 3);
 }
 
+// The LL token count word: the count and the 21-bit shape fingerprint come
+// back apart whatever either is.
+TEST(Plan, LowLatencyCountWordRoundTrips) {
+  for (int n : {0, 1, 127, plan::kLlMaxTokens})
+    for (uint32_t fp : {0u, 1u, 0x1fffffu, plan::fingerprint({128, 7168, 256, 1}) >> 11}) {
+      const uint32_t w = plan::ll_count_word(n, fp);
+      EXPECT_EQ(plan::ll_count_of(w), n);
+      EXPECT_EQ(plan::ll_shape_of(w), fp);
+    }
+}
+
 TEST(Plan, RegionsDoNotOverlapAndAreAligned) {
   plan::HtRegion r;
   r.num_ranks = 8;
