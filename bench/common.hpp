@@ -37,6 +37,12 @@ struct World {
   int* sync_word = nullptr;
 };
 
+/// The HT bench's base config: the default for R ranks at --sms, with the
+/// --recv-tokens ring if given (also what sizes the buffer).
+Config ht_base_config(const Options& o, int num_ranks);
+/// What the tables print after the rank count: in-process ranks are a proxy.
+const char* ranks_note(const World& w);
+
 /// Lines the ranks up before a timed run: a one-int NCCL all-reduce on the
 /// stream (in-process ranks, which have no NCCL communicator: a host barrier
 /// after the stream drains).

@@ -36,9 +36,7 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
   full.topk_weights = tv(d_w.get(), DType::kF32, {T, K});
   full.set_layout(layout);
   full.streams = s;
-  Config base = get_dispatch_config(R);
-  base.num_sms = o.num_sms;
-  if (o.recv_tokens > 0) base.num_max_recv_tokens = o.recv_tokens;
+  const Config base = ht_base_config(o, R);
   full.config = base;
   auto first = w.buffer->dispatch(full);
   EPX_CUDA_CHECK(cudaStreamSynchronize(w.stream));
@@ -156,8 +154,7 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
   if (w.rank == 0) {
     std::printf(
         "\nEPX high-throughput, %d ranks%s, %d tokens, hidden %d, top-%d, %d experts, %d SMs\n", R,
-        w.comm->in_process() ? " (in-process on one GPU: no NVLink, a proxy)" : "", T, H, K, E,
-        o.num_sms);
+        ranks_note(w), T, H, K, E, o.num_sms);
     std::printf("%-28s %10s %10s\n", "op", "us", "GB/s");
     std::printf("%-28s %10.1f %10.1f\n", "dispatch BF16 (cached)", us_bf16, g_bf16);
     std::printf("%-28s %10.1f %10.1f\n", "dispatch FP8 (cached)", us_fp8, g_fp8);

@@ -234,8 +234,7 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
       "hook split: ranks aligned again (and L2 flushed) between send and receive";
   if (w.rank == 0) {
     std::printf("\nEPX low-latency, %d ranks%s, %d tokens, hidden %d, top-%d, %d experts\n", R,
-                w.comm->in_process() ? " (in-process on one GPU: no NVLink, a proxy)" : "", T, H, K,
-                E);
+                ranks_note(w), T, H, K, E);
     std::printf("%-26s %10s %10s %10s %10s\n", "op", "us", "GB/s", "send us", "recv us");
     std::printf("%-26s %10.1f %10.1f %10.1f %10.1f\n", "dispatch FP8", us_dfp8, g_dfp8, us_ds,
                 us_dr);

@@ -19,6 +19,17 @@
 
 namespace epx::bench {
 
+Config ht_base_config(const Options& o, int num_ranks) {
+  Config c = get_dispatch_config(num_ranks);
+  c.num_sms = o.num_sms;
+  if (o.recv_tokens > 0) c.num_max_recv_tokens = o.recv_tokens;
+  return c;
+}
+
+const char* ranks_note(const World& w) {
+  return w.comm->in_process() ? " (in-process on one GPU: no NVLink, a proxy)" : "";
+}
+
 void line_up(World& w) {
   if (w.comm->in_process()) {
     // No NCCL communicator: the ranks line up on the host instead.
@@ -120,8 +131,7 @@ int run_rank(std::shared_ptr<Communicator> comm, const Options& o) {
     EPX_CUDA_CHECK(cudaMemset(w.sync_word, 0, sizeof(int)));
     BufferOptions bo;
     if (o.family == "ht") {
-      Config c = get_dispatch_config(w.num_ranks);
-      if (o.recv_tokens > 0) c.num_max_recv_tokens = o.recv_tokens;
+      const Config c = ht_base_config(o, w.num_ranks);
       bo.num_nvl_bytes = static_cast<int64_t>(
           c.get_nvl_buffer_size_hint(static_cast<std::size_t>(o.hidden) * 2, w.num_ranks, o.topk));
     } else {
