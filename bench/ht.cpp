@@ -109,6 +109,27 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
     }
   }
 
+  // The pull dispatch (Config::pull_dispatch): same workload; with the sweep,
+  // its send share (the SMs that fill the export ring) is swept too.
+  Config best_p = best_d;
+  best_p.pull_dispatch = true;
+  best_p.num_send_sms = 0;
+  if (R > 1 && o.sweep) {
+    double bp = 1e30;
+    for (int send : {o.num_sms / 12, o.num_sms / 8, o.num_sms / 6, o.num_sms / 4, o.num_sms / 3}) {
+      if (send < 1) continue;
+      Config c = best_p;
+      c.num_send_sms = send;
+      const double t = max_over_ranks(w, time_us(
+                                             w, [&] { dispatch_cached(c, false); }, 2, 10));
+      sweep.push_back(
+          {{"num_sms", c.num_sms}, {"pull", true}, {"send_sms", c.send_sms()}, {"dispatch_us", t}});
+      if (w.rank == 0)
+        std::printf("sweep pull sms=%d send=%d: dispatch %.1f us\n", c.num_sms, c.send_sms(), t);
+      if (t < bp) bp = t, best_p = c;
+    }
+  }
+
   const double t_full = time_us(
       w, [&] { w.buffer->dispatch(full); }, o.warmup, o.iters);
   const double t_bf16 = time_us(
@@ -117,6 +138,14 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
       w, [&] { dispatch_cached(best_d, true); }, o.warmup, o.iters);
   const double t_comb = time_us(
       w, [&] { combine(best_c); }, o.warmup, o.iters);
+
+  double t_pull_bf16 = 0, t_pull_fp8 = 0;
+  if (R > 1) {
+    t_pull_bf16 = time_us(
+        w, [&] { dispatch_cached(best_p, false); }, o.warmup, o.iters);
+    t_pull_fp8 = time_us(
+        w, [&] { dispatch_cached(best_p, true); }, o.warmup, o.iters);
+  }
 
   const double g_bf16 = mean_over_ranks(w, bytes_bf16 / t_bf16 / 1e3);
   const double g_fp8 = mean_over_ranks(w, bytes_fp8 / t_fp8 / 1e3);
@@ -146,6 +175,14 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
   result["dispatch_bf16_uncached_gbps"] = g_full;
   result["min_rank_gbps"] = {
       {"dispatch_bf16", min_bf16}, {"dispatch_fp8", min_fp8}, {"combine", min_comb}};
+  if (R > 1) {
+    const double us_pb = mean_over_ranks(w, t_pull_bf16), us_pf = mean_over_ranks(w, t_pull_fp8);
+    result["pull_dispatch_config"] = {{"num_sms", best_p.num_sms}, {"send_sms", best_p.send_sms()}};
+    result["pull_dispatch_bf16_us"] = us_pb;
+    result["pull_dispatch_fp8_us"] = us_pf;
+    result["pull_dispatch_bf16_gbps"] = mean_over_ranks(w, bytes_bf16 / t_pull_bf16 / 1e3);
+    result["pull_dispatch_fp8_gbps"] = mean_over_ranks(w, bytes_fp8 / t_pull_fp8 / 1e3);
+  }
   result["recv_tokens_rank0"] = N;
   result["ring_rows_per_peer"] = base.num_max_recv_tokens;
   result["timing"] =
@@ -160,6 +197,15 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
     std::printf("%-28s %10.1f %10.1f\n", "dispatch FP8 (cached)", us_fp8, g_fp8);
     std::printf("%-28s %10.1f %10.1f\n", "combine BF16", us_comb, g_comb);
     std::printf("%-28s %10.1f %10.1f\n", "dispatch BF16 (with layout sync)", us_full, g_full);
+    if (R > 1) {
+      std::printf("%-28s %10.1f %10.1f   (%d of %d SMs fill the export ring)\n",
+                  "pull dispatch BF16 (cached)", result["pull_dispatch_bf16_us"].get<double>(),
+                  result["pull_dispatch_bf16_gbps"].get<double>(), best_p.send_sms(),
+                  best_p.num_sms);
+      std::printf("%-28s %10.1f %10.1f\n", "pull dispatch FP8 (cached)",
+                  result["pull_dispatch_fp8_us"].get<double>(),
+                  result["pull_dispatch_fp8_gbps"].get<double>());
+    }
     std::printf("buffer bytes per rank: %zu (ring of %d rows per peer)\n", w.buffer->buffer_bytes(),
                 base.num_max_recv_tokens);
   }

@@ -23,6 +23,7 @@ Config ht_base_config(const Options& o, int num_ranks) {
   Config c = get_dispatch_config(num_ranks);
   c.num_sms = o.num_sms;
   if (o.recv_tokens > 0) c.num_max_recv_tokens = o.recv_tokens;
+  c.pull_dispatch = false;  // the push rows; the pull rows set it (EPX_HT_PULL aside)
   return c;
 }
 

@@ -6,6 +6,9 @@
 #   EPX_EPOCH_WRAP=2: the suite with 2 in-process ranks and epochs crossing 2^32 (default on 1 GPU)
 #   EPX_IN_PROCESS="2 4": the test suite again with that many ranks as threads of
 #   one process on GPU 0 (default "2 4" on a 1-GPU machine, else none).
+#   EPX_PULL=1 (default): the HighThroughput tests again with EPX_HT_PULL=1 (the
+#   pull dispatch in every default config): at EP2/4/8, and at EPX_IN_PROCESS's
+#   rank counts on one GPU. EPX_PULL=0 skips them.
 #   EPX_RUN="python" (or "tests bench python"): the Python package from a wheel in
 #   .device/wheel/ (pytest -m gpu, then python -m epx.bench), EPX_PY_TIMEOUT (300 s) each.
 #   EPX_RUN="pybuild python": the wheel built here by `pip wheel .` on this Python instead.
@@ -31,6 +34,15 @@ if [[ " $RUN " == *" tests "* ]]; then
     grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|tests passed|FAILURES|SKIPPED|rank [0-9]+:" "$OUT/gpu-tests-ep$n.log" | sort | uniq -c | head -30
     [ $rc -eq 0 ] || tail -40 "$OUT/gpu-tests-ep$n.log"
     summary+=("gpu tests EP$n: rc=$rc")
+    if [ "${EPX_PULL:-1}" = 1 ]; then
+      echo "== GPU tests EP$n, HighThroughput with EPX_HT_PULL=1"
+      EPX_HT_PULL=1 timeout ${EPX_TEST_TIMEOUT:-420} "$D/launch.sh" "$n" ${LINEBUF[@]+"${LINEBUF[@]}"} "$D/epx_gpu_tests" \
+        --gtest_filter="${EPX_GTEST_FILTER:-HighThroughput.*}" > "$OUT/gpu-tests-ep$n-pull.log" 2>&1
+      rc=$?
+      grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|tests passed|FAILURES|SKIPPED|rank [0-9]+:" "$OUT/gpu-tests-ep$n-pull.log" | sort | uniq -c | head -30
+      [ $rc -eq 0 ] || tail -40 "$OUT/gpu-tests-ep$n-pull.log"
+      summary+=("gpu tests EP$n, pull: rc=$rc")
+    fi
   done
   # Ranks as threads of one process on GPU 0: the multi-rank protocol where
   # there are fewer GPUs (EPX_IN_PROCESS="2 4" by default on a 1-GPU machine).
@@ -41,12 +53,19 @@ if [[ " $RUN " == *" tests "* ]]; then
   wrap=${EPX_EPOCH_WRAP-$([ "$GPUS" -lt 2 ] && echo 2)}
   runs=()
   for n in $inproc; do runs+=("$n:"); done
+  if [ "${EPX_PULL:-1}" = 1 ]; then for n in $inproc; do runs+=("$n:pull"); done; fi
   for n in $wrap; do runs+=("$n:wrap"); done
   for run in ${runs[@]+"${runs[@]}"}; do
     n=${run%%:*}
     start=()
+    filter=${EPX_GTEST_FILTER:-}
     log="$OUT/gpu-tests-inproc$n.log"
-    if [ "${run#*:}" = wrap ]; then
+    if [ "${run#*:}" = pull ]; then
+      start=(env EPX_HT_PULL=1)
+      filter=${EPX_GTEST_FILTER:-HighThroughput.*}
+      log="$OUT/gpu-tests-inproc$n-pull.log"
+      echo "== GPU tests, $n in-process ranks, HighThroughput with EPX_HT_PULL=1"
+    elif [ "${run#*:}" = wrap ]; then
       start=(env EPX_DEBUG_EPOCH_START=4294967200)
       log="$OUT/gpu-tests-inproc$n-wrap.log"
       echo "== GPU tests, $n in-process ranks, epochs crossing the 2^32 wrap"
@@ -54,11 +73,11 @@ if [[ " $RUN " == *" tests "* ]]; then
       echo "== GPU tests, $n in-process ranks on one GPU"
     fi
     timeout ${EPX_TEST_TIMEOUT:-420} ${start[@]+"${start[@]}"} ${LINEBUF[@]+"${LINEBUF[@]}"} \
-      "$D/epx_gpu_tests" --in-process="$n" ${EPX_GTEST_FILTER:+--gtest_filter=$EPX_GTEST_FILTER} > "$log" 2>&1
+      "$D/epx_gpu_tests" --in-process="$n" ${filter:+--gtest_filter=$filter} > "$log" 2>&1
     rc=$?
     grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|tests passed|FAILURES|SKIPPED|in-process ranks|EPX_DEBUG_EPOCH_START" "$log" | sort | uniq -c | head -30
     [ $rc -eq 0 ] || tail -40 "$log"
-    summary+=("gpu tests, $n in-process ranks${start[*]:+, epoch wrap}: rc=$rc")
+    summary+=("gpu tests, $n in-process ranks${start[*]:+, ${start[1]}}: rc=$rc")
   done
 fi
 if [[ " $RUN " == *" bench "* ]]; then

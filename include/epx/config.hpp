@@ -20,11 +20,19 @@ namespace epx {
 ///   size); a call may send any number of tokens: a pair with more rows than
 ///   its ring reuses slots as the receiver frees them (a credit per chunk).
 ///   Must be >= num_max_send_tokens.
+/// `pull_dispatch` (not in DeepEP; dispatch only, default off, or on for
+///   get_dispatch_config's configs with EPX_HT_PULL=1): each rank copies a
+///   token once into its own buffer and the ranks that take it read it from
+///   there (NVLink loads) straight into recv_x, instead of the sender storing
+///   it into every taker's ring and the taker copying it out. The buffer
+///   holds (R - 1) * num_max_recv_tokens rows of a rank's tokens at once
+///   (more tokens reuse it as a ring). Its default send share is a sixth.
 struct Config {
   int num_sms = 24;
   int num_max_send_tokens = 8;
   int num_max_recv_tokens = 4096;
-  int num_send_sms = 0;  ///< 0 = max(1, num_sms / 3)
+  int num_send_sms = 0;  ///< 0 = max(1, num_sms / 3), pull_dispatch: max(1, num_sms / 6)
+  bool pull_dispatch = false;
 
   Config() = default;
   Config(int sms, int send_tokens, int recv_tokens, int send_sms = 0)
@@ -34,7 +42,9 @@ struct Config {
         num_send_sms(send_sms) {}
 
   int send_sms() const {
-    return num_send_sms > 0 ? num_send_sms : (num_sms >= 3 ? num_sms / 3 : 1);
+    if (num_send_sms > 0) return num_send_sms;
+    const int share = num_sms / (pull_dispatch ? 6 : 3);
+    return share >= 1 ? share : 1;
   }
   int recv_sms() const { return num_sms - send_sms(); }
 

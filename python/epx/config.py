@@ -65,6 +65,17 @@ class Config:
     def num_max_nvl_chunked_recv_tokens(self, value: int) -> None:
         self._cfg.num_max_recv_tokens = _int("num_max_nvl_chunked_recv_tokens", value)
 
+    @property
+    def pull_dispatch(self) -> bool:
+        """EPX only: receivers read each token from its sender's buffer (docs/design.md)."""
+        return self._cfg.pull_dispatch
+
+    @pull_dispatch.setter
+    def pull_dispatch(self, value: bool) -> None:
+        if not isinstance(value, bool):
+            raise TypeError(f"pull_dispatch: expected a bool, got {type(value).__name__}")
+        self._cfg.pull_dispatch = value
+
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int,
                                  num_topk: int = 16) -> int:
         """Bytes of NVLink buffer (``num_nvl_bytes``) a rank needs for tokens of

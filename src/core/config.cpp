@@ -3,6 +3,7 @@
 #include <atomic>
 #include <string>
 
+#include "core/env.hpp"
 #include "core/plan.hpp"
 #include "epx/error.hpp"
 
@@ -75,6 +76,7 @@ Config get_dispatch_config(int num_ranks) {
   c.num_sms = detail::default_num_sms().load();
   c.num_max_send_tokens = num_ranks <= 2 ? 4 : 8;
   c.num_max_recv_tokens = default_ring_rows(num_ranks);
+  c.pull_dispatch = env::ht_pull();
   return c;
 }
 

@@ -48,6 +48,12 @@ std::optional<uint32_t> debug_epoch_start() {
   return static_cast<uint32_t>(*v);
 }
 
+bool ht_pull() {
+  const auto v = get_int("EPX_HT_PULL");
+  require(!v || *v == 0 || *v == 1, "EPX_HT_PULL", "must be 0 or 1, got " + std::to_string(*v));
+  return v.value_or(0) == 1;
+}
+
 double timeout_seconds() {
   auto t = get_double("EPX_TIMEOUT_S");
   if (!t) return 60.0;

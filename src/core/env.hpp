@@ -20,6 +20,10 @@ double timeout_seconds();
 /// (plan::next_epoch). Must be in [0, 2^32); unset: nullopt.
 std::optional<uint32_t> debug_epoch_start();
 
+/// EPX_HT_PULL (0 or 1, default 0): whether get_dispatch_config's configs use
+/// the pull dispatch (Config::pull_dispatch).
+bool ht_pull();
+
 struct RankInfo {
   int rank = 0, world_size = 1, local_rank = 0;
   std::string master_addr;

@@ -1,5 +1,6 @@
 // Host side of get_dispatch_layout, dispatch and combine.
 #include <cstring>
+#include <string_view>
 
 #include "core/buffer_impl.hpp"
 #include "core/plan.hpp"
@@ -18,6 +19,7 @@ kernels::HtOffsets offsets_of(const plan::HtRegion& r) {
   o.credits = r.credits_offset();
   o.consumed = r.consumed_offset();
   o.config = r.config_offset();
+  o.exports = r.export_offset();
   o.staging = r.staging_offset();
   o.row_bytes = r.row_bytes;
   o.capacity = r.capacity;
@@ -44,6 +46,13 @@ plan::HtRegion plan_region(const char* op, const Buffer::Impl& d, const Config& 
           "x has " + std::to_string(num_tokens) + " tokens, more than " +
               std::to_string(plan::kMaxChunks - 1) + " chunks of config.num_max_send_tokens (" +
               std::to_string(r.chunk) + ") rows; raise num_max_send_tokens or send fewer tokens");
+  if (cfg.pull_dispatch && std::string_view(op) == "dispatch" && r.num_ranks > 1) {
+    const int batch = plan::ht_pull_batch(r.staged_rows());
+    require(plan::ht_num_chunks(num_tokens, batch) < plan::kMaxChunks, op,
+            "x has " + std::to_string(num_tokens) + " tokens, more than the pull dispatch's " +
+                std::to_string(plan::kMaxChunks - 1) + " batches of " + std::to_string(batch) +
+                "; raise config.num_max_recv_tokens or send fewer tokens");
+  }
   if (r.total_bytes() > d.ht.bytes)
     throw Error(ErrorCode::kBufferTooSmall,
                 std::string(op) + ": num_nvl_bytes: the call needs " +
@@ -118,8 +127,9 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   // What both ends of every pair derive the ring and chunk layout from, and the
   // row layout: ranks whose calls differ would read each other's rows at the
   // wrong places (the kernels refuse them).
-  off.config_fp = plan::fingerprint({1, cfg.num_max_recv_tokens, cfg.num_max_send_tokens,
-                                     cfg.send_sms(), hidden_bytes, num_scales, K, E});
+  off.config_fp =
+      plan::fingerprint({1, cfg.num_max_recv_tokens, cfg.num_max_send_tokens, cfg.send_sms(),
+                         hidden_bytes, num_scales, K, E, cfg.pull_dispatch ? 1 : 0});
   const auto tr = d.transport(d.ht);
 
   d.enter(a.streams);
@@ -224,8 +234,10 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   p.num_topk = (a.handle || !a.topk_idx) ? 0 : K;
   p.num_experts = a.handle ? R : E;
   p.send_list = handle->send_list.ptr<int>();
+  p.send_slot = handle->send_slot.ptr<int>();
   p.send_counts = handle->send_counts.ptr<int>();
   p.recv_offsets = handle->recv_offsets.ptr<int>();
+  p.pull = cfg.pull_dispatch;
   p.recv_x = static_cast<uint8_t*>(res.recv_x.view.data);
   p.recv_scales = fp8 ? res.recv_x_scales->ptr<float>() : nullptr;
   p.recv_topk_idx = res.recv_topk_idx ? res.recv_topk_idx->ptr<int64_t>() : nullptr;
@@ -248,7 +260,8 @@ CombineResult Buffer::combine(const CombineArgs& a) {
   d.check_alive("combine");
   const int R = d.comm->num_ranks();
   validate::combine(a, R, d.device);
-  const Config cfg = a.config.value_or(get_combine_config(R));
+  Config cfg = a.config.value_or(get_combine_config(R));
+  cfg.pull_dispatch = false;  // a dispatch-only choice (and its send share)
   cfg.validate(R, d.num_sms_device);
   const auto& h = *a.handle;
   const int T = h.num_tokens, H = static_cast<int>(a.x.shape[1]);

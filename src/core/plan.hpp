@@ -77,6 +77,8 @@ constexpr int ht_pair_chunk(int rows, int chunk, int send_warps, int num_ranks) 
 ///                 reduced so far, epoch << 32} (combine receivers count rows)
 ///   [config uint64[kMaxRanks]]                    [src]: {src's config fingerprint,
 ///                 epoch << 32} (every rank of an op must use the same ring and chunks)
+///   [export uint64]                               pull dispatch: {this rank's token
+///                 count, epoch << 32}
 ///   [staging: R - 1 peer sources x capacity rows x row_bytes]   (varies per call)
 /// A rank's own rows never stage (dispatch copies them from x, combine reads
 /// them from x), so the staging has no area for the rank itself: source `src`
@@ -87,12 +89,29 @@ constexpr int ht_pair_chunk(int rows, int chunk, int send_warps, int num_ranks) 
 /// for the credit of chunk j - ring_slots before it writes chunk j, so a call
 /// may move any number of rows through a ring of any size. Flags and credits
 /// are per chunk index, not per slot, so a lap never mistakes one chunk for another.
+///
+/// Pull dispatch (Config::pull_dispatch): the staging is instead the rank's
+/// export ring, read by its peers: batch c of ht_pull_batch() consecutive
+/// tokens at slot c % (staged rows / batch), row per token. Its per-batch words
+/// use two areas above, each in the exporter's region: `consumed` [r][c] =
+/// {mask of the batch's tokens rank r takes | slot of the first << 8,
+/// epoch << 32} (release-stored once the rows are in), `credits` [r][c] =
+/// epoch once r has read batch c (only when a later batch reuses its slot).
+/// Both are epoch-tagged and compared exactly, and ops never overlap, so the
+/// combine's use of the same words is harmless.
 inline constexpr int kMaxLocalExperts = 1024;
 inline constexpr int kMaxChunks = 16384;  ///< per (source, receiver) pair and call
 
 /// Chunks a pair with `rows` rows sends, at `chunk` rows per chunk.
 constexpr int ht_num_chunks(int rows, int chunk) {
   return chunk > 0 ? (rows + chunk - 1) / chunk : 0;
+}
+
+/// Tokens per batch of the pull dispatch (one word per receiver, at most 8:
+/// the word's mask has 8 bits), for a staging of `staged_rows` rows.
+inline constexpr int kPullBatch = 8;
+constexpr int ht_pull_batch(int staged_rows) {
+  return staged_rows < kPullBatch ? (staged_rows > 0 ? staged_rows : 1) : kPullBatch;
 }
 
 struct HtRegion {
@@ -130,9 +149,12 @@ struct HtRegion {
   static constexpr std::size_t config_offset() {
     return align_up(consumed_offset() + 8u * kMaxRanks * kMaxChunks, kAlign);
   }
-  static constexpr std::size_t staging_offset() {
+  static constexpr std::size_t export_offset() {
     return align_up(config_offset() + 8u * kMaxRanks, kAlign);
   }
+  static constexpr std::size_t staging_offset() { return align_up(export_offset() + 8u, kAlign); }
+  /// Staging rows in all (the pull dispatch's export ring).
+  int staged_rows() const { return staged_sources() * capacity; }
   std::size_t total_bytes() const {
     return staging_offset() + static_cast<std::size_t>(staged_sources()) * capacity * row_bytes;
   }

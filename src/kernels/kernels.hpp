@@ -25,7 +25,7 @@ void launch_layout(const LayoutParams& p, cudaStream_t stream);
 // ---- high-throughput ----------------------------------------------------------
 /// Where things live inside the high-throughput symmetric region.
 struct HtOffsets {
-  std::size_t barrier, counts[2], flags, credits, consumed, config, staging, row_bytes;
+  std::size_t barrier, counts[2], flags, credits, consumed, config, exports, staging, row_bytes;
   /// Fingerprint of what both ends of a pair must agree on (ring rows, chunk,
   /// send SMs, row layout): a sender refuses a peer whose fingerprint differs.
   uint32_t config_fp;
@@ -110,9 +110,13 @@ struct HtDispatchParams {
   const int64_t* topk_idx;    ///< [T, K] nullable
   const float* topk_weights;  ///< [T, K] nullable
   int num_tokens, hidden_bytes, num_scales, num_topk, num_experts;
-  const int* send_list;      ///< [R, T]
-  const int* send_counts;    ///< [R]
-  const int* recv_offsets;   ///< [R + 1]
+  const int* send_list;     ///< [R, T]
+  const int* send_slot;     ///< [T, R]: place of token t in send_list[r], -1 if not sent
+  const int* send_counts;   ///< [R]
+  const int* recv_offsets;  ///< [R + 1]
+  /// Config::pull_dispatch: receivers read the rows from the sender's export
+  /// ring (plan::HtRegion); the send blocks fill it.
+  bool pull;
   uint8_t* recv_x;           ///< [N, hidden_bytes]
   float* recv_scales;        ///< [N, num_scales]
   int64_t* recv_topk_idx;    ///< [N, K]

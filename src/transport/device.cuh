@@ -54,6 +54,18 @@ __device__ __forceinline__ void st_relaxed_sys_u64(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+/// 64-bit acquire/release system-scope accesses: a tagged word that also
+/// publishes data stored before it (the pull dispatch's batch words).
+__device__ __forceinline__ uint64_t ld_acquire_sys_u64(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void st_release_sys_u64(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 /// Programmatic dependent launch: let the next kernel in the stream start its
 /// blocks now / wait until the previous kernel has finished and its writes are
 /// visible. Both are no-ops when the launch was not a dependent one.
@@ -168,15 +180,18 @@ __device__ __forceinline__ bool wait_eq(const uint32_t* flag, uint32_t value, ui
 }
 
 /// Spins until the high half (an epoch) of the tagged word *p equals `epoch`
-/// and returns its low half in `value`. Exact match, as wait_eq.
+/// and returns its low half in `value`. Exact match, as wait_eq. kAcquire:
+/// the word also publishes data stored before it.
+template <bool kAcquire = false>
 __device__ __forceinline__ bool wait_tagged(const uint64_t* p, uint32_t epoch, uint32_t& value,
                                             uint64_t timeout_ns, DeviceDiag* diag, OpId op,
                                             int rank, int peer, int channel) {
   uint64_t last = 0;
-  const bool ok = spin_until([&] { return last = ld_relaxed_sys_u64(p); },
-                             [&](uint64_t w) { return static_cast<uint32_t>(w >> 32) == epoch; },
-                             [](uint64_t w) { return static_cast<uint32_t>(w >> 32); }, epoch,
-                             timeout_ns, diag, op, rank, peer, channel);
+  const bool ok =
+      spin_until([&] { return last = kAcquire ? ld_acquire_sys_u64(p) : ld_relaxed_sys_u64(p); },
+                 [&](uint64_t w) { return static_cast<uint32_t>(w >> 32) == epoch; },
+                 [](uint64_t w) { return static_cast<uint32_t>(w >> 32); }, epoch, timeout_ns, diag,
+                 op, rank, peer, channel);
   value = static_cast<uint32_t>(last);
   return ok;
 }
@@ -218,6 +233,21 @@ struct NvlinkTransport {
                                              uint32_t epoch) const {
     st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(peer_ptr(r, offset)),
                        (static_cast<uint64_t>(epoch) << 32) | value);
+  }
+  /// As put_tagged, with release semantics: the word also publishes the
+  /// stores before it (a warp's, after a warp barrier).
+  __device__ __forceinline__ void put_tagged_release(int r, std::size_t offset, uint32_t value,
+                                                     uint32_t epoch) const {
+    st_release_sys_u64(reinterpret_cast<uint64_t*>(peer_ptr(r, offset)),
+                       (static_cast<uint64_t>(epoch) << 32) | value);
+  }
+  /// Waits for the tagged word of `epoch` at peer `r`'s `offset`, with
+  /// acquire semantics: a pull of what `r` published with put_tagged_release.
+  __device__ __forceinline__ bool wait_tagged_at(int r, std::size_t offset, uint32_t epoch,
+                                                 uint32_t& value, uint64_t timeout_ns,
+                                                 DeviceDiag* diag, OpId op, int channel) const {
+    return dev::wait_tagged<true>(reinterpret_cast<const uint64_t*>(peer_ptr(r, offset)), epoch,
+                                  value, timeout_ns, diag, op, rank, r, channel);
   }
   /// Waits for the tagged word of `epoch` at local `offset`.
   __device__ __forceinline__ bool wait_tagged(std::size_t offset, uint32_t epoch, uint32_t& value,

@@ -267,6 +267,30 @@ EPX_GPU_TEST(HighThroughput, RingsLap) {
   cfg.num_max_recv_tokens = 1024;
   run_case({4095, 7168, 8, 256, false, 0.0, true, 1, false}, 1, 700, cfg);
 }
+/// The pull dispatch (Config::pull_dispatch: receivers read the rows from the
+/// sender's export ring): BF16 and FP8, cached, few and many send SMs, export
+/// rings that do not lap and that lap (64 and 8 rows per peer; 5 rows at EP2:
+/// a ring of one 5-token batch, so every batch waits for its readers'
+/// credits), then the 4096-token workload with the default pull config.
+EPX_GPU_TEST(HighThroughput, PullDispatch) {
+  struct Ring {
+    int rows, send;
+  };
+  for (const Ring rg : {Ring{4096, 0}, Ring{64, 1}, Ring{8, 2}, Ring{5, 1}}) {
+    Config cfg = get_dispatch_config(world().num_ranks);
+    cfg.num_sms = std::min(cfg.num_sms, sm_budget());
+    cfg.pull_dispatch = true;
+    cfg.num_max_recv_tokens = rg.rows;
+    cfg.num_max_send_tokens = std::min(cfg.num_max_send_tokens, rg.rows);
+    cfg.num_send_sms = std::min(rg.send, cfg.num_sms - 1);
+    run_case({900, 2048, 8, 64, false, 0.1, true, 1, false}, 1, 800 + rg.rows, cfg);
+    run_case({300, 4096, 8, 64, true, 0.1, true, 1, false}, 1, 900 + rg.rows, cfg);
+  }
+  Config cfg = get_dispatch_config(world().num_ranks);
+  cfg.num_sms = std::min(cfg.num_sms, sm_budget());
+  cfg.pull_dispatch = true;
+  run_case({4095, 7168, 8, 256, false, 0.0, true, 1, false}, 1, 1000, cfg);
+}
 EPX_GPU_TEST(HighThroughput, FullWorkload4096) {
   run_case({4095, 7168, 8, 256, false, 0.0, true, 1, false}, 1, 17);
 }  // ranks hold 4095 or 4096 tokens

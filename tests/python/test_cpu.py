@@ -532,6 +532,22 @@ def test_config_maps_deep_ep_arguments():
     assert c.get_rdma_buffer_size_hint(7168 * 2, 8) == 0
 
 
+def test_config_pull_dispatch(monkeypatch):
+    c = epx.Config(24, 6, 256)
+    assert c.pull_dispatch is False and c._cfg.send_sms() == 8
+    c.pull_dispatch = True
+    assert c._cfg.pull_dispatch and c._cfg.send_sms() == 4  # the pull's default share
+    assert "pull_dispatch=True" in repr(c._cfg)
+    with pytest.raises(TypeError, match="pull_dispatch: expected a bool"):
+        c.pull_dispatch = 1
+    monkeypatch.setenv("EPX_HT_PULL", "1")
+    assert epx.Buffer.get_dispatch_config(4).pull_dispatch is True
+    assert epx.Buffer.get_combine_config(4).pull_dispatch is False
+    monkeypatch.setenv("EPX_HT_PULL", "yes")
+    with pytest.raises(epx.EPXValueError, match="EPX_HT_PULL"):
+        epx.Buffer.get_dispatch_config(4)
+
+
 def test_default_configs_follow_set_num_sms():
     old = epx.Buffer.num_sms
     try:

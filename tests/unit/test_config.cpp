@@ -2,12 +2,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "core/plan.hpp"
 #include "epx/buffer.hpp"
 #include "epx/config.hpp"
+#include "epx/error.hpp"
 
 namespace epx {
 namespace {
@@ -47,6 +49,42 @@ TEST(Config, SplitOfSms) {
   c.num_send_sms = 16;
   EXPECT_EQ(c.send_sms(), 16);
   EXPECT_EQ(c.recv_sms(), 8);
+  // The pull dispatch's send blocks only fill the export ring: a sixth.
+  Config p(24, 8, 4096);
+  p.pull_dispatch = true;
+  EXPECT_EQ(p.send_sms(), 4);
+  EXPECT_EQ(p.recv_sms(), 20);
+  p.num_sms = 5;
+  EXPECT_EQ(p.send_sms(), 1);
+  p.num_send_sms = 3;
+  EXPECT_EQ(p.send_sms(), 3);
+}
+
+TEST(Config, PullDispatchFromTheEnvironment) {
+  unsetenv("EPX_HT_PULL");
+  EXPECT_FALSE(get_dispatch_config(4).pull_dispatch);
+  setenv("EPX_HT_PULL", "1", 1);
+  EXPECT_TRUE(get_dispatch_config(4).pull_dispatch);
+  EXPECT_FALSE(get_combine_config(4).pull_dispatch);
+  setenv("EPX_HT_PULL", "2", 1);
+  try {
+    get_dispatch_config(4);
+    ADD_FAILURE() << "EPX_HT_PULL=2 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("EPX_HT_PULL"), std::string::npos) << e.what();
+  }
+  unsetenv("EPX_HT_PULL");
+}
+
+TEST(Plan, PullBatchFitsTheStaging) {
+  EXPECT_EQ(plan::ht_pull_batch(4096), 8);
+  EXPECT_EQ(plan::ht_pull_batch(8), 8);
+  EXPECT_EQ(plan::ht_pull_batch(5), 5);  // a ring of one batch
+  EXPECT_EQ(plan::ht_pull_batch(0), 1);  // one rank: no staging, no export
+  plan::HtRegion r;
+  r.num_ranks = 4;
+  r.capacity = 20;
+  EXPECT_EQ(r.staged_rows(), 60);
 }
 
 TEST(Config, SizeHintCoversThePlan) {
@@ -186,7 +224,9 @@ TEST(Plan, RegionsDoNotOverlapAndAreAligned) {
   EXPECT_LE(plan::HtRegion::consumed_offset() + 8u * plan::kMaxRanks * plan::kMaxChunks,
             plan::HtRegion::config_offset());
   EXPECT_LE(plan::HtRegion::config_offset() + 8u * plan::kMaxRanks,
-            plan::HtRegion::staging_offset());
+            plan::HtRegion::export_offset());
+  EXPECT_LE(plan::HtRegion::export_offset() + 8u, plan::HtRegion::staging_offset());
+  EXPECT_EQ(plan::HtRegion::export_offset() % 8, 0u);
   EXPECT_EQ(plan::HtRegion::config_offset() % 8, 0u);
   EXPECT_EQ(plan::HtRegion::consumed_offset() % 8, 0u);  // 64-bit atomics
   EXPECT_EQ(plan::HtRegion::staging_offset() % 128, 0u);
