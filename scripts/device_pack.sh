@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 cmake --preset default >/dev/null
 cmake --build --preset default -j"$(nproc)"
 rm -rf .device && mkdir -p .device
-cp build/default/tests/epx_gpu_tests build/default/tests/epx_unit_tests build/default/bench/epx-bench .device/
+cp build/default/tests/epx_gpu_tests build/default/tests/epx_unit_tests build/default/bench/epx-bench \
+  build/default/bench/epx-nvlink-probe .device/
 cp scripts/launch.sh scripts/device_env.sh scripts/device_run.sh scripts/device_extra.sh .device/
 git rev-parse --short=12 HEAD > .device/COMMIT 2>/dev/null || echo unknown > .device/COMMIT
 du -sh .device

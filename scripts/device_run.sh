@@ -86,6 +86,14 @@ if [[ " $RUN " == *" bench "* ]]; then
   # Result files are named by the GPU model (h100x1-ht.json, h200x4-ll.json, ...).
   model=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE 'h[0-9]{3}' | head -1 | tr 'A-Z' 'a-z')
   kind="${model:-gpu}x$n"
+  # The copy loop's ceilings first (NVLink stores and loads between all GPUs,
+  # local copies): what the kernels' figures compare against.
+  echo "== epx-nvlink-probe ($n GPUs)"
+  timeout ${EPX_BENCH_TIMEOUT:-300} "$D/epx-nvlink-probe" --json "$OUT/$kind-nvlink-probe.json" \
+    > "$OUT/nvlink-probe.log" 2>&1
+  rc=$?
+  grep -v "^wrote" "$OUT/nvlink-probe.log" | head -60
+  summary+=("nvlink probe: rc=$rc")
   for fam in $BENCH; do
     echo "== epx-bench $fam EP$n"
     timeout ${EPX_BENCH_TIMEOUT:-300} "$D/launch.sh" "$n" "$D/epx-bench" "$fam" --json "$OUT/$kind-$fam.json" ${EPX_BENCH_ARGS:-} \

@@ -51,7 +51,8 @@ plan::HtRegion plan_region(const char* op, const Buffer::Impl& d, const Config& 
     require(plan::ht_num_chunks(num_tokens, batch) < plan::kMaxChunks, op,
             "x has " + std::to_string(num_tokens) + " tokens, more than the pull dispatch's " +
                 std::to_string(plan::kMaxChunks - 1) + " batches of " + std::to_string(batch) +
-                "; raise config.num_max_recv_tokens or send fewer tokens");
+                (batch < plan::kPullBatch ? "; raise config.num_max_recv_tokens," : ";") +
+                " send fewer tokens or use the push dispatch");
   }
   if (r.total_bytes() > d.ht.bytes)
     throw Error(ErrorCode::kBufferTooSmall,
@@ -237,7 +238,7 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   p.send_slot = handle->send_slot.ptr<int>();
   p.send_counts = handle->send_counts.ptr<int>();
   p.recv_offsets = handle->recv_offsets.ptr<int>();
-  p.pull = cfg.pull_dispatch;
+  p.pull = cfg.pull_dispatch && R > 1;  // one rank has no peer to pull from (nor staging)
   p.recv_x = static_cast<uint8_t*>(res.recv_x.view.data);
   p.recv_scales = fp8 ? res.recv_x_scales->ptr<float>() : nullptr;
   p.recv_topk_idx = res.recv_topk_idx ? res.recv_topk_idx->ptr<int64_t>() : nullptr;

@@ -32,6 +32,7 @@
 // num_sms, or another persistent kernel holding SMs, stall the op until its
 // deadline, which reports it.
 #include "core/check.hpp"
+#include "kernels/copy.cuh"
 #include "kernels/kernels.hpp"
 
 namespace epx::kernels {
@@ -59,48 +60,6 @@ constexpr int kThreads = 512;
 constexpr int kSendU = EPX_HT_SEND_U, kRecvU = EPX_HT_RECV_U;
 constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFull = 0xffffffffu;
-
-template <bool kCoherent>
-__device__ __forceinline__ int4 load16(const int4* p) {
-  if constexpr (kCoherent) {
-    return dev::ld_l2(p);
-  } else {
-    return dev::ld_nc(p);
-  }
-}
-
-/// Warp-cooperative copy of `bytes` (multiple of 16). Software-pipelined: each
-/// lane keeps kU vectors in flight, loading the next batch's vector right
-/// after storing the current one; the tail (< 32 * kU vectors) is loaded in
-/// full before it is stored, so a row costs about one memory latency per
-/// batch. kCoherent: the source is written by peers during the kernel
-/// (L2-coherent loads, kept after the flag wait); otherwise read-only loads.
-template <bool kCoherent, int kU>
-__device__ __forceinline__ void warp_copy(uint8_t* dst, const uint8_t* src, int bytes, int lane) {
-  auto* d = reinterpret_cast<int4*>(dst);
-  auto* s = reinterpret_cast<const int4*>(src);
-  const int n = bytes / 16;
-  const int full = n / (32 * kU) * (32 * kU);
-  int4 v[kU];
-  if (full > 0) {
-#pragma unroll
-    for (int u = 0; u < kU; ++u) v[u] = load16<kCoherent>(s + lane + 32 * u);
-  }
-  for (int i = 0; i < full; i += 32 * kU) {
-    const bool more = i + 32 * kU < full;
-#pragma unroll
-    for (int u = 0; u < kU; ++u) {
-      dev::st_na(d + i + lane + 32 * u, v[u]);
-      if (more) v[u] = load16<kCoherent>(s + i + 32 * kU + lane + 32 * u);
-    }
-  }
-#pragma unroll
-  for (int u = 0; u < kU; ++u)
-    if (full + lane + 32 * u < n) v[u] = load16<kCoherent>(s + full + lane + 32 * u);
-#pragma unroll
-  for (int u = 0; u < kU; ++u)
-    if (full + lane + 32 * u < n) dev::st_na(d + full + lane + 32 * u, v[u]);
-}
 
 /// Warp-cooperative zero fill of `bytes` (multiple of 16).
 __device__ __forceinline__ void warp_zero(uint8_t* dst, int bytes, int lane) {
@@ -487,9 +446,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams 
 // slot of the first << 8, epoch}. Receivers read the word and the rows they
 // take straight from the sender's ring into recv_x (NVLink loads): no staging
 // copy on the receiving side, and a token leaves its sender's HBM once per
-// taker. A receiver that took rows of a batch whose slot a later batch reuses
-// stores a credit into the sender's region; the sender waits for the credits
-// of batch c - slots before it writes batch c. Deadlock-free as the push
+// taker. Every peer, once done with a batch whose slot a later batch reuses
+// (rows taken or none), stores a credit into the sender's region; the sender
+// waits for every peer's credit of batch c - slots before it writes batch c. Deadlock-free as the push
 // dispatch: senders and receivers both take batches in increasing index, so
 // every chain of waits lowers the index. The rank's own rows go from x to
 // recv_x on the receive side, in the same batches.
@@ -543,13 +502,18 @@ __device__ __forceinline__ void pull_export(const HtDispatchParams& p, uint32_t 
   const bool peer_lane = lane < R && lane != me;
   for (int c = gw; c < nb; c += nw) {
     if (c >= g.slots) {
-      // Every peer that took rows of the slot's last batch has read them.
+      // Every peer is done with the slot's last batch: it credits every batch
+      // it has read the word of, rows or none. (Waiting only for the peers
+      // that took rows of it broke the chain when none did: a batch no peer
+      // takes would let batch c overwrite batch c - 2 slots while a peer still
+      // reads it.)
       const int old = c - g.slots;
       bool ok = true;
-      if (peer_lane && (pull_word(p, old, g.batch, lane) & 0xffu))
+      if (peer_lane)
         ok = p.t.wait_eq(credit_offset(p, lane, old), epoch, p.timeout_ns, p.diag,
                          OpId::kDispatchSlot, lane, old);
       if (!__all_sync(kFull, ok)) return;
+      __syncwarp();  // every lane's acquire before any lane's stores into the slot
     }
     const uint32_t word = peer_lane ? pull_word(p, c, g.batch, lane) : 0u;
     const uint32_t need = __reduce_or_sync(kFull, word & 0xffu);  // tokens some peer takes
@@ -607,7 +571,12 @@ __device__ __forceinline__ void pull_receive(const HtDispatchParams& p, uint32_t
       if (!okw) return;
     }
     const uint32_t mask = word & 0xffu;
-    if (mask == 0) continue;
+    // The sender waits for this credit before it reuses the slot (see pull_export).
+    const bool credit = src != me && c + g.slots < ceil_div(n_tok, g.batch);
+    if (mask == 0) {
+      if (credit && lane == 0) give_credit(p, src, c, epoch);
+      continue;
+    }
     const int k0 = static_cast<int>(word >> 8);
     const int n_src = p.recv_offsets[src + 1] - p.recv_offsets[src];
     const int64_t row0 = p.recv_offsets[src] + k0;
@@ -638,7 +607,7 @@ __device__ __forceinline__ void pull_receive(const HtDispatchParams& p, uint32_t
         },
         [&](int r, int i, int v) { store_extra(p, row0 + r, i, v); }, lane);
     // Rows past num_worst_tokens were not copied, but the slot is free all the same.
-    if (c + g.slots < ceil_div(n_tok, g.batch)) {
+    if (credit) {
       __syncwarp();
       if (lane == 0) give_credit(p, src, c, epoch);
     }

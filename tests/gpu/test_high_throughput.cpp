@@ -24,6 +24,9 @@ struct HtCase {
   bool with_weights;
   int expert_alignment;
   bool starve_rank1;  ///< no token routes to rank 1 (a rank that receives nothing)
+  /// Of every 64 tokens, 8..23 are padding (top-k all -1) and 32..47 go only
+  /// to their own rank: whole pull batches that no peer takes.
+  bool peerless_runs = false;
   std::string name() const {
     return "T" + std::to_string(num_tokens) + "_H" + std::to_string(hidden) +
            (fp8 ? "_fp8" : "_bf16") + "_K" + std::to_string(num_topk) + "_E" +
@@ -46,6 +49,14 @@ std::vector<ref::HtInput> make_inputs(const HtCase& c, int R, uint64_t seed) {
     if (c.starve_rank1 && R > 1)
       for (auto& e : x.topk_idx)
         if (e >= epr && e < 2 * epr) e = -1;
+    if (c.peerless_runs)
+      for (int t = 0; t < x.num_tokens; ++t) {
+        const int i = t % 64;
+        if (i < 8 || (i >= 24 && i < 32) || i >= 48) continue;
+        for (int k = 0; k < c.num_topk; ++k)
+          x.topk_idx[static_cast<std::size_t>(t) * c.num_topk + k] =
+              i < 24 || k >= epr ? -1 : r * epr + k;
+      }
     const std::size_t n = static_cast<std::size_t>(x.num_tokens) * c.hidden;
     auto xb = random_bf16(n, s + 1);
     if (c.fp8) {
@@ -271,7 +282,8 @@ EPX_GPU_TEST(HighThroughput, RingsLap) {
 /// sender's export ring): BF16 and FP8, cached, few and many send SMs, export
 /// rings that do not lap and that lap (64 and 8 rows per peer; 5 rows at EP2:
 /// a ring of one 5-token batch, so every batch waits for its readers'
-/// credits), then the 4096-token workload with the default pull config.
+/// credits), with runs of tokens no peer takes, then the 4096-token workload
+/// with the default pull config.
 EPX_GPU_TEST(HighThroughput, PullDispatch) {
   struct Ring {
     int rows, send;
@@ -285,6 +297,9 @@ EPX_GPU_TEST(HighThroughput, PullDispatch) {
     cfg.num_send_sms = std::min(rg.send, cfg.num_sms - 1);
     run_case({900, 2048, 8, 64, false, 0.1, true, 1, false}, 1, 800 + rg.rows, cfg);
     run_case({300, 4096, 8, 64, true, 0.1, true, 1, false}, 1, 900 + rg.rows, cfg);
+    // Batches no peer takes, in rings that lap: a slot's next writer must
+    // still wait for the readers of its earlier batches.
+    run_case({1000, 2048, 8, 64, false, 0.0, true, 1, false, true}, 1, 1100 + rg.rows, cfg);
   }
   Config cfg = get_dispatch_config(world().num_ranks);
   cfg.num_sms = std::min(cfg.num_sms, sm_budget());

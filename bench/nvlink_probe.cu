@@ -1,0 +1,216 @@
+// epx-nvlink-probe: how fast the copy loop of the high-throughput kernels
+// (kernels/copy.cuh) moves bytes between the local GPUs, per SM count:
+//   write: every GPU stores into every peer (the push dispatch and combine),
+//   read:  every GPU loads from every peer into its own memory (the pull dispatch),
+//   local: every GPU copies within its own memory (the pull dispatch's export).
+// All GPUs run at once (one process, peer access), as in an all-to-all. The
+// figure per GPU is the bytes it moved / the slowest GPU's kernel time; for
+// write and read those bytes all cross NVLink.
+//   epx-nvlink-probe [--mb 256] [--sms 4,8,16,24,32,0] [--iters 10] [--json F]
+#include <cuda_runtime.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cstdio>
+#include <exception>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "core/check.hpp"
+#include "kernels/copy.cuh"
+
+namespace {
+
+constexpr int kThreads = 512;
+constexpr int kMaxPairs = 8;
+constexpr int kRowBytes = 14336;  // one BF16 row of hidden 7168, as the benchmark workload
+
+struct Pairs {
+  const uint8_t* src[kMaxPairs];
+  uint8_t* dst[kMaxPairs];
+  int num_pairs;
+  long long rows;  ///< rows per pair
+};
+
+/// Warp w takes rows w, w + warps, ... of the pairs interleaved (row i of
+/// pair i % num_pairs), so every peer is served at once, as in the kernels.
+template <bool kCoherent, int kU>
+__global__ void __launch_bounds__(kThreads, 1) copy_kernel(Pairs p) {
+  const int lane = threadIdx.x % 32;
+  const long long warps = static_cast<long long>(gridDim.x) * (kThreads / 32);
+  const long long total = p.rows * p.num_pairs;
+  for (long long i = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; i < total; i += warps) {
+    const int k = static_cast<int>(i % p.num_pairs);
+    const long long row = i / p.num_pairs;
+    epx::kernels::warp_copy<kCoherent, kU>(p.dst[k] + row * kRowBytes, p.src[k] + row * kRowBytes,
+                                           kRowBytes, lane);
+  }
+}
+
+using Kernel = void (*)(Pairs);
+
+}  // namespace
+
+int run(int argc, char** argv) {
+  CLI::App app{"NVLink store/load and local copy ceilings of EPX's copy loop"};
+  int mb = 256, iters = 10;
+  std::vector<int> sms_list{4, 8, 16, 24, 32, 0};
+  std::string json_path;
+  app.add_option("--mb", mb, "MB per (GPU, peer) pair")->capture_default_str();
+  app.add_option("--sms", sms_list, "SM counts (0 = all)")->delimiter(',');
+  app.add_option("--iters", iters, "timed runs (median reported)")->capture_default_str();
+  app.add_option("--json", json_path, "write results here");
+  CLI11_PARSE(app, argc, argv);
+
+  int n = 0;
+  EPX_CUDA_CHECK(cudaGetDeviceCount(&n));
+  if (n < 1) {
+    std::fprintf(stderr, "no GPU\n");
+    return 1;
+  }
+  n = std::min(n, kMaxPairs);
+  int gpu_sms = 0;
+  EPX_CUDA_CHECK(cudaDeviceGetAttribute(&gpu_sms, cudaDevAttrMultiProcessorCount, 0));
+  bool peers = n > 1;
+  for (int g = 0; g < n && peers; ++g) {
+    EPX_CUDA_CHECK(cudaSetDevice(g));
+    for (int h = 0; h < n; ++h) {
+      if (h == g) continue;
+      int ok = 0;
+      EPX_CUDA_CHECK(cudaDeviceCanAccessPeer(&ok, g, h));
+      if (!ok) {
+        std::printf("GPU %d cannot access GPU %d: write/read skipped\n", g, h);
+        peers = false;
+        break;
+      }
+      const cudaError_t e = cudaDeviceEnablePeerAccess(h, 0);
+      if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) EPX_CUDA_CHECK(e);
+      (void)cudaGetLastError();
+    }
+  }
+  const int slots = std::max(1, n - 1);
+  const long long rows = static_cast<long long>(mb) * (1 << 20) / kRowBytes;
+  const std::size_t bytes = static_cast<std::size_t>(rows) * kRowBytes * slots;
+  std::vector<uint8_t*> src(n), dst(n);
+  std::vector<cudaStream_t> stream(n);
+  std::vector<cudaEvent_t> ev0(n), ev1(n);
+  for (int g = 0; g < n; ++g) {
+    EPX_CUDA_CHECK(cudaSetDevice(g));
+    EPX_CUDA_CHECK(cudaMalloc(&src[g], bytes));
+    EPX_CUDA_CHECK(cudaMalloc(&dst[g], bytes));
+    EPX_CUDA_CHECK(cudaMemset(src[g], g + 1, bytes));
+    EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream[g], cudaStreamNonBlocking));
+    EPX_CUDA_CHECK(cudaEventCreate(&ev0[g]));
+    EPX_CUDA_CHECK(cudaEventCreate(&ev1[g]));
+  }
+  // Slot of peer h in g's buffers (g's own slot skipped).
+  auto slot = [](int g, int h) { return h < g ? h : h - 1; };
+  auto pairs_of = [&](const std::string& mode, int g) {
+    Pairs p{};
+    p.rows = rows;
+    const std::size_t area = static_cast<std::size_t>(rows) * kRowBytes;
+    if (mode == "local" || n == 1) {
+      for (int k = 0; k < slots; ++k) {
+        p.src[k] = src[g] + k * area;
+        p.dst[k] = dst[g] + k * area;
+      }
+      p.num_pairs = slots;
+      return p;
+    }
+    for (int h = 0; h < n; ++h) {
+      if (h == g) continue;
+      const int k = p.num_pairs++;
+      if (mode == "write") {  // mine -> h's memory
+        p.src[k] = src[g] + slot(g, h) * area;
+        p.dst[k] = dst[h] + slot(h, g) * area;
+      } else {  // h's memory -> mine
+        p.src[k] = src[h] + slot(h, g) * area;
+        p.dst[k] = dst[g] + slot(g, h) * area;
+      }
+    }
+    return p;
+  };
+
+  struct Variant {
+    const char* name;
+    Kernel kernel;
+    int u;
+  };
+  // Loads from memory peers write during the kernel use the coherent path
+  // (as the receivers do); the rest the read-only path (as the senders do).
+  const Variant variants[] = {{"nc", copy_kernel<false, 8>, 8},
+                              {"nc", copy_kernel<false, 16>, 16},
+                              {"coherent", copy_kernel<true, 16>, 16}};
+  nlohmann::json rows_json = nlohmann::json::array();
+  std::printf("%d GPU(s) of %d SMs, %d MB per pair, rows of %d B\n", n, gpu_sms, mb, kRowBytes);
+  std::printf("%-6s %-9s %3s %5s %12s %12s\n", "mode", "loads", "U", "SMs", "us", "GB/s per GPU");
+  for (const std::string mode : {"write", "read", "local"}) {
+    if (mode != "local" && !peers) continue;
+    for (const Variant& v : variants) {
+      for (int sms : sms_list) {
+        const int blocks = sms <= 0 || sms > gpu_sms ? gpu_sms : sms;
+        std::vector<float> t;
+        for (int it = 0; it < iters + 2; ++it) {
+          for (int g = 0; g < n; ++g) {
+            EPX_CUDA_CHECK(cudaSetDevice(g));
+            EPX_CUDA_CHECK(cudaDeviceSynchronize());
+          }
+          for (int g = 0; g < n; ++g) {
+            EPX_CUDA_CHECK(cudaSetDevice(g));
+            EPX_CUDA_CHECK(cudaEventRecord(ev0[g], stream[g]));
+            v.kernel<<<blocks, kThreads, 0, stream[g]>>>(pairs_of(mode, g));
+            EPX_CUDA_CHECK(cudaGetLastError());
+            EPX_CUDA_CHECK(cudaEventRecord(ev1[g], stream[g]));
+          }
+          float worst = 0;
+          for (int g = 0; g < n; ++g) {
+            EPX_CUDA_CHECK(cudaSetDevice(g));
+            EPX_CUDA_CHECK(cudaEventSynchronize(ev1[g]));
+            float ms = 0;
+            EPX_CUDA_CHECK(cudaEventElapsedTime(&ms, ev0[g], ev1[g]));
+            worst = std::max(worst, ms);
+          }
+          if (it >= 2) t.push_back(worst);
+        }
+        std::sort(t.begin(), t.end());
+        const double us = t[t.size() / 2] * 1e3;
+        const double gbps = static_cast<double>(bytes) / us / 1e3;
+        std::printf("%-6s %-9s %3d %5d %12.1f %12.1f\n", mode.c_str(), v.name, v.u, blocks, us,
+                    gbps);
+        rows_json.push_back({{"mode", mode},
+                             {"loads", v.name},
+                             {"vectors_per_lane", v.u},
+                             {"sms", blocks},
+                             {"us", us},
+                             {"gbps_per_gpu", gbps}});
+      }
+    }
+  }
+  if (!json_path.empty()) {
+    nlohmann::json j{{"gpus", n},
+                     {"mb_per_pair", mb},
+                     {"row_bytes", kRowBytes},
+                     {"commit", EPX_GIT_COMMIT},
+                     {"timing", "median of iters; all GPUs at once; slowest GPU's kernel time"},
+                     {"rows", rows_json}};
+    std::ofstream(json_path) << j.dump(2) << "\n";
+    std::printf("wrote %s\n", json_path.c_str());
+  }
+  for (int g = 0; g < n; ++g) {
+    EPX_CUDA_CHECK(cudaSetDevice(g));
+    EPX_CUDA_CHECK(cudaFree(src[g]));
+    EPX_CUDA_CHECK(cudaFree(dst[g]));
+  }
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "epx-nvlink-probe: %s\n", e.what());
+    return 1;
+  }
+}
