@@ -448,9 +448,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams 
 // copy on the receiving side, and a token leaves its sender's HBM once per
 // taker. Every peer, once done with a batch whose slot a later batch reuses
 // (rows taken or none), stores a credit into the sender's region; the sender
-// waits for every peer's credit of batch c - slots before it writes batch c. Deadlock-free as the push
-// dispatch: senders and receivers both take batches in increasing index, so
-// every chain of waits lowers the index. The rank's own rows go from x to
+// waits for every peer's credit of batch c - slots before it writes batch c.
+// Deadlock-free as the push dispatch: senders and receivers both take batches
+// in increasing index, so every chain of waits lowers the index. The rank's own rows go from x to
 // recv_x on the receive side, in the same batches.
 
 struct PullRing {
