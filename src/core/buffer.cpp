@@ -84,6 +84,23 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
     kernels::preload_ht_kernels();
     kernels::preload_ll_kernels();
   }
+  // Kernels address a peer's region with this rank's offsets, and the LL
+  // send of a rank whose shapes differ stores before the receiver refuses the
+  // op: every rank must have regions of the same size. (All ranks see every
+  // rank's sizes, so all of them raise, none waits for the others.)
+  {
+    const int64_t mine[2] = {options.num_nvl_bytes, options.num_rdma_bytes};
+    const auto all = d.comm->allgather(mine, sizeof(mine));
+    for (int r = 0; r < d.comm->num_ranks(); ++r) {
+      int64_t theirs[2];
+      std::memcpy(theirs, all.data() + r * sizeof(mine), sizeof(mine));
+      for (int i = 0; i < 2; ++i)
+        require(theirs[i] == mine[i], i == 0 ? "num_nvl_bytes" : "num_rdma_bytes",
+                "must be the same on every rank: rank " + std::to_string(r) + " passed " +
+                    std::to_string(theirs[i]) + ", rank " + std::to_string(d.comm->rank()) + " " +
+                    std::to_string(mine[i]));
+    }
+  }
   d.backend = transport::make_backend(options.backend, *d.comm);
   if (options.num_nvl_bytes > 0)
     d.ht = d.backend->alloc(static_cast<std::size_t>(options.num_nvl_bytes));

@@ -231,6 +231,39 @@ EPX_GPU_TEST(HighThroughput, FreshHintSizedBuffer) {
   run_case(c, 3, 31, std::nullopt, &b);
   b.destroy();
 }
+/// Buffers whose sizes differ between ranks are refused on every rank (no
+/// rank waits for the others), and a buffer of equal sizes works after that.
+EPX_GPU_TEST(HighThroughput, UnequalBufferSizesAreRefused) {
+  auto& w = world();
+  const int R = w.num_ranks, me = w.rank;
+  if (R < 2) GTEST_SKIP() << "needs a peer";
+  for (const char* field : {"num_nvl_bytes", "num_rdma_bytes"}) {
+    BufferOptions o;
+    o.num_nvl_bytes = 1 << 22;
+    o.num_rdma_bytes = 1 << 22;
+    (std::string(field) == "num_nvl_bytes" ? o.num_nvl_bytes : o.num_rdma_bytes) +=
+        me == R - 1 ? 4096 : 0;
+    o.timeout_s = 20;
+    try {
+      Buffer b(w.comm, o);
+      ADD_FAILURE() << field << ": unequal sizes were accepted";
+      b.destroy();
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("same on every rank"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_TRUE(all_ranks(!rank_failed()));
+  const HtCase c{64, 256, 4, 8 * R, false, 0.1, true, 1, false};
+  BufferOptions o;
+  o.num_nvl_bytes =
+      static_cast<int64_t>(get_dispatch_config(R).get_nvl_buffer_size_hint(2u * c.hidden, R));
+  o.timeout_s = 20;
+  Buffer b(w.comm, o);
+  run_case(c, 1, 41, std::nullopt, &b);
+  b.destroy();
+}
 EPX_GPU_TEST(HighThroughput, RankReceivesNothing) {
   run_case({256, 2048, 4, 32, false, 0.0, true, 1, true}, 1, 13);
 }
