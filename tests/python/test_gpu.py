@@ -307,6 +307,14 @@ def _case_high_throughput(rank, world, group):
     again_s = buf.dispatch(x, handle=h_s, config=small)[0]
     np.testing.assert_array_equal(_bits(again_s), mine["recv_x"])
     np.testing.assert_array_equal(_bits(buf.combine(rx_s, h_s, config=small)[0]), plain)
+    # the same through the pull dispatch (EPX's Config.pull_dispatch), its export
+    # ring lapping too; a combine given that config ignores the flag
+    small.pull_dispatch = True
+    rx_p, _, _, _, h_p, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, config=small, **layout)
+    np.testing.assert_array_equal(_bits(rx_p), mine["recv_x"])
+    np.testing.assert_array_equal(_bits(buf.dispatch(x, handle=h_p, config=small)[0]),
+                                  mine["recv_x"])
+    np.testing.assert_array_equal(_bits(buf.combine(rx_p, h_p, config=small)[0]), plain)
 
     # asynchronous, ordered after a captured event, outputs on the comm stream
     for on_comm in (False, True):
