@@ -84,6 +84,15 @@ float bf(uint16_t v) {
   return ref::bf16_to_float(v);
 }
 
+/// The default dispatch config within this rank's SM share (in-process ranks
+/// split a GPU), with `rows` ring rows per peer (0: the default).
+Config shared_gpu_config(int rows = 0) {
+  Config cfg = get_dispatch_config(world().num_ranks);
+  cfg.num_sms = std::min(cfg.num_sms, sm_budget());
+  if (rows > 0) cfg.num_max_recv_tokens = rows;
+  return cfg;
+}
+
 void run_case(const HtCase& c, int iters, uint64_t seed0,
               const std::optional<Config>& config = std::nullopt, Buffer* buffer = nullptr) {
   auto& w = world();
@@ -298,17 +307,13 @@ EPX_GPU_TEST(HighThroughput, RingsLap) {
     int rows, chunk;
   };
   for (const Ring rg : {Ring{64, 8}, Ring{20, 8}, Ring{8, 8}, Ring{5, 1}}) {
-    Config cfg = get_dispatch_config(world().num_ranks);
-    cfg.num_sms = std::min(cfg.num_sms, sm_budget());
-    cfg.num_max_recv_tokens = rg.rows;
+    Config cfg = shared_gpu_config(rg.rows);
     cfg.num_max_send_tokens = rg.chunk;
     run_case({900, 2048, 8, 64, false, 0.1, true, 1, false}, 1, 500 + rg.rows, cfg);
     run_case({300, 4096, 8, 64, true, 0.1, true, 1, false}, 1, 600 + rg.rows, cfg);
   }
   // The standard call through a ring of a quarter of its rows.
-  Config cfg = get_dispatch_config(world().num_ranks);
-  cfg.num_sms = std::min(cfg.num_sms, sm_budget());
-  cfg.num_max_recv_tokens = 1024;
+  Config cfg = shared_gpu_config(1024);
   run_case({4095, 7168, 8, 256, false, 0.0, true, 1, false}, 1, 700, cfg);
 }
 /// The pull dispatch (Config::pull_dispatch: receivers read the rows from the
@@ -322,10 +327,8 @@ EPX_GPU_TEST(HighThroughput, PullDispatch) {
     int rows, send;
   };
   for (const Ring rg : {Ring{4096, 0}, Ring{64, 1}, Ring{8, 2}, Ring{5, 1}}) {
-    Config cfg = get_dispatch_config(world().num_ranks);
-    cfg.num_sms = std::min(cfg.num_sms, sm_budget());
+    Config cfg = shared_gpu_config(rg.rows);
     cfg.pull_dispatch = true;
-    cfg.num_max_recv_tokens = rg.rows;
     cfg.num_max_send_tokens = std::min(cfg.num_max_send_tokens, rg.rows);
     cfg.num_send_sms = std::min(rg.send, cfg.num_sms - 1);
     run_case({900, 2048, 8, 64, false, 0.1, true, 1, false}, 1, 800 + rg.rows, cfg);
@@ -334,8 +337,7 @@ EPX_GPU_TEST(HighThroughput, PullDispatch) {
     // still wait for the readers of its earlier batches.
     run_case({1000, 2048, 8, 64, false, 0.0, true, 1, false, true}, 1, 1100 + rg.rows, cfg);
   }
-  Config cfg = get_dispatch_config(world().num_ranks);
-  cfg.num_sms = std::min(cfg.num_sms, sm_budget());
+  Config cfg = shared_gpu_config();
   cfg.pull_dispatch = true;
   run_case({4095, 7168, 8, 256, false, 0.0, true, 1, false}, 1, 1000, cfg);
 }
@@ -401,9 +403,7 @@ EPX_GPU_TEST(HighThroughput, Stress200Calls) {
 }
 /// The same through rings of 16 rows (chunks of 4): every call laps.
 EPX_GPU_TEST(HighThroughput, Stress200CallsLapping) {
-  Config cfg = get_dispatch_config(world().num_ranks);
-  cfg.num_sms = std::min(cfg.num_sms, sm_budget());
-  cfg.num_max_recv_tokens = 16;
+  Config cfg = shared_gpu_config(16);
   cfg.num_max_send_tokens = 4;
   stress_calls(200, cfg);
 }
@@ -710,8 +710,7 @@ EPX_GPU_TEST(HighThroughput, MismatchedConfigIsRefused) {
   auto d = bf16_dispatch(*w.buffer, c, in[me], s);
   auto res = w.buffer->dispatch(d.args);  // same config everywhere: the handle
   EXPECT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
-  Config odd = get_dispatch_config(R);
-  odd.num_sms = std::min(odd.num_sms, sm_budget());
+  Config odd = shared_gpu_config();
   if (me == 0) odd.num_max_recv_tokens = 2048;
   auto expect_refused = [&](const char* what, const std::function<void()>& call) {
     try {
