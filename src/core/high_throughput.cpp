@@ -1,6 +1,5 @@
 // Host side of get_dispatch_layout, dispatch and combine.
 #include <cstring>
-#include <string_view>
 
 #include "core/buffer_impl.hpp"
 #include "core/plan.hpp"
@@ -46,7 +45,7 @@ plan::HtRegion plan_region(const char* op, const Buffer::Impl& d, const Config& 
           "x has " + std::to_string(num_tokens) + " tokens, more than " +
               std::to_string(plan::kMaxChunks - 1) + " chunks of config.num_max_send_tokens (" +
               std::to_string(r.chunk) + ") rows; raise num_max_send_tokens or send fewer tokens");
-  if (cfg.pull_dispatch && std::string_view(op) == "dispatch" && r.num_ranks > 1) {
+  if (cfg.pull_dispatch && r.num_ranks > 1) {  // (a combine's config has it off)
     const int batch = plan::ht_pull_batch(r.staged_rows());
     require(plan::ht_num_chunks(num_tokens, batch) < plan::kMaxChunks, op,
             "x has " + std::to_string(num_tokens) + " tokens, more than the pull dispatch's " +

@@ -54,9 +54,6 @@ constexpr int kThreads = 512;
 #ifndef EPX_HT_COMBINE_SEG2
 #define EPX_HT_COMBINE_SEG2 8
 #endif
-#ifndef EPX_HT_EXPORT_U
-#define EPX_HT_EXPORT_U 8
-#endif
 constexpr int kSendU = EPX_HT_SEND_U, kRecvU = EPX_HT_RECV_U;
 constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFull = 0xffffffffu;
@@ -521,7 +518,7 @@ __device__ __forceinline__ void pull_export(const HtDispatchParams& p, uint32_t 
     const int my_t = lane < n ? t0 + nth_set_bit(need, lane) : 0;
     uint8_t* const rows = ring + static_cast<int64_t>(c % g.slots) * g.batch * rb;
     // Top-k ids stay global (lo_e 0, all experts): each receiver rebases its own.
-    copy_token_rows<EPX_HT_EXPORT_U>(
+    copy_token_rows<kSendU>(
         p, my_t, n, 0, p.num_experts, extras,
         [&](int r) { return rows + static_cast<int64_t>(nth_set_bit(need, r)) * rb; },
         [&](int r, int i, int v) {
