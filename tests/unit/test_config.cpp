@@ -2,14 +2,12 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 #include <vector>
 
 #include "core/plan.hpp"
 #include "epx/buffer.hpp"
 #include "epx/config.hpp"
-#include "epx/error.hpp"
 
 namespace epx {
 namespace {
@@ -58,22 +56,6 @@ TEST(Config, SplitOfSms) {
   EXPECT_EQ(p.send_sms(), 1);
   p.num_send_sms = 3;
   EXPECT_EQ(p.send_sms(), 3);
-}
-
-TEST(Config, PullDispatchFromTheEnvironment) {
-  unsetenv("EPX_HT_PULL");
-  EXPECT_FALSE(get_dispatch_config(4).pull_dispatch);
-  setenv("EPX_HT_PULL", "1", 1);
-  EXPECT_TRUE(get_dispatch_config(4).pull_dispatch);
-  EXPECT_FALSE(get_combine_config(4).pull_dispatch);
-  setenv("EPX_HT_PULL", "2", 1);
-  try {
-    get_dispatch_config(4);
-    ADD_FAILURE() << "EPX_HT_PULL=2 was accepted";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("EPX_HT_PULL"), std::string::npos) << e.what();
-  }
-  unsetenv("EPX_HT_PULL");
 }
 
 TEST(Plan, PullBatchFitsTheStaging) {

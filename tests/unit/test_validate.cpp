@@ -261,6 +261,17 @@ TEST(Validate, AnyDeviceWildcard) {
   EXPECT_NO_THROW(validate::tensor("op", "t", h, DType::kI32, {4}, kCpu));
 }
 
+TEST(Env, HtPullSetsTheDispatchConfigs) {
+  unsetenv("EPX_HT_PULL");
+  EXPECT_FALSE(get_dispatch_config(4).pull_dispatch);
+  setenv("EPX_HT_PULL", "1", 1);
+  EXPECT_TRUE(get_dispatch_config(4).pull_dispatch);
+  EXPECT_FALSE(get_combine_config(4).pull_dispatch);
+  setenv("EPX_HT_PULL", "2", 1);
+  expect_error([] { get_dispatch_config(4); }, {"EPX_HT_PULL", "0 or 1"});
+  unsetenv("EPX_HT_PULL");
+}
+
 TEST(Env, RankInfoFromTorchrunAndMpi) {
   setenv("RANK", "3", 1);
   setenv("WORLD_SIZE", "4", 1);
