@@ -5,8 +5,10 @@
 
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "epx/epx.hpp"
@@ -97,5 +99,24 @@ bool rank_failed();
 
 /// All ranks agree (logical AND over ranks).
 bool all_ranks(bool ok);
+
+/// Runs `fn`, expecting an epx::Error of `code` whose text holds each of
+/// `parts` (`what` names the call in failure messages). Nothing escapes, so
+/// every rank still reaches the test's later collective steps.
+template <class Fn>
+void expect_error(const std::string& what, Fn&& fn, std::initializer_list<const char*> parts,
+                  ErrorCode code = ErrorCode::kInvalidArgument) {
+  try {
+    fn();
+    ADD_FAILURE() << what << ": expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), code) << what << ": " << e.what();
+    for (const char* p : parts)
+      EXPECT_NE(std::string(e.what()).find(p), std::string::npos)
+          << what << ": " << e.what() << " lacks '" << p << "'";
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << what << ": unexpected error: " << e.what();
+  }
+}
 
 }  // namespace epx::test

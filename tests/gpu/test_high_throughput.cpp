@@ -253,15 +253,12 @@ EPX_GPU_TEST(HighThroughput, UnequalBufferSizesAreRefused) {
     (std::string(field) == "num_nvl_bytes" ? o.num_nvl_bytes : o.num_rdma_bytes) +=
         me == R - 1 ? 4096 : 0;
     o.timeout_s = 20;
-    try {
-      Buffer b(w.comm, o);
-      ADD_FAILURE() << field << ": unequal sizes were accepted";
-      b.destroy();
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
-      EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
-      EXPECT_NE(std::string(e.what()).find("same on every rank"), std::string::npos) << e.what();
-    }
+    expect_error(std::string(field) + " unequal",
+                 [&] {
+                   Buffer b(w.comm, o);
+                   b.destroy();
+                 },
+                 {field, "same on every rank"});
   }
   EXPECT_TRUE(all_ranks(!rank_failed()));
   const HtCase c{64, 256, 4, 8 * R, false, 0.1, true, 1, false};
@@ -567,13 +564,12 @@ EPX_GPU_TEST(HighThroughput, BadInputsThrowBeforeAnyKernel) {
         Error);
   EXPECT_THROW(w.buffer->get_dispatch_layout(view(d.get(), DType::kI32, {8, 8}), 64, s), Error);
   if (w.comm->ranks_on_device() > 1) {  // in-process ranks: the shared legacy stream is refused
-    try {
-      w.buffer->get_dispatch_layout(view(d.get(), DType::kI64, {8, 8}), 64, StreamArgs{});
-      ADD_FAILURE() << "expected an error for the legacy default stream";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
-      EXPECT_NE(std::string(e.what()).find("streams.stream"), std::string::npos) << e.what();
-    }
+    expect_error(
+        "legacy default stream",
+        [&] {
+          w.buffer->get_dispatch_layout(view(d.get(), DType::kI64, {8, 8}), 64, StreamArgs{});
+        },
+        {"streams.stream"});
   }
   EXPECT_THROW(w.buffer->get_dispatch_layout(view(d.get(), DType::kI64, {8, 32}), 64, s), Error);
   // Out-of-range expert ids are caught by the layout kernel and raised.
@@ -644,19 +640,14 @@ EPX_GPU_TEST(HighThroughput, TimeoutIsReported) {
     ca.x = res.recv_x.view;
     ca.handle = res.handle;
     ca.streams = s;
-    try {
-      b.combine(ca);  // no peer takes part: every wait runs into the deadline
-      EXPECT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
-      b.combine(ca);
-      ADD_FAILURE() << "expected a timeout";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
-      const std::string msg = e.what();
-      EXPECT_NE(msg.find("combine"), std::string::npos) << msg;
-      EXPECT_NE(msg.find("rank 0 waited"), std::string::npos) << msg;
-    } catch (const std::exception& e) {
-      ADD_FAILURE() << "unexpected error: " << e.what();
-    }
+    expect_error(
+        "combine without peers",
+        [&] {
+          b.combine(ca);  // no peer takes part: every wait runs into the deadline
+          EXPECT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+          b.combine(ca);
+        },
+        {"combine", "rank 0 waited"}, ErrorCode::kTimeout);
   }
   EXPECT_TRUE(all_ranks(!rank_failed()));
   b.destroy();
@@ -679,15 +670,7 @@ EPX_GPU_TEST(HighThroughput, MismatchedLayoutIsRefused) {
   for (auto& v : counts) v += 1;  // one token too many for every rank
   auto d_counts = to_device(counts);
   d.args.num_tokens_per_rank = view(d_counts.get(), DType::kI32, {R});
-  try {
-    w.buffer->dispatch(d.args);
-    ADD_FAILURE() << "expected an error for the mismatched layout";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
-    EXPECT_NE(std::string(e.what()).find("num_tokens_per_rank"), std::string::npos) << e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "unexpected error: " << e.what();
-  }
+  expect_error("mismatched layout", [&] { w.buffer->dispatch(d.args); }, {"num_tokens_per_rank"});
   EXPECT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
   EXPECT_TRUE(all_ranks(!rank_failed()));
   // The same buffer still dispatches and combines correctly.
@@ -713,15 +696,7 @@ EPX_GPU_TEST(HighThroughput, MismatchedConfigIsRefused) {
   Config odd = shared_gpu_config();
   if (me == 0) odd.num_max_recv_tokens = 2048;
   auto expect_refused = [&](const char* what, const std::function<void()>& call) {
-    try {
-      call();
-      ADD_FAILURE() << what << ": expected an error for the mismatched config";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
-      EXPECT_NE(std::string(e.what()).find("different configs"), std::string::npos) << e.what();
-    } catch (const std::exception& e) {
-      ADD_FAILURE() << what << ": unexpected error: " << e.what();
-    }
+    expect_error(what, call, {"different configs"});
     EXPECT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
   };
   // With a layout: the dispatch itself raises.
