@@ -23,26 +23,29 @@ BENCH=${EPX_BENCH:-ht ll}
 summary=()
 LINEBUF=()
 command -v stdbuf >/dev/null 2>&1 && LINEBUF=(stdbuf -oL -eL)
+# One GPU test run: LABEL LOG COMMAND...; line-buffered (LINEBUF inside the
+# command), so a run killed by the timeout still leaves its log; the summary
+# lines, and the log's tail when it failed.
+suite() {
+  local label=$1 log=$2
+  shift 2
+  echo "== GPU tests, $label"
+  timeout ${EPX_TEST_TIMEOUT:-420} "$@" > "$log" 2>&1
+  local rc=$?
+  grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|tests passed|FAILURES|SKIPPED|rank [0-9]+:|in-process ranks|EPX_DEBUG_EPOCH_START" "$log" | sort | uniq -c | head -30
+  [ $rc -eq 0 ] || tail -40 "$log"
+  summary+=("gpu tests, $label: rc=$rc")
+}
 if [[ " $RUN " == *" tests "* ]]; then
+  # The HighThroughput suite again with the pull dispatch in every default config.
+  pull_filter=${EPX_GTEST_FILTER:-HighThroughput.*}
   for n in 2 4 8; do
     [ "$GPUS" -ge "$n" ] || continue
-    echo "== GPU tests EP$n"
-    # Line-buffered, so a run killed by the timeout still leaves its log.
-    timeout ${EPX_TEST_TIMEOUT:-420} "$D/launch.sh" "$n" ${LINEBUF[@]+"${LINEBUF[@]}"} "$D/epx_gpu_tests" ${EPX_GTEST_FILTER:+--gtest_filter=$EPX_GTEST_FILTER} \
-      > "$OUT/gpu-tests-ep$n.log" 2>&1
-    rc=$?
-    grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|tests passed|FAILURES|SKIPPED|rank [0-9]+:" "$OUT/gpu-tests-ep$n.log" | sort | uniq -c | head -30
-    [ $rc -eq 0 ] || tail -40 "$OUT/gpu-tests-ep$n.log"
-    summary+=("gpu tests EP$n: rc=$rc")
-    if [ "${EPX_PULL:-1}" = 1 ]; then
-      echo "== GPU tests EP$n, HighThroughput with EPX_HT_PULL=1"
-      EPX_HT_PULL=1 timeout ${EPX_TEST_TIMEOUT:-420} "$D/launch.sh" "$n" ${LINEBUF[@]+"${LINEBUF[@]}"} "$D/epx_gpu_tests" \
-        --gtest_filter="${EPX_GTEST_FILTER:-HighThroughput.*}" > "$OUT/gpu-tests-ep$n-pull.log" 2>&1
-      rc=$?
-      grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|tests passed|FAILURES|SKIPPED|rank [0-9]+:" "$OUT/gpu-tests-ep$n-pull.log" | sort | uniq -c | head -30
-      [ $rc -eq 0 ] || tail -40 "$OUT/gpu-tests-ep$n-pull.log"
-      summary+=("gpu tests EP$n, pull: rc=$rc")
-    fi
+    suite "EP$n" "$OUT/gpu-tests-ep$n.log" "$D/launch.sh" "$n" ${LINEBUF[@]+"${LINEBUF[@]}"} \
+      "$D/epx_gpu_tests" ${EPX_GTEST_FILTER:+--gtest_filter=$EPX_GTEST_FILTER}
+    [ "${EPX_PULL:-1}" = 1 ] && suite "EP$n, EPX_HT_PULL=1" "$OUT/gpu-tests-ep$n-pull.log" \
+      env EPX_HT_PULL=1 "$D/launch.sh" "$n" ${LINEBUF[@]+"${LINEBUF[@]}"} "$D/epx_gpu_tests" \
+      --gtest_filter="$pull_filter"
   done
   # Ranks as threads of one process on GPU 0: the multi-rank protocol where
   # there are fewer GPUs (EPX_IN_PROCESS="2 4" by default on a 1-GPU machine).
@@ -51,33 +54,21 @@ if [[ " $RUN " == *" tests "* ]]; then
   # "" to skip).
   inproc=${EPX_IN_PROCESS-$([ "$GPUS" -lt 2 ] && echo "2 4")}
   wrap=${EPX_EPOCH_WRAP-$([ "$GPUS" -lt 2 ] && echo 2)}
-  runs=()
-  for n in $inproc; do runs+=("$n:"); done
-  if [ "${EPX_PULL:-1}" = 1 ]; then for n in $inproc; do runs+=("$n:pull"); done; fi
-  for n in $wrap; do runs+=("$n:wrap"); done
-  for run in ${runs[@]+"${runs[@]}"}; do
-    n=${run%%:*}
-    start=()
-    filter=${EPX_GTEST_FILTER:-}
-    log="$OUT/gpu-tests-inproc$n.log"
-    if [ "${run#*:}" = pull ]; then
-      start=(env EPX_HT_PULL=1)
-      filter=${EPX_GTEST_FILTER:-HighThroughput.*}
-      log="$OUT/gpu-tests-inproc$n-pull.log"
-      echo "== GPU tests, $n in-process ranks, HighThroughput with EPX_HT_PULL=1"
-    elif [ "${run#*:}" = wrap ]; then
-      start=(env EPX_DEBUG_EPOCH_START=4294967200)
-      log="$OUT/gpu-tests-inproc$n-wrap.log"
-      echo "== GPU tests, $n in-process ranks, epochs crossing the 2^32 wrap"
-    else
-      echo "== GPU tests, $n in-process ranks on one GPU"
-    fi
-    timeout ${EPX_TEST_TIMEOUT:-420} ${start[@]+"${start[@]}"} ${LINEBUF[@]+"${LINEBUF[@]}"} \
-      "$D/epx_gpu_tests" --in-process="$n" ${filter:+--gtest_filter=$filter} > "$log" 2>&1
-    rc=$?
-    grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]|tests passed|FAILURES|SKIPPED|in-process ranks|EPX_DEBUG_EPOCH_START" "$log" | sort | uniq -c | head -30
-    [ $rc -eq 0 ] || tail -40 "$log"
-    summary+=("gpu tests, $n in-process ranks${start[*]:+, ${start[1]}}: rc=$rc")
+  tests=(${LINEBUF[@]+"${LINEBUF[@]}"} "$D/epx_gpu_tests")
+  for n in $inproc; do
+    suite "$n in-process ranks on one GPU" "$OUT/gpu-tests-inproc$n.log" \
+      "${tests[@]}" --in-process="$n" ${EPX_GTEST_FILTER:+--gtest_filter=$EPX_GTEST_FILTER}
+  done
+  if [ "${EPX_PULL:-1}" = 1 ]; then
+    for n in $inproc; do
+      suite "$n in-process ranks, EPX_HT_PULL=1" "$OUT/gpu-tests-inproc$n-pull.log" \
+        env EPX_HT_PULL=1 "${tests[@]}" --in-process="$n" --gtest_filter="$pull_filter"
+    done
+  fi
+  for n in $wrap; do
+    suite "$n in-process ranks, epochs crossing the 2^32 wrap" "$OUT/gpu-tests-inproc$n-wrap.log" \
+      env EPX_DEBUG_EPOCH_START=4294967200 "${tests[@]}" --in-process="$n" \
+      ${EPX_GTEST_FILTER:+--gtest_filter=$EPX_GTEST_FILTER}
   done
 fi
 if [[ " $RUN " == *" bench "* ]]; then
