@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "core/check.hpp"
+#include "core/plan.hpp"
 #include "kernels/copy.cuh"
 
 namespace {
@@ -210,8 +211,8 @@ int run(int argc, char** argv) {
     EPX_CUDA_CHECK(cudaEventCreate(&ev0[g]));
     EPX_CUDA_CHECK(cudaEventCreate(&ev1[g]));
   }
-  // Slot of peer h in g's buffers (g's own slot skipped).
-  auto slot = [](int g, int h) { return h < g ? h : h - 1; };
+  // Slot of peer h in g's buffers: g's own skipped, as in the staging.
+  auto slot = [](int g, int h) { return epx::plan::HtRegion::staging_index(h, g); };
   auto pairs_of = [&](const std::string& mode, int g) {
     Pairs p{};
     p.rows = rows;
