@@ -206,6 +206,9 @@ struct LowLatencyDispatchArgs {
   int num_max_dispatch_tokens_per_rank = 0;
   int num_experts = 0;
   std::optional<TensorView> cumulative_local_expert_recv_stats;  ///< [E_local] i32, added to
+  /// [R] i64: entry s gets the nanoseconds the receive waited for source s's
+  /// token masks, summed over this rank's local experts (nullable; for finding a slow rank)
+  std::optional<TensorView> dispatch_wait_recv_cost_stats;
   bool use_fp8 = true;
   bool round_scale = false;
   bool use_ue8m0 = false;
@@ -235,6 +238,9 @@ struct LowLatencyCombineArgs {
   bool async_finish = false;
   bool return_recv_hook = false;
   std::optional<TensorView> out;  ///< [T, H] bf16
+  /// [R] i64: entry s gets the nanoseconds the receive waited for expert rank s's
+  /// rows (its combine flag), once per call (nullable; for finding a slow rank)
+  std::optional<TensorView> combine_wait_recv_cost_stats;
   cudaStream_t stream = nullptr;
 };
 

@@ -8,7 +8,6 @@ num_max_dispatch_tokens_per_rank.
 from __future__ import annotations
 
 import threading
-import warnings
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple, Union
 
 from . import _core
@@ -136,11 +135,6 @@ class _TorchGlue:
             return t, t.data_ptr()
 
         return alloc
-
-
-def _warn_unsupported_stats(name: str) -> None:
-    warnings.warn(f"{name}: EPX does not collect these statistics; the tensor is left unchanged",
-                  RuntimeWarning, stacklevel=3)
 
 
 class Buffer:
@@ -541,7 +535,8 @@ class Buffer:
             num_max_dispatch_tokens_per_rank: maxT, the same on every rank.
             num_experts: E.
             cumulative_local_expert_recv_stats: [E_local] int32, incremented by the counts.
-            dispatch_wait_recv_cost_stats: not collected by EPX (warns).
+            dispatch_wait_recv_cost_stats: [R] int64; entry s gets the nanoseconds the
+                receive waited for rank s's token masks, summed over the local experts.
             use_fp8: quantize to float8_e4m3fn with per-128-channel scales.
             round_scale: power-of-two scales; use_ue8m0: pack them as UE8M0 (int32).
             return_recv_hook: send only; call the returned hook to receive.
@@ -553,8 +548,6 @@ class Buffer:
                 per expert; handle; event; hook (None without return_recv_hook).
         """
         g = self._glue
-        if dispatch_wait_recv_cost_stats is not None:
-            _warn_unsupported_stats("dispatch_wait_recv_cost_stats")
         a = _core.LowLatencyDispatchArgs()
         a.x = g.view("x", x)
         a.topk_idx = g.view("topk_idx", topk_idx)
@@ -563,6 +556,8 @@ class Buffer:
         a.num_experts = _int("num_experts", num_experts)
         a.cumulative_local_expert_recv_stats = g.opt_view("cumulative_local_expert_recv_stats",
                                                           cumulative_local_expert_recv_stats)
+        a.dispatch_wait_recv_cost_stats = g.opt_view("dispatch_wait_recv_cost_stats",
+                                                     dispatch_wait_recv_cost_stats)
         a.use_fp8, a.round_scale, a.use_ue8m0 = bool(use_fp8), bool(round_scale), bool(use_ue8m0)
         a.async_finish, a.return_recv_hook = bool(async_finish), bool(return_recv_hook)
         a.stream = g.current_stream(self._device)
@@ -574,7 +569,7 @@ class Buffer:
         extra = None
         if async_finish:
             extra = (x, topk_idx, recv_x, recv_scales, recv_count,
-                     cumulative_local_expert_recv_stats,
+                     cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
                      *[g.out(t) for t in handle.tensors])
         recv = (recv_x, recv_scales) if use_fp8 else recv_x
         return recv, recv_count, handle, _wrap_event(r.event, extra), self._settled(r.hook)
@@ -595,7 +590,8 @@ class Buffer:
             use_logfmt: send a 10-bit LogFMT encoding instead of BF16.
             zero_copy: x was written into ``get_next_low_latency_combine_buffer(handle)``.
             out: [T, H] bfloat16 to write the result into.
-            combine_wait_recv_cost_stats: not collected by EPX (warns).
+            combine_wait_recv_cost_stats: [R] int64; entry s gets the nanoseconds the
+                receive waited for rank s's rows (one wait per call).
 
         Returns:
             combined_x [T, H] bfloat16 (``out`` when given), event, hook.
@@ -604,8 +600,6 @@ class Buffer:
         if not isinstance(handle, _core.LowLatencyHandle):
             raise TypeError(f"handle: expected the handle returned by low_latency_dispatch, "
                             f"got {type(handle).__name__}")
-        if combine_wait_recv_cost_stats is not None:
-            _warn_unsupported_stats("combine_wait_recv_cost_stats")
         a = _core.LowLatencyCombineArgs()
         a.x = g.view("x", x)
         a.topk_idx = g.view("topk_idx", topk_idx)
@@ -614,11 +608,14 @@ class Buffer:
         a.use_logfmt, a.zero_copy = bool(use_logfmt), bool(zero_copy)
         a.async_finish, a.return_recv_hook = bool(async_finish), bool(return_recv_hook)
         a.out = g.opt_view("out", out)
+        a.combine_wait_recv_cost_stats = g.opt_view("combine_wait_recv_cost_stats",
+                                                    combine_wait_recv_cost_stats)
         a.stream = g.current_stream(self._device)
         r = self._rt().low_latency_combine(a)
         self._settle(async_finish)
         combined_x = out if out is not None else g.out(r.combined_x)
-        extra = (x, topk_idx, topk_weights, combined_x) if async_finish else None
+        extra = ((x, topk_idx, topk_weights, combined_x, combine_wait_recv_cost_stats)
+                 if async_finish else None)
         return combined_x, _wrap_event(r.event, extra), self._settled(r.hook)
 
     def get_next_low_latency_combine_buffer(self, handle: _core.LowLatencyHandle) -> "torch.Tensor":

@@ -908,6 +908,7 @@ NB_MODULE(_core, m) {
       .def_rw("num_max_dispatch_tokens_per_rank", &LDA::num_max_dispatch_tokens_per_rank)
       .def_rw("num_experts", &LDA::num_experts)
       .def_rw("cumulative_local_expert_recv_stats", &LDA::cumulative_local_expert_recv_stats)
+      .def_rw("dispatch_wait_recv_cost_stats", &LDA::dispatch_wait_recv_cost_stats)
       .def_rw("use_fp8", &LDA::use_fp8)
       .def_rw("round_scale", &LDA::round_scale)
       .def_rw("use_ue8m0", &LDA::use_ue8m0)
@@ -938,6 +939,7 @@ NB_MODULE(_core, m) {
       .def_rw("async_finish", &LCA::async_finish)
       .def_rw("return_recv_hook", &LCA::return_recv_hook)
       .def_rw("out", &LCA::out)
+      .def_rw("combine_wait_recv_cost_stats", &LCA::combine_wait_recv_cost_stats)
       .def_prop_rw(
           "stream", [](const LCA& a) { return from_stream(a.stream); },
           [](LCA& a, uintptr_t s) { a.stream = to_stream(s); });

@@ -193,6 +193,8 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   rp.combine_plan = reinterpret_cast<int2*>(handle->combine_plan.ptr<int>());
   rp.stats = a.cumulative_local_expert_recv_stats ? a.cumulative_local_expert_recv_stats->ptr<int>()
                                                   : nullptr;
+  rp.wait_stats =
+      a.dispatch_wait_recv_cost_stats ? a.dispatch_wait_recv_cost_stats->ptr<int64_t>() : nullptr;
   rp.timeout_ns = d.timeout_ns();
   rp.diag = d.diag_dev;
 
@@ -253,8 +255,15 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   } else {
     res.combined_x = d.alloc(DType::kBF16, {T, H}, a.stream);
   }
-  Tensor state = d.alloc(DType::kI32, {4}, a.stream);
+  // [0] the epoch; with combine_wait_recv_cost_stats, [4, 4 + 2R) the send's
+  // longest wait per source (u64 ns), zeroed here and read by the receive.
+  const bool wait_stats = a.combine_wait_recv_cost_stats.has_value();
+  Tensor state = d.alloc(DType::kI32, {wait_stats ? 4 + 2 * R : 4}, a.stream);
   const cudaStream_t launch = d.ll_enter(s);
+  auto* send_wait_max =
+      wait_stats ? reinterpret_cast<unsigned long long*>(state.ptr<int32_t>() + 4) : nullptr;
+  if (wait_stats)
+    EPX_CUDA_CHECK(cudaMemsetAsync(send_wait_max, 0, sizeof(unsigned long long) * R, launch));
 
   const auto tr = d.transport(d.ll);
   const auto off = offsets_of(region);
@@ -277,6 +286,7 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   sp.num_experts = E;
   sp.max_tokens = maxT;
   sp.logfmt = a.use_logfmt;
+  sp.wait_max = send_wait_max;
   sp.timeout_ns = d.timeout_ns();
   sp.diag = d.diag_dev;
   const int send_blocks =
@@ -290,6 +300,9 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   rp.topk_idx = a.topk_idx.ptr<int64_t>();
   rp.topk_weights = a.topk_weights.ptr<float>();
   rp.out = res.combined_x.ptr<uint16_t>();
+  rp.wait_stats =
+      a.combine_wait_recv_cost_stats ? a.combine_wait_recv_cost_stats->ptr<int64_t>() : nullptr;
+  rp.send_wait_max = send_wait_max;
   rp.num_tokens = T;
   rp.hidden = H;
   rp.num_topk = K;

@@ -182,6 +182,9 @@ void low_latency_dispatch(const LowLatencyDispatchArgs& a, int num_ranks, int de
   if (a.cumulative_local_expert_recv_stats)
     tensor(op, "cumulative_local_expert_recv_stats", *a.cumulative_local_expert_recv_stats,
            DType::kI32, {a.num_experts / num_ranks}, device);
+  if (a.dispatch_wait_recv_cost_stats)
+    tensor(op, "dispatch_wait_recv_cost_stats", *a.dispatch_wait_recv_cost_stats, DType::kI64,
+           {num_ranks}, device);
 }
 
 void low_latency_combine(const LowLatencyCombineArgs& a, int num_ranks, int device) {
@@ -195,6 +198,9 @@ void low_latency_combine(const LowLatencyCombineArgs& a, int num_ranks, int devi
   tensor(op, "topk_idx", a.topk_idx, DType::kI64, {h.num_tokens, h.num_topk}, device);
   tensor(op, "topk_weights", a.topk_weights, DType::kF32, {h.num_tokens, h.num_topk}, device);
   if (a.out) tensor(op, "out", *a.out, DType::kBF16, {h.num_tokens, h.hidden}, device);
+  if (a.combine_wait_recv_cost_stats)
+    tensor(op, "combine_wait_recv_cost_stats", *a.combine_wait_recv_cost_stats, DType::kI64,
+           {num_ranks}, device);
 }
 
 }  // namespace epx::validate

@@ -220,6 +220,7 @@ struct LlDispatchRecvParams {
   int64_t* layout_range;  ///< [E_local, R]
   int2* combine_plan;     ///< [R, W, E_local] (LowLatencyHandle::combine_plan)
   int* stats;             ///< [E_local] nullable, += recv_count
+  int64_t* wait_stats;    ///< [R] nullable, += ns waited for source s's masks, per local expert
   uint64_t timeout_ns;
   DeviceDiag* diag;
 };
@@ -241,6 +242,8 @@ struct LlCombineSendParams {
   const int64_t* topk_idx;    ///< [T, K] of this rank's tokens
   const float* topk_weights;  ///< [T, K] of this rank's tokens
   const int2* combine_plan;   ///< [R, W, E_local] from the dispatch
+  /// [R] nullable, zeroed: max= the ns a warp waited for source s's weight words
+  unsigned long long* wait_max;
   int num_tokens, hidden, num_topk, num_experts, max_tokens;
   bool logfmt;
   uint64_t timeout_ns;
@@ -255,6 +258,9 @@ struct LlCombineRecvParams {
   const int64_t* topk_idx;    ///< [T, K]
   const float* topk_weights;  ///< [T, K]
   uint16_t* out;              ///< [T, H] bf16
+  /// [R] nullable: += send_wait_max[s] + the ns waited for rank s's combine flag
+  int64_t* wait_stats;
+  const unsigned long long* send_wait_max;  ///< LlCombineSendParams::wait_max of this call
   int num_tokens, hidden, num_topk, num_experts, max_tokens;
   bool logfmt;
   uint64_t timeout_ns;

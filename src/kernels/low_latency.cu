@@ -278,18 +278,25 @@ __device__ __forceinline__ void finish_combine_send(const dev::NvlinkTransport& 
 }
 
 /// Block-wide wait for the combine flag of every source; false when any timed out.
+/// Block 0 adds each source's wait (ns) and the send's longest wait for its
+/// weights (send_wait_max[s]) to wait_stats[s] when given.
 __device__ __forceinline__ bool wait_combine_flags(const dev::NvlinkTransport& t,
                                                    const LlOffsets& o, std::size_t half,
                                                    uint32_t epoch, uint64_t timeout_ns,
-                                                   DeviceDiag* diag) {
+                                                   DeviceDiag* diag, int64_t* wait_stats,
+                                                   const unsigned long long* send_wait_max) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
   if (static_cast<int>(threadIdx.x) < t.num_ranks) {
     const int s = threadIdx.x;
+    const uint64_t t0 = dev::globaltimer_ns();
     if (!t.wait(flag_offset(half, o, kFlagCombine, s), epoch, timeout_ns, diag,
                 OpId::kLowLatencyCombineRecv, s, -1))
       atomicExch(&failed, 1);
+    else if (wait_stats != nullptr && blockIdx.x == 0)
+      atomicAdd(reinterpret_cast<unsigned long long*>(wait_stats + s),
+                send_wait_max[s] + static_cast<unsigned long long>(dev::globaltimer_ns() - t0));
   }
   __syncthreads();
   return failed == 0;
@@ -494,11 +501,20 @@ __device__ __forceinline__ bool dispatch_recv_unit(const LlDispatchRecvParams& p
   const int W = ceil_div(p.max_tokens, 32);
   static_assert(plan::kMaxRanks * plan::kLlMaxMaskWords <= kThreads);
   const int pos = threadIdx.x, s = pos / W, w = pos % W;
+  // wait_stats: the unit's wait for source s = its last mask word's arrival
+  // after the unit's start (the block's clock, read once, kept in shared).
+  __shared__ uint64_t s_t0;
+  __shared__ unsigned long long s_wait[plan::kMaxRanks];
+  if (p.wait_stats != nullptr) {
+    if (threadIdx.x == 0) s_t0 = dev::globaltimer_ns();
+    if (static_cast<int>(threadIdx.x) < R) s_wait[threadIdx.x] = 0ull;
+  }
   uint32_t word = 0;
   bool ok = true;
   if (pos < R * W)
     ok = p.t.wait_tagged(mask_word_offset(p.off, tags, s, w, le, E_local), epoch, word,
                          p.timeout_ns, p.diag, OpId::kLowLatencyDispatchRecv, s, le);
+  const uint64_t arrived = p.wait_stats != nullptr ? dev::globaltimer_ns() : 0;
   if (unit == 0 && static_cast<int>(threadIdx.x) < R) {
     // The token counts, which the combine reads from the handle state.
     uint32_t n = 0;
@@ -516,6 +532,8 @@ __device__ __forceinline__ bool dispatch_recv_unit(const LlDispatchRecvParams& p
   }
   if (__syncthreads_or(ok ? 0 : 1) != 0) return false;
   tl_mark(kTlDispatch, kTlRecvFlags);
+  if (p.wait_stats != nullptr && pos < R * W)
+    atomicMax(&s_wait[s], static_cast<unsigned long long>(arrived - s_t0));
   {
     int prefix = 0, total = 0;
     Scan(scan_tmp).ExclusiveSum(__popc(word), prefix, total);
@@ -537,6 +555,9 @@ __device__ __forceinline__ bool dispatch_recv_unit(const LlDispatchRecvParams& p
       p.recv_count[le] = count;
       if (p.stats) p.stats[le] += count;
     }
+    if (p.wait_stats != nullptr && static_cast<int>(threadIdx.x) < R)
+      atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats + threadIdx.x),
+                s_wait[threadIdx.x]);
     if (static_cast<int>(threadIdx.x) < R) {
       const int s = threadIdx.x;
       p.layout_range[static_cast<int64_t>(le) * R + s] =
@@ -674,6 +695,7 @@ template <bool kLogFmt>
 __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendParams p) {
   __shared__ int s_tokens[plan::kMaxRanks + 1];     // [kMaxRanks]: the largest
   __shared__ int s_rows[kWarps][plan::kLlMaxTopK];  // per warp: rows of the item's experts
+  __shared__ uint64_t s_wait_t0[kWarps];  // wait_max: a warp's weights wait began (no register)
   dev::launch_dependents();
   tl_mark(kTlCombine, kTlSendStart);
   tl_mark(kTlCombine, kTlSendStartMax);
@@ -798,12 +820,16 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
                                                          : make_int4(0, 0, 0, 0);
       }
       if (j0 == 0) {
+        if (p.wait_max != nullptr && lane == 0) s_wait_t0[warp] = dev::globaltimer_ns();
         if (lane < n)
           ok = p.t.wait_tagged(weights + static_cast<std::size_t>(s) * p.off.weights_stride +
                                    (static_cast<std::size_t>(t) * plan::kLlMaxTopK + lane) * 8u,
                                epoch, w_bits, p.timeout_ns, p.diag, OpId::kLowLatencyCombineSend, s,
                                t);
         if (!__all_sync(kFull, ok)) break;  // reported; still counted in below
+        if (p.wait_max != nullptr && lane == 0)
+          atomicMax(p.wait_max + s,
+                    static_cast<unsigned long long>(dev::globaltimer_ns() - s_wait_t0[warp]));
       }
 #pragma unroll
       for (int jj = 0; jj < kRowsAtOnce; ++jj) {
@@ -862,7 +888,8 @@ __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
   const uint32_t epoch = static_cast<uint32_t>(p.state[0]);
   const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
 
-  if (!wait_combine_flags(p.t, p.off, half, epoch, p.timeout_ns, p.diag)) {
+  if (!wait_combine_flags(p.t, p.off, half, epoch, p.timeout_ns, p.diag, p.wait_stats,
+                          p.send_wait_max)) {
     tl_finish(kTlCombine, p.t.rank);
     return;
   }

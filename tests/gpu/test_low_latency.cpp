@@ -12,10 +12,12 @@
 // 1e-2 |r| + 1e-2 (and logfmt_max_rel_error() * sum_k |w_k x_k| with LogFMT).
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
 
 #include "epx/reference.hpp"
 #include "gpu/harness.hpp"
@@ -819,6 +821,83 @@ EPX_GPU_TEST(LowLatency, TimeoutIsReportedAndCleanRecovers) {
   }
   EXPECT_TRUE(all_ranks(!rank_failed()));
   b.destroy();
+}
+
+/// The last rank starts its dispatch and its combine 50 ms after the others.
+/// Every other rank's dispatch_wait_recv_cost_stats and
+/// combine_wait_recv_cost_stats must put at least 10 ms on it and less than
+/// half of that on any other rank; the late rank itself waits under 10 ms
+/// for anyone (per local expert for the dispatch, which sums them). The
+/// stats are added to (they start non-zero), and the results are checked.
+EPX_GPU_TEST(LowLatency, WaitCostStatsNameTheSlowRank) {
+  auto& w = world();
+  const int R = w.num_ranks, me = w.rank, slow = R - 1;
+  if (R < 2) GTEST_SKIP() << "needs a peer";
+  LlCase c;
+  c.max_tokens = 32;
+  c.hidden = 1024;
+  c.fp8 = true;
+  if (c.num_experts % R) GTEST_SKIP();
+  const int E_local = c.num_experts / R, RT = R * c.max_tokens, H = c.hidden, K = c.num_topk;
+  auto in = make_inputs(c, R, 21);
+  const int T = in.num_tokens[me];
+  auto ro = ref::ll_dispatch(in.x, in.topk, in.num_tokens, H, K, c.num_experts, c.max_tokens, c.fp8,
+                             c.round_scale);
+  auto d_x = to_device(in.x[me]);
+  auto d_topk = to_device(in.topk[me]);
+  auto d_w = to_device(in.weights[me]);
+  std::vector<int64_t> base(R);
+  for (int s = 0; s < R; ++s) base[s] = 1000 + s;
+  auto d_dwait = to_device(base), d_cwait = to_device(base);
+  constexpr auto kLate = std::chrono::milliseconds(50);
+  constexpr int64_t kNs = 10'000'000;  // 10 ms
+  auto check_waits = [&](const char* op, const DeviceArray<int64_t>& d, int64_t per_wait) {
+    std::vector<int64_t> got(R);
+    ASSERT_EQ(cudaMemcpy(got.data(), d.get(), R * sizeof(int64_t), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    std::string all;
+    for (int s = 0; s < R; ++s) {
+      got[s] -= base[s];
+      all += " " + std::to_string(got[s]);
+      EXPECT_GE(got[s], 0) << op << " source " << s;
+    }
+    if (me != slow) {
+      EXPECT_GE(got[slow], per_wait * kNs) << op << " waits (ns):" << all;
+      for (int s = 0; s < R; ++s)
+        if (s != slow) EXPECT_LT(2 * got[s], got[slow]) << op << " source " << s << ":" << all;
+    } else {
+      for (int s = 0; s < R; ++s)
+        EXPECT_LT(got[s], per_wait * kNs) << op << " late rank, source " << s << ":" << all;
+    }
+  };
+
+  auto a = dispatch_args(c, d_x.get(), d_topk.get(), T);
+  a.dispatch_wait_recv_cost_stats = view(d_dwait.get(), DType::kI64, {R});
+  ASSERT_TRUE(all_ranks(true));
+  if (me == slow) std::this_thread::sleep_for(kLate);
+  auto res = w.buffer->low_latency_dispatch(a);
+  finish(res.event);
+  check_dispatch(c, in, res, ro[me]);
+  check_waits("dispatch", d_dwait, E_local);
+
+  auto eo = make_expert_out(c, R, ro, 21);
+  auto d_eo = to_device(eo[me]);
+  LowLatencyCombineArgs ca;
+  ca.x = view(d_eo.get(), DType::kBF16, {E_local, RT, H});
+  ca.topk_idx = view(d_topk.get(), DType::kI64, {T, K});
+  ca.topk_weights = view(d_w.get(), DType::kF32, {T, K});
+  ca.handle = res.handle;
+  ca.combine_wait_recv_cost_stats = view(d_cwait.get(), DType::kI64, {R});
+  ca.stream = w.stream;
+  ASSERT_TRUE(all_ranks(true));
+  if (me == slow) std::this_thread::sleep_for(kLate);
+  auto cres = w.buffer->low_latency_combine(ca);
+  finish(cres.event);
+  auto rc = ref::ll_combine(eo, in.topk, in.weights, in.num_tokens, H, K, c.num_experts,
+                            c.max_tokens, c.logfmt);
+  check_combine(c, in, ro, eo, to_host<uint16_t>(cres.combined_x), rc[me]);
+  check_waits("combine", d_cwait, 1);
+  ASSERT_TRUE(all_ranks(!rank_failed()));
 }
 
 TEST(LowLatency, SizeHint) {

@@ -484,7 +484,13 @@ def test_validate_low_latency_dispatch():
         (dict(use_fp8=False, round_scale=True), r"low_latency_dispatch: use_fp8: round_scale and"),
         (dict(cumulative_local_expert_recv_stats=cuda(D.int32, (E,))),
          r"low_latency_dispatch: cumulative_local_expert_recv_stats: must have shape \[8\]"),
+        (dict(dispatch_wait_recv_cost_stats=cuda(D.int32, (R,))),
+         r"low_latency_dispatch: dispatch_wait_recv_cost_stats: must be int64"),
+        (dict(dispatch_wait_recv_cost_stats=cuda(D.int64, (R + 1,))),
+         r"low_latency_dispatch: dispatch_wait_recv_cost_stats: must have shape \[2\]"),
     ]
+    _core.validate_low_latency_dispatch(
+        ll_args(dispatch_wait_recv_cost_stats=cuda(D.int64, (R,))), R, 0)
     for over, pattern in cases:
         with pytest.raises(epx.EPXValueError, match=pattern):
             _core.validate_low_latency_dispatch(ll_args(**over), R, 0)
@@ -506,6 +512,14 @@ def test_validate_low_latency_combine():
                                                 r"\[8, 256\]"):
         _core.validate_low_latency_combine(a, R, 0)
     a.out = None
+    a.combine_wait_recv_cost_stats = cuda(D.int64, (R,))
+    _core.validate_low_latency_combine(a, R, 0)
+    a.combine_wait_recv_cost_stats = cuda(D.int64, (R, 1))
+    with pytest.raises(epx.EPXValueError, match=r"low_latency_combine: "
+                                                r"combine_wait_recv_cost_stats: must have shape "
+                                                r"\[2\]"):
+        _core.validate_low_latency_combine(a, R, 0)
+    a.combine_wait_recv_cost_stats = None
     a.x = cuda(D.bfloat16, (E // R, maxT, H))
     with pytest.raises(epx.EPXValueError, match=r"low_latency_combine: x: must have shape "
                                                 r"\[8, 32, 256\]"):

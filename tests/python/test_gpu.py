@@ -6,6 +6,7 @@ Skipped without PyTorch or with too few GPUs. Run: pytest tests/python -m gpu
 import os
 import sys
 import tempfile
+import time
 
 import numpy as np
 import pytest
@@ -450,6 +451,28 @@ def _case_low_latency(rank, world, group):
     assert hook is None
     got = ref.bf16_to_float(_bits(combined))
     np.testing.assert_allclose(got, ref.bf16_to_float(expect), rtol=1e-2, atol=1e-2)
+
+    # wait statistics: the last rank starts 50 ms late, the others' stats name it
+    slow = world - 1
+    dwait = torch.zeros(world, dtype=torch.int64, device=dev)
+    cwait = torch.zeros(world, dtype=torch.int64, device=dev)
+    _gather(group, 0)
+    if rank == slow:
+        time.sleep(0.05)
+    recv_w, _, handle_w, _, _ = buf.low_latency_dispatch(
+        x, idx, maxT, E, dispatch_wait_recv_cost_stats=dwait, use_fp8=False)
+    _gather(group, 0)
+    if rank == slow:
+        time.sleep(0.05)
+    combined_w, _, _ = buf.low_latency_combine(recv_w, idx, w, handle_w,
+                                               combine_wait_recv_cost_stats=cwait)
+    np.testing.assert_array_equal(_bits(combined_w), _bits(combined))
+    for name, t in (("dispatch", dwait), ("combine", cwait)):
+        waits = t.cpu().numpy()
+        assert (waits >= 0).all(), (name, waits)
+        if rank != slow:
+            assert waits[slow] >= 10_000_000, (name, waits)
+            assert (2 * np.delete(waits, slow) < waits[slow]).all(), (name, waits)
 
     # LogFMT on the wire: within the reference's bound of the LogFMT reference,
     # and not the BF16 result (the encoding loses bits)

@@ -225,6 +225,15 @@ TEST(Validate, LowLatencyDispatchRules) {
   a.cumulative_local_expert_recv_stats = dev_view(DType::kI32, {65});
   expect_error([&] { validate::low_latency_dispatch(a, 4, 0); },
                {"cumulative_local_expert_recv_stats", "[64]"});
+  a.cumulative_local_expert_recv_stats.reset();
+  a.dispatch_wait_recv_cost_stats = dev_view(DType::kI64, {4});
+  EXPECT_NO_THROW(validate::low_latency_dispatch(a, 4, 0));
+  a.dispatch_wait_recv_cost_stats = dev_view(DType::kI32, {4});
+  expect_error([&] { validate::low_latency_dispatch(a, 4, 0); },
+               {"dispatch_wait_recv_cost_stats", "int64"});
+  a.dispatch_wait_recv_cost_stats = dev_view(DType::kI64, {8});
+  expect_error([&] { validate::low_latency_dispatch(a, 4, 0); },
+               {"dispatch_wait_recv_cost_stats", "[4]"});
 }
 
 TEST(Validate, LowLatencyCombineRules) {
@@ -250,6 +259,12 @@ TEST(Validate, LowLatencyCombineRules) {
   a.topk_weights = dev_view(DType::kF32, {100, 8});
   a.out = dev_view(DType::kBF16, {100, 4096});
   expect_error([&] { validate::low_latency_combine(a, 4, 0); }, {"out", "[100, 7168]"});
+  a.out.reset();
+  a.combine_wait_recv_cost_stats = dev_view(DType::kI64, {4});
+  EXPECT_NO_THROW(validate::low_latency_combine(a, 4, 0));
+  a.combine_wait_recv_cost_stats = dev_view(DType::kI64, {4}, 1);
+  expect_error([&] { validate::low_latency_combine(a, 4, 0); },
+               {"combine_wait_recv_cost_stats", "cuda:0"});
 }
 
 TEST(Validate, AnyDeviceWildcard) {
