@@ -412,6 +412,7 @@ EPX_GPU_TEST(HighThroughput, Stress200CallsLapping) {
 // `worst` output rows, on the world's stream.
 constexpr int kWorstTokens = 200, kWorstHidden = 2048, kWorstTopK = 8, kWorstExperts = 64;
 struct WorstTokenSetup {
+  std::vector<ref::HtInput> in;           ///< every rank's inputs
   std::vector<ref::HtDispatchOutput> ro;  ///< the reference dispatch, every rank
   DeviceArray<int64_t> d_topk;
   DeviceArray<uint16_t> d_x;
@@ -428,6 +429,7 @@ WorstTokenSetup worst_token_setup(uint64_t seed, int worst) {
   auto in = make_inputs(c, R, seed);
   WorstTokenSetup st;
   st.ro = ref::ht_dispatch(in, H, K, E, 1);
+  st.in = in;
   const auto& mine = in[w.rank];
   const int T = st.T = mine.num_tokens;
   st.d_topk = to_device(mine.topk_idx);
@@ -534,12 +536,33 @@ EPX_GPU_TEST(HighThroughput, TruncatedWorstTokensStayInBounds) {
             cudaSuccess);
   ASSERT_EQ(cudaGraphLaunch(exec, w.stream), cudaSuccess);
   ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
-  // Outputs are poisoned (NaN) when allocated: every row must be written,
-  // and from finite inputs and zeros only.
-  std::size_t bad = 0;
-  for (uint16_t v : to_host<uint16_t>(combined)) bad += std::isfinite(bf(v)) ? 0 : 1;
-  for (float v : to_host<float>(combined_w)) bad += std::isfinite(v) ? 0 : 1;
-  EXPECT_EQ(bad, 0u) << "combined values not written or read from outside x";
+  // Outputs are poisoned (NaN) when allocated. The combine gets x = recv_x,
+  // the first `worst` rows each rank received: rows the dispatch dropped
+  // contribute nothing (neither their row nor their weights), so the
+  // reference is the combine of the reference rows with those rows zeroed.
+  const int R = w.num_ranks, H = kWorstHidden;
+  std::vector<ref::HtCombineInput> cin(R);
+  for (int r = 0; r < R; ++r) {
+    const std::size_t kept = std::min(worst, st.ro[r].num_recv_tokens);
+    cin[r].x = st.ro[r].recv_x_bf16;
+    std::fill(cin[r].x.begin() + kept * H, cin[r].x.end(), uint16_t{0});
+    cin[r].topk_weights = st.ro[r].recv_topk_weights;
+    std::fill(cin[r].topk_weights.begin() + kept * K, cin[r].topk_weights.end(), 0.0f);
+  }
+  const auto rc = ref::ht_combine(st.in, cin, H, K, E);
+  const auto got = to_host<uint16_t>(combined);
+  const auto got_w = to_host<float>(combined_w);
+  ASSERT_EQ(got.size(), rc[me].combined_x.size());
+  ASSERT_EQ(got_w.size(), rc[me].combined_topk_weights.size());
+  std::size_t bad = 0, bad_w = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const float g = bf(got[i]), r = bf(rc[me].combined_x[i]);
+    if (!(std::fabs(g - r) <= 1e-2f * std::fabs(r) + 1e-2f)) ++bad;
+  }
+  for (std::size_t i = 0; i < got_w.size(); ++i)
+    if (!(std::fabs(got_w[i] - rc[me].combined_topk_weights[i]) <= 1e-5f)) ++bad_w;
+  EXPECT_EQ(bad, 0u) << "combined_x differs from the truncated reference in " << bad << " values";
+  EXPECT_EQ(bad_w, 0u) << "combined_topk_weights differ in " << bad_w << " values";
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   // The truncation is reported by the next call on this buffer.
