@@ -823,13 +823,13 @@ EPX_GPU_TEST(LowLatency, TimeoutIsReportedAndCleanRecovers) {
   b.destroy();
 }
 
-/// The last rank starts its dispatch and its combine 50 ms after the others.
-/// Every other rank's dispatch_wait_recv_cost_stats and
-/// combine_wait_recv_cost_stats must put at least 10 ms on it and less than
-/// half of that on any other rank; the late rank itself waits under 10 ms
-/// for anyone (per local expert for the dispatch, which sums them). The
-/// stats are added to (they start non-zero), and the results are checked.
-EPX_GPU_TEST(LowLatency, WaitCostStatsNameTheSlowRank) {
+/// The last rank starts its dispatch and its combine 50 ms after the others,
+/// with and without hooks. Every other rank's dispatch_wait_recv_cost_stats
+/// and combine_wait_recv_cost_stats must put at least 10 ms on it and less
+/// than half of that on any other rank; the late rank itself waits under
+/// 10 ms for anyone (per local expert for the dispatch, which sums them).
+/// The stats are added to (they start non-zero), and the results are checked.
+void wait_cost_case(bool hook) {
   auto& w = world();
   const int R = w.num_ranks, me = w.rank, slow = R - 1;
   if (R < 2) GTEST_SKIP() << "needs a peer";
@@ -837,6 +837,7 @@ EPX_GPU_TEST(LowLatency, WaitCostStatsNameTheSlowRank) {
   c.max_tokens = 32;
   c.hidden = 1024;
   c.fp8 = true;
+  c.hook = hook;
   if (c.num_experts % R) GTEST_SKIP();
   const int E_local = c.num_experts / R, RT = R * c.max_tokens, H = c.hidden, K = c.num_topk;
   auto in = make_inputs(c, R, 21);
@@ -876,9 +877,11 @@ EPX_GPU_TEST(LowLatency, WaitCostStatsNameTheSlowRank) {
   ASSERT_TRUE(all_ranks(true));
   if (me == slow) std::this_thread::sleep_for(kLate);
   auto res = w.buffer->low_latency_dispatch(a);
+  ASSERT_EQ(static_cast<bool>(res.hook), hook);
+  if (res.hook) res.hook();
   finish(res.event);
   check_dispatch(c, in, res, ro[me]);
-  check_waits("dispatch", d_dwait, E_local);
+  check_waits(hook ? "dispatch (hook)" : "dispatch", d_dwait, E_local);
 
   auto eo = make_expert_out(c, R, ro, 21);
   auto d_eo = to_device(eo[me]);
@@ -888,16 +891,23 @@ EPX_GPU_TEST(LowLatency, WaitCostStatsNameTheSlowRank) {
   ca.topk_weights = view(d_w.get(), DType::kF32, {T, K});
   ca.handle = res.handle;
   ca.combine_wait_recv_cost_stats = view(d_cwait.get(), DType::kI64, {R});
+  ca.return_recv_hook = hook;
   ca.stream = w.stream;
   ASSERT_TRUE(all_ranks(true));
   if (me == slow) std::this_thread::sleep_for(kLate);
   auto cres = w.buffer->low_latency_combine(ca);
+  if (cres.hook) cres.hook();
   finish(cres.event);
   auto rc = ref::ll_combine(eo, in.topk, in.weights, in.num_tokens, H, K, c.num_experts,
                             c.max_tokens, c.logfmt);
   check_combine(c, in, ro, eo, to_host<uint16_t>(cres.combined_x), rc[me]);
-  check_waits("combine", d_cwait, 1);
+  check_waits(hook ? "combine (hook)" : "combine", d_cwait, 1);
   ASSERT_TRUE(all_ranks(!rank_failed()));
+}
+
+EPX_GPU_TEST(LowLatency, WaitCostStatsNameTheSlowRank) {
+  wait_cost_case(false);
+  wait_cost_case(true);
 }
 
 TEST(LowLatency, SizeHint) {
