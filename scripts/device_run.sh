@@ -3,7 +3,7 @@
 # all local GPUs (EP2, then EP4/EP8 where there are GPUs), then the
 # benchmarks; logs and result JSON under $OUT; a short table last.
 #   EPX_RUN="tests bench"  (default both)   EPX_BENCH="ht ll"
-#   EPX_EPOCH_WRAP=2: the suite with 2 in-process ranks and epochs crossing 2^32 (default on 1 GPU)
+#   EPX_EPOCH_WRAP=2: the suite with 2 in-process ranks and epochs crossing 2^32 (default on 1 GPU; 0 skips)
 #   EPX_IN_PROCESS="2 4": the test suite again with that many ranks as threads of
 #   one process on GPU 0 (default "2 4" on a 1-GPU machine, else none).
 #   EPX_PULL=1 (default): the HighThroughput tests again with EPX_HT_PULL=1 (the
@@ -51,9 +51,10 @@ if [[ " $RUN " == *" tests "* ]]; then
   # there are fewer GPUs (EPX_IN_PROCESS="2 4" by default on a 1-GPU machine).
   # Then the epochs' 2^32 wrap: the suite with every buffer's counters starting
   # 96 ops short of it (EPX_EPOCH_WRAP=R ranks; default 2 on a 1-GPU machine,
-  # "" to skip).
+  # "" or 0 to skip).
   inproc=${EPX_IN_PROCESS-$([ "$GPUS" -lt 2 ] && echo "2 4")}
   wrap=${EPX_EPOCH_WRAP-$([ "$GPUS" -lt 2 ] && echo 2)}
+  [ "$wrap" = 0 ] && wrap=
   tests=(${LINEBUF[@]+"${LINEBUF[@]}"} "$D/epx_gpu_tests")
   for n in $inproc; do
     suite "$n in-process ranks on one GPU" "$OUT/gpu-tests-inproc$n.log" \
