@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -862,6 +863,7 @@ void wait_cost_case(bool hook) {
       all += " " + std::to_string(got[s]);
       EXPECT_GE(got[s], 0) << op << " source " << s;
     }
+    if (me == 0) std::printf("[ waits    ] rank 0, %s, ns per source:%s\n", op, all.c_str());
     if (me != slow) {
       EXPECT_GE(got[slow], per_wait * kNs) << op << " waits (ns):" << all;
       for (int s = 0; s < R; ++s)
