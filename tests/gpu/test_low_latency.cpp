@@ -38,6 +38,9 @@ struct LlCase {
   bool duplicate_picks = false;  ///< token 1 of every rank picks one expert twice
   bool hook = false, async = false, logfmt = false, zero_copy = false, use_out = false;
   bool stats = false;
+  /// The last rank starts each op this many ms after the others, and the ops
+  /// get dispatch/combine_wait_recv_cost_stats (checked by check_waits).
+  int late_ms = 0;
   std::string name() const {
     std::string n = "maxT" + std::to_string(max_tokens) + "_H" + std::to_string(hidden) + "_K" +
                     std::to_string(num_topk) + "_E" + std::to_string(num_experts);
@@ -48,6 +51,7 @@ struct LlCase {
     if (logfmt) n += "_logfmt";
     if (zero_copy) n += "_zerocopy";
     if (use_out) n += "_out";
+    if (late_ms) n += "_late" + std::to_string(late_ms) + "ms";
     return n;
   }
 };
@@ -255,6 +259,53 @@ void finish(const std::optional<Event>& ev) {
   ASSERT_EQ(cudaStreamSynchronize(world().stream), cudaSuccess);
 }
 
+/// Wait statistics of one op, [R] i64 on the device, starting non-zero (they
+/// are added to).
+struct WaitStats {
+  std::vector<int64_t> base;
+  DeviceArray<int64_t> d;
+  explicit WaitStats(int R) : base(R) {
+    for (int s = 0; s < R; ++s) base[s] = 1000 + s;
+    d = to_device(base);
+  }
+  TensorView view() const { return epx::test::view(d.get(), DType::kI64, {int64_t(base.size())}); }
+};
+
+/// c.late_ms: every rank lines up, then the last one sleeps before its op.
+void line_up(const LlCase& c) {
+  if (c.late_ms == 0) return;
+  ASSERT_TRUE(all_ranks(true));
+  if (world().rank == world().num_ranks - 1)
+    std::this_thread::sleep_for(std::chrono::milliseconds(c.late_ms));
+}
+
+/// After an op whose last rank started c.late_ms late: every other rank puts
+/// at least a fifth of that on it (per wait: the dispatch sums `waits`, one per
+/// local expert) and less than half of it on any other source; the late rank
+/// itself waits less than that for anyone.
+void check_waits(const LlCase& c, const char* op, const WaitStats& st, int64_t waits) {
+  const int R = world().num_ranks, me = world().rank, late = R - 1;
+  std::vector<int64_t> got(R);
+  ASSERT_EQ(cudaMemcpy(got.data(), st.d.get(), R * sizeof(int64_t), cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  std::string all;
+  for (int s = 0; s < R; ++s) {
+    got[s] -= st.base[s];
+    all += " " + std::to_string(got[s]);
+    EXPECT_GE(got[s], 0) << op << " source " << s;
+  }
+  if (me == 0) std::printf("[ waits    ] rank 0, %s, ns per source:%s\n", op, all.c_str());
+  const int64_t least = waits * c.late_ms * 1'000'000 / 5;
+  if (me != late) {
+    EXPECT_GE(got[late], least) << op << " waits (ns):" << all;
+    for (int s = 0; s < R; ++s)
+      if (s != late) EXPECT_LT(2 * got[s], got[late]) << op << " source " << s << ":" << all;
+  } else {
+    for (int s = 0; s < R; ++s)
+      EXPECT_LT(got[s], least) << op << " late rank, source " << s << ":" << all;
+  }
+}
+
 void run_case(const LlCase& c, uint64_t seed, bool with_combine = true) {
   auto& w = world();
   const int R = w.num_ranks, me = w.rank;
@@ -282,12 +333,16 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true) {
     d_stats = to_device(stats0);
     a.cumulative_local_expert_recv_stats = view(d_stats.get(), DType::kI32, {E_local});
   }
+  WaitStats dwait(R), cwait(R);
+  if (c.late_ms) a.dispatch_wait_recv_cost_stats = dwait.view();
+  line_up(c);
   auto res = w.buffer->low_latency_dispatch(a);
   EXPECT_EQ(static_cast<bool>(res.hook), c.hook);
   EXPECT_EQ(res.event.has_value(), c.async);
   if (res.hook) res.hook();
   finish(res.event);
   check_dispatch(c, in, res, ro[me]);
+  if (c.late_ms) check_waits(c, c.hook ? "dispatch (hook)" : "dispatch", dwait, E_local);
   if (c.stats) {
     std::vector<int> got(E_local);
     ASSERT_EQ(cudaMemcpy(got.data(), d_stats.get(), E_local * 4, cudaMemcpyDeviceToHost),
@@ -325,10 +380,13 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true) {
   ca.return_recv_hook = c.hook;
   if (c.use_out) ca.out = view(d_out.get(), DType::kBF16, {T, H});
   ca.stream = w.stream;
+  if (c.late_ms) ca.combine_wait_recv_cost_stats = cwait.view();
+  line_up(c);
   auto cres = w.buffer->low_latency_combine(ca);
   EXPECT_EQ(static_cast<bool>(cres.hook), c.hook);
   if (cres.hook) cres.hook();
   finish(cres.event);
+  if (c.late_ms) check_waits(c, c.hook ? "combine (hook)" : "combine", cwait, 1);
   if (c.use_out) EXPECT_EQ(cres.combined_x.view.data, static_cast<void*>(d_out.get()));
   auto rc = ref::ll_combine(eo, in.topk, in.weights, in.num_tokens, H, K, c.num_experts,
                             c.max_tokens, c.logfmt);
@@ -825,91 +883,17 @@ EPX_GPU_TEST(LowLatency, TimeoutIsReportedAndCleanRecovers) {
 }
 
 /// The last rank starts its dispatch and its combine 50 ms after the others,
-/// with and without hooks. Every other rank's dispatch_wait_recv_cost_stats
-/// and combine_wait_recv_cost_stats must put at least 10 ms on it and less
-/// than half of that on any other rank; the late rank itself waits under
-/// 10 ms for anyone (per local expert for the dispatch, which sums them).
-/// The stats are added to (they start non-zero), and the results are checked.
-void wait_cost_case(bool hook) {
-  auto& w = world();
-  const int R = w.num_ranks, me = w.rank, slow = R - 1;
-  if (R < 2) GTEST_SKIP() << "needs a peer";
+/// with and without hooks (see check_waits). The results are checked as always.
+EPX_GPU_TEST(LowLatency, WaitCostStatsNameTheSlowRank) {
+  if (world().num_ranks < 2) GTEST_SKIP() << "needs a peer";
   LlCase c;
   c.max_tokens = 32;
   c.hidden = 1024;
   c.fp8 = true;
-  c.hook = hook;
-  if (c.num_experts % R) GTEST_SKIP();
-  const int E_local = c.num_experts / R, RT = R * c.max_tokens, H = c.hidden, K = c.num_topk;
-  auto in = make_inputs(c, R, 21);
-  const int T = in.num_tokens[me];
-  auto ro = ref::ll_dispatch(in.x, in.topk, in.num_tokens, H, K, c.num_experts, c.max_tokens, c.fp8,
-                             c.round_scale);
-  auto d_x = to_device(in.x[me]);
-  auto d_topk = to_device(in.topk[me]);
-  auto d_w = to_device(in.weights[me]);
-  std::vector<int64_t> base(R);
-  for (int s = 0; s < R; ++s) base[s] = 1000 + s;
-  auto d_dwait = to_device(base), d_cwait = to_device(base);
-  constexpr auto kLate = std::chrono::milliseconds(50);
-  constexpr int64_t kNs = 10'000'000;  // 10 ms
-  auto check_waits = [&](const char* op, const DeviceArray<int64_t>& d, int64_t per_wait) {
-    std::vector<int64_t> got(R);
-    ASSERT_EQ(cudaMemcpy(got.data(), d.get(), R * sizeof(int64_t), cudaMemcpyDeviceToHost),
-              cudaSuccess);
-    std::string all;
-    for (int s = 0; s < R; ++s) {
-      got[s] -= base[s];
-      all += " " + std::to_string(got[s]);
-      EXPECT_GE(got[s], 0) << op << " source " << s;
-    }
-    if (me == 0) std::printf("[ waits    ] rank 0, %s, ns per source:%s\n", op, all.c_str());
-    if (me != slow) {
-      EXPECT_GE(got[slow], per_wait * kNs) << op << " waits (ns):" << all;
-      for (int s = 0; s < R; ++s)
-        if (s != slow) EXPECT_LT(2 * got[s], got[slow]) << op << " source " << s << ":" << all;
-    } else {
-      for (int s = 0; s < R; ++s)
-        EXPECT_LT(got[s], per_wait * kNs) << op << " late rank, source " << s << ":" << all;
-    }
-  };
-
-  auto a = dispatch_args(c, d_x.get(), d_topk.get(), T);
-  a.dispatch_wait_recv_cost_stats = view(d_dwait.get(), DType::kI64, {R});
-  ASSERT_TRUE(all_ranks(true));
-  if (me == slow) std::this_thread::sleep_for(kLate);
-  auto res = w.buffer->low_latency_dispatch(a);
-  ASSERT_EQ(static_cast<bool>(res.hook), hook);
-  if (res.hook) res.hook();
-  finish(res.event);
-  check_dispatch(c, in, res, ro[me]);
-  check_waits(hook ? "dispatch (hook)" : "dispatch", d_dwait, E_local);
-
-  auto eo = make_expert_out(c, R, ro, 21);
-  auto d_eo = to_device(eo[me]);
-  LowLatencyCombineArgs ca;
-  ca.x = view(d_eo.get(), DType::kBF16, {E_local, RT, H});
-  ca.topk_idx = view(d_topk.get(), DType::kI64, {T, K});
-  ca.topk_weights = view(d_w.get(), DType::kF32, {T, K});
-  ca.handle = res.handle;
-  ca.combine_wait_recv_cost_stats = view(d_cwait.get(), DType::kI64, {R});
-  ca.return_recv_hook = hook;
-  ca.stream = w.stream;
-  ASSERT_TRUE(all_ranks(true));
-  if (me == slow) std::this_thread::sleep_for(kLate);
-  auto cres = w.buffer->low_latency_combine(ca);
-  if (cres.hook) cres.hook();
-  finish(cres.event);
-  auto rc = ref::ll_combine(eo, in.topk, in.weights, in.num_tokens, H, K, c.num_experts,
-                            c.max_tokens, c.logfmt);
-  check_combine(c, in, ro, eo, to_host<uint16_t>(cres.combined_x), rc[me]);
-  check_waits(hook ? "combine (hook)" : "combine", d_cwait, 1);
-  ASSERT_TRUE(all_ranks(!rank_failed()));
-}
-
-EPX_GPU_TEST(LowLatency, WaitCostStatsNameTheSlowRank) {
-  wait_cost_case(false);
-  wait_cost_case(true);
+  c.late_ms = 50;
+  run_case(c, 21);
+  c.hook = true;
+  run_case(c, 22);
 }
 
 TEST(LowLatency, SizeHint) {
