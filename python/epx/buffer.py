@@ -324,17 +324,23 @@ class Buffer:
         if async_finish:
             self.get_comm_stream().synchronize()
 
-    def _settled(self, hook: Optional[Callable[[], None]]) -> Optional[Callable[[], None]]:
-        """In-process ranks: a hook that also waits (GIL released) for the receive it
-        launches on the caller's stream, as _settle does for the ops."""
-        if hook is None or not self._in_process:
+    def _settled(self, hook: Optional[Callable[[], None]],
+                 keep: Tuple[Any, ...] = ()) -> Optional[Callable[[], None]]:
+        """The hook, holding `keep` (tensors its receive kernel writes, such as the
+        statistics) alive as long as it lives. In-process ranks: it also waits (GIL
+        released) for the receive it launches on the caller's stream, as _settle does
+        for the ops."""
+        if hook is None:
+            return None
+        keep = tuple(t for t in keep if t is not None)
+        if not self._in_process and not keep:
             return hook
         torch = self._glue.torch
-        stream = torch.cuda.current_stream(self._device)  # where the hook's receive runs
+        stream = torch.cuda.current_stream(self._device) if self._in_process else None
 
-        def run_and_settle() -> None:
+        def run_and_settle(_keep: Tuple[Any, ...] = keep) -> None:
             hook()
-            if not torch.cuda.is_current_stream_capturing():
+            if stream is not None and not torch.cuda.is_current_stream_capturing():
                 stream.synchronize()
 
         return run_and_settle
@@ -572,7 +578,9 @@ class Buffer:
                      cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
                      *[g.out(t) for t in handle.tensors])
         recv = (recv_x, recv_scales) if use_fp8 else recv_x
-        return recv, recv_count, handle, _wrap_event(r.event, extra), self._settled(r.hook)
+        hook = self._settled(r.hook, (cumulative_local_expert_recv_stats,
+                                      dispatch_wait_recv_cost_stats))
+        return recv, recv_count, handle, _wrap_event(r.event, extra), hook
 
     def low_latency_combine(self, x: "torch.Tensor", topk_idx: "torch.Tensor",
                             topk_weights: "torch.Tensor", handle: _core.LowLatencyHandle,
@@ -616,7 +624,8 @@ class Buffer:
         combined_x = out if out is not None else g.out(r.combined_x)
         extra = ((x, topk_idx, topk_weights, combined_x, combine_wait_recv_cost_stats)
                  if async_finish else None)
-        return combined_x, _wrap_event(r.event, extra), self._settled(r.hook)
+        return (combined_x, _wrap_event(r.event, extra),
+                self._settled(r.hook, (combine_wait_recv_cost_stats,)))
 
     def get_next_low_latency_combine_buffer(self, handle: _core.LowLatencyHandle) -> "torch.Tensor":
         """[E_local, R*maxT, H] bfloat16 view of the buffer the next zero-copy combine reads."""

@@ -323,10 +323,12 @@ void Buffer::Impl::ll_sync() {
   ll_hook_events.clear();
 }
 
-void Buffer::Impl::ll_hook_launched(cudaStream_t stream) {
+void Buffer::Impl::ll_hook_launched(cudaStream_t stream, cudaStream_t owner) {
   if (capturing(stream)) return;
   std::erase_if(ll_hook_events, [](const Event& e) { return e.done(); });
-  ll_hook_events.push_back(Event::record(stream));
+  Event e = Event::record(stream);
+  if (owner != stream) e.stream_wait(owner);
+  ll_hook_events.push_back(std::move(e));
 }
 
 std::optional<Event> Buffer::Impl::leave(const StreamArgs& s) {

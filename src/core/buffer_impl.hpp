@@ -107,7 +107,9 @@ struct Buffer::Impl {
   /// `start` too, as if `start` ops had run; collective (a barrier after).
   void start_epochs_at(uint32_t start);
   /// After a hook launched a receive kernel on `stream`.
-  void ll_hook_launched(cudaStream_t stream);
+  /// `owner`: where the hook's buffers were allocated (they are freed there):
+  /// it waits for the hook's kernel when it is another stream.
+  void ll_hook_launched(cudaStream_t stream, cudaStream_t owner);
   /// An output tensor, allocated in the caller's stream order (or the comm
   /// stream's with allocate_on_comm_stream). The comm stream must not touch
   /// it before ordered_after_allocs(s) (one event for all of an op's tensors).

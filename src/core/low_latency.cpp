@@ -221,7 +221,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
       impl->raise_if_failed(op);
       if (sent) sent->stream_wait(stream);
       kernels::launch_ll_dispatch_recv(rp, stream);
-      impl->ll_hook_launched(stream);
+      impl->ll_hook_launched(stream, stream);
     };
   }
   res.handle = handle;
@@ -255,15 +255,17 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   } else {
     res.combined_x = d.alloc(DType::kBF16, {T, H}, a.stream);
   }
-  // [0] the epoch; with combine_wait_recv_cost_stats, [4, 4 + 2R) the send's
-  // longest wait per source (u64 ns), zeroed here and read by the receive.
-  const bool wait_stats = a.combine_wait_recv_cost_stats.has_value();
-  Tensor state = d.alloc(DType::kI32, {wait_stats ? 4 + 2 * R : 4}, a.stream);
   const cudaStream_t launch = d.ll_enter(s);
-  auto* send_wait_max =
+  // [0] the epoch; with combine_wait_recv_cost_stats, [4, 4 + 2R) the send's
+  // wait for each source's first weight word (u64, zeroed here). On the
+  // stream the kernels run on: it is freed there, after them, when the call
+  // (or the hook) lets go of it.
+  const bool wait_stats = a.combine_wait_recv_cost_stats.has_value();
+  Tensor state = d.alloc(DType::kI32, {wait_stats ? 4 + 2 * R : 4}, launch);
+  auto* send_wait_first =
       wait_stats ? reinterpret_cast<unsigned long long*>(state.ptr<int32_t>() + 4) : nullptr;
   if (wait_stats)
-    EPX_CUDA_CHECK(cudaMemsetAsync(send_wait_max, 0, sizeof(unsigned long long) * R, launch));
+    EPX_CUDA_CHECK(cudaMemsetAsync(send_wait_first, 0, sizeof(unsigned long long) * R, launch));
 
   const auto tr = d.transport(d.ll);
   const auto off = offsets_of(region);
@@ -286,7 +288,7 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   sp.num_experts = E;
   sp.max_tokens = maxT;
   sp.logfmt = a.use_logfmt;
-  sp.wait_max = send_wait_max;
+  sp.wait_first = send_wait_first;
   sp.timeout_ns = d.timeout_ns();
   sp.diag = d.diag_dev;
   const int send_blocks =
@@ -302,7 +304,7 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   rp.out = res.combined_x.ptr<uint16_t>();
   rp.wait_stats =
       a.combine_wait_recv_cost_stats ? a.combine_wait_recv_cost_stats->ptr<int64_t>() : nullptr;
-  rp.send_wait_max = send_wait_max;
+  rp.send_wait_first = send_wait_first;
   rp.num_tokens = T;
   rp.hidden = H;
   rp.num_topk = K;
@@ -324,13 +326,13 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   } else {
     res.event = d.ll_leave(s, launch);
     Impl* impl = &d;
-    res.hook = [impl, rp, recv_blocks, stream = a.stream, sent = res.event, out = res.combined_x,
-                state, handle]() {
+    res.hook = [impl, rp, recv_blocks, stream = a.stream, launch, sent = res.event,
+                out = res.combined_x, state, handle]() {
       impl->check_alive(op);
       impl->raise_if_failed(op);
       if (sent) sent->stream_wait(stream);
       kernels::launch_ll_combine_recv(rp, recv_blocks, stream, /*dependent=*/false);
-      impl->ll_hook_launched(stream);
+      impl->ll_hook_launched(stream, launch);  // `state` lives on `launch`
     };
   }
   return res;

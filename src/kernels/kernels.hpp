@@ -242,8 +242,8 @@ struct LlCombineSendParams {
   const int64_t* topk_idx;    ///< [T, K] of this rank's tokens
   const float* topk_weights;  ///< [T, K] of this rank's tokens
   const int2* combine_plan;   ///< [R, W, E_local] from the dispatch
-  /// [R] nullable, zeroed: max= the ns a warp waited for source s's weight words
-  unsigned long long* wait_max;
+  /// [R] nullable, zeroed: 1 + the ns block 0 waited for source s's first weight word
+  unsigned long long* wait_first;
   int num_tokens, hidden, num_topk, num_experts, max_tokens;
   bool logfmt;
   uint64_t timeout_ns;
@@ -258,9 +258,9 @@ struct LlCombineRecvParams {
   const int64_t* topk_idx;    ///< [T, K]
   const float* topk_weights;  ///< [T, K]
   uint16_t* out;              ///< [T, H] bf16
-  /// [R] nullable: += send_wait_max[s] + the ns waited for rank s's combine flag
+  /// [R] nullable: += send_wait_first[s] - 1, or (where 0) the ns waited for s's flag
   int64_t* wait_stats;
-  const unsigned long long* send_wait_max;  ///< LlCombineSendParams::wait_max of this call
+  const unsigned long long* send_wait_first;  ///< LlCombineSendParams::wait_first of this call
   int num_tokens, hidden, num_topk, num_experts, max_tokens;
   bool logfmt;
   uint64_t timeout_ns;

@@ -278,13 +278,14 @@ __device__ __forceinline__ void finish_combine_send(const dev::NvlinkTransport& 
 }
 
 /// Block-wide wait for the combine flag of every source; false when any timed out.
-/// Block 0 adds each source's wait (ns) and the send's longest wait for its
-/// weights (send_wait_max[s]) to wait_stats[s] when given.
+/// With wait_stats, block 0 adds to wait_stats[s] the send's wait for s's first
+/// weight word (send_wait_first[s] - 1), or where s sent no token here (0) the
+/// wait for its flag, in ns.
 __device__ __forceinline__ bool wait_combine_flags(const dev::NvlinkTransport& t,
                                                    const LlOffsets& o, std::size_t half,
                                                    uint32_t epoch, uint64_t timeout_ns,
                                                    DeviceDiag* diag, int64_t* wait_stats,
-                                                   const unsigned long long* send_wait_max) {
+                                                   const unsigned long long* send_wait_first) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
@@ -294,9 +295,12 @@ __device__ __forceinline__ bool wait_combine_flags(const dev::NvlinkTransport& t
     if (!t.wait(flag_offset(half, o, kFlagCombine, s), epoch, timeout_ns, diag,
                 OpId::kLowLatencyCombineRecv, s, -1))
       atomicExch(&failed, 1);
-    else if (wait_stats != nullptr && blockIdx.x == 0)
+    else if (wait_stats != nullptr && blockIdx.x == 0) {
+      const unsigned long long first = send_wait_first[s];
       atomicAdd(reinterpret_cast<unsigned long long*>(wait_stats + s),
-                send_wait_max[s] + static_cast<unsigned long long>(dev::globaltimer_ns() - t0));
+                first != 0ull ? first - 1ull
+                              : static_cast<unsigned long long>(dev::globaltimer_ns() - t0));
+    }
   }
   __syncthreads();
   return failed == 0;
@@ -533,7 +537,7 @@ __device__ __forceinline__ bool dispatch_recv_unit(const LlDispatchRecvParams& p
   if (__syncthreads_or(ok ? 0 : 1) != 0) return false;
   tl_mark(kTlDispatch, kTlRecvFlags);
   if (p.wait_stats != nullptr && pos < R * W)
-    atomicMax(&s_wait[s], static_cast<unsigned long long>(arrived - s_t0));
+    atomicMax(&s_wait[s], static_cast<unsigned long long>(arrived > s_t0 ? arrived - s_t0 : 0));
   {
     int prefix = 0, total = 0;
     Scan(scan_tmp).ExclusiveSum(__popc(word), prefix, total);
@@ -691,11 +695,40 @@ __device__ __forceinline__ int plan_row(int2 ent, int le, int t, int rows_per_ex
 // with several local experts loads their rows before it waits for their
 // weights, and sums them in ascending expert id.
 // ============================================================================
-template <bool kLogFmt>
+/// combine_wait_recv_cost_stats: when source s began its combine, as seen
+/// here. Every source writes its weight words before it waits for anything,
+/// so a warp of block 0 times the wait for s's first word here (entry 0 of
+/// the first token of s with an expert here) and stores it + 1 in
+/// p.wait_first[s] (left 0 when s sent no token here). The receive's wait for
+/// s's flag would also blame a source whose own send a late rank held up.
+__device__ __forceinline__ void time_first_weight(const LlCombineSendParams& p, std::size_t weights,
+                                                  uint32_t epoch, int s) {
+  const int lane = threadIdx.x % 32;
+  const int E_local = p.num_experts / p.t.num_ranks, W = ceil_div(p.max_tokens, 32);
+  const uint64_t t0 = dev::globaltimer_ns();
+  int first = -1;
+#pragma unroll 1
+  for (int w = 0; w < W && first < 0; ++w) {
+    uint32_t any = 0;
+#pragma unroll 1
+    for (int g = lane; g < E_local; g += 32)
+      any |= static_cast<uint32_t>(
+          __ldcg(p.combine_plan + static_cast<std::size_t>(s * W + w) * E_local + g).x);
+    any = __reduce_or_sync(kFull, any);
+    if (any != 0u) first = 32 * w + __ffs(static_cast<int>(any)) - 1;
+  }
+  uint32_t unused = 0;
+  if (first >= 0 && lane == 0 &&
+      p.t.wait_tagged(weights + static_cast<std::size_t>(s) * p.off.weights_stride +
+                          static_cast<std::size_t>(first) * plan::kLlMaxTopK * 8u,
+                      epoch, unused, p.timeout_ns, p.diag, OpId::kLowLatencyCombineSend, s, first))
+    p.wait_first[s] = dev::globaltimer_ns() - t0 + 1u;
+}
+
+template <bool kLogFmt, bool kWaitStats>
 __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendParams p) {
   __shared__ int s_tokens[plan::kMaxRanks + 1];     // [kMaxRanks]: the largest
   __shared__ int s_rows[kWarps][plan::kLlMaxTopK];  // per warp: rows of the item's experts
-  __shared__ uint64_t s_wait_t0[kWarps];  // wait_max: a warp's weights wait began (no register)
   dev::launch_dependents();
   tl_mark(kTlCombine, kTlSendStart);
   tl_mark(kTlCombine, kTlSendStartMax);
@@ -752,6 +785,10 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
     s_tokens[plan::kMaxRanks] = t_max;
   }
   __syncthreads();
+
+  // Its own instance: the loop below keeps its registers (no spill).
+  if constexpr (kWaitStats)
+    if (blockIdx.x == 0 && warp < R) time_first_weight(p, weights, epoch, /*s=*/warp);
 
   // Items token-major, the sources rotated from me + 1: at any moment every
   // rank's warps write to all sources at once, each from a different start,
@@ -820,16 +857,12 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
                                                          : make_int4(0, 0, 0, 0);
       }
       if (j0 == 0) {
-        if (p.wait_max != nullptr && lane == 0) s_wait_t0[warp] = dev::globaltimer_ns();
         if (lane < n)
           ok = p.t.wait_tagged(weights + static_cast<std::size_t>(s) * p.off.weights_stride +
                                    (static_cast<std::size_t>(t) * plan::kLlMaxTopK + lane) * 8u,
                                epoch, w_bits, p.timeout_ns, p.diag, OpId::kLowLatencyCombineSend, s,
                                t);
         if (!__all_sync(kFull, ok)) break;  // reported; still counted in below
-        if (p.wait_max != nullptr && lane == 0)
-          atomicMax(p.wait_max + s,
-                    static_cast<unsigned long long>(dev::globaltimer_ns() - s_wait_t0[warp]));
       }
 #pragma unroll
       for (int jj = 0; jj < kRowsAtOnce; ++jj) {
@@ -889,7 +922,7 @@ __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
   const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
 
   if (!wait_combine_flags(p.t, p.off, half, epoch, p.timeout_ns, p.diag, p.wait_stats,
-                          p.send_wait_max)) {
+                          p.send_wait_first)) {
     tl_finish(kTlCombine, p.t.rank);
     return;
   }
@@ -1026,8 +1059,10 @@ void launch_ll_dispatch_fused(const LlDispatchSendParams& sp, const LlDispatchRe
 /// work) until the rest ends, ranks could wait on each other until the
 /// deadline.
 void launch_ll_combine_send(const LlCombineSendParams& p, int num_blocks, cudaStream_t stream) {
-  launch_ex(p.logfmt ? ll_combine_send<true> : ll_combine_send<false>, num_blocks, kThreads, 0,
-            stream, Launch::kCooperative, p);
+  const bool stats = p.wait_first != nullptr;
+  auto* kernel = p.logfmt ? (stats ? ll_combine_send<true, true> : ll_combine_send<true, false>)
+                          : (stats ? ll_combine_send<false, true> : ll_combine_send<false, false>);
+  launch_ex(kernel, num_blocks, kThreads, 0, stream, Launch::kCooperative, p);
 }
 
 void launch_ll_combine_recv(const LlCombineRecvParams& p, int num_blocks, cudaStream_t stream,
@@ -1041,8 +1076,10 @@ void preload_ll_kernels() {
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_send));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_recv));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_fused));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_send<false>));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_send<true>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_send<false, false>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_send<true, false>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_send<false, true>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_send<true, true>));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_recv<false>));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_recv<true>));
 }
