@@ -238,8 +238,9 @@ struct LowLatencyCombineArgs {
   bool async_finish = false;
   bool return_recv_hook = false;
   std::optional<TensorView> out;  ///< [T, H] bf16
-  /// [R] i64: entry s gets the nanoseconds the receive waited for expert rank s's
-  /// rows (its combine flag), once per call (nullable; for finding a slow rank)
+  /// [R] i64: entry s gets, once per call, the nanoseconds until rank s was seen
+  /// to begin its combine (its first weight word here; its combine flag where it
+  /// sent no token here). Nullable; for finding a slow rank.
   std::optional<TensorView> combine_wait_recv_cost_stats;
   cudaStream_t stream = nullptr;
 };

@@ -598,8 +598,8 @@ class Buffer:
             use_logfmt: send a 10-bit LogFMT encoding instead of BF16.
             zero_copy: x was written into ``get_next_low_latency_combine_buffer(handle)``.
             out: [T, H] bfloat16 to write the result into.
-            combine_wait_recv_cost_stats: [R] int64; entry s gets the nanoseconds the
-                receive waited for rank s's rows (one wait per call).
+            combine_wait_recv_cost_stats: [R] int64; entry s gets, once per call, the
+                nanoseconds until rank s was seen to begin its combine.
 
         Returns:
             combined_x [T, H] bfloat16 (``out`` when given), event, hook.

@@ -291,7 +291,7 @@ __device__ __forceinline__ bool wait_combine_flags(const dev::NvlinkTransport& t
   __syncthreads();
   if (static_cast<int>(threadIdx.x) < t.num_ranks) {
     const int s = threadIdx.x;
-    const uint64_t t0 = dev::globaltimer_ns();
+    const uint64_t t0 = wait_stats != nullptr ? dev::globaltimer_ns() : 0;
     if (!t.wait(flag_offset(half, o, kFlagCombine, s), epoch, timeout_ns, diag,
                 OpId::kLowLatencyCombineRecv, s, -1))
       atomicExch(&failed, 1);
@@ -688,13 +688,14 @@ __device__ __forceinline__ int plan_row(int2 ent, int le, int t, int rows_per_ex
   return le * rows_per_expert + ent.y + __popc(mask & ((1u << bit) - 1u));
 }
 
-// ============================================================================
-// combine: send. The first warps send this rank's weights (one tagged word per
-// (token, distinct expert) to the expert's rank); then each warp takes
-// (source, token, 1024-column chunk) items of the tokens it received. An item
-// with several local experts loads their rows before it waits for their
-// weights, and sums them in ascending expert id.
-// ============================================================================
+/// Offset of combine weight word [s][t][j] (source s, its token t, entry j)
+/// in the weights area that starts at `weights` (this op's half).
+__device__ __forceinline__ std::size_t weight_word(const LlOffsets& o, std::size_t weights, int s,
+                                                   int t, int j) {
+  return weights + static_cast<std::size_t>(s) * o.weights_stride +
+         (static_cast<std::size_t>(t) * plan::kLlMaxTopK + j) * 8u;
+}
+
 /// combine_wait_recv_cost_stats: when source s began its combine, as seen
 /// here. Every source writes its weight words before it waits for anything,
 /// so a warp of block 0 times the wait for s's first word here (entry 0 of
@@ -719,12 +720,18 @@ __device__ __forceinline__ void time_first_weight(const LlCombineSendParams& p, 
   }
   uint32_t unused = 0;
   if (first >= 0 && lane == 0 &&
-      p.t.wait_tagged(weights + static_cast<std::size_t>(s) * p.off.weights_stride +
-                          static_cast<std::size_t>(first) * plan::kLlMaxTopK * 8u,
-                      epoch, unused, p.timeout_ns, p.diag, OpId::kLowLatencyCombineSend, s, first))
+      p.t.wait_tagged(weight_word(p.off, weights, s, first, 0), epoch, unused, p.timeout_ns, p.diag,
+                      OpId::kLowLatencyCombineSend, s, first))
     p.wait_first[s] = dev::globaltimer_ns() - t0 + 1u;
 }
 
+// ============================================================================
+// combine: send. The first warps send this rank's weights (one tagged word per
+// (token, distinct expert) to the expert's rank); then each warp takes
+// (source, token, 1024-column chunk) items of the tokens it received. An item
+// with several local experts loads their rows before it waits for their
+// weights, and sums them in ascending expert id.
+// ============================================================================
 template <bool kLogFmt, bool kWaitStats>
 __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendParams p) {
   __shared__ int s_tokens[plan::kMaxRanks + 1];     // [kMaxRanks]: the largest
@@ -772,10 +779,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
       j += first_k && ek / E_local == r && ek < e ? 1 : 0;
     }
     if (first)
-      p.t.put_tagged(r,
-                     weights + static_cast<std::size_t>(me) * p.off.weights_stride +
-                         (static_cast<std::size_t>(t) * plan::kLlMaxTopK + j) * 8u,
-                     __float_as_uint(wsum), epoch);
+      p.t.put_tagged(r, weight_word(p.off, weights, me, t, j), __float_as_uint(wsum), epoch);
   }
   if (static_cast<int>(threadIdx.x) < R) s_tokens[threadIdx.x] = min(max(n_src, 0), maxT);
   __syncthreads();
@@ -858,10 +862,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
       }
       if (j0 == 0) {
         if (lane < n)
-          ok = p.t.wait_tagged(weights + static_cast<std::size_t>(s) * p.off.weights_stride +
-                                   (static_cast<std::size_t>(t) * plan::kLlMaxTopK + lane) * 8u,
-                               epoch, w_bits, p.timeout_ns, p.diag, OpId::kLowLatencyCombineSend, s,
-                               t);
+          ok = p.t.wait_tagged(weight_word(p.off, weights, s, t, lane), epoch, w_bits, p.timeout_ns,
+                               p.diag, OpId::kLowLatencyCombineSend, s, t);
         if (!__all_sync(kFull, ok)) break;  // reported; still counted in below
       }
 #pragma unroll
