@@ -352,12 +352,16 @@ std::vector<Tensor> Buffer::Impl::make_parts(const std::vector<Part>& parts, cud
     offset[i] = total;
     total += (n + kAlign - 1) / kAlign * kAlign;
   }
-  total = std::max(total, kAlign);
+  // An allocator promises int32 alignment only: room to start at the next
+  // 256-byte boundary (parts of 8 bytes, such as int64 and int2, need it).
+  total += kAlign;
   const Tensor base = alloc(DType::kI32, {static_cast<int64_t>(total / 4)}, stream);
+  const auto addr = reinterpret_cast<std::uintptr_t>(base.view.data);
+  char* const first = reinterpret_cast<char*>((addr + kAlign - 1) / kAlign * kAlign);
   std::vector<Tensor> out(parts.size());
   for (std::size_t i = 0; i < parts.size(); ++i) {
-    out[i].view = TensorView::contiguous(static_cast<char*>(base.view.data) + offset[i],
-                                         parts[i].first, parts[i].second, base.view.device);
+    out[i].view = TensorView::contiguous(first + offset[i], parts[i].first, parts[i].second,
+                                         base.view.device);
     out[i].owner = base.owner;
   }
   return out;

@@ -115,7 +115,8 @@ struct Buffer::Impl {
   /// it before ordered_after_allocs(s) (one event for all of an op's tensors).
   Tensor make(DType dtype, const std::vector<int64_t>& shape, const StreamArgs& s);
   /// Several small tensors carved from one allocation (parts 256-byte
-  /// aligned, sharing ownership): one allocator call instead of one each.
+  /// aligned whatever the allocator's alignment, sharing ownership): one
+  /// allocator call instead of one each.
   using Part = std::pair<DType, std::vector<int64_t>>;
   std::vector<Tensor> make_parts(const std::vector<Part>& parts, cudaStream_t stream);
   std::vector<Tensor> make_parts(const std::vector<Part>& parts, const StreamArgs& s);

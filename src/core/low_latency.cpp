@@ -256,14 +256,15 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
     res.combined_x = d.alloc(DType::kBF16, {T, H}, a.stream);
   }
   const cudaStream_t launch = d.ll_enter(s);
-  // [0] the epoch; with combine_wait_recv_cost_stats, [4, 4 + 2R) the send's
-  // wait for each source's first weight word (u64, zeroed here). On the
-  // stream the kernels run on: it is freed there, after them, when the call
-  // (or the hook) lets go of it.
+  // 64-bit words (8-byte aligned from any allocator): int32 [0] the epoch;
+  // with combine_wait_recv_cost_stats, words [2, 2 + R) the send's wait for
+  // each source's first weight word (zeroed here). On the stream the kernels
+  // run on: it is freed there, after them, when the call (or the hook) lets
+  // go of it.
   const bool wait_stats = a.combine_wait_recv_cost_stats.has_value();
-  Tensor state = d.alloc(DType::kI32, {wait_stats ? 4 + 2 * R : 4}, launch);
+  Tensor state = d.alloc(DType::kI64, {wait_stats ? 2 + R : 2}, launch);
   auto* send_wait_first =
-      wait_stats ? reinterpret_cast<unsigned long long*>(state.ptr<int32_t>() + 4) : nullptr;
+      wait_stats ? reinterpret_cast<unsigned long long*>(state.ptr<int64_t>() + 2) : nullptr;
   if (wait_stats)
     EPX_CUDA_CHECK(cudaMemsetAsync(send_wait_first, 0, sizeof(unsigned long long) * R, launch));
 

@@ -83,6 +83,21 @@ Allocator poisoning_allocator() {
   };
 }
 
+Allocator int32_unaligned_allocator() {
+  Allocator base = poisoning_allocator();
+  return [base](DType dtype, const std::vector<int64_t>& shape, cudaStream_t stream) {
+    if (dtype != DType::kI32) return base(dtype, shape, stream);
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    Tensor raw = base(DType::kFP8E4M3, {4 * n + 4}, stream);  // bytes
+    Tensor t;
+    t.view = TensorView::contiguous(static_cast<char*>(raw.view.data) + 4, DType::kI32, shape,
+                                    raw.view.device);
+    t.owner = raw.owner;
+    return t;
+  };
+}
+
 DeviceArray<uint8_t> to_device_bytes(const void* data, std::size_t bytes) {
   // Stream-ordered on the rank's stream: cudaFree would wait for the whole
   // device, which in-process ranks share, while a peer's kernel may wait for

@@ -52,6 +52,10 @@ int sm_budget();
 /// Allocator that fills every output with 0xFF bytes (NaN in bf16/f32, -1 in
 /// ints) so unwritten outputs are caught.
 Allocator poisoning_allocator();
+/// poisoning_allocator whose int32 outputs have only the 4-byte alignment an
+/// allocator promises for int32 (they start 4 bytes past a 256-byte
+/// boundary): EPX must not assume more, e.g. for the parts it carves out of them.
+Allocator int32_unaligned_allocator();
 
 /// Owning device copy of host data.
 template <class T>

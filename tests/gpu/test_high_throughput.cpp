@@ -240,6 +240,20 @@ EPX_GPU_TEST(HighThroughput, FreshHintSizedBuffer) {
   run_case(c, 3, 31, std::nullopt, &b);
   b.destroy();
 }
+/// An allocator that aligns int32 outputs to 4 bytes only: the handle's parts
+/// (carved from one int32 allocation) and the int32 outputs still work.
+EPX_GPU_TEST(HighThroughput, Int32AlignedAllocator) {
+  const int R = world().num_ranks;
+  const HtCase c{64, 1024, 4, 8 * R, true, 0.1, true, 1, false};
+  BufferOptions o;
+  o.num_nvl_bytes = static_cast<int64_t>(
+      get_dispatch_config(R).get_nvl_buffer_size_hint(2u * c.hidden, R, c.num_topk));
+  o.timeout_s = 20;
+  o.allocator = int32_unaligned_allocator();
+  Buffer b(world().comm, o);
+  run_case(c, 2, 91, std::nullopt, &b);
+  b.destroy();
+}
 /// Buffers whose sizes differ between ranks are refused on every rank (no
 /// rank waits for the others), and a buffer of equal sizes works after that.
 EPX_GPU_TEST(HighThroughput, UnequalBufferSizesAreRefused) {

@@ -306,8 +306,9 @@ void check_waits(const LlCase& c, const char* op, const WaitStats& st, int64_t w
   }
 }
 
-void run_case(const LlCase& c, uint64_t seed, bool with_combine = true) {
+void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* buffer = nullptr) {
   auto& w = world();
+  Buffer* const buf = buffer ? buffer : w.buffer.get();
   const int R = w.num_ranks, me = w.rank;
   if (c.num_experts % R) GTEST_SKIP() << "experts not divisible by ranks";
   if (c.rank1_no_tokens && R < 2) GTEST_SKIP();
@@ -336,7 +337,7 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true) {
   WaitStats dwait(R), cwait(R);
   if (c.late_ms) a.dispatch_wait_recv_cost_stats = dwait.view();
   line_up(c);
-  auto res = w.buffer->low_latency_dispatch(a);
+  auto res = buf->low_latency_dispatch(a);
   EXPECT_EQ(static_cast<bool>(res.hook), c.hook);
   EXPECT_EQ(res.event.has_value(), c.async);
   if (res.hook) res.hook();
@@ -357,7 +358,7 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true) {
   DeviceArray<uint16_t> d_eo;
   TensorView xv;
   if (c.zero_copy) {
-    xv = w.buffer->get_next_low_latency_combine_buffer(*res.handle);
+    xv = buf->get_next_low_latency_combine_buffer(*res.handle);
     ASSERT_EQ(xv.shape[0], E_local);
     ASSERT_EQ(xv.shape[1], RT);
     ASSERT_EQ(xv.shape[2], H);
@@ -382,7 +383,7 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true) {
   ca.stream = w.stream;
   if (c.late_ms) ca.combine_wait_recv_cost_stats = cwait.view();
   line_up(c);
-  auto cres = w.buffer->low_latency_combine(ca);
+  auto cres = buf->low_latency_combine(ca);
   EXPECT_EQ(static_cast<bool>(cres.hook), c.hook);
   if (cres.hook) cres.hook();
   finish(cres.event);
@@ -878,6 +879,29 @@ EPX_GPU_TEST(LowLatency, TimeoutIsReportedAndCleanRecovers) {
     ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
     EXPECT_EQ(to_host<int>(res.recv_count), ro[w.rank].recv_count) << "after clean, call " << i;
   }
+  EXPECT_TRUE(all_ranks(!rank_failed()));
+  b.destroy();
+}
+
+/// An allocator that aligns int32 outputs to 4 bytes only: the handle's
+/// parts (int64 and int2 among them, carved from one int32 allocation) and
+/// recv_count still work, with FP8 (UE8M0: int32 scales) and BF16, hooks too.
+EPX_GPU_TEST(LowLatency, Int32AlignedAllocator) {
+  auto& w = world();
+  LlCase c;
+  c.max_tokens = 32;
+  c.hidden = 1024;
+  c.num_experts = 8 * w.num_ranks;
+  BufferOptions o;
+  o.num_rdma_bytes = static_cast<int64_t>(
+      Buffer::get_low_latency_rdma_size_hint(c.max_tokens, c.hidden, w.num_ranks, c.num_experts));
+  o.timeout_s = 20;
+  o.allocator = int32_unaligned_allocator();
+  Buffer b(w.comm, o);
+  run_case(c, 81, true, &b);
+  c.fp8 = c.round_scale = c.ue8m0 = true;
+  c.hook = true;
+  run_case(c, 82, true, &b);
   EXPECT_TRUE(all_ranks(!rank_failed()));
   b.destroy();
 }
