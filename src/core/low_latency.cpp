@@ -212,15 +212,19 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
     // Receive blocks per local expert: about two per SM in total (one wave at
     // 2 blocks/SM).
     rp.parts = std::clamp(d.ll_blocks(2) / E_local, 1, 8);
+    // At most the budget (E_local can exceed it): blocks loop over the units.
+    // With in-process ranks a grid past a rank's share of the SMs could hold
+    // SMs a peer's send kernel needs while it waits for that send.
+    const int recv_blocks = std::min(E_local * rp.parts, d.ll_blocks(2));
     kernels::launch_ll_dispatch_send(sp, send_blocks_max, launch);
     res.event = d.ll_leave(s, launch);
     Impl* impl = &d;
-    res.hook = [impl, rp, stream = a.stream, sent = res.event, recv_x = res.recv_x,
+    res.hook = [impl, rp, recv_blocks, stream = a.stream, sent = res.event, recv_x = res.recv_x,
                 scales = res.recv_x_scales, count = res.recv_count, handle]() {
       impl->check_alive(op);
       impl->raise_if_failed(op);
       if (sent) sent->stream_wait(stream);
-      kernels::launch_ll_dispatch_recv(rp, stream);
+      kernels::launch_ll_dispatch_recv(rp, recv_blocks, stream);
       impl->ll_hook_launched(stream, stream);
     };
   }

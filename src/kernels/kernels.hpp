@@ -224,8 +224,9 @@ struct LlDispatchRecvParams {
   uint64_t timeout_ns;
   DeviceDiag* diag;
 };
-/// Hook mode: the receive phase alone, after the send kernel.
-void launch_ll_dispatch_recv(const LlDispatchRecvParams& p, cudaStream_t stream);
+/// Hook mode: the receive phase alone, after the send kernel; `num_blocks`
+/// blocks take the E_local * p.parts receive units in turn.
+void launch_ll_dispatch_recv(const LlDispatchRecvParams& p, int num_blocks, cudaStream_t stream);
 /// No hook: send and receive in one cooperative launch of `num_blocks` blocks
 /// (at most 2 per SM, all resident): the first `send_blocks` send, the others
 /// take the rp.parts * E_local receive units.

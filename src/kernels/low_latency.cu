@@ -1040,11 +1040,10 @@ void allow_smem(Kernel kernel, std::size_t smem) {
 }
 }  // namespace
 
-void launch_ll_dispatch_recv(const LlDispatchRecvParams& p, cudaStream_t stream) {
-  const int E_local = p.num_experts / p.t.num_ranks;
+void launch_ll_dispatch_recv(const LlDispatchRecvParams& p, int num_blocks, cudaStream_t stream) {
   const std::size_t smem = dispatch_recv_smem(p);
   allow_smem(ll_dispatch_recv, smem);
-  launch_ex(ll_dispatch_recv, E_local * p.parts, kThreads, smem, stream, Launch::kPlain, p);
+  launch_ex(ll_dispatch_recv, num_blocks, kThreads, smem, stream, Launch::kPlain, p);
 }
 
 void launch_ll_dispatch_fused(const LlDispatchSendParams& sp, const LlDispatchRecvParams& rp,

@@ -489,6 +489,14 @@ EPX_GPU_TEST(LowLatency, HookMode) {
   c.fp8 = true;
   c.async = true;
   run_case(c, 51);
+  // More local experts than receive blocks (in-process ranks get a few SMs
+  // each): every block takes several units in turn.
+  LlCase many;
+  many.hook = true;
+  many.max_tokens = 32;
+  many.hidden = 1024;
+  many.num_experts = 64 * world().num_ranks;
+  run_case(many, 53);
 }
 EPX_GPU_TEST(LowLatency, AsyncFinish) {
   LlCase c;
