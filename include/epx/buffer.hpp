@@ -260,6 +260,12 @@ class Buffer {
 
   int rank() const;
   int num_ranks() const;
+  /// DeepEP's topology queries. EPX's ranks share one NVLink domain: one
+  /// "RDMA rank" (index 0), whose root is this rank itself.
+  int device() const;
+  int num_rdma_ranks() const { return 1; }
+  int rdma_rank() const { return 0; }
+  int root_rdma_rank(bool global) const { return global ? rank() : 0; }
   cudaStream_t comm_stream() const;
   const char* backend_name() const;
   /// Symmetric bytes this rank holds (both regions).

@@ -281,6 +281,23 @@ class Buffer:
         """The default combine Config for ``num_ranks`` ranks."""
         return Config._wrap(_core.get_combine_config(_int("num_ranks", num_ranks)))
 
+    def get_local_device_id(self) -> int:
+        """The CUDA device of this rank."""
+        return self._rt().get_local_device_id()
+
+    def get_num_rdma_ranks(self) -> int:
+        """1: EPX's ranks share one NVLink domain (DeepEP counts nodes here)."""
+        return self._rt().get_num_rdma_ranks()
+
+    def get_rdma_rank(self) -> int:
+        """0: the index of this rank's node among the RDMA ranks (one)."""
+        return self._rt().get_rdma_rank()
+
+    def get_root_rdma_rank(self, global_: bool) -> int:
+        """The rank that roots this rank's RDMA rank: this rank itself (``global_``),
+        or index 0 within the node."""
+        return self._rt().get_root_rdma_rank(bool(global_))
+
     def get_comm_stream(self) -> "torch.cuda.Stream":
         """The communication stream, as a ``torch.cuda.ExternalStream``."""
         if self._comm_stream is None:

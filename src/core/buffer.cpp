@@ -165,6 +165,9 @@ int Buffer::rank() const {
 int Buffer::num_ranks() const {
   return impl_->comm->num_ranks();
 }
+int Buffer::device() const {
+  return impl_->device;
+}
 cudaStream_t Buffer::comm_stream() const {
   return impl_->comm_stream;
 }

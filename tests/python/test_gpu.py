@@ -429,6 +429,11 @@ def _case_low_latency(rank, world, group):
     buf = _buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=El,
                   explicitly_destroy=True)
     buf.clean_low_latency_buffer(maxT, H, E)
+    # DeepEP's topology queries: one NVLink domain, on this rank's device
+    for obj in (buf, buf.runtime):
+        assert obj.get_local_device_id() == dev.index
+        assert (obj.get_num_rdma_ranks(), obj.get_rdma_rank()) == (1, 0)
+        assert (obj.get_root_rdma_rank(True), obj.get_root_rdma_rank(False)) == (rank, 0)
 
     # BF16 dispatch
     stats = torch.zeros(El, dtype=torch.int32, device=dev)
