@@ -3,10 +3,13 @@
 //   write: every GPU stores into every peer (the push dispatch and combine),
 //   read:  every GPU loads from every peer into its own memory (the pull dispatch),
 //   local: every GPU copies within its own memory (the pull dispatch's export).
+//   write+local: write on the listed SMs while --local-sms more SMs copy within
+//          the GPU's memory, as the push dispatch's receivers do beside its
+//          senders: whether local traffic slows the NVLink stores.
 // All GPUs run at once (one process, peer access), as in an all-to-all. The
 // figure per GPU is the bytes it moved / the slowest GPU's kernel time; for
 // write and read those bytes all cross NVLink.
-//   epx-nvlink-probe [--mb 256] [--sms 4,8,16,24,32,0] [--iters 10] [--json F]
+//   epx-nvlink-probe [--mb 256] [--sms 4,8,16,24,32,0] [--local-sms 16] [--iters 10] [--json F]
 #include <cuda_runtime.h>
 
 #include <CLI/CLI.hpp>
@@ -140,6 +143,30 @@ __global__ void __launch_bounds__(kThreads, 1) tma_copy_kernel(Pairs p) {
 
 using Kernel = void (*)(Pairs);
 
+/// The write+local mode's local side: copies the rows of its pairs over and
+/// over (warp w: rows w, w + warps, ...) until *stop is set, then adds the
+/// bytes it moved to *moved. Checked once per row.
+__global__ void __launch_bounds__(kThreads, 1)
+    copy_until_kernel(Pairs p, const volatile int* stop, unsigned long long* moved) {
+  const int lane = threadIdx.x % 32;
+  const long long warps = static_cast<long long>(gridDim.x) * (kThreads / 32);
+  const long long total = p.rows * p.num_pairs;
+  long long rows = 0;
+  for (long long i = blockIdx.x * (kThreads / 32) + threadIdx.x / 32; *stop == 0; i += warps) {
+    const long long j = i % total;
+    const int k = static_cast<int>(j % p.num_pairs);
+    const long long row = j / p.num_pairs;
+    epx::kernels::warp_copy<false, 8>(p.dst[k] + row * kRowBytes, p.src[k] + row * kRowBytes,
+                                      kRowBytes, lane);
+    ++rows;
+  }
+  if (lane == 0) atomicAdd(moved, static_cast<unsigned long long>(rows) * kRowBytes);
+}
+
+__global__ void set_flag_kernel(int* flag, int v) {
+  *flag = v;
+}
+
 __global__ void fill_kernel(uint32_t* p, std::size_t n, uint32_t seed) {
   for (std::size_t i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
        i += static_cast<std::size_t>(gridDim.x) * blockDim.x)
@@ -159,14 +186,18 @@ __global__ void diff_kernel(const uint32_t* a, const uint32_t* b, std::size_t n,
 
 int run(int argc, char** argv) {
   CLI::App app{"NVLink store/load and local copy ceilings of EPX's copy loop"};
-  int mb = 256, iters = 10;
+  int mb = 256, iters = 10, local_sms = 16;
   std::vector<int> sms_list{4, 8, 16, 24, 32, 0};
   std::string json_path;
   app.add_option("--mb", mb, "MB per (GPU, peer) pair")->capture_default_str();
   app.add_option("--sms", sms_list, "SM counts (0 = all)")->delimiter(',');
   app.add_option("--iters", iters, "timed runs (median reported)")->capture_default_str();
+  app.add_option("--local-sms", local_sms,
+                 "write+local: SMs copying locally beside the writers (0: skip the mode)")
+      ->capture_default_str();
   app.add_option("--json", json_path, "write results here");
   CLI11_PARSE(app, argc, argv);
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // lines reach a pipe as they are printed
 
   int n = 0;
   EPX_CUDA_CHECK(cudaGetDeviceCount(&n));
@@ -197,8 +228,10 @@ int run(int argc, char** argv) {
   const int slots = std::max(1, n - 1);
   const long long rows = static_cast<long long>(mb) * (1 << 20) / kRowBytes;
   const std::size_t bytes = static_cast<std::size_t>(rows) * kRowBytes * slots;
-  std::vector<uint8_t*> src(n), dst(n);
-  std::vector<cudaStream_t> stream(n);
+  std::vector<uint8_t*> src(n), dst(n), lsrc(n), ldst(n);
+  std::vector<cudaStream_t> stream(n), lstream(n);
+  std::vector<int*> stop(n);
+  std::vector<unsigned long long*> moved(n);
   std::vector<cudaEvent_t> ev0(n), ev1(n);
   for (int g = 0; g < n; ++g) {
     EPX_CUDA_CHECK(cudaSetDevice(g));
@@ -208,6 +241,14 @@ int run(int argc, char** argv) {
                               0x9e3779b9u * (g + 1));
     EPX_CUDA_CHECK(cudaGetLastError());
     EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream[g], cudaStreamNonBlocking));
+    if (local_sms > 0) {  // the write+local mode's own local rows and control words
+      EPX_CUDA_CHECK(cudaMalloc(&lsrc[g], bytes));
+      EPX_CUDA_CHECK(cudaMalloc(&ldst[g], bytes));
+      EPX_CUDA_CHECK(cudaMemset(lsrc[g], 0x5a, bytes));
+      EPX_CUDA_CHECK(cudaMalloc(&stop[g], sizeof(int)));
+      EPX_CUDA_CHECK(cudaMalloc(&moved[g], sizeof(unsigned long long)));
+      EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&lstream[g], cudaStreamNonBlocking));
+    }
     EPX_CUDA_CHECK(cudaEventCreate(&ev0[g]));
     EPX_CUDA_CHECK(cudaEventCreate(&ev1[g]));
   }
@@ -341,6 +382,91 @@ int run(int argc, char** argv) {
       }
     }
   }
+  // write+local: the senders' loop (nc, 8 vectors per lane) writing on the
+  // listed SMs while local_sms more SMs copy locally until the writers are
+  // done (one GPU, no peer: local on both sides, which checks the mechanics).
+  if (local_sms > 0 && local_sms < gpu_sms) {
+    // Loaded now: a first launch (CUDA loads kernels lazily) may wait for
+    // the spinning local kernel to finish, which waits for the flag.
+    for (int g = 0; g < n; ++g) {
+      EPX_CUDA_CHECK(cudaSetDevice(g));
+      cudaFuncAttributes fa{};
+      EPX_CUDA_CHECK(cudaFuncGetAttributes(&fa, copy_until_kernel));
+      EPX_CUDA_CHECK(cudaFuncGetAttributes(&fa, set_flag_kernel));
+    }
+    const std::string wmode = peers ? "write" : "local";
+    const bool ok = verify(wmode, variants[0], gpu_sms);
+    std::printf("write+local: the writers' figure, with %d SMs copying locally beside them\n",
+                local_sms);
+    std::printf("%-12s %5s %5s %12s %12s %12s\n", "mode", "SMs", "local", "us", "GB/s per GPU",
+                "local GB/s");
+    for (int sms : sms_list) {
+      const int blocks = std::min(sms <= 0 ? gpu_sms : sms, gpu_sms - local_sms);
+      std::vector<float> t;
+      std::vector<double> local_gbps;
+      for (int it = 0; it < iters + 2; ++it) {
+        for (int g = 0; g < n; ++g) {
+          EPX_CUDA_CHECK(cudaSetDevice(g));
+          EPX_CUDA_CHECK(cudaDeviceSynchronize());
+          EPX_CUDA_CHECK(cudaMemset(stop[g], 0, sizeof(int)));
+          EPX_CUDA_CHECK(cudaMemset(moved[g], 0, sizeof(unsigned long long)));
+          EPX_CUDA_CHECK(cudaDeviceSynchronize());
+        }
+        for (int g = 0; g < n; ++g) {
+          EPX_CUDA_CHECK(cudaSetDevice(g));
+          Pairs lp = pairs_of("local", g);
+          for (int k = 0; k < lp.num_pairs; ++k) {
+            lp.src[k] = lsrc[g] + (lp.src[k] - src[g]);
+            lp.dst[k] = ldst[g] + (lp.dst[k] - dst[g]);
+          }
+          copy_until_kernel<<<local_sms, kThreads, 0, lstream[g]>>>(lp, stop[g], moved[g]);
+          EPX_CUDA_CHECK(cudaGetLastError());
+        }
+        for (int g = 0; g < n; ++g) {
+          EPX_CUDA_CHECK(cudaSetDevice(g));
+          EPX_CUDA_CHECK(cudaEventRecord(ev0[g], stream[g]));
+          variants[0].kernel<<<blocks, kThreads, 0, stream[g]>>>(pairs_of(wmode, g));
+          EPX_CUDA_CHECK(cudaGetLastError());
+          EPX_CUDA_CHECK(cudaEventRecord(ev1[g], stream[g]));
+          set_flag_kernel<<<1, 1, 0, stream[g]>>>(stop[g], 1);
+          EPX_CUDA_CHECK(cudaGetLastError());
+        }
+        float worst = 0;
+        double local_bytes = 0;
+        for (int g = 0; g < n; ++g) {
+          EPX_CUDA_CHECK(cudaSetDevice(g));
+          EPX_CUDA_CHECK(cudaDeviceSynchronize());
+          float ms = 0;
+          EPX_CUDA_CHECK(cudaEventElapsedTime(&ms, ev0[g], ev1[g]));
+          worst = std::max(worst, ms);
+          unsigned long long m = 0;
+          EPX_CUDA_CHECK(cudaMemcpy(&m, moved[g], sizeof(m), cudaMemcpyDeviceToHost));
+          local_bytes += static_cast<double>(m);
+        }
+        if (it >= 2) {
+          t.push_back(worst);
+          local_gbps.push_back(local_bytes / n / (worst * 1e3) / 1e3);
+        }
+      }
+      std::sort(t.begin(), t.end());
+      std::sort(local_gbps.begin(), local_gbps.end());
+      const double us = t[t.size() / 2] * 1e3;
+      const double gbps = static_cast<double>(bytes) / us / 1e3;
+      const double lg = local_gbps[local_gbps.size() / 2];
+      std::printf("%-12s %5d %5d %12.1f %12.1f %12.1f\n", "write+local", blocks, local_sms, us,
+                  gbps, lg);
+      rows_json.push_back({{"mode", "write+local"},
+                           {"writes_to", wmode},
+                           {"loads", variants[0].name},
+                           {"vectors_per_lane", variants[0].u},
+                           {"sms", blocks},
+                           {"local_sms", local_sms},
+                           {"verified", ok},
+                           {"us", us},
+                           {"gbps_per_gpu", gbps},
+                           {"local_gbps_per_gpu", lg}});
+    }
+  }
   if (!json_path.empty()) {
     nlohmann::json j{{"gpus", n},
                      {"mb_per_pair", mb},
@@ -355,6 +481,13 @@ int run(int argc, char** argv) {
     EPX_CUDA_CHECK(cudaSetDevice(g));
     EPX_CUDA_CHECK(cudaFree(src[g]));
     EPX_CUDA_CHECK(cudaFree(dst[g]));
+    if (local_sms > 0) {
+      EPX_CUDA_CHECK(cudaFree(lsrc[g]));
+      EPX_CUDA_CHECK(cudaFree(ldst[g]));
+      EPX_CUDA_CHECK(cudaFree(stop[g]));
+      EPX_CUDA_CHECK(cudaFree(moved[g]));
+      EPX_CUDA_CHECK(cudaStreamDestroy(lstream[g]));
+    }
   }
   EPX_CUDA_CHECK(cudaFree(bad));
   return all_ok ? 0 : 1;
