@@ -93,6 +93,17 @@ Config shared_gpu_config(int rows = 0) {
   return cfg;
 }
 
+/// Options of a Buffer of the HT size hint for `c` (BF16 rows), with this
+/// deadline and allocator.
+BufferOptions hint_sized_options(const HtCase& c, int R, double timeout_s, Allocator alloc) {
+  BufferOptions o;
+  o.num_nvl_bytes = static_cast<int64_t>(
+      get_dispatch_config(R).get_nvl_buffer_size_hint(2u * c.hidden, R, c.num_topk));
+  o.timeout_s = timeout_s;
+  o.allocator = std::move(alloc);
+  return o;
+}
+
 void run_case(const HtCase& c, int iters, uint64_t seed0,
               const std::optional<Config>& config = std::nullopt, Buffer* buffer = nullptr) {
   auto& w = world();
@@ -245,12 +256,7 @@ EPX_GPU_TEST(HighThroughput, FreshHintSizedBuffer) {
 EPX_GPU_TEST(HighThroughput, Int32AlignedAllocator) {
   const int R = world().num_ranks;
   const HtCase c{64, 1024, 4, 8 * R, true, 0.1, true, 1, false};
-  BufferOptions o;
-  o.num_nvl_bytes = static_cast<int64_t>(
-      get_dispatch_config(R).get_nvl_buffer_size_hint(2u * c.hidden, R, c.num_topk));
-  o.timeout_s = 20;
-  o.allocator = int32_unaligned_allocator();
-  Buffer b(world().comm, o);
+  Buffer b(world().comm, hint_sized_options(c, R, 20, int32_unaligned_allocator()));
   run_case(c, 2, 91, std::nullopt, &b);
   b.destroy();
 }
@@ -658,12 +664,7 @@ EPX_GPU_TEST(HighThroughput, TimeoutIsReported) {
   const int R = w.num_ranks, me = w.rank;
   if (R < 2) GTEST_SKIP() << "needs a peer that stays silent";
   const HtCase c{64, 1024, 4, 8 * R, false, 0.0, false, 1, false};
-  BufferOptions o;
-  o.num_nvl_bytes = static_cast<int64_t>(
-      get_dispatch_config(R).get_nvl_buffer_size_hint(2u * c.hidden, R, c.num_topk));
-  o.timeout_s = 1.0;
-  o.allocator = poisoning_allocator();
-  Buffer b(w.comm, o);
+  Buffer b(w.comm, hint_sized_options(c, R, 1.0, poisoning_allocator()));
   StreamArgs s;
   s.stream = w.stream;
   auto in = make_inputs(c, R, 5);

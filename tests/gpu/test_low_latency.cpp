@@ -306,6 +306,16 @@ void check_waits(const LlCase& c, const char* op, const WaitStats& st, int64_t w
   }
 }
 
+/// Options of a Buffer of the LL size hint for `c`, with this deadline and allocator.
+BufferOptions hint_sized_options(const LlCase& c, int R, double timeout_s, Allocator alloc) {
+  BufferOptions o;
+  o.num_rdma_bytes = static_cast<int64_t>(
+      Buffer::get_low_latency_rdma_size_hint(c.max_tokens, c.hidden, R, c.num_experts));
+  o.timeout_s = timeout_s;
+  o.allocator = std::move(alloc);
+  return o;
+}
+
 void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* buffer = nullptr) {
   auto& w = world();
   Buffer* const buf = buffer ? buffer : w.buffer.get();
@@ -860,12 +870,7 @@ EPX_GPU_TEST(LowLatency, TimeoutIsReportedAndCleanRecovers) {
   c.max_tokens = 16;
   c.hidden = 1024;
   c.num_experts = 8 * w.num_ranks;
-  BufferOptions o;
-  o.num_rdma_bytes = static_cast<int64_t>(
-      Buffer::get_low_latency_rdma_size_hint(c.max_tokens, c.hidden, w.num_ranks, c.num_experts));
-  o.timeout_s = 1.0;
-  o.allocator = poisoning_allocator();
-  Buffer b(w.comm, o);
+  Buffer b(w.comm, hint_sized_options(c, w.num_ranks, 1.0, poisoning_allocator()));
   auto in = make_inputs(c, w.num_ranks, 5);
   const int T = in.num_tokens[w.rank];
   auto d_x = to_device(in.x[w.rank]);
@@ -900,12 +905,7 @@ EPX_GPU_TEST(LowLatency, Int32AlignedAllocator) {
   c.max_tokens = 32;
   c.hidden = 1024;
   c.num_experts = 8 * w.num_ranks;
-  BufferOptions o;
-  o.num_rdma_bytes = static_cast<int64_t>(
-      Buffer::get_low_latency_rdma_size_hint(c.max_tokens, c.hidden, w.num_ranks, c.num_experts));
-  o.timeout_s = 20;
-  o.allocator = int32_unaligned_allocator();
-  Buffer b(w.comm, o);
+  Buffer b(w.comm, hint_sized_options(c, w.num_ranks, 20, int32_unaligned_allocator()));
   run_case(c, 81, true, &b);
   c.fp8 = c.round_scale = c.ue8m0 = true;
   c.hook = true;
