@@ -254,18 +254,22 @@ int run(int argc, char** argv) {
   }
   // Slot of peer h in g's buffers: g's own skipped, as in the staging.
   auto slot = [](int g, int h) { return epx::plan::HtRegion::staging_index(h, g); };
-  auto pairs_of = [&](const std::string& mode, int g) {
+  const std::size_t area = static_cast<std::size_t>(rows) * kRowBytes;
+  // Local copies from buffer `from` to buffer `to` of one GPU, one pair per slot.
+  auto local_pairs = [&](uint8_t* from, uint8_t* to) {
     Pairs p{};
     p.rows = rows;
-    const std::size_t area = static_cast<std::size_t>(rows) * kRowBytes;
-    if (mode == "local" || n == 1) {
-      for (int k = 0; k < slots; ++k) {
-        p.src[k] = src[g] + k * area;
-        p.dst[k] = dst[g] + k * area;
-      }
-      p.num_pairs = slots;
-      return p;
+    for (int k = 0; k < slots; ++k) {
+      p.src[k] = from + k * area;
+      p.dst[k] = to + k * area;
     }
+    p.num_pairs = slots;
+    return p;
+  };
+  auto pairs_of = [&](const std::string& mode, int g) {
+    if (mode == "local" || n == 1) return local_pairs(src[g], dst[g]);
+    Pairs p{};
+    p.rows = rows;
     for (int h = 0; h < n; ++h) {
       if (h == g) continue;
       const int k = p.num_pairs++;
@@ -414,12 +418,8 @@ int run(int argc, char** argv) {
         }
         for (int g = 0; g < n; ++g) {
           EPX_CUDA_CHECK(cudaSetDevice(g));
-          Pairs lp = pairs_of("local", g);
-          for (int k = 0; k < lp.num_pairs; ++k) {
-            lp.src[k] = lsrc[g] + (lp.src[k] - src[g]);
-            lp.dst[k] = ldst[g] + (lp.dst[k] - dst[g]);
-          }
-          copy_until_kernel<<<local_sms, kThreads, 0, lstream[g]>>>(lp, stop[g], moved[g]);
+          copy_until_kernel<<<local_sms, kThreads, 0, lstream[g]>>>(local_pairs(lsrc[g], ldst[g]),
+                                                                    stop[g], moved[g]);
           EPX_CUDA_CHECK(cudaGetLastError());
         }
         for (int g = 0; g < n; ++g) {
