@@ -1,6 +1,7 @@
 #include "gpu/harness.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <exception>
 #include <thread>
@@ -71,10 +72,54 @@ void on_every_rank(void (*body)()) {
     });
 }
 
-Allocator poisoning_allocator() {
+namespace {
+/// Device memory handed out by bumping a pointer, never freed or reused while
+/// the arena lives (a graph keeps using what its capture allocated).
+struct CaptureArena {
+  char* base = nullptr;
+  std::size_t size = 0;
+  std::atomic<std::size_t> used{0};
+  explicit CaptureArena(std::size_t bytes) : size(bytes) {
+    if (cudaMalloc(reinterpret_cast<void**>(&base), bytes) != cudaSuccess)
+      throw Error(ErrorCode::kCuda, "cudaMalloc (capture arena)");
+  }
+  ~CaptureArena() { cudaFree(base); }
+  void* take(std::size_t bytes) {
+    const std::size_t n = (std::max<std::size_t>(bytes, 1) + 255) & ~std::size_t{255};
+    const std::size_t at = used.fetch_add(n);
+    if (at + n > size)
+      throw Error(ErrorCode::kBufferTooSmall,
+                  "test capture arena exhausted: " + std::to_string(at + n) + " > " +
+                      std::to_string(size) + " bytes");
+    return base + at;
+  }
+};
+
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &st) != cudaSuccess)
+    throw Error(ErrorCode::kCuda, "cudaStreamIsCapturing");
+  return st == cudaStreamCaptureStatusActive;
+}
+}  // namespace
+
+Allocator poisoning_allocator(bool capture_arena) {
   Allocator base = default_allocator();
-  return [base](DType dtype, const std::vector<int64_t>& shape, cudaStream_t stream) {
-    Tensor t = base(dtype, shape, stream);
+  std::shared_ptr<CaptureArena> arena;
+  if (capture_arena) arena = std::make_shared<CaptureArena>(std::size_t{256} << 20);
+  return [base, arena](DType dtype, const std::vector<int64_t>& shape, cudaStream_t stream) {
+    Tensor t;
+    if (arena && capturing(stream)) {
+      int64_t n = 1;
+      for (int64_t d : shape) n *= d;
+      void* p = arena->take(static_cast<std::size_t>(n) * element_size(dtype));
+      int dev = 0;
+      if (cudaGetDevice(&dev) != cudaSuccess) throw Error(ErrorCode::kCuda, "cudaGetDevice");
+      t.view = TensorView::contiguous(p, dtype, shape, dev);
+      t.owner = arena;  // keeps the arena, not the bytes: they are never reused
+    } else {
+      t = base(dtype, shape, stream);
+    }
     if (t.view.nbytes() > 0) {
       cudaError_t e = cudaMemsetAsync(t.view.data, 0xff, t.view.nbytes(), stream);
       if (e != cudaSuccess) throw Error(ErrorCode::kCuda, cudaGetErrorString(e));
@@ -96,6 +141,14 @@ Allocator int32_unaligned_allocator() {
     t.owner = raw.owner;
     return t;
   };
+}
+
+bool instantiate_on_every_rank(cudaGraph_t graph, cudaGraphExec_t* exec, cudaStream_t stream) {
+  bool ok = cudaGraphInstantiateWithFlags(exec, graph, cudaGraphInstantiateFlagAutoFreeOnLaunch) ==
+                cudaSuccess &&
+            cudaGraphUpload(*exec, stream) == cudaSuccess &&
+            cudaStreamSynchronize(stream) == cudaSuccess;
+  return all_ranks(ok);
 }
 
 DeviceArray<uint8_t> to_device_bytes(const void* data, std::size_t bytes) {

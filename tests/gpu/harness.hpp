@@ -51,7 +51,13 @@ int sm_budget();
 
 /// Allocator that fills every output with 0xFF bytes (NaN in bf16/f32, -1 in
 /// ints) so unwritten outputs are caught.
-Allocator poisoning_allocator();
+/// capture_arena: under stream capture, outputs come from an arena allocated
+/// up front (as torch's graph pool does) instead of cudaMallocAsync, whose
+/// graph memory nodes CUDA may back with the same physical memory in the
+/// graphs of different ranks on one GPU and then serialize those graphs'
+/// launches; a rank's replay then waits for a peer's, which waits for it,
+/// until the deadline. For in-process ranks.
+Allocator poisoning_allocator(bool capture_arena = false);
 /// poisoning_allocator whose int32 outputs have only the 4-byte alignment an
 /// allocator promises for int32 (they start 4 bytes past a 256-byte
 /// boundary): EPX must not assume more, e.g. for the parts it carves out of them.
@@ -103,6 +109,12 @@ bool rank_failed();
 
 /// All ranks agree (logical AND over ranks).
 bool all_ranks(bool ok);
+
+/// Instantiates `graph` (auto-free on launch) and uploads it on `stream`, then
+/// waits until every rank has done so: with in-process ranks, instantiating
+/// or uploading a graph may wait for the work running on the shared GPU,
+/// which a peer's first replay can make wait for this rank. False on failure.
+bool instantiate_on_every_rank(cudaGraph_t graph, cudaGraphExec_t* exec, cudaStream_t stream);
 
 /// Runs `fn`, expecting an epx::Error of `code` whose text holds each of
 /// `parts` (`what` names the call in failure messages). Nothing escapes, so

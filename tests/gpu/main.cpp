@@ -25,7 +25,7 @@ void set_up(epx::test::World& w, std::shared_ptr<epx::Communicator> comm) {
                                              ? std::atoll(std::getenv("EPX_TEST_NVL_BYTES"))
                                              : (1ll << 30));
   o.num_rdma_bytes = 1ll << 30;
-  o.allocator = epx::test::poisoning_allocator();
+  o.allocator = epx::test::poisoning_allocator(/*capture_arena=*/w.comm->in_process());
   o.timeout_s = 20;
   if (cudaStreamCreateWithFlags(&w.stream, cudaStreamNonBlocking) != cudaSuccess)
     throw epx::Error(epx::ErrorCode::kCuda, "cudaStreamCreateWithFlags");

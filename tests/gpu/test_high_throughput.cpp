@@ -503,8 +503,7 @@ EPX_GPU_TEST(HighThroughput, WorstTokensAndGraphReplay) {
   }
   ASSERT_EQ(cudaStreamEndCapture(w.stream, &graph), cudaSuccess);
   cudaGraphExec_t exec;
-  ASSERT_EQ(cudaGraphInstantiateWithFlags(&exec, graph, cudaGraphInstantiateFlagAutoFreeOnLaunch),
-            cudaSuccess);
+  ASSERT_TRUE(instantiate_on_every_rank(graph, &exec, w.stream));
   for (int i = 0; i < 20; ++i) {
     // Graph-owned outputs exist once the graph has run: poison them between
     // replays (the addresses stay fixed across launches).
@@ -552,8 +551,7 @@ EPX_GPU_TEST(HighThroughput, TruncatedWorstTokensStayInBounds) {
   }
   ASSERT_EQ(cudaStreamEndCapture(w.stream, &graph), cudaSuccess);
   cudaGraphExec_t exec;
-  ASSERT_EQ(cudaGraphInstantiateWithFlags(&exec, graph, cudaGraphInstantiateFlagAutoFreeOnLaunch),
-            cudaSuccess);
+  ASSERT_TRUE(instantiate_on_every_rank(graph, &exec, w.stream));
   ASSERT_EQ(cudaGraphLaunch(exec, w.stream), cudaSuccess);
   ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
   // Outputs are poisoned (NaN) when allocated. The combine gets x = recv_x,

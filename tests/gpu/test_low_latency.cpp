@@ -736,8 +736,7 @@ EPX_GPU_TEST(LowLatency, GraphReplay1000WithChangingRouting) {
   }
   ASSERT_EQ(cudaStreamEndCapture(cap, &graph), cudaSuccess);
   cudaGraphExec_t exec;
-  ASSERT_EQ(cudaGraphInstantiateWithFlags(&exec, graph, cudaGraphInstantiateFlagAutoFreeOnLaunch),
-            cudaSuccess);
+  ASSERT_TRUE(instantiate_on_every_rank(graph, &exec, w.stream));
 
   int bad_replays = 0;
   std::vector<uint16_t> got(static_cast<std::size_t>(T) * H);
