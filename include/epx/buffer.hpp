@@ -100,6 +100,10 @@ struct BufferOptions {
   std::string backend = "auto";  ///< auto | nvlink | in_process (EPX_BACKEND overrides "auto")
   double timeout_s = 0;          ///< 0: EPX_TIMEOUT_S or 100 s
   Allocator allocator;           ///< empty: default_allocator()
+  /// DeepEP's enable_shrink: low-latency ops leave out the ranks of this
+  /// rank's mask (low_latency_update_mask_buffer), and a low-latency wait that
+  /// passes `timeout_s` masks its peer instead of failing the op.
+  bool enable_shrink = false;
 };
 
 /// Per-call stream arguments (DeepEP's previous_event / async_finish /
@@ -287,6 +291,21 @@ class Buffer {
   /// zero_copy expects its input.
   TensorView get_next_low_latency_combine_buffer(const LowLatencyHandle& handle);
   void clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, int hidden, int num_experts);
+
+  // Shrink mode (BufferOptions::enable_shrink; each throws kInvalidArgument
+  // without it). The mask is this rank's own: int32 per rank, 1 = left out of
+  // low-latency dispatch and combine (no store to it, no wait for it: its
+  // picks count as -1, it counts as a source without tokens). Stream-ordered
+  // with the low-latency ops (`stream` as theirs); CUDA-graph capturable.
+  /// Masks (mask = true) or unmasks rank `rank_to_mask` in this rank's mask.
+  /// A rank that missed ops while masked is out of step: bring it back with
+  /// low_latency_clean_mask_buffer and clean_low_latency_buffer on every rank.
+  void low_latency_update_mask_buffer(int rank_to_mask, bool mask, cudaStream_t stream = nullptr);
+  /// Copies the mask to `mask_status`: int32 [R] on this rank's device.
+  void low_latency_query_mask_buffer(const TensorView& mask_status, cudaStream_t stream = nullptr);
+  /// Unmasks every rank.
+  void low_latency_clean_mask_buffer(cudaStream_t stream = nullptr);
+  bool shrink_enabled() const;
   static std::size_t get_low_latency_rdma_size_hint(int num_max_dispatch_tokens_per_rank,
                                                     int hidden, int num_ranks, int num_experts);
 

@@ -173,7 +173,9 @@ class Buffer:
             use_fabric: accepted for compatibility, ignored.
             explicitly_destroy: ``destroy()`` must be called to free the buffers; otherwise
                 they are freed when the Buffer is garbage collected.
-            enable_shrink: not supported (raises EPXUnsupportedError when True).
+            enable_shrink: low-latency ops leave out the ranks this rank masks
+                (``low_latency_update_mask_buffer``), and a low-latency wait that passes
+                ``timeout_s`` masks its peer instead of failing the op.
             comm: an mpi4py communicator, used when ``group`` is None; or an
                 ``epx.InProcessComm`` (ranks as threads of this process, see
                 ``epx.run_in_process``).
@@ -188,8 +190,6 @@ class Buffer:
                              "(comm=InProcessComm): call destroy() on every rank's thread")
         glue = _TorchGlue.get()
         torch = glue.torch
-        if enable_shrink:
-            raise _core.EPXUnsupportedError("enable_shrink: EPX does not support shrinking")
         if group is None and comm is None:
             import torch.distributed as dist
 
@@ -234,6 +234,7 @@ class Buffer:
         opts.allow_mnnvl = bool(allow_mnnvl)
         opts.backend = backend
         opts.timeout_s = float(timeout_s)
+        opts.enable_shrink = bool(enable_shrink)
         opts.allocator = glue.allocator(self._device)
         self.runtime: Optional[_core.Buffer] = _core.Buffer(self.communicator, opts)
         self._comm_stream = None
@@ -541,6 +542,23 @@ class Buffer:
         self._rt().clean_low_latency_buffer(
             _int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
             _int("hidden", hidden), _int("num_experts", num_experts))
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Masks (mask=True) or unmasks a rank in this rank's mask (needs enable_shrink):
+        low-latency ops store nothing to a masked rank and wait for nothing from it."""
+        self._rt().low_latency_update_mask_buffer(_int("rank_to_mask", rank_to_mask), bool(mask),
+                                                  self._glue.current_stream(self._device))
+
+    def low_latency_query_mask_buffer(self, mask_status: "torch.Tensor") -> None:
+        """Copies this rank's mask into ``mask_status`` ([R] int32 on this GPU; 1 = masked),
+        in the current stream's order (needs enable_shrink)."""
+        g = self._glue
+        self._rt().low_latency_query_mask_buffer(g.view("mask_status", mask_status),
+                                                 g.current_stream(self._device))
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmasks every rank (needs enable_shrink)."""
+        self._rt().low_latency_clean_mask_buffer(self._glue.current_stream(self._device))
 
     def low_latency_dispatch(self, x: "torch.Tensor", topk_idx: "torch.Tensor",
                              num_max_dispatch_tokens_per_rank: int, num_experts: int,

@@ -733,6 +733,7 @@ NB_MODULE(_core, m) {
       .def_rw("allow_mnnvl", &epx::BufferOptions::allow_mnnvl)
       .def_rw("backend", &epx::BufferOptions::backend)
       .def_rw("timeout_s", &epx::BufferOptions::timeout_s)
+      .def_rw("enable_shrink", &epx::BufferOptions::enable_shrink)
       .def_prop_rw(
           "allocator",
           [](const epx::BufferOptions& o) -> nb::object {
@@ -1003,6 +1004,23 @@ NB_MODULE(_core, m) {
       .def("clean_low_latency_buffer", &Buffer::clean_low_latency_buffer,
            "num_max_dispatch_tokens_per_rank"_a, "hidden"_a, "num_experts"_a,
            nb::call_guard<nb::gil_scoped_release>())
+      .def(
+          "low_latency_update_mask_buffer",
+          [](Buffer& b, int rank_to_mask, bool mask, uintptr_t stream) {
+            b.low_latency_update_mask_buffer(rank_to_mask, mask, to_stream(stream));
+          },
+          "rank_to_mask"_a, "mask"_a, "stream"_a)
+      .def(
+          "low_latency_query_mask_buffer",
+          [](Buffer& b, const TensorView& mask_status, uintptr_t stream) {
+            b.low_latency_query_mask_buffer(mask_status, to_stream(stream));
+          },
+          "mask_status"_a, "stream"_a)
+      .def(
+          "low_latency_clean_mask_buffer",
+          [](Buffer& b, uintptr_t stream) { b.low_latency_clean_mask_buffer(to_stream(stream)); },
+          "stream"_a)
+      .def_prop_ro("shrink_enabled", &Buffer::shrink_enabled)
       .def_static("get_low_latency_rdma_size_hint", &Buffer::get_low_latency_rdma_size_hint,
                   "num_max_dispatch_tokens_per_rank"_a, "hidden"_a, "num_ranks"_a, "num_experts"_a)
       .def_static("set_num_sms", &Buffer::set_num_sms, "num_sms"_a)

@@ -112,6 +112,10 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
   EPX_CUDA_CHECK(cudaMemset(d.ht_op_counter, 0, 4 * sizeof(uint32_t)));
   d.ll_op_counter = d.ht_op_counter + 1;
   d.ht_done_blocks = d.ht_op_counter + 2;
+  if (options.enable_shrink) {
+    EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.ll_mask), plan::kMaxRanks * sizeof(int)));
+    EPX_CUDA_CHECK(cudaMemset(d.ll_mask, 0, plan::kMaxRanks * sizeof(int)));
+  }
   if (epoch_start) d.start_epochs_at(*epoch_start);
   EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&d.diag_host), sizeof(DeviceDiag),
                                cudaHostAllocMapped));
@@ -144,6 +148,7 @@ void Buffer::destroy() {
   // barrier keeps every rank here until all have freed, so no rank's next
   // kernels can be waited for by a peer's free.
   cudaFree(d.ht_op_counter);
+  if (d.ll_mask) cudaFree(d.ll_mask);
   cudaFreeHost(d.diag_host);
   cudaFreeHost(d.counts_host);
   try {

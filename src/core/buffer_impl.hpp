@@ -41,6 +41,7 @@ struct Buffer::Impl {
   // Local device state.
   uint32_t* ht_op_counter = nullptr;  ///< epochs of high-throughput ops
   uint32_t* ll_op_counter = nullptr;  ///< epochs of low-latency ops
+  int* ll_mask = nullptr;  ///< enable_shrink: int32 [kMaxRanks], 1 = rank left out (LL ops)
   /// [0] HT main kernels with their own barrier, [1] notify kernels: blocks done.
   uint32_t* ht_done_blocks = nullptr;
   // Host-mapped memory the kernels write: diagnostics and dispatch counts.
@@ -66,6 +67,12 @@ struct Buffer::Impl {
       t.base[r] = static_cast<char*>(r == comm->rank() ? region.local : region.peers[r]);
     t.rank = comm->rank();
     t.num_ranks = comm->num_ranks();
+    return t;
+  }
+  /// The low-latency region's transport, with the shrink mask.
+  dev::NvlinkTransport ll_transport() const {
+    dev::NvlinkTransport t = transport(ll);
+    t.peer_mask = ll_mask;
     return t;
   }
   uint64_t timeout_ns() const { return static_cast<uint64_t>(timeout_s * 1e9); }

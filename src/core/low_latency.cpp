@@ -145,7 +145,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   }
   const cudaStream_t launch = d.ll_enter(s);
 
-  const auto tr = d.transport(d.ll);
+  const auto tr = d.ll_transport();
   auto off = offsets_of(region);
   // What a peer's rows and slots are laid out by: receivers refuse a sender whose differ.
   off.shape_fp = plan::fingerprint({maxT, H, E, a.use_fp8 ? 1 : 0}) >> plan::kLlCountBits;
@@ -272,7 +272,7 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   if (wait_stats)
     EPX_CUDA_CHECK(cudaMemsetAsync(send_wait_first, 0, sizeof(unsigned long long) * R, launch));
 
-  const auto tr = d.transport(d.ll);
+  const auto tr = d.ll_transport();
   const auto off = offsets_of(region);
   const int C = ceil_div(H, kernels::kLlCombineSendChunk);
   const int C_recv = ceil_div(H, kernels::kLlCombineRecvChunk);
@@ -382,6 +382,60 @@ void Buffer::clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, int 
   EPX_CUDA_CHECK(cudaStreamSynchronize(d.comm_stream));
   d.ll_parity = 0;
   d.comm->barrier();
+}
+
+namespace {
+Buffer::Impl& shrink_impl(Buffer::Impl& d, const char* op) {
+  d.check_alive(op);
+  if (d.ll_mask == nullptr)
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string(op) +
+                    ": enable_shrink: must be true when the buffer is made "
+                    "(BufferOptions::enable_shrink)");
+  return d;
+}
+}  // namespace
+
+void Buffer::low_latency_update_mask_buffer(int rank_to_mask, bool mask, cudaStream_t stream) {
+  static constexpr const char* op = "low_latency_update_mask_buffer";
+  auto& d = shrink_impl(*impl_, op);
+  validate::rank_in_group(op, "rank_to_mask", rank_to_mask, d.comm->num_ranks());
+  StreamArgs s;
+  s.stream = stream;
+  d.check_stream(s);
+  const cudaStream_t launch = d.ll_enter(s);
+  // Words hold 0 or 1 only, so setting the low byte (little-endian) sets the word.
+  EPX_CUDA_CHECK(cudaMemsetAsync(d.ll_mask + rank_to_mask, mask ? 1 : 0, 1, launch));
+  d.ll_leave(s, launch);
+}
+
+void Buffer::low_latency_query_mask_buffer(const TensorView& mask_status, cudaStream_t stream) {
+  static constexpr const char* op = "low_latency_query_mask_buffer";
+  auto& d = shrink_impl(*impl_, op);
+  const int R = d.comm->num_ranks();
+  validate::tensor(op, "mask_status", mask_status, DType::kI32, {R}, d.device);
+  StreamArgs s;
+  s.stream = stream;
+  d.check_stream(s);
+  const cudaStream_t launch = d.ll_enter(s);
+  EPX_CUDA_CHECK(cudaMemcpyAsync(mask_status.data, d.ll_mask, sizeof(int) * R,
+                                 cudaMemcpyDeviceToDevice, launch));
+  d.ll_leave(s, launch);
+}
+
+void Buffer::low_latency_clean_mask_buffer(cudaStream_t stream) {
+  static constexpr const char* op = "low_latency_clean_mask_buffer";
+  auto& d = shrink_impl(*impl_, op);
+  StreamArgs s;
+  s.stream = stream;
+  d.check_stream(s);
+  const cudaStream_t launch = d.ll_enter(s);
+  EPX_CUDA_CHECK(cudaMemsetAsync(d.ll_mask, 0, sizeof(int) * plan::kMaxRanks, launch));
+  d.ll_leave(s, launch);
+}
+
+bool Buffer::shrink_enabled() const {
+  return impl_->ll_mask != nullptr;
 }
 
 std::size_t Buffer::get_low_latency_rdma_size_hint(int num_max_dispatch_tokens_per_rank, int hidden,

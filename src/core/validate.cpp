@@ -55,6 +55,13 @@ void num_experts(const char* op, int num_experts, int num_ranks) {
              std::to_string(num_experts) + ")");
 }
 
+void rank_in_group(const char* op, const char* name, int value, int num_ranks) {
+  if (value < 0 || value >= num_ranks)
+    fail(op, name,
+         "must be a rank of the group, in [0, " + std::to_string(num_ranks) + ") (got " +
+             std::to_string(value) + ")");
+}
+
 void hidden(const char* op, int64_t hidden, DType dtype, bool fp8_path) {
   if (hidden <= 0) fail(op, "hidden", "must be > 0 (got " + std::to_string(hidden) + ")");
   if ((hidden * static_cast<int64_t>(element_size(dtype))) % 16 != 0)

@@ -23,6 +23,8 @@ void tensor(const char* op, const char* name, const TensorView& t, DType dtype,
 void num_experts(const char* op, int num_experts, int num_ranks);
 /// hidden > 0; row bytes a multiple of 16; FP8 (or use_fp8) needs hidden % 128 == 0.
 void hidden(const char* op, int64_t hidden, DType dtype, bool fp8_path);
+/// A rank of the group: value in [0, num_ranks).
+void rank_in_group(const char* op, const char* name, int value, int num_ranks);
 /// num_topk in [1, kMaxTopK].
 void num_topk(const char* op, int64_t num_topk);
 /// Host-side topk_idx values: each -1 or in [0, num_experts). Only for host

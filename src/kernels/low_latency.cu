@@ -26,6 +26,11 @@
 // words, one per (token, distinct expert), so they need no flag of their own.
 // The last send block release-stores one flag per rank; the receive kernel is
 // a programmatic dependent launch without a hook.
+//
+// Shrink mode (the transport's peer mask): nothing is stored to a masked rank
+// and nothing is awaited from it; its picks count as masked (-1) and it
+// counts as a source without tokens. A wait that passes its deadline masks
+// its peer instead of failing the op (the transport does it).
 #include <cub/block/block_scan.cuh>
 
 #include <cfloat>
@@ -268,7 +273,7 @@ __device__ __forceinline__ void finish_combine_send(const dev::NvlinkTransport& 
   __syncthreads();
   tl_mark(kTlCombine, kTlSendCounted);
   if (!is_last) return;
-  if (static_cast<int>(threadIdx.x) < t.num_ranks)
+  if (static_cast<int>(threadIdx.x) < t.num_ranks && !t.masked(threadIdx.x))
     t.signal(threadIdx.x, flag_offset(half, o, kFlagCombine, t.rank), epoch);
   if (threadIdx.x == 0) {
     control[kDoneCombine] = 0u;
@@ -277,7 +282,9 @@ __device__ __forceinline__ void finish_combine_send(const dev::NvlinkTransport& 
   tl_mark(kTlCombine, kTlSendSignal);
 }
 
-/// Block-wide wait for the combine flag of every source; false when any timed out.
+/// Block-wide wait for the combine flag of every source that is not masked;
+/// false when any timed out. `live` gets the ranks whose rows to sum (those
+/// not masked after the wait: one view for the whole block).
 /// With wait_stats, block 0 adds to wait_stats[s] the send's wait for s's first
 /// weight word (send_wait_first[s] - 1), or where s sent no token here (0) the
 /// wait for its flag, in ns.
@@ -285,17 +292,19 @@ __device__ __forceinline__ bool wait_combine_flags(const dev::NvlinkTransport& t
                                                    const LlOffsets& o, std::size_t half,
                                                    uint32_t epoch, uint64_t timeout_ns,
                                                    DeviceDiag* diag, int64_t* wait_stats,
-                                                   const unsigned long long* send_wait_first) {
+                                                   const unsigned long long* send_wait_first,
+                                                   uint32_t& live) {
   __shared__ int failed;
+  __shared__ uint32_t s_live;
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
-  if (static_cast<int>(threadIdx.x) < t.num_ranks) {
+  if (static_cast<int>(threadIdx.x) < t.num_ranks && !t.masked(threadIdx.x)) {
     const int s = threadIdx.x;
     const uint64_t t0 = wait_stats != nullptr ? dev::globaltimer_ns() : 0;
     if (!t.wait(flag_offset(half, o, kFlagCombine, s), epoch, timeout_ns, diag,
-                OpId::kLowLatencyCombineRecv, s, -1))
-      atomicExch(&failed, 1);
-    else if (wait_stats != nullptr && blockIdx.x == 0) {
+                OpId::kLowLatencyCombineRecv, s, -1)) {
+      if (!t.masked(s)) atomicExch(&failed, 1);  // masked meanwhile (shrink): left out
+    } else if (wait_stats != nullptr && blockIdx.x == 0) {
       const unsigned long long first = send_wait_first[s];
       atomicAdd(reinterpret_cast<unsigned long long*>(wait_stats + s),
                 first != 0ull ? first - 1ull
@@ -303,6 +312,9 @@ __device__ __forceinline__ bool wait_combine_flags(const dev::NvlinkTransport& t
     }
   }
   __syncthreads();
+  if (threadIdx.x == 0) s_live = t.live_ranks();
+  __syncthreads();
+  live = s_live;
   return failed == 0;
 }
 
@@ -338,7 +350,7 @@ __device__ __forceinline__ uint32_t dispatch_begin(const LlDispatchSendParams& p
   const uint32_t epoch = plan::next_epoch(*p.op_counter);
   if (blockIdx.x == 0) {
     const std::size_t tags = tags_of(p.off, epoch);
-    if (static_cast<int>(threadIdx.x) < p.t.num_ranks)
+    if (static_cast<int>(threadIdx.x) < p.t.num_ranks && !p.t.masked(threadIdx.x))
       p.t.put_tagged(threadIdx.x, tags + 8u * static_cast<std::size_t>(p.t.rank),
                      plan::ll_count_word(p.num_tokens, p.off.shape_fp), epoch);
     if (threadIdx.x == 0) p.state[0] = static_cast<int32_t>(epoch);
@@ -355,6 +367,7 @@ __device__ __forceinline__ void dispatch_send_items(const LlDispatchSendParams& 
   const std::size_t tags = tags_of(p.off, epoch);
   const int H = p.hidden, K = p.num_topk, E = p.num_experts, E_local = E / R;
   const int C = ceil_div(H, kDispatchChunk);
+  const uint32_t live = p.t.live_ranks();  // shrink: no store to a masked rank
   // The mask units come first: receivers need them before any row.
   const int groups = ceil_div(E, 32), W = ceil_div(p.max_tokens, 32);
   const int mask_units = W * groups;
@@ -382,7 +395,7 @@ __device__ __forceinline__ void dispatch_send_items(const LlDispatchSendParams& 
         if (lane == j) word = b;
       }
       const int e = 32 * g + lane;
-      if (e < E)
+      if (e < E && ((live >> (e / E_local)) & 1u))
         p.t.put_tagged(e / E_local, mask_word_offset(p.off, tags, me, w, e % E_local, E_local),
                        word, epoch);
       continue;
@@ -400,7 +413,7 @@ __device__ __forceinline__ void dispatch_send_items(const LlDispatchSendParams& 
     const int64_t e = lane < K ? p.topk_idx[static_cast<int64_t>(t) * K + lane] : -1;
     const bool valid = e >= 0 && e < E;
     const uint32_t dst_mask =
-        __reduce_or_sync(kFull, valid ? (1u << static_cast<int>(e / E_local)) : 0u);
+        __reduce_or_sync(kFull, valid ? (1u << static_cast<int>(e / E_local)) : 0u) & live;
     if (c == 0 && lane < K) {
       if (!valid && e != -1)
         dev::report(p.diag, DiagCode::kBadExpert, OpId::kLowLatencyDispatchSend, me, -1, lane, 0,
@@ -515,16 +528,26 @@ __device__ __forceinline__ bool dispatch_recv_unit(const LlDispatchRecvParams& p
   }
   uint32_t word = 0;
   bool ok = true;
-  if (pos < R * W)
+  if (pos < R * W && !p.t.masked(s)) {
     ok = p.t.wait_tagged(mask_word_offset(p.off, tags, s, w, le, E_local), epoch, word,
                          p.timeout_ns, p.diag, OpId::kLowLatencyDispatchRecv, s, le);
+    if (!ok && p.t.masked(s)) {  // masked meanwhile (shrink): no token from s
+      ok = true;
+      word = 0;
+    }
+  }
   const uint64_t arrived = p.wait_stats != nullptr ? dev::globaltimer_ns() : 0;
   if (unit == 0 && static_cast<int>(threadIdx.x) < R) {
     // The token counts, which the combine reads from the handle state.
     uint32_t n = 0;
-    if (!p.t.wait_tagged(tags + 8u * threadIdx.x, epoch, n, p.timeout_ns, p.diag,
-                         OpId::kLowLatencyDispatchRecv, threadIdx.x, le)) {
-      ok = false;
+    if (p.t.masked(threadIdx.x)) {
+      p.state[8 + threadIdx.x] = 0;  // shrink: a masked source sends nothing
+    } else if (!p.t.wait_tagged(tags + 8u * threadIdx.x, epoch, n, p.timeout_ns, p.diag,
+                                OpId::kLowLatencyDispatchRecv, threadIdx.x, le)) {
+      if (p.t.masked(threadIdx.x))
+        p.state[8 + threadIdx.x] = 0;
+      else
+        ok = false;
     } else if (plan::ll_shape_of(n) != p.off.shape_fp) {
       // The sender's shapes differ: its rows sit elsewhere. kBadConfig ends every wait.
       dev::report(p.diag, DiagCode::kBadConfig, OpId::kLowLatencyDispatchRecv, p.t.rank,
@@ -594,7 +617,10 @@ __device__ __forceinline__ bool dispatch_recv_unit(const LlDispatchRecvParams& p
     if (lane < seg_chunks && c < C)
       arrived = p.t.wait_eq(chunk_flag_offset(p.off, tags, s, t, c), epoch, p.timeout_ns, p.diag,
                             OpId::kLowLatencyDispatchRecv, s, le);
-    if (!__all_sync(kFull, arrived)) {
+    // Shrink: a source masked after its token mask came (it stopped mid-op)
+    // leaves zeros in its rows.
+    const bool gone = !__all_sync(kFull, arrived) && __any_sync(kFull, p.t.masked(s));
+    if (!gone && !__all_sync(kFull, arrived)) {
       all_ok = false;
       break;
     }
@@ -608,12 +634,12 @@ __device__ __forceinline__ bool dispatch_recv_unit(const LlDispatchRecvParams& p
     int4 v4[4];
 #pragma unroll
     for (int q = 0; q < 4; ++q)
-      v4[q] = c0 + 32 * q < n16 ? dev::ld_l2(s4 + c0 + 32 * q) : make_int4(0, 0, 0, 0);
+      v4[q] = c0 + 32 * q < n16 && !gone ? dev::ld_l2(s4 + c0 + 32 * q) : make_int4(0, 0, 0, 0);
     // The scales of this segment's 16 groups load with its data.
     const float* sc = reinterpret_cast<const float*>(src + H);
     const int g = 16 * seg + lane;
     float s1 = 0.0f;
-    if (p.fp8 && !p.ue8m0 && lane < 16 && g < G) s1 = __ldcg(sc + g);
+    if (p.fp8 && !p.ue8m0 && lane < 16 && g < G && !gone) s1 = __ldcg(sc + g);
 #pragma unroll
     for (int q = 0; q < 4; ++q)
       if (c0 + 32 * q < n16) d4[c0 + 32 * q] = v4[q];
@@ -626,7 +652,8 @@ __device__ __forceinline__ bool dispatch_recv_unit(const LlDispatchRecvParams& p
         uint32_t packed = 0;
         for (int b = 0; b < 4; ++b) {
           const int gg = 4 * q + b;
-          const uint32_t byte = gg < G ? (__float_as_uint(__ldcg(sc + gg)) >> 23) & 0xffu : 0u;
+          const uint32_t byte =
+              gg < G && !gone ? (__float_as_uint(__ldcg(sc + gg)) >> 23) & 0xffu : 0u;
           packed |= byte << (8 * b);
         }
         static_cast<int32_t*>(p.recv_scales)[(static_cast<int64_t>(le) * G4 + q) * RT + j] =
@@ -706,6 +733,7 @@ __device__ __forceinline__ void time_first_weight(const LlCombineSendParams& p, 
                                                   uint32_t epoch, int s) {
   const int lane = threadIdx.x % 32;
   const int E_local = p.num_experts / p.t.num_ranks, W = ceil_div(p.max_tokens, 32);
+  if (p.t.masked(s)) return;  // shrink: no weights come from s
   const uint64_t t0 = dev::globaltimer_ns();
   int first = -1;
 #pragma unroll 1
@@ -749,7 +777,10 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
   constexpr int kCombineChunk = kLlCombineSendChunk, kCombineSteps = kCombineChunk / 256;
   constexpr int kRowsAtOnce = kLogFmt ? 1 : kLlCombineSendRowsAtOnce;  // LogFMT: registers
 
-  const int n_src = static_cast<int>(threadIdx.x) < R ? p.disp_state[8 + threadIdx.x] : 0;
+  // Shrink: a masked source gets nothing back (and sends no weights here).
+  const int n_src = static_cast<int>(threadIdx.x) < R && !p.t.masked(threadIdx.x)
+                        ? p.disp_state[8 + threadIdx.x]
+                        : 0;
   if (blockIdx.x == 0 && threadIdx.x == 0) p.state[0] = static_cast<int32_t>(epoch);
 
   // Weights: warp gw takes tokens gw, gw + all warps, ... For each distinct
@@ -778,7 +809,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
       const bool first_k = __shfl_sync(kFull, first ? 1 : 0, k) != 0;  // implies ek >= 0
       j += first_k && ek / E_local == r && ek < e ? 1 : 0;
     }
-    if (first)
+    if (first && !p.t.masked(r))
       p.t.put_tagged(r, weight_word(p.off, weights, me, t, j), __float_as_uint(wsum), epoch);
   }
   if (static_cast<int>(threadIdx.x) < R) s_tokens[threadIdx.x] = min(max(n_src, 0), maxT);
@@ -864,7 +895,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
         if (lane < n)
           ok = p.t.wait_tagged(weight_word(p.off, weights, s, t, lane), epoch, w_bits, p.timeout_ns,
                                p.diag, OpId::kLowLatencyCombineSend, s, t);
-        if (!__all_sync(kFull, ok)) break;  // reported; still counted in below
+        if (!__all_sync(kFull, ok)) break;  // reported, or s masked (shrink): see below
       }
 #pragma unroll
       for (int jj = 0; jj < kRowsAtOnce; ++jj) {
@@ -880,7 +911,10 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
         }
       }
     }
-    if (!__all_sync(kFull, ok)) break;
+    if (!__all_sync(kFull, ok)) {
+      if (__any_sync(kFull, p.t.masked(s))) continue;  // s masked meanwhile (shrink)
+      break;
+    }
 #pragma unroll
     for (int st = 0; st < kCombineSteps; ++st)
       if (col0 + 32 * st < H8) dev::st_na(dst + col0 + 32 * st, pack_bf16x8(acc[st]));
@@ -923,8 +957,9 @@ __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
   const uint32_t epoch = static_cast<uint32_t>(p.state[0]);
   const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
 
+  uint32_t live = 0;  // shrink: the ranks whose rows count
   if (!wait_combine_flags(p.t, p.off, half, epoch, p.timeout_ns, p.diag, p.wait_stats,
-                          p.send_wait_first)) {
+                          p.send_wait_first, live)) {
     tl_finish(kTlCombine, p.t.rank);
     return;
   }
@@ -953,7 +988,8 @@ __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
     };
     load_rows(0);  // before the routing: one memory latency, not two
     if (!first_item) pick_of(item, e, w);
-    const int rank_of = (e >= 0 && e < E) ? static_cast<int>(e / E_local) : -1;
+    int rank_of = (e >= 0 && e < E) ? static_cast<int>(e / E_local) : -1;
+    if (rank_of >= 0 && !((live >> rank_of) & 1u)) rank_of = -1;  // a masked rank's pick
     // First pick of each distinct expert (a repeated expert id counts once).
     const bool first = lane == __ffs(__match_any_sync(kFull, e)) - 1;
     for (int r0 = 0; r0 < R; r0 += kRanksAtOnce) {

@@ -8,6 +8,7 @@
 //   wait_eq(offset, value, ...)  the same until == value (words that only hold epochs)
 //   put_tagged / wait_tagged     a 32-bit value with its epoch in one 64-bit word
 //   flush()                      make prior puts visible before a signal
+//   masked(rank) / live_ranks()  shrink mode: peers this rank leaves out
 // NvlinkTransport is the one whose put is a plain store.
 #pragma once
 
@@ -133,10 +134,14 @@ __device__ __forceinline__ bool last_block_done(uint32_t* done) {
 /// Other reports (a truncated num_worst_tokens dispatch, a bad expert id)
 /// leave the protocol intact: waits go on, and the host raises the report
 /// at the next call.
+/// Shrink mode (`peer_masked`: the waited-for peer's word of this rank's
+/// mask): false, without a report, once the peer is masked; at the deadline
+/// the peer is masked (DeepEP's enable_shrink), not reported, so this op and
+/// the later ones go on without it.
 template <class Load, class Done, class Seen>
 __device__ __forceinline__ bool spin_until(Load load, Done done, Seen seen, uint32_t expected,
                                            uint64_t timeout_ns, DeviceDiag* diag, OpId op, int rank,
-                                           int peer, int channel) {
+                                           int peer, int channel, int* peer_masked = nullptr) {
   auto v = load();
   if (done(v)) return true;
   const uint64_t start = globaltimer_ns();
@@ -145,6 +150,7 @@ __device__ __forceinline__ bool spin_until(Load load, Done done, Seen seen, uint
     v = load();
     if (done(v)) return true;
     if ((++spins & 1023u) == 0) {
+      if (peer_masked != nullptr && *static_cast<volatile int*>(peer_masked) != 0) return false;
       if (diag) {
         // A timeout or a config mismatch anywhere in this launch ends every wait.
         const uint32_t code = *static_cast<volatile uint32_t*>(&diag->code);
@@ -153,7 +159,10 @@ __device__ __forceinline__ bool spin_until(Load load, Done done, Seen seen, uint
           return false;
       }
       if (globaltimer_ns() - start > timeout_ns) {
-        report(diag, DiagCode::kTimeout, op, rank, peer, channel, expected, seen(v));
+        if (peer_masked != nullptr)
+          atomicExch(peer_masked, 1);
+        else
+          report(diag, DiagCode::kTimeout, op, rank, peer, channel, expected, seen(v));
         return false;
       }
     }
@@ -162,21 +171,23 @@ __device__ __forceinline__ bool spin_until(Load load, Done done, Seen seen, uint
 
 /// Spins until *flag >= value (wrap-safe compare of epochs).
 __device__ __forceinline__ bool wait_ge(const uint32_t* flag, uint32_t value, uint64_t timeout_ns,
-                                        DeviceDiag* diag, OpId op, int rank, int peer,
-                                        int channel) {
+                                        DeviceDiag* diag, OpId op, int rank, int peer, int channel,
+                                        int* peer_masked = nullptr) {
   return spin_until([&] { return ld_acquire_sys(flag); },
                     [&](uint32_t v) { return static_cast<int32_t>(v - value) >= 0; },
-                    [](uint32_t v) { return v; }, value, timeout_ns, diag, op, rank, peer, channel);
+                    [](uint32_t v) { return v; }, value, timeout_ns, diag, op, rank, peer, channel,
+                    peer_masked);
 }
 
 /// Spins until *flag == value exactly: for words that only ever hold epochs
 /// and are rewritten only when their slot is used (a wrap-safe >= would take
 /// a word left 2^31 ops ago).
 __device__ __forceinline__ bool wait_eq(const uint32_t* flag, uint32_t value, uint64_t timeout_ns,
-                                        DeviceDiag* diag, OpId op, int rank, int peer,
-                                        int channel) {
+                                        DeviceDiag* diag, OpId op, int rank, int peer, int channel,
+                                        int* peer_masked = nullptr) {
   return spin_until([&] { return ld_acquire_sys(flag); }, [&](uint32_t v) { return v == value; },
-                    [](uint32_t v) { return v; }, value, timeout_ns, diag, op, rank, peer, channel);
+                    [](uint32_t v) { return v; }, value, timeout_ns, diag, op, rank, peer, channel,
+                    peer_masked);
 }
 
 /// Spins until the high half (an epoch) of the tagged word *p equals `epoch`
@@ -185,13 +196,14 @@ __device__ __forceinline__ bool wait_eq(const uint32_t* flag, uint32_t value, ui
 template <bool kAcquire = false>
 __device__ __forceinline__ bool wait_tagged(const uint64_t* p, uint32_t epoch, uint32_t& value,
                                             uint64_t timeout_ns, DeviceDiag* diag, OpId op,
-                                            int rank, int peer, int channel) {
+                                            int rank, int peer, int channel,
+                                            int* peer_masked = nullptr) {
   uint64_t last = 0;
   const bool ok =
       spin_until([&] { return last = kAcquire ? ld_acquire_sys_u64(p) : ld_relaxed_sys_u64(p); },
                  [&](uint64_t w) { return static_cast<uint32_t>(w >> 32) == epoch; },
                  [](uint64_t w) { return static_cast<uint32_t>(w >> 32); }, epoch, timeout_ns, diag,
-                 op, rank, peer, channel);
+                 op, rank, peer, channel, peer_masked);
   value = static_cast<uint32_t>(last);
   return ok;
 }
@@ -204,7 +216,28 @@ struct NvlinkTransport {
   char* base[plan::kMaxRanks];  ///< each rank's copy of the region, as mapped here
   int rank;
   int num_ranks;
+  /// Shrink mode: this rank's mask of peers, int32 [kMaxRanks] in its own
+  /// memory, nonzero = left out (no store to it, no wait for it; a wait that
+  /// passes its deadline masks the peer). nullptr: every peer takes part.
+  int* peer_mask;
 #if defined(__CUDACC__)
+
+  /// Whether peer `r` is left out now (shrink mode).
+  __device__ __forceinline__ bool masked(int r) const {
+    return peer_mask != nullptr && *static_cast<volatile int*>(peer_mask + r) != 0;
+  }
+  /// Bit r set for every rank r that takes part (all ranks without shrink mode).
+  __device__ __forceinline__ uint32_t live_ranks() const {
+    uint32_t live = num_ranks >= 32 ? ~0u : (1u << num_ranks) - 1u;
+    if (peer_mask != nullptr)
+      for (int r = 0; r < num_ranks; ++r)
+        if (masked(r)) live &= ~(1u << r);
+    return live;
+  }
+  /// The mask word a wait for `peer` gives up on (nullptr without shrink mode).
+  __device__ __forceinline__ int* mask_word(int peer) const {
+    return peer_mask != nullptr && peer >= 0 && peer < num_ranks ? peer_mask + peer : nullptr;
+  }
 
   __device__ __forceinline__ char* peer_ptr(int r, std::size_t offset) const {
     return base[r] + offset;
@@ -247,25 +280,25 @@ struct NvlinkTransport {
                                                  uint32_t& value, uint64_t timeout_ns,
                                                  DeviceDiag* diag, OpId op, int channel) const {
     return dev::wait_tagged<true>(reinterpret_cast<const uint64_t*>(peer_ptr(r, offset)), epoch,
-                                  value, timeout_ns, diag, op, rank, r, channel);
+                                  value, timeout_ns, diag, op, rank, r, channel, mask_word(r));
   }
   /// Waits for the tagged word of `epoch` at local `offset`.
   __device__ __forceinline__ bool wait_tagged(std::size_t offset, uint32_t epoch, uint32_t& value,
                                               uint64_t timeout_ns, DeviceDiag* diag, OpId op,
                                               int peer, int channel) const {
     return dev::wait_tagged(reinterpret_cast<const uint64_t*>(local_ptr(offset)), epoch, value,
-                            timeout_ns, diag, op, rank, peer, channel);
+                            timeout_ns, diag, op, rank, peer, channel, mask_word(peer));
   }
   /// Waits until the local flag at `offset` holds exactly `value`.
   __device__ __forceinline__ bool wait_eq(std::size_t offset, uint32_t value, uint64_t timeout_ns,
                                           DeviceDiag* diag, OpId op, int peer, int channel) const {
     return dev::wait_eq(reinterpret_cast<const uint32_t*>(local_ptr(offset)), value, timeout_ns,
-                        diag, op, rank, peer, channel);
+                        diag, op, rank, peer, channel, mask_word(peer));
   }
   __device__ __forceinline__ bool wait(std::size_t offset, uint32_t value, uint64_t timeout_ns,
                                        DeviceDiag* diag, OpId op, int peer, int channel) const {
     return wait_ge(reinterpret_cast<const uint32_t*>(local_ptr(offset)), value, timeout_ns, diag,
-                   op, rank, peer, channel);
+                   op, rank, peer, channel, mask_word(peer));
   }
   /// Warp-wide wait until the local flag at `offset` holds exactly `value`:
   /// lane 0 polls, the warp continues together (the warp barrier orders the

@@ -41,6 +41,9 @@ struct LlCase {
   /// The last rank starts each op this many ms after the others, and the ops
   /// get dispatch/combine_wait_recv_cost_stats (checked by check_waits).
   int late_ms = 0;
+  /// Shrink mode: this rank makes no call (the others mask it, or find it
+  /// gone at their deadline); the reference is the ops without it.
+  int dead_rank = -1;
   std::string name() const {
     std::string n = "maxT" + std::to_string(max_tokens) + "_H" + std::to_string(hidden) + "_K" +
                     std::to_string(num_topk) + "_E" + std::to_string(num_experts);
@@ -52,6 +55,7 @@ struct LlCase {
     if (zero_copy) n += "_zerocopy";
     if (use_out) n += "_out";
     if (late_ms) n += "_late" + std::to_string(late_ms) + "ms";
+    if (dead_rank >= 0) n += "_dead" + std::to_string(dead_rank);
     return n;
   }
 };
@@ -86,6 +90,21 @@ LlInputs make_inputs(const LlCase& c, int R, uint64_t seed) {
     in.weights[r] = random_f32(static_cast<std::size_t>(T) * c.num_topk, s + 2);
   });
   return in;
+}
+
+/// The inputs as the live ranks see them when `dead` is left out: it has no
+/// tokens, and every pick of one of its experts is -1.
+LlInputs without_rank(const LlInputs& in, int dead, int E_local) {
+  LlInputs out = in;
+  if (dead < 0) return out;
+  out.num_tokens[dead] = 0;
+  out.x[dead].clear();
+  out.topk[dead].clear();
+  out.weights[dead].clear();
+  for (auto& topk : out.topk)
+    for (auto& e : topk)
+      if (e >= 0 && e / E_local == dead) e = -1;
+  return out;
 }
 
 std::size_t ll_buffer_bytes() {
@@ -327,11 +346,18 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
                   : 0;
   if (need > ll_buffer_bytes()) GTEST_SKIP() << "zero-copy needs " << need << " bytes";
   const int E_local = c.num_experts / R, RT = R * c.max_tokens, H = c.hidden, K = c.num_topk;
+  if (me == c.dead_rank) {  // makes no call; joins the test's own collectives only
+    ASSERT_TRUE(all_ranks(true));
+    if (with_combine) ASSERT_TRUE(all_ranks(true));
+    return;
+  }
 
   auto in = make_inputs(c, R, seed);
   const int T = in.num_tokens[me];
-  auto ro = ref::ll_dispatch(in.x, in.topk, in.num_tokens, H, K, c.num_experts, c.max_tokens, c.fp8,
-                             c.round_scale);
+  // What the reference sees: without the dead rank (the inputs themselves otherwise).
+  const LlInputs ref_in = without_rank(in, c.dead_rank, E_local);
+  auto ro = ref::ll_dispatch(ref_in.x, ref_in.topk, ref_in.num_tokens, H, K, c.num_experts,
+                             c.max_tokens, c.fp8, c.round_scale);
   auto d_x = to_device(in.x[me]);
   auto d_topk = to_device(in.topk[me]);
   auto d_w = to_device(in.weights[me]);
@@ -399,9 +425,9 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
   finish(cres.event);
   if (c.late_ms) check_waits(c, c.hook ? "combine (hook)" : "combine", cwait, 1);
   if (c.use_out) EXPECT_EQ(cres.combined_x.view.data, static_cast<void*>(d_out.get()));
-  auto rc = ref::ll_combine(eo, in.topk, in.weights, in.num_tokens, H, K, c.num_experts,
+  auto rc = ref::ll_combine(eo, ref_in.topk, ref_in.weights, ref_in.num_tokens, H, K, c.num_experts,
                             c.max_tokens, c.logfmt);
-  check_combine(c, in, ro, eo, to_host<uint16_t>(cres.combined_x), rc[me]);
+  check_combine(c, ref_in, ro, eo, to_host<uint16_t>(cres.combined_x), rc[me]);
   if (c.empty_token && T > 0) {
     auto got = to_host<uint16_t>(cres.combined_x);
     for (int hh = 0; hh < H; ++hh) ASSERT_EQ(got[hh], 0) << "token with no picks must combine to 0";
@@ -909,6 +935,151 @@ EPX_GPU_TEST(LowLatency, Int32AlignedAllocator) {
   c.fp8 = c.round_scale = c.ue8m0 = true;
   c.hook = true;
   run_case(c, 82, true, &b);
+  EXPECT_TRUE(all_ranks(!rank_failed()));
+  b.destroy();
+}
+
+// ---- shrink mode (enable_shrink) ------------------------------------------------
+
+/// This rank's mask, read back with low_latency_query_mask_buffer.
+std::vector<int> query_mask(Buffer& b) {
+  const int R = world().num_ranks;
+  auto d = to_device(std::vector<int>(R, -7));
+  b.low_latency_query_mask_buffer(view(d.get(), DType::kI32, {R}), world().stream);
+  std::vector<int> got(R);
+  EXPECT_EQ(cudaStreamSynchronize(world().stream), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(got.data(), d.get(), R * sizeof(int), cudaMemcpyDeviceToHost), cudaSuccess);
+  return got;
+}
+
+std::vector<int> only_masked(int R, int r) {
+  std::vector<int> m(R, 0);
+  if (r >= 0) m[r] = 1;
+  return m;
+}
+
+/// Every other rank masks rank R/2, which makes no call: dispatch and combine
+/// (BF16, FP8, with and without hooks) give the ops without it, and nothing
+/// waits for it.
+EPX_GPU_TEST(LowLatency, ShrinkLeavesOutAMaskedRank) {
+  auto& w = world();
+  if (w.num_ranks < 2) GTEST_SKIP() << "needs a peer";
+  const int R = w.num_ranks, dead = R / 2;
+  LlCase c;
+  c.max_tokens = 32;
+  c.hidden = 1024;
+  c.num_experts = 8 * R;
+  c.masked = 0.1;
+  c.dead_rank = dead;
+  BufferOptions o = hint_sized_options(c, R, 20, poisoning_allocator());
+  o.enable_shrink = true;
+  Buffer b(w.comm, o);
+  EXPECT_TRUE(b.shrink_enabled());
+  if (w.rank != dead) {
+    EXPECT_EQ(query_mask(b), only_masked(R, -1));
+    b.low_latency_update_mask_buffer(dead, true, w.stream);
+    EXPECT_EQ(query_mask(b), only_masked(R, dead));
+  }
+  run_case(c, 91, true, &b);
+  c.fp8 = true;
+  c.hook = true;
+  run_case(c, 92, true, &b);
+  c.stats = true;
+  c.hook = false;
+  run_case(c, 93, true, &b);
+  if (w.rank != dead) {
+    // Unmask and mask again: the update writes what it is told.
+    b.low_latency_update_mask_buffer(dead, false, w.stream);
+    EXPECT_EQ(query_mask(b), only_masked(R, -1));
+    b.low_latency_update_mask_buffer(dead, true, w.stream);
+  }
+  run_case(c, 94, true, &b);
+  EXPECT_TRUE(all_ranks(!rank_failed()));
+  b.destroy();
+}
+
+/// Nobody masks rank R/2, which makes no call: the first dispatch's waits for
+/// it pass their deadline, mask it and complete without it (no error); the
+/// ops after that do not wait for it. Then every rank cleans the mask and the
+/// low-latency buffer, and all ranks, R/2 again too, run together.
+EPX_GPU_TEST(LowLatency, ShrinkMasksARankAtItsDeadlineAndCleanBringsItBack) {
+  auto& w = world();
+  if (w.num_ranks < 2) GTEST_SKIP() << "needs a peer";
+  const int R = w.num_ranks, dead = R / 2;
+  constexpr double kDeadline = 2.0;
+  LlCase c;
+  c.max_tokens = 32;
+  c.hidden = 1024;
+  c.num_experts = 8 * R;
+  c.fp8 = true;
+  c.dead_rank = dead;
+  BufferOptions o = hint_sized_options(c, R, kDeadline, poisoning_allocator());
+  o.enable_shrink = true;
+  Buffer b(w.comm, o);
+  auto t0 = std::chrono::steady_clock::now();
+  run_case(c, 95, true, &b);
+  const double first_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (w.rank != dead) {
+    EXPECT_EQ(query_mask(b), only_masked(R, dead));
+    EXPECT_GE(first_s, kDeadline) << "the first dispatch waited for the dead rank's deadline";
+  }
+  t0 = std::chrono::steady_clock::now();
+  c.hook = true;
+  run_case(c, 96, true, &b);
+  const double second_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (w.rank != dead) {
+    EXPECT_LT(second_s, kDeadline / 2) << "a masked rank is not waited for";
+    EXPECT_EQ(query_mask(b), only_masked(R, dead));
+    b.low_latency_clean_mask_buffer(w.stream);
+    EXPECT_EQ(query_mask(b), only_masked(R, -1));
+  }
+  // Back in step: the rank that missed the ops has an older epoch counter.
+  b.clean_low_latency_buffer(c.max_tokens, c.hidden, c.num_experts);
+  c.dead_rank = -1;
+  c.hook = false;
+  run_case(c, 97, true, &b);
+  EXPECT_EQ(query_mask(b), only_masked(R, -1));
+  EXPECT_TRUE(all_ranks(!rank_failed()));
+  b.destroy();
+}
+
+/// The mask calls need enable_shrink, a rank of the group and an int32 [R]
+/// tensor on this GPU.
+EPX_GPU_TEST(LowLatency, ShrinkArgumentsAreChecked) {
+  auto& w = world();
+  const int R = w.num_ranks;
+  EXPECT_FALSE(w.buffer->shrink_enabled());
+  expect_error("update without enable_shrink",
+               [&] { w.buffer->low_latency_update_mask_buffer(0, true, w.stream); },
+               {"low_latency_update_mask_buffer", "enable_shrink"});
+  expect_error("clean without enable_shrink",
+               [&] { w.buffer->low_latency_clean_mask_buffer(w.stream); },
+               {"low_latency_clean_mask_buffer", "enable_shrink"});
+  LlCase c;
+  c.max_tokens = 8;
+  c.hidden = 512;
+  c.num_experts = 2 * R;
+  BufferOptions o = hint_sized_options(c, R, 20, poisoning_allocator());
+  o.enable_shrink = true;
+  Buffer b(w.comm, o);
+  const std::string got_r = "got " + std::to_string(R);
+  expect_error("rank out of range", [&] { b.low_latency_update_mask_buffer(R, true, w.stream); },
+               {"rank_to_mask", got_r.c_str()});
+  expect_error("negative rank", [&] { b.low_latency_update_mask_buffer(-1, true, w.stream); },
+               {"rank_to_mask", "got -1"});
+  auto d64 = to_device(std::vector<int64_t>(R, 0));
+  expect_error(
+      "int64 mask_status",
+      [&] { b.low_latency_query_mask_buffer(view(d64.get(), DType::kI64, {R}), w.stream); },
+      {"low_latency_query_mask_buffer: mask_status", "int32"});
+  auto d32 = to_device(std::vector<int>(R + 1, 0));
+  expect_error(
+      "mask_status of R + 1",
+      [&] { b.low_latency_query_mask_buffer(view(d32.get(), DType::kI32, {R + 1}), w.stream); },
+      {"mask_status", "must have shape"});
+  EXPECT_EQ(query_mask(b), only_masked(R, -1));
   EXPECT_TRUE(all_ranks(!rank_failed()));
   b.destroy();
 }

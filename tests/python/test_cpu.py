@@ -155,7 +155,9 @@ def test_deep_ep_aliases():
                  "low_latency_combine", "get_next_low_latency_combine_buffer",
                  "clean_low_latency_buffer", "get_low_latency_rdma_size_hint",
                  "get_dispatch_config", "get_combine_config", "set_num_sms", "capture",
-                 "get_comm_stream", "get_local_buffer_tensor", "destroy"]:
+                 "get_comm_stream", "get_local_buffer_tensor", "destroy",
+                 "low_latency_update_mask_buffer", "low_latency_query_mask_buffer",
+                 "low_latency_clean_mask_buffer"]:
         assert callable(getattr(epx.Buffer, name)), name
     saved = {k: sys.modules.get(k) for k in ("deep_ep", "deep_ep.utils", "deep_ep.buffer")}
     try:
@@ -234,6 +236,13 @@ def numpy_allocator(calls):
         calls.append((dtype, shape, stream))
         return np.zeros(shape, NP_OF[_core.DType(dtype)])
     return alloc
+
+
+def test_buffer_options_enable_shrink():
+    opts = _core.BufferOptions()
+    assert opts.enable_shrink is False  # DeepEP's default
+    opts.enable_shrink = True
+    assert opts.enable_shrink is True
 
 
 def test_allocator_round_trip():

@@ -87,6 +87,12 @@ def test_low_latency(world, ranks):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("ranks", list(_RANKS))
+def test_low_latency_shrink(world, ranks):
+    _RANKS[ranks]("_case_low_latency_shrink", world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_moe_layer_example(world):
     """examples/moe_layer.py (deep_ep code, only the import changed) against a dense
     single-process computation of the same layer."""
@@ -405,6 +411,71 @@ def _check_ll_rows(recv, count, handle, x_src, world, rows_equal):
                 rows_equal(recv, le, row, x_src[s][src_info[le, row]])
             total += n
         assert total == count[le]
+
+
+def _case_low_latency_shrink(rank, world, group):
+    """enable_shrink: the last rank makes no low-latency call; the others mask it and
+    get the ops without it (its experts' picks count as -1, it sends no token)."""
+    import torch
+
+    import epx
+    from epx import reference as ref
+
+    dev = _device(rank, group)
+    H, K, E, maxT = 512, 4, 4 * world, 32
+    El, dead = E // world, world - 1
+    rng = np.random.default_rng(300 + rank)
+    T = 20 + 3 * rank
+    idx_np = _routing(rng, T, K, E, drop=0.1)
+    x_np = ref.bf16_from_float(rng.standard_normal((T, H)).astype(np.float32))
+    w_np = rng.random((T, K)).astype(np.float32)
+    all_idx, all_x, all_w = (list(a) for a in zip(*_gather(group, (idx_np, x_np, w_np))))
+    live = [r != dead for r in range(world)]
+    ref_idx = [np.where(i // El == dead, -1, i) if live[r] else i[:0]
+               for r, i in enumerate(all_idx)]
+    ref_x = [a if live[r] else a[:0] for r, a in enumerate(all_x)]
+    ref_w = [a if live[r] else a[:0] for r, a in enumerate(all_w)]
+    want = ref.ll_dispatch(ref_x, ref_idx, E, maxT)
+
+    rdma = epx.Buffer.get_low_latency_rdma_size_hint(maxT, H, world, E)
+    buf = _buffer(group, 0, rdma, low_latency_mode=True, explicitly_destroy=True,
+                  enable_shrink=True)
+    assert buf.runtime.shrink_enabled
+    if live[rank]:
+        status = torch.full((world,), -1, dtype=torch.int32, device=dev)
+        buf.low_latency_query_mask_buffer(status)
+        assert status.tolist() == [0] * world
+        _check_raises(ValueError, "rank_to_mask",
+                      lambda: buf.low_latency_update_mask_buffer(world, True))
+        _check_raises(ValueError, "mask_status",
+                      lambda: buf.low_latency_query_mask_buffer(status.to(torch.int64)))
+        buf.low_latency_update_mask_buffer(dead, True)
+        buf.low_latency_query_mask_buffer(status)
+        assert status.tolist() == [int(not a) for a in live]
+
+        idx, x = torch.from_numpy(idx_np).to(dev), _bf16(x_np, dev)
+        w = torch.from_numpy(w_np).to(dev)
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, maxT, E, use_fp8=False)
+        np.testing.assert_array_equal(count.cpu().numpy(), want[rank]["recv_count"])
+
+        def same_bf16(r, le, row, src_row):
+            np.testing.assert_array_equal(r[le, row], src_row)
+
+        _check_ll_rows(_bits(recv), count.cpu().numpy(), handle, ref_x, world, same_bf16)
+        expect = ref.ll_combine([want[r]["recv_x"] for r in range(world)], ref_idx, ref_w, E,
+                                maxT)[rank]
+        combined, _, _ = buf.low_latency_combine(recv, idx, w, handle)
+        np.testing.assert_allclose(ref.bf16_to_float(_bits(combined)),
+                                   ref.bf16_to_float(expect), rtol=1e-2, atol=1e-2)
+        buf.low_latency_clean_mask_buffer()
+        buf.low_latency_query_mask_buffer(status)
+        assert status.tolist() == [0] * world
+    _gather(group, 0)
+    buf.destroy()
+
+    plain = _buffer(group, 0, rdma, low_latency_mode=True, explicitly_destroy=True)
+    _check_raises(ValueError, "enable_shrink", lambda: plain.low_latency_clean_mask_buffer())
+    plain.destroy()
 
 
 def _case_low_latency(rank, world, group):

@@ -130,6 +130,15 @@ TEST(Validate, NumExpertsDivisible) {
   expect_error([&] { validate::dispatch(a, 4, 0); }, {"num_experts", "divisible"});
 }
 
+TEST(Validate, RankInGroup) {
+  expect_error([] { validate::rank_in_group("op", "rank_to_mask", 4, 4); },
+               {"op: rank_to_mask", "[0, 4)", "got 4"});
+  expect_error([] { validate::rank_in_group("op", "rank_to_mask", -1, 4); },
+               {"rank_to_mask", "got -1"});
+  validate::rank_in_group("op", "rank_to_mask", 0, 4);
+  validate::rank_in_group("op", "rank_to_mask", 3, 4);
+}
+
 TEST(Validate, LayoutTensorsRequired) {
   auto a = good_dispatch();
   a.is_token_in_rank.reset();
