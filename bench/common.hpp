@@ -22,6 +22,7 @@ struct Options {
   int in_process = 0;   ///< > 0: that many ranks as threads on one GPU (no NVLink: a proxy)
   int warmup = 10, iters = 50;
   bool sweep = true;
+  bool shrink = false;  ///< ll: BufferOptions::enable_shrink (no rank masked)
   std::string json_path;
   std::string command;  ///< the command line, for the result file
   int64_t nvl_bytes = 0, rdma_bytes = 0;

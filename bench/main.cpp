@@ -138,6 +138,7 @@ int run_rank(std::shared_ptr<Communicator> comm, const Options& o) {
     } else {
       bo.num_rdma_bytes = static_cast<int64_t>(
           Buffer::get_low_latency_rdma_size_hint(o.tokens, o.hidden, w.num_ranks, o.experts));
+      bo.enable_shrink = o.shrink;
     }
     w.buffer = std::make_unique<Buffer>(w.comm, bo);
     nlohmann::json result;
@@ -189,6 +190,8 @@ int main(int argc, char** argv) {
   }
   ht->add_option("--sms", o.num_sms, "SMs for the kernels")->capture_default_str();
   ht->add_flag("!--no-sweep", o.sweep, "skip the config sweep");
+  ll->add_flag("--shrink", o.shrink,
+               "a buffer with enable_shrink (no rank masked): what the mask checks cost");
   for (auto* sc : {ht, ll})
     sc->add_option("--in-process", o.in_process,
                    "run that many ranks as threads on the current GPU (Communicator::"

@@ -298,13 +298,16 @@ __device__ __forceinline__ bool wait_combine_flags(const dev::NvlinkTransport& t
   __shared__ uint32_t s_live;
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
-  if (static_cast<int>(threadIdx.x) < t.num_ranks && !t.masked(threadIdx.x)) {
+  if (static_cast<int>(threadIdx.x) < t.num_ranks) {
     const int s = threadIdx.x;
+    // Shrink: the mask is read beside the flag, not before it (no added
+    // latency); a masked source is left out whether its flag came or not.
+    const bool was_masked = t.masked(s);
     const uint64_t t0 = wait_stats != nullptr ? dev::globaltimer_ns() : 0;
     if (!t.wait(flag_offset(half, o, kFlagCombine, s), epoch, timeout_ns, diag,
                 OpId::kLowLatencyCombineRecv, s, -1)) {
-      if (!t.masked(s)) atomicExch(&failed, 1);  // masked meanwhile (shrink): left out
-    } else if (wait_stats != nullptr && blockIdx.x == 0) {
+      if (!was_masked && !t.masked(s)) atomicExch(&failed, 1);
+    } else if (wait_stats != nullptr && blockIdx.x == 0 && !was_masked) {
       const unsigned long long first = send_wait_first[s];
       atomicAdd(reinterpret_cast<unsigned long long*>(wait_stats + s),
                 first != 0ull ? first - 1ull
@@ -528,10 +531,14 @@ __device__ __forceinline__ bool dispatch_recv_unit(const LlDispatchRecvParams& p
   }
   uint32_t word = 0;
   bool ok = true;
-  if (pos < R * W && !p.t.masked(s)) {
+  if (pos < R * W) {
+    // Shrink: the mask is read beside the word, not before it (no added
+    // latency). A masked source counts as sending nothing, whether its word
+    // came or not (a wait for it returns at once, or when it gets masked).
+    const bool was_masked = p.t.masked(s);
     ok = p.t.wait_tagged(mask_word_offset(p.off, tags, s, w, le, E_local), epoch, word,
                          p.timeout_ns, p.diag, OpId::kLowLatencyDispatchRecv, s, le);
-    if (!ok && p.t.masked(s)) {  // masked meanwhile (shrink): no token from s
+    if (was_masked || (!ok && p.t.masked(s))) {
       ok = true;
       word = 0;
     }
@@ -540,14 +547,13 @@ __device__ __forceinline__ bool dispatch_recv_unit(const LlDispatchRecvParams& p
   if (unit == 0 && static_cast<int>(threadIdx.x) < R) {
     // The token counts, which the combine reads from the handle state.
     uint32_t n = 0;
-    if (p.t.masked(threadIdx.x)) {
+    const bool was_masked = p.t.masked(threadIdx.x);  // beside the wait, as above
+    const bool came = p.t.wait_tagged(tags + 8u * threadIdx.x, epoch, n, p.timeout_ns, p.diag,
+                                      OpId::kLowLatencyDispatchRecv, threadIdx.x, le);
+    if (was_masked || (!came && p.t.masked(threadIdx.x))) {
       p.state[8 + threadIdx.x] = 0;  // shrink: a masked source sends nothing
-    } else if (!p.t.wait_tagged(tags + 8u * threadIdx.x, epoch, n, p.timeout_ns, p.diag,
-                                OpId::kLowLatencyDispatchRecv, threadIdx.x, le)) {
-      if (p.t.masked(threadIdx.x))
-        p.state[8 + threadIdx.x] = 0;
-      else
-        ok = false;
+    } else if (!came) {
+      ok = false;
     } else if (plan::ll_shape_of(n) != p.off.shape_fp) {
       // The sender's shapes differ: its rows sit elsewhere. kBadConfig ends every wait.
       dev::report(p.diag, DiagCode::kBadConfig, OpId::kLowLatencyDispatchRecv, p.t.rank,
@@ -778,7 +784,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
   constexpr int kRowsAtOnce = kLogFmt ? 1 : kLlCombineSendRowsAtOnce;  // LogFMT: registers
 
   // Shrink: a masked source gets nothing back (and sends no weights here).
-  const int n_src = static_cast<int>(threadIdx.x) < R && !p.t.masked(threadIdx.x)
+  const uint32_t live = p.t.live_ranks();
+  const int n_src = static_cast<int>(threadIdx.x) < R && ((live >> threadIdx.x) & 1u)
                         ? p.disp_state[8 + threadIdx.x]
                         : 0;
   if (blockIdx.x == 0 && threadIdx.x == 0) p.state[0] = static_cast<int32_t>(epoch);
@@ -809,7 +816,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
       const bool first_k = __shfl_sync(kFull, first ? 1 : 0, k) != 0;  // implies ek >= 0
       j += first_k && ek / E_local == r && ek < e ? 1 : 0;
     }
-    if (first && !p.t.masked(r))
+    if (first && ((live >> r) & 1u))
       p.t.put_tagged(r, weight_word(p.off, weights, me, t, j), __float_as_uint(wsum), epoch);
   }
   if (static_cast<int>(threadIdx.x) < R) s_tokens[threadIdx.x] = min(max(n_src, 0), maxT);

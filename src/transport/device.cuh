@@ -135,7 +135,8 @@ __device__ __forceinline__ bool last_block_done(uint32_t* done) {
 /// leave the protocol intact: waits go on, and the host raises the report
 /// at the next call.
 /// Shrink mode (`peer_masked`: the waited-for peer's word of this rank's
-/// mask): false, without a report, once the peer is masked; at the deadline
+/// mask): false, without a report, when the peer is masked (checked when the
+/// first load does not satisfy `done`, then every 1024 polls); at the deadline
 /// the peer is masked (DeepEP's enable_shrink), not reported, so this op and
 /// the later ones go on without it.
 template <class Load, class Done, class Seen>
@@ -144,6 +145,7 @@ __device__ __forceinline__ bool spin_until(Load load, Done done, Seen seen, uint
                                            int peer, int channel, int* peer_masked = nullptr) {
   auto v = load();
   if (done(v)) return true;
+  if (peer_masked != nullptr && *static_cast<volatile int*>(peer_masked) != 0) return false;
   const uint64_t start = globaltimer_ns();
   uint32_t spins = 0;
   while (true) {
