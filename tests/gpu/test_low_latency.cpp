@@ -44,6 +44,9 @@ struct LlCase {
   /// Shrink mode: this rank makes no call (the others mask it, or find it
   /// gone at their deadline); the reference is the ops without it.
   int dead_rank = -1;
+  /// ... except that it runs the dispatch and stops before the combine: the
+  /// dispatch is the full one, the combine the one without its experts.
+  bool dead_after_dispatch = false;
   std::string name() const {
     std::string n = "maxT" + std::to_string(max_tokens) + "_H" + std::to_string(hidden) + "_K" +
                     std::to_string(num_topk) + "_E" + std::to_string(num_experts);
@@ -56,6 +59,7 @@ struct LlCase {
     if (use_out) n += "_out";
     if (late_ms) n += "_late" + std::to_string(late_ms) + "ms";
     if (dead_rank >= 0) n += "_dead" + std::to_string(dead_rank);
+    if (dead_after_dispatch) n += "_after_dispatch";
     return n;
   }
 };
@@ -104,6 +108,16 @@ LlInputs without_rank(const LlInputs& in, int dead, int E_local) {
   for (auto& topk : out.topk)
     for (auto& e : topk)
       if (e >= 0 && e / E_local == dead) e = -1;
+  return out;
+}
+
+/// The inputs with weight 0 on every pick of one of `dead`'s experts: the
+/// combine without that rank's experts, over the full dispatch's placement.
+LlInputs without_experts_of(const LlInputs& in, int dead, int E_local) {
+  LlInputs out = in;
+  for (std::size_t r = 0; r < out.topk.size(); ++r)
+    for (std::size_t i = 0; i < out.topk[r].size(); ++i)
+      if (out.topk[r][i] >= 0 && out.topk[r][i] / E_local == dead) out.weights[r][i] = 0.0f;
   return out;
 }
 
@@ -346,7 +360,7 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
                   : 0;
   if (need > ll_buffer_bytes()) GTEST_SKIP() << "zero-copy needs " << need << " bytes";
   const int E_local = c.num_experts / R, RT = R * c.max_tokens, H = c.hidden, K = c.num_topk;
-  if (me == c.dead_rank) {  // makes no call; joins the test's own collectives only
+  if (me == c.dead_rank && !c.dead_after_dispatch) {  // no call; the test's collectives only
     ASSERT_TRUE(all_ranks(true));
     if (with_combine) ASSERT_TRUE(all_ranks(true));
     return;
@@ -355,7 +369,9 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
   auto in = make_inputs(c, R, seed);
   const int T = in.num_tokens[me];
   // What the reference sees: without the dead rank (the inputs themselves otherwise).
-  const LlInputs ref_in = without_rank(in, c.dead_rank, E_local);
+  const LlInputs ref_in = c.dead_after_dispatch ? in : without_rank(in, c.dead_rank, E_local);
+  const LlInputs comb_in =
+      c.dead_after_dispatch ? without_experts_of(in, c.dead_rank, E_local) : ref_in;
   auto ro = ref::ll_dispatch(ref_in.x, ref_in.topk, ref_in.num_tokens, H, K, c.num_experts,
                              c.max_tokens, c.fp8, c.round_scale);
   auto d_x = to_device(in.x[me]);
@@ -389,6 +405,10 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
   }
   ASSERT_TRUE(all_ranks(!rank_failed())) << "another rank failed " << c.name();
   if (!with_combine) return;
+  if (me == c.dead_rank) {  // dead_after_dispatch: stops here
+    ASSERT_TRUE(all_ranks(true));
+    return;
+  }
 
   auto eo = make_expert_out(c, R, ro, seed);
   DeviceArray<uint16_t> d_eo;
@@ -425,9 +445,9 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
   finish(cres.event);
   if (c.late_ms) check_waits(c, c.hook ? "combine (hook)" : "combine", cwait, 1);
   if (c.use_out) EXPECT_EQ(cres.combined_x.view.data, static_cast<void*>(d_out.get()));
-  auto rc = ref::ll_combine(eo, ref_in.topk, ref_in.weights, ref_in.num_tokens, H, K, c.num_experts,
-                            c.max_tokens, c.logfmt);
-  check_combine(c, ref_in, ro, eo, to_host<uint16_t>(cres.combined_x), rc[me]);
+  auto rc = ref::ll_combine(eo, comb_in.topk, comb_in.weights, comb_in.num_tokens, H, K,
+                            c.num_experts, c.max_tokens, c.logfmt);
+  check_combine(c, comb_in, ro, eo, to_host<uint16_t>(cres.combined_x), rc[me]);
   if (c.empty_token && T > 0) {
     auto got = to_host<uint16_t>(cres.combined_x);
     for (int hh = 0; hh < H; ++hh) ASSERT_EQ(got[hh], 0) << "token with no picks must combine to 0";
@@ -958,9 +978,9 @@ std::vector<int> only_masked(int R, int r) {
   return m;
 }
 
-/// Every other rank masks rank R/2, which makes no call: dispatch and combine
-/// (BF16, FP8, with and without hooks) give the ops without it, and nothing
-/// waits for it.
+/// Every other rank masks rank R/2, which then makes no call: dispatch and
+/// combine (BF16, FP8, with and without hooks) give the ops without it, and
+/// nothing waits for it.
 EPX_GPU_TEST(LowLatency, ShrinkLeavesOutAMaskedRank) {
   auto& w = world();
   if (w.num_ranks < 2) GTEST_SKIP() << "needs a peer";
@@ -975,6 +995,11 @@ EPX_GPU_TEST(LowLatency, ShrinkLeavesOutAMaskedRank) {
   o.enable_shrink = true;
   Buffer b(w.comm, o);
   EXPECT_TRUE(b.shrink_enabled());
+  // First all ranks together: the dead rank's slots then hold rows of
+  // earlier ops, which must not be read.
+  c.dead_rank = -1;
+  run_case(c, 90, true, &b);
+  c.dead_rank = dead;
   if (w.rank != dead) {
     EXPECT_EQ(query_mask(b), only_masked(R, -1));
     b.low_latency_update_mask_buffer(dead, true, w.stream);
@@ -1041,6 +1066,41 @@ EPX_GPU_TEST(LowLatency, ShrinkMasksARankAtItsDeadlineAndCleanBringsItBack) {
   c.hook = false;
   run_case(c, 97, true, &b);
   EXPECT_EQ(query_mask(b), only_masked(R, -1));
+  EXPECT_TRUE(all_ranks(!rank_failed()));
+  b.destroy();
+}
+
+/// Rank R/2 runs the dispatch, then stops: the others' combine finds it gone
+/// at the deadline (the send's wait for its weights, the receive's for its
+/// flag), masks it and completes with the sum over the experts left.
+EPX_GPU_TEST(LowLatency, ShrinkARankThatStopsAfterTheDispatch) {
+  auto& w = world();
+  if (w.num_ranks < 2) GTEST_SKIP() << "needs a peer";
+  const int R = w.num_ranks, dead = R / 2;
+  LlCase c;
+  c.max_tokens = 32;
+  c.hidden = 1024;
+  c.num_experts = 8 * R;
+  c.dead_rank = dead;
+  c.dead_after_dispatch = true;
+  BufferOptions o = hint_sized_options(c, R, 2.0, poisoning_allocator());
+  o.enable_shrink = true;
+  Buffer b(w.comm, o);
+  // First all ranks together (the dead rank's slots then hold older rows).
+  c.dead_rank = -1;
+  c.dead_after_dispatch = false;
+  run_case(c, 97, true, &b);
+  c.dead_rank = dead;
+  c.dead_after_dispatch = true;
+  run_case(c, 98, true, &b);
+  if (w.rank != dead) {
+    EXPECT_EQ(query_mask(b), only_masked(R, dead));
+    b.low_latency_clean_mask_buffer(w.stream);
+  }
+  b.clean_low_latency_buffer(c.max_tokens, c.hidden, c.num_experts);
+  c.dead_rank = -1;
+  c.dead_after_dispatch = false;
+  run_case(c, 99, true, &b);
   EXPECT_TRUE(all_ranks(!rank_failed()));
   b.destroy();
 }
