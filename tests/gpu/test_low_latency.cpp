@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <thread>
 
@@ -978,6 +979,33 @@ std::vector<int> only_masked(int R, int r) {
   return m;
 }
 
+/// The shrink tests' small case, rank R/2 the one left out.
+LlCase shrink_case(int R) {
+  LlCase c;
+  c.max_tokens = 32;
+  c.hidden = 1024;
+  c.num_experts = 8 * R;
+  c.dead_rank = R / 2;
+  return c;
+}
+
+/// A buffer of c's size hint with enable_shrink and this deadline.
+std::unique_ptr<Buffer> shrink_buffer(const LlCase& c, double deadline_s) {
+  BufferOptions o = hint_sized_options(c, world().num_ranks, deadline_s, poisoning_allocator());
+  o.enable_shrink = true;
+  return std::make_unique<Buffer>(world().comm, o);
+}
+
+/// Every rank back in step: the others unmask `dead`, then all clean the
+/// low-latency buffer (collective; it resets the epochs `dead` missed).
+void bring_back(Buffer& b, const LlCase& c, int dead) {
+  if (world().rank != dead) {
+    b.low_latency_clean_mask_buffer(world().stream);
+    EXPECT_EQ(query_mask(b), only_masked(world().num_ranks, -1));
+  }
+  b.clean_low_latency_buffer(c.max_tokens, c.hidden, c.num_experts);
+}
+
 /// Every other rank masks rank R/2, which then makes no call: dispatch and
 /// combine (BF16, FP8, with and without hooks) give the ops without it, and
 /// nothing waits for it.
@@ -985,15 +1013,10 @@ EPX_GPU_TEST(LowLatency, ShrinkLeavesOutAMaskedRank) {
   auto& w = world();
   if (w.num_ranks < 2) GTEST_SKIP() << "needs a peer";
   const int R = w.num_ranks, dead = R / 2;
-  LlCase c;
-  c.max_tokens = 32;
-  c.hidden = 1024;
-  c.num_experts = 8 * R;
+  LlCase c = shrink_case(R);
   c.masked = 0.1;
-  c.dead_rank = dead;
-  BufferOptions o = hint_sized_options(c, R, 20, poisoning_allocator());
-  o.enable_shrink = true;
-  Buffer b(w.comm, o);
+  auto bp = shrink_buffer(c, 20);
+  Buffer& b = *bp;
   EXPECT_TRUE(b.shrink_enabled());
   // First all ranks together: the dead rank's slots then hold rows of
   // earlier ops, which must not be read.
@@ -1032,15 +1055,10 @@ EPX_GPU_TEST(LowLatency, ShrinkMasksARankAtItsDeadlineAndCleanBringsItBack) {
   if (w.num_ranks < 2) GTEST_SKIP() << "needs a peer";
   const int R = w.num_ranks, dead = R / 2;
   constexpr double kDeadline = 2.0;
-  LlCase c;
-  c.max_tokens = 32;
-  c.hidden = 1024;
-  c.num_experts = 8 * R;
+  LlCase c = shrink_case(R);
   c.fp8 = true;
-  c.dead_rank = dead;
-  BufferOptions o = hint_sized_options(c, R, kDeadline, poisoning_allocator());
-  o.enable_shrink = true;
-  Buffer b(w.comm, o);
+  auto bp = shrink_buffer(c, kDeadline);
+  Buffer& b = *bp;
   auto t0 = std::chrono::steady_clock::now();
   run_case(c, 95, true, &b);
   const double first_s =
@@ -1057,11 +1075,8 @@ EPX_GPU_TEST(LowLatency, ShrinkMasksARankAtItsDeadlineAndCleanBringsItBack) {
   if (w.rank != dead) {
     EXPECT_LT(second_s, kDeadline / 2) << "a masked rank is not waited for";
     EXPECT_EQ(query_mask(b), only_masked(R, dead));
-    b.low_latency_clean_mask_buffer(w.stream);
-    EXPECT_EQ(query_mask(b), only_masked(R, -1));
   }
-  // Back in step: the rank that missed the ops has an older epoch counter.
-  b.clean_low_latency_buffer(c.max_tokens, c.hidden, c.num_experts);
+  bring_back(b, c, dead);
   c.dead_rank = -1;
   c.hook = false;
   run_case(c, 97, true, &b);
@@ -1077,27 +1092,17 @@ EPX_GPU_TEST(LowLatency, ShrinkARankThatStopsAfterTheDispatch) {
   auto& w = world();
   if (w.num_ranks < 2) GTEST_SKIP() << "needs a peer";
   const int R = w.num_ranks, dead = R / 2;
-  LlCase c;
-  c.max_tokens = 32;
-  c.hidden = 1024;
-  c.num_experts = 8 * R;
-  c.dead_rank = dead;
-  c.dead_after_dispatch = true;
-  BufferOptions o = hint_sized_options(c, R, 2.0, poisoning_allocator());
-  o.enable_shrink = true;
-  Buffer b(w.comm, o);
+  LlCase c = shrink_case(R);
+  auto bp = shrink_buffer(c, 2.0);
+  Buffer& b = *bp;
   // First all ranks together (the dead rank's slots then hold older rows).
   c.dead_rank = -1;
-  c.dead_after_dispatch = false;
   run_case(c, 97, true, &b);
   c.dead_rank = dead;
   c.dead_after_dispatch = true;
   run_case(c, 98, true, &b);
-  if (w.rank != dead) {
-    EXPECT_EQ(query_mask(b), only_masked(R, dead));
-    b.low_latency_clean_mask_buffer(w.stream);
-  }
-  b.clean_low_latency_buffer(c.max_tokens, c.hidden, c.num_experts);
+  if (w.rank != dead) EXPECT_EQ(query_mask(b), only_masked(R, dead));
+  bring_back(b, c, dead);
   c.dead_rank = -1;
   c.dead_after_dispatch = false;
   run_case(c, 99, true, &b);
@@ -1117,13 +1122,8 @@ EPX_GPU_TEST(LowLatency, ShrinkArgumentsAreChecked) {
   expect_error("clean without enable_shrink",
                [&] { w.buffer->low_latency_clean_mask_buffer(w.stream); },
                {"low_latency_clean_mask_buffer", "enable_shrink"});
-  LlCase c;
-  c.max_tokens = 8;
-  c.hidden = 512;
-  c.num_experts = 2 * R;
-  BufferOptions o = hint_sized_options(c, R, 20, poisoning_allocator());
-  o.enable_shrink = true;
-  Buffer b(w.comm, o);
+  auto bp = shrink_buffer(shrink_case(R), 20);
+  Buffer& b = *bp;
   const std::string got_r = "got " + std::to_string(R);
   expect_error("rank out of range", [&] { b.low_latency_update_mask_buffer(R, true, w.stream); },
                {"rank_to_mask", got_r.c_str()});
