@@ -93,6 +93,12 @@ def test_low_latency_shrink(world, ranks):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("ranks", list(_RANKS))
+def test_low_latency_cuda_graph(world, ranks):
+    _RANKS[ranks]("_case_low_latency_cuda_graph", world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_moe_layer_example(world):
     """examples/moe_layer.py (deep_ep code, only the import changed) against a dense
     single-process computation of the same layer."""
@@ -411,6 +417,62 @@ def _check_ll_rows(recv, count, handle, x_src, world, rows_equal):
                 rows_equal(recv, le, row, x_src[s][src_info[le, row]])
             total += n
         assert total == count[le]
+
+
+def _case_low_latency_cuda_graph(rank, world, group):
+    """Dispatch + combine captured once in a torch.cuda.CUDAGraph (as decode engines do)
+    and replayed with new tokens, routing and weights written into the same tensors."""
+    import torch
+
+    import epx
+    from epx import reference as ref
+
+    dev = _device(rank, group)
+    H, K, E, maxT, T = 512, 4, 4 * world, 32, 24
+    rdma = epx.Buffer.get_low_latency_rdma_size_hint(maxT, H, world, E)
+    buf = _buffer(group, 0, rdma, low_latency_mode=True, explicitly_destroy=True)
+    x = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+    idx = torch.empty(T, K, dtype=torch.int64, device=dev)
+    w = torch.empty(T, K, dtype=torch.float32, device=dev)
+
+    def fill(seed):
+        rng = np.random.default_rng(seed * 1000 + rank)
+        idx_np = _routing(rng, T, K, E, drop=0.15)
+        x_np = ref.bf16_from_float(rng.standard_normal((T, H)).astype(np.float32))
+        w_np = rng.random((T, K)).astype(np.float32)
+        idx.copy_(torch.from_numpy(idx_np))
+        x.copy_(_bf16(x_np, dev))
+        w.copy_(torch.from_numpy(w_np))
+        return [list(a) for a in zip(*_gather(group, (idx_np, x_np, w_np)))]
+
+    fill(0)
+    recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, maxT, E, use_fp8=False)
+    buf.low_latency_combine(recv, idx, w, handle)  # eager first: lazy set-up stays out
+    torch.cuda.synchronize(dev)
+    _gather(group, 0)
+    graph = torch.cuda.CUDAGraph()
+    # Each rank its own capture stream (torch.cuda.graph's default one is shared by
+    # every thread) and thread_local mode: in-process ranks capture at the same time.
+    with torch.cuda.graph(graph, stream=torch.cuda.Stream(dev), capture_error_mode="thread_local"):
+        recv_g, count_g, handle_g, _, _ = buf.low_latency_dispatch(x, idx, maxT, E, use_fp8=False)
+        out_g, _, _ = buf.low_latency_combine(recv_g, idx, w, handle_g)
+    _gather(group, 0)  # every rank's graph exists before any rank replays
+    for replay in range(1, 6):
+        all_idx, all_x, all_w = fill(replay)
+        torch.cuda.synchronize(dev)
+        _gather(group, 0)
+        graph.replay()
+        torch.cuda.current_stream(dev).synchronize()
+        want = ref.ll_dispatch(all_x, all_idx, E, maxT)
+        np.testing.assert_array_equal(count_g.cpu().numpy(), want[rank]["recv_count"],
+                                      err_msg=f"replay {replay}")
+        expect = ref.ll_combine([want[r]["recv_x"] for r in range(world)], all_idx, all_w, E,
+                                maxT)[rank]
+        np.testing.assert_allclose(ref.bf16_to_float(_bits(out_g)), ref.bf16_to_float(expect),
+                                   rtol=1e-2, atol=1e-2, err_msg=f"replay {replay}")
+    _gather(group, 0)
+    del graph
+    buf.destroy()
 
 
 def _case_low_latency_shrink(rank, world, group):
