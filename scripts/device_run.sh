@@ -9,6 +9,9 @@
 #   EPX_PULL=1 (default): the HighThroughput tests again with EPX_HT_PULL=1 (the
 #   pull dispatch in every default config): at EP2/4/8, and at EPX_IN_PROCESS's
 #   rank counts on one GPU. EPX_PULL=0 skips them.
+#   EPX_ARRIVAL=1 (default): the same for the LowLatency tests with
+#   EPX_LL_ARRIVAL_ORDER=1 (experimental arrival-order packing), and with
+#   EPX_RUN=bench on 2+ GPUs `epx-bench ll` again that way. EPX_ARRIVAL=0 skips them.
 #   EPX_RUN="python" (or "tests bench python"): the Python package from a wheel in
 #   .device/wheel/ (pytest -m gpu, then python -m epx.bench), EPX_PY_TIMEOUT (300 s) each.
 #   EPX_RUN="pybuild python": the wheel built here by `pip wheel .` on this Python instead.
@@ -46,6 +49,9 @@ if [[ " $RUN " == *" tests "* ]]; then
     [ "${EPX_PULL:-1}" = 1 ] && suite "EP$n, EPX_HT_PULL=1" "$OUT/gpu-tests-ep$n-pull.log" \
       env EPX_HT_PULL=1 "$D/launch.sh" "$n" ${LINEBUF[@]+"${LINEBUF[@]}"} "$D/epx_gpu_tests" \
       --gtest_filter="$pull_filter"
+    [ "${EPX_ARRIVAL:-1}" = 1 ] && suite "EP$n, EPX_LL_ARRIVAL_ORDER=1" \
+      "$OUT/gpu-tests-ep$n-arrival.log" env EPX_LL_ARRIVAL_ORDER=1 "$D/launch.sh" "$n" \
+      ${LINEBUF[@]+"${LINEBUF[@]}"} "$D/epx_gpu_tests" --gtest_filter="LowLatency.*"
   done
   # Ranks as threads of one process on GPU 0: the multi-rank protocol where
   # there are fewer GPUs (EPX_IN_PROCESS="2 4" by default on a 1-GPU machine).
@@ -64,6 +70,12 @@ if [[ " $RUN " == *" tests "* ]]; then
     for n in $inproc; do
       suite "$n in-process ranks, EPX_HT_PULL=1" "$OUT/gpu-tests-inproc$n-pull.log" \
         env EPX_HT_PULL=1 "${tests[@]}" --in-process="$n" --gtest_filter="$pull_filter"
+    done
+  fi
+  if [ "${EPX_ARRIVAL:-1}" = 1 ]; then
+    for n in $inproc; do
+      suite "$n in-process ranks, EPX_LL_ARRIVAL_ORDER=1" "$OUT/gpu-tests-inproc$n-arrival.log" \
+        env EPX_LL_ARRIVAL_ORDER=1 "${tests[@]}" --in-process="$n" --gtest_filter="LowLatency.*"
     done
   fi
   for n in $wrap; do
@@ -93,6 +105,14 @@ if [[ " $RUN " == *" bench "* ]]; then
     rc=$?
     grep -v "^sweep" "$OUT/bench-$fam.log" | tail -15
     summary+=("bench $fam EP$n: rc=$rc")
+    if [ "$fam" = ll ] && [ "$n" -ge 2 ] && [ "${EPX_ARRIVAL:-1}" = 1 ]; then
+      echo "== epx-bench ll EP$n, EPX_LL_ARRIVAL_ORDER=1"
+      EPX_LL_ARRIVAL_ORDER=1 timeout ${EPX_BENCH_TIMEOUT:-300} "$D/launch.sh" "$n" "$D/epx-bench" ll \
+        --json "$OUT/$kind-ll-arrival.json" ${EPX_BENCH_ARGS:-} > "$OUT/bench-ll-arrival.log" 2>&1
+      rc=$?
+      tail -8 "$OUT/bench-ll-arrival.log"
+      summary+=("bench ll EP$n, arrival order: rc=$rc")
+    fi
   done
 fi
 if [[ " $RUN " == *" pybuild "* ]]; then

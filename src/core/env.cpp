@@ -54,6 +54,13 @@ bool ht_pull() {
   return v.value_or(0) == 1;
 }
 
+bool ll_arrival_order() {
+  const auto v = get_int("EPX_LL_ARRIVAL_ORDER");
+  require(!v || *v == 0 || *v == 1, "EPX_LL_ARRIVAL_ORDER",
+          "must be 0 or 1, got " + std::to_string(*v));
+  return v.value_or(0) == 1;
+}
+
 double timeout_seconds() {
   auto t = get_double("EPX_TIMEOUT_S");
   if (!t) return 60.0;

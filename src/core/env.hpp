@@ -24,6 +24,12 @@ std::optional<uint32_t> debug_epoch_start();
 /// the pull dispatch (Config::pull_dispatch).
 bool ht_pull();
 
+/// EPX_LL_ARRIVAL_ORDER (0 or 1, default 0; experimental): the low-latency
+/// dispatch packs each local expert's rows by source in the order the
+/// sources' token masks arrive (as DeepEP) instead of in rank order, so no
+/// receive waits for every source. Read when a Buffer is made.
+bool ll_arrival_order();
+
 struct RankInfo {
   int rank = 0, world_size = 1, local_rank = 0;
   std::string master_addr;

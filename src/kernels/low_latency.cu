@@ -494,6 +494,83 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_send(LlDispatchSendPa
   dispatch_count_done(p, epoch);
 }
 
+/// The receive's row copies: rows i in [0, n_rows) of local expert le, row_of(i)
+/// = {packed row j, source s, token t}, in units of (row, 2 KiB segment), each
+/// after the arrival flags of its chunks. False (for this thread) when a wait
+/// failed (reported); the caller combines the block's answers.
+template <class RowOf>
+__device__ __forceinline__ bool copy_rows(const LlDispatchRecvParams& p, uint32_t epoch, int le,
+                                          int n_rows, RowOf row_of) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int R = p.t.num_ranks, RT = R * p.max_tokens, H = p.hidden;
+  const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
+  const std::size_t tags = tags_of(p.off, epoch);
+  // Rows: work units of (row, 2 KiB segment = 128 int4, 4 per lane), so that
+  // the few rows of an expert spread over all warps of its blocks. A segment
+  // holds 4 FP8 chunks (512 B each, with their 16 scales) or 2 BF16 chunks.
+  const int out_row_bytes = p.fp8 ? H : 2 * H;
+  const int n16 = out_row_bytes / 16;
+  const int segs = ceil_div(n16, 128);
+  const int C = ceil_div(H, kDispatchChunk);
+  const int seg_chunks = p.fp8 ? 4 : 2;
+  const int G = H / 128, G4 = (G + 3) / 4;
+  bool all_ok = true;
+  for (int u = warp; u < n_rows * segs; u += kWarps) {
+    const int i = u / segs, seg = u % segs;
+    const int3 row = row_of(i);
+    const int j = row.x, s = row.y, t = row.z;
+    const int c = seg * seg_chunks + lane;
+    bool arrived = true;
+    if (lane < seg_chunks && c < C)
+      arrived = p.t.wait_eq(chunk_flag_offset(p.off, tags, s, t, c), epoch, p.timeout_ns, p.diag,
+                            OpId::kLowLatencyDispatchRecv, s, le);
+    // Shrink: a source masked after its token mask came (it stopped mid-op)
+    // leaves zeros in its rows.
+    const bool gone = !__all_sync(kFull, arrived) && __any_sync(kFull, p.t.masked(s));
+    if (!gone && !__all_sync(kFull, arrived)) {
+      all_ok = false;
+      break;
+    }
+    __syncwarp();  // the waiting lanes' acquires before every lane's loads
+    const char* src = p.t.local_ptr(half + p.off.disp_rows +
+                                    (static_cast<std::size_t>(s) * p.max_tokens + t) * p.row_bytes);
+    uint8_t* dst = p.recv_x + (static_cast<int64_t>(le) * RT + j) * out_row_bytes;
+    const int4* s4 = reinterpret_cast<const int4*>(src);
+    int4* d4 = reinterpret_cast<int4*>(dst);
+    const int c0 = seg * 128 + lane;
+    int4 v4[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      v4[q] = c0 + 32 * q < n16 && !gone ? dev::ld_l2(s4 + c0 + 32 * q) : make_int4(0, 0, 0, 0);
+    // The scales of this segment's 16 groups load with its data.
+    const float* sc = reinterpret_cast<const float*>(src + H);
+    const int g = 16 * seg + lane;
+    float s1 = 0.0f;
+    if (p.fp8 && !p.ue8m0 && lane < 16 && g < G && !gone) s1 = __ldcg(sc + g);
+#pragma unroll
+    for (int q = 0; q < 4; ++q)
+      if (c0 + 32 * q < n16) d4[c0 + 32 * q] = v4[q];
+    if (p.fp8 && !p.ue8m0) {
+      if (lane < 16 && g < G)
+        static_cast<float*>(p.recv_scales)[(static_cast<int64_t>(le) * G + g) * RT + j] = s1;
+    } else if (p.fp8) {
+      const int q = 4 * seg + lane;  // packed word q holds groups 4q .. 4q+3
+      if (lane < 4 && q < G4) {
+        uint32_t packed = 0;
+        for (int b = 0; b < 4; ++b) {
+          const int gg = 4 * q + b;
+          const uint32_t byte =
+              gg < G && !gone ? (__float_as_uint(__ldcg(sc + gg)) >> 23) & 0xffu : 0u;
+          packed |= byte << (8 * b);
+        }
+        static_cast<int32_t*>(p.recv_scales)[(static_cast<int64_t>(le) * G4 + q) * RT + j] =
+            static_cast<int32_t>(packed);
+      }
+    }
+  }
+  return all_ok;
+}
+
 // ============================================================================
 // dispatch: receive. Unit (le, part): waits for the token masks of every
 // source for local expert le (tagged words, one per thread) and for the token
@@ -509,10 +586,8 @@ __device__ __forceinline__ bool dispatch_recv_unit(const LlDispatchRecvParams& p
   __shared__ typename Scan::TempStorage scan_tmp;
   __shared__ int s_begin[plan::kMaxRanks + 1];
   const int R = p.t.num_ranks;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int E_local = p.num_experts / R, RT = R * p.max_tokens, H = p.hidden;
+  const int E_local = p.num_experts / R, RT = R * p.max_tokens;
   const int le = unit / p.parts, part = unit % p.parts;
-  const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
   const std::size_t tags = tags_of(p.off, epoch);
 
   // Packed order: by source rank, then token; a token counts once however
@@ -602,75 +677,152 @@ __device__ __forceinline__ bool dispatch_recv_unit(const LlDispatchRecvParams& p
   for (int j = part + p.parts * static_cast<int>(threadIdx.x); j < RT; j += p.parts * kThreads)
     p.src_info[static_cast<int64_t>(le) * RT + j] = j < count ? (s_list[j] & 0xffff) : -1;
 
-  // Rows: work units of (row, 2 KiB segment = 128 int4, 4 per lane), so that
-  // the few rows of an expert spread over all warps of its blocks. A segment
-  // holds 4 FP8 chunks (512 B each, with their 16 scales) or 2 BF16 chunks.
-  const int out_row_bytes = p.fp8 ? H : 2 * H;
-  const int n16 = out_row_bytes / 16;
-  const int segs = ceil_div(n16, 128);
-  const int C = ceil_div(H, kDispatchChunk);
-  const int seg_chunks = p.fp8 ? 4 : 2;
-  const int G = H / 128, G4 = (G + 3) / 4;
   const int my_rows = count > part ? ceil_div(count - part, p.parts) : 0;
-  bool all_ok = true;
-  for (int u = warp; u < my_rows * segs; u += kWarps) {
-    const int i = u / segs, seg = u % segs;
+  const bool all_ok = copy_rows(p, epoch, le, my_rows, [&](int i) {
     const int j = part + i * p.parts;
     const int v = s_list[j];
-    const int s = v >> 16, t = v & 0xffff;
-    const int c = seg * seg_chunks + lane;
-    bool arrived = true;
-    if (lane < seg_chunks && c < C)
-      arrived = p.t.wait_eq(chunk_flag_offset(p.off, tags, s, t, c), epoch, p.timeout_ns, p.diag,
-                            OpId::kLowLatencyDispatchRecv, s, le);
-    // Shrink: a source masked after its token mask came (it stopped mid-op)
-    // leaves zeros in its rows.
-    const bool gone = !__all_sync(kFull, arrived) && __any_sync(kFull, p.t.masked(s));
-    if (!gone && !__all_sync(kFull, arrived)) {
-      all_ok = false;
-      break;
-    }
-    __syncwarp();  // the waiting lanes' acquires before every lane's loads
-    const char* src = p.t.local_ptr(half + p.off.disp_rows +
-                                    (static_cast<std::size_t>(s) * p.max_tokens + t) * p.row_bytes);
-    uint8_t* dst = p.recv_x + (static_cast<int64_t>(le) * RT + j) * out_row_bytes;
-    const int4* s4 = reinterpret_cast<const int4*>(src);
-    int4* d4 = reinterpret_cast<int4*>(dst);
-    const int c0 = seg * 128 + lane;
-    int4 v4[4];
-#pragma unroll
-    for (int q = 0; q < 4; ++q)
-      v4[q] = c0 + 32 * q < n16 && !gone ? dev::ld_l2(s4 + c0 + 32 * q) : make_int4(0, 0, 0, 0);
-    // The scales of this segment's 16 groups load with its data.
-    const float* sc = reinterpret_cast<const float*>(src + H);
-    const int g = 16 * seg + lane;
-    float s1 = 0.0f;
-    if (p.fp8 && !p.ue8m0 && lane < 16 && g < G && !gone) s1 = __ldcg(sc + g);
-#pragma unroll
-    for (int q = 0; q < 4; ++q)
-      if (c0 + 32 * q < n16) d4[c0 + 32 * q] = v4[q];
-    if (p.fp8 && !p.ue8m0) {
-      if (lane < 16 && g < G)
-        static_cast<float*>(p.recv_scales)[(static_cast<int64_t>(le) * G + g) * RT + j] = s1;
-    } else if (p.fp8) {
-      const int q = 4 * seg + lane;  // packed word q holds groups 4q .. 4q+3
-      if (lane < 4 && q < G4) {
-        uint32_t packed = 0;
-        for (int b = 0; b < 4; ++b) {
-          const int gg = 4 * q + b;
-          const uint32_t byte =
-              gg < G && !gone ? (__float_as_uint(__ldcg(sc + gg)) >> 23) & 0xffu : 0u;
-          packed |= byte << (8 * b);
-        }
-        static_cast<int32_t*>(p.recv_scales)[(static_cast<int64_t>(le) * G4 + q) * RT + j] =
-            static_cast<int32_t>(packed);
-      }
-    }
-  }
+    return make_int3(j, v >> 16, v & 0xffff);
+  });
   return __syncthreads_and(all_ok ? 1 : 0) != 0;
 }
 
+/// Adds n to the epoch-tagged counter *ctr ({epoch, count}: a count left by
+/// an older op, say one that failed half-way, counts as 0) and returns the
+/// count before.
+__device__ __forceinline__ uint32_t tagged_add(unsigned long long* ctr, uint32_t epoch,
+                                               uint32_t n) {
+  unsigned long long seen = *static_cast<volatile unsigned long long*>(ctr), before;
+  do {
+    before = seen;
+    const uint32_t count =
+        static_cast<uint32_t>(before >> 32) == epoch ? static_cast<uint32_t>(before) : 0u;
+    seen = atomicCAS(ctr, before, (static_cast<unsigned long long>(epoch) << 32) | (count + n));
+  } while (seen != before);
+  return static_cast<uint32_t>(before >> 32) == epoch ? static_cast<uint32_t>(before) : 0u;
+}
+
+// ============================================================================
+// dispatch: receive in arrival order (experimental, LlDispatchRecvParams::
+// arrival_order). Unit (le, s): waits only for source s's token masks for le
+// (W words), reserves its rows on le_rows[le] (tagged_add), records the
+// combine plan, layout_range[le][s] and src_info of its rows, and copies them.
+// The last unit of le (le_done) writes recv_count, the statistics and the
+// src_info tail. The counters carry the op's epoch: nothing resets them, and
+// an op that stopped half-way leaves nothing the next one counts.
+// ============================================================================
+__device__ __forceinline__ bool dispatch_recv_unit_arrival(const LlDispatchRecvParams& p,
+                                                           uint32_t epoch, int unit, int* s_list) {
+  __shared__ int s_sh[3];  // [0] begin, [1] rows of s, [2] is the last unit of le
+  const int R = p.t.num_ranks;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int E_local = p.num_experts / R, RT = R * p.max_tokens;
+  const int le = unit / R, s = (le + unit) % R;  // sources rotated per expert
+  const std::size_t tags = tags_of(p.off, epoch);
+  const int W = ceil_div(p.max_tokens, 32);
+  static_assert(plan::kLlMaxMaskWords <= 32);
+  // Counters per half: two receives of different halves may run at once (hooks).
+  unsigned long long* const le_rows = p.le_rows + (epoch & 1u) * plan::kLlMaxExperts;
+  unsigned long long* const le_done = p.le_done + (epoch & 1u) * plan::kLlMaxExperts;
+  const uint64_t t0 = p.wait_stats != nullptr ? dev::globaltimer_ns() : 0;
+  bool ok = true;
+  if (warp == 0) {
+    uint32_t word = 0;
+    if (lane < W) {
+      const bool was_masked = p.t.masked(s);  // beside the wait (shrink)
+      ok = p.t.wait_tagged(mask_word_offset(p.off, tags, s, lane, le, E_local), epoch, word,
+                           p.timeout_ns, p.diag, OpId::kLowLatencyDispatchRecv, s, le);
+      if (was_masked || (!ok && p.t.masked(s))) {
+        ok = true;
+        word = 0;
+      }
+    }
+    // Warp scan of the words' popcounts: each word's first row within s.
+    const int n = __popc(word);
+    int incl = n;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int v = __shfl_up_sync(kFull, incl, d);
+      if (lane >= d) incl += v;
+    }
+    const int total = __shfl_sync(kFull, incl, 31);
+    const bool words_ok = __all_sync(kFull, ok);
+    int begin = 0;
+    if (lane == 0 && words_ok && total > 0)
+      begin = static_cast<int>(tagged_add(le_rows + le, epoch, static_cast<uint32_t>(total)));
+    begin = __shfl_sync(kFull, begin, 0);
+    const int prefix = incl - n;
+    for (uint32_t m = word, i = prefix; m != 0u; m &= m - 1u, ++i)
+      s_list[i] = 32 * lane + __ffs(m) - 1;
+    if (lane < W)
+      p.combine_plan[static_cast<std::size_t>(s * W + lane) * E_local + le] =
+          make_int2(static_cast<int>(word), begin + prefix);
+    if (lane == 0) {
+      s_sh[0] = begin;
+      s_sh[1] = total;
+      p.layout_range[static_cast<int64_t>(le) * R + s] =
+          (static_cast<int64_t>(begin) << 32) | static_cast<int64_t>(total);
+      if (p.wait_stats != nullptr)
+        atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats + s),
+                  static_cast<unsigned long long>(dev::globaltimer_ns() - t0));
+    }
+  } else if (warp == 1 && le == 0 && lane == 0) {
+    // The token count of s, which the combine reads from the handle state.
+    uint32_t n = 0;
+    const bool was_masked = p.t.masked(s);
+    const bool came = p.t.wait_tagged(tags + 8u * s, epoch, n, p.timeout_ns, p.diag,
+                                      OpId::kLowLatencyDispatchRecv, s, le);
+    if (was_masked || (!came && p.t.masked(s))) {
+      p.state[8 + s] = 0;
+    } else if (!came) {
+      ok = false;
+    } else if (plan::ll_shape_of(n) != p.off.shape_fp) {
+      dev::report(p.diag, DiagCode::kBadConfig, OpId::kLowLatencyDispatchRecv, p.t.rank, s, -1,
+                  p.off.shape_fp, plan::ll_shape_of(n));
+      ok = false;
+    } else {
+      p.state[8 + s] = min(plan::ll_count_of(n), p.max_tokens);
+    }
+  }
+  if (__syncthreads_or(ok ? 0 : 1) != 0) return false;
+  const int begin = s_sh[0], rows = s_sh[1];
+  for (int i = threadIdx.x; i < rows; i += kThreads)
+    p.src_info[static_cast<int64_t>(le) * RT + begin + i] = s_list[i];
+  const bool copied =
+      copy_rows(p, epoch, le, rows, [&](int i) { return make_int3(begin + i, s, s_list[i]); });
+  if (__syncthreads_and(copied ? 1 : 0) == 0) return false;
+  // The last of le's R units: the count, the statistics, the src_info tail.
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const bool last = tagged_add(le_done + le, epoch, 1u) == static_cast<uint32_t>(R - 1);
+    s_sh[2] = last ? 1 : 0;
+    if (last) {
+      __threadfence();
+      const int count = static_cast<int>(tagged_add(le_rows + le, epoch, 0u));
+      s_sh[0] = count;
+      p.recv_count[le] = count;
+      if (p.stats) p.stats[le] += count;
+    }
+  }
+  __syncthreads();
+  if (s_sh[2] != 0)
+    for (int j = s_sh[0] + threadIdx.x; j < RT; j += kThreads)
+      p.src_info[static_cast<int64_t>(le) * RT + j] = -1;
+  return true;
+}
+
+/// Unit `unit` of the receive phase (kArrival: LlDispatchRecvParams::arrival_order;
+/// a template parameter, so the rank-order kernels stay as they were).
+template <bool kArrival>
+__device__ __forceinline__ bool dispatch_recv_any(const LlDispatchRecvParams& p, uint32_t epoch,
+                                                  int unit, int* s_list) {
+  if constexpr (kArrival)
+    return dispatch_recv_unit_arrival(p, epoch, unit, s_list);
+  else
+    return dispatch_recv_unit(p, epoch, unit, s_list);
+}
+
 /// Hook mode: the receive phase alone (epoch from the handle state).
+template <bool kArrival>
 __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvParams p) {
   extern __shared__ int s_list[];  // [R * maxT]: (source << 16) | token of packed row j
   tl_mark(kTlDispatch, kTlRecvStart);
@@ -678,7 +830,7 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvPa
   const uint32_t epoch = static_cast<uint32_t>(p.state[0]);
   const int units = p.num_experts / p.t.num_ranks * p.parts;
   for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-    if (!dispatch_recv_unit(p, epoch, unit, s_list)) break;
+    if (!dispatch_recv_any<kArrival>(p, epoch, unit, s_list)) break;
     __syncthreads();  // s_list and the scan storage are reused
   }
   tl_finish(kTlDispatch, p.t.rank);
@@ -688,6 +840,7 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvPa
 /// resident). Blocks [0, send_blocks) send; the others receive from the
 /// start, so no receiving block waits for its own stores to drain, and rows
 /// are copied while later ones are still crossing.
+template <bool kArrival>
 __global__ void __launch_bounds__(kThreads, 2)
     ll_dispatch_fused(LlDispatchSendParams sp, LlDispatchRecvParams rp, int send_blocks) {
   extern __shared__ int s_list[];
@@ -707,7 +860,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int units = rp.num_experts / rp.t.num_ranks * rp.parts;
   for (int unit = b - send_blocks; unit < units; unit += gridDim.x - send_blocks) {
     __syncthreads();  // s_list and the scan storage are reused
-    if (!dispatch_recv_unit(rp, epoch, unit, s_list)) break;
+    if (!dispatch_recv_any<kArrival>(rp, epoch, unit, s_list)) break;
   }
   tl_finish(kTlDispatch, rp.t.rank);
 }
@@ -1085,16 +1238,17 @@ void allow_smem(Kernel kernel, std::size_t smem) {
 
 void launch_ll_dispatch_recv(const LlDispatchRecvParams& p, int num_blocks, cudaStream_t stream) {
   const std::size_t smem = dispatch_recv_smem(p);
-  allow_smem(ll_dispatch_recv, smem);
-  launch_ex(ll_dispatch_recv, num_blocks, kThreads, smem, stream, Launch::kPlain, p);
+  auto* kernel = p.arrival_order ? ll_dispatch_recv<true> : ll_dispatch_recv<false>;
+  allow_smem(kernel, smem);
+  launch_ex(kernel, num_blocks, kThreads, smem, stream, Launch::kPlain, p);
 }
 
 void launch_ll_dispatch_fused(const LlDispatchSendParams& sp, const LlDispatchRecvParams& rp,
                               int num_blocks, int send_blocks, cudaStream_t stream) {
   const std::size_t smem = dispatch_recv_smem(rp);
-  allow_smem(ll_dispatch_fused, smem);
-  launch_ex(ll_dispatch_fused, num_blocks, kThreads, smem, stream, Launch::kCooperative, sp, rp,
-            send_blocks);
+  auto* kernel = rp.arrival_order ? ll_dispatch_fused<true> : ll_dispatch_fused<false>;
+  allow_smem(kernel, smem);
+  launch_ex(kernel, num_blocks, kThreads, smem, stream, Launch::kCooperative, sp, rp, send_blocks);
 }
 
 /// A cooperative launch: every block is resident at once or the launch fails.
@@ -1118,8 +1272,10 @@ void launch_ll_combine_recv(const LlCombineRecvParams& p, int num_blocks, cudaSt
 void preload_ll_kernels() {
   cudaFuncAttributes a{};
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_send));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_recv));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_fused));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_recv<false>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_recv<true>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_fused<false>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_fused<true>));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_send<false, false>));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_send<true, false>));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_send<false, true>));

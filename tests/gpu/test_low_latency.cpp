@@ -126,8 +126,16 @@ std::size_t ll_buffer_bytes() {
   return world().buffer->local_buffer(true).nbytes();
 }
 
-/// Expert outputs of every rank: random rows where the reference placed a
-/// token, zero elsewhere.
+/// The expert output of rank r's local expert le for token t of source s:
+/// random, but a function of those (not of the row it sits in), so that any
+/// packing order gets the same values.
+std::vector<uint16_t> expert_row(const LlCase& c, uint64_t seed, int r, int le, int s, int t) {
+  return random_bf16(static_cast<std::size_t>(c.hidden),
+                     seed * 131 + ((static_cast<uint64_t>(r) * 1024 + le) * 8 + s) * 4096 + t);
+}
+
+/// Expert outputs of every rank in the reference's packing: expert_row where
+/// the reference placed a token, zero elsewhere.
 std::vector<std::vector<uint16_t>> make_expert_out(const LlCase& c, int R,
                                                    const std::vector<ref::LlDispatchOutput>& ro,
                                                    uint64_t seed) {
@@ -135,13 +143,36 @@ std::vector<std::vector<uint16_t>> make_expert_out(const LlCase& c, int R,
   std::vector<std::vector<uint16_t>> eo(R);
   for_each_rank(R, [&](int r) {
     eo[r].assign(static_cast<std::size_t>(E_local) * RT * H, 0);
-    for (int le = 0; le < E_local; ++le) {
-      const int n = ro[r].recv_count[le];
-      auto rows = random_bf16(static_cast<std::size_t>(n) * H, seed * 131 + r * 1009 + le);
-      std::memcpy(&eo[r][static_cast<std::size_t>(le) * RT * H], rows.data(), rows.size() * 2);
-    }
+    for (int le = 0; le < E_local; ++le)
+      for (int j = 0; j < ro[r].recv_count[le]; ++j) {
+        const std::size_t i = static_cast<std::size_t>(le) * RT + j;
+        const auto row = expert_row(c, seed, r, le, ro[r].recv_src_rank[i], ro[r].src_info[i]);
+        std::memcpy(&eo[r][i * H], row.data(), row.size() * 2);
+      }
   });
   return eo;
+}
+
+/// This rank's expert outputs in the packing its dispatch returned (the
+/// reference's, unless EPX_LL_ARRIVAL_ORDER=1): rows by the handle's
+/// layout_range (source) and src_info (token).
+std::vector<uint16_t> expert_out_as_dispatched(const LlCase& c, uint64_t seed,
+                                               const LowLatencyDispatchResult& res) {
+  const int R = world().num_ranks, me = world().rank;
+  const int E_local = c.num_experts / R, RT = R * c.max_tokens, H = c.hidden;
+  const auto range = to_host<int64_t>(res.handle->layout_range);
+  const auto src = to_host<int>(res.handle->src_info);
+  std::vector<uint16_t> out(static_cast<std::size_t>(E_local) * RT * H, 0);
+  for (int le = 0; le < E_local; ++le)
+    for (int s = 0; s < R; ++s) {
+      const int64_t v = range[static_cast<std::size_t>(le) * R + s];
+      for (int64_t j = v >> 32; j < (v >> 32) + (v & 0xffffffff) && j < RT; ++j) {
+        const std::size_t i = static_cast<std::size_t>(le) * RT + j;
+        const auto row = expert_row(c, seed, me, le, s, src[i]);
+        std::memcpy(&out[i * H], row.data(), row.size() * 2);
+      }
+    }
+  return out;
 }
 
 float bf(uint16_t v) {
@@ -149,6 +180,49 @@ float bf(uint16_t v) {
 }
 
 /// Checks this rank's dispatch outputs against the reference.
+/// EPX_LL_ARRIVAL_ORDER=1: each local expert's rows come by source in the order
+/// the sources were reserved, not in rank order (LlDispatchRecvParams).
+bool arrival_order() {
+  const char* v = std::getenv("EPX_LL_ARRIVAL_ORDER");
+  return v != nullptr && std::string(v) == "1";
+}
+
+/// Where each packed row of the reference sits in EPX's output: map[le * RT + j]
+/// = the reference's row of EPX's row j (identity in rank order). In arrival
+/// order every source's rows must be one block of the reference's length, in
+/// token order, and the blocks must tile [0, count).
+std::vector<int> reference_rows(const LlCase& c, const std::vector<int64_t>& range,
+                                const ref::LlDispatchOutput& ro) {
+  const int R = world().num_ranks, E_local = c.num_experts / R, RT = R * c.max_tokens;
+  std::vector<int> map(static_cast<std::size_t>(E_local) * RT);
+  for (std::size_t i = 0; i < map.size(); ++i) map[i] = static_cast<int>(i % RT);
+  if (!arrival_order()) {
+    EXPECT_EQ(range, ro.layout_range) << c.name() << ": layout_range";
+    return map;
+  }
+  for (int le = 0; le < E_local; ++le) {
+    std::vector<std::pair<int64_t, int64_t>> blocks;  // (begin, count) of the sources
+    for (int s = 0; s < R; ++s) {
+      const int64_t got = range[static_cast<std::size_t>(le) * R + s];
+      const int64_t want = ro.layout_range[static_cast<std::size_t>(le) * R + s];
+      const int64_t n = got & 0xffffffff, rb = want >> 32;
+      EXPECT_EQ(n, want & 0xffffffff) << c.name() << ": rows of source " << s << " at le " << le;
+      blocks.emplace_back(got >> 32, n);
+      for (int64_t i = 0; i < n && (got >> 32) + i < RT; ++i)
+        map[static_cast<std::size_t>(le) * RT + (got >> 32) + i] = static_cast<int>(rb + i);
+    }
+    std::sort(blocks.begin(), blocks.end());
+    int64_t next = 0;
+    for (const auto& [b, n] : blocks) {
+      if (n == 0) continue;
+      EXPECT_EQ(b, next) << c.name() << ": the sources' blocks of le " << le << " must tile";
+      next = b + n;
+    }
+    EXPECT_EQ(next, ro.recv_count[le]) << c.name() << ": blocks of le " << le;
+  }
+  return map;
+}
+
 void check_dispatch(const LlCase& c, const LlInputs& in, const LowLatencyDispatchResult& res,
                     const ref::LlDispatchOutput& ro) {
   auto& w = world();
@@ -161,30 +235,37 @@ void check_dispatch(const LlCase& c, const LlInputs& in, const LowLatencyDispatc
   ASSERT_EQ(res.recv_x.size(2), H);
   auto count = to_host<int>(res.recv_count);
   ASSERT_EQ(count, ro.recv_count) << c.name() << ": recv_count";
-  ASSERT_EQ(to_host<int>(h.src_info), ro.src_info) << c.name() << ": src_info";
-  ASSERT_EQ(to_host<int64_t>(h.layout_range), ro.layout_range) << c.name() << ": layout_range";
+  const auto map = reference_rows(c, to_host<int64_t>(h.layout_range), ro);
+  ASSERT_FALSE(rank_failed()) << c.name() << ": layout_range";
+  {
+    const auto src = to_host<int>(h.src_info);
+    for (std::size_t i = 0; i < src.size(); ++i) {
+      const std::size_t le = i / RT, j = i % RT;
+      ASSERT_EQ(src[i], ro.src_info[le * RT + map[i]]) << c.name() << ": src_info row " << i;
+      (void)j;
+    }
+  }
   if (in.num_tokens[me] > 0)
     ASSERT_EQ(to_host<int64_t>(h.topk_idx), in.topk[me]) << c.name() << ": handle topk";
+  // Row j of local expert le (bytes `row` each) against the reference's row map[j].
+  auto same_rows = [&](const auto& got, const auto& want, std::size_t row, const char* what) {
+    for (int le = 0; le < E_local; ++le)
+      for (int j = 0; j < count[le]; ++j) {
+        const std::size_t at = static_cast<std::size_t>(le) * RT;
+        ASSERT_EQ(std::memcmp(got.data() + (at + j) * row, want.data() + (at + map[at + j]) * row,
+                              row * sizeof(got[0])),
+                  0)
+            << c.name() << ": " << what << " of local expert " << le << " row " << j;
+      }
+  };
   if (!c.fp8) {
     ASSERT_EQ(res.recv_x.view.dtype, DType::kBF16);
-    auto got = to_host<uint16_t>(res.recv_x);
-    for (int le = 0; le < E_local; ++le) {
-      const std::size_t off = static_cast<std::size_t>(le) * RT * H;
-      const std::size_t n = static_cast<std::size_t>(count[le]) * H;
-      ASSERT_EQ(std::memcmp(got.data() + off, ro.recv_x_bf16.data() + off, n * 2), 0)
-          << c.name() << ": recv_x of local expert " << le;
-    }
+    same_rows(to_host<uint16_t>(res.recv_x), ro.recv_x_bf16, H, "recv_x");
     EXPECT_FALSE(res.recv_x_scales.has_value());
     return;
   }
   ASSERT_EQ(res.recv_x.view.dtype, DType::kFP8E4M3);
-  auto got = to_host<uint8_t>(res.recv_x);
-  for (int le = 0; le < E_local; ++le) {
-    const std::size_t off = static_cast<std::size_t>(le) * RT * H;
-    const std::size_t n = static_cast<std::size_t>(count[le]) * H;
-    ASSERT_EQ(std::memcmp(got.data() + off, ro.recv_x_fp8.data() + off, n), 0)
-        << c.name() << ": recv_x (fp8) of local expert " << le;
-  }
+  same_rows(to_host<uint8_t>(res.recv_x), ro.recv_x_fp8, H, "recv_x (fp8)");
   ASSERT_TRUE(res.recv_x_scales.has_value());
   const auto& sv = res.recv_x_scales->view;
   const int cols = c.ue8m0 ? (G + 3) / 4 : G;
@@ -202,7 +283,8 @@ void check_dispatch(const LlCase& c, const LlInputs& in, const LowLatencyDispatc
       for (int j = 0; j < count[le]; ++j)
         for (int g = 0; g < G; ++g) {
           const float a = sc[(static_cast<std::size_t>(le) * G + g) * RT + j];
-          const float b = ro.recv_x_scales[(static_cast<std::size_t>(le) * RT + j) * G + g];
+          const float b =
+              ro.recv_x_scales[(static_cast<std::size_t>(le) * RT + map[le * RT + j]) * G + g];
           ASSERT_EQ(std::memcmp(&a, &b, 4), 0) << c.name() << ": scale le " << le << " row " << j
                                                << " group " << g << ": " << a << " vs " << b;
         }
@@ -216,7 +298,7 @@ void check_dispatch(const LlCase& c, const LlInputs& in, const LowLatencyDispatc
               static_cast<uint32_t>(sc[(static_cast<std::size_t>(le) * cols + g / 4) * RT + j]);
           const uint8_t got_e = static_cast<uint8_t>(packed >> (8 * (g % 4)));
           const uint8_t want = ref::scale_to_ue8m0(
-              ro.recv_x_scales[(static_cast<std::size_t>(le) * RT + j) * G + g]);
+              ro.recv_x_scales[(static_cast<std::size_t>(le) * RT + map[le * RT + j]) * G + g]);
           ASSERT_EQ(got_e, want) << c.name() << ": ue8m0 le " << le << " row " << j << " group "
                                  << g;
         }
@@ -412,6 +494,7 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
   }
 
   auto eo = make_expert_out(c, R, ro, seed);
+  const auto mine = expert_out_as_dispatched(c, seed, res);  // eo[me] in the dispatch's packing
   DeviceArray<uint16_t> d_eo;
   TensorView xv;
   if (c.zero_copy) {
@@ -419,10 +502,10 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
     ASSERT_EQ(xv.shape[0], E_local);
     ASSERT_EQ(xv.shape[1], RT);
     ASSERT_EQ(xv.shape[2], H);
-    ASSERT_EQ(cudaMemcpy(xv.data, eo[me].data(), eo[me].size() * 2, cudaMemcpyHostToDevice),
+    ASSERT_EQ(cudaMemcpy(xv.data, mine.data(), mine.size() * 2, cudaMemcpyHostToDevice),
               cudaSuccess);
   } else {
-    d_eo = to_device(eo[me]);
+    d_eo = to_device(mine);
     xv = view(d_eo.get(), DType::kBF16, {E_local, RT, H});
   }
   DeviceArray<uint16_t> d_out;
@@ -643,6 +726,9 @@ EPX_GPU_TEST(LowLatency, BackToBack50) {
     LlCase ci = c;
     ci.fp8 = (i % 3) == 1;
     check_dispatch(ci, ins[i], ds[i], ros[i][me]);
+    // The expert outputs went up before the dispatches, in the reference's
+    // packing: in arrival order they sit in other rows (checked elsewhere).
+    if (arrival_order()) continue;
     auto rc = ref::ll_combine(eos[i], ins[i].topk, ins[i].weights, ins[i].num_tokens, H, K,
                               c.num_experts, c.max_tokens, false);
     check_combine(ci, ins[i], ros[i], eos[i], to_host<uint16_t>(cs[i].combined_x), rc[me]);
@@ -694,7 +780,10 @@ EPX_GPU_TEST(LowLatency, TwoBatchOverlapWithHooks) {
     for (int b = 0; b < 2; ++b) {
       const int T = in[b].num_tokens[me];
       TensorView xv = w.buffer->get_next_low_latency_combine_buffer(*d[b].handle);
-      ASSERT_EQ(cudaMemcpy(xv.data, eo[b][me].data(), eo[b][me].size() * 2, cudaMemcpyHostToDevice),
+      LlCase cb = c;
+      cb.fp8 = b == 1;
+      const auto mine = expert_out_as_dispatched(cb, 600 + 10 * round + b, d[b]);
+      ASSERT_EQ(cudaMemcpy(xv.data, mine.data(), mine.size() * 2, cudaMemcpyHostToDevice),
                 cudaSuccess);
       LowLatencyCombineArgs ca;
       ca.x = xv;

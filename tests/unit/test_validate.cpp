@@ -296,6 +296,23 @@ TEST(Env, HtPullSetsTheDispatchConfigs) {
   unsetenv("EPX_HT_PULL");
 }
 
+TEST(Env, LlArrivalOrderIsZeroOrOne) {
+  const char* saved = std::getenv("EPX_LL_ARRIVAL_ORDER");
+  const std::string keep = saved ? saved : "";
+  unsetenv("EPX_LL_ARRIVAL_ORDER");
+  EXPECT_FALSE(env::ll_arrival_order());
+  setenv("EPX_LL_ARRIVAL_ORDER", "1", 1);
+  EXPECT_TRUE(env::ll_arrival_order());
+  setenv("EPX_LL_ARRIVAL_ORDER", "0", 1);
+  EXPECT_FALSE(env::ll_arrival_order());
+  setenv("EPX_LL_ARRIVAL_ORDER", "2", 1);
+  expect_error([] { env::ll_arrival_order(); }, {"EPX_LL_ARRIVAL_ORDER", "0 or 1"});
+  if (saved)
+    setenv("EPX_LL_ARRIVAL_ORDER", keep.c_str(), 1);
+  else
+    unsetenv("EPX_LL_ARRIVAL_ORDER");
+}
+
 TEST(Env, RankInfoFromTorchrunAndMpi) {
   setenv("RANK", "3", 1);
   setenv("WORLD_SIZE", "4", 1);
