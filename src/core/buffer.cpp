@@ -112,10 +112,7 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
   EPX_CUDA_CHECK(cudaMemset(d.ht_op_counter, 0, 4 * sizeof(uint32_t)));
   d.ll_op_counter = d.ht_op_counter + 1;
   d.ht_done_blocks = d.ht_op_counter + 2;
-  if (env::ll_arrival_order()) {
-    EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.ll_arrival), Impl::kArrivalBytes));
-    EPX_CUDA_CHECK(cudaMemset(d.ll_arrival, 0, Impl::kArrivalBytes));
-  }
+  d.ll_arrival_order = env::ll_arrival_order();
   if (options.enable_shrink) {
     EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.ll_mask), plan::kMaxRanks * sizeof(int)));
     EPX_CUDA_CHECK(cudaMemset(d.ll_mask, 0, plan::kMaxRanks * sizeof(int)));
@@ -153,7 +150,6 @@ void Buffer::destroy() {
   // kernels can be waited for by a peer's free.
   cudaFree(d.ht_op_counter);
   if (d.ll_mask) cudaFree(d.ll_mask);
-  if (d.ll_arrival) cudaFree(d.ll_arrival);
   cudaFreeHost(d.diag_host);
   cudaFreeHost(d.counts_host);
   try {

@@ -42,10 +42,8 @@ struct Buffer::Impl {
   uint32_t* ht_op_counter = nullptr;  ///< epochs of high-throughput ops
   uint32_t* ll_op_counter = nullptr;  ///< epochs of low-latency ops
   int* ll_mask = nullptr;  ///< enable_shrink: int32 [kMaxRanks], 1 = rank left out (LL ops)
-  /// EPX_LL_ARRIVAL_ORDER=1: the dispatch receive's per-expert counters,
-  /// u64 [2 counters][2 halves][kLlMaxExperts], zeroed (LlDispatchRecvParams).
-  unsigned long long* ll_arrival = nullptr;
-  static constexpr std::size_t kArrivalBytes = 8u * 2 * 2 * plan::kLlMaxExperts;
+  /// EPX_LL_ARRIVAL_ORDER=1 when the buffer was made (LlDispatchRecvParams::arrival_order).
+  bool ll_arrival_order = false;
   /// [0] HT main kernels with their own barrier, [1] notify kernels: blocks done.
   uint32_t* ht_done_blocks = nullptr;
   // Host-mapped memory the kernels write: diagnostics and dispatch counts.

@@ -197,18 +197,14 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
       a.dispatch_wait_recv_cost_stats ? a.dispatch_wait_recv_cost_stats->ptr<int64_t>() : nullptr;
   rp.timeout_ns = d.timeout_ns();
   rp.diag = d.diag_dev;
-  rp.arrival_order = d.ll_arrival != nullptr;
-  if (rp.arrival_order) {
-    rp.le_rows = d.ll_arrival;
-    rp.le_done = d.ll_arrival + 2 * plan::kLlMaxExperts;
-  }
+  rp.arrival_order = d.ll_arrival_order;
 
   if (!a.return_recv_hook) {
     // One kernel of 2 blocks per SM: up to half of them send (a warp per
     // item), the rest receive from the start.
     const int blocks = d.ll_blocks(2);
     const int senders = std::min(send_blocks_max, blocks / 2);
-    rp.parts = rp.arrival_order ? R : std::clamp((blocks - senders) / E_local, 1, 8);
+    rp.parts = rp.arrival_order ? 1 : std::clamp((blocks - senders) / E_local, 1, 8);
     kernels::launch_ll_dispatch_fused(sp, rp, blocks, senders, launch);
     res.event = d.ll_leave(s, launch);
   } else {
@@ -216,7 +212,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
     // async_finish); the hook runs the receive phase on that stream.
     // Receive blocks per local expert: about two per SM in total (one wave at
     // 2 blocks/SM).
-    rp.parts = rp.arrival_order ? R : std::clamp(d.ll_blocks(2) / E_local, 1, 8);
+    rp.parts = rp.arrival_order ? 1 : std::clamp(d.ll_blocks(2) / E_local, 1, 8);
     // At most the budget (E_local can exceed it): blocks loop over the units.
     // With in-process ranks a grid past a rank's share of the SMs could hold
     // SMs a peer's send kernel needs while it waits for that send.
@@ -383,8 +379,6 @@ void Buffer::clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, int 
   d.comm->barrier();
   const std::size_t bytes = std::min(region.core_bytes(), d.ll.bytes);
   if (bytes > 0) EPX_CUDA_CHECK(cudaMemsetAsync(d.ll.local, 0, bytes, d.comm_stream));
-  if (d.ll_arrival)  // epochs restart: no count of before may match one
-    EPX_CUDA_CHECK(cudaMemsetAsync(d.ll_arrival, 0, Impl::kArrivalBytes, d.comm_stream));
   EPX_CUDA_CHECK(cudaMemsetAsync(d.ll_op_counter, 0, sizeof(uint32_t), d.comm_stream));
   EPX_CUDA_CHECK(cudaStreamSynchronize(d.comm_stream));
   d.ll_parity = 0;

@@ -223,17 +223,12 @@ struct LlDispatchRecvParams {
   int64_t* wait_stats;    ///< [R] nullable, += ns waited for source s's masks, per local expert
   uint64_t timeout_ns;
   DeviceDiag* diag;
-  /// Arrival order (EPX_LL_ARRIVAL_ORDER=1, experimental): units are (local
-  /// expert, source), each reserves its rows with an atomic on le_rows[le]
-  /// as soon as its source's token masks are in, so no unit waits for the
-  /// other sources; rows of a source stay contiguous and in token order, the
-  /// sources in the order they were reserved (as DeepEP). le_rows / le_done:
-  /// [2 halves][kLlMaxExperts] counters tagged with the op's epoch ({epoch,
-  /// count}, so nothing resets them); the last unit of an expert writes
-  /// recv_count. Units: E_local x R (parts = R).
+  /// Arrival order (EPX_LL_ARRIVAL_ORDER=1, experimental): a unit is a local
+  /// expert (parts = 1) whose warps form one group per source; each group
+  /// reserves its source's rows as soon as that source's token masks are in,
+  /// so no source waits for another. Rows of a source stay contiguous and in
+  /// token order, the sources in the order they were reserved (as DeepEP).
   bool arrival_order;
-  unsigned long long* le_rows;
-  unsigned long long* le_done;
 };
 /// Hook mode: the receive phase alone, after the send kernel; `num_blocks`
 /// blocks take the E_local * p.parts receive units in turn.

@@ -498,10 +498,13 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_send(LlDispatchSendPa
 /// = {packed row j, source s, token t}, in units of (row, 2 KiB segment), each
 /// after the arrival flags of its chunks. False (for this thread) when a wait
 /// failed (reported); the caller combines the block's answers.
+/// Warps first_warp, first_warp + warp_stride, ... take the units.
 template <class RowOf>
 __device__ __forceinline__ bool copy_rows(const LlDispatchRecvParams& p, uint32_t epoch, int le,
-                                          int n_rows, RowOf row_of) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+                                          int n_rows, RowOf row_of, int first_warp = -1,
+                                          int warp_stride = kWarps) {
+  const int lane = threadIdx.x % 32;
+  const int warp = first_warp >= 0 ? first_warp : static_cast<int>(threadIdx.x / 32);
   const int R = p.t.num_ranks, RT = R * p.max_tokens, H = p.hidden;
   const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
   const std::size_t tags = tags_of(p.off, epoch);
@@ -515,7 +518,7 @@ __device__ __forceinline__ bool copy_rows(const LlDispatchRecvParams& p, uint32_
   const int seg_chunks = p.fp8 ? 4 : 2;
   const int G = H / 128, G4 = (G + 3) / 4;
   bool all_ok = true;
-  for (int u = warp; u < n_rows * segs; u += kWarps) {
+  for (int u = warp; u < n_rows * segs; u += warp_stride) {
     const int i = u / segs, seg = u % segs;
     const int3 row = row_of(i);
     const int j = row.x, s = row.y, t = row.z;
@@ -686,47 +689,40 @@ __device__ __forceinline__ bool dispatch_recv_unit(const LlDispatchRecvParams& p
   return __syncthreads_and(all_ok ? 1 : 0) != 0;
 }
 
-/// Adds n to the epoch-tagged counter *ctr ({epoch, count}: a count left by
-/// an older op, say one that failed half-way, counts as 0) and returns the
-/// count before.
-__device__ __forceinline__ uint32_t tagged_add(unsigned long long* ctr, uint32_t epoch,
-                                               uint32_t n) {
-  unsigned long long seen = *static_cast<volatile unsigned long long*>(ctr), before;
-  do {
-    before = seen;
-    const uint32_t count =
-        static_cast<uint32_t>(before >> 32) == epoch ? static_cast<uint32_t>(before) : 0u;
-    seen = atomicCAS(ctr, before, (static_cast<unsigned long long>(epoch) << 32) | (count + n));
-  } while (seen != before);
-  return static_cast<uint32_t>(before >> 32) == epoch ? static_cast<uint32_t>(before) : 0u;
-}
-
 // ============================================================================
 // dispatch: receive in arrival order (experimental, LlDispatchRecvParams::
-// arrival_order). Unit (le, s): waits only for source s's token masks for le
-// (W words), reserves its rows on le_rows[le] (tagged_add), records the
-// combine plan, layout_range[le][s] and src_info of its rows, and copies them.
-// The last unit of le (le_done) writes recv_count, the statistics and the
-// src_info tail. The counters carry the op's epoch: nothing resets them, and
-// an op that stopped half-way leaves nothing the next one counts.
+// arrival_order). Unit = local expert le, one block; its warps form R groups
+// (warp % R == s for source s) that do not wait for each other: the first
+// warp of group s waits for s's token masks for le, reserves s's rows with a
+// shared-memory atomic (so the sources' blocks of rows come in the order their
+// masks did), records the combine plan, layout_range[le][s] and src_info of
+// those rows, and the group copies them. recv_count after all groups.
 // ============================================================================
 __device__ __forceinline__ bool dispatch_recv_unit_arrival(const LlDispatchRecvParams& p,
-                                                           uint32_t epoch, int unit, int* s_list) {
-  __shared__ int s_sh[3];  // [0] begin, [1] rows of s, [2] is the last unit of le
+                                                           uint32_t epoch, int le, int* s_list) {
+  __shared__ int s_rows;                    // rows reserved so far
+  __shared__ int s_begin[plan::kMaxRanks];  // first row of each source's block
+  __shared__ int s_total[plan::kMaxRanks];  // rows of each source
+  __shared__ int s_failed;
   const int R = p.t.num_ranks;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int E_local = p.num_experts / R, RT = R * p.max_tokens;
-  const int le = unit / R, s = (le + unit) % R;  // sources rotated per expert
   const std::size_t tags = tags_of(p.off, epoch);
   const int W = ceil_div(p.max_tokens, 32);
-  static_assert(plan::kLlMaxMaskWords <= 32);
-  // Counters per half: two receives of different halves may run at once (hooks).
-  unsigned long long* const le_rows = p.le_rows + (epoch & 1u) * plan::kLlMaxExperts;
-  unsigned long long* const le_done = p.le_done + (epoch & 1u) * plan::kLlMaxExperts;
-  const uint64_t t0 = p.wait_stats != nullptr ? dev::globaltimer_ns() : 0;
-  bool ok = true;
-  if (warp == 0) {
+  static_assert(plan::kLlMaxMaskWords <= 32 && plan::kMaxRanks <= kWarps &&
+                plan::kMaxRanks < 16);  // named barriers 1..R
+  if (threadIdx.x == 0) {
+    s_rows = 0;
+    s_failed = 0;
+  }
+  __syncthreads();
+  const int s = warp % R;  // this warp's source
+  const int group_warps = (kWarps - s + R - 1) / R;
+  int* const list = s_list + s * p.max_tokens;  // tokens of s's rows, in order
+  if (warp == s) {                              // the group's first warp
+    const uint64_t t0 = p.wait_stats != nullptr ? dev::globaltimer_ns() : 0;
     uint32_t word = 0;
+    bool ok = true;
     if (lane < W) {
       const bool was_masked = p.t.masked(s);  // beside the wait (shrink)
       ok = p.t.wait_tagged(mask_word_offset(p.off, tags, s, lane, le, E_local), epoch, word,
@@ -736,7 +732,7 @@ __device__ __forceinline__ bool dispatch_recv_unit_arrival(const LlDispatchRecvP
         word = 0;
       }
     }
-    // Warp scan of the words' popcounts: each word's first row within s.
+    const bool words_ok = __all_sync(kFull, ok);
     const int n = __popc(word);
     int incl = n;
 #pragma unroll
@@ -744,69 +740,60 @@ __device__ __forceinline__ bool dispatch_recv_unit_arrival(const LlDispatchRecvP
       const int v = __shfl_up_sync(kFull, incl, d);
       if (lane >= d) incl += v;
     }
-    const int total = __shfl_sync(kFull, incl, 31);
-    const bool words_ok = __all_sync(kFull, ok);
+    const int total = words_ok ? __shfl_sync(kFull, incl, 31) : 0;
     int begin = 0;
-    if (lane == 0 && words_ok && total > 0)
-      begin = static_cast<int>(tagged_add(le_rows + le, epoch, static_cast<uint32_t>(total)));
+    if (lane == 0) begin = total > 0 ? atomicAdd(&s_rows, total) : 0;
     begin = __shfl_sync(kFull, begin, 0);
     const int prefix = incl - n;
     for (uint32_t m = word, i = prefix; m != 0u; m &= m - 1u, ++i)
-      s_list[i] = 32 * lane + __ffs(m) - 1;
+      list[i] = 32 * lane + __ffs(m) - 1;
     if (lane < W)
       p.combine_plan[static_cast<std::size_t>(s * W + lane) * E_local + le] =
           make_int2(static_cast<int>(word), begin + prefix);
     if (lane == 0) {
-      s_sh[0] = begin;
-      s_sh[1] = total;
+      s_begin[s] = begin;
+      s_total[s] = total;
+      if (!words_ok) s_failed = 1;
       p.layout_range[static_cast<int64_t>(le) * R + s] =
           (static_cast<int64_t>(begin) << 32) | static_cast<int64_t>(total);
       if (p.wait_stats != nullptr)
         atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats + s),
                   static_cast<unsigned long long>(dev::globaltimer_ns() - t0));
-    }
-  } else if (warp == 1 && le == 0 && lane == 0) {
-    // The token count of s, which the combine reads from the handle state.
-    uint32_t n = 0;
-    const bool was_masked = p.t.masked(s);
-    const bool came = p.t.wait_tagged(tags + 8u * s, epoch, n, p.timeout_ns, p.diag,
-                                      OpId::kLowLatencyDispatchRecv, s, le);
-    if (was_masked || (!came && p.t.masked(s))) {
-      p.state[8 + s] = 0;
-    } else if (!came) {
-      ok = false;
-    } else if (plan::ll_shape_of(n) != p.off.shape_fp) {
-      dev::report(p.diag, DiagCode::kBadConfig, OpId::kLowLatencyDispatchRecv, p.t.rank, s, -1,
-                  p.off.shape_fp, plan::ll_shape_of(n));
-      ok = false;
-    } else {
-      p.state[8 + s] = min(plan::ll_count_of(n), p.max_tokens);
+      if (le == 0) {  // the token count of s, which the combine reads from the handle state
+        uint32_t c = 0;
+        const bool was_masked = p.t.masked(s);
+        const bool came = p.t.wait_tagged(tags + 8u * s, epoch, c, p.timeout_ns, p.diag,
+                                          OpId::kLowLatencyDispatchRecv, s, le);
+        if (was_masked || (!came && p.t.masked(s))) {
+          p.state[8 + s] = 0;
+        } else if (!came) {
+          s_failed = 1;
+        } else if (plan::ll_shape_of(c) != p.off.shape_fp) {
+          dev::report(p.diag, DiagCode::kBadConfig, OpId::kLowLatencyDispatchRecv, p.t.rank, s, -1,
+                      p.off.shape_fp, plan::ll_shape_of(c));
+          s_failed = 1;
+        } else {
+          p.state[8 + s] = min(plan::ll_count_of(c), p.max_tokens);
+        }
+      }
     }
   }
-  if (__syncthreads_or(ok ? 0 : 1) != 0) return false;
-  const int begin = s_sh[0], rows = s_sh[1];
-  for (int i = threadIdx.x; i < rows; i += kThreads)
-    p.src_info[static_cast<int64_t>(le) * RT + begin + i] = s_list[i];
-  const bool copied =
-      copy_rows(p, epoch, le, rows, [&](int i) { return make_int3(begin + i, s, s_list[i]); });
-  if (__syncthreads_and(copied ? 1 : 0) == 0) return false;
-  // The last of le's R units: the count, the statistics, the src_info tail.
+  // The group waits for its first warp only (named barrier s + 1).
+  asm volatile("bar.sync %0, %1;" ::"r"(s + 1), "r"(group_warps * 32) : "memory");
+  const int begin = s_begin[s], rows = s_total[s];
+  for (int i = warp / R * 32 + lane; i < rows; i += group_warps * 32)
+    p.src_info[static_cast<int64_t>(le) * RT + begin + i] = list[i];
+  const bool copied = copy_rows(
+      p, epoch, le, rows, [&](int i) { return make_int3(begin + i, s, list[i]); }, warp / R,
+      group_warps);
+  if (__syncthreads_or((copied && s_failed == 0) ? 0 : 1) != 0) return false;
+  const int count = s_rows;
   if (threadIdx.x == 0) {
-    __threadfence();
-    const bool last = tagged_add(le_done + le, epoch, 1u) == static_cast<uint32_t>(R - 1);
-    s_sh[2] = last ? 1 : 0;
-    if (last) {
-      __threadfence();
-      const int count = static_cast<int>(tagged_add(le_rows + le, epoch, 0u));
-      s_sh[0] = count;
-      p.recv_count[le] = count;
-      if (p.stats) p.stats[le] += count;
-    }
+    p.recv_count[le] = count;
+    if (p.stats) p.stats[le] += count;
   }
-  __syncthreads();
-  if (s_sh[2] != 0)
-    for (int j = s_sh[0] + threadIdx.x; j < RT; j += kThreads)
-      p.src_info[static_cast<int64_t>(le) * RT + j] = -1;
+  for (int j = count + static_cast<int>(threadIdx.x); j < RT; j += kThreads)
+    p.src_info[static_cast<int64_t>(le) * RT + j] = -1;
   return true;
 }
 
