@@ -74,28 +74,15 @@ def _in_process(case, world):
 _RANKS = {"processes": _spawn, "in_process": _in_process}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("ranks", list(_RANKS))
-def test_high_throughput(world, ranks):
-    _RANKS[ranks]("_case_high_throughput", world)
+# The cases that run both ways: _case_<name>(rank, world, group).
+_CASES = ["high_throughput", "low_latency", "low_latency_shrink", "low_latency_cuda_graph"]
 
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("ranks", list(_RANKS))
-def test_low_latency(world, ranks):
-    _RANKS[ranks]("_case_low_latency", world)
-
-
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("ranks", list(_RANKS))
-def test_low_latency_shrink(world, ranks):
-    _RANKS[ranks]("_case_low_latency_shrink", world)
-
-
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("ranks", list(_RANKS))
-def test_low_latency_cuda_graph(world, ranks):
-    _RANKS[ranks]("_case_low_latency_cuda_graph", world)
+@pytest.mark.parametrize("case", _CASES)
+def test_case(case, world, ranks):
+    _RANKS[ranks](f"_case_{case}", world)
 
 
 @pytest.mark.parametrize("world", [2, 4])
