@@ -395,19 +395,28 @@ Buffer::Impl& shrink_impl(Buffer::Impl& d, const char* op) {
                     "(BufferOptions::enable_shrink)");
   return d;
 }
+
+/// Enqueues fn(launch stream) in the low-latency ops' stream order, as an LL
+/// op would (the caller's `stream`, after the last LL op wherever it ran).
+template <class Fn>
+void in_ll_order(Buffer::Impl& d, cudaStream_t stream, Fn&& fn) {
+  StreamArgs s;
+  s.stream = stream;
+  d.check_stream(s);
+  const cudaStream_t launch = d.ll_enter(s);
+  fn(launch);
+  d.ll_leave(s, launch);
+}
 }  // namespace
 
 void Buffer::low_latency_update_mask_buffer(int rank_to_mask, bool mask, cudaStream_t stream) {
   static constexpr const char* op = "low_latency_update_mask_buffer";
   auto& d = shrink_impl(*impl_, op);
   validate::rank_in_group(op, "rank_to_mask", rank_to_mask, d.comm->num_ranks());
-  StreamArgs s;
-  s.stream = stream;
-  d.check_stream(s);
-  const cudaStream_t launch = d.ll_enter(s);
-  // Words hold 0 or 1 only, so setting the low byte (little-endian) sets the word.
-  EPX_CUDA_CHECK(cudaMemsetAsync(d.ll_mask + rank_to_mask, mask ? 1 : 0, 1, launch));
-  d.ll_leave(s, launch);
+  in_ll_order(d, stream, [&](cudaStream_t launch) {
+    // Words hold 0 or 1 only, so setting the low byte (little-endian) sets the word.
+    EPX_CUDA_CHECK(cudaMemsetAsync(d.ll_mask + rank_to_mask, mask ? 1 : 0, 1, launch));
+  });
 }
 
 void Buffer::low_latency_query_mask_buffer(const TensorView& mask_status, cudaStream_t stream) {
@@ -415,24 +424,18 @@ void Buffer::low_latency_query_mask_buffer(const TensorView& mask_status, cudaSt
   auto& d = shrink_impl(*impl_, op);
   const int R = d.comm->num_ranks();
   validate::tensor(op, "mask_status", mask_status, DType::kI32, {R}, d.device);
-  StreamArgs s;
-  s.stream = stream;
-  d.check_stream(s);
-  const cudaStream_t launch = d.ll_enter(s);
-  EPX_CUDA_CHECK(cudaMemcpyAsync(mask_status.data, d.ll_mask, sizeof(int) * R,
-                                 cudaMemcpyDeviceToDevice, launch));
-  d.ll_leave(s, launch);
+  in_ll_order(d, stream, [&](cudaStream_t launch) {
+    EPX_CUDA_CHECK(cudaMemcpyAsync(mask_status.data, d.ll_mask, sizeof(int) * R,
+                                   cudaMemcpyDeviceToDevice, launch));
+  });
 }
 
 void Buffer::low_latency_clean_mask_buffer(cudaStream_t stream) {
   static constexpr const char* op = "low_latency_clean_mask_buffer";
   auto& d = shrink_impl(*impl_, op);
-  StreamArgs s;
-  s.stream = stream;
-  d.check_stream(s);
-  const cudaStream_t launch = d.ll_enter(s);
-  EPX_CUDA_CHECK(cudaMemsetAsync(d.ll_mask, 0, sizeof(int) * plan::kMaxRanks, launch));
-  d.ll_leave(s, launch);
+  in_ll_order(d, stream, [&](cudaStream_t launch) {
+    EPX_CUDA_CHECK(cudaMemsetAsync(d.ll_mask, 0, sizeof(int) * plan::kMaxRanks, launch));
+  });
 }
 
 bool Buffer::shrink_enabled() const {
