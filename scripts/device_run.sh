@@ -41,17 +41,19 @@ suite() {
 }
 if [[ " $RUN " == *" tests "* ]]; then
   # The HighThroughput suite again with the pull dispatch in every default config.
-  pull_filter=${EPX_GTEST_FILTER:-HighThroughput.*}
+  # The suites again with a mode switched on: "log-tag VAR=1 filter" each.
+  variants=()
+  [ "${EPX_PULL:-1}" = 1 ] && variants+=("pull EPX_HT_PULL=1 ${EPX_GTEST_FILTER:-HighThroughput.*}")
+  [ "${EPX_ARRIVAL:-1}" = 1 ] && variants+=("arrival EPX_LL_ARRIVAL_ORDER=1 LowLatency.*")
   for n in 2 4 8; do
     [ "$GPUS" -ge "$n" ] || continue
     suite "EP$n" "$OUT/gpu-tests-ep$n.log" "$D/launch.sh" "$n" ${LINEBUF[@]+"${LINEBUF[@]}"} \
       "$D/epx_gpu_tests" ${EPX_GTEST_FILTER:+--gtest_filter=$EPX_GTEST_FILTER}
-    [ "${EPX_PULL:-1}" = 1 ] && suite "EP$n, EPX_HT_PULL=1" "$OUT/gpu-tests-ep$n-pull.log" \
-      env EPX_HT_PULL=1 "$D/launch.sh" "$n" ${LINEBUF[@]+"${LINEBUF[@]}"} "$D/epx_gpu_tests" \
-      --gtest_filter="$pull_filter"
-    [ "${EPX_ARRIVAL:-1}" = 1 ] && suite "EP$n, EPX_LL_ARRIVAL_ORDER=1" \
-      "$OUT/gpu-tests-ep$n-arrival.log" env EPX_LL_ARRIVAL_ORDER=1 "$D/launch.sh" "$n" \
-      ${LINEBUF[@]+"${LINEBUF[@]}"} "$D/epx_gpu_tests" --gtest_filter="LowLatency.*"
+    for v in ${variants[@]+"${variants[@]}"}; do
+      read -r tag setting filter <<< "$v"
+      suite "EP$n, $setting" "$OUT/gpu-tests-ep$n-$tag.log" env "$setting" "$D/launch.sh" "$n" \
+        ${LINEBUF[@]+"${LINEBUF[@]}"} "$D/epx_gpu_tests" --gtest_filter="$filter"
+    done
   done
   # Ranks as threads of one process on GPU 0: the multi-rank protocol where
   # there are fewer GPUs (EPX_IN_PROCESS="2 4" by default on a 1-GPU machine).
@@ -66,18 +68,13 @@ if [[ " $RUN " == *" tests "* ]]; then
     suite "$n in-process ranks on one GPU" "$OUT/gpu-tests-inproc$n.log" \
       "${tests[@]}" --in-process="$n" ${EPX_GTEST_FILTER:+--gtest_filter=$EPX_GTEST_FILTER}
   done
-  if [ "${EPX_PULL:-1}" = 1 ]; then
+  for v in ${variants[@]+"${variants[@]}"}; do
+    read -r tag setting filter <<< "$v"
     for n in $inproc; do
-      suite "$n in-process ranks, EPX_HT_PULL=1" "$OUT/gpu-tests-inproc$n-pull.log" \
-        env EPX_HT_PULL=1 "${tests[@]}" --in-process="$n" --gtest_filter="$pull_filter"
+      suite "$n in-process ranks, $setting" "$OUT/gpu-tests-inproc$n-$tag.log" \
+        env "$setting" "${tests[@]}" --in-process="$n" --gtest_filter="$filter"
     done
-  fi
-  if [ "${EPX_ARRIVAL:-1}" = 1 ]; then
-    for n in $inproc; do
-      suite "$n in-process ranks, EPX_LL_ARRIVAL_ORDER=1" "$OUT/gpu-tests-inproc$n-arrival.log" \
-        env EPX_LL_ARRIVAL_ORDER=1 "${tests[@]}" --in-process="$n" --gtest_filter="LowLatency.*"
-    done
-  fi
+  done
   for n in $wrap; do
     suite "$n in-process ranks, epochs crossing the 2^32 wrap" "$OUT/gpu-tests-inproc$n-wrap.log" \
       env EPX_DEBUG_EPOCH_START=4294967200 "${tests[@]}" --in-process="$n" \
