@@ -39,6 +39,7 @@
 #include "core/check.hpp"
 #include "core/validate.hpp"
 #include "kernels/kernels.hpp"
+#include "reference/logfmt_math.hpp"
 
 namespace epx::kernels {
 namespace {
@@ -190,20 +191,13 @@ __device__ __forceinline__ float fp8_scale(float amax, bool round_scale) {
   return scale;
 }
 
-// ref::logfmt: smallest float >= v.
-__device__ __forceinline__ float float_up(double v) {
-  float f = __double2float_rn(v);
-  if (static_cast<double>(f) < v) f = nextafterf(f, INFINITY);
-  return f;
-}
-
 /// logfmt_decode(logfmt_encode(.)) of one 128-value group held as 8 values by
 /// each of 16 consecutive lanes (lanes 0-15 and 16-31 are two groups). Every
-/// lane of the warp must call it. Mirrors src/reference/logfmt.cpp, with the
-/// same double-precision arithmetic and no contraction into FMAs.
+/// lane of the warp must call it. The arithmetic is the reference's
+/// (reference/logfmt_math.hpp, float operations only), so the values are the
+/// same bits as ref::logfmt_decode(ref::logfmt_encode(.)).
 __device__ __forceinline__ void logfmt_roundtrip(float* v) {
-  constexpr double kSteps = 510.0;
-  constexpr float kMaxRange = 16.0f;
+  namespace lm = epx::logfmt_math;
   float amax = 0.0f, amin = INFINITY;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
@@ -218,33 +212,10 @@ __device__ __forceinline__ void logfmt_roundtrip(float* v) {
     amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, m));
     amin = fminf(amin, __shfl_xor_sync(kFull, amin, m));
   }
-  float lmax = 0.0f, range = 0.0f;
-  bool clamped = false;
-  if (amax > 0.0f) {
-    lmax = float_up(log2(static_cast<double>(amax)));
-    const double full = __dsub_rn(static_cast<double>(lmax), log2(static_cast<double>(amin)));
-    clamped = full > static_cast<double>(kMaxRange);
-    range = clamped ? kMaxRange : float_up(full);
-  }
-  const double step = __ddiv_rn(static_cast<double>(range), kSteps);
-  const double lmin = __dsub_rn(static_cast<double>(lmax), static_cast<double>(range));
+  const lm::Group g = lm::group_of_extremes(amax, amin);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const float a = fabsf(v[i]);
-    unsigned m = 0;
-    if (a >= FLT_MIN) {
-      double q = 0.0;
-      if (step > 0.0)
-        q = floor(__dadd_rn(__ddiv_rn(__dsub_rn(log2(static_cast<double>(a)), lmin), step), 0.5));
-      if (q < 0.0) q = clamped ? -1.0 : 0.0;
-      if (q > kSteps) q = kSteps;
-      m = static_cast<unsigned>(q + 1.0);
-    }
-    float out = 0.0f;
-    if (m != 0) {
-      const double e = __dadd_rn(lmin, __dmul_rn(static_cast<double>(m - 1), step));
-      out = __double2float_rn(fmin(exp2(e), static_cast<double>(FLT_MAX)));
-    }
+    const float out = lm::magnitude_of_code(g, lm::magnitude_code(g, fabsf(v[i])));
     v[i] = signbit(v[i]) ? -out : out;
   }
 }
@@ -921,7 +892,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
   const int H = p.hidden, K = p.num_topk, E = p.num_experts, maxT = p.max_tokens;
   const int H8 = H / 8, E_local = E / R;
   constexpr int kCombineChunk = kLlCombineSendChunk, kCombineSteps = kCombineChunk / 256;
-  constexpr int kRowsAtOnce = kLogFmt ? 1 : kLlCombineSendRowsAtOnce;  // LogFMT: registers
+  constexpr int kRowsAtOnce = kLogFmt ? 2 : kLlCombineSendRowsAtOnce;  // LogFMT: registers
 
   // Shrink: a masked source gets nothing back (and sends no weights here).
   const uint32_t live = p.t.live_ranks();
@@ -1085,7 +1056,7 @@ __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
   const int H = p.hidden, K = p.num_topk, E = p.num_experts, E_local = E / R;
   const int H8 = H / 8;
   constexpr int kCombineChunk = kLlCombineRecvChunk, kCombineSteps = kCombineChunk / 256;
-  constexpr int kRanksAtOnce = kLogFmt ? 1 : kLlCombineRecvRanksAtOnce;  // LogFMT: registers
+  constexpr int kRanksAtOnce = kLlCombineRecvRanksAtOnce;
   const int C = ceil_div(H, kCombineChunk);
   const int items = p.num_tokens * C;
   int item = blockIdx.x * kWarps + warp;

@@ -599,14 +599,14 @@ def _case_low_latency(rank, world, group):
             assert waits[slow] >= 10_000_000, (name, waits)
             assert (2 * np.delete(waits, slow) < waits[slow]).all(), (name, waits)
 
-    # LogFMT on the wire: within the reference's bound of the LogFMT reference,
-    # and not the BF16 result (the encoding loses bits)
+    # LogFMT: the LogFMT reference within the plain tolerance (the kernels'
+    # round trip is the reference's, bit for bit), and not the BF16 result
     lf, _, _ = buf.low_latency_combine(recv, idx, w, handle, use_logfmt=True)
     want_lf = ref.bf16_to_float(ref.ll_combine([want[r]["recv_x"] for r in range(world)],
                                                all_idx, all_w, E, maxT, use_logfmt=True)[rank])
     got_lf = ref.bf16_to_float(_bits(lf))
     mag = np.abs(ref.bf16_to_float(x_np)) * (np.abs(w_np) * (idx_np >= 0)).sum(1, keepdims=True)
-    tol = 1e-2 * np.abs(want_lf) + 1e-2 + (2.0**-8 + epx._core.ref.logfmt_max_rel_error()) * mag
+    tol = 1e-2 * np.abs(want_lf) + 1e-2 + 2.0**-8 * mag
     assert (np.abs(got_lf - want_lf) <= tol).all()
     assert (_bits(lf) != _bits(combined)).mean() > 0.1
 

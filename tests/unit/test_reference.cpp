@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "epx/reference.hpp"
+#include "reference/logfmt_math.hpp"
 
 namespace ref = epx::ref;
 
@@ -1038,6 +1039,50 @@ TEST(RefLogfmt, RoundTripWithinBound) {
   }
   EXPECT_GT(worst, 0.8 * bound);  // the bound is nearly attained
   EXPECT_GT(flushed, 0);          // the clamp did happen
+}
+
+// log2_approx over every mantissa of the binades around 1 (where the
+// polynomial alone decides), and of the extreme and some random exponents
+// (where the final addition of the exponent rounds).
+TEST(RefLogfmt, Log2ApproxWithinItsBound) {
+  namespace lm = epx::logfmt_math;
+  Rng rng(905);
+  std::vector<int> exps = {-126, -125, -1, 0, 1, 126, 127};
+  for (int i = 0; i < 6; ++i) exps.push_back(rng.uniform_int(-126, 127));
+  double worst = 0.0, worst_poly = 0.0;
+  for (const int e : exps) {
+    for (uint32_t m = 0; m < (1u << 23); ++m) {
+      const float a = float_of((static_cast<uint32_t>(e + 127) << 23) | m);
+      const double err = std::fabs(double{lm::log2_approx(a)} - std::log2(double{a}));
+      worst = std::max(worst, err);
+      if (e == 0 || e == -1) worst_poly = std::max(worst_poly, err);
+    }
+  }
+  EXPECT_LE(worst, lm::kLog2AbsError);
+  EXPECT_LT(worst_poly, 2e-7);  // the polynomial itself, where e adds nothing
+}
+
+// exp2_approx relative to 2^x over [-126, 128) in steps of 2^-12 and at
+// random points; past FLT_MAX it gives inf, below FLT_MIN a subnormal close
+// to 2^x, and it is exact at integers.
+TEST(RefLogfmt, Exp2ApproxWithinItsBound) {
+  namespace lm = epx::logfmt_math;
+  Rng rng(906);
+  double worst = 0.0;
+  auto check = [&](float x) {
+    const double want = std::exp2(double{x});
+    const double got = lm::exp2_approx(x);
+    worst = std::max(worst, std::fabs(got / want - 1.0));
+  };
+  for (int i = -126 * 4096; i < 128 * 4096; ++i) check(static_cast<float>(i) / 4096.0f);
+  for (int i = 0; i < 1000000; ++i) check(static_cast<float>(rng.uniform(-126.0, 127.99)));
+  EXPECT_LE(worst, lm::kExp2RelError);
+  for (int n = -126; n <= 127; ++n)
+    EXPECT_EQ(lm::exp2_approx(static_cast<float>(n)), std::ldexp(1.0f, n)) << n;
+  EXPECT_EQ(lm::exp2_approx(128.5f), INFINITY);
+  const float sub = lm::exp2_approx(-140.25f);
+  EXPECT_LT(sub, FLT_MIN);
+  EXPECT_NEAR(sub, std::exp2(-140.25), 0x1p-149);
 }
 
 TEST(RefLogfmt, KnownGroup) {

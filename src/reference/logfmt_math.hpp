@@ -1,0 +1,185 @@
+// LogFMT arithmetic shared by the CPU reference (src/reference/logfmt.cpp) and
+// the combine kernels (src/kernels/low_latency.cu), so both produce the same
+// bits. Only IEEE-754 float operations with one rounding each are used (add,
+// sub, mul, div, fma, floor, exact bit manipulation): every a * b + c is an
+// explicit fma and every other operation goes through the helpers below, so
+// no compiler contraction can make host and device differ. log2 and exp2 are
+// polynomials (coefficients fitted for EPX), not the math libraries', whose
+// results differ between libm and CUDA.
+//
+// Accuracy (checked by tests/unit/test_reference.cpp over every mantissa):
+// |log2_approx(a) - log2(a)| <= kLog2AbsError for normal a (polynomial error
+// below 2e-7 plus the rounding of e + log2(m), at most 2^-17 for |e| <= 128);
+// |exp2_approx(x) / 2^x - 1| <= kExp2RelError for results in the normal range.
+#pragma once
+
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define EPX_LOGFMT_HD __host__ __device__ __forceinline__
+#else
+#define EPX_LOGFMT_HD inline
+#endif
+
+namespace epx::logfmt_math {
+
+constexpr int kGroup = 128;
+constexpr int kLevels = 511;        // magnitude codes 1..511
+constexpr float kSteps = 510.0f;    // intervals between lmin and lmax
+constexpr float kMaxRange = 16.0f;  // largest log2 dynamic range kept per group
+constexpr double kLog2AbsError = 0x1p-16;
+constexpr double kExp2RelError = 0x1p-21;
+
+EPX_LOGFMT_HD float add(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+EPX_LOGFMT_HD float sub(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+EPX_LOGFMT_HD float mul(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+EPX_LOGFMT_HD float div(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+EPX_LOGFMT_HD float fma(float a, float b, float c) {
+#if defined(__CUDA_ARCH__)
+  return __fmaf_rn(a, b, c);
+#else
+  return std::fma(a, b, c);
+#endif
+}
+EPX_LOGFMT_HD uint32_t bits_of(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+EPX_LOGFMT_HD float float_of(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+/// log2(a) for a normal, positive, finite float: a = 2^e * m with m in
+/// [sqrt(1/2), sqrt(2)), log2(m) = r * q(r) with r = m - 1 (exact).
+EPX_LOGFMT_HD float log2_approx(float a) {
+  uint32_t u = bits_of(a);
+  int e = static_cast<int>((u >> 23) & 0xFFu) - 127;
+  u = (u & 0x7FFFFFu) | 0x3F800000u;  // m in [1, 2)
+  if (u > 0x3FB504F3u) {              // m > sqrt(2): use m / 2
+    u -= 0x00800000u;
+    e += 1;
+  }
+  const float r = sub(float_of(u), 1.0f);
+  float q = -1.430238187e-01f;
+  q = fma(q, r, 2.357155383e-01f);
+  q = fma(q, r, -2.504973412e-01f);
+  q = fma(q, r, 2.868851125e-01f);
+  q = fma(q, r, -3.600646555e-01f);
+  q = fma(q, r, 4.809323251e-01f);
+  q = fma(q, r, -7.213575840e-01f);
+  q = fma(q, r, 1.442694783e+00f);
+  return fma(q, r, static_cast<float>(e));
+}
+
+/// 2^n for an integer n in [-126, 127], exactly.
+EPX_LOGFMT_HD float pow2i(int n) {
+  return float_of(static_cast<uint32_t>(n + 127) << 23);
+}
+
+/// 2^x for x in [-200, 200]: 2^n * p(f) with n = floor(x + 1/2) and f = x - n
+/// in [-1/2, 1/2] (exact). The scaling is two exact-or-once-rounded products,
+/// so subnormal results round once and results past FLT_MAX become inf.
+EPX_LOGFMT_HD float exp2_approx(float x) {
+  const float n = floorf(add(x, 0.5f));
+  const float f = sub(x, n);
+  float p = 1.533757604e-04f;
+  p = fma(p, f, 1.339985989e-03f);
+  p = fma(p, f, 9.618519805e-03f);
+  p = fma(p, f, 5.550329015e-02f);
+  p = fma(p, f, 2.402264625e-01f);
+  p = fma(p, f, 6.931471825e-01f);
+  p = fma(p, f, 1.0f);
+  const int ni = static_cast<int>(n);
+  const int n1 = ni / 2, n2 = ni - n1;  // each in [-100, 100]
+  const int c1 = n1 < -126 ? -126 : (n1 > 127 ? 127 : n1);
+  const int c2 = n2 < -126 ? -126 : (n2 > 127 ? 127 : n2);
+  return mul(mul(p, pow2i(c1)), pow2i(c2));
+}
+
+/// What a group's header determines: lmin = lmax - range, the step between
+/// levels and its inverse (0 for a zero range).
+struct Group {
+  float lmax = 0.0f, range = 0.0f;
+  float lmin = 0.0f, step = 0.0f, inv_step = 0.0f;
+  bool clamped = false;  ///< the group's magnitudes spanned more than kMaxRange (encoder only)
+};
+
+EPX_LOGFMT_HD Group group_of_header(float lmax, float range) {
+  Group g;
+  g.lmax = lmax;
+  g.range = range;
+  g.lmin = sub(lmax, range);
+  g.step = div(range, kSteps);
+  g.inv_step = range > 0.0f ? div(kSteps, range) : 0.0f;
+  return g;
+}
+
+/// The encoder's header of a group whose largest and smallest magnitudes of
+/// at least FLT_MIN are amax and amin (amax = 0: no such value).
+EPX_LOGFMT_HD Group group_of_extremes(float amax, float amin) {
+  if (!(amax > 0.0f)) return group_of_header(0.0f, 0.0f);
+  const float lmax = log2_approx(amax);
+  const float full = sub(lmax, log2_approx(amin));
+  const bool clamped = full > kMaxRange;
+  Group g = group_of_header(lmax, clamped ? kMaxRange : (full > 0.0f ? full : 0.0f));
+  g.clamped = clamped;
+  return g;
+}
+
+/// Magnitude code 0..511 of |x| = a: 0 for zero, float subnormals and (in a
+/// clamped group) values more than half a step below 2^lmin.
+EPX_LOGFMT_HD unsigned magnitude_code(const Group& g, float a) {
+  if (!(a >= FLT_MIN)) return 0u;
+  float q = 0.0f;
+  if (g.inv_step > 0.0f) q = floorf(fma(sub(log2_approx(a), g.lmin), g.inv_step, 0.5f));
+  if (q < 0.0f) return g.clamped ? 0u : 1u;
+  if (q > kSteps) q = kSteps;
+  return static_cast<unsigned>(q) + 1u;
+}
+
+/// The magnitude that code m stands for: 2^(lmin + (m - 1) step), at most FLT_MAX.
+EPX_LOGFMT_HD float magnitude_of_code(const Group& g, unsigned m) {
+  if (m == 0u) return 0.0f;
+  const float v = exp2_approx(fma(static_cast<float>(m - 1u), g.step, g.lmin));
+  return v < FLT_MAX ? v : FLT_MAX;
+}
+
+}  // namespace epx::logfmt_math

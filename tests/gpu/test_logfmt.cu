@@ -1,0 +1,143 @@
+// LogFMT arithmetic (src/reference/logfmt_math.hpp) on the GPU gives the same
+// bits as on the host: the combine kernels' round trip and the CPU reference's
+// encode/decode share it, and this is what makes them agree exactly.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "epx/reference.hpp"
+#include "reference/logfmt_math.hpp"
+
+namespace {
+
+namespace lm = epx::logfmt_math;
+
+__global__ void log2_exp2_kernel(const float* a, const float* x, float* log2_out, float* exp2_out,
+                                 int n) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    log2_out[i] = lm::log2_approx(a[i]);
+    exp2_out[i] = lm::exp2_approx(x[i]);
+  }
+}
+
+// One thread per 128-value group: the encoder's header from the group's
+// extremes, then each value's code and the magnitude it decodes to.
+__global__ void roundtrip_kernel(const float* in, float* out, int groups) {
+  for (int g = blockIdx.x * blockDim.x + threadIdx.x; g < groups; g += gridDim.x * blockDim.x) {
+    const float* v = in + static_cast<size_t>(g) * lm::kGroup;
+    float amax = 0.0f, amin = INFINITY;
+    for (int i = 0; i < lm::kGroup; ++i) {
+      const float a = fabsf(v[i]);
+      if (a >= FLT_MIN) {
+        amax = fmaxf(amax, a);
+        amin = fminf(amin, a);
+      }
+    }
+    const lm::Group grp = lm::group_of_extremes(amax, amin);
+    for (int i = 0; i < lm::kGroup; ++i) {
+      const float m = lm::magnitude_of_code(grp, lm::magnitude_code(grp, fabsf(v[i])));
+      out[static_cast<size_t>(g) * lm::kGroup + i] = signbit(v[i]) ? -m : m;
+    }
+  }
+}
+
+template <class T>
+struct Dev {
+  T* p = nullptr;
+  explicit Dev(const std::vector<T>& h) {
+    EXPECT_EQ(cudaMalloc(&p, h.size() * sizeof(T)), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  ~Dev() { cudaFree(p); }
+  std::vector<T> host(std::size_t n) const {
+    std::vector<T> h(n);
+    EXPECT_EQ(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
+    return h;
+  }
+};
+
+uint32_t bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+TEST(Logfmt, DeviceMathMatchesHostBitForBit) {
+  std::mt19937_64 rng(907);
+  const int n = 1 << 22;
+  std::vector<float> a(n), x(n);
+  std::uniform_int_distribution<uint32_t> normal_bits(0x00800000u, 0x7F7FFFFFu);
+  std::uniform_real_distribution<double> exponent(-160.0, 130.0);
+  for (int i = 0; i < n; ++i) {
+    uint32_t u = normal_bits(rng);
+    std::memcpy(&a[i], &u, 4);
+    x[i] = static_cast<float>(exponent(rng));
+  }
+  Dev<float> da(a), dx(x), dl(std::vector<float>(n, NAN)), de(std::vector<float>(n, NAN));
+  log2_exp2_kernel<<<264, 256>>>(da.p, dx.p, dl.p, de.p, n);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto got_l = dl.host(n), got_e = de.host(n);
+  std::size_t bad_l = 0, bad_e = 0;
+  for (int i = 0; i < n; ++i) {
+    if (bits(got_l[i]) != bits(lm::log2_approx(a[i])) && bad_l++ < 3)
+      ADD_FAILURE() << "log2_approx(" << a[i] << "): device " << got_l[i] << ", host "
+                    << lm::log2_approx(a[i]);
+    if (bits(got_e[i]) != bits(lm::exp2_approx(x[i])) && bad_e++ < 3)
+      ADD_FAILURE() << "exp2_approx(" << x[i] << "): device " << got_e[i] << ", host "
+                    << lm::exp2_approx(x[i]);
+  }
+  EXPECT_EQ(bad_l, 0u);
+  EXPECT_EQ(bad_e, 0u);
+
+  // Whole groups against ref::logfmt_decode(ref::logfmt_encode(.)): narrow,
+  // clamped, constant, near FLT_MAX and near FLT_MIN groups, zeros and signs.
+  const int groups = 4096;
+  std::vector<float> v(static_cast<std::size_t>(groups) * lm::kGroup);
+  std::uniform_real_distribution<double> u01(0.0, 1.0);
+  for (int g = 0; g < groups; ++g) {
+    const double center = -100.0 + 200.0 * u01(rng);
+    for (int i = 0; i < lm::kGroup; ++i) {
+      double l = center;
+      switch (g % 6) {
+        case 0:
+          l += 4.0 * u01(rng) - 2.0;
+          break;
+        case 1:
+          l += 30.0 * u01(rng) - 15.0;
+          break;
+        case 2:
+          break;
+        case 3:
+          l = 120.0 + 7.99 * u01(rng);
+          break;
+        case 4:
+          l = -126.0 + 16.0 * u01(rng);
+          break;
+        default:
+          l += 2.0 * u01(rng) - 1.0;
+          break;
+      }
+      float f = static_cast<float>(std::exp2(l));
+      if (u01(rng) < 0.05) f = 0.0f;
+      v[static_cast<std::size_t>(g) * lm::kGroup + i] = u01(rng) < 0.5 ? -f : f;
+    }
+  }
+  Dev<float> dv(v), dout(std::vector<float>(v.size(), NAN));
+  roundtrip_kernel<<<32, 128>>>(dv.p, dout.p, groups);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto got = dout.host(v.size());
+  const auto want = epx::ref::logfmt_decode(epx::ref::logfmt_encode(v), static_cast<int>(v.size()));
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < v.size(); ++i)
+    if (bits(got[i]) != bits(want[i]) && bad++ < 3)
+      ADD_FAILURE() << "value " << i << " = " << v[i] << ": device " << got[i] << ", reference "
+                    << want[i];
+  EXPECT_EQ(bad, 0u);
+}
+
+}  // namespace
