@@ -554,6 +554,46 @@ __device__ __forceinline__ bool copy_rows(const LlDispatchRecvParams& p, uint32_
 // its chunks: rows are copied as they arrive, not after the slowest sender.
 // Returns false when a wait failed (reported).
 // ============================================================================
+/// Word w of source s's token mask for local expert le, into `word`. Shrink:
+/// the mask is read beside the wait, not before it (no added latency); a
+/// masked source counts as sending nothing, whether its word came or not (a
+/// wait for it returns at once, or when it gets masked). False: the wait failed.
+__device__ __forceinline__ bool recv_mask_word(const LlDispatchRecvParams& p, uint32_t epoch,
+                                               std::size_t tags, int s, int w, int le, int E_local,
+                                               uint32_t& word) {
+  const bool was_masked = p.t.masked(s);
+  const bool ok = p.t.wait_tagged(mask_word_offset(p.off, tags, s, w, le, E_local), epoch, word,
+                                  p.timeout_ns, p.diag, OpId::kLowLatencyDispatchRecv, s, le);
+  if (was_masked || (!ok && p.t.masked(s))) {
+    word = 0;
+    return true;
+  }
+  return ok;
+}
+
+/// Source s's token count into the handle state (the combine reads it there);
+/// 0 for a masked source. False: the wait failed, or the sender's shapes differ
+/// (its rows sit elsewhere; kBadConfig is reported and ends every wait).
+__device__ __forceinline__ bool recv_token_count(const LlDispatchRecvParams& p, uint32_t epoch,
+                                                 std::size_t tags, int s, int le) {
+  uint32_t n = 0;
+  const bool was_masked = p.t.masked(s);  // beside the wait, as in recv_mask_word
+  const bool came = p.t.wait_tagged(tags + 8u * s, epoch, n, p.timeout_ns, p.diag,
+                                    OpId::kLowLatencyDispatchRecv, s, le);
+  if (was_masked || (!came && p.t.masked(s))) {
+    p.state[8 + s] = 0;
+    return true;
+  }
+  if (!came) return false;
+  if (plan::ll_shape_of(n) != p.off.shape_fp) {
+    dev::report(p.diag, DiagCode::kBadConfig, OpId::kLowLatencyDispatchRecv, p.t.rank, s, -1,
+                p.off.shape_fp, plan::ll_shape_of(n));
+    return false;
+  }
+  p.state[8 + s] = min(plan::ll_count_of(n), p.max_tokens);
+  return true;
+}
+
 __device__ __forceinline__ bool dispatch_recv_unit(const LlDispatchRecvParams& p, uint32_t epoch,
                                                    int unit, int* s_list) {
   using Scan = cub::BlockScan<int, kThreads>;
@@ -580,38 +620,11 @@ __device__ __forceinline__ bool dispatch_recv_unit(const LlDispatchRecvParams& p
   }
   uint32_t word = 0;
   bool ok = true;
-  if (pos < R * W) {
-    // Shrink: the mask is read beside the word, not before it (no added
-    // latency). A masked source counts as sending nothing, whether its word
-    // came or not (a wait for it returns at once, or when it gets masked).
-    const bool was_masked = p.t.masked(s);
-    ok = p.t.wait_tagged(mask_word_offset(p.off, tags, s, w, le, E_local), epoch, word,
-                         p.timeout_ns, p.diag, OpId::kLowLatencyDispatchRecv, s, le);
-    if (was_masked || (!ok && p.t.masked(s))) {
-      ok = true;
-      word = 0;
-    }
-  }
+  if (pos < R * W) ok = recv_mask_word(p, epoch, tags, s, w, le, E_local, word);
   const uint64_t arrived = p.wait_stats != nullptr ? dev::globaltimer_ns() : 0;
-  if (unit == 0 && static_cast<int>(threadIdx.x) < R) {
-    // The token counts, which the combine reads from the handle state.
-    uint32_t n = 0;
-    const bool was_masked = p.t.masked(threadIdx.x);  // beside the wait, as above
-    const bool came = p.t.wait_tagged(tags + 8u * threadIdx.x, epoch, n, p.timeout_ns, p.diag,
-                                      OpId::kLowLatencyDispatchRecv, threadIdx.x, le);
-    if (was_masked || (!came && p.t.masked(threadIdx.x))) {
-      p.state[8 + threadIdx.x] = 0;  // shrink: a masked source sends nothing
-    } else if (!came) {
-      ok = false;
-    } else if (plan::ll_shape_of(n) != p.off.shape_fp) {
-      // The sender's shapes differ: its rows sit elsewhere. kBadConfig ends every wait.
-      dev::report(p.diag, DiagCode::kBadConfig, OpId::kLowLatencyDispatchRecv, p.t.rank,
-                  threadIdx.x, -1, p.off.shape_fp, plan::ll_shape_of(n));
-      ok = false;
-    } else {
-      p.state[8 + threadIdx.x] = min(plan::ll_count_of(n), p.max_tokens);
-    }
-  }
+  if (unit == 0 && static_cast<int>(threadIdx.x) < R &&
+      !recv_token_count(p, epoch, tags, threadIdx.x, le))
+    ok = false;
   if (__syncthreads_or(ok ? 0 : 1) != 0) return false;
   tl_mark(kTlDispatch, kTlRecvFlags);
   if (p.wait_stats != nullptr && pos < R * W)
@@ -694,15 +707,7 @@ __device__ __forceinline__ bool dispatch_recv_unit_arrival(const LlDispatchRecvP
     const uint64_t t0 = p.wait_stats != nullptr ? dev::globaltimer_ns() : 0;
     uint32_t word = 0;
     bool ok = true;
-    if (lane < W) {
-      const bool was_masked = p.t.masked(s);  // beside the wait (shrink)
-      ok = p.t.wait_tagged(mask_word_offset(p.off, tags, s, lane, le, E_local), epoch, word,
-                           p.timeout_ns, p.diag, OpId::kLowLatencyDispatchRecv, s, le);
-      if (was_masked || (!ok && p.t.masked(s))) {
-        ok = true;
-        word = 0;
-      }
-    }
+    if (lane < W) ok = recv_mask_word(p, epoch, tags, s, lane, le, E_local, word);
     const bool words_ok = __all_sync(kFull, ok);
     const int n = __popc(word);
     int incl = n;
@@ -730,23 +735,7 @@ __device__ __forceinline__ bool dispatch_recv_unit_arrival(const LlDispatchRecvP
       if (p.wait_stats != nullptr)
         atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats + s),
                   static_cast<unsigned long long>(dev::globaltimer_ns() - t0));
-      if (le == 0) {  // the token count of s, which the combine reads from the handle state
-        uint32_t c = 0;
-        const bool was_masked = p.t.masked(s);
-        const bool came = p.t.wait_tagged(tags + 8u * s, epoch, c, p.timeout_ns, p.diag,
-                                          OpId::kLowLatencyDispatchRecv, s, le);
-        if (was_masked || (!came && p.t.masked(s))) {
-          p.state[8 + s] = 0;
-        } else if (!came) {
-          s_failed = 1;
-        } else if (plan::ll_shape_of(c) != p.off.shape_fp) {
-          dev::report(p.diag, DiagCode::kBadConfig, OpId::kLowLatencyDispatchRecv, p.t.rank, s, -1,
-                      p.off.shape_fp, plan::ll_shape_of(c));
-          s_failed = 1;
-        } else {
-          p.state[8 + s] = min(plan::ll_count_of(c), p.max_tokens);
-        }
-      }
+      if (le == 0 && !recv_token_count(p, epoch, tags, s, le)) s_failed = 1;
     }
   }
   // The group waits for its first warp only (named barrier s + 1).
