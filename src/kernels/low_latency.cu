@@ -202,10 +202,9 @@ __device__ __forceinline__ void logfmt_roundtrip(float* v) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const float a = fabsf(v[i]);
-    if (a >= FLT_MIN) {
-      amax = fmaxf(amax, a);
-      amin = fminf(amin, a);
-    }
+    const bool counts = a >= FLT_MIN;  // zero and float subnormals are coded as zero
+    amax = fmaxf(amax, counts ? a : 0.0f);
+    amin = fminf(amin, counts ? a : INFINITY);
   }
 #pragma unroll
   for (int m = 8; m >= 1; m >>= 1) {
@@ -1045,7 +1044,7 @@ __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
   const int H = p.hidden, K = p.num_topk, E = p.num_experts, E_local = E / R;
   const int H8 = H / 8;
   constexpr int kCombineChunk = kLlCombineRecvChunk, kCombineSteps = kCombineChunk / 256;
-  constexpr int kRanksAtOnce = kLlCombineRecvRanksAtOnce;
+  constexpr int kRanksAtOnce = kLogFmt ? 2 : kLlCombineRecvRanksAtOnce;  // LogFMT: registers
   const int C = ceil_div(H, kCombineChunk);
   const int items = p.num_tokens * C;
   int item = blockIdx.x * kWarps + warp;

@@ -9,7 +9,7 @@
 //
 // Accuracy (checked by tests/unit/test_reference.cpp over every mantissa):
 // |log2_approx(a) - log2(a)| <= kLog2AbsError for normal a (polynomial error
-// below 2e-7 plus the rounding of e + log2(m), at most 2^-17 for |e| <= 128);
+// below 3e-6 plus the rounding of e + log2(m), at most 2^-18 for |e| <= 128);
 // |exp2_approx(x) / 2^x - 1| <= kExp2RelError for results in the normal range.
 #pragma once
 
@@ -88,24 +88,20 @@ EPX_LOGFMT_HD float float_of(uint32_t u) {
 }
 
 /// log2(a) for a normal, positive, finite float: a = 2^e * m with m in
-/// [sqrt(1/2), sqrt(2)), log2(m) = r * q(r) with r = m - 1 (exact).
+/// [sqrt(1/2), sqrt(2)), log2(m) = r * q(r) with r = m - 1 (exact) and q of
+/// degree 5. Any input gives a finite result (the kernels rely on it).
 EPX_LOGFMT_HD float log2_approx(float a) {
-  uint32_t u = bits_of(a);
-  int e = static_cast<int>((u >> 23) & 0xFFu) - 127;
-  u = (u & 0x7FFFFFu) | 0x3F800000u;  // m in [1, 2)
-  if (u > 0x3FB504F3u) {              // m > sqrt(2): use m / 2
-    u -= 0x00800000u;
-    e += 1;
-  }
-  const float r = sub(float_of(u), 1.0f);
-  float q = -1.430238187e-01f;
-  q = fma(q, r, 2.357155383e-01f);
-  q = fma(q, r, -2.504973412e-01f);
-  q = fma(q, r, 2.868851125e-01f);
-  q = fma(q, r, -3.600646555e-01f);
-  q = fma(q, r, 4.809323251e-01f);
-  q = fma(q, r, -7.213575840e-01f);
-  q = fma(q, r, 1.442694783e+00f);
+  const uint32_t u = bits_of(a);
+  // e = floor(log2(a / sqrt(1/2))) from the bits; subtracting it from the
+  // exponent field leaves m in [sqrt(1/2), sqrt(2)).
+  const int e = static_cast<int32_t>(u - 0x3F3504F4u) >> 23;
+  const float r = sub(float_of(u - (static_cast<uint32_t>(e) << 23)), 1.0f);
+  float q = -2.052982897e-01f;
+  q = fma(q, r, 3.220854998e-01f);
+  q = fma(q, r, -3.677039742e-01f);
+  q = fma(q, r, 4.793243706e-01f);
+  q = fma(q, r, -7.211225629e-01f);
+  q = fma(q, r, 1.442715764e+00f);
   return fma(q, r, static_cast<float>(e));
 }
 
@@ -114,24 +110,22 @@ EPX_LOGFMT_HD float pow2i(int n) {
   return float_of(static_cast<uint32_t>(n + 127) << 23);
 }
 
-/// 2^x for x in [-200, 200]: 2^n * p(f) with n = floor(x + 1/2) and f = x - n
+/// 2^x for x in [-252, 254]: 2^n * p(f) with n = floor(x + 1/2) and f = x - n
 /// in [-1/2, 1/2] (exact). The scaling is two exact-or-once-rounded products,
 /// so subnormal results round once and results past FLT_MAX become inf.
+/// Branch-free (selects only), as the kernels want it.
 EPX_LOGFMT_HD float exp2_approx(float x) {
   const float n = floorf(add(x, 0.5f));
   const float f = sub(x, n);
-  float p = 1.533757604e-04f;
-  p = fma(p, f, 1.339985989e-03f);
-  p = fma(p, f, 9.618519805e-03f);
-  p = fma(p, f, 5.550329015e-02f);
-  p = fma(p, f, 2.402264625e-01f);
-  p = fma(p, f, 6.931471825e-01f);
+  float p = 1.321867225e-03f;  // 2^f = 1 + f * p(f): exact at f = 0
+  p = fma(p, f, 9.671698324e-03f);
+  p = fma(p, f, 5.550893024e-02f);
+  p = fma(p, f, 2.402223796e-01f);
+  p = fma(p, f, 6.931468844e-01f);
   p = fma(p, f, 1.0f);
   const int ni = static_cast<int>(n);
-  const int n1 = ni / 2, n2 = ni - n1;  // each in [-100, 100]
-  const int c1 = n1 < -126 ? -126 : (n1 > 127 ? 127 : n1);
-  const int c2 = n2 < -126 ? -126 : (n2 > 127 ? 127 : n2);
-  return mul(mul(p, pow2i(c1)), pow2i(c2));
+  const int n1 = ni >> 1, n2 = ni - n1;  // floor(ni / 2); both in [-126, 127] for x in range
+  return mul(mul(p, pow2i(n1)), pow2i(n2));
 }
 
 /// What a group's header determines: lmin = lmax - range, the step between
@@ -165,21 +159,23 @@ EPX_LOGFMT_HD Group group_of_extremes(float amax, float amin) {
 }
 
 /// Magnitude code 0..511 of |x| = a: 0 for zero, float subnormals and (in a
-/// clamped group) values more than half a step below 2^lmin.
+/// clamped group) values more than half a step below 2^lmin. Branch-free: the
+/// log is taken of every a (finite garbage for a < FLT_MIN, not used), and a
+/// zero range gives inv_step = 0, so q = 0.
 EPX_LOGFMT_HD unsigned magnitude_code(const Group& g, float a) {
-  if (!(a >= FLT_MIN)) return 0u;
-  float q = 0.0f;
-  if (g.inv_step > 0.0f) q = floorf(fma(sub(log2_approx(a), g.lmin), g.inv_step, 0.5f));
-  if (q < 0.0f) return g.clamped ? 0u : 1u;
-  if (q > kSteps) q = kSteps;
-  return static_cast<unsigned>(q) + 1u;
+  float q = floorf(fma(sub(log2_approx(a), g.lmin), g.inv_step, 0.5f));
+  q = q < kSteps ? q : kSteps;
+  const unsigned below = g.clamped ? 0u : 1u;  // q < 0
+  const unsigned m = q < 0.0f ? below : static_cast<unsigned>(q) + 1u;
+  return a >= FLT_MIN ? m : 0u;
 }
 
-/// The magnitude that code m stands for: 2^(lmin + (m - 1) step), at most FLT_MAX.
+/// The magnitude that code m stands for: 2^(lmin + (m - 1) step), at most
+/// FLT_MAX. Branch-free, as magnitude_code.
 EPX_LOGFMT_HD float magnitude_of_code(const Group& g, unsigned m) {
-  if (m == 0u) return 0.0f;
-  const float v = exp2_approx(fma(static_cast<float>(m - 1u), g.step, g.lmin));
-  return v < FLT_MAX ? v : FLT_MAX;
+  const float v = exp2_approx(fma(sub(static_cast<float>(m), 1.0f), g.step, g.lmin));
+  const float c = v < FLT_MAX ? v : FLT_MAX;
+  return m != 0u ? c : 0.0f;
 }
 
 }  // namespace epx::logfmt_math

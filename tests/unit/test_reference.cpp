@@ -1059,7 +1059,7 @@ TEST(RefLogfmt, Log2ApproxWithinItsBound) {
     }
   }
   EXPECT_LE(worst, lm::kLog2AbsError);
-  EXPECT_LT(worst_poly, 2e-7);  // the polynomial itself, where e adds nothing
+  EXPECT_LT(worst_poly, 3e-6);  // the polynomial itself, where e adds nothing
 }
 
 // exp2_approx relative to 2^x over [-126, 128) in steps of 2^-12 and at
