@@ -186,6 +186,15 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
         return keep_c.hook;
       },
       o.warmup, o.iters);
+  LowLatencyCombineArgs chook_lf = chook;
+  chook_lf.use_logfmt = true;
+  const auto [t_cs_lf, t_cr_lf] = split_us(
+      w,
+      [&] {
+        keep_c = w.buffer->low_latency_combine(chook_lf);
+        return keep_c.hook;
+      },
+      o.warmup, o.iters);
   EPX_CUDA_CHECK(cudaStreamSynchronize(w.stream));
 
   const double fp8_bytes = static_cast<double>(selections) * (H + H / 128 * 4 + 16);
@@ -194,6 +203,7 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
   const double us_comb = mean_over_ranks(w, t_comb), us_comb_lf = mean_over_ranks(w, t_comb_lf);
   const double us_ds = mean_over_ranks(w, t_ds), us_dr = mean_over_ranks(w, t_dr);
   const double us_cs = mean_over_ranks(w, t_cs), us_cr = mean_over_ranks(w, t_cr);
+  const double us_cs_lf = mean_over_ranks(w, t_cs_lf), us_cr_lf = mean_over_ranks(w, t_cr_lf);
   const double g_dfp8 = mean_over_ranks(w, fp8_bytes / t_dfp8 / 1e3);
   const double g_dbf16 = mean_over_ranks(w, bf16_bytes / t_dbf16 / 1e3);
   const double g_comb = mean_over_ranks(w, bf16_bytes / t_comb / 1e3);
@@ -225,6 +235,8 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
   result["dispatch_recv_us"] = us_dr;
   result["combine_send_us"] = us_cs;
   result["combine_recv_us"] = us_cr;
+  result["combine_logfmt_send_us"] = us_cs_lf;
+  result["combine_logfmt_recv_us"] = us_cr_lf;
   result["dispatch_graph_us"] = mean_over_ranks(w, t_dfp8_graph);
   result["combine_graph_us"] = mean_over_ranks(w, t_comb_graph);
   result["dispatch_host_us"] = mean_over_ranks(w, h_dfp8);
@@ -248,8 +260,8 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
     std::printf("%-26s %10.1f %10.1f %10s %10s\n", "dispatch BF16", us_dbf16, g_dbf16, "-", "-");
     std::printf("%-26s %10.1f %10.1f %10.1f %10.1f\n", "combine BF16", us_comb, g_comb, us_cs,
                 us_cr);
-    std::printf("%-26s %10.1f %10s %10s %10s\n", "combine BF16 + LogFMT", us_comb_lf, "-", "-",
-                "-");
+    std::printf("%-26s %10.1f %10s %10.1f %10.1f\n", "combine BF16 + LogFMT", us_comb_lf, "-",
+                us_cs_lf, us_cr_lf);
     std::printf(
         "replayed from a CUDA graph: dispatch FP8 %.1f us, combine %.1f us; host time per call: "
         "dispatch %.1f us, combine %.1f us\n",
