@@ -879,8 +879,11 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
   const std::size_t weights = p.off.weights + (epoch & 1u) * p.off.weights_half_bytes;
   const int H = p.hidden, K = p.num_topk, E = p.num_experts, maxT = p.max_tokens;
   const int H8 = H / 8, E_local = E / R;
-  constexpr int kCombineChunk = kLlCombineSendChunk, kCombineSteps = kCombineChunk / 256;
-  constexpr int kRowsAtOnce = kLogFmt ? 2 : kLlCombineSendRowsAtOnce;  // LogFMT: registers
+  // LogFMT: 256-column items (4x as many), since the round trip makes an item
+  // compute-bound and 1024-column items leave warps idle (fewer items than warps).
+  constexpr int kCombineChunk = kLogFmt ? 256 : kLlCombineSendChunk;
+  constexpr int kCombineSteps = kCombineChunk / 256;
+  constexpr int kRowsAtOnce = kLlCombineSendRowsAtOnce;
 
   // Shrink: a masked source gets nothing back (and sends no weights here).
   const uint32_t live = p.t.live_ranks();
