@@ -27,40 +27,29 @@
 namespace epx::logfmt_math {
 
 constexpr int kGroup = 128;
-constexpr int kLevels = 511;        // magnitude codes 1..511
 constexpr float kSteps = 510.0f;    // intervals between lmin and lmax
 constexpr float kMaxRange = 16.0f;  // largest log2 dynamic range kept per group
 constexpr double kLog2AbsError = 0x1p-16;
 constexpr double kExp2RelError = 0x1p-21;
 
-EPX_LOGFMT_HD float add(float a, float b) {
+// add, sub, mul, div: one IEEE operation, rounded to nearest, never fused.
 #if defined(__CUDA_ARCH__)
-  return __fadd_rn(a, b);
+#define EPX_LOGFMT_OP(name, intrinsic, op)     \
+  EPX_LOGFMT_HD float name(float a, float b) { \
+    return intrinsic(a, b);                    \
+  }
 #else
-  return a + b;
+#define EPX_LOGFMT_OP(name, intrinsic, op)     \
+  EPX_LOGFMT_HD float name(float a, float b) { \
+    return a op b;                             \
+  }
 #endif
-}
-EPX_LOGFMT_HD float sub(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fsub_rn(a, b);
-#else
-  return a - b;
-#endif
-}
-EPX_LOGFMT_HD float mul(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
-}
-EPX_LOGFMT_HD float div(float a, float b) {
-#if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b);
-#else
-  return a / b;
-#endif
-}
+EPX_LOGFMT_OP(add, __fadd_rn, +)
+EPX_LOGFMT_OP(sub, __fsub_rn, -)
+EPX_LOGFMT_OP(mul, __fmul_rn, *)
+EPX_LOGFMT_OP(div, __fdiv_rn, /)
+#undef EPX_LOGFMT_OP
+
 EPX_LOGFMT_HD float fma(float a, float b, float c) {
 #if defined(__CUDA_ARCH__)
   return __fmaf_rn(a, b, c);
@@ -68,23 +57,19 @@ EPX_LOGFMT_HD float fma(float a, float b, float c) {
   return std::fma(a, b, c);
 #endif
 }
+/// The bits of one 4-byte type as another (memcpy: registers only, also on the device).
+template <class To, class From>
+EPX_LOGFMT_HD To bit_as(From v) {
+  static_assert(sizeof(To) == sizeof(From));
+  To r;
+  std::memcpy(&r, &v, sizeof r);
+  return r;
+}
 EPX_LOGFMT_HD uint32_t bits_of(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-#endif
+  return bit_as<uint32_t>(f);
 }
 EPX_LOGFMT_HD float float_of(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-#endif
+  return bit_as<float>(u);
 }
 
 /// log2(a) for a normal, positive, finite float: a = 2^e * m with m in
