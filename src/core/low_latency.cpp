@@ -275,7 +275,8 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
 
   const auto tr = d.ll_transport();
   const auto off = offsets_of(region);
-  const int C = ceil_div(H, kernels::kLlCombineSendChunk);
+  const int C =
+      ceil_div(H, a.use_logfmt ? kernels::kLlCombineSendChunkLogFmt : kernels::kLlCombineSendChunk);
   const int C_recv = ceil_div(H, kernels::kLlCombineRecvChunk);
 
   kernels::LlCombineSendParams sp{};

@@ -168,7 +168,10 @@ namespace epx::kernels {
 inline constexpr int kLlThreads = 512;
 inline constexpr int kLlDispatchChunk = plan::kLlChunk;  ///< elements per dispatch work item
 inline constexpr int kLlCombineSendChunk = 1024;         ///< elements per combine-send work item
-inline constexpr int kLlCombineRecvChunk = 256;          ///< elements per combine-receive work item
+/// ... with LogFMT: its round trip makes an item compute-bound, and smaller
+/// items spread it over more warps and balance it better.
+inline constexpr int kLlCombineSendChunkLogFmt = 256;
+inline constexpr int kLlCombineRecvChunk = 256;  ///< elements per combine-receive work item
 inline constexpr int kLlCombineRecvBlocksPerSm = 2;
 inline constexpr int kLlCombineRecvRanksAtOnce = 4;  ///< ranks' rows loaded together
 inline constexpr int kLlCombineSendRowsAtOnce = 4;   ///< expert rows loaded together

@@ -39,7 +39,7 @@
 #include "core/check.hpp"
 #include "core/validate.hpp"
 #include "kernels/kernels.hpp"
-#include "reference/logfmt_math.hpp"
+#include "kernels/logfmt.cuh"
 
 namespace epx::kernels {
 namespace {
@@ -49,7 +49,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr unsigned kFull = 0xffffffffu;
 constexpr int kDispatchChunk = kLlDispatchChunk;  ///< 16 elements per lane
 static_assert(kDispatchChunk == 32 * 16 && kLlCombineSendChunk % 256 == 0 &&
-              kLlCombineRecvChunk % 256 == 0);
+              kLlCombineSendChunkLogFmt % 256 == 0 && kLlCombineRecvChunk % 256 == 0);
 // Flag words of a half: [kFlagCombine][source] is the combine's; row 0 held the
 // dispatch's flags before its per-chunk arrival flags and is unused (kept, so
 // the layout does not move).
@@ -189,34 +189,6 @@ __device__ __forceinline__ float fp8_scale(float amax, bool round_scale) {
     if ((u & 0x7fffffu) != 0u) scale = __uint_as_float(((u >> 23) + 1u) << 23);
   }
   return scale;
-}
-
-/// logfmt_decode(logfmt_encode(.)) of one 128-value group held as 8 values by
-/// each of 16 consecutive lanes (lanes 0-15 and 16-31 are two groups). Every
-/// lane of the warp must call it. The arithmetic is the reference's
-/// (reference/logfmt_math.hpp, float operations only), so the values are the
-/// same bits as ref::logfmt_decode(ref::logfmt_encode(.)).
-__device__ __forceinline__ void logfmt_roundtrip(float* v) {
-  namespace lm = epx::logfmt_math;
-  float amax = 0.0f, amin = INFINITY;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float a = fabsf(v[i]);
-    const bool counts = a >= FLT_MIN;  // zero and float subnormals are coded as zero
-    amax = fmaxf(amax, counts ? a : 0.0f);
-    amin = fminf(amin, counts ? a : INFINITY);
-  }
-#pragma unroll
-  for (int m = 8; m >= 1; m >>= 1) {
-    amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, m));
-    amin = fminf(amin, __shfl_xor_sync(kFull, amin, m));
-  }
-  const lm::Group g = lm::group_of_extremes(amax, amin);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const float out = lm::magnitude_of_code(g, lm::magnitude_code(g, fabsf(v[i])));
-    v[i] = signbit(v[i]) ? -out : out;
-  }
 }
 
 // ---- completion: the last block of a send kernel signals every rank ------------
@@ -861,7 +833,8 @@ __device__ __forceinline__ void time_first_weight(const LlCombineSendParams& p, 
 // ============================================================================
 // combine: send. The first warps send this rank's weights (one tagged word per
 // (token, distinct expert) to the expert's rank); then each warp takes
-// (source, token, 1024-column chunk) items of the tokens it received. An item
+// (source, token, chunk) items of the tokens it received (kLlCombineSendChunk
+// columns, kLlCombineSendChunkLogFmt with LogFMT). An item
 // with several local experts loads their rows before it waits for their
 // weights, and sums them in ascending expert id.
 // ============================================================================
@@ -879,9 +852,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
   const std::size_t weights = p.off.weights + (epoch & 1u) * p.off.weights_half_bytes;
   const int H = p.hidden, K = p.num_topk, E = p.num_experts, maxT = p.max_tokens;
   const int H8 = H / 8, E_local = E / R;
-  // LogFMT: 256-column items (4x as many), since the round trip makes an item
-  // compute-bound and 1024-column items leave warps idle (fewer items than warps).
-  constexpr int kCombineChunk = kLogFmt ? 256 : kLlCombineSendChunk;
+  constexpr int kCombineChunk = kLogFmt ? kLlCombineSendChunkLogFmt : kLlCombineSendChunk;
   constexpr int kCombineSteps = kCombineChunk / 256;
   constexpr int kRowsAtOnce = kLlCombineSendRowsAtOnce;
 

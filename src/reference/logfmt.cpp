@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 
 #include "epx/reference.hpp"
 #include "logfmt_math.hpp"
@@ -57,7 +58,8 @@ double logfmt_max_rel_error() {
   // (step <= kMaxRange / 510), plus the error of log2_approx, plus the float
   // roundings of (log2 - lmin) * inv_step + 1/2 and of lmin + (m - 1) step
   // (each below 2^-17 binades for |lmax| <= 128); exp2_approx adds a factor
-  // (1 + kExp2RelError). The unit tests check every term.
+  // (1 + kExp2RelError). The unit tests check the log2 and exp2 terms and
+  // the whole bound on sampled rows.
   const double binades =
       static_cast<double>(lm::kMaxRange) / (2.0 * lm::kSteps) + lm::kLog2AbsError + 3.0 * 0x1p-17;
   return std::exp2(binades) * (1.0 + lm::kExp2RelError) - 1.0;
@@ -99,6 +101,11 @@ std::vector<float> logfmt_decode(const std::vector<uint8_t>& code, int hidden) {
     float lmax, range;
     std::memcpy(&lmax, src, 4);
     std::memcpy(&range, src + 4, 4);
+    // What the encoder can write; anything else would leave exp2_approx's range.
+    if (!(std::fabs(lmax) <= 128.0f && range >= 0.0f && range <= lm::kMaxRange))
+      throw std::invalid_argument("logfmt_decode: group " + std::to_string(g) +
+                                  " has a header no encoder writes (lmax " + std::to_string(lmax) +
+                                  ", range " + std::to_string(range) + ")");
     const lm::Group grp = lm::group_of_header(lmax, range);
     for (int i = 0; i < kGroup; ++i) {
       const unsigned c = get_bits(src + kHeaderBytes, i);

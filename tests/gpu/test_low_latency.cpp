@@ -11,7 +11,7 @@
 // bound below adds 2^-8 * sum_k |w_k x_k| to the BF16 tolerance
 // 1e-2 |r| + 1e-2. With LogFMT nothing more: the kernels' round trip of a row
 // is the reference's, bit for bit (reference/logfmt_math.hpp, test
-// Logfmt.DeviceMathMatchesHostBitForBit).
+// Logfmt.DeviceMatchesReferenceBitForBit).
 #include <gtest/gtest.h>
 
 #include <chrono>
