@@ -73,6 +73,8 @@ enum TlMark : int {
   kTlSendItems,     // last send block done with its items
   kTlSendCounted,   // last send block fenced and counted
   kTlSendSignal,    // flags stored to every rank
+  kTlSendMasksIn,   // dispatch: last mask unit has its routing loaded
+  kTlSendMasks,     // dispatch: last mask unit stored its words
   kTlRecvStart,     // first receive block started (min)
   kTlRecvGo,        // first receive block past griddepcontrol.wait (min)
   kTlRecvFlags,     // last receive block saw every flag
@@ -85,6 +87,14 @@ struct Timeline {
   unsigned int done[2];
 };
 __device__ Timeline g_timeline;
+
+/// Any thread; after `dep` is computed (so after the loads it depends on).
+__device__ __forceinline__ void tl_mark_any(int kind, int mark, uint32_t dep = 0) {
+  if constexpr (EPX_LL_TIMELINE != 0) {
+    asm volatile("" ::"r"(dep));
+    atomicMax(&g_timeline.m[kind][mark], dev::globaltimer_ns());
+  }
+}
 
 __device__ __forceinline__ void tl_mark(int kind, int mark) {
   if constexpr (EPX_LL_TIMELINE != 0) {
@@ -113,11 +123,11 @@ __device__ __forceinline__ void tl_finish(int kind, int rank) {
     const long long t0 = static_cast<long long>(v[kTlSendStart]);
     auto at = [&](int i) { return static_cast<long long>(v[i]) - t0; };
     printf(
-        "TL rank=%d op=%s send_start_max=%lld items=%lld counted=%lld signal=%lld "
-        "recv_start=%lld recv_go=%lld flags=%lld mid=%lld end=%lld\n",
-        rank, kind == 0 ? "dispatch" : "combine", at(kTlSendStartMax), at(kTlSendItems),
-        at(kTlSendCounted), at(kTlSendSignal), at(kTlRecvStart), at(kTlRecvGo), at(kTlRecvFlags),
-        at(kTlRecvMid), at(kTlRecvEnd));
+        "TL rank=%d op=%s send_start_max=%lld masks_in=%lld masks=%lld items=%lld counted=%lld "
+        "signal=%lld recv_start=%lld recv_go=%lld flags=%lld mid=%lld end=%lld\n",
+        rank, kind == 0 ? "dispatch" : "combine", at(kTlSendStartMax), at(kTlSendMasksIn),
+        at(kTlSendMasks), at(kTlSendItems), at(kTlSendCounted), at(kTlSendSignal), at(kTlRecvStart),
+        at(kTlRecvGo), at(kTlRecvFlags), at(kTlRecvMid), at(kTlRecvEnd));
   }
 }
 #define EPX_TL(kind, mark)                \
@@ -333,6 +343,7 @@ __device__ __forceinline__ void dispatch_send_items(const LlDispatchSendParams& 
           if (v[k] >= 0 && v[k] < E && j >= 0 && j < 32) mine |= 1u << static_cast<int>(j);
         }
       }
+      if (lane == 0) tl_mark_any(kTlDispatch, kTlSendMasksIn, mine);
       uint32_t word = 0;  // lane j: the tokens that pick expert 32 g + j
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
@@ -343,6 +354,7 @@ __device__ __forceinline__ void dispatch_send_items(const LlDispatchSendParams& 
       if (e < E && ((live >> (e / E_local)) & 1u))
         p.t.put_tagged(e / E_local, mask_word_offset(p.off, tags, me, w, e % E_local, E_local),
                        word, epoch);
+      if (lane == 0) tl_mark_any(kTlDispatch, kTlSendMasks);
       continue;
     }
     const int t = (item - mask_units) / C, c = (item - mask_units) % C;
