@@ -80,11 +80,13 @@ enum TlMark : int {
   kTlRecvFlags,     // last receive block saw every flag
   kTlRecvMid,       // dispatch: last block done with its scan
   kTlRecvEnd,       // last receive block done
+  kTlRecvEndMin,    // dispatch: first receiving block done with its units (min)
   kTlMarks
 };
 struct Timeline {
   unsigned long long m[2][kTlMarks];  // min marks hold ~t
   unsigned int done[2];
+  unsigned long long recv_end_sum, recv_end_n;  // dispatch: receiving blocks' ends, for the mean
 };
 __device__ Timeline g_timeline;
 
@@ -100,7 +102,8 @@ __device__ __forceinline__ void tl_mark(int kind, int mark) {
   if constexpr (EPX_LL_TIMELINE != 0) {
     if (threadIdx.x != 0) return;
     const unsigned long long t = dev::globaltimer_ns();
-    const bool is_min = mark == kTlSendStart || mark == kTlRecvStart || mark == kTlRecvGo;
+    const bool is_min =
+        mark == kTlSendStart || mark == kTlRecvStart || mark == kTlRecvGo || mark == kTlRecvEndMin;
     atomicMax(&g_timeline.m[kind][mark], is_min ? ~t : t);
   }
 }
@@ -117,17 +120,22 @@ __device__ __forceinline__ void tl_finish(int kind, int rank) {
     unsigned long long v[kTlMarks];
     for (int i = 0; i < kTlMarks; ++i) {
       v[i] = atomicExch(&g_timeline.m[kind][i], 0ull);
-      if (i == kTlSendStart || i == kTlRecvStart || i == kTlRecvGo) v[i] = ~v[i];
+      if (i == kTlSendStart || i == kTlRecvStart || i == kTlRecvGo || i == kTlRecvEndMin)
+        v[i] = ~v[i];
     }
+    const unsigned long long end_sum = atomicExch(&g_timeline.recv_end_sum, 0ull);
+    const unsigned long long end_n = atomicExch(&g_timeline.recv_end_n, 0ull);
     g_timeline.done[kind] = 0u;
     const long long t0 = static_cast<long long>(v[kTlSendStart]);
     auto at = [&](int i) { return static_cast<long long>(v[i]) - t0; };
     printf(
         "TL rank=%d op=%s send_start_max=%lld masks_in=%lld masks=%lld items=%lld counted=%lld "
-        "signal=%lld recv_start=%lld recv_go=%lld flags=%lld mid=%lld end=%lld\n",
+        "signal=%lld recv_start=%lld recv_go=%lld flags=%lld mid=%lld end_min=%lld end_mean=%lld "
+        "end=%lld\n",
         rank, kind == 0 ? "dispatch" : "combine", at(kTlSendStartMax), at(kTlSendMasksIn),
         at(kTlSendMasks), at(kTlSendItems), at(kTlSendCounted), at(kTlSendSignal), at(kTlRecvStart),
-        at(kTlRecvGo), at(kTlRecvFlags), at(kTlRecvMid), at(kTlRecvEnd));
+        at(kTlRecvGo), at(kTlRecvFlags), at(kTlRecvMid), at(kTlRecvEndMin),
+        end_n ? static_cast<long long>(end_sum / end_n) : 0LL, at(kTlRecvEnd));
   }
 }
 #define EPX_TL(kind, mark)                \
@@ -791,6 +799,16 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (int unit = b - send_blocks; unit < units; unit += gridDim.x - send_blocks) {
     __syncthreads();  // s_list and the scan storage are reused
     if (!dispatch_recv_any<kArrival>(rp, epoch, unit, s_list)) break;
+  }
+  if constexpr (EPX_LL_TIMELINE != 0) {
+    __syncthreads();
+    if (threadIdx.x == 0 && b - send_blocks < units) {  // blocks that had a unit
+      const unsigned long long t = dev::globaltimer_ns();
+      tl_mark(kTlDispatch, kTlRecvEndMin);
+      // After the first send block's start (set long before): no overflow.
+      atomicAdd(&g_timeline.recv_end_sum, t - ~g_timeline.m[kTlDispatch][kTlSendStart]);
+      atomicAdd(&g_timeline.recv_end_n, 1ull);
+    }
   }
   tl_finish(kTlDispatch, rp.t.rank);
 }
