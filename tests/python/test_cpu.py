@@ -694,6 +694,11 @@ def test_logfmt_roundtrip_bound():
     assert nonzero.mean() > 0.9
     rel = np.abs(back[nonzero] - row[nonzero]) / np.abs(row[nonzero])
     assert rel.max() <= bound * (1 + 1e-6)
+    # A header no encoder writes (lmax far past 128 here) is refused, not decoded.
+    bad = code.copy()
+    bad[0:4] = np.frombuffer(np.float32(1000.0).tobytes(), dtype=np.uint8)
+    with pytest.raises(ValueError, match="header no encoder writes"):
+        _core.ref.logfmt_decode(bad, H)
 
 
 def test_dispatch_layout():
