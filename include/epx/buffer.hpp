@@ -237,6 +237,8 @@ struct LowLatencyCombineArgs {
   TensorView topk_idx;      ///< [T, K] i64
   TensorView topk_weights;  ///< [T, K] f32
   std::shared_ptr<const LowLatencyHandle> handle;
+  /// Each expert row through EPX's LogFMT round trip (ref::logfmt_*) before it is
+  /// weighted: numerics only, the messages stay BF16.
   bool use_logfmt = false;
   bool zero_copy = false;  ///< x already lives in get_next_low_latency_combine_buffer()
   bool async_finish = false;

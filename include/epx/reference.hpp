@@ -29,6 +29,8 @@ float ue8m0_to_scale(uint8_t e);
 /// for BF16 rows in groups of 128; see docs/reference.md. encode -> decode must stay
 /// within the bound logfmt_max_rel_error() of each value's magnitude, except
 /// values below the group's representable floor, which may decode to zero.
+/// Float arithmetic shared with the kernels (same bits). Non-finite input and
+/// (decode) a group header no encoder writes throw std::invalid_argument.
 std::vector<uint8_t> logfmt_encode(const std::vector<float>& row);  ///< hidden % 128 == 0
 std::vector<float> logfmt_decode(const std::vector<uint8_t>& code, int hidden);
 std::size_t logfmt_bytes(int hidden);
@@ -120,7 +122,8 @@ std::vector<LlDispatchOutput> ll_dispatch(const std::vector<std::vector<uint16_t
 /// expert_out per rank is [E_local, R*maxT, H] bf16 in the packed order of
 /// ll_dispatch. Returns per rank [T_r, H] bf16: sum over k of
 /// topk_weights[t][k] * expert_out(row of (t, k)), float32 accumulate.
-/// use_logfmt passes each expert row through logfmt encode/decode first.
+/// use_logfmt passes each expert row through logfmt encode/decode first
+/// (the decoded floats are used as they are).
 std::vector<std::vector<uint16_t>> ll_combine(const std::vector<std::vector<uint16_t>>& expert_out,
                                               const std::vector<std::vector<int64_t>>& topk_idx,
                                               const std::vector<std::vector<float>>& topk_weights,
