@@ -119,6 +119,12 @@ __device__ __forceinline__ void report(DeviceDiag* diag, DiagCode code, OpId op,
   }
 }
 
+/// Shrink mode: whether a word of a peer mask is set (volatile: the kernels'
+/// own deadlines and the host's mask calls change it while they run).
+__device__ __forceinline__ bool mask_set(const int* word) {
+  return *static_cast<const volatile int*>(word) != 0;
+}
+
 /// Thread 0 of each block of a launch, once, as the block finishes: true for
 /// the last block to count in, which also resets the count for the next launch.
 __device__ __forceinline__ bool last_block_done(uint32_t* done) {
@@ -145,14 +151,14 @@ __device__ __forceinline__ bool spin_until(Load load, Done done, Seen seen, uint
                                            int peer, int channel, int* peer_masked = nullptr) {
   auto v = load();
   if (done(v)) return true;
-  if (peer_masked != nullptr && *static_cast<volatile int*>(peer_masked) != 0) return false;
+  if (peer_masked != nullptr && mask_set(peer_masked)) return false;
   const uint64_t start = globaltimer_ns();
   uint32_t spins = 0;
   while (true) {
     v = load();
     if (done(v)) return true;
     if ((++spins & 1023u) == 0) {
-      if (peer_masked != nullptr && *static_cast<volatile int*>(peer_masked) != 0) return false;
+      if (peer_masked != nullptr && mask_set(peer_masked)) return false;
       if (diag) {
         // A timeout or a config mismatch anywhere in this launch ends every wait.
         const uint32_t code = *static_cast<volatile uint32_t*>(&diag->code);
@@ -226,7 +232,7 @@ struct NvlinkTransport {
 
   /// Whether peer `r` is left out now (shrink mode).
   __device__ __forceinline__ bool masked(int r) const {
-    return peer_mask != nullptr && *static_cast<volatile int*>(peer_mask + r) != 0;
+    return peer_mask != nullptr && mask_set(peer_mask + r);
   }
   /// Bit r set for every rank r that takes part (all ranks without shrink mode).
   __device__ __forceinline__ uint32_t live_ranks() const {
