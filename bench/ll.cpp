@@ -168,8 +168,6 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
   // Hook mode: send and receive phases apart.
   LowLatencyDispatchArgs dhook = dfp8;
   dhook.return_recv_hook = true;
-  LowLatencyCombineArgs chook = comb;
-  chook.return_recv_hook = true;
   LowLatencyDispatchResult keep_d;  // outputs must outlive the hook
   LowLatencyCombineResult keep_c;
   const auto [t_ds, t_dr] = split_us(
@@ -179,22 +177,20 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
         return keep_d.hook;
       },
       o.warmup, o.iters);
-  const auto [t_cs, t_cr] = split_us(
-      w,
-      [&] {
-        keep_c = w.buffer->low_latency_combine(chook);
-        return keep_c.hook;
-      },
-      o.warmup, o.iters);
-  LowLatencyCombineArgs chook_lf = chook;
-  chook_lf.use_logfmt = true;
-  const auto [t_cs_lf, t_cr_lf] = split_us(
-      w,
-      [&] {
-        keep_c = w.buffer->low_latency_combine(chook_lf);
-        return keep_c.hook;
-      },
-      o.warmup, o.iters);
+  auto combine_split = [&](bool logfmt) {
+    LowLatencyCombineArgs chook = comb;
+    chook.return_recv_hook = true;
+    chook.use_logfmt = logfmt;
+    return split_us(
+        w,
+        [&] {
+          keep_c = w.buffer->low_latency_combine(chook);
+          return keep_c.hook;
+        },
+        o.warmup, o.iters);
+  };
+  const auto [t_cs, t_cr] = combine_split(false);
+  const auto [t_cs_lf, t_cr_lf] = combine_split(true);
   EPX_CUDA_CHECK(cudaStreamSynchronize(w.stream));
 
   const double fp8_bytes = static_cast<double>(selections) * (H + H / 128 * 4 + 16);
