@@ -76,14 +76,23 @@ DeviceArray<T> to_device(const std::vector<T>& v) {
   auto d = to_device_bytes(v.data(), v.size() * sizeof(T));
   return {d.mem, v.size()};
 }
+/// Host copy of n elements of device memory at p (once the work that writes it is done).
 template <class T>
-std::vector<T> to_host(const Tensor& t) {
-  std::vector<T> v(static_cast<std::size_t>(t.view.numel()));
+std::vector<T> to_host(const void* p, std::size_t n) {
+  std::vector<T> v(n);
   if (!v.empty()) {
-    cudaError_t e = cudaMemcpy(v.data(), t.view.data, v.size() * sizeof(T), cudaMemcpyDeviceToHost);
+    cudaError_t e = cudaMemcpy(v.data(), p, v.size() * sizeof(T), cudaMemcpyDeviceToHost);
     if (e != cudaSuccess) throw Error(ErrorCode::kCuda, cudaGetErrorString(e));
   }
   return v;
+}
+template <class T>
+std::vector<T> to_host(const DeviceArray<T>& d) {
+  return to_host<T>(d.get(), d.n);
+}
+template <class T>
+std::vector<T> to_host(const Tensor& t) {
+  return to_host<T>(t.view.data, static_cast<std::size_t>(t.view.numel()));
 }
 TensorView view(void* p, DType dtype, std::initializer_list<int64_t> shape);
 

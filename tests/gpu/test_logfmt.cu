@@ -10,12 +10,15 @@
 #include <vector>
 
 #include "epx/reference.hpp"
+#include "gpu/harness.hpp"
 #include "kernels/logfmt.cuh"
 #include "reference/logfmt_math.hpp"
 
 namespace {
 
 namespace lm = epx::logfmt_math;
+using epx::test::to_device;
+using epx::test::to_host;
 
 __global__ void log2_exp2_kernel(const float* a, const float* x, float* log2_out, float* exp2_out,
                                  int n) {
@@ -40,21 +43,6 @@ __global__ void roundtrip_kernel(const float* in, float* out, int groups) {
   }
 }
 
-template <class T>
-struct Dev {
-  T* p = nullptr;
-  explicit Dev(const std::vector<T>& h) {
-    EXPECT_EQ(cudaMalloc(&p, h.size() * sizeof(T)), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice), cudaSuccess);
-  }
-  ~Dev() { cudaFree(p); }
-  std::vector<T> host(std::size_t n) const {
-    std::vector<T> h(n);
-    EXPECT_EQ(cudaMemcpy(h.data(), p, n * sizeof(T), cudaMemcpyDeviceToHost), cudaSuccess);
-    return h;
-  }
-};
-
 uint32_t bits(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
@@ -72,11 +60,12 @@ TEST(Logfmt, DeviceMatchesReferenceBitForBit) {
     std::memcpy(&a[i], &u, 4);
     x[i] = static_cast<float>(exponent(rng));
   }
-  Dev<float> da(a), dx(x), dl(std::vector<float>(n, NAN)), de(std::vector<float>(n, NAN));
-  log2_exp2_kernel<<<264, 256>>>(da.p, dx.p, dl.p, de.p, n);
+  const auto da = to_device(a), dx = to_device(x);
+  const auto dl = to_device(std::vector<float>(n, NAN)), de = to_device(std::vector<float>(n, NAN));
+  log2_exp2_kernel<<<264, 256>>>(da.get(), dx.get(), dl.get(), de.get(), n);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const auto got_l = dl.host(n), got_e = de.host(n);
+  const auto got_l = to_host(dl), got_e = to_host(de);
   std::size_t bad_l = 0, bad_e = 0;
   for (int i = 0; i < n; ++i) {
     if (bits(got_l[i]) != bits(lm::log2_approx(a[i])) && bad_l++ < 3)
@@ -126,11 +115,11 @@ TEST(Logfmt, DeviceMatchesReferenceBitForBit) {
       v[static_cast<std::size_t>(g) * lm::kGroup + i] = u01(rng) < 0.5 ? -f : f;
     }
   }
-  Dev<float> dv(v), dout(std::vector<float>(v.size(), NAN));
-  roundtrip_kernel<<<64, 256>>>(dv.p, dout.p, groups);
+  const auto dv = to_device(v), dout = to_device(std::vector<float>(v.size(), NAN));
+  roundtrip_kernel<<<64, 256>>>(dv.get(), dout.get(), groups);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const auto got = dout.host(v.size());
+  const auto got = to_host(dout);
   const auto want = epx::ref::logfmt_decode(epx::ref::logfmt_encode(v), static_cast<int>(v.size()));
   std::size_t bad = 0;
   for (std::size_t i = 0; i < v.size(); ++i)
