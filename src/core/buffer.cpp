@@ -65,8 +65,9 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
   d.opts = options;
   d.alloc = options.allocator ? options.allocator : default_allocator();
   d.timeout_s = options.timeout_s > 0 ? options.timeout_s : env::timeout_seconds();
-  const auto epoch_start =
-      env::debug_epoch_start();  // a malformed value throws before any allocation
+  // Malformed test knobs throw before any allocation.
+  const auto epoch_start = env::debug_epoch_start();
+  const auto dispatch_stop = env::debug_ll_dispatch_stop();
   EPX_CUDA_CHECK(cudaGetDevice(&d.device));
   require(d.device == d.comm->device(), "device",
           "the current CUDA device (" + std::to_string(d.device) +
@@ -113,6 +114,13 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
   d.ll_op_counter = d.ht_op_counter + 1;
   d.ht_done_blocks = d.ht_op_counter + 2;
   d.ll_arrival_order = env::ll_arrival_order();
+  if (dispatch_stop && dispatch_stop->rank == d.comm->rank()) {
+    d.ll_dispatch_stop_tokens = dispatch_stop->tokens;
+    std::fprintf(stderr,
+                 "epx: EPX_DEBUG_LL_DISPATCH_STOP: rank %d's low-latency dispatches send the rows "
+                 "of their first %d tokens only\n",
+                 d.comm->rank(), dispatch_stop->tokens);
+  }
   if (options.enable_shrink) {
     EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.ll_mask), plan::kMaxRanks * sizeof(int)));
     EPX_CUDA_CHECK(cudaMemset(d.ll_mask, 0, plan::kMaxRanks * sizeof(int)));

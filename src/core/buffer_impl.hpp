@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -44,6 +45,9 @@ struct Buffer::Impl {
   int* ll_mask = nullptr;  ///< enable_shrink: int32 [kMaxRanks], 1 = rank left out (LL ops)
   /// EPX_LL_ARRIVAL_ORDER=1 when the buffer was made (LlDispatchRecvParams::arrival_order).
   bool ll_arrival_order = false;
+  /// EPX_DEBUG_LL_DISPATCH_STOP naming this rank when the buffer was made: its
+  /// LL dispatch sends the rows of this many tokens only (a rank dying mid-op).
+  int ll_dispatch_stop_tokens = std::numeric_limits<int>::max();
   /// [0] HT main kernels with their own barrier, [1] notify kernels: blocks done.
   uint32_t* ht_done_blocks = nullptr;
   // Host-mapped memory the kernels write: diagnostics and dispatch counts.

@@ -1,6 +1,7 @@
 #include "core/env.hpp"
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -46,6 +47,18 @@ std::optional<uint32_t> debug_epoch_start() {
     throw Error(ErrorCode::kInvalidArgument,
                 std::string(name) + ": must be in [0, 4294967295], got " + std::to_string(*v));
   return static_cast<uint32_t>(*v);
+}
+
+std::optional<LlDispatchStop> debug_ll_dispatch_stop() {
+  static constexpr const char* name = "EPX_DEBUG_LL_DISPATCH_STOP";
+  const auto v = get(name);
+  if (!v) return std::nullopt;
+  LlDispatchStop stop;
+  char tail = 0;
+  require(std::sscanf(v->c_str(), "%d:%d%c", &stop.rank, &stop.tokens, &tail) == 2 &&
+              stop.rank >= 0 && stop.tokens >= 0,
+          name, "must be RANK:TOKENS, two integers >= 0, got '" + *v + "'");
+  return stop;
 }
 
 bool ht_pull() {

@@ -20,6 +20,17 @@ double timeout_seconds();
 /// (plan::next_epoch). Must be in [0, 2^32); unset: nullopt.
 std::optional<uint32_t> debug_epoch_start();
 
+/// Test knob EPX_DEBUG_LL_DISPATCH_STOP=RANK:TOKENS: the low-latency dispatch
+/// send of rank RANK stores its token count and token masks, but the rows of
+/// its first TOKENS tokens only, as a rank that dies in the middle of a
+/// dispatch would leave it (peers in shrink mode mask it at their deadline;
+/// without shrink mode they raise kTimeout). Read when a Buffer is made;
+/// unset: nullopt; malformed: epx::Error naming the variable.
+struct LlDispatchStop {
+  int rank = 0, tokens = 0;
+};
+std::optional<LlDispatchStop> debug_ll_dispatch_stop();
+
 /// EPX_HT_PULL (0 or 1, default 0): whether get_dispatch_config's configs use
 /// the pull dispatch (Config::pull_dispatch).
 bool ht_pull();

@@ -160,6 +160,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   sp.topk_idx = a.topk_idx.ptr<int64_t>();
   sp.topk_copy = T > 0 ? handle->topk_idx.ptr<int64_t>() : nullptr;
   sp.num_tokens = T;
+  sp.row_tokens = std::min(T, d.ll_dispatch_stop_tokens);
   sp.hidden = H;
   sp.num_topk = K;
   sp.num_experts = E;

@@ -202,6 +202,9 @@ struct LlDispatchSendParams {
   const int64_t* topk_idx;  ///< [T, K]
   int64_t* topk_copy;       ///< [T, K] handle copy of topk_idx (nullable)
   int num_tokens, hidden, num_topk, num_experts, max_tokens;
+  /// Rows are sent for tokens [0, row_tokens): num_tokens, fewer only under
+  /// the test knob EPX_DEBUG_LL_DISPATCH_STOP (a rank dying mid-dispatch).
+  int row_tokens;
   int row_bytes;  ///< dispatch row stride in the receive slots
   bool fp8, round_scale;
   DeviceDiag* diag;

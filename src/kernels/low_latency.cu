@@ -334,7 +334,7 @@ __device__ __forceinline__ void dispatch_send_items(const LlDispatchSendParams& 
   // The mask units come first: receivers need them before any row.
   const int groups = ceil_div(E, 32), W = ceil_div(p.max_tokens, 32);
   const int mask_units = W * groups;
-  const int items = mask_units + p.num_tokens * C;
+  const int items = mask_units + p.row_tokens * C;  // row_tokens: num_tokens but in a test
   for (int item = first; item < items; item += stride) {
     if (item < mask_units) {
       const int w = item / groups, g = item % groups;

@@ -20,6 +20,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -50,6 +51,12 @@ struct LlCase {
   /// ... except that it runs the dispatch and stops before the combine: the
   /// dispatch is the full one, the combine the one without its experts.
   bool dead_after_dispatch = false;
+  /// ... except that it dies in the middle of the dispatch: its send stores
+  /// its token masks and the rows of its first this many tokens only (the
+  /// buffer was made under EPX_DEBUG_LL_DISPATCH_STOP), then it runs no hook
+  /// and no combine. The others' rows of its later tokens are zero; their
+  /// combine is the one without its experts. -1: off.
+  int dead_mid_dispatch = -1;
   std::string name() const {
     std::string n = "maxT" + std::to_string(max_tokens) + "_H" + std::to_string(hidden) + "_K" +
                     std::to_string(num_topk) + "_E" + std::to_string(num_experts);
@@ -63,6 +70,7 @@ struct LlCase {
     if (late_ms) n += "_late" + std::to_string(late_ms) + "ms";
     if (dead_rank >= 0) n += "_dead" + std::to_string(dead_rank);
     if (dead_after_dispatch) n += "_after_dispatch";
+    if (dead_mid_dispatch >= 0) n += "_dies_after_rows" + std::to_string(dead_mid_dispatch);
     return n;
   }
 };
@@ -122,6 +130,25 @@ LlInputs without_experts_of(const LlInputs& in, int dead, int E_local) {
     for (std::size_t i = 0; i < out.topk[r].size(); ++i)
       if (out.topk[r][i] >= 0 && out.topk[r][i] / E_local == dead) out.weights[r][i] = 0.0f;
   return out;
+}
+
+/// The reference's dispatch output for this rank as it is when source `src`
+/// sent the rows of its tokens [0, first) only: every later row of `src`
+/// zero, its scales too (the receiver's copy of a row that never came).
+void zero_rows_from(ref::LlDispatchOutput& ro, int src, int first, int E_local, int RT, int H,
+                    bool fp8) {
+  const int G = H / 128;
+  for (int le = 0; le < E_local; ++le)
+    for (int j = 0; j < ro.recv_count[le]; ++j) {
+      const std::size_t i = static_cast<std::size_t>(le) * RT + j;
+      if (ro.recv_src_rank[i] != src || ro.src_info[i] < first) continue;
+      if (!fp8) {
+        std::fill_n(ro.recv_x_bf16.begin() + i * H, H, uint16_t{0});
+        continue;
+      }
+      std::fill_n(ro.recv_x_fp8.begin() + i * H, H, uint8_t{0});
+      std::fill_n(ro.recv_x_scales.begin() + i * G, G, 0.0f);
+    }
 }
 
 std::size_t ll_buffer_bytes() {
@@ -445,7 +472,9 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
                   : 0;
   if (need > ll_buffer_bytes()) GTEST_SKIP() << "zero-copy needs " << need << " bytes";
   const int E_local = c.num_experts / R, RT = R * c.max_tokens, H = c.hidden, K = c.num_topk;
-  if (me == c.dead_rank && !c.dead_after_dispatch) {  // no call; the test's collectives only
+  const bool dies_mid = c.dead_mid_dispatch >= 0;
+  const bool dispatched = c.dead_after_dispatch || dies_mid;  // the dead rank's tokens went out
+  if (me == c.dead_rank && !dispatched) {  // no call; the test's collectives only
     ASSERT_TRUE(all_ranks(true));
     if (with_combine) ASSERT_TRUE(all_ranks(true));
     return;
@@ -454,9 +483,8 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
   auto in = make_inputs(c, R, seed);
   const int T = in.num_tokens[me];
   // What the reference sees: without the dead rank (the inputs themselves otherwise).
-  const LlInputs ref_in = c.dead_after_dispatch ? in : without_rank(in, c.dead_rank, E_local);
-  const LlInputs comb_in =
-      c.dead_after_dispatch ? without_experts_of(in, c.dead_rank, E_local) : ref_in;
+  const LlInputs ref_in = dispatched ? in : without_rank(in, c.dead_rank, E_local);
+  const LlInputs comb_in = dispatched ? without_experts_of(in, c.dead_rank, E_local) : ref_in;
   auto ro = ref::ll_dispatch(ref_in.x, ref_in.topk, ref_in.num_tokens, H, K, c.num_experts,
                              c.max_tokens, c.fp8, c.round_scale);
   auto d_x = to_device(in.x[me]);
@@ -477,9 +505,21 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
   auto res = buf->low_latency_dispatch(a);
   EXPECT_EQ(static_cast<bool>(res.hook), c.hook);
   EXPECT_EQ(res.event.has_value(), c.async);
+  if (dies_mid && me == c.dead_rank) {  // no hook, no check, no combine; the collectives only
+    finish(res.event);
+    ASSERT_TRUE(all_ranks(true));
+    if (with_combine) ASSERT_TRUE(all_ranks(true));
+    return;
+  }
   if (res.hook) res.hook();
   finish(res.event);
-  check_dispatch(c, in, res, ro[me]);
+  if (dies_mid) {
+    auto want = ro[me];
+    zero_rows_from(want, c.dead_rank, c.dead_mid_dispatch, E_local, RT, H, c.fp8);
+    check_dispatch(c, in, res, want);
+  } else {
+    check_dispatch(c, in, res, ro[me]);
+  }
   if (c.late_ms) check_waits(c, c.hook ? "dispatch (hook)" : "dispatch", dwait, E_local);
   if (c.stats) {
     std::vector<int> got(E_local);
@@ -1087,13 +1127,13 @@ std::unique_ptr<Buffer> shrink_buffer(const LlCase& c, double deadline_s) {
   return std::make_unique<Buffer>(world().comm, o);
 }
 
-/// Every rank back in step: the others unmask `dead`, then all clean the
-/// low-latency buffer (collective; it resets the epochs `dead` missed).
-void bring_back(Buffer& b, const LlCase& c, int dead) {
-  if (world().rank != dead) {
-    b.low_latency_clean_mask_buffer(world().stream);
-    EXPECT_EQ(query_mask(b), only_masked(world().num_ranks, -1));
-  }
+/// Every rank back in step: every rank cleans its mask (the others unmask
+/// the dead rank; one that died mid-dispatch may have masked itself, waiting
+/// for its own rows), then all clean the low-latency buffer (collective; it
+/// resets the epochs the dead rank missed).
+void bring_back(Buffer& b, const LlCase& c) {
+  b.low_latency_clean_mask_buffer(world().stream);
+  EXPECT_EQ(query_mask(b), only_masked(world().num_ranks, -1));
   b.clean_low_latency_buffer(c.max_tokens, c.hidden, c.num_experts);
 }
 
@@ -1166,7 +1206,7 @@ EPX_GPU_TEST(LowLatency, ShrinkMasksARankAtItsDeadlineAndCleanBringsItBack) {
     EXPECT_LT(second_s, kDeadline / 2) << "a masked rank is not waited for";
     EXPECT_EQ(query_mask(b), only_masked(R, dead));
   }
-  bring_back(b, c, dead);
+  bring_back(b, c);
   c.dead_rank = -1;
   c.hook = false;
   run_case(c, 97, true, &b);
@@ -1192,10 +1232,57 @@ EPX_GPU_TEST(LowLatency, ShrinkARankThatStopsAfterTheDispatch) {
   c.dead_after_dispatch = true;
   run_case(c, 98, true, &b);
   if (w.rank != dead) EXPECT_EQ(query_mask(b), only_masked(R, dead));
-  bring_back(b, c, dead);
+  bring_back(b, c);
   c.dead_rank = -1;
   c.dead_after_dispatch = false;
   run_case(c, 99, true, &b);
+  EXPECT_TRUE(all_ranks(!rank_failed()));
+  b.destroy();
+}
+
+/// Sets (value) or unsets (nullptr) an environment variable on every rank:
+/// in-process ranks share the environment, so the ranks set it one at a
+/// time, between barriers that keep every rank out of EPX meanwhile.
+void set_env_on_all_ranks(const char* name, const char* value) {
+  static std::mutex m;
+  ASSERT_TRUE(all_ranks(true));
+  {
+    std::lock_guard<std::mutex> lock(m);
+    if (value != nullptr)
+      ::setenv(name, value, 1);
+    else
+      ::unsetenv(name);
+  }
+  ASSERT_TRUE(all_ranks(true));
+}
+
+/// Rank R/2 dies in the middle of a dispatch: its token count, its token
+/// masks and the rows of its first 5 tokens went out, its other rows did not
+/// (EPX_DEBUG_LL_DISPATCH_STOP). The others wait for those rows until the
+/// deadline, mask it and complete: the rows that came are exact, the others
+/// zero with their scales; the combine leaves its experts out. FP8 in one
+/// kernel, then BF16 in hook mode (the dying rank runs no hook).
+EPX_GPU_TEST(LowLatency, ShrinkARankThatDiesMidDispatch) {
+  auto& w = world();
+  if (w.num_ranks < 2) GTEST_SKIP() << "needs a peer";
+  const int R = w.num_ranks, dead = R / 2;
+  constexpr int kRowsSent = 5;
+  LlCase c = shrink_case(R);
+  c.dead_mid_dispatch = kRowsSent;
+  const std::string stop = std::to_string(dead) + ":" + std::to_string(kRowsSent);
+  set_env_on_all_ranks("EPX_DEBUG_LL_DISPATCH_STOP", stop.c_str());
+  auto bp = shrink_buffer(c, 2.0);  // reads it
+  set_env_on_all_ranks("EPX_DEBUG_LL_DISPATCH_STOP", nullptr);
+  Buffer& b = *bp;
+  c.fp8 = true;
+  run_case(c, 100, true, &b);
+  if (w.rank != dead) EXPECT_EQ(query_mask(b), only_masked(R, dead));
+  bring_back(b, c);
+  c.fp8 = false;
+  c.hook = true;
+  run_case(c, 101, true, &b);
+  if (w.rank != dead) EXPECT_EQ(query_mask(b), only_masked(R, dead));
+  bring_back(b, c);
   EXPECT_TRUE(all_ranks(!rank_failed()));
   b.destroy();
 }

@@ -355,6 +355,20 @@ TEST(Env, RankInfoFromTorchrunAndMpi) {
   setenv("EPX_DEBUG_EPOCH_START", "x", 1);
   expect_error([] { env::debug_epoch_start(); }, {"EPX_DEBUG_EPOCH_START", "integer"});
   unsetenv("EPX_DEBUG_EPOCH_START");
+  // the mid-dispatch death knob: unset, RANK:TOKENS, or an error naming it
+  unsetenv("EPX_DEBUG_LL_DISPATCH_STOP");
+  EXPECT_FALSE(env::debug_ll_dispatch_stop().has_value());
+  setenv("EPX_DEBUG_LL_DISPATCH_STOP", "2:5", 1);
+  const auto stop = env::debug_ll_dispatch_stop();
+  ASSERT_TRUE(stop.has_value());
+  EXPECT_EQ(stop->rank, 2);
+  EXPECT_EQ(stop->tokens, 5);
+  for (const char* bad : {"2", "2:", ":5", "2:5:1", "2:5x", "-1:5", "2:-5", "a:b"}) {
+    setenv("EPX_DEBUG_LL_DISPATCH_STOP", bad, 1);
+    expect_error([] { env::debug_ll_dispatch_stop(); },
+                 {"EPX_DEBUG_LL_DISPATCH_STOP", "RANK:TOKENS"});
+  }
+  unsetenv("EPX_DEBUG_LL_DISPATCH_STOP");
 }
 
 }  // namespace
