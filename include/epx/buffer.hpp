@@ -41,7 +41,12 @@ class Communicator {
   /// A fresh id; rank 0 makes it and every rank passes the same bytes to create().
   static UniqueId new_unique_id();
   /// Joins the group (collective over all ranks). Uses the current CUDA device.
-  static std::shared_ptr<Communicator> create(const UniqueId& id, int rank, int num_ranks);
+  /// A host collective (barrier, allgather: Buffer construction, destroy,
+  /// clean_low_latency_buffer) that waits longer than `timeout_s` for the
+  /// other ranks aborts the NCCL communicator and throws kTimeout; every later
+  /// collective on it throws too (make a new one).
+  static std::shared_ptr<Communicator> create(const UniqueId& id, int rank, int num_ranks,
+                                              double timeout_s = 300.0);
   /// Ranks from the environment: torchrun (RANK, WORLD_SIZE, LOCAL_RANK,
   /// MASTER_ADDR, MASTER_PORT) or mpirun (OMPI_COMM_WORLD_*). Selects the CUDA
   /// device LOCAL_RANK. The id travels through NCCL's own bootstrap root
@@ -76,14 +81,24 @@ class Communicator {
   bool in_process() const { return group_ != nullptr; }
   /// How many of the group's ranks share this rank's GPU (1 unless in_process()).
   int ranks_on_device() const { return ranks_on_device_; }
-  /// Host-blocking barrier over all ranks (an NCCL all-reduce of one int).
+  /// Host-blocking barrier over all ranks (an NCCL all-reduce of one int),
+  /// with the deadline of create() / create_in_process().
   void barrier();
-  /// All-gather of `bytes` bytes from every rank (host memory in and out).
+  /// All-gather of `bytes` bytes from every rank (host memory in and out),
+  /// with the same deadline.
   std::vector<uint8_t> allgather(const void* data, std::size_t bytes);
+  /// Whether a collective passed its deadline and aborted the NCCL communicator.
+  bool aborted() const { return aborted_; }
 
  private:
   Communicator() = default;
+  /// Waits for this rank's part of an NCCL collective on stream_ until the
+  /// deadline; past it (or on an asynchronous NCCL error) aborts and throws.
+  void wait_collective(const char* what);
+  void throw_if_aborted(const char* what) const;
   void* comm_ = nullptr;
+  double timeout_s_ = 300.0;
+  bool aborted_ = false;
   int rank_ = 0, num_ranks_ = 1, device_ = 0, ranks_on_device_ = 1;
   std::shared_ptr<detail::InProcessGroup> group_;  // set for in-process ranks
   void* scratch_ = nullptr;                        // device scratch for host collectives

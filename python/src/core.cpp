@@ -683,17 +683,19 @@ NB_MODULE(_core, m) {
   nb::class_<epx::Communicator>(m, "Communicator")
       .def_static(
           "create",
-          [](nb::bytes id, int rank, int num_ranks) {
+          [](nb::bytes id, int rank, int num_ranks, double timeout_s) {
             if (id.size() != static_cast<size_t>(epx::kUniqueIdBytes))
               invalid("id: must be " + std::to_string(epx::kUniqueIdBytes) +
                       " bytes from new_unique_id() (got " + std::to_string(id.size()) + ")");
             epx::UniqueId uid;
             std::memcpy(uid.data(), id.c_str(), uid.size());
             nb::gil_scoped_release release;
-            return epx::Communicator::create(uid, rank, num_ranks);
+            return epx::Communicator::create(uid, rank, num_ranks, timeout_s);
           },
-          "id"_a, "rank"_a, "num_ranks"_a,
-          "Joins the group (collective); uses the current CUDA device.")
+          "id"_a, "rank"_a, "num_ranks"_a, "timeout_s"_a = 300.0,
+          "Joins the group (collective); uses the current CUDA device. A host collective "
+          "that waits longer than timeout_s for the other ranks aborts the communicator and "
+          "raises EPXTimeoutError.")
       .def_static("from_env", &epx::Communicator::from_env,
                   nb::call_guard<nb::gil_scoped_release>())
       .def_static("create_in_process", &epx::Communicator::create_in_process, "num_ranks"_a,
@@ -702,6 +704,7 @@ NB_MODULE(_core, m) {
                   "num_ranks communicators whose ranks are threads of this process "
                   "(element r is rank r, on devices[r], default the current device).")
       .def_prop_ro("in_process", &epx::Communicator::in_process)
+      .def_prop_ro("aborted", &epx::Communicator::aborted)
       .def_prop_ro("ranks_on_device", &epx::Communicator::ranks_on_device)
       .def_prop_ro("rank", &epx::Communicator::rank)
       .def_prop_ro("num_ranks", &epx::Communicator::num_ranks)

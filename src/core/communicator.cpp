@@ -10,6 +10,7 @@
 #include "core/env.hpp"
 #include "core/in_process_group.hpp"
 #include "core/plan.hpp"
+#include "core/stream_wait.hpp"
 #include "epx/buffer.hpp"
 
 namespace epx {
@@ -24,14 +25,17 @@ UniqueId Communicator::new_unique_id() {
   return out;
 }
 
-std::shared_ptr<Communicator> Communicator::create(const UniqueId& id, int rank, int num_ranks) {
+std::shared_ptr<Communicator> Communicator::create(const UniqueId& id, int rank, int num_ranks,
+                                                   double timeout_s) {
   require(num_ranks >= 1, "num_ranks", "must be >= 1, got " + std::to_string(num_ranks));
+  require(timeout_s > 0, "timeout_s", "must be > 0 seconds, got " + std::to_string(timeout_s));
   require(
       rank >= 0 && rank < num_ranks, "rank",
       "must be in [0, num_ranks=" + std::to_string(num_ranks) + "), got " + std::to_string(rank));
   std::shared_ptr<Communicator> c(new Communicator());
   c->rank_ = rank;
   c->num_ranks_ = num_ranks;
+  c->timeout_s_ = timeout_s;
   EPX_CUDA_CHECK(cudaGetDevice(&c->device_));
   ncclUniqueId nid;
   std::memcpy(&nid, id.data(), sizeof(nid));
@@ -121,21 +125,55 @@ Communicator::~Communicator() {
   if (stream_) cudaStreamDestroy(stream_);
 }
 
+void Communicator::throw_if_aborted(const char* what) const {
+  if (aborted_)
+    throw Error(ErrorCode::kTimeout, std::string(what) + ": rank " + std::to_string(rank_) +
+                                         ": the communicator was aborted when an earlier "
+                                         "collective passed its deadline; make a new one");
+}
+
+void Communicator::wait_collective(const char* what) {
+  auto* nc = static_cast<ncclComm_t>(comm_);
+  auto abort = [&] {
+    ncclCommAbort(nc);  // its result is not checked: the caller throws either way
+    comm_ = nullptr;
+    aborted_ = true;
+  };
+  auto async_error = [&] {
+    ncclResult_t r = ncclSuccess;
+    EPX_NCCL_CHECK(ncclCommGetAsyncError(nc, &r));
+    if (r != ncclSuccess && r != ncclInProgress) {
+      abort();
+      detail::throw_nccl(r, what, __FILE__, __LINE__);
+    }
+  };
+  if (detail::wait_stream_for(stream_, timeout_s_, async_error)) return;
+  abort();
+  throw Error(ErrorCode::kTimeout,
+              std::string(what) + ": rank " + std::to_string(rank_) + " waited " +
+                  std::to_string(timeout_s_) +
+                  " s for the other ranks (one died, hangs, or did not make this call); the "
+                  "NCCL communicator is aborted: make a new one");
+}
+
 void Communicator::barrier() {
   if (group_) return group_->barrier(rank_);
+  throw_if_aborted("barrier");
   auto* nc = static_cast<ncclComm_t>(comm_);
   EPX_NCCL_CHECK(ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, nc, stream_));
-  EPX_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  wait_collective("barrier");
 }
 
 std::vector<uint8_t> Communicator::allgather(const void* data, std::size_t bytes) {
   if (group_) return group_->allgather(rank_, data, bytes);
+  throw_if_aborted("allgather");
   auto* nc = static_cast<ncclComm_t>(comm_);
   void* d = nullptr;
   EPX_CUDA_CHECK(cudaMallocAsync(&d, bytes * (num_ranks_ + 1), stream_));
   char* mine = static_cast<char*>(d) + bytes * num_ranks_;
   EPX_CUDA_CHECK(cudaMemcpyAsync(mine, data, bytes, cudaMemcpyHostToDevice, stream_));
   EPX_NCCL_CHECK(ncclAllGather(mine, d, bytes, ncclUint8, nc, stream_));
+  wait_collective("allgather");
   std::vector<uint8_t> out(bytes * num_ranks_);
   EPX_CUDA_CHECK(cudaMemcpyAsync(out.data(), d, out.size(), cudaMemcpyDeviceToHost, stream_));
   EPX_CUDA_CHECK(cudaFreeAsync(d, stream_));

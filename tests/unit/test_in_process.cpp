@@ -148,5 +148,19 @@ TEST(InProcessGroup, CreateInProcessChecksItsArgumentsFirst) {
       std::string::npos);
 }
 
+TEST(Communicator, CreateChecksItsArgumentsFirst) {
+  // Before NCCL or CUDA is touched, so without a GPU too.
+  const UniqueId id{};
+  EXPECT_NE(message_of([&] { Communicator::create(id, 0, 0); }, ErrorCode::kInvalidArgument)
+                .find("num_ranks"),
+            std::string::npos);
+  EXPECT_NE(message_of([&] { Communicator::create(id, 0, 1, 0.0); }, ErrorCode::kInvalidArgument)
+                .find("timeout_s"),
+            std::string::npos);
+  EXPECT_NE(message_of([&] { Communicator::create(id, 2, 2); }, ErrorCode::kInvalidArgument)
+                .find("rank"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace epx

@@ -64,6 +64,13 @@ class NvlinkBackend final : public Backend {
 
   void free(SymmetricRegion& r) override {
     if (!r.local) return;
+    if (comm_.aborted()) {
+      // A collective passed its deadline and aborted the communicator, which
+      // took the window with it: nothing to deregister, no barrier to hold.
+      // The memory is left (a peer may still be storing into it).
+      r = SymmetricRegion{};
+      return;
+    }
     auto* nc = static_cast<ncclComm_t>(comm_.nccl_comm());
     EPX_CUDA_CHECK(cudaDeviceSynchronize());
     barrier();
