@@ -6,6 +6,7 @@
 #include <limits>
 #include <stdexcept>
 
+#include "common.hpp"
 #include "epx/reference.hpp"
 
 namespace epx::ref {
@@ -13,7 +14,7 @@ namespace {
 
 constexpr float kFp8Max = 448.0f;
 constexpr float kAmaxFloor = 1e-4f;
-constexpr int kGroup = 128;
+constexpr int kGroup = detail::kScaleGroup;
 
 uint32_t bits_of(float v) {
   uint32_t u;

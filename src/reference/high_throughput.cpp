@@ -7,20 +7,15 @@
 #include <stdexcept>
 #include <string>
 
+#include "common.hpp"
 #include "epx/reference.hpp"
 
 namespace epx::ref {
 namespace {
 
-constexpr int kGroup = 128;
-
-void check(bool ok, const std::string& what) {
-  if (!ok) throw std::invalid_argument(what);
-}
-
-std::size_t sz(int64_t a, int64_t b) {
-  return static_cast<std::size_t>(a * b);
-}
+constexpr int kGroup = detail::kScaleGroup;
+using detail::check;
+using detail::sz;
 
 // Per-source layouts: is_token_in_rank and num_tokens_per_rank of every rank's input.
 std::vector<Layout> source_layouts(const std::vector<HtInput>& inputs, int num_topk,

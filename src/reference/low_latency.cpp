@@ -10,20 +10,15 @@
 #include <stdexcept>
 #include <string>
 
+#include "common.hpp"
 #include "epx/reference.hpp"
 
 namespace epx::ref {
 namespace {
 
-constexpr int kGroup = 128;
-
-void check(bool ok, const std::string& what) {
-  if (!ok) throw std::invalid_argument(what);
-}
-
-std::size_t sz(int64_t a, int64_t b) {
-  return static_cast<std::size_t>(a * b);
-}
+constexpr int kGroup = detail::kScaleGroup;
+using detail::check;
+using detail::sz;
 
 void check_sizes(const char* fn, int R, const std::vector<int>& num_tokens,
                  const std::vector<std::vector<int64_t>>& topk_idx, int hidden, int num_topk,

@@ -85,9 +85,9 @@ EPX_GPU_TEST(Smoke, StreamWaitHasADeadline) {
   set_flag(1);
   EXPECT_TRUE(wait_stream_for(s, 10.0));
   spin();
-  EXPECT_THROW(wait_stream_for(s, 10.0,
-                               [] { throw epx::Error(epx::ErrorCode::kNccl, "poll failed"); }),
-               epx::Error);
+  EXPECT_THROW(
+      wait_stream_for(s, 10.0, [] { throw epx::Error(epx::ErrorCode::kNccl, "poll failed"); }),
+      epx::Error);
   set_flag(1);
   EXPECT_TRUE(wait_stream_for(s, 10.0));
   EXPECT_EQ(cudaStreamDestroy(s), cudaSuccess);

@@ -157,9 +157,9 @@ TEST(Communicator, CreateChecksItsArgumentsFirst) {
   EXPECT_NE(message_of([&] { Communicator::create(id, 0, 1, 0.0); }, ErrorCode::kInvalidArgument)
                 .find("timeout_s"),
             std::string::npos);
-  EXPECT_NE(message_of([&] { Communicator::create(id, 2, 2); }, ErrorCode::kInvalidArgument)
-                .find("rank"),
-            std::string::npos);
+  EXPECT_NE(
+      message_of([&] { Communicator::create(id, 2, 2); }, ErrorCode::kInvalidArgument).find("rank"),
+      std::string::npos);
 }
 
 }  // namespace
