@@ -991,15 +991,19 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
     uint32_t w_bits = 0;
     bool ok = true;
     for (int j0 = 0; j0 < n; j0 += kRowsAtOnce) {
+      // Every load unconditional (rows past n repeat row n - 1 and are not
+      // summed; columns past the row repeat its last vector and are not
+      // stored): a load that may be skipped lands in a temporary that must be
+      // moved out before the next load can reuse it, which held all but two
+      // loads of a batch back behind the first ones' latency.
       int4 v[kRowsAtOnce][kCombineSteps];
 #pragma unroll
       for (int jj = 0; jj < kRowsAtOnce; ++jj) {
-        const int rj = __shfl_sync(kFull, my_row, (j0 + jj) & 31);
+        const int rj = __shfl_sync(kFull, my_row, min(j0 + jj, n - 1));
         const int4* src = reinterpret_cast<const int4*>(p.x + static_cast<int64_t>(rj) * H);
 #pragma unroll
         for (int st = 0; st < kCombineSteps; ++st)
-          v[jj][st] = j0 + jj < n && col0 + 32 * st < H8 ? dev::ld_nc(src + col0 + 32 * st)
-                                                         : make_int4(0, 0, 0, 0);
+          v[jj][st] = dev::ld_nc(src + min(col0 + 32 * st, H8 - 1));
       }
       if (j0 == 0) {
         if (lane < n)
