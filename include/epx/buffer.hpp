@@ -87,8 +87,12 @@ class Communicator {
   /// All-gather of `bytes` bytes from every rank (host memory in and out),
   /// with the same deadline.
   std::vector<uint8_t> allgather(const void* data, std::size_t bytes);
-  /// Whether a collective passed its deadline and aborted the NCCL communicator.
+  /// Whether a collective passed its deadline (or NCCL reported an
+  /// asynchronous error) and the NCCL communicator was aborted; nccl_comm()
+  /// is then nullptr.
   bool aborted() const { return aborted_; }
+  /// Why it was aborted ("" when it was not).
+  const std::string& abort_reason() const { return abort_reason_; }
 
  private:
   Communicator() = default;
@@ -99,6 +103,7 @@ class Communicator {
   void* comm_ = nullptr;
   double timeout_s_ = 300.0;
   bool aborted_ = false;
+  std::string abort_reason_;
   int rank_ = 0, num_ranks_ = 1, device_ = 0, ranks_on_device_ = 1;
   std::shared_ptr<detail::InProcessGroup> group_;  // set for in-process ranks
   void* scratch_ = nullptr;                        // device scratch for host collectives

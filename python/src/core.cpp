@@ -705,6 +705,7 @@ NB_MODULE(_core, m) {
                   "(element r is rank r, on devices[r], default the current device).")
       .def_prop_ro("in_process", &epx::Communicator::in_process)
       .def_prop_ro("aborted", &epx::Communicator::aborted)
+      .def_prop_ro("abort_reason", &epx::Communicator::abort_reason)
       .def_prop_ro("ranks_on_device", &epx::Communicator::ranks_on_device)
       .def_prop_ro("rank", &epx::Communicator::rank)
       .def_prop_ro("num_ranks", &epx::Communicator::num_ranks)

@@ -10,6 +10,7 @@
 
 #include "core/check.hpp"
 #include "core/diag.hpp"
+#include "core/stream_wait.hpp"
 #include "epx/buffer.hpp"
 #include "transport/backend.hpp"
 #include "transport/device.cuh"
@@ -81,11 +82,19 @@ struct Buffer::Impl {
     t.peer_mask = ll_mask;
     return t;
   }
-  uint64_t timeout_ns() const { return static_cast<uint64_t>(timeout_s * 1e9); }
+  uint64_t timeout_ns() const {
+    return static_cast<uint64_t>(detail::capped_wait_seconds(timeout_s) * 1e9);
+  }
 
   void check_alive(const char* op) const {
     if (destroyed)
       throw Error(ErrorCode::kInvalidArgument, std::string(op) + ": buffer was destroyed");
+    // An aborted NCCL communicator took the symmetric windows with it: the
+    // peer pointers no longer map anything.
+    if (comm && comm->aborted())
+      throw Error(ErrorCode::kTimeout,
+                  std::string(op) + ": the buffer's communicator was aborted (" +
+                      comm->abort_reason() + "); make a new communicator and buffer");
   }
   /// Throws the first diagnostic a kernel recorded (and clears it).
   void raise_if_failed(const char* op);

@@ -128,27 +128,30 @@ Communicator::~Communicator() {
 void Communicator::throw_if_aborted(const char* what) const {
   if (aborted_)
     throw Error(ErrorCode::kTimeout, std::string(what) + ": rank " + std::to_string(rank_) +
-                                         ": the communicator was aborted when an earlier "
-                                         "collective passed its deadline; make a new one");
+                                         ": the communicator was aborted (" + abort_reason_ +
+                                         "); make a new one");
 }
 
 void Communicator::wait_collective(const char* what) {
   auto* nc = static_cast<ncclComm_t>(comm_);
-  auto abort = [&] {
-    ncclCommAbort(nc);  // its result is not checked: the caller throws either way
+  auto abort = [&](std::string reason) {
+    // ncclCommAbort's own result is not checked: the caller throws either way.
+    ncclCommAbort(nc);
     comm_ = nullptr;
     aborted_ = true;
+    abort_reason_ = std::move(reason);
   };
   auto async_error = [&] {
     ncclResult_t r = ncclSuccess;
     EPX_NCCL_CHECK(ncclCommGetAsyncError(nc, &r));
     if (r != ncclSuccess && r != ncclInProgress) {
-      abort();
-      detail::throw_nccl(r, what, __FILE__, __LINE__);
+      abort(std::string(what) + ": NCCL reported an asynchronous error: " + ncclGetErrorString(r));
+      throw Error(ErrorCode::kNccl, std::string(what) + ": rank " + std::to_string(rank_) + ": " +
+                                        abort_reason_ + "; the NCCL communicator is aborted");
     }
   };
   if (detail::wait_stream_for(stream_, timeout_s_, async_error)) return;
-  abort();
+  abort(std::string(what) + " passed its " + std::to_string(timeout_s_) + " s deadline");
   throw Error(ErrorCode::kTimeout,
               std::string(what) + ": rank " + std::to_string(rank_) + " waited " +
                   std::to_string(timeout_s_) +
@@ -173,7 +176,12 @@ std::vector<uint8_t> Communicator::allgather(const void* data, std::size_t bytes
   char* mine = static_cast<char*>(d) + bytes * num_ranks_;
   EPX_CUDA_CHECK(cudaMemcpyAsync(mine, data, bytes, cudaMemcpyHostToDevice, stream_));
   EPX_NCCL_CHECK(ncclAllGather(mine, d, bytes, ncclUint8, nc, stream_));
-  wait_collective("allgather");
+  try {
+    wait_collective("allgather");
+  } catch (...) {
+    cudaFreeAsync(d, stream_);  // after the aborted collective; its result does not matter here
+    throw;
+  }
   std::vector<uint8_t> out(bytes * num_ranks_);
   EPX_CUDA_CHECK(cudaMemcpyAsync(out.data(), d, out.size(), cudaMemcpyDeviceToHost, stream_));
   EPX_CUDA_CHECK(cudaFreeAsync(d, stream_));

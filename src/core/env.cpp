@@ -1,7 +1,6 @@
 #include "core/env.hpp"
 
 #include <cerrno>
-#include <cstdio>
 #include <cstdlib>
 #include <string>
 
@@ -53,10 +52,18 @@ std::optional<LlDispatchStop> debug_ll_dispatch_stop() {
   static constexpr const char* name = "EPX_DEBUG_LL_DISPATCH_STOP";
   const auto v = get(name);
   if (!v) return std::nullopt;
+  // Two decimal integers in [0, 2^31) around one colon, nothing else.
+  auto number = [&](const std::string& s, int& out) {
+    if (s.empty() || s.size() > 10 || s.find_first_not_of("0123456789") != std::string::npos)
+      return false;
+    const long x = std::strtol(s.c_str(), nullptr, 10);
+    out = static_cast<int>(x);
+    return x <= 0x7fffffffL;
+  };
   LlDispatchStop stop;
-  char tail = 0;
-  require(std::sscanf(v->c_str(), "%d:%d%c", &stop.rank, &stop.tokens, &tail) == 2 &&
-              stop.rank >= 0 && stop.tokens >= 0,
+  const auto colon = v->find(':');
+  require(colon != std::string::npos && number(v->substr(0, colon), stop.rank) &&
+              number(v->substr(colon + 1), stop.tokens),
           name, "must be RANK:TOKENS, two integers >= 0, got '" + *v + "'");
   return stop;
 }

@@ -1,5 +1,7 @@
 #include "core/in_process_group.hpp"
 
+#include "core/stream_wait.hpp"
+
 #include <chrono>
 #include <cstring>
 #include <string>
@@ -42,7 +44,7 @@ void InProcessGroup::barrier(int rank) {
   const uint64_t mine = generation_;
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(timeout_s_));
+                            std::chrono::duration<double>(detail::capped_wait_seconds(timeout_s_)));
   const bool done = cv_.wait_until(lock, deadline, [&] { return generation_ != mine || broken_; });
   if (done && generation_ != mine) return;
   std::string missing;

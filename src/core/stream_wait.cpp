@@ -9,8 +9,9 @@ namespace epx::detail {
 
 bool wait_stream_for(cudaStream_t stream, double timeout_s, const std::function<void()>& poll) {
   using clock = std::chrono::steady_clock;
-  const auto deadline = clock::now() + std::chrono::duration_cast<clock::duration>(
-                                           std::chrono::duration<double>(timeout_s));
+  const auto deadline =
+      clock::now() + std::chrono::duration_cast<clock::duration>(
+                         std::chrono::duration<double>(capped_wait_seconds(timeout_s)));
   for (int polls = 0;; ++polls) {
     const cudaError_t e = cudaStreamQuery(stream);
     if (e == cudaSuccess) return true;

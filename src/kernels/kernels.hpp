@@ -204,6 +204,8 @@ struct LlDispatchSendParams {
   int num_tokens, hidden, num_topk, num_experts, max_tokens;
   /// Rows are sent for tokens [0, row_tokens): num_tokens, fewer only under
   /// the test knob EPX_DEBUG_LL_DISPATCH_STOP (a rank dying mid-dispatch).
+  /// Tokens past it also skip their handle copy of topk_idx and the bad-id
+  /// check (the dying rank makes no later call that would read them).
   int row_tokens;
   int row_bytes;  ///< dispatch row stride in the receive slots
   bool fp8, round_scale;

@@ -1270,9 +1270,16 @@ EPX_GPU_TEST(LowLatency, ShrinkARankThatDiesMidDispatch) {
   LlCase c = shrink_case(R);
   c.dead_mid_dispatch = kRowsSent;
   const std::string stop = std::to_string(dead) + ":" + std::to_string(kRowsSent);
-  set_env_on_all_ranks("EPX_DEBUG_LL_DISPATCH_STOP", stop.c_str());
-  auto bp = shrink_buffer(c, 2.0);  // reads it
-  set_env_on_all_ranks("EPX_DEBUG_LL_DISPATCH_STOP", nullptr);
+  std::unique_ptr<Buffer> bp;
+  {
+    // Unset again however this block ends, so no later buffer takes the knob.
+    struct Unset {
+      ~Unset() { ::unsetenv("EPX_DEBUG_LL_DISPATCH_STOP"); }
+    } unset;
+    ASSERT_NO_FATAL_FAILURE(set_env_on_all_ranks("EPX_DEBUG_LL_DISPATCH_STOP", stop.c_str()));
+    bp = shrink_buffer(c, 2.0);  // reads it
+    ASSERT_NO_FATAL_FAILURE(set_env_on_all_ranks("EPX_DEBUG_LL_DISPATCH_STOP", nullptr));
+  }
   Buffer& b = *bp;
   c.fp8 = true;
   run_case(c, 100, true, &b);

@@ -3,12 +3,15 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "core/in_process_group.hpp"
+#include "core/stream_wait.hpp"
 #include "epx/buffer.hpp"
 
 namespace epx {
@@ -50,6 +53,34 @@ TEST(InProcessGroup, AllGatherIsInRankOrderOnEveryRankAndRepeats) {
         EXPECT_EQ(pair[1], 1000 * i + s) << "call " << i << " on rank " << r;
       }
     }
+}
+
+TEST(InProcessGroup, AnInfiniteDeadlineWaitsInsteadOfExpiring) {
+  // An infinite (or huge) timeout must not overflow into a deadline already
+  // past: the late rank arrives 100 ms after the first.
+  EXPECT_EQ(detail::capped_wait_seconds(std::numeric_limits<double>::infinity()),
+            detail::kMaxWaitSeconds);
+  EXPECT_EQ(detail::capped_wait_seconds(2.5), 2.5);
+  for (double timeout : {std::numeric_limits<double>::infinity(), 1e12}) {
+    detail::InProcessGroup g(2, timeout);
+    std::atomic<int> failed{0};
+    {
+      std::jthread late([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        try {
+          g.barrier(1);
+        } catch (const Error&) {
+          ++failed;
+        }
+      });
+      try {
+        g.barrier(0);
+      } catch (const Error&) {
+        ++failed;
+      }
+    }
+    EXPECT_EQ(failed.load(), 0) << "timeout " << timeout;
+  }
 }
 
 TEST(InProcessGroup, BarrierHoldsEveryRankUntilTheLastArrives) {

@@ -363,7 +363,10 @@ TEST(Env, RankInfoFromTorchrunAndMpi) {
   ASSERT_TRUE(stop.has_value());
   EXPECT_EQ(stop->rank, 2);
   EXPECT_EQ(stop->tokens, 5);
-  for (const char* bad : {"2", "2:", ":5", "2:5:1", "2:5x", "-1:5", "2:-5", "a:b"}) {
+  setenv("EPX_DEBUG_LL_DISPATCH_STOP", "0:2147483647", 1);
+  EXPECT_EQ(env::debug_ll_dispatch_stop()->tokens, 2147483647);
+  for (const char* bad : {"2", "2:", ":5", "2:5:1", "2:5x", "-1:5", "2:-5", "a:b", " 2:5", "+2:5",
+                          "2: 5", "0:2147483648", "99999999999:1"}) {
     setenv("EPX_DEBUG_LL_DISPATCH_STOP", bad, 1);
     expect_error([] { env::debug_ll_dispatch_stop(); },
                  {"EPX_DEBUG_LL_DISPATCH_STOP", "RANK:TOKENS"});
