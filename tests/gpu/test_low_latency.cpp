@@ -611,10 +611,17 @@ EPX_GPU_TEST(LowLatency, Fp8Ue8m0) {
   run_case(c, 4);
 }
 EPX_GPU_TEST(LowLatency, HiddenSizes) {
-  for (int h : {2048, 4096, 8192}) {
+  // 1152 = 9 x 128: the last combine-send item (1024 columns; 256 with
+  // LogFMT) and the last dispatch segment are partial rows.
+  for (int h : {1152, 2048, 4096, 8192}) {
     LlCase c;
     c.hidden = h;
     run_case(c, 10 + h);
+    if (h == 1152) {
+      c.logfmt = true;
+      run_case(c, 30 + h);
+      c.logfmt = false;
+    }
     c.fp8 = true;
     run_case(c, 20 + h, false);
   }
