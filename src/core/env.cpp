@@ -68,17 +68,21 @@ std::optional<LlDispatchStop> debug_ll_dispatch_stop() {
   return stop;
 }
 
-bool ht_pull() {
-  const auto v = get_int("EPX_HT_PULL");
-  require(!v || *v == 0 || *v == 1, "EPX_HT_PULL", "must be 0 or 1, got " + std::to_string(*v));
+namespace {
+/// A switch variable: unset or 0 is off, 1 is on, anything else an error naming it.
+bool zero_or_one(const char* name) {
+  const auto v = get_int(name);
+  require(!v || *v == 0 || *v == 1, name, "must be 0 or 1, got " + std::to_string(*v));
   return v.value_or(0) == 1;
+}
+}  // namespace
+
+bool ht_pull() {
+  return zero_or_one("EPX_HT_PULL");
 }
 
 bool ll_arrival_order() {
-  const auto v = get_int("EPX_LL_ARRIVAL_ORDER");
-  require(!v || *v == 0 || *v == 1, "EPX_LL_ARRIVAL_ORDER",
-          "must be 0 or 1, got " + std::to_string(*v));
-  return v.value_or(0) == 1;
+  return zero_or_one("EPX_LL_ARRIVAL_ORDER");
 }
 
 double timeout_seconds() {

@@ -90,6 +90,11 @@ struct Timeline {
 };
 __device__ Timeline g_timeline;
 
+/// Marks that keep the earliest time (stored as ~t under atomicMax).
+__device__ __forceinline__ bool tl_is_min(int mark) {
+  return mark == kTlSendStart || mark == kTlRecvStart || mark == kTlRecvGo || mark == kTlRecvEndMin;
+}
+
 /// Any thread; after `dep` is computed (so after the loads it depends on).
 __device__ __forceinline__ void tl_mark_any(int kind, int mark, uint32_t dep = 0) {
   if constexpr (EPX_LL_TIMELINE != 0) {
@@ -102,9 +107,7 @@ __device__ __forceinline__ void tl_mark(int kind, int mark) {
   if constexpr (EPX_LL_TIMELINE != 0) {
     if (threadIdx.x != 0) return;
     const unsigned long long t = dev::globaltimer_ns();
-    const bool is_min =
-        mark == kTlSendStart || mark == kTlRecvStart || mark == kTlRecvGo || mark == kTlRecvEndMin;
-    atomicMax(&g_timeline.m[kind][mark], is_min ? ~t : t);
+    atomicMax(&g_timeline.m[kind][mark], tl_is_min(mark) ? ~t : t);
   }
 }
 
@@ -120,8 +123,7 @@ __device__ __forceinline__ void tl_finish(int kind, int rank) {
     unsigned long long v[kTlMarks];
     for (int i = 0; i < kTlMarks; ++i) {
       v[i] = atomicExch(&g_timeline.m[kind][i], 0ull);
-      if (i == kTlSendStart || i == kTlRecvStart || i == kTlRecvGo || i == kTlRecvEndMin)
-        v[i] = ~v[i];
+      if (tl_is_min(i)) v[i] = ~v[i];
     }
     const unsigned long long end_sum = atomicExch(&g_timeline.recv_end_sum, 0ull);
     const unsigned long long end_n = atomicExch(&g_timeline.recv_end_n, 0ull);

@@ -43,11 +43,7 @@ __global__ void roundtrip_kernel(const float* in, float* out, int groups) {
   }
 }
 
-uint32_t bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
+using lm::bits_of;
 
 TEST(Logfmt, DeviceMatchesReferenceBitForBit) {
   std::mt19937_64 rng(907);
@@ -68,10 +64,10 @@ TEST(Logfmt, DeviceMatchesReferenceBitForBit) {
   const auto got_l = to_host(dl), got_e = to_host(de);
   std::size_t bad_l = 0, bad_e = 0;
   for (int i = 0; i < n; ++i) {
-    if (bits(got_l[i]) != bits(lm::log2_approx(a[i])) && bad_l++ < 3)
+    if (bits_of(got_l[i]) != bits_of(lm::log2_approx(a[i])) && bad_l++ < 3)
       ADD_FAILURE() << "log2_approx(" << a[i] << "): device " << got_l[i] << ", host "
                     << lm::log2_approx(a[i]);
-    if (bits(got_e[i]) != bits(lm::exp2_approx(x[i])) && bad_e++ < 3)
+    if (bits_of(got_e[i]) != bits_of(lm::exp2_approx(x[i])) && bad_e++ < 3)
       ADD_FAILURE() << "exp2_approx(" << x[i] << "): device " << got_e[i] << ", host "
                     << lm::exp2_approx(x[i]);
   }
@@ -123,7 +119,7 @@ TEST(Logfmt, DeviceMatchesReferenceBitForBit) {
   const auto want = epx::ref::logfmt_decode(epx::ref::logfmt_encode(v), static_cast<int>(v.size()));
   std::size_t bad = 0;
   for (std::size_t i = 0; i < v.size(); ++i)
-    if (bits(got[i]) != bits(want[i]) && bad++ < 3)
+    if (bits_of(got[i]) != bits_of(want[i]) && bad++ < 3)
       ADD_FAILURE() << "value " << i << " = " << v[i] << ": device " << got[i] << ", reference "
                     << want[i];
   EXPECT_EQ(bad, 0u);

@@ -24,6 +24,7 @@
 #include <string>
 #include <thread>
 
+#include "core/env.hpp"
 #include "epx/reference.hpp"
 #include "gpu/harness.hpp"
 
@@ -212,8 +213,7 @@ float bf(uint16_t v) {
 /// EPX_LL_ARRIVAL_ORDER=1: each local expert's rows come by source in the order
 /// the sources were reserved, not in rank order (LlDispatchRecvParams).
 bool arrival_order() {
-  const char* v = std::getenv("EPX_LL_ARRIVAL_ORDER");
-  return v != nullptr && std::string(v) == "1";
+  return env::ll_arrival_order();
 }
 
 /// Where each packed row of the reference sits in EPX's output: map[le * RT + j]
@@ -268,11 +268,8 @@ void check_dispatch(const LlCase& c, const LlInputs& in, const LowLatencyDispatc
   ASSERT_FALSE(rank_failed()) << c.name() << ": layout_range";
   {
     const auto src = to_host<int>(h.src_info);
-    for (std::size_t i = 0; i < src.size(); ++i) {
-      const std::size_t le = i / RT, j = i % RT;
-      ASSERT_EQ(src[i], ro.src_info[le * RT + map[i]]) << c.name() << ": src_info row " << i;
-      (void)j;
-    }
+    for (std::size_t i = 0; i < src.size(); ++i)
+      ASSERT_EQ(src[i], ro.src_info[i / RT * RT + map[i]]) << c.name() << ": src_info row " << i;
   }
   if (in.num_tokens[me] > 0)
     ASSERT_EQ(to_host<int64_t>(h.topk_idx), in.topk[me]) << c.name() << ": handle topk";
