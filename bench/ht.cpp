@@ -4,7 +4,7 @@
 #include <string>
 
 #include "bench/common.hpp"
-#include "core/check.hpp"
+#include "common/check.hpp"
 #include "epx/reference.hpp"
 
 namespace epx::bench {

@@ -10,8 +10,8 @@
 #include <string>
 
 #include "bench/common.hpp"
-#include "core/check.hpp"
-#include "core/plan.hpp"
+#include "common/check.hpp"
+#include "common/plan.hpp"
 #include "epx/reference.hpp"
 
 namespace epx::bench {

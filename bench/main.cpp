@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "bench/common.hpp"
-#include "core/check.hpp"
+#include "common/check.hpp"
 #include "epx/reference.hpp"
 
 #ifndef EPX_GIT_COMMIT

@@ -21,8 +21,8 @@
 #include <string>
 #include <vector>
 
-#include "core/check.hpp"
-#include "core/plan.hpp"
+#include "common/check.hpp"
+#include "common/plan.hpp"
 #include "kernels/copy.cuh"
 
 namespace {

@@ -6,47 +6,15 @@
 #include <thread>
 #include <vector>
 
+#include "common/env.hpp"
+#include "common/plan.hpp"
 #include "core/buffer_impl.hpp"
-#include "core/env.hpp"
-#include "core/plan.hpp"
 #include "kernels/kernels.hpp"
 
 namespace epx {
 
 namespace detail {
 std::atomic<int>& default_num_sms();
-}
-
-const char* op_name(OpId op) {
-  switch (op) {
-    case OpId::kNone:
-      return "none";
-    case OpId::kLayout:
-      return "get_dispatch_layout";
-    case OpId::kDispatchNotify:
-      return "dispatch (notify)";
-    case OpId::kDispatch:
-      return "dispatch";
-    case OpId::kCombineNotify:
-      return "combine (notify)";
-    case OpId::kCombine:
-      return "combine";
-    case OpId::kLowLatencyDispatchSend:
-      return "low_latency_dispatch (send)";
-    case OpId::kLowLatencyDispatchRecv:
-      return "low_latency_dispatch (recv)";
-    case OpId::kLowLatencyCombineSend:
-      return "low_latency_combine (send)";
-    case OpId::kLowLatencyCombineRecv:
-      return "low_latency_combine (recv)";
-    case OpId::kBarrier:
-      return "barrier";
-    case OpId::kDispatchSlot:
-      return "dispatch (waiting for the peer to free a ring slot)";
-    case OpId::kCombineSlot:
-      return "combine (waiting for the peer to free a ring slot)";
-  }
-  return "?";
 }
 
 Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)

@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "core/check.hpp"
-#include "core/diag.hpp"
+#include "common/check.hpp"
+#include "common/diag.hpp"
 #include "core/stream_wait.hpp"
 #include "epx/buffer.hpp"
 #include "transport/backend.hpp"

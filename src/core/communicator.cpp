@@ -6,10 +6,10 @@
 #include <set>
 #include <string>
 
-#include "core/check.hpp"
-#include "core/env.hpp"
+#include "common/check.hpp"
+#include "common/env.hpp"
+#include "common/plan.hpp"
 #include "core/in_process_group.hpp"
-#include "core/plan.hpp"
 #include "core/stream_wait.hpp"
 #include "epx/buffer.hpp"
 

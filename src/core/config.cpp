@@ -3,8 +3,8 @@
 #include <atomic>
 #include <string>
 
-#include "core/env.hpp"
-#include "core/plan.hpp"
+#include "common/env.hpp"
+#include "common/plan.hpp"
 #include "epx/error.hpp"
 
 namespace epx {

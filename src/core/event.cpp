@@ -1,6 +1,6 @@
 #include "epx/event.hpp"
 
-#include "core/check.hpp"
+#include "common/check.hpp"
 
 namespace epx {
 

@@ -1,8 +1,8 @@
 // Host side of get_dispatch_layout, dispatch and combine.
 #include <cstring>
 
+#include "common/plan.hpp"
 #include "core/buffer_impl.hpp"
-#include "core/plan.hpp"
 #include "core/validate.hpp"
 #include "kernels/kernels.hpp"
 

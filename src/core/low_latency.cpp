@@ -8,8 +8,8 @@
 #include <algorithm>
 #include <string>
 
+#include "common/plan.hpp"
 #include "core/buffer_impl.hpp"
-#include "core/plan.hpp"
 #include "core/validate.hpp"
 #include "kernels/kernels.hpp"
 

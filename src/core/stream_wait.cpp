@@ -3,7 +3,7 @@
 #include <chrono>
 #include <thread>
 
-#include "core/check.hpp"
+#include "common/check.hpp"
 
 namespace epx::detail {
 

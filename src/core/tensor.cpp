@@ -1,9 +1,8 @@
 #include <sstream>
 
 #include <cuda_runtime_api.h>
-#include <nccl.h>
 
-#include "core/check.hpp"
+#include "common/check.hpp"
 #include "epx/tensor.hpp"
 
 namespace epx {
@@ -58,21 +57,4 @@ std::string TensorView::describe() const {
   return os.str();
 }
 
-namespace detail {
-
-void throw_cuda(cudaError_t err, const char* expr, const char* file, int line) {
-  std::ostringstream os;
-  os << "CUDA error " << cudaGetErrorName(err) << " (" << cudaGetErrorString(err) << ") in " << expr
-     << " at " << file << ":" << line;
-  throw Error(ErrorCode::kCuda, os.str());
-}
-
-void throw_nccl(int err, const char* expr, const char* file, int line) {
-  std::ostringstream os;
-  os << "NCCL error " << err << " (" << ncclGetErrorString(static_cast<ncclResult_t>(err))
-     << ") in " << expr << " at " << file << ":" << line;
-  throw Error(ErrorCode::kNccl, os.str());
-}
-
-}  // namespace detail
 }  // namespace epx

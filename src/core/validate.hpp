@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <initializer_list>
 
-#include "core/plan.hpp"
+#include "common/plan.hpp"
 #include "epx/buffer.hpp"
 
 namespace epx::validate {

@@ -31,7 +31,7 @@
 // num_sms within the SMs the rank may use. MPS or green-context limits below
 // num_sms, or another persistent kernel holding SMs, stall the op until its
 // deadline, which reports it.
-#include "core/check.hpp"
+#include "common/check.hpp"
 #include "kernels/copy.cuh"
 #include "kernels/kernels.hpp"
 

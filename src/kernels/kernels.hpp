@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "core/diag.hpp"
+#include "common/diag.hpp"
 #include "transport/device.cuh"
 
 namespace epx::kernels {

@@ -1,7 +1,7 @@
 // get_dispatch_layout and the high-throughput notify step.
 #include <cub/block/block_scan.cuh>
 
-#include "core/check.hpp"
+#include "common/check.hpp"
 #include "kernels/kernels.hpp"
 
 namespace epx::kernels {

@@ -36,8 +36,7 @@
 #include <cfloat>
 #include <utility>
 
-#include "core/check.hpp"
-#include "core/validate.hpp"
+#include "common/check.hpp"
 #include "kernels/kernels.hpp"
 #include "kernels/logfmt.cuh"
 

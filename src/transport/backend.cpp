@@ -1,7 +1,7 @@
 #include "transport/backend.hpp"
 
-#include "core/env.hpp"
-#include "epx/buffer.hpp"
+#include "common/env.hpp"
+#include "epx/communicator.hpp"
 #include "epx/error.hpp"
 
 namespace epx::transport {

@@ -10,7 +10,7 @@
 #include <memory>
 #include <string>
 
-#include "core/plan.hpp"
+#include "common/plan.hpp"
 
 namespace epx {
 class Communicator;

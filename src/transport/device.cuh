@@ -15,8 +15,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "core/diag.hpp"
-#include "core/plan.hpp"
+#include "common/diag.hpp"
+#include "common/plan.hpp"
 
 namespace epx::dev {
 

@@ -24,7 +24,7 @@
 #include <string>
 #include <thread>
 
-#include "core/env.hpp"
+#include "common/env.hpp"
 #include "epx/reference.hpp"
 #include "gpu/harness.hpp"
 

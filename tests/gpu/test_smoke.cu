@@ -8,7 +8,7 @@
 
 #include "core/stream_wait.hpp"
 
-#include "core/plan.hpp"
+#include "common/plan.hpp"
 #include "gpu/harness.hpp"
 #include "transport/backend.hpp"
 

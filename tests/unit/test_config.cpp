@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "core/plan.hpp"
+#include "common/plan.hpp"
 #include "epx/buffer.hpp"
 #include "epx/config.hpp"
 

@@ -6,7 +6,7 @@
 #include <memory>
 #include <string>
 
-#include "core/env.hpp"
+#include "common/env.hpp"
 #include "core/validate.hpp"
 #include "epx/buffer.hpp"
 

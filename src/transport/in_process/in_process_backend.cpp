@@ -5,8 +5,8 @@
 // between devices). The kernels see the same device struct as over NVLink.
 #include <cstring>
 
-#include "core/check.hpp"
-#include "epx/buffer.hpp"
+#include "common/check.hpp"
+#include "epx/communicator.hpp"
 #include "transport/backend.hpp"
 
 namespace epx::transport {

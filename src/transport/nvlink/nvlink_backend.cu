@@ -6,8 +6,8 @@
 
 #include <string>
 
-#include "core/check.hpp"
-#include "epx/buffer.hpp"
+#include "common/check.hpp"
+#include "epx/communicator.hpp"
 #include "transport/backend.hpp"
 
 namespace epx::transport {

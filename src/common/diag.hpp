@@ -1,4 +1,4 @@
-// core/diag.hpp - what a kernel reports when a wait passes its deadline or an
+// common/diag.hpp - what a kernel reports when a wait passes its deadline or an
 // input is out of range. Lives in host-mapped memory; the host turns it into
 // an epx::Error naming the op, rank, peer and what was awaited.
 #pragma once

@@ -1,4 +1,4 @@
-#include "core/env.hpp"
+#include "common/env.hpp"
 
 #include <cerrno>
 #include <cstdlib>

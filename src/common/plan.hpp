@@ -1,4 +1,4 @@
-// core/plan.hpp - how the symmetric buffers are carved up. Pure arithmetic,
+// common/plan.hpp - how the symmetric buffers are carved up. Pure arithmetic,
 // shared by the host logic, the size hints and the unit tests.
 #pragma once
 

@@ -1,4 +1,4 @@
-// core/check.hpp - every CUDA and NCCL call goes through these.
+// common/check.hpp - every CUDA and NCCL call goes through these.
 #pragma once
 
 #include <cuda_runtime_api.h>

@@ -1,4 +1,4 @@
-// core/env.hpp - environment variables EPX reads.
+// common/env.hpp - environment variables EPX reads.
 #pragma once
 
 #include <cstdint>
