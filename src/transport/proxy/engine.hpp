@@ -1,0 +1,71 @@
+// transport/proxy/engine.hpp - what carries a proxy's commands to the peers.
+//
+// An engine owns the endpoints (one per (channel, peer)), the registration of
+// this rank's regions with every peer it reaches, and completion tracking. The
+// proxy threads call it; engines for other fabrics (libfabric: EFA, verbs,
+// tcp; ibverbs RC with several QPs and ports) implement the same interface.
+//
+// Threading: register_region / deregister_region are collective over the
+// group and are called while no proxy thread runs. Every per-channel call
+// (put, signal_add, mark, completed) for channel c comes from the one thread
+// that serves c; calls for different channels may run concurrently.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+namespace epx {
+class Communicator;
+}
+
+namespace epx::proxy {
+
+class Engine {
+ public:
+  virtual ~Engine() = default;
+  virtual const char* name() const = 0;
+  virtual int rank() const = 0;
+  virtual int num_ranks() const = 0;
+  virtual int num_channels() const = 0;
+
+  /// Collective: this rank's region `id` (< kMaxRegions) is [base, base + bytes);
+  /// afterwards commands may name `id` at any peer this engine reaches (every
+  /// rank registers the same ids with the same sizes).
+  virtual void register_region(int id, void* base, std::size_t bytes) = 0;
+  /// Collective: undoes register_region (no command naming `id` is in flight).
+  virtual void deregister_region(int id) = 0;
+  /// Whether `peer` can be reached at all (false: the command is refused with
+  /// an error that names the peer).
+  virtual bool reaches(int peer) const = 0;
+  /// The address of `peer`'s region `id` in this process where the engine has
+  /// it mapped for loads and stores (CUDA IPC on one host), else nullptr.
+  virtual void* mapped(int id, int peer) const { return nullptr; }
+
+  /// Starts copying `bytes` from this rank's region at `src_off` to `peer`'s
+  /// region at `dst_off`. Asynchronous; effects on one (channel, peer)
+  /// endpoint happen in call order. Throws epx::Error on a bad argument (an
+  /// offset past the region, an unreachable peer) or an engine failure.
+  virtual void put(int channel, int peer, int region, uint64_t dst_off, uint64_t src_off,
+                   uint64_t bytes) = 0;
+  /// Adds `add` to the 8-byte signal word at `sig_off` of `peer`'s region,
+  /// after every earlier put of this (channel, peer) endpoint has landed.
+  /// A signal word is written by one (rank, channel) only: the device
+  /// transport gives each source rank and channel its own word.
+  virtual void signal_add(int channel, int peer, int region, uint64_t sig_off, uint64_t add) = 0;
+  /// Marks the commands of `channel` issued so far with `token` (increasing).
+  virtual void mark(int channel, uint64_t token) = 0;
+  /// The largest token whose marked commands have all completed (0: none).
+  /// Non-blocking.
+  virtual uint64_t completed(int channel) = 0;
+};
+
+/// CUDA IPC (one host): each region is exported (cudaIpcGetMemHandle; ranks
+/// that are threads of one process swap pointers instead) and mapped by every
+/// other rank of the host; a put is a cudaMemcpyAsync on the endpoint's own
+/// stream, a signal a stream-ordered write (cuStreamWriteValue64) of the
+/// signal word's running total after it. Refuses, naming them, peers on
+/// another host. Regions must be cudaMalloc'd device memory.
+std::unique_ptr<Engine> make_cuda_ipc_engine(Communicator& comm, int num_channels);
+
+}  // namespace epx::proxy
