@@ -40,7 +40,7 @@ class Engine {
   virtual bool reaches(int peer) const = 0;
   /// The address of `peer`'s region `id` in this process where the engine has
   /// it mapped for loads and stores (CUDA IPC on one host), else nullptr.
-  virtual void* mapped(int id, int peer) const { return nullptr; }
+  virtual void* mapped(int /*id*/, int /*peer*/) const { return nullptr; }
 
   /// Starts copying `bytes` from this rank's region at `src_off` to `peer`'s
   /// region at `dst_off`. Asynchronous; effects on one (channel, peer)
