@@ -1,0 +1,512 @@
+#include "transport/proxy/proxy.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "common/check.hpp"
+#include "epx/error.hpp"
+
+namespace epx::proxy {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+/// Commands handed to the engine between two marks while the ring stays busy.
+constexpr uint64_t kMarkEvery = 64;
+/// Idle backoff: spin this many polls, then yield for kYieldFor, then sleep
+/// kSleep between polls. A channel that keeps getting commands never sleeps;
+/// the sleeps keep dozens of idle proxy threads from starving the threads
+/// that launch the GPU work on a host with fewer cores than threads.
+constexpr int kSpins = 256;
+constexpr auto kYieldFor = std::chrono::milliseconds(1);
+constexpr auto kSleep = std::chrono::microseconds(20);
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+class Backoff {
+ public:
+  void reset() { polls_ = 0; }
+  void pause() {
+    if (polls_ < kSpins) {
+      ++polls_;
+      cpu_relax();
+      return;
+    }
+    const auto now = Clock::now();
+    if (polls_ == kSpins) {
+      ++polls_;
+      idle_since_ = now;
+    }
+    if (now - idle_since_ < kYieldFor)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(kSleep);
+  }
+
+ private:
+  int polls_ = 0;
+  Clock::time_point idle_since_;
+};
+
+template <class T>
+T load_acquire(T& x) {
+  return std::atomic_ref<T>(x).load(std::memory_order_acquire);
+}
+template <class T>
+void store_release(T& x, T v) {
+  std::atomic_ref<T>(x).store(v, std::memory_order_release);
+}
+
+/// The op's name, or nullptr for a value that is none of them.
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::kNone:
+      return "none";
+    case Op::kPut:
+      return "put";
+    case Op::kPutSignal:
+      return "put_signal";
+    case Op::kSignal:
+      return "signal";
+  }
+  return nullptr;
+}
+
+/// "slot 17 (op put_signal, peer 1, region 2, dst_off 4096, ...)".
+std::string describe(uint64_t slot, uint64_t header, const Command& c) {
+  std::ostringstream os;
+  const Op op = op_of(header);
+  os << "slot " << slot << " (op ";
+  if (const char* name = op_name(op))
+    os << name;
+  else
+    os << static_cast<uint32_t>(op);
+  os << ", peer " << c.peer << ", region " << region_of(header) << ", dst_off " << c.dst_off
+     << ", src_off " << c.src_off << ", bytes " << c.bytes << ", sig_off " << c.sig_off << ", add "
+     << c.add << ")";
+  return os.str();
+}
+
+/// Deadline `timeout_s` from now; capped (about 31 years) so that an infinite
+/// timeout cannot overflow the clock.
+Clock::time_point deadline_after(double timeout_s) {
+  const auto wait = std::chrono::duration<double>(std::clamp(timeout_s, 0.0, 1e9));
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(wait);
+}
+
+/// Frees what it holds with `free_fn` (never throws: it runs in destructors).
+struct Allocation {
+  void* ptr = nullptr;
+  void (*free_fn)(void*) = nullptr;
+  Allocation() = default;
+  Allocation(const Allocation&) = delete;
+  Allocation& operator=(const Allocation&) = delete;
+  ~Allocation() {
+    if (ptr && free_fn) free_fn(ptr);
+  }
+};
+
+void free_host(void* p) {
+  std::free(p);
+}
+void free_pinned(void* p) {
+  cudaFreeHost(p);
+}
+void free_device(void* p) {
+  cudaFree(p);
+}
+
+/// Zeroed host memory aligned to 128 bytes (the counters' lines).
+void alloc_host(Allocation& a, std::size_t bytes) {
+  bytes = (bytes + 127) / 128 * 128;
+  a.ptr = std::aligned_alloc(128, bytes);
+  if (!a.ptr)
+    throw Error(ErrorCode::kInternal,
+                "proxy: cannot allocate " + std::to_string(bytes) + " bytes of host memory");
+  a.free_fn = free_host;
+  std::memset(a.ptr, 0, bytes);
+}
+
+/// The current CUDA device again when it goes out of scope.
+struct RestoreDevice {
+  int device = -1;
+  ~RestoreDevice() {
+    if (device >= 0) cudaSetDevice(device);
+  }
+};
+
+}  // namespace
+
+struct Proxy::Impl {
+  struct Channel {
+    mutable std::mutex m;
+    ChannelHealth::State state = ChannelHealth::State::kRunning;
+    std::string message;
+    ErrorCode code = ErrorCode::kInternal;
+  };
+
+  Engine& engine;
+  const ProxyOptions options;
+  const uint32_t capacity;
+  const int num_channels;
+
+  Allocation rings, hosts, devs, views_mem;
+  Command* ring_host = nullptr;  ///< what the threads read (host addresses)
+  ChannelHost* host_host = nullptr;
+  std::vector<ChannelView> views;  ///< device addresses (host ones when device == -1)
+
+  std::unique_ptr<Channel[]> channels;
+  std::atomic<bool> stop_flag{false};
+  std::mutex stop_mutex;
+  std::vector<std::thread> threads;
+
+  Impl(Engine& e, const ProxyOptions& o);
+  ~Impl() {
+    try {
+      stop();
+    } catch (...) {
+      // Destructors do not throw; stop() only joins and records states.
+    }
+  }
+
+  void allocate();
+  void serve(int c);
+  void run(int c);
+  void finish(int c, ChannelHealth::State state, ErrorCode code, std::string message);
+  void stop();
+};
+
+Proxy::Impl::Impl(Engine& e, const ProxyOptions& o)
+    : engine(e),
+      options(o),
+      capacity(o.capacity >= 1 && o.capacity <= (1u << 31) ? std::bit_ceil(o.capacity) : 0),
+      num_channels(o.num_channels) {
+  require(o.num_channels >= 1 && o.num_channels <= e.num_channels(), "num_channels",
+          "must be in [1, " + std::to_string(e.num_channels()) + "] (the engine's channels), got " +
+              std::to_string(o.num_channels));
+  require(capacity != 0, "capacity",
+          "must be in [1, 2^31] commands, got " + std::to_string(o.capacity));
+  require(o.stop_channel == -1 || (o.stop_channel >= 0 && o.stop_channel < o.num_channels),
+          "stop_channel",
+          "must be -1 or a channel in [0, " + std::to_string(o.num_channels) + "), got " +
+              std::to_string(o.stop_channel));
+  channels = std::make_unique<Channel[]>(static_cast<std::size_t>(num_channels));
+  allocate();
+  threads.reserve(static_cast<std::size_t>(num_channels));
+  try {
+    for (int c = 0; c < num_channels; ++c) threads.emplace_back([this, c] { serve(c); });
+  } catch (...) {
+    stop();  // ~Impl does not run for a constructor that throws: join the ones that started
+    throw;
+  }
+}
+
+void Proxy::Impl::allocate() {
+  const std::size_t ring_bytes = sizeof(Command) * capacity * num_channels;
+  const std::size_t host_bytes = sizeof(ChannelHost) * num_channels;
+  const std::size_t dev_bytes = sizeof(ChannelDevice) * num_channels;
+  views.resize(static_cast<std::size_t>(num_channels));
+  if (options.device < 0) {
+    alloc_host(rings, ring_bytes);
+    alloc_host(hosts, host_bytes);
+    alloc_host(devs, dev_bytes);
+    ring_host = static_cast<Command*>(rings.ptr);
+    host_host = static_cast<ChannelHost*>(hosts.ptr);
+    for (int c = 0; c < num_channels; ++c)
+      views[c] = {ring_host + static_cast<std::size_t>(c) * capacity, host_host + c,
+                  static_cast<ChannelDevice*>(devs.ptr) + c, capacity};
+    return;
+  }
+  RestoreDevice restore;
+  EPX_CUDA_CHECK(cudaGetDevice(&restore.device));
+  EPX_CUDA_CHECK(cudaSetDevice(options.device));
+  // Pinned and mapped: the GPU writes the rings and reads the counters over
+  // PCIe, the threads poll them in host memory.
+  constexpr unsigned kFlags = cudaHostAllocMapped | cudaHostAllocPortable;
+  EPX_CUDA_CHECK(cudaHostAlloc(&rings.ptr, ring_bytes, kFlags));
+  rings.free_fn = free_pinned;
+  EPX_CUDA_CHECK(cudaHostAlloc(&hosts.ptr, host_bytes, kFlags));
+  hosts.free_fn = free_pinned;
+  std::memset(rings.ptr, 0, ring_bytes);
+  std::memset(hosts.ptr, 0, host_bytes);
+  ring_host = static_cast<Command*>(rings.ptr);
+  host_host = static_cast<ChannelHost*>(hosts.ptr);
+  void* ring_dev = nullptr;
+  void* host_dev = nullptr;
+  EPX_CUDA_CHECK(cudaHostGetDevicePointer(&ring_dev, rings.ptr, 0));
+  EPX_CUDA_CHECK(cudaHostGetDevicePointer(&host_dev, hosts.ptr, 0));
+  EPX_CUDA_CHECK(cudaMalloc(&devs.ptr, dev_bytes));
+  devs.free_fn = free_device;
+  EPX_CUDA_CHECK(cudaMemset(devs.ptr, 0, dev_bytes));
+  for (int c = 0; c < num_channels; ++c)
+    views[c] = {static_cast<Command*>(ring_dev) + static_cast<std::size_t>(c) * capacity,
+                static_cast<ChannelHost*>(host_dev) + c, static_cast<ChannelDevice*>(devs.ptr) + c,
+                capacity};
+  const std::size_t view_bytes = sizeof(ChannelView) * num_channels;
+  EPX_CUDA_CHECK(cudaMalloc(&views_mem.ptr, view_bytes));
+  views_mem.free_fn = free_device;
+  EPX_CUDA_CHECK(cudaMemcpy(views_mem.ptr, views.data(), view_bytes, cudaMemcpyHostToDevice));
+}
+
+void Proxy::Impl::finish(int c, ChannelHealth::State state, ErrorCode code, std::string message) {
+  {
+    std::lock_guard lock(channels[c].m);
+    if (channels[c].state != ChannelHealth::State::kRunning) return;
+    channels[c].state = state;
+    channels[c].code = code;
+    channels[c].message = std::move(message);
+  }
+  // After the message is set: whoever sees `stopped` can read why.
+  store_release(host_host[c].stopped, 1u);
+}
+
+void Proxy::Impl::serve(int c) {
+  try {
+    if (options.device >= 0) EPX_CUDA_CHECK(cudaSetDevice(options.device));
+    run(c);
+  } catch (const Error& e) {
+    finish(c, ChannelHealth::State::kFailed, e.code(),
+           "proxy channel " + std::to_string(c) + " failed: " + e.what());
+  } catch (const std::exception& e) {
+    finish(c, ChannelHealth::State::kFailed, ErrorCode::kInternal,
+           "proxy channel " + std::to_string(c) + " failed: " + e.what());
+  } catch (...) {
+    finish(c, ChannelHealth::State::kFailed, ErrorCode::kInternal,
+           "proxy channel " + std::to_string(c) + " failed: unknown exception");
+  }
+}
+
+void Proxy::Impl::run(int c) {
+  Command* ring = ring_host + static_cast<std::size_t>(c) * capacity;
+  ChannelHost& host = host_host[c];
+  const uint64_t mask = capacity - 1;
+  const int num_ranks = engine.num_ranks();
+  const bool stops = c == options.stop_channel;
+  uint64_t tail = 0, marked = 0, completed = 0, since_mark = 0;
+  Backoff backoff;
+
+  auto fail = [&](ErrorCode code, const std::string& what) {
+    finish(c, ChannelHealth::State::kFailed, code,
+           "proxy channel " + std::to_string(c) + ": " + what);
+  };
+  auto fail_with = [&](const std::string& what, std::exception_ptr e) {
+    try {
+      std::rethrow_exception(e);
+    } catch (const Error& err) {
+      fail(err.code(), what + " failed: " + err.what());
+    } catch (const std::exception& err) {
+      fail(ErrorCode::kInternal, what + " failed: " + err.what());
+    } catch (...) {
+      fail(ErrorCode::kInternal, what + " failed: unknown exception");
+    }
+  };
+  // Marks the commands taken so far / publishes the engine's progress.
+  // False (the channel failed) when the engine throws.
+  auto progress = [&](bool mark_now) {
+    try {
+      if (mark_now) {
+        engine.mark(c, tail);
+        marked = tail;
+        since_mark = 0;
+      }
+      if (completed < marked) {
+        const uint64_t done = engine.completed(c);
+        if (done > completed) {
+          completed = done;
+          store_release(host.completed, completed);
+        }
+      }
+      return true;
+    } catch (...) {
+      fail_with("tracking completion (consumed " + std::to_string(tail) + ", marked " +
+                    std::to_string(marked) + ", completed " + std::to_string(completed) + ")",
+                std::current_exception());
+      return false;
+    }
+  };
+
+  while (!stop_flag.load(std::memory_order_relaxed)) {
+    if (stops && tail == options.stop_after) {
+      finish(c, ChannelHealth::State::kStopped, ErrorCode::kInternal,
+             "proxy channel " + std::to_string(c) + " stopped by EPX_DEBUG_PROXY_STOP after " +
+                 std::to_string(tail) + " commands");
+      return;
+    }
+    Command& slot = ring[tail & mask];
+    const uint64_t header = load_acquire(slot.header);
+    // The sequence number has 56 bits: compare modulo 2^56.
+    const uint64_t want = (tail + 1) & kMaxSeq;
+    const uint64_t seq = seq_of(header);
+    if (seq != want) {
+      // Anything but "not written yet" (0 on the first lap, the previous
+      // lap's number later) means a poster wrote a slot it did not own.
+      const uint64_t previous = tail >= capacity ? (tail + 1 - capacity) & kMaxSeq : 0;
+      if (seq != previous) {
+        fail(ErrorCode::kInternal, "malformed command at " + describe(tail, header, slot) +
+                                       ": sequence number " + std::to_string(seq) + ", expected " +
+                                       std::to_string(want) + " (or " + std::to_string(previous) +
+                                       " while not written yet)");
+        return;
+      }
+      // Idle: mark the last burst, and keep polling until it completes.
+      if (!progress(marked < tail)) return;
+      backoff.pause();
+      continue;
+    }
+    backoff.reset();
+    const Command cmd = slot;  // after the acquire of its header
+    const Op op = op_of(header);
+    const int region = region_of(header);
+    const char* malformed = nullptr;
+    if (op != Op::kPut && op != Op::kPutSignal && op != Op::kSignal)
+      malformed = "unknown op";
+    else if (cmd.peer >= static_cast<uint32_t>(num_ranks))
+      malformed = "peer is not a rank";
+    else if (op != Op::kSignal && cmd.bytes == 0)
+      malformed = "a put of 0 bytes";
+    if (malformed) {
+      fail(ErrorCode::kInternal, "malformed command at " + describe(tail, header, cmd) + ": " +
+                                     malformed + " (num_ranks " + std::to_string(num_ranks) + ")");
+      return;
+    }
+    try {
+      const int peer = static_cast<int>(cmd.peer);
+      if (op != Op::kSignal) engine.put(c, peer, region, cmd.dst_off, cmd.src_off, cmd.bytes);
+      if (op != Op::kPut) engine.signal_add(c, peer, region, cmd.sig_off, cmd.add);
+    } catch (...) {
+      fail_with("command at " + describe(tail, header, cmd), std::current_exception());
+      return;
+    }
+    ++tail;
+    store_release(host.consumed, tail);
+    if (++since_mark == kMarkEvery && !progress(true)) return;
+  }
+}
+
+void Proxy::Impl::stop() {
+  std::lock_guard lock(stop_mutex);
+  stop_flag.store(true, std::memory_order_relaxed);
+  for (auto& t : threads)
+    if (t.joinable()) t.join();
+  for (int c = 0; c < static_cast<int>(threads.size()); ++c) {
+    const uint64_t consumed = load_acquire(host_host[c].consumed);
+    finish(c, ChannelHealth::State::kStopped, ErrorCode::kInternal,
+           "proxy channel " + std::to_string(c) + " stopped by Proxy::stop after " +
+               std::to_string(consumed) + " commands");
+  }
+}
+
+Proxy::Proxy(Engine& engine, const ProxyOptions& options)
+    : impl_(std::make_unique<Impl>(engine, options)) {}
+
+Proxy::~Proxy() {
+  try {
+    impl_->stop();
+  } catch (...) {
+    // A destructor does not throw; stop() only joins and records states.
+  }
+}
+
+int Proxy::num_channels() const {
+  return impl_->num_channels;
+}
+
+ChannelView Proxy::view(int c) const {
+  require(c >= 0 && c < impl_->num_channels, "channel",
+          "must be in [0, " + std::to_string(impl_->num_channels) + "), got " + std::to_string(c));
+  return impl_->views[c];
+}
+
+const ChannelView* Proxy::views_device() const {
+  return impl_->options.device < 0 ? impl_->views.data()
+                                   : static_cast<const ChannelView*>(impl_->views_mem.ptr);
+}
+
+ChannelHealth Proxy::health(int c) const {
+  require(c >= 0 && c < impl_->num_channels, "channel",
+          "must be in [0, " + std::to_string(impl_->num_channels) + "), got " + std::to_string(c));
+  ChannelHealth h;
+  {
+    std::lock_guard lock(impl_->channels[c].m);
+    h.state = impl_->channels[c].state;
+    h.message = impl_->channels[c].message;
+  }
+  h.consumed = load_acquire(impl_->host_host[c].consumed);
+  h.completed = load_acquire(impl_->host_host[c].completed);
+  return h;
+}
+
+void Proxy::check() const {
+  for (int c = 0; c < impl_->num_channels; ++c) {
+    std::lock_guard lock(impl_->channels[c].m);
+    if (impl_->channels[c].state != ChannelHealth::State::kRunning)
+      throw Error(impl_->channels[c].code, impl_->channels[c].message);
+  }
+}
+
+void Proxy::stop() {
+  impl_->stop();
+}
+
+uint64_t post_from_host(const ChannelView& v, Command cmd, Op op, int region, double timeout_s,
+                        int channel) {
+  require(v.ring && v.host && v.dev, "view", "must point at a ring and its counters");
+  require(v.capacity >= 1 && std::has_single_bit(v.capacity), "view.capacity",
+          "must be a power of two, got " + std::to_string(v.capacity));
+  require(region >= 0 && region < kMaxRegions, "region",
+          "must be in [0, " + std::to_string(kMaxRegions) + "), got " + std::to_string(region));
+  const std::string name = "post_from_host: proxy channel " + std::to_string(channel);
+  auto stopped = [&](const std::string& what) {
+    return Error(ErrorCode::kInternal,
+                 name + " has stopped (its proxy failed or was stopped; Proxy::health(" +
+                     std::to_string(channel) + ") says why): " + what);
+  };
+  // A dead channel refuses at once, even where a slot would be free.
+  if (load_acquire(v.host->stopped)) throw stopped("nothing posted");
+  const uint64_t slot =
+      std::atomic_ref<unsigned long long>(v.dev->reserved).fetch_add(1, std::memory_order_relaxed);
+  const auto deadline = deadline_after(timeout_s);
+  Backoff backoff;
+  for (;;) {
+    if (slot < load_acquire(v.host->consumed) + v.capacity) break;
+    if (load_acquire(v.host->stopped))
+      throw stopped("slot " + std::to_string(slot) + " not posted");
+    if (Clock::now() >= deadline) {
+      std::ostringstream os;
+      os << name << ": slot " << slot << " still not free after " << timeout_s
+         << " s (the proxy consumed " << load_acquire(v.host->consumed) << " commands of "
+         << load_acquire(v.dev->reserved) << " reserved, ring capacity " << v.capacity
+         << "); the channel has a hole at this slot now and cannot be used any more";
+      throw Error(ErrorCode::kTimeout, os.str());
+    }
+    backoff.pause();
+  }
+  // The proxy reads the body only after it sees this slot's header (acquire).
+  Command& dst = v.ring[slot & (v.capacity - 1)];
+  dst.dst_off = cmd.dst_off;
+  dst.src_off = cmd.src_off;
+  dst.bytes = cmd.bytes;
+  dst.sig_off = cmd.sig_off;
+  dst.add = cmd.add;
+  dst.peer = cmd.peer;
+  dst.reserved0 = 0;
+  dst.reserved1 = 0;
+  store_release(dst.header, make_header(slot + 1, op, region));
+  return slot;
+}
+
+}  // namespace epx::proxy
