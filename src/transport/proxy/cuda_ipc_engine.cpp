@@ -1,0 +1,544 @@
+// CUDA IPC engine (engine.hpp): the peers of one host map each other's
+// regions; a put is a cudaMemcpyAsync on the endpoint's own stream and a
+// signal a stream-ordered cuStreamWriteValue64 behind it. Completion is
+// tracked by events recorded at each mark.
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "common/check.hpp"
+#include "common/env.hpp"
+#include "epx/communicator.hpp"
+#include "transport/proxy/command.hpp"
+#include "transport/proxy/engine.hpp"
+
+namespace epx::proxy {
+namespace {
+
+/// Driver functions the runtime does not wrap, looked up through the runtime
+/// so that the library needs no -lcuda at link time.
+struct Driver {
+  PFN_cuStreamWriteValue64_v11070 stream_write_value64 = nullptr;
+  PFN_cuMemGetAddressRange_v3020 mem_get_address_range = nullptr;
+  PFN_cuGetErrorName_v6000 get_error_name = nullptr;
+  PFN_cuDeviceGet_v2000 device_get = nullptr;
+  PFN_cuDeviceGetAttribute_v2000 device_get_attribute = nullptr;
+};
+
+void* driver_entry_point(const char* symbol) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  // The CUDA 12.0 flavour of each symbol (cuStreamWriteValue64_v2 and so on).
+  EPX_CUDA_CHECK(cudaGetDriverEntryPointByVersion(symbol, &fn, 12000, cudaEnableDefault, &found));
+  if (found != cudaDriverEntryPointSuccess || fn == nullptr)
+    throw Error(ErrorCode::kUnsupported,
+                std::string("cuda_ipc engine: the CUDA driver does not provide ") + symbol);
+  return fn;
+}
+
+const Driver& driver() {
+  static const Driver d = [] {
+    Driver x;
+    x.stream_write_value64 = reinterpret_cast<PFN_cuStreamWriteValue64_v11070>(
+        driver_entry_point("cuStreamWriteValue64"));
+    x.mem_get_address_range = reinterpret_cast<PFN_cuMemGetAddressRange_v3020>(
+        driver_entry_point("cuMemGetAddressRange"));
+    x.get_error_name =
+        reinterpret_cast<PFN_cuGetErrorName_v6000>(driver_entry_point("cuGetErrorName"));
+    x.device_get = reinterpret_cast<PFN_cuDeviceGet_v2000>(driver_entry_point("cuDeviceGet"));
+    x.device_get_attribute = reinterpret_cast<PFN_cuDeviceGetAttribute_v2000>(
+        driver_entry_point("cuDeviceGetAttribute"));
+    return x;
+  }();
+  return d;
+}
+
+void check_cu(CUresult r, const char* expr, const char* file, int line) {
+  if (r == CUDA_SUCCESS) return;
+  const char* name = nullptr;
+  if (driver().get_error_name(r, &name) != CUDA_SUCCESS || name == nullptr) name = "unknown";
+  throw Error(ErrorCode::kCuda, std::string("CUDA driver error ") + name + " (" +
+                                    std::to_string(static_cast<int>(r)) + ") in " + expr + " at " +
+                                    file + ":" + std::to_string(line));
+}
+#define EPX_CU_CHECK(expr) check_cu((expr), #expr, __FILE__, __LINE__)
+
+/// Makes `device` current; the previous device again on the way out.
+struct DeviceGuard {
+  int previous = -1;
+  explicit DeviceGuard(int device) {
+    EPX_CUDA_CHECK(cudaGetDevice(&previous));
+    if (previous != device) EPX_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceGuard() {
+    if (previous >= 0) cudaSetDevice(previous);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+};
+
+/// Waits for `stream` until `timeout_s`; false when its work is still queued.
+bool drain(cudaStream_t stream, double timeout_s) {
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(std::min(timeout_s, 1e9)));
+  for (int polls = 0;; ++polls) {
+    const cudaError_t e = cudaStreamQuery(stream);
+    if (e == cudaSuccess) return true;
+    if (e != cudaErrorNotReady) EPX_CUDA_CHECK(e);
+    if (std::chrono::steady_clock::now() >= deadline) return false;
+    if (polls >= 64) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+template <std::size_t N>
+void copy_string(char (&dst)[N], const std::string& src) {
+  const std::size_t n = std::min(src.size(), N - 1);
+  std::memcpy(dst, src.data(), n);
+  dst[n] = '\0';
+}
+
+/// What each rank tells the others when it registers a region (the same
+/// plain bytes on every rank: it travels through Communicator::allgather).
+struct Record {
+  char host[72];     ///< hostname
+  char boot_id[40];  ///< /proc/sys/kernel/random/boot_id: tells apart hosts of one name
+  int64_t pid;
+  uint64_t base;    ///< the region's address in its process
+  uint64_t bytes;   ///< the region's size
+  uint64_t offset;  ///< base minus the start of its allocation (what the IPC handle maps)
+  cudaIpcMemHandle_t handle;
+  int32_t failed;  ///< 1: the export failed (error says why)
+  char error[300];
+};
+
+/// After the peers' handles are opened: whether every rank managed.
+struct OpenStatus {
+  int32_t failed;
+  char error[300];
+};
+
+std::string read_boot_id() {
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  std::getline(f, id);
+  return id;
+}
+
+std::string read_hostname() {
+  char name[256] = {};
+  if (gethostname(name, sizeof(name) - 1) != 0) return "unknown-host";
+  return name;
+}
+
+class CudaIpcEngine final : public Engine {
+ public:
+  CudaIpcEngine(Communicator& comm, int num_channels)
+      : comm_(comm),
+        device_(comm.device()),
+        rank_(comm.rank()),
+        num_ranks_(comm.num_ranks()),
+        num_channels_(num_channels),
+        timeout_s_(env::timeout_seconds()),
+        hostname_(read_hostname()),
+        boot_id_(read_boot_id()),
+        hosts_(static_cast<std::size_t>(num_ranks_)),
+        reach_(static_cast<std::size_t>(num_ranks_), 0) {
+    require(num_channels >= 1, "num_channels", "must be >= 1, got " + std::to_string(num_channels));
+    DeviceGuard guard(device_);
+    // Fails here, not at the first signal, when the driver or the GPU lacks what signals need.
+    CUdevice dev = 0;
+    int mem_ops = 0;
+    EPX_CU_CHECK(driver().device_get(&dev, device_));
+    EPX_CU_CHECK(driver().device_get_attribute(
+        &mem_ops, CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS, dev));
+    if (!mem_ops)
+      throw Error(ErrorCode::kUnsupported,
+                  "cuda_ipc engine: device " + std::to_string(device_) +
+                      " cannot write 64-bit values from a stream (cuStreamWriteValue64), which "
+                      "its signals need");
+    // Until the first registration tells the hosts apart: in-process ranks
+    // reach each other, other processes are unknown (not reached).
+    for (int r = 0; r < num_ranks_; ++r) reach_[r] = comm_.in_process() || r == rank_ ? 1 : 0;
+    hosts_[rank_] = hostname_;
+    channels_.resize(static_cast<std::size_t>(num_channels));
+    for (auto& ch : channels_) {
+      ch.streams.assign(static_cast<std::size_t>(num_ranks_), nullptr);
+      ch.dirty.assign(static_cast<std::size_t>(num_ranks_), 0);
+    }
+  }
+
+  ~CudaIpcEngine() override {
+    // Never throws: errors here are ignored (the process may be tearing down).
+    int previous = -1;
+    if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
+    cudaSetDevice(device_);
+    bool drained = true;
+    for (auto& ch : channels_)
+      for (cudaStream_t s : ch.streams) {
+        if (!s) continue;
+        try {
+          drained = drain(s, timeout_s_) && drained;
+        } catch (...) {
+          drained = false;
+        }
+      }
+    // A mapping that a copy may still use stays open (leaked) rather than pulled.
+    if (drained)
+      for (auto& reg : regions_)
+        for (std::size_t r = 0; r < reg.opened.size(); ++r)
+          if (reg.opened[r]) cudaIpcCloseMemHandle(reg.opened[r]);
+    for (auto& ch : channels_) {
+      for (cudaStream_t s : ch.streams)
+        if (s) cudaStreamDestroy(s);
+      for (cudaEvent_t e : ch.all_events) cudaEventDestroy(e);
+    }
+    if (previous >= 0) cudaSetDevice(previous);
+  }
+
+  const char* name() const override { return "cuda_ipc"; }
+  int rank() const override { return rank_; }
+  int num_ranks() const override { return num_ranks_; }
+  int num_channels() const override { return num_channels_; }
+
+  void register_region(int id, void* base, std::size_t bytes) override;
+  void deregister_region(int id) override;
+
+  /// Known after the first register_region, which tells the hosts apart;
+  /// before it, in-process ranks reach each other and other processes none.
+  bool reaches(int peer) const override {
+    return peer >= 0 && peer < num_ranks_ && reach_[peer] != 0;
+  }
+  void* mapped(int id, int peer) const override {
+    if (id < 0 || id >= kMaxRegions || !regions_[id].registered || !reaches(peer)) return nullptr;
+    return regions_[id].peer_base[peer];
+  }
+
+  void put(int channel, int peer, int region, uint64_t dst_off, uint64_t src_off,
+           uint64_t bytes) override {
+    Channel& ch = channel_of(channel);
+    const Region& reg = target(peer, region, "put");
+    check_range("put", "destination", peer, region, dst_off, bytes, reg.bytes);
+    check_range("put", "source", rank_, region, src_off, bytes, reg.bytes);
+    cudaStream_t s = stream(ch, peer);
+    EPX_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(reg.peer_base[peer]) + dst_off,
+                                   static_cast<const char*>(reg.local) + src_off, bytes,
+                                   cudaMemcpyDeviceToDevice, s));
+    ch.dirty[peer] = 1;
+  }
+
+  void signal_add(int channel, int peer, int region, uint64_t sig_off, uint64_t add) override {
+    Channel& ch = channel_of(channel);
+    const Region& reg = target(peer, region, "signal_add");
+    check_range("signal_add", "signal word", peer, region, sig_off, 8, reg.bytes);
+    if (sig_off % 8 != 0)
+      throw Error(ErrorCode::kInvalidArgument,
+                  "cuda_ipc engine: signal_add to rank " + std::to_string(peer) + " region " +
+                      std::to_string(region) + ": sig_off " + std::to_string(sig_off) +
+                      " is not 8-byte aligned");
+    // There is no stream-ordered add, only a write. The signal word is
+    // written by this (rank, channel) alone (engine.hpp), starts at 0 when
+    // the region is registered, and this channel's writes to `peer` all go
+    // through one stream, so they land in issue order: after the k-th write
+    // the word holds the sum of the first k adds, our running total. Writing
+    // the new total therefore has the effect of adding `add`.
+    uint64_t& total = ch.totals[SigKey{peer, region, sig_off}];
+    total += add;
+    cudaStream_t s = stream(ch, peer);
+    const auto addr =
+        reinterpret_cast<CUdeviceptr>(static_cast<char*>(reg.peer_base[peer]) + sig_off);
+    EPX_CU_CHECK(driver().stream_write_value64(reinterpret_cast<CUstream>(s), addr, total,
+                                               CU_STREAM_WRITE_VALUE_DEFAULT));
+    ch.dirty[peer] = 1;
+  }
+
+  void mark(int channel, uint64_t token) override {
+    Channel& ch = channel_of(channel);
+    Mark m{token, {}, 0};
+    for (int p = 0; p < num_ranks_; ++p) {
+      if (!ch.dirty[p]) continue;
+      cudaEvent_t e = take_event(ch);
+      EPX_CUDA_CHECK(cudaEventRecord(e, ch.streams[p]));
+      m.events.push_back(e);
+      ch.dirty[p] = 0;
+    }
+    if (m.events.empty() && ch.marks.empty()) {
+      ch.completed = std::max(ch.completed, token);  // nothing issued since the last mark
+      return;
+    }
+    ch.marks.push_back(std::move(m));
+  }
+
+  uint64_t completed(int channel) override {
+    Channel& ch = channel_of(channel);
+    while (!ch.marks.empty()) {
+      Mark& m = ch.marks.front();
+      for (; m.done < m.events.size(); ++m.done) {
+        const cudaError_t e = cudaEventQuery(m.events[m.done]);
+        if (e == cudaErrorNotReady) return ch.completed;
+        EPX_CUDA_CHECK(e);
+      }
+      ch.completed = std::max(ch.completed, m.token);
+      for (cudaEvent_t e : m.events) ch.free_events.push_back(e);
+      ch.marks.pop_front();
+    }
+    return ch.completed;
+  }
+
+ private:
+  struct SigKey {
+    int peer, region;
+    uint64_t off;
+    bool operator==(const SigKey&) const = default;
+  };
+  struct SigKeyHash {
+    std::size_t operator()(const SigKey& k) const {
+      return std::hash<uint64_t>()(k.off * 0x9e3779b97f4a7c15ull ^
+                                   (static_cast<uint64_t>(k.peer) << 4 | k.region));
+    }
+  };
+  struct Mark {
+    uint64_t token;
+    std::vector<cudaEvent_t> events;
+    std::size_t done;  ///< events already seen complete
+  };
+  /// What one channel's thread owns: no locks, nobody else touches it while
+  /// the proxy runs (a line of its own, away from the other channels').
+  struct alignas(64) Channel {
+    std::vector<cudaStream_t> streams;  ///< per peer, created on first use
+    std::vector<char> dirty;            ///< per peer: work since the last mark
+    std::deque<Mark> marks;
+    std::vector<cudaEvent_t> free_events, all_events;
+    std::unordered_map<SigKey, uint64_t, SigKeyHash> totals;  ///< running signal totals
+    uint64_t completed = 0;
+  };
+  struct Region {
+    bool registered = false;
+    void* local = nullptr;
+    std::size_t bytes = 0;
+    std::vector<void*> peer_base;  ///< per rank: where its region is mapped here (nullptr: not)
+    std::vector<void*> opened;     ///< per rank: what cudaIpcOpenMemHandle returned (to close)
+  };
+
+  Channel& channel_of(int c) {
+    require(c >= 0 && c < num_channels_, "channel",
+            "must be in [0, " + std::to_string(num_channels_) + "), got " + std::to_string(c));
+    return channels_[c];
+  }
+
+  const Region& target(int peer, int region, const char* what) const {
+    if (peer < 0 || peer >= num_ranks_)
+      throw Error(ErrorCode::kInvalidArgument,
+                  std::string("cuda_ipc engine: ") + what + ": peer " + std::to_string(peer) +
+                      " is not a rank (num_ranks " + std::to_string(num_ranks_) + ")");
+    if (!reach_[peer])
+      throw Error(ErrorCode::kUnsupported,
+                  std::string("cuda_ipc engine: ") + what + ": rank " + std::to_string(rank_) +
+                      " (host " + hostname_ + ") cannot reach rank " + std::to_string(peer) +
+                      " (host " + (hosts_[peer].empty() ? "unknown" : hosts_[peer]) +
+                      "): CUDA IPC works within one host only");
+    if (region < 0 || region >= kMaxRegions || !regions_[region].registered)
+      throw Error(ErrorCode::kInvalidArgument,
+                  std::string("cuda_ipc engine: ") + what + " to rank " + std::to_string(peer) +
+                      ": region " + std::to_string(region) + " is not registered");
+    return regions_[region];
+  }
+
+  static void check_range(const char* what, const char* side, int owner, int region, uint64_t off,
+                          uint64_t bytes, std::size_t size) {
+    if (off <= size && bytes <= size - off) return;
+    throw Error(ErrorCode::kInvalidArgument,
+                std::string("cuda_ipc engine: ") + what + ": " + side + " [" + std::to_string(off) +
+                    ", " + std::to_string(off) + " + " + std::to_string(bytes) +
+                    " bytes) is out of bounds of rank " + std::to_string(owner) + "'s region " +
+                    std::to_string(region) + " (" + std::to_string(size) + " bytes)");
+  }
+
+  /// The (channel, peer) endpoint's stream; the channel's thread makes it on first use.
+  cudaStream_t stream(Channel& ch, int peer) {
+    cudaStream_t& s = ch.streams[peer];
+    if (!s) {
+      EPX_CUDA_CHECK(cudaSetDevice(device_));  // the proxy thread's device already
+      EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    }
+    return s;
+  }
+
+  cudaEvent_t take_event(Channel& ch) {
+    if (!ch.free_events.empty()) {
+      cudaEvent_t e = ch.free_events.back();
+      ch.free_events.pop_back();
+      return e;
+    }
+    cudaEvent_t e = nullptr;
+    EPX_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    ch.all_events.push_back(e);
+    return e;
+  }
+
+  void check_id(int id, const char* what) const {
+    require(
+        id >= 0 && id < kMaxRegions, what,
+        "region id must be in [0, " + std::to_string(kMaxRegions) + "), got " + std::to_string(id));
+  }
+
+  Communicator& comm_;
+  const int device_, rank_, num_ranks_, num_channels_;
+  const double timeout_s_;  ///< how long deregistration waits for this rank's copies
+  const std::string hostname_, boot_id_;
+  std::vector<std::string> hosts_;  ///< per rank: its hostname (known after a registration)
+  std::vector<char> reach_;         ///< per rank: same host (CUDA IPC works)
+  std::array<Region, kMaxRegions> regions_;
+  std::vector<Channel> channels_;
+};
+
+void CudaIpcEngine::register_region(int id, void* base, std::size_t bytes) {
+  check_id(id, "register_region");
+  require(base != nullptr && bytes > 0, "register_region",
+          "region " + std::to_string(id) + " needs a base and bytes > 0");
+  require(
+      !regions_[id].registered, "register_region",
+      "region " + std::to_string(id) + " is already registered on rank " + std::to_string(rank_));
+  DeviceGuard guard(device_);
+  const std::string where = "cuda_ipc engine: register_region(" + std::to_string(id) + ")";
+
+  Record mine;
+  std::memset(&mine, 0, sizeof(mine));
+  copy_string(mine.host, hostname_);
+  copy_string(mine.boot_id, boot_id_);
+  mine.pid = static_cast<int64_t>(getpid());
+  mine.base = reinterpret_cast<uint64_t>(base);
+  mine.bytes = bytes;
+  if (!comm_.in_process()) {
+    // An error here travels in the record, so that every rank raises it
+    // instead of the others waiting in the all-gather for this one.
+    try {
+      CUdeviceptr start = 0;
+      std::size_t size = 0;
+      EPX_CU_CHECK(
+          driver().mem_get_address_range(&start, &size, reinterpret_cast<CUdeviceptr>(base)));
+      const uint64_t offset = mine.base - start;
+      if (offset + bytes > size)
+        throw Error(ErrorCode::kInvalidArgument,
+                    where + ": [base, base + " + std::to_string(bytes) +
+                        ") runs past the end of its cudaMalloc allocation (" +
+                        std::to_string(size - offset) + " bytes from base)");
+      EPX_CUDA_CHECK(cudaIpcGetMemHandle(&mine.handle, base));
+      mine.offset = offset;
+    } catch (const std::exception& e) {
+      mine.failed = 1;
+      copy_string(mine.error, e.what());
+    }
+  }
+  const std::vector<uint8_t> gathered = comm_.allgather(&mine, sizeof(mine));
+  std::vector<Record> all(static_cast<std::size_t>(num_ranks_));
+  std::memcpy(all.data(), gathered.data(), sizeof(Record) * num_ranks_);
+
+  for (int r = 0; r < num_ranks_; ++r)
+    if (all[r].failed)
+      throw Error(ErrorCode::kCuda, where + ": rank " + std::to_string(r) +
+                                        " could not export its region: " + all[r].error);
+  for (int r = 0; r < num_ranks_; ++r)
+    if (all[r].bytes != all[0].bytes)
+      throw Error(ErrorCode::kInvalidArgument,
+                  where + ": every rank must register the same size: rank 0 gives " +
+                      std::to_string(all[0].bytes) + " bytes, rank " + std::to_string(r) + " " +
+                      std::to_string(all[r].bytes));
+
+  Region reg;
+  reg.local = base;
+  reg.bytes = bytes;
+  reg.peer_base.assign(static_cast<std::size_t>(num_ranks_), nullptr);
+  reg.opened.assign(static_cast<std::size_t>(num_ranks_), nullptr);
+  std::vector<char> reach(static_cast<std::size_t>(num_ranks_), 0);
+  OpenStatus status;
+  std::memset(&status, 0, sizeof(status));
+  for (int r = 0; r < num_ranks_; ++r) {
+    hosts_[r] = all[r].host;
+    const bool same_host =
+        comm_.in_process() || (hosts_[r] == hostname_ && std::string(all[r].boot_id) == boot_id_);
+    const bool same_process = comm_.in_process() || (same_host && all[r].pid == mine.pid);
+    if (r == rank_) {
+      reg.peer_base[r] = base;
+    } else if (same_process) {
+      reg.peer_base[r] = reinterpret_cast<void*>(all[r].base);
+    } else if (same_host && !status.failed) {
+      void* p = nullptr;
+      const cudaError_t e = cudaIpcOpenMemHandle(&p, all[r].handle, cudaIpcMemLazyEnablePeerAccess);
+      if (e == cudaSuccess) {
+        reg.opened[r] = p;
+        reg.peer_base[r] = static_cast<char*>(p) + all[r].offset;
+      } else {
+        status.failed = 1;
+        copy_string(status.error, "cudaIpcOpenMemHandle of rank " + std::to_string(r) +
+                                      "'s region failed: " + cudaGetErrorName(e) + " (" +
+                                      cudaGetErrorString(e) + ")");
+      }
+    }
+    reach[r] = same_host ? 1 : 0;
+  }
+  if (!comm_.in_process()) {
+    // Every rank learns whether every other could map its peers.
+    const std::vector<uint8_t> opened = comm_.allgather(&status, sizeof(status));
+    for (int r = 0; r < num_ranks_; ++r) {
+      OpenStatus s;
+      std::memcpy(&s, opened.data() + sizeof(OpenStatus) * r, sizeof(s));
+      if (!s.failed) continue;
+      for (void* p : reg.opened)
+        if (p) cudaIpcCloseMemHandle(p);  // nothing used it yet; the error below is the news
+      throw Error(ErrorCode::kCuda, where + ": rank " + std::to_string(r) + ": " + s.error);
+    }
+  }
+  reach_ = std::move(reach);
+  // The Buffer zeroes a region's signal words when it registers it: the
+  // running totals start again from 0.
+  for (auto& ch : channels_)
+    std::erase_if(ch.totals, [id](const auto& kv) { return kv.first.region == id; });
+  reg.registered = true;
+  regions_[id] = std::move(reg);
+}
+
+void CudaIpcEngine::deregister_region(int id) {
+  check_id(id, "deregister_region");
+  require(regions_[id].registered, "deregister_region",
+          "region " + std::to_string(id) + " is not registered on rank " + std::to_string(rank_));
+  DeviceGuard guard(device_);
+  // This rank's copies into the peers' regions are done, then (barrier)
+  // everyone's are: no peer still writes this rank's region, nobody reads
+  // through the mappings that close now.
+  for (auto& ch : channels_)
+    for (int p = 0; p < num_ranks_; ++p)
+      if (ch.streams[p] && !drain(ch.streams[p], timeout_s_))
+        throw Error(ErrorCode::kTimeout,
+                    "cuda_ipc engine: deregister_region(" + std::to_string(id) + "): rank " +
+                        std::to_string(rank_) + "'s copies to rank " + std::to_string(p) +
+                        " did not finish within " + std::to_string(timeout_s_) + " s");
+  comm_.barrier();
+  Region& reg = regions_[id];
+  for (int r = 0; r < num_ranks_; ++r)
+    if (reg.opened[r]) {
+      void* p = reg.opened[r];
+      reg.opened[r] = nullptr;
+      EPX_CUDA_CHECK(cudaIpcCloseMemHandle(p));
+    }
+  regions_[id] = Region{};
+}
+
+}  // namespace
+
+std::unique_ptr<Engine> make_cuda_ipc_engine(Communicator& comm, int num_channels) {
+  return std::make_unique<CudaIpcEngine>(comm, num_channels);
+}
+
+}  // namespace epx::proxy
