@@ -371,16 +371,16 @@ void Proxy::Impl::run(int c) {
     const Command cmd = slot;  // after the acquire of its header
     const Op op = op_of(header);
     const int region = region_of(header);
-    const char* malformed = nullptr;
+    std::string malformed;
     if (op != Op::kPut && op != Op::kPutSignal && op != Op::kSignal)
       malformed = "unknown op";
     else if (cmd.peer >= static_cast<uint32_t>(num_ranks))
-      malformed = "peer is not a rank";
+      malformed = "peer is not a rank (num_ranks " + std::to_string(num_ranks) + ")";
     else if (op != Op::kSignal && cmd.bytes == 0)
       malformed = "a put of 0 bytes";
-    if (malformed) {
-      fail(ErrorCode::kInternal, "malformed command at " + describe(tail, header, cmd) + ": " +
-                                     malformed + " (num_ranks " + std::to_string(num_ranks) + ")");
+    if (!malformed.empty()) {
+      fail(ErrorCode::kInternal,
+           "malformed command at " + describe(tail, header, cmd) + ": " + malformed);
       return;
     }
     try {
