@@ -28,10 +28,20 @@ struct BufferOptions {
   int64_t num_nvl_bytes = 0;   ///< high-throughput buffer (NVLink)
   int64_t num_rdma_bytes = 0;  ///< low-latency buffer
   bool low_latency_mode = false;
+  /// Contexts per peer (queue pairs, proxy channels) the network backends use in
+  /// parallel (the proxy backend: one thread each, at most 32).
   int num_qps_per_rank = 1;
   bool allow_nvlink_for_low_latency_mode = true;
   bool allow_mnnvl = false;
-  std::string backend = "auto";  ///< auto | nvlink | in_process (EPX_BACKEND overrides "auto")
+  /// auto | nvlink | in_process | proxy (EPX_BACKEND overrides "auto"). "auto":
+  /// "proxy" when the ranks form several nodes, else "nvlink" ("in_process"
+  /// for ranks from Communicator::create_in_process).
+  std::string backend = "auto";
+  /// Ranks per node (NVLink domain), 1..8, dividing the rank count. 0: the
+  /// EPX_RANKS_PER_NODE variable, else the ranks of a host. Less than a host
+  /// holds makes virtual nodes: peers in another node are reached only
+  /// through the backend's network operations, even where NVLink could.
+  int ranks_per_node = 0;
   double timeout_s = 0;          ///< 0: EPX_TIMEOUT_S or 100 s
   Allocator allocator;           ///< empty: default_allocator()
   /// DeepEP's enable_shrink: low-latency ops leave out the ranks of this
@@ -200,12 +210,15 @@ class Buffer {
 
   int rank() const;
   int num_ranks() const;
-  /// DeepEP's topology queries. EPX's ranks share one NVLink domain: one
-  /// "RDMA rank" (index 0), whose root is this rank itself.
+  /// DeepEP's topology queries: an "RDMA rank" is a node (NVLink domain, or a
+  /// virtual node), an "NVL rank" a rank's index in its node.
   int device() const;
-  int num_rdma_ranks() const { return 1; }
-  int rdma_rank() const { return 0; }
-  int root_rdma_rank(bool global) const { return global ? rank() : 0; }
+  int num_rdma_ranks() const;
+  int rdma_rank() const;
+  int num_nvl_ranks() const;
+  int nvl_rank() const;
+  /// DeepEP's get_root_rdma_rank: this rank's index in its node (global), or 0.
+  int root_rdma_rank(bool global) const;
   cudaStream_t comm_stream() const;
   const char* backend_name() const;
   /// Symmetric bytes this rank holds (both regions).

@@ -160,7 +160,8 @@ class Buffer:
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, use_fabric: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False,
-                 comm: Any = None, *, backend: str = "auto", timeout_s: float = 0.0) -> None:
+                 comm: Any = None, *, backend: str = "auto", timeout_s: float = 0.0,
+                 ranks_per_node: int = 0) -> None:
         """Allocates the buffers; collective over ``group`` (or the mpi4py ``comm``).
 
         Arguments:
@@ -179,8 +180,13 @@ class Buffer:
             comm: an mpi4py communicator, used when ``group`` is None; or an
                 ``epx.InProcessComm`` (ranks as threads of this process, see
                 ``epx.run_in_process``).
-            backend: EPX transport ("auto", "nvlink" or, for in-process ranks,
-                "in_process"; EPX_BACKEND overrides "auto").
+            backend: EPX transport ("auto", "nvlink", "proxy" or, for in-process
+                ranks, "in_process"; EPX_BACKEND overrides "auto", which picks "proxy"
+                when the ranks form several nodes).
+            ranks_per_node: ranks per (virtual) node, 1..8, dividing the rank count
+                (0: EPX_RANKS_PER_NODE, else the ranks of a host). Fewer than a host
+                holds splits it into virtual nodes: peers of other nodes are reached
+                through the backend's network path only.
             timeout_s: how long a rank waits for its peers (0: EPX_TIMEOUT_S, else 60 s).
         """
         if isinstance(comm, InProcessComm) and not explicitly_destroy:
@@ -233,6 +239,7 @@ class Buffer:
         opts.allow_nvlink_for_low_latency_mode = bool(allow_nvlink_for_low_latency_mode)
         opts.allow_mnnvl = bool(allow_mnnvl)
         opts.backend = backend
+        opts.ranks_per_node = _int("ranks_per_node", ranks_per_node)
         opts.timeout_s = float(timeout_s)
         opts.enable_shrink = bool(enable_shrink)
         opts.allocator = glue.allocator(self._device)

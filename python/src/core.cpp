@@ -736,6 +736,7 @@ NB_MODULE(_core, m) {
               &epx::BufferOptions::allow_nvlink_for_low_latency_mode)
       .def_rw("allow_mnnvl", &epx::BufferOptions::allow_mnnvl)
       .def_rw("backend", &epx::BufferOptions::backend)
+      .def_rw("ranks_per_node", &epx::BufferOptions::ranks_per_node)
       .def_rw("timeout_s", &epx::BufferOptions::timeout_s)
       .def_rw("enable_shrink", &epx::BufferOptions::enable_shrink)
       .def_prop_rw(
@@ -971,6 +972,8 @@ NB_MODULE(_core, m) {
       .def("get_local_device_id", &Buffer::device)
       .def("get_num_rdma_ranks", &Buffer::num_rdma_ranks)
       .def("get_rdma_rank", &Buffer::rdma_rank)
+      .def("get_num_nvl_ranks", &Buffer::num_nvl_ranks)
+      .def("get_nvl_rank", &Buffer::nvl_rank)
       .def("get_root_rdma_rank", &Buffer::root_rdma_rank, "global_"_a)
       .def_prop_ro("comm_stream", [](const Buffer& b) { return from_stream(b.comm_stream()); })
       .def_prop_ro("backend_name", &Buffer::backend_name)

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/check.hpp"
+#include "common/topology.hpp"
 #include "common/env.hpp"
 #include "common/plan.hpp"
 #include "core/in_process_group.hpp"
@@ -67,8 +68,8 @@ std::vector<std::shared_ptr<Communicator>> Communicator::create_in_process(int n
                                                                            std::vector<int> devices,
                                                                            double timeout_s) {
   require(
-      num_ranks >= 1 && num_ranks <= plan::kMaxRanks, "num_ranks",
-      "must be in [1, " + std::to_string(plan::kMaxRanks) + "], got " + std::to_string(num_ranks));
+      num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks",
+      "must be in [1, " + std::to_string(kMaxRanks) + "], got " + std::to_string(num_ranks));
   require(devices.empty() || static_cast<int>(devices.size()) == num_ranks, "devices",
           "must be empty (every rank on the current device) or name one device per rank: " +
               std::to_string(devices.size()) + " given for " + std::to_string(num_ranks) +

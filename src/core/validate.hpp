@@ -32,7 +32,7 @@ void num_topk(const char* op, int64_t num_topk);
 void topk_idx_values(const char* op, const TensorView& topk_idx, int num_experts);
 
 inline constexpr int kMaxTopK = 16;
-inline constexpr int kMaxRanks = 8;                              ///< NVLink domain served today
+inline constexpr int kMaxRanks = epx::kMaxRanks;  ///< in all (8 per node: kMaxRanksPerNode)
 inline constexpr int kMaxLowLatencyTokens = plan::kLlMaxTokens;  ///< per rank, per call
 
 /// Whole-call checks. Return nothing; throw on the first broken rule.
