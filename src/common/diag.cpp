@@ -31,6 +31,10 @@ const char* op_name(OpId op) {
       return "dispatch (waiting for the peer to free a ring slot)";
     case OpId::kCombineSlot:
       return "combine (waiting for the peer to free a ring slot)";
+    case OpId::kProxyPost:
+      return "proxy post (waiting for a free slot in a channel's ring)";
+    case OpId::kProxyQuiet:
+      return "proxy quiet (waiting for a channel's commands to complete)";
   }
   return "?";
 }

@@ -21,6 +21,8 @@ enum class OpId : uint32_t {
   kBarrier = 10,
   kDispatchSlot = 11,  ///< a dispatch sender waiting for a ring slot (the peer's credit)
   kCombineSlot = 12,   ///< a combine sender waiting for a ring slot
+  kProxyPost = 13,     ///< a GPU thread waiting for a free slot in a proxy channel's ring
+  kProxyQuiet = 14,    ///< a GPU thread waiting for a proxy channel's commands to complete
 };
 
 enum class DiagCode : uint32_t {
@@ -30,6 +32,7 @@ enum class DiagCode : uint32_t {
   kTooManyTokens = 3,
   kBadLayout = 4,  ///< num_tokens_per_rank disagrees with is_token_in_rank
   kBadConfig = 5,  ///< a peer's config or row layout differs from this rank's (no data moved)
+  kProxyStopped = 6,  ///< a proxy channel's thread stopped or died (channel = the channel)
 };
 
 struct DeviceDiag {
@@ -44,5 +47,9 @@ struct DeviceDiag {
 };
 
 const char* op_name(OpId op);
+
+/// DeviceDiag::channel of a wait for a signal (a network peer's puts): this
+/// plus the signal id.
+inline constexpr int32_t kDiagSignalChannel = 1 << 24;
 
 }  // namespace epx

@@ -6,9 +6,13 @@
 #include <cstdint>
 #include <initializer_list>
 
+#include "common/topology.hpp"
+
 namespace epx::plan {
 
-inline constexpr int kMaxRanks = 8;
+/// Ranks of the high-throughput region (one node) and of the low-latency one (all ranks).
+inline constexpr int kHtMaxRanks = kMaxRanksPerNode;
+inline constexpr int kLlMaxRanks = epx::kMaxRanks;
 inline constexpr std::size_t kAlign = 128;
 
 constexpr std::size_t align_up(std::size_t v, std::size_t a) {
@@ -67,15 +71,15 @@ constexpr int ht_pair_chunk(int rows, int chunk, int send_warps, int num_ranks) 
 /// High-throughput region, per rank. The control and flag areas have a fixed
 /// size and place whatever the call (dispatch or combine, any config), so a
 /// flag is never overwritten by another op's staged rows:
-///   [barrier flags uint32[kMaxRanks]]
-///   [two count-exchange areas: int32[kMaxRanks][1 + kMaxLocalExperts]]
-///   [chunk flags uint32[kMaxRanks][kMaxChunks]]   [src][j]: epoch of the op whose
+///   [barrier flags uint32[kHtMaxRanks]]
+///   [two count-exchange areas: int32[kHtMaxRanks][1 + kMaxLocalExperts]]
+///   [chunk flags uint32[kHtMaxRanks][kMaxChunks]]   [src][j]: epoch of the op whose
 ///                 chunk j from src has landed here
-///   [credits uint32[kMaxRanks][kMaxChunks]]       [dst][j]: epoch of the op whose
+///   [credits uint32[kHtMaxRanks][kMaxChunks]]       [dst][j]: epoch of the op whose
 ///                 chunk j to dst has been consumed there (written by dst)
-///   [consumed uint64[kMaxRanks][kMaxChunks]]      local: {rows of chunk j from src
+///   [consumed uint64[kHtMaxRanks][kMaxChunks]]      local: {rows of chunk j from src
 ///                 reduced so far, epoch << 32} (combine receivers count rows)
-///   [config uint64[kMaxRanks]]                    [src]: {src's config fingerprint,
+///   [config uint64[kHtMaxRanks]]                    [src]: {src's config fingerprint,
 ///                 epoch << 32} (every rank of an op must use the same ring and chunks)
 ///   [export uint64]                               pull dispatch: {this rank's token
 ///                 count, epoch << 32}
@@ -130,27 +134,27 @@ struct HtRegion {
   /// Count-exchange row a source writes: [count to me, then E_local per-expert counts].
   int count_row_ints() const { return 1 + kMaxLocalExperts; }
 
-  static constexpr std::size_t barrier_offset() { return 0; }  // uint32[kMaxRanks]
+  static constexpr std::size_t barrier_offset() { return 0; }  // uint32[kHtMaxRanks]
   static constexpr std::size_t counts_bytes() {
-    return align_up(4u * kMaxRanks * (1 + kMaxLocalExperts), kAlign);
+    return align_up(4u * kHtMaxRanks * (1 + kMaxLocalExperts), kAlign);
   }
   static constexpr std::size_t counts_offset(int parity) {
-    return align_up(4u * kMaxRanks, kAlign) + parity * counts_bytes();
+    return align_up(4u * kHtMaxRanks, kAlign) + parity * counts_bytes();
   }
   static constexpr std::size_t flags_offset() { return counts_offset(2); }
   static constexpr std::size_t credits_offset() {
-    return align_up(flags_offset() + 4u * kMaxRanks * kMaxChunks, kAlign);
+    return align_up(flags_offset() + 4u * kHtMaxRanks * kMaxChunks, kAlign);
   }
   static constexpr std::size_t consumed_offset() {
-    return align_up(credits_offset() + 4u * kMaxRanks * kMaxChunks, kAlign);
+    return align_up(credits_offset() + 4u * kHtMaxRanks * kMaxChunks, kAlign);
   }
-  /// uint64[kMaxRanks]: {fingerprint of the sender's config and row layout, epoch << 32}
+  /// uint64[kHtMaxRanks]: {fingerprint of the sender's config and row layout, epoch << 32}
   /// per source, stored before its barrier flag; senders compare before any store.
   static constexpr std::size_t config_offset() {
-    return align_up(consumed_offset() + 8u * kMaxRanks * kMaxChunks, kAlign);
+    return align_up(consumed_offset() + 8u * kHtMaxRanks * kMaxChunks, kAlign);
   }
   static constexpr std::size_t export_offset() {
-    return align_up(config_offset() + 8u * kMaxRanks, kAlign);
+    return align_up(config_offset() + 8u * kHtMaxRanks, kAlign);
   }
   static constexpr std::size_t staging_offset() { return align_up(export_offset() + 8u, kAlign); }
   /// Staging rows in all (the pull dispatch's export ring).
@@ -198,7 +202,7 @@ inline constexpr int kLlMaxMaskWords = kLlMaxTokens / 32;
 
 /// Low-latency region, per rank (all offsets from the region start):
 ///   [control: local completion counters of the send kernels]
-///   [flags of half 0][flags of half 1]  uint32[2][kMaxRanks]: row 1 the combine's,
+///   [flags of half 0][flags of half 1]  uint32[2][kLlMaxRanks]: row 1 the combine's,
 ///                 one word per source rank holding the epoch of the last op that
 ///                 filled it; row 0 unused (the dispatch has per-chunk flags below)
 ///   [weights of half 0][weights of half 1]  per source: uint64 [kLlMaxTokens][kLlMaxTopK]
@@ -206,18 +210,20 @@ inline constexpr int kLlMaxMaskWords = kLlMaxTokens / 32;
 ///                 j-th distinct local expert (ascending id) that token t of the source
 ///                 picked on the receiving rank
 ///   [dispatch tags of half 0][of half 1]   only epoch-tagged words, each:
-///       counts    uint64 [kMaxRanks]: {num_tokens, epoch << 32} per source
+///       counts    uint64 [kLlMaxRanks]: {num_tokens, epoch << 32} per source
 ///       masks     uint64 [R][kLlMaxMaskWords][E_local]: {token mask, epoch << 32};
 ///                 bit t % 32 of word [s][t / 32][le] is set when token t of source s
 ///                 picks local expert le of the receiving rank
 ///       chunks    uint32 [R][kLlMaxTokens][kLlMaxChunks]: epoch of the op whose chunk
 ///                 c of token t of source s has arrived (release-stored after it)
+///   [network control]   signals and send counters (network transports; below)
 ///   [half 0][half 1]       one half per op parity (epoch & 1), each:
 ///       disp rows per source: [maxT] dispatch rows (payload, FP8 scales) at slot = token
 ///       comb rows per source: [maxT] bf16 rows (one per (token, expert rank))
+///   [network areas]             transports with peers in other nodes (below)
 ///   [zero-copy 0][zero-copy 1]  bf16 [E_local, R*maxT, H] combine inputs
 ///                               (get_next_low_latency_combine_buffer); optional: the ops
-///                               themselves only need core_bytes().
+///                               themselves need core_bytes() (with the network: net_end()).
 struct LlRegion {
   int num_ranks = 0, max_tokens = 0, hidden = 0, num_experts = 0;
 
@@ -239,7 +245,7 @@ struct LlRegion {
   /// place and size whatever maxT, hidden and E are, so no call's rows ever
   /// land on a word that a later call with another shape compares against
   /// its epoch (the weights carry their epoch in the word itself).
-  static constexpr std::size_t flags_bytes() { return align_up(2u * 4u * kMaxRanks, kAlign); }
+  static constexpr std::size_t flags_bytes() { return align_up(2u * 4u * kLlMaxRanks, kAlign); }
   static constexpr std::size_t flags_base() { return kAlign; }
   /// Per source in a weights area: uint64 [kLlMaxTokens][kLlMaxTopK].
   static constexpr std::size_t weights_stride() {
@@ -251,7 +257,9 @@ struct LlRegion {
   static constexpr std::size_t weights_base() { return flags_base() + 2 * flags_bytes(); }
   /// Dispatch tags: sub-offsets inside one half's tag area, and its size.
   static constexpr std::size_t dtag_counts_offset() { return 0; }
-  static constexpr std::size_t dtag_masks_offset() { return kAlign; }
+  static constexpr std::size_t dtag_masks_offset() {
+    return align_up(8u * kLlMaxRanks, kAlign);
+  }
   static constexpr std::size_t dtag_chunks_offset() {
     return dtag_masks_offset() + 8u * kLlMaxMaskWords * static_cast<std::size_t>(kLlMaxExperts);
   }
@@ -261,7 +269,28 @@ struct LlRegion {
                     kAlign);
   }
   std::size_t dtags_base() const { return weights_base() + 2 * weights_half_bytes(); }
-  std::size_t control_bytes() const { return dtags_base() + 2 * dtags_half_bytes(); }
+  // Network control (transports with peers in other nodes), after the
+  // dispatch tags: a fixed place and size for a buffer (they depend on R
+  // only), since the signals count every op of the buffer whatever its shapes.
+  //   [signals u64 [kNetSignalKinds * kLlMaxRanks][kMaxContexts]]   per source:
+  //                 its dispatch (kind 0), combine weights (1), combine rows (2)
+  //   [tok_done u32 [kLlMaxTokens]]     dispatch: chunks of token t in its send slot
+  //   [row_done u32 [R][kLlMaxTokens]]  combine: chunks of row (s, t) in its send slot
+  //   [net_done u32 [4]]                combine: blocks done with their weights
+  static constexpr int kNetSignalKinds = 3;
+  static constexpr std::size_t signals_bytes() {
+    return align_up(8u * kNetSignalKinds * kLlMaxRanks * kMaxContexts, kAlign);
+  }
+  std::size_t signals_offset() const { return dtags_base() + 2 * dtags_half_bytes(); }
+  std::size_t tok_done_offset() const { return signals_offset() + signals_bytes(); }
+  std::size_t row_done_offset() const {
+    return align_up(tok_done_offset() + 4u * kLlMaxTokens, kAlign);
+  }
+  std::size_t net_done_offset() const {
+    return align_up(row_done_offset() + 4u * static_cast<std::size_t>(num_ranks) * kLlMaxTokens,
+                    kAlign);
+  }
+  std::size_t control_bytes() const { return align_up(net_done_offset() + 16u, kAlign); }
   /// 32-token words of a token mask.
   int mask_words() const { return (max_tokens + 31) / 32; }
   // Offsets inside a half (its flags, weights and tags live before the halves).
@@ -284,9 +313,34 @@ struct LlRegion {
     return align_up(2u * static_cast<std::size_t>(local_experts()) * rows_per_expert() * hidden,
                     kAlign);
   }
-  std::size_t zero_copy_offset(int slot) const { return core_bytes() + slot * zero_copy_bytes(); }
-  /// Everything, zero-copy inputs included (get_low_latency_rdma_size_hint).
-  std::size_t total_bytes() const { return core_bytes() + 2 * zero_copy_bytes(); }
+
+  // ---- network send areas (transports with peers in other nodes) ----------
+  // After the core areas (their control part is in control_bytes()):
+  //   [mask sends of half 0][half 1]      u64 [R][kLlMaxMaskWords][E_local] tagged words
+  //   [weight sends of half 0][half 1]    u64 [R][kLlMaxTokens][kLlMaxTopK] tagged words
+  //   [combine row sends of half 0][half 1]  bf16 [R][maxT][H]
+  // A dispatch row for a remote rank is sent from this rank's own receive
+  // slot [me][t] (the same bytes at every destination), its count word from
+  // its own count word: they need no send area. Send areas may move with the
+  // shapes: an op's first act is to wait until the puts that read the last
+  // op's are complete.
+  std::size_t net_masks_half_bytes() const {
+    return align_up(8u * kLlMaxMaskWords * static_cast<std::size_t>(num_experts), kAlign);
+  }
+  std::size_t net_masks_offset() const { return core_bytes(); }
+  std::size_t net_weights_offset() const {
+    return net_masks_offset() + 2 * net_masks_half_bytes();
+  }
+  std::size_t net_comb_half_bytes() const {
+    return align_up(static_cast<std::size_t>(num_ranks) * max_tokens * combine_row_bytes(),
+                    kAlign);
+  }
+  std::size_t net_comb_offset() const { return net_weights_offset() + 2 * weights_half_bytes(); }
+  std::size_t net_end() const { return net_comb_offset() + 2 * net_comb_half_bytes(); }
+  std::size_t zero_copy_offset(int slot) const { return net_end() + slot * zero_copy_bytes(); }
+  /// Everything, network areas and zero-copy inputs included
+  /// (get_low_latency_rdma_size_hint).
+  std::size_t total_bytes() const { return zero_copy_offset(2); }
 };
 
 }  // namespace epx::plan

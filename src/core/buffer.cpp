@@ -1,4 +1,7 @@
+#include <unistd.h>
+
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdio>
 #include <cstring>
@@ -8,6 +11,7 @@
 
 #include "common/env.hpp"
 #include "common/plan.hpp"
+#include "common/topology.hpp"
 #include "core/buffer_impl.hpp"
 #include "kernels/kernels.hpp"
 
@@ -16,6 +20,32 @@ namespace epx {
 namespace detail {
 std::atomic<int>& default_num_sms();
 }
+
+namespace {
+/// One id per rank, equal for ranks of one host (hostname and boot id).
+std::vector<int> host_ids(int num_ranks, Communicator& comm) {
+  constexpr std::size_t kBytes = 192;
+  std::array<char, kBytes> mine{};
+  std::string id = "in-process";
+  if (!comm.in_process()) {
+    char host[64] = {};
+    gethostname(host, sizeof(host) - 1);
+    std::string boot;
+    if (std::FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+      char b[64] = {};
+      if (std::fgets(b, sizeof(b), f)) boot = b;
+      std::fclose(f);
+    }
+    id = std::string(host) + "/" + boot;
+  }
+  std::memcpy(mine.data(), id.data(), std::min(id.size(), kBytes - 1));
+  const auto all = comm.allgather(mine.data(), kBytes);
+  std::vector<std::string> ids(num_ranks);
+  for (int r = 0; r < num_ranks; ++r)
+    ids[r] = std::string(reinterpret_cast<const char*>(all.data()) + r * kBytes);
+  return epx::host_ids(ids);
+}
+}  // namespace
 
 Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
     : impl_(std::make_unique<Impl>()) {
@@ -70,17 +100,28 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
                     std::to_string(mine[i]));
     }
   }
-  d.backend = transport::make_backend(options.backend, *d.comm);
+  d.topology = make_topology(d.comm->num_ranks(), options.ranks_per_node,
+                             static_cast<int>(env::get_int("EPX_RANKS_PER_NODE").value_or(0)),
+                             host_ids(d.comm->num_ranks(), *d.comm));
+  require(options.num_qps_per_rank <= dev::kMaxContexts, "num_qps_per_rank",
+          "must be <= " + std::to_string(dev::kMaxContexts) + ", got " +
+              std::to_string(options.num_qps_per_rank));
+  transport::BackendOptions bo;
+  bo.num_contexts = options.num_qps_per_rank;
+  d.backend = transport::make_backend(options.backend, *d.comm, d.topology, bo);
   if (options.num_nvl_bytes > 0)
     d.ht = d.backend->alloc(static_cast<std::size_t>(options.num_nvl_bytes));
   if (options.num_rdma_bytes > 0)
     d.ll = d.backend->alloc(static_cast<std::size_t>(options.num_rdma_bytes));
+  d.backend->start();
   EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&d.comm_stream, cudaStreamNonBlocking));
-  // [HT op counter, LL op counter, finished blocks of HT main kernels, of notify kernels]
-  EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.ht_op_counter), 4 * sizeof(uint32_t)));
-  EPX_CUDA_CHECK(cudaMemset(d.ht_op_counter, 0, 4 * sizeof(uint32_t)));
+  // [HT op counter, LL op counter, finished blocks of HT main kernels, of notify
+  // kernels, LL network op counts (two u64)]
+  EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.ht_op_counter), 8 * sizeof(uint32_t)));
+  EPX_CUDA_CHECK(cudaMemset(d.ht_op_counter, 0, 8 * sizeof(uint32_t)));
   d.ll_op_counter = d.ht_op_counter + 1;
   d.ht_done_blocks = d.ht_op_counter + 2;
+  d.ll_seq = reinterpret_cast<uint64_t*>(d.ht_op_counter + 4);
   d.ll_arrival_order = env::ll_arrival_order();
   if (dispatch_stop && dispatch_stop->rank == d.comm->rank()) {
     d.ll_dispatch_stop_tokens = dispatch_stop->tokens;
@@ -90,8 +131,8 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
                  d.comm->rank(), dispatch_stop->tokens);
   }
   if (options.enable_shrink) {
-    EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.ll_mask), plan::kMaxRanks * sizeof(int)));
-    EPX_CUDA_CHECK(cudaMemset(d.ll_mask, 0, plan::kMaxRanks * sizeof(int)));
+    EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.ll_mask), plan::kLlMaxRanks * sizeof(int)));
+    EPX_CUDA_CHECK(cudaMemset(d.ll_mask, 0, plan::kLlMaxRanks * sizeof(int)));
   }
   if (epoch_start) d.start_epochs_at(*epoch_start);
   EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&d.diag_host), sizeof(DeviceDiag),
@@ -150,6 +191,21 @@ int Buffer::num_ranks() const {
 int Buffer::device() const {
   return impl_->device;
 }
+int Buffer::num_rdma_ranks() const {
+  return impl_->topology.num_nodes();
+}
+int Buffer::rdma_rank() const {
+  return impl_->topology.node_of(rank());
+}
+int Buffer::num_nvl_ranks() const {
+  return impl_->topology.ranks_per_node;
+}
+int Buffer::nvl_rank() const {
+  return impl_->topology.local_of(rank());
+}
+int Buffer::root_rdma_rank(bool global) const {
+  return global ? impl_->topology.local_of(rank()) : 0;
+}
 cudaStream_t Buffer::comm_stream() const {
   return impl_->comm_stream;
 }
@@ -184,7 +240,7 @@ void Buffer::Impl::start_epochs_at(uint32_t start) {
                               cudaMemcpyHostToDevice));
   };
   if (ht.bytes >= plan::HtRegion::flags_offset())
-    fill(ht.local, plan::HtRegion::barrier_offset(), plan::kMaxRanks);
+    fill(ht.local, plan::HtRegion::barrier_offset(), plan::kHtMaxRanks);
   if (ll.bytes >= plan::LlRegion::weights_base())
     fill(ll.local, plan::LlRegion::flags_base(), 2 * plan::LlRegion::flags_bytes() / 4);
   comm->barrier();  // no peer's first op may store before these words are set
@@ -196,10 +252,33 @@ void Buffer::Impl::start_epochs_at(uint32_t start) {
 
 void Buffer::Impl::raise_if_failed(const char* op) {
   volatile DeviceDiag* g = diag_host;
-  if (g->code == 0) return;
+  if (g->code == 0) {
+    backend->check_health();  // a proxy thread that died, even if no GPU wait noticed yet
+    return;
+  }
   std::ostringstream os;
   const auto code = static_cast<DiagCode>(g->code);
-  if (code == DiagCode::kTimeout) {
+  const auto what = static_cast<OpId>(g->op);
+  if (code == DiagCode::kProxyStopped ||
+      (code == DiagCode::kTimeout && (what == OpId::kProxyPost || what == OpId::kProxyQuiet))) {
+    std::memset(const_cast<DeviceDiag*>(diag_host), 0, sizeof(DeviceDiag));
+    backend->check_health();  // names the channel, the command and the cause when it died
+    os << op_name(what) << ": rank " << g->rank << "'s proxy channel " << g->channel
+       << (code == DiagCode::kProxyStopped ? " stopped" : " made no progress within the deadline")
+       << " (slot/command " << g->expected << ", channel at " << g->seen
+       << "); the proxy thread is stalled or dead";
+    throw Error(ErrorCode::kTimeout, std::string(op) + ": " + os.str());
+  }
+  if (code == DiagCode::kTimeout && g->channel >= kDiagSignalChannel) {
+    const int sig = g->channel - kDiagSignalChannel, R = comm->num_ranks();
+    static const char* kinds[] = {"dispatch", "combine weights", "combine rows"};
+    os << op_name(what) << ": rank " << g->rank << " waited more than " << timeout_s
+       << " s for rank " << g->peer << "'s " << (sig / R < 3 ? kinds[sig / R] : "signal")
+       << " over the network (signal " << sig << " at " << g->seen << ", expected " << g->expected
+       << "); rank " << g->peer
+       << " or its proxy / network is stalled or dead, or it called a different op (set "
+          "EPX_TIMEOUT_S to wait longer)";
+  } else if (code == DiagCode::kTimeout) {
     os << op_name(static_cast<OpId>(g->op)) << ": rank " << g->rank << " waited more than "
        << timeout_s << " s for rank " << g->peer << " (chunk/slot " << g->channel
        << ", expected epoch " << g->expected << ", saw " << g->seen

@@ -13,7 +13,7 @@
 #include "core/stream_wait.hpp"
 #include "epx/buffer.hpp"
 #include "transport/backend.hpp"
-#include "transport/device.cuh"
+#include "transport/any.hpp"
 
 namespace epx {
 
@@ -21,6 +21,7 @@ struct Buffer::Impl {
   std::shared_ptr<Communicator> comm;
   BufferOptions opts;
   std::unique_ptr<transport::Backend> backend;
+  Topology topology;
   transport::SymmetricRegion ht;  ///< high-throughput region (num_nvl_bytes)
   transport::SymmetricRegion ll;  ///< low-latency region (num_rdma_bytes)
   cudaStream_t comm_stream = nullptr;
@@ -43,7 +44,10 @@ struct Buffer::Impl {
   // Local device state.
   uint32_t* ht_op_counter = nullptr;  ///< epochs of high-throughput ops
   uint32_t* ll_op_counter = nullptr;  ///< epochs of low-latency ops
-  int* ll_mask = nullptr;  ///< enable_shrink: int32 [kMaxRanks], 1 = rank left out (LL ops)
+  /// Low-latency ops over a network transport: [0] dispatches, [1] combines so
+  /// far (what a source's signal counts; reset by clean_low_latency_buffer).
+  uint64_t* ll_seq = nullptr;
+  int* ll_mask = nullptr;  ///< enable_shrink: int32 [plan::kLlMaxRanks], 1 = rank left out (LL ops)
   /// EPX_LL_ARRIVAL_ORDER=1 when the buffer was made (LlDispatchRecvParams::arrival_order).
   bool ll_arrival_order = false;
   /// EPX_DEBUG_LL_DISPATCH_STOP naming this rank when the buffer was made: its
@@ -68,19 +72,36 @@ struct Buffer::Impl {
   /// ones come. ll_sync waits for them too.
   std::vector<Event> ll_hook_events;
 
-  dev::NvlinkTransport transport(const transport::SymmetricRegion& region) const {
-    dev::NvlinkTransport t{};
-    for (int r = 0; r < comm->num_ranks(); ++r)
-      t.base[r] = static_cast<char*>(r == comm->rank() ? region.local : region.peers[r]);
-    t.rank = comm->rank();
-    t.num_ranks = comm->num_ranks();
+  /// The kernels' view of `region`: the backend's device struct, with the
+  /// members the core owns (signal area, deadline, diagnostic) filled in.
+  dev::AnyTransport transport(const transport::SymmetricRegion& region,
+                              std::size_t signals = 0) const {
+    dev::AnyTransport t = backend->device(region);
+    dev::TransportBase& b = dev::base_of(t);
+    b.signals = signals;
+    b.num_contexts = backend->num_contexts();
+    b.timeout_ns = timeout_ns();
+    b.diag = diag_dev;
     return t;
   }
   /// The low-latency region's transport, with the shrink mask.
-  dev::NvlinkTransport ll_transport() const {
-    dev::NvlinkTransport t = transport(ll);
-    t.peer_mask = ll_mask;
+  dev::AnyTransport ll_transport(std::size_t signals) const {
+    dev::AnyTransport t = transport(ll, signals);
+    dev::base_of(t).peer_mask = ll_mask;
     return t;
+  }
+  /// Whether the backend reaches some peers over the network (not by load/store).
+  bool networked() const { return !topology.single_node(); }
+  /// Throws kUnsupported for an op that runs within one node only.
+  void require_single_node(const char* op) const {
+    if (topology.single_node()) return;
+    throw Error(ErrorCode::kUnsupported,
+                std::string(op) + ": the high-throughput kernels run within one node; the " +
+                    std::to_string(topology.num_ranks) + " ranks form " +
+                    std::to_string(topology.num_nodes()) + " nodes of " +
+                    std::to_string(topology.ranks_per_node) +
+                    " (ranks_per_node / EPX_RANKS_PER_NODE). Use the low-latency ops across "
+                    "nodes, or one node");
   }
   uint64_t timeout_ns() const {
     return static_cast<uint64_t>(detail::capped_wait_seconds(timeout_s) * 1e9);

@@ -51,7 +51,7 @@ void Config::validate(int num_ranks, int device_sm_count) const {
   require(num_max_recv_tokens >= num_max_send_tokens, "config.num_max_recv_tokens",
           "must be >= num_max_send_tokens (" + std::to_string(num_max_send_tokens) + "), got " +
               std::to_string(num_max_recv_tokens));
-  require(num_ranks >= 1 && num_ranks <= plan::kMaxRanks, "num_ranks",
+  require(num_ranks >= 1 && num_ranks <= plan::kHtMaxRanks, "num_ranks",
           "must be in [1, 8] for the NVLink backend, got " + std::to_string(num_ranks));
 }
 

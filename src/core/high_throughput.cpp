@@ -102,6 +102,7 @@ Layout Buffer::get_dispatch_layout(const TensorView& topk_idx, int num_experts,
 DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   auto& d = *impl_;
   d.check_alive("dispatch");
+  d.require_single_node("dispatch");
   const int R = d.comm->num_ranks();
   validate::dispatch(a, R, d.device);
   const Config cfg = a.config.value_or(get_dispatch_config(R));
@@ -159,8 +160,7 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
     if (src.nbytes() > 0)
       EPX_CUDA_CHECK(cudaMemcpyAsync(handle->is_token_in_rank.view.data, src.data, src.nbytes(),
                                      cudaMemcpyDeviceToDevice, d.comm_stream));
-    kernels::HtNotifyParams np{};
-    np.t = tr;
+    kernels::HtNotifyArgs np{};
     np.off = off;
     np.op_counter = d.ht_op_counter;
     np.done_blocks = d.ht_done_blocks + 1;
@@ -186,7 +186,7 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
     const bool host_waits = a.num_worst_tokens <= 0;
     np.host_counts = host_waits ? d.counts_dev : nullptr;
     np.host_seq = host_waits ? d.next_host_seq() : 0;
-    kernels::launch_ht_notify(np, d.comm_stream);
+    kernels::launch_ht_notify(tr, np, d.comm_stream);
     if (!host_waits) {
       handle->num_recv_tokens = a.num_worst_tokens;
     } else {
@@ -213,8 +213,7 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
     EPX_CUDA_CHECK(cudaMemsetAsync(res.recv_topk_idx->view.data, 0xff,
                                    res.recv_topk_idx->view.nbytes(), d.comm_stream));
 
-  kernels::HtDispatchParams p{};
-  p.t = tr;
+  kernels::HtDispatchArgs p{};
   p.off = off;
   p.op_counter = d.ht_op_counter;
   p.done_blocks = d.ht_done_blocks;
@@ -247,7 +246,7 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   p.num_send_blocks = cfg.send_sms();
   p.timeout_ns = d.timeout_ns();
   p.diag = d.diag_dev;
-  kernels::launch_ht_dispatch(p, cfg.num_sms, d.comm_stream);
+  kernels::launch_ht_dispatch(tr, p, cfg.num_sms, d.comm_stream);
   if (!a.handle) handle->recv_src_idx = recv_src_idx;
   res.num_recv_tokens_per_expert = handle->num_recv_tokens_per_expert;
   res.handle = handle;
@@ -258,6 +257,7 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
 CombineResult Buffer::combine(const CombineArgs& a) {
   auto& d = *impl_;
   d.check_alive("combine");
+  d.require_single_node("combine");
   const int R = d.comm->num_ranks();
   validate::combine(a, R, d.device);
   Config cfg = a.config.value_or(get_combine_config(R));
@@ -280,8 +280,7 @@ CombineResult Buffer::combine(const CombineArgs& a) {
   if (a.topk_weights) res.combined_topk_weights = d.make(DType::kF32, {T, K}, a.streams);
   d.ordered_after_allocs(a.streams);
   // The combine kernel is its own barrier (no notify kernel).
-  kernels::HtCombineParams p{};
-  p.t = tr;
+  kernels::HtCombineArgs p{};
   p.off = off;
   p.op_counter = d.ht_op_counter;
   p.done_blocks = d.ht_done_blocks;
@@ -304,7 +303,7 @@ CombineResult Buffer::combine(const CombineArgs& a) {
   p.num_send_blocks = cfg.send_sms();
   p.timeout_ns = d.timeout_ns();
   p.diag = d.diag_dev;
-  kernels::launch_ht_combine(p, cfg.num_sms, d.comm_stream);
+  kernels::launch_ht_combine(tr, p, cfg.num_sms, d.comm_stream);
   res.event = d.leave(a.streams);
   return res;
 }

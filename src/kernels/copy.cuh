@@ -2,7 +2,7 @@
 // a header of its own so that bench/nvlink_probe.cu measures the same loop.
 #pragma once
 
-#include "transport/device.cuh"
+#include "common/device.cuh"
 
 namespace epx::kernels {
 

@@ -109,7 +109,7 @@ template <class P>
 __device__ __forceinline__ bool slot_free(const P& p, const Ring& g, int dst, int j, uint32_t epoch,
                                           OpId op) {
   if (j < g.slots) return true;
-  return p.t.wait_warp(credit_offset(p, dst, j - g.slots), epoch, p.timeout_ns, p.diag, op, dst,
+  return p.t.wait_flag_warp(credit_offset(p, dst, j - g.slots), epoch, p.timeout_ns, p.diag, op, dst,
                        j - g.slots);
 }
 
@@ -117,7 +117,7 @@ __device__ __forceinline__ bool slot_free(const P& p, const Ring& g, int dst, in
 /// done: call after a warp barrier, on one lane): lets `src` reuse the slot.
 template <class P>
 __device__ __forceinline__ void give_credit(const P& p, int src, int j, uint32_t epoch) {
-  p.t.signal(src, credit_offset(p, p.t.rank, j), epoch);
+  p.t.lsa_flag(src, credit_offset(p, p.t.rank, j), epoch);
 }
 
 /// A combine receiver lane, after its warp reduced a row of chunk j from
@@ -174,7 +174,8 @@ __device__ __forceinline__ void for_each_send_chunk(int R, int me, int gw, int n
 
 /// How many of `n` rows starting at output row `row0` fit the outputs; fewer
 /// (reported once) only when num_worst_tokens was too small.
-__device__ __forceinline__ int rows_fitting(const HtDispatchParams& p, int64_t row0, int n, int src,
+template <class T>
+__device__ __forceinline__ int rows_fitting(const HtDispatchParams<T>& p, int64_t row0, int n, int src,
                                             int slot, int lane) {
   if (row0 + n <= p.max_recv_rows) return n;
   if (lane == 0)
@@ -194,7 +195,7 @@ __device__ __forceinline__ uint32_t op_begin(const P& p) {
       plan::next_epoch(*p.op_counter - 1u + static_cast<uint32_t>(p.own_barrier));
   if (p.own_barrier && blockIdx.x == 0 && static_cast<int>(threadIdx.x) < p.t.num_ranks) {
     publish_config(p.t, p.off, threadIdx.x, epoch);  // the flag's release store publishes it
-    p.t.signal(threadIdx.x, p.off.barrier + 4 * static_cast<std::size_t>(p.t.rank), epoch);
+    p.t.lsa_flag(threadIdx.x, p.off.barrier + 4 * static_cast<std::size_t>(p.t.rank), epoch);
   }
   return epoch;
 }
@@ -210,7 +211,7 @@ template <class P>
 __device__ __forceinline__ bool peers_reached(const P& p, uint32_t epoch, OpId op, int lane) {
   bool ok = true;
   if (p.own_barrier && lane < p.t.num_ranks && lane != p.t.rank)
-    ok = p.t.wait(p.off.barrier + 4 * static_cast<std::size_t>(lane), epoch, p.timeout_ns, p.diag,
+    ok = p.t.wait_flag(p.off.barrier + 4 * static_cast<std::size_t>(lane), epoch, p.timeout_ns, p.diag,
                   op, lane, -1);
   if (ok && lane < p.t.num_ranks && lane != p.t.rank)
     ok = config_matches(p.t, p.off, epoch,
@@ -237,7 +238,8 @@ constexpr int kExtraDepth = 8;
 
 /// Word i of a row's extras (FP8 scales, local top-k ids, top-k weights,
 /// source index) for token t sent to the rank whose experts start at lo_e.
-__device__ __forceinline__ int extra_word(const HtDispatchParams& p, int t, int i, int lo_e,
+template <class T>
+__device__ __forceinline__ int extra_word(const HtDispatchParams<T>& p, int t, int i, int lo_e,
                                           int epr) {
   const int K = p.num_topk;
   if (i < p.num_scales)
@@ -256,7 +258,8 @@ __device__ __forceinline__ int extra_word(const HtDispatchParams& p, int t, int 
 }
 
 /// Stores word i of output row `row`'s extras into the recv_* outputs.
-__device__ __forceinline__ void store_extra(const HtDispatchParams& p, int64_t row, int i, int v) {
+template <class T>
+__device__ __forceinline__ void store_extra(const HtDispatchParams<T>& p, int64_t row, int i, int v) {
   const int K = p.num_topk;
   if (i < p.num_scales) {
     p.recv_scales[row * p.num_scales + i] = __int_as_float(v);
@@ -301,8 +304,8 @@ __device__ __forceinline__ void move_extras(int n, int extras, Get get, Put put,
 /// Copies the rows of `nb` tokens of x (ids one per lane in my_t) to
 /// dst_row(r), then their extras (routing rebased to the experts starting at
 /// lo_e) to put(r, i, v). Used for peers' staging and for a rank's own rows.
-template <int kU, class DstRow, class Put>
-__device__ __forceinline__ void copy_token_rows(const HtDispatchParams& p, int my_t, int nb,
+template <int kU, class DstRow, class Put, class T>
+__device__ __forceinline__ void copy_token_rows(const HtDispatchParams<T>& p, int my_t, int nb,
                                                 int lo_e, int epr, int extras, DstRow dst_row,
                                                 Put put, int lane) {
   for (int r = 0; r < nb; ++r) {
@@ -316,7 +319,8 @@ __device__ __forceinline__ void copy_token_rows(const HtDispatchParams& p, int m
       lane);
 }
 
-__device__ __forceinline__ void dispatch_body(const HtDispatchParams& p, uint32_t epoch) {
+template <class T>
+__device__ __forceinline__ void dispatch_body(const HtDispatchParams<T>& p, uint32_t epoch) {
   const int R = p.t.num_ranks, me = p.t.rank;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int K = p.num_topk, epr = p.num_experts > 0 ? p.num_experts / R : 0;
@@ -335,7 +339,7 @@ __device__ __forceinline__ void dispatch_body(const HtDispatchParams& p, uint32_
     if (R == 1 || !peers_reached(p, epoch, OpId::kDispatchNotify, lane)) return;
     auto ring = [&](int dst) {
       const int n = p.send_counts[dst];
-      return ring_of(p, reinterpret_cast<uint8_t*>(p.t.peer_ptr(dst, p.off.staging)),
+      return ring_of(p, reinterpret_cast<uint8_t*>(p.t.lsa_ptr(dst, p.off.staging)),
                      plan::HtRegion::staging_index(me, dst), n, chunk_of(n));
     };
     const int gw = blockIdx.x * kWarps + warp, nw = p.num_send_blocks * kWarps;
@@ -366,7 +370,7 @@ __device__ __forceinline__ void dispatch_body(const HtDispatchParams& p, uint32_
           // lane here costs 3-6%).
           __syncwarp();
           if (lane == 0)
-            p.t.signal(dst, p.off.flags + 4 * (static_cast<std::size_t>(me) * p.off.max_chunks + j),
+            p.t.lsa_flag(dst, p.off.flags + 4 * (static_cast<std::size_t>(me) * p.off.max_chunks + j),
                        epoch);
           return true;
         });
@@ -404,7 +408,7 @@ __device__ __forceinline__ void dispatch_body(const HtDispatchParams& p, uint32_
       }
       continue;
     }
-    if (!p.t.wait_warp(p.off.flags + 4 * (static_cast<std::size_t>(src) * p.off.max_chunks + j),
+    if (!p.t.wait_flag_warp(p.off.flags + 4 * (static_cast<std::size_t>(src) * p.off.max_chunks + j),
                        epoch, p.timeout_ns, p.diag, OpId::kDispatch, src, j))
       return;
     const Ring g = ring_of(p, staging, plan::HtRegion::staging_index(src, me), n_src, ch);
@@ -429,7 +433,8 @@ __device__ __forceinline__ void dispatch_body(const HtDispatchParams& p, uint32_
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams p) {
+template <class T>
+__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams<T> p) {
   const uint32_t epoch = op_begin(p);
   dispatch_body(p, epoch);
   op_end(p, epoch);
@@ -453,7 +458,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(HtDispatchParams 
 struct PullRing {
   int batch, slots;
 };
-__device__ __forceinline__ PullRing pull_ring(const HtDispatchParams& p) {
+template <class T>
+__device__ __forceinline__ PullRing pull_ring(const HtDispatchParams<T>& p) {
   const int rows = (p.t.num_ranks - 1) * p.off.capacity;
   PullRing g;
   g.batch = plan::ht_pull_batch(rows);
@@ -462,13 +468,15 @@ __device__ __forceinline__ PullRing pull_ring(const HtDispatchParams& p) {
 }
 
 /// Offset of the word of batch c for receiver r, in the sender's region.
-__device__ __forceinline__ std::size_t pull_word_offset(const HtDispatchParams& p, int r, int c) {
+template <class T>
+__device__ __forceinline__ std::size_t pull_word_offset(const HtDispatchParams<T>& p, int r, int c) {
   return p.off.consumed + 8 * (static_cast<std::size_t>(r) * p.off.max_chunks + c);
 }
 
 /// Receiver r's word of batch c of this rank's tokens (without the epoch):
 /// the batch's tokens r takes as a mask, and r's slot of the first << 8.
-__device__ __forceinline__ uint32_t pull_word(const HtDispatchParams& p, int c, int batch, int r) {
+template <class T>
+__device__ __forceinline__ uint32_t pull_word(const HtDispatchParams<T>& p, int c, int batch, int r) {
   const int R = p.t.num_ranks, t0 = c * batch, nt = min(batch, p.num_tokens - t0);
   uint32_t mask = 0;
   int first = 0;
@@ -488,7 +496,8 @@ __device__ __forceinline__ int nth_set_bit(uint32_t m, int n) {
   return __ffs(static_cast<int>(m)) - 1;
 }
 
-__device__ __forceinline__ void pull_export(const HtDispatchParams& p, uint32_t epoch, int gw,
+template <class T>
+__device__ __forceinline__ void pull_export(const HtDispatchParams<T>& p, uint32_t epoch, int gw,
                                             int nw, int lane) {
   const int R = p.t.num_ranks, me = p.t.rank;
   const PullRing g = pull_ring(p);
@@ -507,7 +516,7 @@ __device__ __forceinline__ void pull_export(const HtDispatchParams& p, uint32_t 
       const int old = c - g.slots;
       bool ok = true;
       if (peer_lane)
-        ok = p.t.wait_eq(credit_offset(p, lane, old), epoch, p.timeout_ns, p.diag,
+        ok = p.t.wait_flag_eq(credit_offset(p, lane, old), epoch, p.timeout_ns, p.diag,
                          OpId::kDispatchSlot, lane, old);
       if (!__all_sync(kFull, ok)) return;
       __syncwarp();  // every lane's acquire before any lane's stores into the slot
@@ -527,11 +536,12 @@ __device__ __forceinline__ void pull_export(const HtDispatchParams& p, uint32_t 
         },
         lane);
     __syncwarp();  // orders every lane's stores before the words' release
-    if (peer_lane) p.t.put_tagged_release(me, pull_word_offset(p, lane, c), word, epoch);
+    if (peer_lane) p.t.lsa_tagged_release(me, pull_word_offset(p, lane, c), word, epoch);
   }
 }
 
-__device__ __forceinline__ void pull_receive(const HtDispatchParams& p, uint32_t epoch, int gw,
+template <class T>
+__device__ __forceinline__ void pull_receive(const HtDispatchParams<T>& p, uint32_t epoch, int gw,
                                              int nw, int lane) {
   const int R = p.t.num_ranks, me = p.t.rank, K = p.num_topk;
   const int epr = p.num_experts > 0 ? p.num_experts / R : 0, lo_e = me * epr;
@@ -586,7 +596,7 @@ __device__ __forceinline__ void pull_receive(const HtDispatchParams& p, uint32_t
           [&](int r, int i, int v) { store_extra(p, row0 + r, i, v); }, lane);
       continue;
     }
-    const uint8_t* rows = reinterpret_cast<const uint8_t*>(p.t.peer_ptr(src, p.off.staging)) +
+    const uint8_t* rows = reinterpret_cast<const uint8_t*>(p.t.lsa_ptr(src, p.off.staging)) +
                           static_cast<int64_t>(c % g.slots) * g.batch * rb;
     for (int r = 0; r < n; ++r)
       warp_copy<true, kRecvU>(p.recv_x + (row0 + r) * p.hidden_bytes,
@@ -611,14 +621,15 @@ __device__ __forceinline__ void pull_receive(const HtDispatchParams& p, uint32_t
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 1) pull_dispatch_kernel(HtDispatchParams p) {
+template <class T>
+__global__ void __launch_bounds__(kThreads, 1) pull_dispatch_kernel(HtDispatchParams<T> p) {
   const uint32_t epoch = op_begin(p);
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   if (static_cast<int>(blockIdx.x) < p.num_send_blocks) {
     // My ring is read by peers until they have reached this op: wait for them.
     if (p.t.num_ranks > 1 && peers_reached(p, epoch, OpId::kDispatchNotify, lane)) {
       if (blockIdx.x == 0 && warp == 0 && lane == 0)
-        p.t.put_tagged(p.t.rank, p.off.exports, static_cast<uint32_t>(p.num_tokens), epoch);
+        p.t.lsa_tagged(p.t.rank, p.off.exports, static_cast<uint32_t>(p.num_tokens), epoch);
       pull_export(p, epoch, blockIdx.x * kWarps + warp, p.num_send_blocks * kWarps, lane);
     }
   } else {
@@ -656,8 +667,8 @@ __device__ __forceinline__ int4 pack_bf16x8(const float (&acc)[8]) {
 
 /// kMaxN: most ranks a token can come back from (R); kSeg: 256-channel
 /// segments per reduction pass (registers: kMaxN * kSeg * 4).
-template <int kMaxN, int kSeg>
-__device__ __forceinline__ void combine_body(const HtCombineParams& p, uint32_t epoch) {
+template <int kMaxN, int kSeg, class T>
+__device__ __forceinline__ void combine_body(const HtCombineParams<T>& p, uint32_t epoch) {
   const int R = p.t.num_ranks, me = p.t.rank;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int K = p.num_topk, H = p.hidden;
@@ -670,14 +681,14 @@ __device__ __forceinline__ void combine_body(const HtCombineParams& p, uint32_t 
   // rows as I sent the peer). s_laps: some ring laps. (Kept in shared memory:
   // recomputed per chunk they spill registers.)
   const bool sender = static_cast<int>(blockIdx.x) < p.num_send_blocks;
-  __shared__ Ring s_ring[plan::kMaxRanks];
+  __shared__ Ring s_ring[plan::kHtMaxRanks];
   __shared__ int s_laps;
   if (threadIdx.x == 0) s_laps = 0;
   __syncthreads();
   if (static_cast<int>(threadIdx.x) < R && static_cast<int>(threadIdx.x) != me) {
     const int r = threadIdx.x;
     const int n = sender ? p.recv_offsets[r + 1] - p.recv_offsets[r] : p.send_counts[r];
-    uint8_t* staging = reinterpret_cast<uint8_t*>(sender ? p.t.peer_ptr(r, p.off.staging)
+    uint8_t* staging = reinterpret_cast<uint8_t*>(sender ? p.t.lsa_ptr(r, p.off.staging)
                                                          : p.t.local_ptr(p.off.staging));
     s_ring[r] = ring_of(
         p, staging,
@@ -727,7 +738,7 @@ __device__ __forceinline__ void combine_body(const HtCombineParams& p, uint32_t 
           __threadfence_system();
           __syncwarp();
           if (lane == 0)
-            p.t.signal(dst, p.off.flags + 4 * (static_cast<std::size_t>(me) * p.off.max_chunks + j),
+            p.t.lsa_flag(dst, p.off.flags + 4 * (static_cast<std::size_t>(me) * p.off.max_chunks + j),
                        epoch);
           return true;
         });
@@ -775,7 +786,7 @@ __device__ __forceinline__ void combine_body(const HtCombineParams& p, uint32_t 
         const Ring& g = s_ring[r];
         const int j = k / g.ch;
         if (__shfl_sync(kFull, ready_chunk, r) < j) {
-          ok = p.t.wait_warp(p.off.flags + 4 * (static_cast<std::size_t>(r) * p.off.max_chunks + j),
+          ok = p.t.wait_flag_warp(p.off.flags + 4 * (static_cast<std::size_t>(r) * p.off.max_chunks + j),
                              epoch, p.timeout_ns, p.diag, OpId::kCombine, r, j);
           if (lane == r) ready_chunk = j;
         }
@@ -837,8 +848,8 @@ __device__ __forceinline__ void combine_body(const HtCombineParams& p, uint32_t 
   }
 }
 
-template <int kMaxN, int kSeg>
-__global__ void __launch_bounds__(kThreads, 1) combine_kernel(HtCombineParams p) {
+template <int kMaxN, int kSeg, class T>
+__global__ void __launch_bounds__(kThreads, 1) combine_kernel(HtCombineParams<T> p) {
   const uint32_t epoch = op_begin(p);
   combine_body<kMaxN, kSeg>(p, epoch);
   op_end(p, epoch);
@@ -846,7 +857,14 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(HtCombineParams p)
 
 }  // namespace
 
-void launch_ht_dispatch(const HtDispatchParams& p, int num_blocks, cudaStream_t stream) {
+// The high-throughput kernels run within one node: they are instantiated for
+// the node's load/store view (dev::node_view) of whatever transport the
+// backend gave. Kernels across nodes are a later family.
+void launch_ht_dispatch(const dev::AnyTransport& t, const HtDispatchArgs& a, int num_blocks,
+                        cudaStream_t stream) {
+  HtDispatchParams<dev::LsaTransport> p{};
+  static_cast<HtDispatchArgs&>(p) = a;
+  p.t = dev::require_node_view(t, "high-throughput dispatch");
   if (p.pull)
     pull_dispatch_kernel<<<num_blocks, kThreads, 0, stream>>>(p);
   else
@@ -854,24 +872,29 @@ void launch_ht_dispatch(const HtDispatchParams& p, int num_blocks, cudaStream_t 
   EPX_LAUNCH_CHECK();
 }
 
-void launch_ht_combine(const HtCombineParams& p, int num_blocks, cudaStream_t stream) {
+void launch_ht_combine(const dev::AnyTransport& t, const HtCombineArgs& a, int num_blocks,
+                       cudaStream_t stream) {
+  HtCombineParams<dev::LsaTransport> p{};
+  static_cast<HtCombineArgs&>(p) = a;
+  p.t = dev::require_node_view(t, "high-throughput combine");
   if (p.t.num_ranks <= 2) {
     combine_kernel<2, EPX_HT_COMBINE_SEG2><<<num_blocks, kThreads, 0, stream>>>(p);
   } else if (p.t.num_ranks <= 4) {
     combine_kernel<4, 4><<<num_blocks, kThreads, 0, stream>>>(p);
   } else {
-    combine_kernel<plan::kMaxRanks, 2><<<num_blocks, kThreads, 0, stream>>>(p);
+    combine_kernel<kMaxRanksPerNode, 2><<<num_blocks, kThreads, 0, stream>>>(p);
   }
   EPX_LAUNCH_CHECK();
 }
 
 void preload_ht_kernels() {
   cudaFuncAttributes a{};
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, dispatch_kernel));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, pull_dispatch_kernel));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, combine_kernel<2, EPX_HT_COMBINE_SEG2>));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, combine_kernel<4, 4>));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, combine_kernel<plan::kMaxRanks, 2>));
+  using T = dev::LsaTransport;
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, dispatch_kernel<T>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, pull_dispatch_kernel<T>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, combine_kernel<2, EPX_HT_COMBINE_SEG2, T>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, combine_kernel<4, 4, T>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, combine_kernel<kMaxRanksPerNode, 2, T>));
 }
 
 }  // namespace epx::kernels

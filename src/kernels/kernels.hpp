@@ -7,7 +7,8 @@
 #include <cstdint>
 
 #include "common/diag.hpp"
-#include "transport/device.cuh"
+#include "common/plan.hpp"
+#include "transport/any.hpp"
 
 namespace epx::kernels {
 
@@ -37,9 +38,10 @@ struct HtOffsets {
 /// Stores this rank's config fingerprint for the op of `epoch` into rank `r`;
 /// the caller's barrier flag to `r`, release-stored after it, publishes it
 /// (the main kernels' op_begin and the notify kernel).
-__device__ __forceinline__ void publish_config(const dev::NvlinkTransport& t, const HtOffsets& off,
-                                               int r, uint32_t epoch) {
-  t.put_tagged(r, off.config + 8 * static_cast<std::size_t>(t.rank), off.config_fp, epoch);
+template <class T>
+__device__ __forceinline__ void publish_config(const T& t, const HtOffsets& off, int r,
+                                               uint32_t epoch) {
+  t.lsa_tagged(r, off.config + 8 * static_cast<std::size_t>(t.rank), off.config_fp, epoch);
 }
 
 /// Reports peer `r`'s differing config fingerprint (cold: out of line, so that
@@ -51,7 +53,8 @@ static __device__ __noinline__ void report_bad_config(DeviceDiag* diag, OpId op,
 
 /// After peer `r`'s barrier flag for `epoch` was seen: whether its config
 /// fingerprint for this op equals this rank's (reports kBadConfig when not).
-__device__ __forceinline__ bool config_matches(const dev::NvlinkTransport& t, const HtOffsets& off,
+template <class T>
+__device__ __forceinline__ bool config_matches(const T& t, const HtOffsets& off,
                                                uint32_t epoch, OpId op, int r, DeviceDiag* diag) {
   const uint64_t w = dev::ld_relaxed_sys_u64(
       reinterpret_cast<const uint64_t*>(t.local_ptr(off.config + 8 * static_cast<std::size_t>(r))));
@@ -65,8 +68,7 @@ __device__ __forceinline__ bool config_matches(const dev::NvlinkTransport& t, co
 
 /// A dispatch without a handle: barrier over all ranks, count exchange, and
 /// the send plan. (The cached dispatch and the combine are their own barrier.)
-struct HtNotifyParams {
-  dev::NvlinkTransport t;
+struct HtNotifyArgs {
   HtOffsets off;
   uint32_t* op_counter;   ///< local: ops started so far (epoch source)
   uint32_t* done_blocks;  ///< host_counts: blocks finished (the last one resets it)
@@ -88,7 +90,11 @@ struct HtNotifyParams {
   DeviceDiag* diag;
   OpId op;
 };
-void launch_ht_notify(const HtNotifyParams& p, cudaStream_t stream);
+template <class T>
+struct HtNotifyParams : HtNotifyArgs {
+  T t;
+};
+void launch_ht_notify(const dev::AnyTransport& t, const HtNotifyArgs& a, cudaStream_t stream);
 
 /// How a high-throughput main kernel gets its epoch (`op_counter`,
 /// `done_blocks`, `own_barrier` in both params structs). After a notify
@@ -97,8 +103,7 @@ void launch_ht_notify(const HtNotifyParams& p, cudaStream_t stream);
 /// plan::next_epoch(counter), block 0 tells every rank that this rank has reached the op,
 /// each sender warp waits until every peer has before its first store into
 /// the peer's staging, and the last block to finish stores the counter.
-struct HtDispatchParams {
-  dev::NvlinkTransport t;
+struct HtDispatchArgs {
   HtOffsets off;
   uint32_t* op_counter;
   uint32_t* done_blocks;  ///< own_barrier: blocks finished (the last one resets it)
@@ -127,10 +132,14 @@ struct HtDispatchParams {
   uint64_t timeout_ns;
   DeviceDiag* diag;
 };
-void launch_ht_dispatch(const HtDispatchParams& p, int num_blocks, cudaStream_t stream);
+template <class T>
+struct HtDispatchParams : HtDispatchArgs {
+  T t;
+};
+void launch_ht_dispatch(const dev::AnyTransport& t, const HtDispatchArgs& a, int num_blocks,
+                        cudaStream_t stream);
 
-struct HtCombineParams {
-  dev::NvlinkTransport t;
+struct HtCombineArgs {
   HtOffsets off;
   uint32_t* op_counter;
   uint32_t* done_blocks;
@@ -153,7 +162,12 @@ struct HtCombineParams {
   uint64_t timeout_ns;
   DeviceDiag* diag;
 };
-void launch_ht_combine(const HtCombineParams& p, int num_blocks, cudaStream_t stream);
+template <class T>
+struct HtCombineParams : HtCombineArgs {
+  T t;
+};
+void launch_ht_combine(const dev::AnyTransport& t, const HtCombineArgs& a, int num_blocks,
+                       cudaStream_t stream);
 
 }  // namespace epx::kernels
 
@@ -191,13 +205,29 @@ struct LlOffsets {
   /// plan::fingerprint of the dispatch's shapes (maxT, hidden, experts, dtype), 21 bits,
   /// sent above each token count (plan::ll_count_word)
   uint32_t shape_fp;
+  // Network transports (plan::LlRegion's network areas; unused otherwise):
+  std::size_t tok_done, row_done, net_done;  ///< local counters (u32)
+  std::size_t net_masks, net_masks_half_bytes;  ///< mask send area, per half
+  std::size_t net_weights;                      ///< weight send area, per half (weights_half_bytes)
+  std::size_t net_comb, net_comb_half_bytes;    ///< combined-row send area, per half
 };
 
-struct LlDispatchSendParams {
-  dev::NvlinkTransport t;
+/// Signal ids of the low-latency ops over a network transport, one per source
+/// rank: a source's dispatch (its rows, masks and count), its combine weights,
+/// its combined rows. Each op adds 1 per context to the signal (weights: 1).
+constexpr int ll_sig_dispatch(int num_ranks, int src) { return 0 * num_ranks + src; }
+constexpr int ll_sig_weights(int num_ranks, int src) { return 1 * num_ranks + src; }
+constexpr int ll_sig_combine(int num_ranks, int src) { return 2 * num_ranks + src; }
+/// Ints of a low-latency dispatch's state: [0] epoch, [2..3] its u64 op count
+/// (network transports), [8 + s] tokens of source s.
+inline constexpr int kLlStateInts = 8 + plan::kLlMaxRanks;
+
+struct LlDispatchSendArgs {
   LlOffsets off;
   uint32_t* op_counter;     ///< local LL epoch counter (next_epoch of it; the last block stores it)
-  int32_t* state;           ///< handle state: [0] <- this op's epoch
+  int32_t* state;           ///< handle state (kLlStateInts): [0] <- this op's epoch
+  /// Network transports: [0] dispatches so far (this one adds 1; the last block stores it)
+  uint64_t* seq;
   const uint16_t* x;        ///< [T, H] bf16, contiguous
   const int64_t* topk_idx;  ///< [T, K]
   int64_t* topk_copy;       ///< [T, K] handle copy of topk_idx (nullable)
@@ -211,12 +241,16 @@ struct LlDispatchSendParams {
   bool fp8, round_scale;
   DeviceDiag* diag;
 };
-void launch_ll_dispatch_send(const LlDispatchSendParams& p, int num_blocks, cudaStream_t stream);
+template <class T>
+struct LlDispatchSendParams : LlDispatchSendArgs {
+  T t;
+};
+void launch_ll_dispatch_send(const dev::AnyTransport& t, const LlDispatchSendArgs& a, int num_blocks,
+                             cudaStream_t stream);
 
-struct LlDispatchRecvParams {
-  dev::NvlinkTransport t;
+struct LlDispatchRecvArgs {
   LlOffsets off;
-  int32_t* state;  ///< handle state: [0] epoch (read); [8 + s] <- tokens of source s
+  int32_t* state;  ///< handle state: [0] epoch, [2..3] op count (read); [8 + s] <- tokens of source s
   int hidden, num_topk, num_experts, max_tokens, row_bytes;
   int parts;  ///< units per local expert (E_local * parts units, one block each at most)
   bool fp8, ue8m0;
@@ -238,20 +272,27 @@ struct LlDispatchRecvParams {
   /// token order, the sources in the order they were reserved (as DeepEP).
   bool arrival_order;
 };
+template <class T>
+struct LlDispatchRecvParams : LlDispatchRecvArgs {
+  T t;
+};
 /// Hook mode: the receive phase alone, after the send kernel; `num_blocks`
 /// blocks take the E_local * p.parts receive units in turn.
-void launch_ll_dispatch_recv(const LlDispatchRecvParams& p, int num_blocks, cudaStream_t stream);
+void launch_ll_dispatch_recv(const dev::AnyTransport& t, const LlDispatchRecvArgs& a, int num_blocks,
+                             cudaStream_t stream);
 /// No hook: send and receive in one cooperative launch of `num_blocks` blocks
 /// (at most 2 per SM, all resident): the first `send_blocks` send, the others
 /// take the rp.parts * E_local receive units.
-void launch_ll_dispatch_fused(const LlDispatchSendParams& sp, const LlDispatchRecvParams& rp,
-                              int num_blocks, int send_blocks, cudaStream_t stream);
+void launch_ll_dispatch_fused(const dev::AnyTransport& t, const LlDispatchSendArgs& sa,
+                              const LlDispatchRecvArgs& ra, int num_blocks, int send_blocks,
+                              cudaStream_t stream);
 
-struct LlCombineSendParams {
-  dev::NvlinkTransport t;
+struct LlCombineSendArgs {
   LlOffsets off;
   uint32_t* op_counter;
-  int32_t* state;             ///< combine state: [0] <- this op's epoch
+  int32_t* state;             ///< combine state: [0] <- this op's epoch, u64 [1] <- its op count
+  /// Network transports: [1] combines so far (this one adds 1; the last block stores it)
+  uint64_t* seq;
   const int32_t* disp_state;  ///< the dispatch's handle state ([8 + s]: tokens of source s)
   const uint16_t* x;          ///< [E_local, R*maxT, H] bf16
   const int64_t* topk_idx;    ///< [T, K] of this rank's tokens
@@ -264,12 +305,16 @@ struct LlCombineSendParams {
   uint64_t timeout_ns;
   DeviceDiag* diag;
 };
-void launch_ll_combine_send(const LlCombineSendParams& p, int num_blocks, cudaStream_t stream);
+template <class T>
+struct LlCombineSendParams : LlCombineSendArgs {
+  T t;
+};
+void launch_ll_combine_send(const dev::AnyTransport& t, const LlCombineSendArgs& a, int num_blocks,
+                            cudaStream_t stream);
 
-struct LlCombineRecvParams {
-  dev::NvlinkTransport t;
+struct LlCombineRecvArgs {
   LlOffsets off;
-  const int32_t* state;       ///< combine state: [0] epoch
+  const int32_t* state;       ///< combine state: [0] epoch, u64 [1] op count
   const int64_t* topk_idx;    ///< [T, K]
   const float* topk_weights;  ///< [T, K]
   uint16_t* out;              ///< [T, H] bf16
@@ -281,8 +326,12 @@ struct LlCombineRecvParams {
   uint64_t timeout_ns;
   DeviceDiag* diag;
 };
-void launch_ll_combine_recv(const LlCombineRecvParams& p, int num_blocks, cudaStream_t stream,
-                            bool dependent);
+template <class T>
+struct LlCombineRecvParams : LlCombineRecvArgs {
+  T t;
+};
+void launch_ll_combine_recv(const dev::AnyTransport& t, const LlCombineRecvArgs& a, int num_blocks,
+                            cudaStream_t stream, bool dependent);
 
 /// Load every kernel of a family now (cudaFuncGetAttributes), not at its
 /// first launch: with CUDA's lazy loading a first launch may wait for the

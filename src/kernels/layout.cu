@@ -54,7 +54,8 @@ constexpr int kNotifyThreads = 512;
 
 /// Block 0: barrier (+ count exchange). Blocks 1..R: scan is_token_in_rank
 /// column r into send slots and the send list for rank r.
-__device__ __forceinline__ void notify_body(const HtNotifyParams& p) {
+template <class T>
+__device__ __forceinline__ void notify_body(const HtNotifyParams<T>& p) {
   const int R = p.t.num_ranks, me = p.t.rank;
   if (blockIdx.x > 0) {
     const int r = blockIdx.x - 1;
@@ -103,16 +104,16 @@ __device__ __forceinline__ void notify_body(const HtNotifyParams& p) {
   for (int i = threadIdx.x; i < R * (1 + epr); i += blockDim.x) {
     const int dst = i / (1 + epr), j = i % (1 + epr);
     const int v = j == 0 ? p.num_tokens_per_rank[dst] : p.num_tokens_per_expert[dst * epr + j - 1];
-    int* row = reinterpret_cast<int*>(p.t.peer_ptr(dst, p.off.counts[parity])) + me * row_ints;
+    int* row = reinterpret_cast<int*>(p.t.lsa_ptr(dst, p.off.counts[parity])) + me * row_ints;
     row[j] = v;
   }
   // The main kernel's config fingerprint, published by the barrier flag too.
   if (threadIdx.x < R) publish_config(p.t, p.off, threadIdx.x, epoch);
   __threadfence_system();
   __syncthreads();
-  if (threadIdx.x < R) p.t.signal(threadIdx.x, p.off.barrier + 4 * me, epoch);
+  if (threadIdx.x < R) p.t.lsa_flag(threadIdx.x, p.off.barrier + 4 * me, epoch);
   if (threadIdx.x < R) {
-    if (!p.t.wait(p.off.barrier + 4 * threadIdx.x, epoch, p.timeout_ns, p.diag, p.op, threadIdx.x,
+    if (!p.t.wait_flag(p.off.barrier + 4 * threadIdx.x, epoch, p.timeout_ns, p.diag, p.op, threadIdx.x,
                   -1)) {
       atomicExch(&failed, 1);
     } else if (static_cast<int>(threadIdx.x) != me) {
@@ -147,7 +148,8 @@ __device__ __forceinline__ void notify_body(const HtNotifyParams& p) {
   }
 }
 
-__global__ void __launch_bounds__(kNotifyThreads) notify_kernel(HtNotifyParams p) {
+template <class T>
+__global__ void __launch_bounds__(kNotifyThreads) notify_kernel(HtNotifyParams<T> p) {
   notify_body(p);
   if (p.host_counts == nullptr) return;
   // The last block to finish tells the host: by then every count is written
@@ -175,7 +177,10 @@ void launch_layout(const LayoutParams& p, cudaStream_t stream) {
   EPX_LAUNCH_CHECK();
 }
 
-void launch_ht_notify(const HtNotifyParams& p, cudaStream_t stream) {
+void launch_ht_notify(const dev::AnyTransport& t, const HtNotifyArgs& a, cudaStream_t stream) {
+  HtNotifyParams<dev::LsaTransport> p{};
+  static_cast<HtNotifyArgs&>(p) = a;
+  p.t = dev::require_node_view(t, "high-throughput dispatch (notify)");
   const int blocks = 1 + p.t.num_ranks;
   notify_kernel<<<blocks, kNotifyThreads, 0, stream>>>(p);
   EPX_LAUNCH_CHECK();
@@ -184,7 +189,7 @@ void launch_ht_notify(const HtNotifyParams& p, cudaStream_t stream) {
 void preload_layout_kernels() {
   cudaFuncAttributes a{};
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, layout_kernel));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, notify_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, notify_kernel<dev::LsaTransport>));
 }
 
 }  // namespace epx::kernels

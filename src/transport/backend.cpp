@@ -6,33 +6,60 @@
 
 namespace epx::transport {
 
-std::unique_ptr<Backend> make_backend(const std::string& requested, Communicator& comm) {
+std::unique_ptr<Backend> make_backend(const std::string& requested, Communicator& comm,
+                                      const Topology& topology, const BackendOptions& options) {
   std::string name = requested.empty() ? "auto" : requested;
   std::string from = "backend";
   if (name == "auto") {
     name = env::get("EPX_BACKEND").value_or("auto");
     if (name != "auto") from = "EPX_BACKEND";
   }
-  if (name == "nccl" || name == "nvshmem" || name == "proxy")
+  const std::string nodes = std::to_string(topology.num_nodes()) + " nodes of " +
+                            std::to_string(topology.ranks_per_node) + " ranks";
+  if (name == "nccl" || name == "nvshmem")
     throw Error(ErrorCode::kUnsupported,
                 from + ": '" + name +
-                    "' is not built yet; this build serves 'nvlink' and 'in_process' (auto)");
-  if (comm.in_process()) {
-    if (name == "auto" || name == "in_process") return make_in_process_backend(comm);
-    if (name == "nvlink")
+                    "' is not built yet; this build serves 'nvlink', 'in_process' and 'proxy'");
+  if (name == "auto") {
+    if (!topology.single_node()) return make_proxy_backend(comm, topology, options);
+    if (comm.in_process()) return make_in_process_backend(comm, topology);
+    return make_nvlink_backend(comm, topology);
+  }
+  if (name == "proxy") return make_proxy_backend(comm, topology, options);
+  if (name == "nvlink" || name == "in_process") {
+    if (!topology.single_node())
+      throw Error(ErrorCode::kUnsupported,
+                  from + ": '" + name + "' reaches only peers of this rank's node, and the " +
+                      std::to_string(comm.num_ranks()) + " ranks form " + nodes +
+                      " (ranks_per_node / EPX_RANKS_PER_NODE); use backend 'proxy'");
+    if (name == "in_process") {
+      if (!comm.in_process())
+        throw Error(ErrorCode::kUnsupported,
+                    from + ": 'in_process' needs ranks from Communicator::create_in_process");
+      return make_in_process_backend(comm, topology);
+    }
+    if (comm.in_process())
       throw Error(ErrorCode::kUnsupported,
                   from +
                       ": 'nvlink' needs an NCCL communicator (Communicator::create or from_env); "
                       "ranks from Communicator::create_in_process use 'in_process' (auto)");
-  } else {
-    if (name == "in_process")
-      throw Error(ErrorCode::kUnsupported,
-                  from + ": 'in_process' needs ranks from Communicator::create_in_process");
-    if (name == "auto" || name == "nvlink") return make_nvlink_backend(comm);
+    return make_nvlink_backend(comm, topology);
   }
-  throw Error(
-      ErrorCode::kInvalidArgument,
-      from + ": must be one of auto|nvlink|in_process|nccl|nvshmem|proxy, got '" + name + "'");
+  throw Error(ErrorCode::kInvalidArgument,
+              from + ": must be one of auto|nvlink|in_process|proxy|nccl|nvshmem, got '" + name +
+                  "'");
+}
+
+dev::AnyTransport lsa_device(const Communicator& comm, const Topology& topology,
+                             const SymmetricRegion& region) {
+  dev::LsaTransport t{};
+  t.rank = comm.rank();
+  t.num_ranks = comm.num_ranks();
+  t.ranks_per_node = topology.ranks_per_node;
+  t.node_first = topology.node_of(comm.rank()) * topology.ranks_per_node;
+  for (int r = 0; r < comm.num_ranks() && r < kMaxRanksPerNode; ++r)
+    t.base[r] = static_cast<char*>(r == comm.rank() ? region.local : region.peers[r]);
+  return t;
 }
 
 }  // namespace epx::transport

@@ -1,16 +1,17 @@
 // transport/backend.hpp - the host side of a communication backend.
 //
-// A backend owns symmetric memory (same size on every rank) and knows which
-// peers are load/store reachable. Kernels never see this class: they get the
-// backend's device struct (transport/device.cuh) by value.
+// A backend owns symmetric memory (same size on every rank), knows which
+// peers are in this rank's node (load/store reachable) and how to reach the
+// others, and builds the device struct kernels get (transport/any.hpp).
 #pragma once
 
-#include <array>
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <vector>
 
-#include "common/plan.hpp"
+#include "common/topology.hpp"
+#include "transport/any.hpp"
 
 namespace epx {
 class Communicator;
@@ -18,13 +19,19 @@ class Communicator;
 
 namespace epx::transport {
 
-/// One symmetric allocation: this rank's pointer plus every peer's mapping of
-/// its copy (nullptr where the peer is not load/store reachable).
+/// One symmetric allocation: this rank's pointer plus, for every rank, its
+/// copy as mapped here (nullptr where the rank is in another node).
 struct SymmetricRegion {
   void* local = nullptr;
-  std::array<void*, plan::kMaxRanks> peers{};
+  std::vector<void*> peers;
   std::size_t bytes = 0;
   void* handle = nullptr;  ///< backend-private (e.g. an NCCL window)
+  int id = -1;             ///< backend-private (e.g. the proxy engine's region id)
+};
+
+struct BackendOptions {
+  /// Contexts (queue pairs, proxy channels) per peer: num_qps_per_rank.
+  int num_contexts = 1;
 };
 
 class Backend {
@@ -33,24 +40,53 @@ class Backend {
   virtual const char* name() const = 0;
   virtual int rank() const = 0;
   virtual int num_ranks() const = 0;
+  virtual const Topology& topology() const = 0;
+  /// Contexts per peer the device structs use.
+  virtual int num_contexts() const { return 1; }
   /// Collective: every rank allocates `bytes`, zero-filled.
   virtual SymmetricRegion alloc(std::size_t bytes) = 0;
   /// Collective: releases a region from alloc().
   virtual void free(SymmetricRegion& region) = 0;
   /// Host-blocking barrier over all ranks.
   virtual void barrier() = 0;
+  /// Collective, once the regions are allocated and before the first kernel
+  /// that uses them: starts what serves the ops (the proxy threads). Nothing
+  /// it does may wait for the GPU: in-process ranks' kernels may be running.
+  virtual void start() {}
+  /// The device struct of `region` (the core fills the TransportBase members
+  /// that are its own: signals, peer mask, deadline, diagnostic).
+  virtual dev::AnyTransport device(const SymmetricRegion& region) const = 0;
+  /// After the caller zeroed `region`'s signal words on every rank (collective,
+  /// no op in flight): a backend that keeps state about them resets it.
+  virtual void region_cleared(const SymmetricRegion& region) { (void)region; }
+  /// Throws epx::Error describing a part of the backend that failed (a proxy
+  /// thread that died), naming it; nothing when all is well.
+  virtual void check_health() const {}
 };
 
-/// `name`: "auto" | "nvlink" | "in_process" (EPX_BACKEND overrides "auto").
-/// "auto" is "in_process" for a communicator from create_in_process, else
-/// "nvlink". Throws epx::Error(kUnsupported) when the machine or the
-/// communicator cannot serve the choice.
-std::unique_ptr<Backend> make_backend(const std::string& name, Communicator& comm);
+/// The LsaTransport of `region` for a group that is one node (every peer
+/// mapped): backends nvlink and in_process.
+dev::AnyTransport lsa_device(const Communicator& comm, const Topology& topology,
+                             const SymmetricRegion& region);
+
+/// `name`: "auto" | "nvlink" | "in_process" | "proxy" (EPX_BACKEND overrides
+/// "auto"). "auto" is "proxy" when the topology has several nodes, else
+/// "in_process" for a communicator from create_in_process, else "nvlink".
+/// Throws epx::Error(kUnsupported) when the machine or the communicator
+/// cannot serve the choice.
+std::unique_ptr<Backend> make_backend(const std::string& name, Communicator& comm,
+                                      const Topology& topology, const BackendOptions& options);
 
 /// The NVLink backend: NCCL symmetric windows, peers reached by load/store.
-std::unique_ptr<Backend> make_nvlink_backend(Communicator& comm);
+std::unique_ptr<Backend> make_nvlink_backend(Communicator& comm, const Topology& topology);
 
 /// Ranks that are threads of one process: cudaMalloc'd memory reached by pointer.
-std::unique_ptr<Backend> make_in_process_backend(Communicator& comm);
+std::unique_ptr<Backend> make_in_process_backend(Communicator& comm, const Topology& topology);
+
+/// The CPU-proxy backend: same-node peers by load/store, the others through
+/// commands GPU threads post to proxy threads that drive an engine (CUDA IPC
+/// on one host today).
+std::unique_ptr<Backend> make_proxy_backend(Communicator& comm, const Topology& topology,
+                                            const BackendOptions& options);
 
 }  // namespace epx::transport

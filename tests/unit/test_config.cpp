@@ -199,13 +199,13 @@ TEST(Plan, RegionsDoNotOverlapAndAreAligned) {
   EXPECT_LT(plan::HtRegion::counts_offset(0), plan::HtRegion::counts_offset(1));
   EXPECT_LE(plan::HtRegion::counts_offset(1) + plan::HtRegion::counts_bytes(),
             plan::HtRegion::flags_offset());
-  EXPECT_LE(plan::HtRegion::flags_offset() + 4u * plan::kMaxRanks * plan::kMaxChunks,
+  EXPECT_LE(plan::HtRegion::flags_offset() + 4u * plan::kHtMaxRanks * plan::kMaxChunks,
             plan::HtRegion::credits_offset());
-  EXPECT_LE(plan::HtRegion::credits_offset() + 4u * plan::kMaxRanks * plan::kMaxChunks,
+  EXPECT_LE(plan::HtRegion::credits_offset() + 4u * plan::kHtMaxRanks * plan::kMaxChunks,
             plan::HtRegion::consumed_offset());
-  EXPECT_LE(plan::HtRegion::consumed_offset() + 8u * plan::kMaxRanks * plan::kMaxChunks,
+  EXPECT_LE(plan::HtRegion::consumed_offset() + 8u * plan::kHtMaxRanks * plan::kMaxChunks,
             plan::HtRegion::config_offset());
-  EXPECT_LE(plan::HtRegion::config_offset() + 8u * plan::kMaxRanks,
+  EXPECT_LE(plan::HtRegion::config_offset() + 8u * plan::kHtMaxRanks,
             plan::HtRegion::export_offset());
   EXPECT_LE(plan::HtRegion::export_offset() + 8u, plan::HtRegion::staging_offset());
   EXPECT_EQ(plan::HtRegion::export_offset() % 8, 0u);
@@ -250,7 +250,7 @@ TEST(Plan, LowLatencyEpochWordsHaveAFixedPlace) {
       EXPECT_LE(plan::LlRegion::weights_base() + 2 * r.weights_half_bytes(), r.dtags_base());
       EXPECT_LE(r.dtags_base() + 2 * r.dtags_half_bytes(), r.half_offset(0));
       // inside a tag area: counts < masks < chunk flags, each big enough for any shape
-      EXPECT_LE(8u * plan::kMaxRanks, plan::LlRegion::dtag_masks_offset());
+      EXPECT_LE(8u * plan::kLlMaxRanks, plan::LlRegion::dtag_masks_offset());
       EXPECT_LE(plan::LlRegion::dtag_masks_offset() +
                     8u * static_cast<std::size_t>(R) * r.mask_words() * r.local_experts(),
                 plan::LlRegion::dtag_chunks_offset());

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "common/check.hpp"
+#include "common/plan.hpp"
 #include "epx/communicator.hpp"
 #include "transport/backend.hpp"
 
@@ -14,7 +15,7 @@ namespace {
 
 class InProcessBackend final : public Backend {
  public:
-  explicit InProcessBackend(Communicator& comm) : comm_(comm) {
+  InProcessBackend(Communicator& comm, const Topology& topology) : comm_(comm), topo_(topology) {
     EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   }
   ~InProcessBackend() override { cudaStreamDestroy(stream_); }
@@ -22,6 +23,7 @@ class InProcessBackend final : public Backend {
   const char* name() const override { return "in_process"; }
   int rank() const override { return comm_.rank(); }
   int num_ranks() const override { return comm_.num_ranks(); }
+  const Topology& topology() const override { return topo_; }
 
   SymmetricRegion alloc(std::size_t bytes) override {
     SymmetricRegion r;
@@ -32,6 +34,7 @@ class InProcessBackend final : public Backend {
     EPX_CUDA_CHECK(cudaStreamSynchronize(stream_));
     // The all-gather is a barrier too: every rank's zero fill is done before anyone writes.
     const auto all = comm_.allgather(&r.local, sizeof(void*));
+    r.peers.assign(comm_.num_ranks(), nullptr);
     for (int w = 0; w < comm_.num_ranks(); ++w)
       std::memcpy(&r.peers[w], all.data() + w * sizeof(void*), sizeof(void*));
     return r;
@@ -53,15 +56,25 @@ class InProcessBackend final : public Backend {
 
   void barrier() override { comm_.barrier(); }
 
+  dev::AnyTransport device(const SymmetricRegion& r) const override {
+    return lsa_device(comm_, topo_, r);
+  }
+
  private:
   Communicator& comm_;
+  Topology topo_;
   cudaStream_t stream_ = nullptr;
 };
 
 }  // namespace
 
-std::unique_ptr<Backend> make_in_process_backend(Communicator& comm) {
-  return std::make_unique<InProcessBackend>(comm);
+std::unique_ptr<Backend> make_in_process_backend(Communicator& comm, const Topology& topology) {
+  if (comm.num_ranks() > kMaxRanksPerNode)
+    throw Error(ErrorCode::kUnsupported,
+                "in_process backend: at most " + std::to_string(kMaxRanksPerNode) +
+                    " ranks in one node; split them into virtual nodes (ranks_per_node) and use "
+                    "backend 'proxy'");
+  return std::make_unique<InProcessBackend>(comm, topology);
 }
 
 }  // namespace epx::transport

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/check.hpp"
+#include "common/plan.hpp"
 #include "epx/communicator.hpp"
 #include "transport/backend.hpp"
 
@@ -20,7 +21,7 @@ __global__ void lsa_pointers_kernel(ncclWindow_t win, int lsa_size, void** out) 
 
 class NvlinkBackend final : public Backend {
  public:
-  explicit NvlinkBackend(Communicator& comm) : comm_(comm) {
+  NvlinkBackend(Communicator& comm, const Topology& topology) : comm_(comm), topo_(topology) {
     auto* nc = static_cast<ncclComm_t>(comm.nccl_comm());
     ncclTeam_t lsa = ncclTeamLsa(nc);
     if (lsa.nRanks != comm.num_ranks())
@@ -28,8 +29,9 @@ class NvlinkBackend final : public Backend {
                   "nvlink backend: only " + std::to_string(lsa.nRanks) + " of " +
                       std::to_string(comm.num_ranks()) +
                       " ranks share this rank's NVLink domain; an RDMA backend is needed");
-    if (comm.num_ranks() > plan::kMaxRanks)
-      throw Error(ErrorCode::kUnsupported, "nvlink backend: at most 8 ranks");
+    if (comm.num_ranks() > kMaxRanksPerNode)
+      throw Error(ErrorCode::kUnsupported, "nvlink backend: at most " +
+                                               std::to_string(kMaxRanksPerNode) + " ranks");
     for (int r = 0; r < comm.num_ranks(); ++r) lsa_of_world_[r] = ncclTeamRankToLsa(nc, lsa, r);
     lsa_size_ = lsa.nRanks;
   }
@@ -37,6 +39,7 @@ class NvlinkBackend final : public Backend {
   const char* name() const override { return "nvlink"; }
   int rank() const override { return comm_.rank(); }
   int num_ranks() const override { return comm_.num_ranks(); }
+  const Topology& topology() const override { return topo_; }
 
   SymmetricRegion alloc(std::size_t bytes) override {
     auto* nc = static_cast<ncclComm_t>(comm_.nccl_comm());
@@ -48,16 +51,14 @@ class NvlinkBackend final : public Backend {
     EPX_NCCL_CHECK(ncclCommWindowRegister(nc, r.local, r.bytes, &win, NCCL_WIN_COLL_SYMMETRIC));
     r.handle = win;
     void** d_ptrs = nullptr;
-    EPX_CUDA_CHECK(cudaMalloc(&d_ptrs, sizeof(void*) * plan::kMaxRanks));
+    EPX_CUDA_CHECK(cudaMalloc(&d_ptrs, sizeof(void*) * kMaxRanksPerNode));
     lsa_pointers_kernel<<<1, 32>>>(win, lsa_size_, d_ptrs);
     EPX_LAUNCH_CHECK();
-    void* lsa_ptrs[plan::kMaxRanks] = {};
+    void* lsa_ptrs[kMaxRanksPerNode] = {};
     EPX_CUDA_CHECK(cudaMemcpy(lsa_ptrs, d_ptrs, sizeof(void*) * lsa_size_, cudaMemcpyDeviceToHost));
     EPX_CUDA_CHECK(cudaFree(d_ptrs));
+    r.peers.assign(comm_.num_ranks(), nullptr);
     for (int w = 0; w < comm_.num_ranks(); ++w) r.peers[w] = lsa_ptrs[lsa_of_world_[w]];
-    if (r.peers[comm_.rank()] != r.local) {
-      // NCCL maps this rank's own copy at another virtual address; both alias.
-    }
     barrier();  // every rank's zero fill is done before anyone writes
     return r;
   }
@@ -81,16 +82,21 @@ class NvlinkBackend final : public Backend {
 
   void barrier() override { comm_.barrier(); }
 
+  dev::AnyTransport device(const SymmetricRegion& r) const override {
+    return lsa_device(comm_, topo_, r);
+  }
+
  private:
   Communicator& comm_;
-  int lsa_of_world_[plan::kMaxRanks] = {};
+  Topology topo_;
+  int lsa_of_world_[kMaxRanksPerNode] = {};
   int lsa_size_ = 1;
 };
 
 }  // namespace
 
-std::unique_ptr<Backend> make_nvlink_backend(Communicator& comm) {
-  return std::make_unique<NvlinkBackend>(comm);
+std::unique_ptr<Backend> make_nvlink_backend(Communicator& comm, const Topology& topology) {
+  return std::make_unique<NvlinkBackend>(comm, topology);
 }
 
 }  // namespace epx::transport

@@ -1,22 +1,19 @@
-// transport/device.cuh - what kernels see of a transport.
-//
-// Kernels are templates over a transport type with this surface:
-//   peer_ptr(rank, offset)       -> char* (non-null when load/store reachable)
-//   put(rank, offset, src, bytes, lane, width)  cooperative copy into a peer
-//   signal(rank, offset, value)  release-store a 32-bit flag in a peer
-//   wait(offset, value, ...)     acquire-spin on a local flag until >= value (with deadline)
-//   wait_eq(offset, value, ...)  the same until == value (words that only hold epochs)
-//   put_tagged / wait_tagged     a 32-bit value with its epoch in one 64-bit word
-//   flush()                      make prior puts visible before a signal
-//   masked(rank) / live_ranks()  shrink mode: peers this rank leaves out
-// NvlinkTransport is the one whose put is a plain store.
+// common/device.cuh - device primitives every layer above uses: timers,
+// memory-model accesses, programmatic launch control, the diagnostic report,
+// and the deadline-bounded spin that every wait goes through.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
 #include "common/diag.hpp"
-#include "common/plan.hpp"
+
+/// Functions both host and device code call.
+#if defined(__CUDACC__)
+#define EPX_HD __host__ __device__
+#else
+#define EPX_HD
+#endif
 
 namespace epx::dev {
 
@@ -65,6 +62,17 @@ __device__ __forceinline__ uint64_t ld_acquire_sys_u64(const uint64_t* p) {
 
 __device__ __forceinline__ void st_release_sys_u64(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+/// Adds `v` to a 64-bit word at system scope, ordered after this thread's
+/// earlier accesses (and, after a barrier, the block's: release is cumulative).
+__device__ __forceinline__ void red_release_sys_add_u64(uint64_t* p, uint64_t v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+/// 64-bit load that bypasses the caches (pinned host memory a CPU thread writes).
+__device__ __forceinline__ uint64_t ld_volatile_u64(const uint64_t* p) {
+  return *static_cast<const volatile uint64_t*>(p);
 }
 
 /// Programmatic dependent launch: let the next kernel in the stream start its
@@ -163,7 +171,8 @@ __device__ __forceinline__ bool spin_until(Load load, Done done, Seen seen, uint
         // A timeout or a config mismatch anywhere in this launch ends every wait.
         const uint32_t code = *static_cast<volatile uint32_t*>(&diag->code);
         if (code == static_cast<uint32_t>(DiagCode::kTimeout) ||
-            code == static_cast<uint32_t>(DiagCode::kBadConfig))
+            code == static_cast<uint32_t>(DiagCode::kBadConfig) ||
+            code == static_cast<uint32_t>(DiagCode::kProxyStopped))
           return false;
       }
       if (globaltimer_ns() - start > timeout_ns) {
@@ -217,114 +226,4 @@ __device__ __forceinline__ bool wait_tagged(const uint64_t* p, uint32_t epoch, u
 }
 
 #endif  // __CUDACC__
-
-/// Load/store transport over NVLink (NCCL symmetric window mappings). Host
-/// code fills the fields; the methods exist in device code only.
-struct NvlinkTransport {
-  char* base[plan::kMaxRanks];  ///< each rank's copy of the region, as mapped here
-  int rank;
-  int num_ranks;
-  /// Shrink mode: this rank's mask of peers, int32 [kMaxRanks] in its own
-  /// memory, nonzero = left out (no store to it, no wait for it; a wait that
-  /// passes its deadline masks the peer). nullptr: every peer takes part.
-  int* peer_mask;
-#if defined(__CUDACC__)
-
-  /// Whether peer `r` is left out now (shrink mode).
-  __device__ __forceinline__ bool masked(int r) const {
-    return peer_mask != nullptr && mask_set(peer_mask + r);
-  }
-  /// Bit r set for every rank r that takes part (all ranks without shrink mode).
-  __device__ __forceinline__ uint32_t live_ranks() const {
-    uint32_t live = num_ranks >= 32 ? ~0u : (1u << num_ranks) - 1u;
-    if (peer_mask != nullptr)
-      for (int r = 0; r < num_ranks; ++r)
-        if (masked(r)) live &= ~(1u << r);
-    return live;
-  }
-  /// The mask word a wait for `peer` gives up on (nullptr without shrink mode).
-  __device__ __forceinline__ int* mask_word(int peer) const {
-    return peer_mask != nullptr && peer >= 0 && peer < num_ranks ? peer_mask + peer : nullptr;
-  }
-
-  __device__ __forceinline__ char* peer_ptr(int r, std::size_t offset) const {
-    return base[r] + offset;
-  }
-  __device__ __forceinline__ char* local_ptr(std::size_t offset) const {
-    return base[rank] + offset;
-  }
-
-  /// Cooperative copy of `bytes` (multiple of 16) from local `src` to peer
-  /// `r` at `offset`; `lane` of `width` threads take part.
-  __device__ __forceinline__ void put(int r, std::size_t offset, const void* src, std::size_t bytes,
-                                      int lane, int width) const {
-    auto* d = reinterpret_cast<int4*>(peer_ptr(r, offset));
-    auto* s = reinterpret_cast<const int4*>(src);
-    for (std::size_t i = lane; i < bytes / 16; i += width) st_na(d + i, ld_nc(s + i));
-  }
-  __device__ __forceinline__ void flush() const {
-    __threadfence_system();
-  }
-  __device__ __forceinline__ void signal(int r, std::size_t offset, uint32_t value) const {
-    st_release_sys(reinterpret_cast<uint32_t*>(peer_ptr(r, offset)), value);
-  }
-  /// 32-bit value and epoch as one tagged word at peer `r` (8-byte aligned
-  /// `offset`): the reader needs no flag and the writer no fence.
-  __device__ __forceinline__ void put_tagged(int r, std::size_t offset, uint32_t value,
-                                             uint32_t epoch) const {
-    st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(peer_ptr(r, offset)),
-                       (static_cast<uint64_t>(epoch) << 32) | value);
-  }
-  /// As put_tagged, with release semantics: the word also publishes the
-  /// stores before it (a warp's, after a warp barrier).
-  __device__ __forceinline__ void put_tagged_release(int r, std::size_t offset, uint32_t value,
-                                                     uint32_t epoch) const {
-    st_release_sys_u64(reinterpret_cast<uint64_t*>(peer_ptr(r, offset)),
-                       (static_cast<uint64_t>(epoch) << 32) | value);
-  }
-  /// Waits for the tagged word of `epoch` at peer `r`'s `offset`, with
-  /// acquire semantics: a pull of what `r` published with put_tagged_release.
-  __device__ __forceinline__ bool wait_tagged_at(int r, std::size_t offset, uint32_t epoch,
-                                                 uint32_t& value, uint64_t timeout_ns,
-                                                 DeviceDiag* diag, OpId op, int channel) const {
-    return dev::wait_tagged<true>(reinterpret_cast<const uint64_t*>(peer_ptr(r, offset)), epoch,
-                                  value, timeout_ns, diag, op, rank, r, channel, mask_word(r));
-  }
-  /// Waits for the tagged word of `epoch` at local `offset`.
-  __device__ __forceinline__ bool wait_tagged(std::size_t offset, uint32_t epoch, uint32_t& value,
-                                              uint64_t timeout_ns, DeviceDiag* diag, OpId op,
-                                              int peer, int channel) const {
-    return dev::wait_tagged(reinterpret_cast<const uint64_t*>(local_ptr(offset)), epoch, value,
-                            timeout_ns, diag, op, rank, peer, channel, mask_word(peer));
-  }
-  /// Waits until the local flag at `offset` holds exactly `value`.
-  __device__ __forceinline__ bool wait_eq(std::size_t offset, uint32_t value, uint64_t timeout_ns,
-                                          DeviceDiag* diag, OpId op, int peer, int channel) const {
-    return dev::wait_eq(reinterpret_cast<const uint32_t*>(local_ptr(offset)), value, timeout_ns,
-                        diag, op, rank, peer, channel, mask_word(peer));
-  }
-  __device__ __forceinline__ bool wait(std::size_t offset, uint32_t value, uint64_t timeout_ns,
-                                       DeviceDiag* diag, OpId op, int peer, int channel) const {
-    return wait_ge(reinterpret_cast<const uint32_t*>(local_ptr(offset)), value, timeout_ns, diag,
-                   op, rank, peer, channel, mask_word(peer));
-  }
-  /// Warp-wide wait until the local flag at `offset` holds exactly `value`:
-  /// lane 0 polls, the warp continues together (the warp barrier orders the
-  /// other lanes' later loads after lane 0's acquire). Exact, not >=: a chunk
-  /// flag holds the epoch of the last op that used its slot, and no sender
-  /// can store a later epoch before this rank has left the op (each op starts
-  /// with a barrier over the ranks), so only this op's store matches; a >=
-  /// (even wrap-safe) would take a flag left unwritten for 2^31 ops.
-  __device__ __forceinline__ bool wait_warp(std::size_t offset, uint32_t value, uint64_t timeout_ns,
-                                            DeviceDiag* diag, OpId op, int peer,
-                                            int channel) const {
-    int ok = 1;
-    if ((threadIdx.x & 31) == 0) ok = wait_eq(offset, value, timeout_ns, diag, op, peer, channel);
-    ok = __shfl_sync(0xffffffffu, ok, 0);
-    __syncwarp();
-    return ok != 0;
-  }
-#endif  // __CUDACC__
-};
-
 }  // namespace epx::dev

@@ -1,0 +1,54 @@
+// transport/any.hpp - the one list of device transports. Kernels are
+// instantiated for exactly these; a backend hands the core its region's
+// device struct as an AnyTransport, and the kernels' launchers dispatch on it,
+// so the core never names a transport type.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <variant>
+
+#include "transport/lsa.cuh"
+#include "epx/error.hpp"
+#include "transport/proxy/device.cuh"
+
+namespace epx::dev {
+
+using AnyTransport = std::variant<LsaTransport, ProxyTransport>;
+
+static_assert(DeviceTransport<LsaTransport>);
+static_assert(DeviceTransport<ProxyTransport>);
+
+/// The members every transport shares (rank, node, signals, deadline, ...).
+inline TransportBase& base_of(AnyTransport& t) {
+  return std::visit([](auto& x) -> TransportBase& { return x; }, t);
+}
+inline const TransportBase& base_of(const AnyTransport& t) {
+  return std::visit([](const auto& x) -> const TransportBase& { return x; }, t);
+}
+
+/// The load/store view of `t` when every rank is in this rank's node (what
+/// kernels that only use peer memory run on), else nullopt.
+inline std::optional<LsaTransport> node_view(const AnyTransport& t) {
+  const TransportBase& b = base_of(t);
+  if (b.ranks_per_node != b.num_ranks || b.num_ranks > kMaxRanksPerNode) return std::nullopt;
+  if (const auto* lsa = std::get_if<LsaTransport>(&t)) return *lsa;
+  const auto& p = std::get<ProxyTransport>(t);
+  LsaTransport v{};
+  static_cast<TransportBase&>(v) = b;
+  for (int r = 0; r < b.num_ranks; ++r) v.base[r] = p.base[r];
+  return v;
+}
+
+/// node_view(t), or epx::Error(kUnsupported) naming `what` when the group
+/// spans several nodes.
+inline LsaTransport require_node_view(const AnyTransport& t, const char* what) {
+  if (auto v = node_view(t)) return *v;
+  const TransportBase& b = base_of(t);
+  throw Error(ErrorCode::kUnsupported,
+              std::string(what) + ": runs within one node; the " + std::to_string(b.num_ranks) +
+                  " ranks form " + std::to_string(b.num_ranks / b.ranks_per_node) +
+                  " nodes of " + std::to_string(b.ranks_per_node) + " (ranks_per_node)");
+}
+
+}  // namespace epx::dev
