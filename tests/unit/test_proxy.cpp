@@ -314,6 +314,7 @@ class GatedEngine final : public Engine {
   void signal_add(int channel, int peer, int region, uint64_t sig_off, uint64_t add) override {
     inner_.signal_add(channel, peer, region, sig_off, add);
   }
+  void reset_signals(int id) override { inner_.reset_signals(id); }
   void mark(int channel, uint64_t token) override { inner_.mark(channel, token); }
   uint64_t completed(int channel) override { return inner_.completed(channel); }
 
@@ -408,6 +409,7 @@ class DeferredEngine final : public Engine {
   void register_region(int id, void* base, std::size_t bytes) override {
     inner_.register_region(id, base, bytes);
   }
+  void reset_signals(int id) override { inner_.reset_signals(id); }
   void deregister_region(int id) override { inner_.deregister_region(id); }
   bool reaches(int peer) const override { return inner_.reaches(peer); }
   void put(int channel, int peer, int region, uint64_t dst_off, uint64_t src_off,

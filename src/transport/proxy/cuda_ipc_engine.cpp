@@ -10,6 +10,7 @@
 #include <array>
 #include <chrono>
 #include <cstring>
+#include <atomic>
 #include <deque>
 #include <fstream>
 #include <string>
@@ -142,6 +143,9 @@ std::string read_hostname() {
   return name;
 }
 
+/// Events made per channel up front (more are made when marks pile up).
+constexpr std::size_t kEventsPerChannel = 256;
+
 class CudaIpcEngine final : public Engine {
  public:
   CudaIpcEngine(Communicator& comm, int num_channels)
@@ -253,6 +257,11 @@ class CudaIpcEngine final : public Engine {
     // through one stream, so they land in issue order: after the k-th write
     // the word holds the sum of the first k adds, our running total. Writing
     // the new total therefore has the effect of adding `add`.
+    const uint64_t generation = reset_generation_[region].load(std::memory_order_acquire);
+    if (ch.generation[region] != generation) {  // reset_signals since this channel's last signal
+      std::erase_if(ch.totals, [&](const auto& kv) { return kv.first.region == region; });
+      ch.generation[region] = generation;
+    }
     uint64_t& total = ch.totals[SigKey{peer, region, sig_off}];
     total += add;
     cudaStream_t s = stream(ch, peer);
@@ -261,6 +270,13 @@ class CudaIpcEngine final : public Engine {
     EPX_CU_CHECK(driver().stream_write_value64(reinterpret_cast<CUstream>(s), addr, total,
                                                CU_STREAM_WRITE_VALUE_DEFAULT));
     ch.dirty[peer] = 1;
+  }
+
+  /// The words were zeroed: each channel drops its running totals for region
+  /// `id` before its next signal (the channel's own thread, so no lock).
+  void reset_signals(int id) override {
+    if (id < 0 || id >= kMaxRegions) return;
+    reset_generation_[id].fetch_add(1, std::memory_order_release);
   }
 
   void mark(int channel, uint64_t token) override {
@@ -321,8 +337,11 @@ class CudaIpcEngine final : public Engine {
     std::deque<Mark> marks;
     std::vector<cudaEvent_t> free_events, all_events;
     std::unordered_map<SigKey, uint64_t, SigKeyHash> totals;  ///< running signal totals
+    std::array<uint64_t, kMaxRegions> generation{};           ///< reset_generation_ seen
     uint64_t completed = 0;
   };
+  /// Bumped by reset_signals(id); channels compare before each signal.
+  std::array<std::atomic<uint64_t>, kMaxRegions> reset_generation_{};
   struct Region {
     bool registered = false;
     void* local = nullptr;
@@ -366,11 +385,20 @@ class CudaIpcEngine final : public Engine {
   }
 
   /// The (channel, peer) endpoint's stream; the channel's thread makes it on first use.
+  /// The endpoint's stream, at the device's greatest priority. A stream's
+  /// work goes through a hardware queue that other streams may share, in
+  /// order; the kernels that wait for these copies are followed in their own
+  /// streams by work that waits for them to finish (the next kernel, an event),
+  /// and a copy queued behind that would wait for the kernel that waits for
+  /// it (until its deadline). Streams of different priorities never share a
+  /// queue, so the copies get queues of their own.
   cudaStream_t stream(Channel& ch, int peer) {
     cudaStream_t& s = ch.streams[peer];
     if (!s) {
       EPX_CUDA_CHECK(cudaSetDevice(device_));  // the proxy thread's device already
-      EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+      int least = 0, greatest = 0;
+      EPX_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+      EPX_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, greatest));
     }
     return s;
   }
@@ -507,6 +535,20 @@ void CudaIpcEngine::register_region(int id, void* base, std::size_t bytes) {
     std::erase_if(ch.totals, [id](const auto& kv) { return kv.first.region == id; });
   reg.registered = true;
   regions_[id] = std::move(reg);
+  // Every endpoint's stream and some events now, on the registering thread:
+  // the proxy threads then make no CUDA object while ops run. (Ranks that
+  // share a GPU must not make one there: it may wait for the kernels running,
+  // which may wait for this rank.)
+  for (auto& ch : channels_) {
+    for (int p = 0; p < num_ranks_; ++p)
+      if (reach_[p]) stream(ch, p);
+    while (ch.all_events.size() < kEventsPerChannel) {
+      cudaEvent_t e = nullptr;
+      EPX_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      ch.all_events.push_back(e);
+      ch.free_events.push_back(e);
+    }
+  }
 }
 
 void CudaIpcEngine::deregister_region(int id) {

@@ -53,6 +53,9 @@ class Engine {
   /// A signal word is written by one (rank, channel) only: the device
   /// transport gives each source rank and channel its own word.
   virtual void signal_add(int channel, int peer, int region, uint64_t sig_off, uint64_t add) = 0;
+  /// Collective, no command in flight: the signal words of region `id` were
+  /// zeroed on every rank; an engine that keeps state about them resets it.
+  virtual void reset_signals(int id) = 0;
   /// Marks the commands of `channel` issued so far with `token` (increasing).
   virtual void mark(int channel, uint64_t token) = 0;
   /// The largest token whose marked commands have all completed (0: none).

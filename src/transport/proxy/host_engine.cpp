@@ -123,6 +123,9 @@ class HostEngine final : public Engine {
     registered_[id] = true;
   }
 
+  /// Signals are real atomic adds here: nothing to reset.
+  void reset_signals(int /*id*/) override {}
+
   void deregister_region(int id) override {
     check_id(id, "deregister_region");
     require(registered_[id], "deregister_region",

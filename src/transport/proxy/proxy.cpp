@@ -7,6 +7,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <cstdio>
+#include <cstdlib>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -26,7 +28,7 @@ constexpr uint64_t kMarkEvery = 64;
 /// the sleeps keep dozens of idle proxy threads from starving the threads
 /// that launch the GPU work on a host with fewer cores than threads.
 constexpr int kSpins = 256;
-constexpr auto kYieldFor = std::chrono::milliseconds(1);
+constexpr auto kYieldFor = std::chrono::milliseconds(20);
 constexpr auto kSleep = std::chrono::microseconds(20);
 
 inline void cpu_relax() {
@@ -297,6 +299,11 @@ void Proxy::Impl::run(int c) {
   const int num_ranks = engine.num_ranks();
   const bool stops = c == options.stop_channel;
   uint64_t tail = 0, marked = 0, completed = 0, since_mark = 0;
+  // EPX_DEBUG_PROXY=1: every command on stderr as the thread takes it.
+  static const bool trace = [] {
+    const char* v = std::getenv("EPX_DEBUG_PROXY");
+    return v != nullptr && v[0] == '1';
+  }();
   Backoff backoff;
 
   auto fail = [&](ErrorCode code, const std::string& what) {
@@ -383,6 +390,9 @@ void Proxy::Impl::run(int c) {
            "malformed command at " + describe(tail, header, cmd) + ": " + malformed);
       return;
     }
+    if (trace)
+      std::fprintf(stderr, "epx proxy rank %d channel %d: %s\n", engine.rank(), c,
+                   describe(tail, header, cmd).c_str());
     try {
       const int peer = static_cast<int>(cmd.peer);
       if (op != Op::kSignal) engine.put(c, peer, region, cmd.dst_off, cmd.src_off, cmd.bytes);

@@ -1,0 +1,133 @@
+// transport/proxy/device.cuh - ProxyTransport: the device half of the CPU-proxy
+// backend. Peers in this rank's node are reached by load/store (LsaWords);
+// the others through commands posted into per-channel rings that proxy
+// threads carry out (command.hpp describes the protocol). A context is a
+// channel.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/device.cuh"
+#include "transport/concept.cuh"
+#include "transport/lsa.cuh"
+#include "transport/proxy/command.hpp"
+
+namespace epx::dev {
+
+struct ProxyTransport : TransportBase, LsaWords<ProxyTransport> {
+  static constexpr TransportCaps kCaps{/*network=*/true, /*peer_loads=*/true, kMaxContexts,
+                                       kMaxRanks};
+  char* base[kMaxRanksPerNode];  ///< the node's copies of the region, by local index
+  char* local;                   ///< this rank's copy
+  int region;                    ///< the engine's id of this region
+  const proxy::ChannelView* channels;  ///< [num_contexts], device memory
+
+#if defined(__CUDACC__)
+  __device__ __forceinline__ char* lsa_ptr(int r, std::size_t offset) const {
+    return same_node(r) ? base[r - node_first] + offset : nullptr;
+  }
+  __device__ __forceinline__ char* local_ptr(std::size_t offset) const { return local + offset; }
+
+  /// Posts one command into channel `ctx` (one thread). False, after a
+  /// report, when no slot freed up before the deadline or the channel's
+  /// proxy thread stopped.
+  __device__ bool post(int ctx, proxy::Op op, int peer, uint64_t dst_off, uint64_t src_off,
+                       uint64_t bytes, uint64_t sig_off, uint64_t add) const {
+    const proxy::ChannelView ch = channels[ctx];
+    const unsigned long long slot = atomicAdd(&ch.dev->reserved, 1ull);
+    unsigned long long seen = *static_cast<volatile unsigned long long*>(&ch.dev->consumed_seen);
+    if (slot >= seen + ch.capacity) {
+      const bool ok = spin_until(
+          [&] {
+            if (*static_cast<volatile uint32_t*>(&ch.host->stopped) != 0u) return ~0ull;
+            return static_cast<unsigned long long>(ld_volatile_u64(&ch.host->consumed));
+          },
+          [&](unsigned long long v) { return v == ~0ull || slot < v + ch.capacity; },
+          [&](unsigned long long v) { return static_cast<uint32_t>(v); },
+          static_cast<uint32_t>(slot), timeout_ns, diag, OpId::kProxyPost, rank, peer, ctx);
+      const unsigned long long now = ld_volatile_u64(&ch.host->consumed);
+      if (!ok || *static_cast<volatile uint32_t*>(&ch.host->stopped) != 0u) {
+        report(diag, DiagCode::kProxyStopped, OpId::kProxyPost, rank, peer, ctx,
+               static_cast<uint32_t>(slot), static_cast<uint32_t>(now));
+        return false;
+      }
+      atomicMax(&ch.dev->consumed_seen, now);
+    }
+    proxy::Command* c = ch.ring + (slot & (ch.capacity - 1));
+    volatile uint64_t* w = reinterpret_cast<volatile uint64_t*>(c);
+    w[1] = dst_off;
+    w[2] = src_off;
+    w[3] = bytes;
+    w[4] = sig_off;
+    w[5] = add;
+    w[6] = static_cast<uint64_t>(static_cast<uint32_t>(peer));
+    st_release_sys_u64(&c->header, proxy::make_header(slot + 1, op, region));
+    return true;
+  }
+
+  template <class Coop>
+  __device__ __forceinline__ void put(int ctx, int r, std::size_t dst_off, std::size_t src_off,
+                                      std::size_t bytes) const {
+    if (same_node(r)) {
+      lsa_copy<Coop>(r, dst_off, src_off, bytes);
+      return;
+    }
+    coop_sync<Coop>();  // the group's writes of the send area before the post's release
+    if (coop_leader<Coop>()) post(ctx, proxy::Op::kPut, r, dst_off, src_off, bytes, 0, 0);
+    coop_sync<Coop>();
+  }
+  template <class Coop>
+  __device__ __forceinline__ void signal_add(int ctx, int r, int sig, uint64_t add) const {
+    coop_sync<Coop>();
+    if (!coop_leader<Coop>()) return;
+    if (same_node(r))
+      lsa_signal_add(ctx, r, sig, add);
+    else
+      post(ctx, proxy::Op::kSignal, r, 0, 0, 0, signal_word(sig, ctx), add);
+  }
+  template <class Coop>
+  __device__ __forceinline__ void put_signal(int ctx, int r, std::size_t dst_off,
+                                             std::size_t src_off, std::size_t bytes, int sig,
+                                             uint64_t add) const {
+    if (same_node(r)) {
+      lsa_copy<Coop>(r, dst_off, src_off, bytes);
+      signal_add<Coop>(ctx, r, sig, add);
+      return;
+    }
+    coop_sync<Coop>();
+    if (coop_leader<Coop>())
+      post(ctx, proxy::Op::kPutSignal, r, dst_off, src_off, bytes, signal_word(sig, ctx), add);
+    coop_sync<Coop>();
+  }
+  __device__ __forceinline__ bool wait_signal(int sig, uint64_t value, OpId op, int peer) const {
+    return wait_signal_words(*this, local, sig, value, op, peer);
+  }
+  /// A channel applies its commands in order: nothing to do on the device.
+  __device__ __forceinline__ void fence(int) const { __threadfence_system(); }
+  /// Waits until every command of channel `ctx` reserved so far is complete.
+  __device__ bool quiet(int ctx) const {
+    const proxy::ChannelView ch = channels[ctx];
+    const unsigned long long target =
+        *static_cast<volatile unsigned long long*>(&ch.dev->reserved);
+    const bool ok = spin_until(
+        [&] {
+          if (*static_cast<volatile uint32_t*>(&ch.host->stopped) != 0u) return ~0ull;
+          return static_cast<unsigned long long>(ld_volatile_u64(&ch.host->completed));
+        },
+        [&](unsigned long long v) { return v >= target; },
+        [&](unsigned long long v) { return static_cast<uint32_t>(v); },
+        static_cast<uint32_t>(target), timeout_ns, diag, OpId::kProxyQuiet, rank, -1, ctx);
+    if (ok && *static_cast<volatile uint32_t*>(&ch.host->stopped) != 0u &&
+        ld_volatile_u64(&ch.host->completed) < target) {
+      report(diag, DiagCode::kProxyStopped, OpId::kProxyQuiet, rank, -1, ctx,
+             static_cast<uint32_t>(target),
+             static_cast<uint32_t>(ld_volatile_u64(&ch.host->completed)));
+      return false;
+    }
+    return ok;
+  }
+#endif  // __CUDACC__
+};
+
+}  // namespace epx::dev

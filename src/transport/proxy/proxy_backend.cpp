@@ -1,0 +1,167 @@
+// The CPU-proxy backend: symmetric memory from cudaMalloc; peers in this
+// rank's (possibly virtual) node reached by load/store through the engine's
+// mappings; the others through commands the GPU posts into per-channel rings
+// that proxy threads hand to the engine (CUDA IPC on one host today).
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+
+#include "common/check.hpp"
+#include "common/env.hpp"
+#include "epx/communicator.hpp"
+#include "epx/error.hpp"
+#include "transport/backend.hpp"
+#include "transport/proxy/proxy.hpp"
+
+namespace epx::transport {
+namespace {
+
+/// EPX_DEBUG_PROXY_STOP=RANK:CHANNEL:N: the proxy thread of that rank's channel
+/// stops after N commands, as a proxy thread that died would (tests).
+void read_stop_knob(int rank, proxy::ProxyOptions& o) {
+  const auto v = env::get("EPX_DEBUG_PROXY_STOP");
+  if (!v) return;
+  int r = -1, c = -1;
+  unsigned long long n = 0;
+  char tail = 0;
+  if (std::sscanf(v->c_str(), "%d:%d:%llu%c", &r, &c, &n, &tail) != 3 || r < 0 || c < 0)
+    throw Error(ErrorCode::kInvalidArgument,
+                "EPX_DEBUG_PROXY_STOP: must be RANK:CHANNEL:COMMANDS, got '" + *v + "'");
+  if (r != rank) return;
+  o.stop_channel = c;
+  o.stop_after = n;
+  std::fprintf(stderr, "epx: EPX_DEBUG_PROXY_STOP: rank %d's proxy channel %d stops after %llu "
+                       "commands\n",
+               r, c, n);
+}
+
+class ProxyBackend final : public Backend {
+ public:
+  ProxyBackend(Communicator& comm, const Topology& topology, const BackendOptions& options)
+      : comm_(comm), topo_(topology) {
+    // One thread per channel: num_qps_per_rank (DeepEP's default is 24) is
+    // capped at EPX_PROXY_CHANNELS (default 4) channels per rank.
+    const long cap = env::get_int("EPX_PROXY_CHANNELS").value_or(4);
+    if (cap < 1 || cap > kMaxContexts)
+      throw Error(ErrorCode::kInvalidArgument, "EPX_PROXY_CHANNELS: must be in [1, " +
+                                                   std::to_string(kMaxContexts) + "], got " +
+                                                   std::to_string(cap));
+    num_channels_ = static_cast<int>(std::clamp<long>(options.num_contexts, 1, cap));
+    engine_ = proxy::make_cuda_ipc_engine(comm, num_channels_);
+    proxy::ProxyOptions po;
+    po.num_channels = num_channels_;
+    po.device = comm.device();
+    if (auto cap = env::get_int("EPX_PROXY_RING")) {
+      if (*cap < 16 || *cap > (1l << 22))
+        throw Error(ErrorCode::kInvalidArgument,
+                    "EPX_PROXY_RING: commands per channel ring must be in [16, 4194304], got " +
+                        std::to_string(*cap));
+      po.capacity = static_cast<uint32_t>(*cap);
+    }
+    read_stop_knob(comm.rank(), po);
+    options_ = po;
+  }
+  ~ProxyBackend() override {
+    if (proxy_) proxy_->stop();
+  }
+
+  const char* name() const override { return "proxy"; }
+  int rank() const override { return comm_.rank(); }
+  int num_ranks() const override { return comm_.num_ranks(); }
+  const Topology& topology() const override { return topo_; }
+  int num_contexts() const override { return num_channels_; }
+
+  SymmetricRegion alloc(std::size_t bytes) override {
+    SymmetricRegion r;
+    r.bytes = (bytes == 0 ? 4096 : (bytes + 4095) / 4096 * 4096);
+    r.id = next_id_++;
+    if (r.id >= proxy::kMaxRegions)
+      throw Error(ErrorCode::kInternal, "proxy backend: too many regions");
+    EPX_CUDA_CHECK(cudaMalloc(&r.local, r.bytes));
+    EPX_CUDA_CHECK(cudaMemset(r.local, 0, r.bytes));
+    EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    // Collective: every rank's region is registered (and zeroed) before any
+    // command names it.
+    engine_->register_region(r.id, r.local, r.bytes);
+    r.peers.assign(comm_.num_ranks(), nullptr);
+    for (int p = 0; p < comm_.num_ranks(); ++p) {
+      if (!topo_.same_node(p, comm_.rank())) continue;
+      r.peers[p] = p == comm_.rank() ? r.local : engine_->mapped(r.id, p);
+      if (r.peers[p] == nullptr)
+        throw Error(ErrorCode::kUnsupported,
+                    "proxy backend: rank " + std::to_string(p) + " is in rank " +
+                        std::to_string(comm_.rank()) + "'s node but engine '" + engine_->name() +
+                        "' does not map its memory");
+    }
+    barrier();
+    return r;
+  }
+
+  void free(SymmetricRegion& r) override {
+    if (!r.local) return;
+    barrier();
+    EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    barrier();  // no rank's kernels or proxy still write this memory
+    if (proxy_) {
+      proxy_->stop();  // commands left in the rings are dropped (the ops are done)
+      proxy_.reset();
+    }
+    engine_->deregister_region(r.id);
+    EPX_CUDA_CHECK(cudaFree(r.local));
+    barrier();
+    r = SymmetricRegion{};
+  }
+
+  void barrier() override { comm_.barrier(); }
+
+  /// The rings and threads are made here, while no kernel of this buffer
+  /// runs: allocating pinned and device memory can wait for the GPU, which for
+  /// ranks sharing one waits for their kernels.
+  void start() override {
+    if (!proxy_) proxy_ = std::make_unique<proxy::Proxy>(*engine_, options_);
+    barrier();
+  }
+
+  dev::AnyTransport device(const SymmetricRegion& r) const override {
+    if (!proxy_)
+      throw Error(ErrorCode::kInternal, "proxy backend: device() before start()");
+    dev::ProxyTransport t{};
+    t.rank = comm_.rank();
+    t.num_ranks = comm_.num_ranks();
+    t.ranks_per_node = topo_.ranks_per_node;
+    t.node_first = topo_.node_of(comm_.rank()) * topo_.ranks_per_node;
+    for (int i = 0; i < topo_.ranks_per_node; ++i)
+      t.base[i] = static_cast<char*>(r.peers[t.node_first + i]);
+    t.local = static_cast<char*>(r.local);
+    t.region = r.id;
+    t.channels = proxy_->views_device();
+    return t;
+  }
+
+  void region_cleared(const SymmetricRegion& r) override { engine_->reset_signals(r.id); }
+
+  void check_health() const override {
+    if (proxy_) proxy_->check();
+  }
+
+ private:
+  Communicator& comm_;
+  Topology topo_;
+  int num_channels_ = 1;
+  int next_id_ = 0;
+  std::unique_ptr<proxy::Engine> engine_;
+  proxy::ProxyOptions options_;
+  /// Made by start(), once every region is registered.
+  std::unique_ptr<proxy::Proxy> proxy_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_proxy_backend(Communicator& comm, const Topology& topology,
+                                            const BackendOptions& options) {
+  return std::make_unique<ProxyBackend>(comm, topology, options);
+}
+
+}  // namespace epx::transport
