@@ -18,7 +18,7 @@ namespace {
 
 constexpr int kWarpsPerBlock = kernels::kLlThreads / 32;
 constexpr int kDispatchChunk = kernels::kLlDispatchChunk;
-constexpr int kStateInts = 16;
+constexpr int kStateInts = kernels::kLlStateInts;
 
 int ceil_div(int64_t a, int64_t b) {
   return static_cast<int>((a + b - 1) / b);
@@ -49,7 +49,24 @@ kernels::LlOffsets offsets_of(const plan::LlRegion& r) {
   o.weights_stride = plan::LlRegion::weights_stride();
   o.weights_half_bytes = r.weights_half_bytes();
   o.comb_rows = r.combine_rows_offset();
+  o.tok_done = r.tok_done_offset();
+  o.row_done = r.row_done_offset();
+  o.net_done = r.net_done_offset();
+  o.net_masks = r.net_masks_offset();
+  o.net_masks_half_bytes = r.net_masks_half_bytes();
+  o.net_weights = r.net_weights_offset();
+  o.net_comb = r.net_comb_offset();
+  o.net_comb_half_bytes = r.net_comb_half_bytes();
   return o;
+}
+
+/// (source, token) entries the dispatch receive keeps in shared memory at most.
+constexpr int64_t kMaxRecvList = 24 * 1024;
+
+/// What the ops need of the region: the core areas, and with peers in other
+/// nodes the network areas after them too.
+std::size_t ll_bytes_needed(const Buffer::Impl& d, const plan::LlRegion& r) {
+  return d.networked() ? r.net_end() : r.core_bytes();
 }
 
 std::string workload(const plan::LlRegion& r) {
@@ -60,15 +77,7 @@ std::string workload(const plan::LlRegion& r) {
 
 void check_fits(const char* op, const Buffer::Impl& d, const plan::LlRegion& r, std::size_t need,
                 const char* what) {
-  if (need <= d.ll.bytes) {
-    for (int r = 0; r < d.comm->num_ranks(); ++r)
-      if (r != d.comm->rank() && d.ll.peers[r] == nullptr)
-        throw Error(ErrorCode::kUnsupported,
-                    std::string(op) + ": rank " + std::to_string(r) +
-                        " is not load/store reachable from rank " + std::to_string(d.comm->rank()) +
-                        "; the low-latency kernels need every peer over NVLink");
-    return;
-  }
+  if (need <= d.ll.bytes) return;
   throw Error(ErrorCode::kBufferTooSmall,
               std::string(op) + ": num_rdma_bytes: " + what + " needs " + std::to_string(need) +
                   " bytes of low-latency buffer (" + workload(r) + ") but the buffer has " +
@@ -100,7 +109,11 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   const int maxT = a.num_max_dispatch_tokens_per_rank;
   const int E_local = E / R, RT = R * maxT, G = H / 128, G4 = (G + 3) / 4;
   const plan::LlRegion region = region_of(R, maxT, H, E);
-  check_fits(op, d, region, region.core_bytes(), "the call");
+  check_fits(op, d, region, ll_bytes_needed(d, region), "the call");
+  // The receive lists every (source, token) of a local expert in shared memory.
+  require(static_cast<int64_t>(R) * maxT <= kMaxRecvList, "num_max_dispatch_tokens_per_rank",
+          "times the rank count must be <= " + std::to_string(kMaxRecvList) + ", got " +
+              std::to_string(maxT) + " x " + std::to_string(R) + " ranks");
   d.raise_if_failed(op);
 
   StreamArgs s;
@@ -145,16 +158,16 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   }
   const cudaStream_t launch = d.ll_enter(s);
 
-  const auto tr = d.ll_transport();
+  const auto tr = d.ll_transport(region.signals_offset());
   auto off = offsets_of(region);
   // What a peer's rows and slots are laid out by: receivers refuse a sender whose differ.
   off.shape_fp = plan::fingerprint({maxT, H, E, a.use_fp8 ? 1 : 0}) >> plan::kLlCountBits;
   const int row_bytes = static_cast<int>(region.dispatch_row_bytes(a.use_fp8));
 
-  kernels::LlDispatchSendParams sp{};
-  sp.t = tr;
+  kernels::LlDispatchSendArgs sp{};
   sp.off = off;
   sp.op_counter = d.ll_op_counter;
+  sp.seq = d.ll_seq;
   sp.state = handle->state.ptr<int32_t>();
   sp.x = a.x.ptr<uint16_t>();
   sp.topk_idx = a.topk_idx.ptr<int64_t>();
@@ -175,8 +188,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
                              static_cast<int64_t>(ceil_div(maxT, 32)) * ceil_div(E, 32);
   const int send_blocks_max = std::clamp(ceil_div(send_items, kWarpsPerBlock), 1, d.ll_blocks(2));
 
-  kernels::LlDispatchRecvParams rp{};
-  rp.t = tr;
+  kernels::LlDispatchRecvArgs rp{};
   rp.off = off;
   rp.state = handle->state.ptr<int32_t>();
   rp.hidden = H;
@@ -198,7 +210,8 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
       a.dispatch_wait_recv_cost_stats ? a.dispatch_wait_recv_cost_stats->ptr<int64_t>() : nullptr;
   rp.timeout_ns = d.timeout_ns();
   rp.diag = d.diag_dev;
-  rp.arrival_order = d.ll_arrival_order;
+  // Arrival order is a load/store protocol (experimental): rank order across nodes.
+  rp.arrival_order = d.ll_arrival_order && !d.networked();
 
   if (!a.return_recv_hook) {
     // One kernel of 2 blocks per SM: up to half of them send (a warp per
@@ -206,7 +219,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
     const int blocks = d.ll_blocks(2);
     const int senders = std::min(send_blocks_max, blocks / 2);
     rp.parts = rp.arrival_order ? 1 : std::clamp((blocks - senders) / E_local, 1, 8);
-    kernels::launch_ll_dispatch_fused(sp, rp, blocks, senders, launch);
+    kernels::launch_ll_dispatch_fused(tr, sp, rp, blocks, senders, launch);
     res.event = d.ll_leave(s, launch);
   } else {
     // The caller's stream is ordered after the send (or holds the event when
@@ -218,15 +231,15 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
     // With in-process ranks a grid past a rank's share of the SMs could hold
     // SMs a peer's send kernel needs while it waits for that send.
     const int recv_blocks = std::min(E_local * rp.parts, d.ll_blocks(2));
-    kernels::launch_ll_dispatch_send(sp, send_blocks_max, launch);
+    kernels::launch_ll_dispatch_send(tr, sp, send_blocks_max, launch);
     res.event = d.ll_leave(s, launch);
     Impl* impl = &d;
-    res.hook = [impl, rp, recv_blocks, stream = a.stream, sent = res.event, recv_x = res.recv_x,
+    res.hook = [impl, tr, rp, recv_blocks, stream = a.stream, sent = res.event, recv_x = res.recv_x,
                 scales = res.recv_x_scales, count = res.recv_count, handle]() {
       impl->check_alive(op);
       impl->raise_if_failed(op);
       if (sent) sent->stream_wait(stream);
-      kernels::launch_ll_dispatch_recv(rp, recv_blocks, stream);
+      kernels::launch_ll_dispatch_recv(tr, rp, recv_blocks, stream);
       impl->ll_hook_launched(stream, stream);
     };
   }
@@ -247,7 +260,7 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   const int T = h.num_tokens, H = h.hidden, K = h.num_topk, E = h.num_experts;
   const int maxT = h.num_max_dispatch_tokens_per_rank;
   const plan::LlRegion region = region_of(R, maxT, H, E);
-  check_fits(op, d, region, region.core_bytes(), "the call");
+  check_fits(op, d, region, ll_bytes_needed(d, region), "the call");
   d.raise_if_failed(op);
 
   StreamArgs s;
@@ -274,16 +287,16 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   if (wait_stats)
     EPX_CUDA_CHECK(cudaMemsetAsync(send_wait_first, 0, sizeof(unsigned long long) * R, launch));
 
-  const auto tr = d.ll_transport();
+  const auto tr = d.ll_transport(region.signals_offset());
   const auto off = offsets_of(region);
   const int C =
       ceil_div(H, a.use_logfmt ? kernels::kLlCombineSendChunkLogFmt : kernels::kLlCombineSendChunk);
   const int C_recv = ceil_div(H, kernels::kLlCombineRecvChunk);
 
-  kernels::LlCombineSendParams sp{};
-  sp.t = tr;
+  kernels::LlCombineSendArgs sp{};
   sp.off = off;
   sp.op_counter = d.ll_op_counter;
+  sp.seq = d.ll_seq;
   sp.state = state.ptr<int32_t>();
   sp.disp_state = h.state.ptr<int32_t>();
   sp.x = a.x.ptr<uint16_t>();  // zero_copy or not, the send reads x where it is
@@ -301,10 +314,9 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   sp.diag = d.diag_dev;
   const int send_blocks =
       std::clamp(ceil_div(static_cast<int64_t>(R) * maxT * C, kWarpsPerBlock), 1, d.ll_blocks(1));
-  kernels::launch_ll_combine_send(sp, send_blocks, launch);
+  kernels::launch_ll_combine_send(tr, sp, send_blocks, launch);
 
-  kernels::LlCombineRecvParams rp{};
-  rp.t = tr;
+  kernels::LlCombineRecvArgs rp{};
   rp.off = off;
   rp.state = state.ptr<int32_t>();
   rp.topk_idx = a.topk_idx.ptr<int64_t>();
@@ -328,18 +340,18 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
     // The receive kernel starts early (programmatic dependent launch) and
     // waits on the SMs the send leaves; with ranks sharing a GPU those SMs may
     // be what a peer's (cooperative) send needs, so there it starts after.
-    kernels::launch_ll_combine_recv(rp, recv_blocks, launch,
+    kernels::launch_ll_combine_recv(tr, rp, recv_blocks, launch,
                                     /*dependent=*/d.comm->ranks_on_device() == 1);
     res.event = d.ll_leave(s, launch);
   } else {
     res.event = d.ll_leave(s, launch);
     Impl* impl = &d;
-    res.hook = [impl, rp, recv_blocks, stream = a.stream, launch, sent = res.event,
+    res.hook = [impl, tr, rp, recv_blocks, stream = a.stream, launch, sent = res.event,
                 out = res.combined_x, state, handle]() {
       impl->check_alive(op);
       impl->raise_if_failed(op);
       if (sent) sent->stream_wait(stream);
-      kernels::launch_ll_combine_recv(rp, recv_blocks, stream, /*dependent=*/false);
+      kernels::launch_ll_combine_recv(tr, rp, recv_blocks, stream, /*dependent=*/false);
       impl->ll_hook_launched(stream, launch);  // `state` lives on `launch`
     };
   }
@@ -381,8 +393,12 @@ void Buffer::clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, int 
   d.comm->barrier();
   const std::size_t bytes = std::min(region.core_bytes(), d.ll.bytes);
   if (bytes > 0) EPX_CUDA_CHECK(cudaMemsetAsync(d.ll.local, 0, bytes, d.comm_stream));
+  // (The core areas hold the network transports' signals and send counters
+  // too; the op counts the signals are compared against restart with them.)
   EPX_CUDA_CHECK(cudaMemsetAsync(d.ll_op_counter, 0, sizeof(uint32_t), d.comm_stream));
+  EPX_CUDA_CHECK(cudaMemsetAsync(d.ll_seq, 0, 2 * sizeof(uint64_t), d.comm_stream));
   EPX_CUDA_CHECK(cudaStreamSynchronize(d.comm_stream));
+  d.backend->region_cleared(d.ll);
   d.ll_parity = 0;
   d.comm->barrier();
 }
@@ -436,7 +452,7 @@ void Buffer::low_latency_clean_mask_buffer(cudaStream_t stream) {
   static constexpr const char* op = "low_latency_clean_mask_buffer";
   auto& d = shrink_impl(*impl_, op);
   in_ll_order(d, stream, [&](cudaStream_t launch) {
-    EPX_CUDA_CHECK(cudaMemsetAsync(d.ll_mask, 0, sizeof(int) * plan::kMaxRanks, launch));
+    EPX_CUDA_CHECK(cudaMemsetAsync(d.ll_mask, 0, sizeof(int) * plan::kLlMaxRanks, launch));
   });
 }
 
@@ -448,8 +464,8 @@ std::size_t Buffer::get_low_latency_rdma_size_hint(int num_max_dispatch_tokens_p
                                                    int num_ranks, int num_experts) {
   static constexpr const char* op = "get_low_latency_rdma_size_hint";
   require(
-      num_ranks >= 1 && num_ranks <= plan::kMaxRanks, "num_ranks",
-      "must be in [1, " + std::to_string(plan::kMaxRanks) + "], got " + std::to_string(num_ranks));
+      num_ranks >= 1 && num_ranks <= plan::kLlMaxRanks, "num_ranks",
+      "must be in [1, " + std::to_string(plan::kLlMaxRanks) + "], got " + std::to_string(num_ranks));
   require(num_max_dispatch_tokens_per_rank > 0, "num_max_dispatch_tokens_per_rank",
           "must be > 0, got " + std::to_string(num_max_dispatch_tokens_per_rank));
   require(hidden > 0, "hidden", "must be > 0, got " + std::to_string(hidden));

@@ -34,7 +34,9 @@
 #include <cub/block/block_scan.cuh>
 
 #include <cfloat>
+#include <type_traits>
 #include <utility>
+#include <variant>
 
 #include "common/check.hpp"
 #include "kernels/kernels.hpp"
@@ -151,12 +153,46 @@ __device__ __forceinline__ int ceil_div(int a, int b) {
   return (a + b - 1) / b;
 }
 
+/// Whether transport T may have peers in other nodes: the kernels then send
+/// to those peers with put / signal (from send areas in this rank's region)
+/// and handle up to T::kCaps.max_ranks ranks; otherwise every peer is stored
+/// to directly, with the load/store protocol alone.
+template <class T>
+inline constexpr bool kNet = T::kCaps.network;
+
+/// Network transports: before a send kernel rewrites its send areas, the
+/// puts of earlier ops that read them are complete (one thread per context).
+template <class T>
+__device__ __forceinline__ void quiet_send_areas(const T& t) {
+  if (static_cast<int>(threadIdx.x) < t.num_contexts) t.quiet(threadIdx.x);
+  __syncthreads();
+}
+
+/// Network transports: counts the calls of the `n` warps that wrote parts of
+/// one send slot (counter `*done`, zero between ops; every part increments
+/// it once); true for the warp that completes it, which then puts the slot
+/// (all of the warp's lanes get the answer). The system-scope fences order
+/// every part's stores before the put the proxy or NIC reads.
+__device__ __forceinline__ bool last_part(uint32_t* done, int n) {
+  int last = 0;
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) {
+    dev::fence_acq_rel_sys();
+    last = atomicAdd(done, 1u) == static_cast<uint32_t>(n - 1) ? 1 : 0;
+    if (last) {
+      *done = 0u;
+      dev::fence_acq_rel_sys();
+    }
+  }
+  return __shfl_sync(0xffffffffu, last, 0) != 0;
+}
+
 __device__ __forceinline__ std::size_t flag_offset(std::size_t half, const LlOffsets& o, int kind,
                                                    int src) {
   // Flags sit at a fixed place outside the halves (see plan::LlRegion).
   const std::size_t parity = half == o.half0 ? 0u : 1u;
   return o.flags + parity * o.flags_half_bytes +
-         4u * (static_cast<std::size_t>(kind) * plan::kMaxRanks + src);
+         4u * (static_cast<std::size_t>(kind) * plan::kLlMaxRanks + src);
 }
 
 // ---- numeric helpers (each mirrors the CPU reference bit for bit) -------------
@@ -219,9 +255,11 @@ __device__ __forceinline__ float fp8_scale(float amax, bool round_scale) {
 /// orders every thread's peer stores before thread 0's system-scope release
 /// fence, and release is cumulative (PTX memory model), so the count carries
 /// them all.
-__device__ __forceinline__ void finish_combine_send(const dev::NvlinkTransport& t,
-                                                    const LlOffsets& o, std::size_t half,
-                                                    uint32_t* op_counter, uint32_t epoch) {
+template <class T>
+__device__ __forceinline__ void finish_combine_send(const T& t, const LlOffsets& o,
+                                                    std::size_t half, uint32_t* op_counter,
+                                                    uint32_t epoch, uint64_t* seq_counter,
+                                                    uint64_t seq) {
   __shared__ int is_last;
   EPX_TL(kTlCombine, kTlSendItems);
   __syncthreads();
@@ -234,11 +272,25 @@ __device__ __forceinline__ void finish_combine_send(const dev::NvlinkTransport& 
   __syncthreads();
   tl_mark(kTlCombine, kTlSendCounted);
   if (!is_last) return;
-  if (static_cast<int>(threadIdx.x) < t.num_ranks && !t.masked(threadIdx.x))
-    t.signal(threadIdx.x, flag_offset(half, o, kFlagCombine, t.rank), epoch);
+  if constexpr (!kNet<T>) {
+    if (static_cast<int>(threadIdx.x) < t.num_ranks && !t.masked(threadIdx.x))
+      t.lsa_flag(threadIdx.x, flag_offset(half, o, kFlagCombine, t.rank), epoch);
+  } else {
+    // Peers in other nodes: one signal per context, after that context's row puts.
+    for (int r = threadIdx.x; r < t.num_ranks; r += blockDim.x) {
+      if (t.masked(r)) continue;
+      if (t.same_node(r)) {
+        t.lsa_flag(r, flag_offset(half, o, kFlagCombine, t.rank), epoch);
+      } else {
+        for (int c = 0; c < t.num_contexts; ++c)
+          t.template signal_add<dev::Thread>(c, r, ll_sig_combine(t.num_ranks, t.rank), 1);
+      }
+    }
+  }
   if (threadIdx.x == 0) {
     control[kDoneCombine] = 0u;
     *op_counter = epoch;
+    if constexpr (kNet<T>) *seq_counter = seq;
   }
   tl_mark(kTlCombine, kTlSendSignal);
 }
@@ -249,9 +301,10 @@ __device__ __forceinline__ void finish_combine_send(const dev::NvlinkTransport& 
 /// With wait_stats, block 0 adds to wait_stats[s] the send's wait for s's first
 /// weight word (send_wait_first[s] - 1), or where s sent no token here (0) the
 /// wait for its flag, in ns.
-__device__ __forceinline__ bool wait_combine_flags(const dev::NvlinkTransport& t,
-                                                   const LlOffsets& o, std::size_t half,
-                                                   uint32_t epoch, uint64_t timeout_ns,
+template <class T>
+__device__ __forceinline__ bool wait_combine_flags(const T& t, const LlOffsets& o,
+                                                   std::size_t half, uint32_t epoch, uint64_t seq,
+                                                   uint64_t timeout_ns,
                                                    DeviceDiag* diag, int64_t* wait_stats,
                                                    const unsigned long long* send_wait_first,
                                                    uint32_t& live) {
@@ -265,8 +318,17 @@ __device__ __forceinline__ bool wait_combine_flags(const dev::NvlinkTransport& t
     // latency); a masked source is left out whether its flag came or not.
     const bool was_masked = t.masked(s);
     const uint64_t t0 = wait_stats != nullptr ? dev::globaltimer_ns() : 0;
-    if (!t.wait(flag_offset(half, o, kFlagCombine, s), epoch, timeout_ns, diag,
-                OpId::kLowLatencyCombineRecv, s, -1)) {
+    bool came;
+    if constexpr (kNet<T>) {
+      came = t.same_node(s) ? t.wait_flag(flag_offset(half, o, kFlagCombine, s), epoch, timeout_ns,
+                                          diag, OpId::kLowLatencyCombineRecv, s, -1)
+                            : t.wait_signal(ll_sig_combine(t.num_ranks, s), seq * t.num_contexts,
+                                            OpId::kLowLatencyCombineRecv, s);
+    } else {
+      came = t.wait_flag(flag_offset(half, o, kFlagCombine, s), epoch, timeout_ns, diag,
+                         OpId::kLowLatencyCombineRecv, s, -1);
+    }
+    if (!came) {
       if (!was_masked && !t.masked(s)) atomicExch(&failed, 1);
     } else if (wait_stats != nullptr && blockIdx.x == 0 && !was_masked) {
       const unsigned long long first = send_wait_first[s];
@@ -276,9 +338,13 @@ __device__ __forceinline__ bool wait_combine_flags(const dev::NvlinkTransport& t
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0) s_live = t.live_ranks();
-  __syncthreads();
-  live = s_live;
+  if constexpr (!kNet<T>) {  // network transports read each rank's mask word where they need it
+    if (threadIdx.x == 0) s_live = t.live_ranks();
+    __syncthreads();
+    live = s_live;
+  } else {
+    live = 0;
+  }
   return failed == 0;
 }
 
@@ -308,22 +374,126 @@ __device__ __forceinline__ std::size_t chunk_flag_offset(const LlOffsets& o, std
          4u * ((static_cast<std::size_t>(src) * plan::kLlMaxTokens + t) * plan::kLlMaxChunks + c);
 }
 
+/// Network transports: offset of the tagged mask word for (rank r, word w,
+/// local expert le) in this rank's mask send area of the op's half.
+__device__ __forceinline__ std::size_t net_mask_offset(const LlOffsets& o, uint32_t epoch, int r,
+                                                       int w, int le, int E_local) {
+  return o.net_masks + (epoch & 1u) * o.net_masks_half_bytes +
+         8u * ((static_cast<std::size_t>(r) * plan::kLlMaxMaskWords + w) * E_local + le);
+}
+
 /// The op's epoch (next_epoch of the op counter); block 0 records it in the handle state
-/// and sends this rank's token count to every rank.
-__device__ __forceinline__ uint32_t dispatch_begin(const LlDispatchSendParams& p) {
+/// and sends this rank's token count to every rank (in this rank's node; the
+/// others get it with the op's last puts). Network transports: a block that
+/// sends (`sends`) first waits until the puts that read its send areas are done.
+template <class T>
+__device__ __forceinline__ uint32_t dispatch_begin(const LlDispatchSendParams<T>& p, uint64_t seq,
+                                                   bool sends = true) {
   const uint32_t epoch = plan::next_epoch(*p.op_counter);
+  if constexpr (kNet<T>)
+    if (sends) quiet_send_areas(p.t);
   if (blockIdx.x == 0) {
     const std::size_t tags = tags_of(p.off, epoch);
-    if (static_cast<int>(threadIdx.x) < p.t.num_ranks && !p.t.masked(threadIdx.x))
-      p.t.put_tagged(threadIdx.x, tags + 8u * static_cast<std::size_t>(p.t.rank),
-                     plan::ll_count_word(p.num_tokens, p.off.shape_fp), epoch);
-    if (threadIdx.x == 0) p.state[0] = static_cast<int32_t>(epoch);
+    if (static_cast<int>(threadIdx.x) < p.t.num_ranks && !p.t.masked(threadIdx.x)) {
+      bool direct = true;
+      if constexpr (kNet<T>) direct = p.t.same_node(threadIdx.x);
+      if (direct)
+        p.t.lsa_tagged(threadIdx.x, tags + 8u * static_cast<std::size_t>(p.t.rank),
+                       plan::ll_count_word(p.num_tokens, p.off.shape_fp), epoch);
+    }
+    if (threadIdx.x == 0) {
+      p.state[0] = static_cast<int32_t>(epoch);
+      if constexpr (kNet<T>) *reinterpret_cast<uint64_t*>(p.state + 2) = seq;
+    }
   }
   return epoch;
 }
 
+/// FP8 of one lane's 16 elements (a, b) with the scale of its 128-element
+/// group (8 lanes): ref::quantize_row_fp8.
+__device__ __forceinline__ int4 fp8_quantize16(const int4& a, const int4& b, bool round_scale,
+                                               float& scale) {
+  float f[16];
+  unpack_bf16x8(a, f);
+  unpack_bf16x8(b, f + 8);
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(f[i]));
+  amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 2));
+  amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, 4));
+  scale = fp8_scale(amax, round_scale);
+  // x / scale, correctly rounded; a power-of-two scale (round_scale) has an
+  // exact reciprocal, and x * (1 / scale) is then the same number.
+  const float inv = 1.0f / scale;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) f[i] = round_scale ? f[i] * inv : __fdiv_rn(f[i], scale);
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    w[i] = fp8x2_e4m3_bits(f[4 * i], f[4 * i + 1]) |
+           (fp8x2_e4m3_bits(f[4 * i + 2], f[4 * i + 3]) << 16);
+  return make_int4(static_cast<int>(w[0]), static_cast<int>(w[1]), static_cast<int>(w[2]),
+                   static_cast<int>(w[3]));
+}
+
+/// Network transports: one (token t, 512-column chunk c) row item, with the
+/// lane's 16 elements in a, b. The chunk goes to every rank of this node that
+/// hosts one of the token's picks (stores, then an arrival flag, as without a
+/// network) and, when some picks are on ranks of other nodes, into this
+/// rank's own slot [me][t] (the same bytes every destination gets); the warp
+/// that writes the token's last chunk there puts the whole row to each of
+/// those ranks (one message per (token, rank)).
+template <class T>
+__device__ __forceinline__ void net_send_chunk(const LlDispatchSendParams<T>& p, uint32_t epoch,
+                                               int t, int c, int64_t e, const int4& a,
+                                               const int4& b) {
+  const int R = p.t.num_ranks, me = p.t.rank, lane = threadIdx.x % 32;
+  const int H = p.hidden, E = p.num_experts, E_local = E / R;
+  const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
+  const std::size_t tags = tags_of(p.off, epoch);
+  int r_k = e >= 0 && e < E ? static_cast<int>(e / E_local) : -1;  // rank of pick `lane`
+  if (r_k >= 0 && p.t.masked(r_k)) r_k = -1;                       // shrink
+  const uint32_t same_rank = __match_any_sync(kFull, r_k);  // every lane (not after an &&)
+  const bool leader = r_k >= 0 && lane == __ffs(same_rank) - 1;
+  const uint32_t leaders = __ballot_sync(kFull, leader);  // one lane per destination rank
+  if (leaders == 0u) return;
+  const bool remote = leader && !p.t.same_node(r_k);
+  const uint32_t remotes = __ballot_sync(kFull, remote);
+  const bool to_self = __any_sync(kFull, leader && r_k == me);
+  const int h0 = c * kDispatchChunk + lane * 16;
+  const bool active = h0 < H;
+  const std::size_t slot =
+      half + p.off.disp_rows + (static_cast<std::size_t>(me) * p.max_tokens + t) * p.row_bytes;
+  float scale = 0.0f;
+  const int4 q = p.fp8 ? fp8_quantize16(a, b, p.round_scale, scale) : a;
+  auto store = [&](char* row) {
+    if (!active) return;
+    if (p.fp8) {
+      dev::st_na(reinterpret_cast<int4*>(row + h0), q);
+      if ((lane & 7) == 0) reinterpret_cast<float*>(row + H)[h0 / 128] = scale;
+    } else {
+      dev::st_na(reinterpret_cast<int4*>(row + 2 * h0), a);
+      dev::st_na(reinterpret_cast<int4*>(row + 2 * h0) + 1, b);
+    }
+  };
+  for (uint32_t m = leaders & ~remotes; m != 0u; m &= m - 1u)
+    store(p.t.lsa_ptr(__shfl_sync(kFull, r_k, __ffs(m) - 1), slot));
+  if (remotes != 0u && !to_self) store(p.t.local_ptr(slot));
+  __syncwarp();  // every lane's stores before the arrival flags (release, cumulative)
+  if (leader && !remote) p.t.lsa_flag(r_k, chunk_flag_offset(p.off, tags, me, t, c), epoch);
+  if (remotes == 0u) return;
+  const int C = ceil_div(H, kDispatchChunk);
+  if (!last_part(reinterpret_cast<uint32_t*>(p.t.local_ptr(p.off.tok_done)) + t, C)) return;
+  const int ctx = t % p.t.num_contexts;
+  for (uint32_t m = remotes; m != 0u; m &= m - 1u)
+    p.t.template put<dev::Warp>(ctx, __shfl_sync(kFull, r_k, __ffs(m) - 1), slot, slot,
+                                p.row_bytes);
+}
+
 /// Send work of warps gw = first, first + stride, ...
-__device__ __forceinline__ void dispatch_send_items(const LlDispatchSendParams& p, uint32_t epoch,
+template <class T>
+__device__ __forceinline__ void dispatch_send_items(const LlDispatchSendParams<T>& p, uint32_t epoch,
                                                     int first, int stride) {
   const int R = p.t.num_ranks, me = p.t.rank;
   const int lane = threadIdx.x % 32;
@@ -331,7 +501,8 @@ __device__ __forceinline__ void dispatch_send_items(const LlDispatchSendParams& 
   const std::size_t tags = tags_of(p.off, epoch);
   const int H = p.hidden, K = p.num_topk, E = p.num_experts, E_local = E / R;
   const int C = ceil_div(H, kDispatchChunk);
-  const uint32_t live = p.t.live_ranks();  // shrink: no store to a masked rank
+  uint32_t live = 0;  // shrink: no store to a masked rank (network transports ask per rank)
+  if constexpr (!kNet<T>) live = p.t.live_ranks();
   // The mask units come first: receivers need them before any row.
   const int groups = ceil_div(E, 32), W = ceil_div(p.max_tokens, 32);
   const int mask_units = W * groups;
@@ -360,9 +531,19 @@ __device__ __forceinline__ void dispatch_send_items(const LlDispatchSendParams& 
         if (lane == j) word = b;
       }
       const int e = 32 * g + lane;
-      if (e < E && ((live >> (e / E_local)) & 1u))
-        p.t.put_tagged(e / E_local, mask_word_offset(p.off, tags, me, w, e % E_local, E_local),
-                       word, epoch);
+      if constexpr (!kNet<T>) {
+        if (e < E && ((live >> (e / E_local)) & 1u))
+          p.t.lsa_tagged(e / E_local, mask_word_offset(p.off, tags, me, w, e % E_local, E_local),
+                         word, epoch);
+      } else if (e < E && !p.t.masked(e / E_local)) {
+        const int r = e / E_local, le = e % E_local;
+        if (p.t.same_node(r))
+          p.t.lsa_tagged(r, mask_word_offset(p.off, tags, me, w, le, E_local), word, epoch);
+        else  // into the send area; the op's last block puts it
+          dev::st_relaxed_sys_u64(reinterpret_cast<uint64_t*>(p.t.local_ptr(
+                                      net_mask_offset(p.off, epoch, r, w, le, E_local))),
+                                  (static_cast<uint64_t>(epoch) << 32) | word);
+      }
       if (lane == 0) tl_mark_any(kTlDispatch, kTlSendMasks);
       continue;
     }
@@ -378,6 +559,16 @@ __device__ __forceinline__ void dispatch_send_items(const LlDispatchSendParams& 
     }
     const int64_t e = lane < K ? p.topk_idx[static_cast<int64_t>(t) * K + lane] : -1;
     const bool valid = e >= 0 && e < E;
+    if constexpr (kNet<T>) {
+      if (c == 0 && lane < K) {
+        if (!valid && e != -1)
+          dev::report(p.diag, DiagCode::kBadExpert, OpId::kLowLatencyDispatchSend, me, -1, lane, 0,
+                      static_cast<uint32_t>(e), t);
+        if (p.topk_copy) p.topk_copy[static_cast<int64_t>(t) * K + lane] = e;
+      }
+      net_send_chunk(p, epoch, t, c, e, a, b);
+      continue;
+    }
     const uint32_t dst_mask =
         __reduce_or_sync(kFull, valid ? (1u << static_cast<int>(e / E_local)) : 0u) & live;
     if (c == 0 && lane < K) {
@@ -417,7 +608,7 @@ __device__ __forceinline__ void dispatch_send_items(const LlDispatchSendParams& 
         for (int i = 1; i <= R; ++i) {
           const int r = (me + i) % R;  // rotated, see kernel comment
           if (!((dst_mask >> r) & 1u)) continue;
-          char* row = p.t.peer_ptr(r, slot);
+          char* row = p.t.lsa_ptr(r, slot);
           dev::st_na(reinterpret_cast<int4*>(row + h0), q);
           if ((lane & 7) == 0) reinterpret_cast<float*>(row + H)[h0 / 128] = scale;
         }
@@ -426,7 +617,7 @@ __device__ __forceinline__ void dispatch_send_items(const LlDispatchSendParams& 
       for (int i = 1; i <= R; ++i) {
         const int r = (me + i) % R;
         if (!((dst_mask >> r) & 1u)) continue;
-        int4* row = reinterpret_cast<int4*>(p.t.peer_ptr(r, slot) + 2 * h0);
+        int4* row = reinterpret_cast<int4*>(p.t.lsa_ptr(r, slot) + 2 * h0);
         dev::st_na(row, a);
         dev::st_na(row + 1, b);
       }
@@ -435,26 +626,82 @@ __device__ __forceinline__ void dispatch_send_items(const LlDispatchSendParams& 
     // before lane r's release store (cumulative), which the receiver acquires.
     __syncwarp();
     if (lane < R && ((dst_mask >> lane) & 1u))
-      p.t.signal(lane, chunk_flag_offset(p.off, tags, me, t, c), epoch);
+      p.t.lsa_flag(lane, chunk_flag_offset(p.off, tags, me, t, c), epoch);
   }
 }
 
 /// Every block calls this once after its send work; the last one resets the
 /// count and publishes the epoch to the next op. Nothing waits for it.
-__device__ __forceinline__ void dispatch_count_done(const LlDispatchSendParams& p, uint32_t epoch) {
+/// Network transports: the last block, once every block's sends are posted,
+/// puts this rank's token masks and count to each rank of another node and
+/// then adds 1 to that rank's dispatch signal on every context (after the
+/// context's row puts). A rank that dies mid-dispatch (the test knob) sends
+/// none of it, as a dead rank would: its rows without a signal are no message.
+template <class T>
+__device__ __forceinline__ void net_dispatch_finish(const LlDispatchSendParams<T>& p,
+                                                    uint32_t epoch) {
+  if (p.row_tokens < p.num_tokens) return;
+  const int R = p.t.num_ranks, me = p.t.rank, E_local = p.num_experts / R;
+  const int W = ceil_div(p.max_tokens, 32);
+  const std::size_t tags = tags_of(p.off, epoch);
+  const std::size_t count = tags + 8u * static_cast<std::size_t>(me);
+  for (int r = threadIdx.x; r < R; r += blockDim.x) {
+    if (p.t.same_node(r) || p.t.masked(r)) continue;
+    p.t.template put<dev::Thread>(0, r, mask_word_offset(p.off, tags, me, 0, 0, E_local),
+                                  net_mask_offset(p.off, epoch, r, 0, 0, E_local),
+                                  8u * W * E_local);
+    p.t.template put<dev::Thread>(0, r, count, count, 8u);
+    for (int ctx = 0; ctx < p.t.num_contexts; ++ctx)
+      p.t.template signal_add<dev::Thread>(ctx, r, ll_sig_dispatch(R, me), 1);
+  }
+}
+
+/// Every block calls this once after its send work; the last one resets the
+/// count and publishes the epoch to the next op (network transports: after
+/// sending what needs every block's work). Nothing waits for it.
+template <class T>
+__device__ __forceinline__ void dispatch_count_done(const LlDispatchSendParams<T>& p, uint32_t epoch,
+                                                    uint64_t seq) {
   EPX_TL(kTlDispatch, kTlSendItems);
   __syncthreads();
   uint32_t* control = reinterpret_cast<uint32_t*>(p.t.local_ptr(p.off.control));
-  if (threadIdx.x == 0 && dev::last_block_done(control + kDoneDispatch)) *p.op_counter = epoch;
+  if constexpr (!kNet<T>) {
+    if (threadIdx.x == 0 && dev::last_block_done(control + kDoneDispatch)) *p.op_counter = epoch;
+  } else {
+    __shared__ int is_last;
+    if (threadIdx.x == 0) {
+      dev::fence_acq_rel_sys();  // release: the block's send-area writes and posts
+      is_last = dev::last_block_done(control + kDoneDispatch) ? 1 : 0;
+      if (is_last) dev::fence_acq_rel_sys();  // acquire: every block's
+    }
+    __syncthreads();
+    if (is_last) {
+      net_dispatch_finish(p, epoch);
+      if (threadIdx.x == 0) {
+        *p.op_counter = epoch;
+        p.seq[0] = seq;
+      }
+    }
+  }
   tl_mark(kTlDispatch, kTlSendCounted);
 }
 
-__global__ void __launch_bounds__(kThreads, 2) ll_dispatch_send(LlDispatchSendParams p) {
+/// Network transports: this op's count of its kind (dispatches: [0],
+/// combines: [1]), what the receivers' signals reach; 0 otherwise.
+template <class T>
+__device__ __forceinline__ uint64_t next_seq(const uint64_t* counter) {
+  if constexpr (kNet<T>) return *counter + 1;
+  return 0;
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads, 2) ll_dispatch_send(LlDispatchSendParams<T> p) {
   tl_mark(kTlDispatch, kTlSendStart);
   tl_mark(kTlDispatch, kTlSendStartMax);
-  const uint32_t epoch = dispatch_begin(p);
+  const uint64_t seq = next_seq<T>(p.seq);
+  const uint32_t epoch = dispatch_begin(p, seq);
   dispatch_send_items(p, epoch, blockIdx.x * kWarps + threadIdx.x / 32, gridDim.x * kWarps);
-  dispatch_count_done(p, epoch);
+  dispatch_count_done(p, epoch, seq);
 }
 
 /// The receive's row copies: rows i in [0, n_rows) of local expert le, row_of(i)
@@ -462,8 +709,8 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_send(LlDispatchSendPa
 /// after the arrival flags of its chunks. False (for this thread) when a wait
 /// failed (reported); the caller combines the block's answers.
 /// Warps first_warp, first_warp + warp_stride, ... take the units.
-template <class RowOf>
-__device__ __forceinline__ bool copy_rows(const LlDispatchRecvParams& p, uint32_t epoch, int le,
+template <class RowOf, class T>
+__device__ __forceinline__ bool copy_rows(const LlDispatchRecvParams<T>& p, uint32_t epoch, int le,
                                           int n_rows, RowOf row_of, int first_warp = -1,
                                           int warp_stride = kWarps) {
   const int lane = threadIdx.x % 32;
@@ -487,9 +734,13 @@ __device__ __forceinline__ bool copy_rows(const LlDispatchRecvParams& p, uint32_
     const int j = row.x, s = row.y, t = row.z;
     const int c = seg * seg_chunks + lane;
     bool arrived = true;
-    if (lane < seg_chunks && c < C)
-      arrived = p.t.wait_eq(chunk_flag_offset(p.off, tags, s, t, c), epoch, p.timeout_ns, p.diag,
-                            OpId::kLowLatencyDispatchRecv, s, le);
+    // A source in another node sent no chunk flags: its dispatch signal,
+    // awaited before its token masks, covers its rows.
+    bool flagged = true;
+    if constexpr (kNet<T>) flagged = p.t.same_node(s);
+    if (lane < seg_chunks && c < C && flagged)
+      arrived = p.t.wait_flag_eq(chunk_flag_offset(p.off, tags, s, t, c), epoch, p.timeout_ns,
+                                 p.diag, OpId::kLowLatencyDispatchRecv, s, le);
     // Shrink: a source masked after its token mask came (it stopped mid-op)
     // leaves zeros in its rows.
     const bool gone = !__all_sync(kFull, arrived) && __any_sync(kFull, p.t.masked(s));
@@ -550,12 +801,19 @@ __device__ __forceinline__ bool copy_rows(const LlDispatchRecvParams& p, uint32_
 /// the mask is read beside the wait, not before it (no added latency); a
 /// masked source counts as sending nothing, whether its word came or not (a
 /// wait for it returns at once, or when it gets masked). False: the wait failed.
-__device__ __forceinline__ bool recv_mask_word(const LlDispatchRecvParams& p, uint32_t epoch,
-                                               std::size_t tags, int s, int w, int le, int E_local,
-                                               uint32_t& word) {
+template <class T>
+__device__ __forceinline__ bool recv_mask_word(const LlDispatchRecvParams<T>& p, uint32_t epoch,
+                                               uint64_t seq, std::size_t tags, int s, int w, int le,
+                                               int E_local, uint32_t& word) {
   const bool was_masked = p.t.masked(s);
-  const bool ok = p.t.wait_tagged(mask_word_offset(p.off, tags, s, w, le, E_local), epoch, word,
-                                  p.timeout_ns, p.diag, OpId::kLowLatencyDispatchRecv, s, le);
+  bool ok = true;
+  if constexpr (kNet<T>)  // a source in another node: its words land before its signal
+    if (!was_masked && !p.t.same_node(s))
+      ok = p.t.wait_signal(ll_sig_dispatch(p.t.num_ranks, s), seq * p.t.num_contexts,
+                           OpId::kLowLatencyDispatchRecv, s);
+  if (ok)
+    ok = p.t.wait_tagged(mask_word_offset(p.off, tags, s, w, le, E_local), epoch, word,
+                         p.timeout_ns, p.diag, OpId::kLowLatencyDispatchRecv, s, le);
   if (was_masked || (!ok && p.t.masked(s))) {
     word = 0;
     return true;
@@ -566,12 +824,19 @@ __device__ __forceinline__ bool recv_mask_word(const LlDispatchRecvParams& p, ui
 /// Source s's token count into the handle state (the combine reads it there);
 /// 0 for a masked source. False: the wait failed, or the sender's shapes differ
 /// (its rows sit elsewhere; kBadConfig is reported and ends every wait).
-__device__ __forceinline__ bool recv_token_count(const LlDispatchRecvParams& p, uint32_t epoch,
-                                                 std::size_t tags, int s, int le) {
+template <class T>
+__device__ __forceinline__ bool recv_token_count(const LlDispatchRecvParams<T>& p, uint32_t epoch,
+                                                 uint64_t seq, std::size_t tags, int s, int le) {
   uint32_t n = 0;
   const bool was_masked = p.t.masked(s);  // beside the wait, as in recv_mask_word
-  const bool came = p.t.wait_tagged(tags + 8u * s, epoch, n, p.timeout_ns, p.diag,
-                                    OpId::kLowLatencyDispatchRecv, s, le);
+  bool came = true;
+  if constexpr (kNet<T>)
+    if (!was_masked && !p.t.same_node(s))
+      came = p.t.wait_signal(ll_sig_dispatch(p.t.num_ranks, s), seq * p.t.num_contexts,
+                             OpId::kLowLatencyDispatchRecv, s);
+  if (came)
+    came = p.t.wait_tagged(tags + 8u * s, epoch, n, p.timeout_ns, p.diag,
+                           OpId::kLowLatencyDispatchRecv, s, le);
   if (was_masked || (!came && p.t.masked(s))) {
     p.state[8 + s] = 0;
     return true;
@@ -586,11 +851,12 @@ __device__ __forceinline__ bool recv_token_count(const LlDispatchRecvParams& p, 
   return true;
 }
 
-__device__ __forceinline__ bool dispatch_recv_unit(const LlDispatchRecvParams& p, uint32_t epoch,
+template <class T>
+__device__ __forceinline__ bool dispatch_recv_unit(const LlDispatchRecvParams<T>& p, uint32_t epoch,
                                                    int unit, int* s_list) {
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
-  __shared__ int s_begin[plan::kMaxRanks + 1];
+  __shared__ int s_begin[T::kCaps.max_ranks + 1];
   const int R = p.t.num_ranks;
   const int E_local = p.num_experts / R, RT = R * p.max_tokens;
   const int le = unit / p.parts, part = unit % p.parts;
@@ -600,22 +866,22 @@ __device__ __forceinline__ bool dispatch_recv_unit(const LlDispatchRecvParams& p
   // often it picks le. Thread (s, w) waits for word w of source s's mask for
   // le; one scan over all R * W words gives each word its first packed row.
   const int W = ceil_div(p.max_tokens, 32);
-  static_assert(plan::kMaxRanks * plan::kLlMaxMaskWords <= kThreads);
+  static_assert(T::kCaps.max_ranks * plan::kLlMaxMaskWords <= kThreads);
   const int pos = threadIdx.x, s = pos / W, w = pos % W;
   // wait_stats: the unit's wait for source s = its last mask word's arrival
   // after the unit's start (the block's clock, read once, kept in shared).
   __shared__ uint64_t s_t0;
-  __shared__ unsigned long long s_wait[plan::kMaxRanks];
+  __shared__ unsigned long long s_wait[T::kCaps.max_ranks];
   if (p.wait_stats != nullptr) {
     if (threadIdx.x == 0) s_t0 = dev::globaltimer_ns();
     if (static_cast<int>(threadIdx.x) < R) s_wait[threadIdx.x] = 0ull;
   }
   uint32_t word = 0;
   bool ok = true;
-  if (pos < R * W) ok = recv_mask_word(p, epoch, tags, s, w, le, E_local, word);
+  if (pos < R * W) ok = recv_mask_word(p, epoch, 0, tags, s, w, le, E_local, word);
   const uint64_t arrived = p.wait_stats != nullptr ? dev::globaltimer_ns() : 0;
   if (unit == 0 && static_cast<int>(threadIdx.x) < R &&
-      !recv_token_count(p, epoch, tags, threadIdx.x, le))
+      !recv_token_count(p, epoch, 0, tags, threadIdx.x, le))
     ok = false;
   if (__syncthreads_or(ok ? 0 : 1) != 0) return false;
   tl_mark(kTlDispatch, kTlRecvFlags);
@@ -665,6 +931,97 @@ __device__ __forceinline__ bool dispatch_recv_unit(const LlDispatchRecvParams& p
   return __syncthreads_and(all_ok ? 1 : 0) != 0;
 }
 
+/// Network transports: dispatch_recv_unit for up to T::kCaps.max_ranks
+/// ranks: each thread waits for ceil(R * W / threads) consecutive mask words
+/// (a source in another node: after its dispatch signal), and one block scan
+/// of the per-thread counts gives every word its first packed row.
+template <class T>
+__device__ __forceinline__ bool dispatch_recv_unit_net(const LlDispatchRecvParams<T>& p,
+                                                       uint32_t epoch, uint64_t seq, int unit,
+                                                       int* s_list) {
+  using Scan = cub::BlockScan<int, kThreads>;
+  constexpr int kMaxPerThread =
+      (T::kCaps.max_ranks * plan::kLlMaxMaskWords + kThreads - 1) / kThreads;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ int s_begin[T::kCaps.max_ranks + 1];
+  __shared__ uint64_t s_t0;
+  __shared__ unsigned long long s_wait[T::kCaps.max_ranks];
+  const int R = p.t.num_ranks;
+  const int E_local = p.num_experts / R, RT = R * p.max_tokens;
+  const int le = unit / p.parts, part = unit % p.parts;
+  const std::size_t tags = tags_of(p.off, epoch);
+  const int W = ceil_div(p.max_tokens, 32), words = R * W;
+  const int per = ceil_div(words, kThreads), first = static_cast<int>(threadIdx.x) * per;
+  if (p.wait_stats != nullptr) {
+    if (threadIdx.x == 0) s_t0 = dev::globaltimer_ns();
+    for (int i = threadIdx.x; i < R; i += kThreads) s_wait[i] = 0ull;
+  }
+  uint32_t word[kMaxPerThread];
+  uint64_t arrived[kMaxPerThread];
+  bool ok = true;
+  int count_mine = 0;
+#pragma unroll
+  for (int i = 0; i < kMaxPerThread; ++i) {
+    word[i] = 0;
+    arrived[i] = 0;
+    const int pos = first + i;
+    if (i < per && pos < words) {
+      ok = recv_mask_word(p, epoch, seq, tags, pos / W, pos % W, le, E_local, word[i]) && ok;
+      if (p.wait_stats != nullptr) arrived[i] = dev::globaltimer_ns();
+      count_mine += __popc(word[i]);
+    }
+  }
+  if (unit == 0)
+    for (int s = threadIdx.x; s < R; s += kThreads)
+      ok = recv_token_count(p, epoch, seq, tags, s, le) && ok;
+  if (__syncthreads_or(ok ? 0 : 1) != 0) return false;
+  tl_mark(kTlDispatch, kTlRecvFlags);
+  int prefix = 0, total = 0;
+  Scan(scan_tmp).ExclusiveSum(count_mine, prefix, total);
+#pragma unroll
+  for (int i = 0; i < kMaxPerThread; ++i) {
+    const int pos = first + i;
+    if (i >= per || pos >= words) continue;
+    const int s = pos / W, w = pos % W;
+    if (p.wait_stats != nullptr)
+      atomicMax(&s_wait[s],
+                static_cast<unsigned long long>(arrived[i] > s_t0 ? arrived[i] - s_t0 : 0));
+    for (uint32_t m = word[i], j = prefix; m != 0u; m &= m - 1u, ++j)
+      s_list[j] = (s << 16) | (32 * w + __ffs(m) - 1);
+    if (w == 0) s_begin[s] = prefix;
+    if (part == 0)
+      p.combine_plan[static_cast<std::size_t>(pos) * E_local + le] =
+          make_int2(static_cast<int>(word[i]), prefix);
+    prefix += __popc(word[i]);
+  }
+  if (threadIdx.x == 0) s_begin[R] = total;
+  __syncthreads();
+  tl_mark(kTlDispatch, kTlRecvMid);
+  const int count = s_begin[R];
+  if (part == 0) {
+    if (threadIdx.x == 0) {
+      p.recv_count[le] = count;
+      if (p.stats) p.stats[le] += count;
+    }
+    for (int s = threadIdx.x; s < R; s += kThreads) {
+      if (p.wait_stats != nullptr)
+        atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats + s), s_wait[s]);
+      p.layout_range[static_cast<int64_t>(le) * R + s] =
+          (static_cast<int64_t>(s_begin[s]) << 32) |
+          static_cast<int64_t>(s_begin[s + 1] - s_begin[s]);
+    }
+  }
+  for (int j = part + p.parts * static_cast<int>(threadIdx.x); j < RT; j += p.parts * kThreads)
+    p.src_info[static_cast<int64_t>(le) * RT + j] = j < count ? (s_list[j] & 0xffff) : -1;
+  const int my_rows = count > part ? ceil_div(count - part, p.parts) : 0;
+  const bool all_ok = copy_rows(p, epoch, le, my_rows, [&](int i) {
+    const int j = part + i * p.parts;
+    const int v = s_list[j];
+    return make_int3(j, v >> 16, v & 0xffff);
+  });
+  return __syncthreads_and(all_ok ? 1 : 0) != 0;
+}
+
 // ============================================================================
 // dispatch: receive in arrival order (experimental, LlDispatchRecvParams::
 // arrival_order). Unit = local expert le, one block; its warps form R groups
@@ -674,19 +1031,20 @@ __device__ __forceinline__ bool dispatch_recv_unit(const LlDispatchRecvParams& p
 // masks did), records the combine plan, layout_range[le][s] and src_info of
 // those rows, and the group copies them. recv_count after all groups.
 // ============================================================================
-__device__ __forceinline__ bool dispatch_recv_unit_arrival(const LlDispatchRecvParams& p,
+template <class T>
+__device__ __forceinline__ bool dispatch_recv_unit_arrival(const LlDispatchRecvParams<T>& p,
                                                            uint32_t epoch, int le, int* s_list) {
   __shared__ int s_rows;                    // rows reserved so far
-  __shared__ int s_begin[plan::kMaxRanks];  // first row of each source's block
-  __shared__ int s_total[plan::kMaxRanks];  // rows of each source
+  __shared__ int s_begin[T::kCaps.max_ranks];  // first row of each source's block
+  __shared__ int s_total[T::kCaps.max_ranks];  // rows of each source
   __shared__ int s_failed;
   const int R = p.t.num_ranks;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int E_local = p.num_experts / R, RT = R * p.max_tokens;
   const std::size_t tags = tags_of(p.off, epoch);
   const int W = ceil_div(p.max_tokens, 32);
-  static_assert(plan::kLlMaxMaskWords <= 32 && plan::kMaxRanks <= kWarps &&
-                plan::kMaxRanks < 16);  // named barriers 1..R
+  static_assert(plan::kLlMaxMaskWords <= 32 && T::kCaps.max_ranks <= kWarps &&
+                T::kCaps.max_ranks < 16);  // named barriers 1..R
   if (threadIdx.x == 0) {
     s_rows = 0;
     s_failed = 0;
@@ -699,7 +1057,7 @@ __device__ __forceinline__ bool dispatch_recv_unit_arrival(const LlDispatchRecvP
     const uint64_t t0 = p.wait_stats != nullptr ? dev::globaltimer_ns() : 0;
     uint32_t word = 0;
     bool ok = true;
-    if (lane < W) ok = recv_mask_word(p, epoch, tags, s, lane, le, E_local, word);
+    if (lane < W) ok = recv_mask_word(p, epoch, 0, tags, s, lane, le, E_local, word);
     const bool words_ok = __all_sync(kFull, ok);
     const int n = __popc(word);
     int incl = n;
@@ -727,7 +1085,7 @@ __device__ __forceinline__ bool dispatch_recv_unit_arrival(const LlDispatchRecvP
       if (p.wait_stats != nullptr)
         atomicAdd(reinterpret_cast<unsigned long long*>(p.wait_stats + s),
                   static_cast<unsigned long long>(dev::globaltimer_ns() - t0));
-      if (le == 0 && !recv_token_count(p, epoch, tags, s, le)) s_failed = 1;
+      if (le == 0 && !recv_token_count(p, epoch, 0, tags, s, le)) s_failed = 1;
     }
   }
   // The group waits for its first warp only (named barrier s + 1).
@@ -751,25 +1109,29 @@ __device__ __forceinline__ bool dispatch_recv_unit_arrival(const LlDispatchRecvP
 
 /// Unit `unit` of the receive phase (kArrival: LlDispatchRecvParams::arrival_order;
 /// a template parameter, so the rank-order kernels stay as they were).
-template <bool kArrival>
-__device__ __forceinline__ bool dispatch_recv_any(const LlDispatchRecvParams& p, uint32_t epoch,
-                                                  int unit, int* s_list) {
+template <bool kArrival, class T>
+__device__ __forceinline__ bool dispatch_recv_any(const LlDispatchRecvParams<T>& p, uint32_t epoch,
+                                                  uint64_t seq, int unit, int* s_list) {
   if constexpr (kArrival)
     return dispatch_recv_unit_arrival(p, epoch, unit, s_list);
+  else if constexpr (kNet<T>)
+    return dispatch_recv_unit_net(p, epoch, seq, unit, s_list);
   else
     return dispatch_recv_unit(p, epoch, unit, s_list);
 }
 
 /// Hook mode: the receive phase alone (epoch from the handle state).
-template <bool kArrival>
-__global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvParams p) {
+template <bool kArrival, class T>
+__global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvParams<T> p) {
   extern __shared__ int s_list[];  // [R * maxT]: (source << 16) | token of packed row j
   tl_mark(kTlDispatch, kTlRecvStart);
   tl_mark(kTlDispatch, kTlRecvGo);
   const uint32_t epoch = static_cast<uint32_t>(p.state[0]);
+  uint64_t seq = 0;
+  if constexpr (kNet<T>) seq = *reinterpret_cast<const uint64_t*>(p.state + 2);
   const int units = p.num_experts / p.t.num_ranks * p.parts;
   for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
-    if (!dispatch_recv_any<kArrival>(p, epoch, unit, s_list)) break;
+    if (!dispatch_recv_any<kArrival>(p, epoch, seq, unit, s_list)) break;
     __syncthreads();  // s_list and the scan storage are reused
   }
   tl_finish(kTlDispatch, p.t.rank);
@@ -779,17 +1141,18 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvPa
 /// resident). Blocks [0, send_blocks) send; the others receive from the
 /// start, so no receiving block waits for its own stores to drain, and rows
 /// are copied while later ones are still crossing.
-template <bool kArrival>
+template <bool kArrival, class T>
 __global__ void __launch_bounds__(kThreads, 2)
-    ll_dispatch_fused(LlDispatchSendParams sp, LlDispatchRecvParams rp, int send_blocks) {
+    ll_dispatch_fused(LlDispatchSendParams<T> sp, LlDispatchRecvParams<T> rp, int send_blocks) {
   extern __shared__ int s_list[];
   tl_mark(kTlDispatch, kTlSendStart);
   tl_mark(kTlDispatch, kTlSendStartMax);
-  const uint32_t epoch = dispatch_begin(sp);
   const int b = static_cast<int>(blockIdx.x);
+  const uint64_t seq = next_seq<T>(sp.seq);
+  const uint32_t epoch = dispatch_begin(sp, seq, /*sends=*/b < send_blocks);
   if (b < send_blocks)
     dispatch_send_items(sp, epoch, b * kWarps + threadIdx.x / 32, send_blocks * kWarps);
-  dispatch_count_done(sp, epoch);
+  dispatch_count_done(sp, epoch, seq);
   if (b < send_blocks) {
     tl_finish(kTlDispatch, rp.t.rank);  // (timeline builds count every block)
     return;
@@ -799,7 +1162,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int units = rp.num_experts / rp.t.num_ranks * rp.parts;
   for (int unit = b - send_blocks; unit < units; unit += gridDim.x - send_blocks) {
     __syncthreads();  // s_list and the scan storage are reused
-    if (!dispatch_recv_any<kArrival>(rp, epoch, unit, s_list)) break;
+    if (!dispatch_recv_any<kArrival>(rp, epoch, seq, unit, s_list)) break;
   }
   if constexpr (EPX_LL_TIMELINE != 0) {
     __syncthreads();
@@ -831,13 +1194,47 @@ __device__ __forceinline__ std::size_t weight_word(const LlOffsets& o, std::size
          (static_cast<std::size_t>(t) * plan::kLlMaxTopK + j) * 8u;
 }
 
+/// Network transports: every block counts itself once its weights are in the
+/// send area; the last one puts, to each rank of another node, this rank's
+/// weight words for it ([me][t][j] for every token t, one message) with an
+/// add of 1 to that rank's weights signal of this rank (context 0).
+template <class T>
+__device__ __forceinline__ void net_send_weights(const LlCombineSendParams<T>& p, uint32_t epoch,
+                                                 uint64_t seq, std::size_t net_weights,
+                                                 std::size_t weights) {
+  __shared__ int is_last;
+  __syncthreads();
+  uint32_t* done = reinterpret_cast<uint32_t*>(p.t.local_ptr(p.off.net_done));
+  if (threadIdx.x == 0) {
+    dev::fence_acq_rel_sys();  // release: the block's weight words
+    is_last = dev::last_block_done(done) ? 1 : 0;
+    if (is_last) dev::fence_acq_rel_sys();  // acquire: every block's
+  }
+  __syncthreads();
+  if (!is_last) return;
+  const int R = p.t.num_ranks, me = p.t.rank;
+  const std::size_t bytes = 8u * plan::kLlMaxTopK * static_cast<std::size_t>(p.num_tokens);
+  for (int r = threadIdx.x; r < R; r += blockDim.x) {
+    if (p.t.same_node(r) || p.t.masked(r)) continue;
+    if (bytes > 0)
+      p.t.template put_signal<dev::Thread>(0, r, weight_word(p.off, weights, me, 0, 0),
+                                           weight_word(p.off, net_weights, r, 0, 0), bytes,
+                                           ll_sig_weights(R, me), 1);
+    else
+      p.t.template signal_add<dev::Thread>(0, r, ll_sig_weights(R, me), 1);
+  }
+  (void)epoch;
+  (void)seq;
+}
+
 /// combine_wait_recv_cost_stats: when source s began its combine, as seen
 /// here. Every source writes its weight words before it waits for anything,
 /// so a warp of block 0 times the wait for s's first word here (entry 0 of
 /// the first token of s with an expert here) and stores it + 1 in
 /// p.wait_first[s] (left 0 when s sent no token here). The receive's wait for
 /// s's flag would also blame a source whose own send a late rank held up.
-__device__ __forceinline__ void time_first_weight(const LlCombineSendParams& p, std::size_t weights,
+template <class T>
+__device__ __forceinline__ void time_first_weight(const LlCombineSendParams<T>& p, std::size_t weights,
                                                   uint32_t epoch, int s) {
   const int lane = threadIdx.x % 32;
   const int E_local = p.num_experts / p.t.num_ranks, W = ceil_div(p.max_tokens, 32);
@@ -869,9 +1266,9 @@ __device__ __forceinline__ void time_first_weight(const LlCombineSendParams& p, 
 // with several local experts loads their rows before it waits for their
 // weights, and sums them in ascending expert id.
 // ============================================================================
-template <bool kLogFmt, bool kWaitStats>
-__global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendParams p) {
-  __shared__ int s_tokens[plan::kMaxRanks + 1];     // [kMaxRanks]: the largest
+template <bool kLogFmt, bool kWaitStats, class T>
+__global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendParams<T> p) {
+  __shared__ int s_tokens[T::kCaps.max_ranks + 1];     // [kMaxRanks]: the largest
   __shared__ int s_rows[kWarps][plan::kLlMaxTopK];  // per warp: rows of the item's experts
   dev::launch_dependents();
   tl_mark(kTlCombine, kTlSendStart);
@@ -879,6 +1276,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
   const int R = p.t.num_ranks, me = p.t.rank;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const uint32_t epoch = plan::next_epoch(*p.op_counter);
+  const uint64_t seq = next_seq<T>(p.seq + 1);
   const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
   const std::size_t weights = p.off.weights + (epoch & 1u) * p.off.weights_half_bytes;
   const int H = p.hidden, K = p.num_topk, E = p.num_experts, maxT = p.max_tokens;
@@ -886,13 +1284,30 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
   constexpr int kCombineChunk = kLogFmt ? kLlCombineSendChunkLogFmt : kLlCombineSendChunk;
   constexpr int kCombineSteps = kCombineChunk / 256;
   constexpr int kRowsAtOnce = kLlCombineSendRowsAtOnce;
+  if constexpr (kNet<T>) quiet_send_areas(p.t);
+  // Network transports: this rank's send areas of the op's half.
+  [[maybe_unused]] const std::size_t net_weights =
+      p.off.net_weights + (epoch & 1u) * p.off.weights_half_bytes;
+  [[maybe_unused]] const std::size_t net_rows =
+      p.off.net_comb + (epoch & 1u) * p.off.net_comb_half_bytes;
 
   // Shrink: a masked source gets nothing back (and sends no weights here).
-  const uint32_t live = p.t.live_ranks();
-  const int n_src = static_cast<int>(threadIdx.x) < R && ((live >> threadIdx.x) & 1u)
-                        ? p.disp_state[8 + threadIdx.x]
-                        : 0;
-  if (blockIdx.x == 0 && threadIdx.x == 0) p.state[0] = static_cast<int32_t>(epoch);
+  uint32_t live = 0;  // network transports ask per rank
+  if constexpr (!kNet<T>) live = p.t.live_ranks();
+  int n_src = 0;
+  if constexpr (!kNet<T>) {
+    n_src = static_cast<int>(threadIdx.x) < R && ((live >> threadIdx.x) & 1u)
+                ? p.disp_state[8 + threadIdx.x]
+                : 0;
+  } else {
+    n_src = static_cast<int>(threadIdx.x) < R && !p.t.masked(threadIdx.x)
+                ? p.disp_state[8 + threadIdx.x]
+                : 0;
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    p.state[0] = static_cast<int32_t>(epoch);
+    if constexpr (kNet<T>) reinterpret_cast<uint64_t*>(p.state)[1] = seq;
+  }
 
   // Weights: warp gw takes tokens gw, gw + all warps, ... For each distinct
   // expert of token t (the sum of the weights of the picks naming it, in k
@@ -920,27 +1335,43 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
       const bool first_k = __shfl_sync(kFull, first ? 1 : 0, k) != 0;  // implies ek >= 0
       j += first_k && ek / E_local == r && ek < e ? 1 : 0;
     }
-    if (first && ((live >> r) & 1u))
-      p.t.put_tagged(r, weight_word(p.off, weights, me, t, j), __float_as_uint(wsum), epoch);
+    if constexpr (!kNet<T>) {
+      if (first && ((live >> r) & 1u))
+        p.t.lsa_tagged(r, weight_word(p.off, weights, me, t, j), __float_as_uint(wsum), epoch);
+    } else if (first && !p.t.masked(r)) {
+      if (p.t.same_node(r))
+        p.t.lsa_tagged(r, weight_word(p.off, weights, me, t, j), __float_as_uint(wsum), epoch);
+      else  // into the send area [r][t][j]; put below once every block wrote its tokens'
+        dev::st_relaxed_sys_u64(
+            reinterpret_cast<uint64_t*>(p.t.local_ptr(weight_word(p.off, net_weights, r, t, j))),
+            (static_cast<uint64_t>(epoch) << 32) | __float_as_uint(wsum));
+    }
   }
+  if constexpr (kNet<T>) net_send_weights(p, epoch, seq, net_weights, weights);
   if (static_cast<int>(threadIdx.x) < R) s_tokens[threadIdx.x] = min(max(n_src, 0), maxT);
   __syncthreads();
   if (threadIdx.x == 0) {
     int t_max = 0;
     for (int s = 0; s < R; ++s) t_max = max(t_max, s_tokens[s]);
-    s_tokens[plan::kMaxRanks] = t_max;
+    s_tokens[T::kCaps.max_ranks] = t_max;
   }
   __syncthreads();
 
   // Its own instance: the loop below keeps its registers (no spill).
-  if constexpr (kWaitStats)
-    if (blockIdx.x == 0 && warp < R) time_first_weight(p, weights, epoch, /*s=*/warp);
+  if constexpr (kWaitStats) {
+    if constexpr (kNet<T>) {
+      if (blockIdx.x == 0)
+        for (int s = warp; s < R; s += kWarps) time_first_weight(p, weights, epoch, s);
+    } else if (blockIdx.x == 0 && warp < R) {
+      time_first_weight(p, weights, epoch, /*s=*/warp);
+    }
+  }
 
   // Items token-major, the sources rotated from me + 1: at any moment every
   // rank's warps write to all sources at once, each from a different start,
   // instead of every rank writing to source 0 first (one hot ingress).
   const int C = ceil_div(H, kCombineChunk);
-  const int items = R * s_tokens[plan::kMaxRanks] * C;
+  const int items = R * s_tokens[T::kCaps.max_ranks] * C;
   const int W = ceil_div(maxT, 32), RT = R * maxT;
   for (int item = blockIdx.x * kWarps + warp; item < items; item += gridDim.x * kWarps) {
     const int pair = item / C, c = item % C;
@@ -964,8 +1395,24 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
     __syncwarp();
     const int my_row = lane < n ? s_rows[warp][lane] : -1;
     __syncwarp();  // read before the next item writes
-    int4* dst = reinterpret_cast<int4*>(p.t.peer_ptr(
-        s, half + p.off.comb_rows + (static_cast<std::size_t>(me) * maxT + t) * 2u * H));
+    // The row's place at s; for a source in another node (network
+    // transports) it is written to the send area [s][t] first, and the warp
+    // that writes its last chunk puts it to s.
+    const std::size_t at_s =
+        half + p.off.comb_rows + (static_cast<std::size_t>(me) * maxT + t) * 2u * H;
+    bool remote_s = false;
+    if constexpr (kNet<T>) remote_s = !p.t.same_node(s);
+    [[maybe_unused]] const std::size_t here =
+        net_rows + (static_cast<std::size_t>(s) * maxT + t) * 2u * H;
+    int4* dst = reinterpret_cast<int4*>(remote_s ? p.t.local_ptr(here) : p.t.lsa_ptr(s, at_s));
+    auto chunk_written = [&] {
+      if constexpr (kNet<T>) {
+        uint32_t* done = reinterpret_cast<uint32_t*>(p.t.local_ptr(p.off.row_done)) +
+                         static_cast<std::size_t>(s) * plan::kLlMaxTokens + t;
+        if (remote_s && last_part(done, C))
+          p.t.template put<dev::Warp>(t % p.t.num_contexts, s, at_s, here, 2u * H);
+      }
+    };
     const int col0 = c * (kCombineChunk / 8) + lane;
 
     if (n == 1) {
@@ -979,6 +1426,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
 #pragma unroll
       for (int st = 0; st < kCombineSteps; ++st)
         if (col0 + 32 * st < H8) dev::st_na(dst + col0 + 32 * st, v[st]);
+      chunk_written();
       continue;
     }
 
@@ -1007,9 +1455,14 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
           v[jj][st] = dev::ld_nc(src + min(col0 + 32 * st, H8 - 1));
       }
       if (j0 == 0) {
-        if (lane < n)
-          ok = p.t.wait_tagged(weight_word(p.off, weights, s, t, lane), epoch, w_bits, p.timeout_ns,
-                               p.diag, OpId::kLowLatencyCombineSend, s, t);
+        if (lane < n) {
+          if constexpr (kNet<T>)  // a source in another node: its weights land before its signal
+            if (remote_s)
+              ok = p.t.wait_signal(ll_sig_weights(R, s), seq, OpId::kLowLatencyCombineSend, s);
+          if (ok)
+            ok = p.t.wait_tagged(weight_word(p.off, weights, s, t, lane), epoch, w_bits,
+                                 p.timeout_ns, p.diag, OpId::kLowLatencyCombineSend, s, t);
+        }
         if (!__all_sync(kFull, ok)) break;  // reported, or s masked (shrink): see below
       }
 #pragma unroll
@@ -1033,8 +1486,9 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
 #pragma unroll
     for (int st = 0; st < kCombineSteps; ++st)
       if (col0 + 32 * st < H8) dev::st_na(dst + col0 + 32 * st, pack_bf16x8(acc[st]));
+    chunk_written();
   }
-  finish_combine_send(p.t, p.off, half, p.op_counter, epoch);
+  finish_combine_send(p.t, p.off, half, p.op_counter, epoch, p.seq + 1, seq);
 }
 
 // ============================================================================
@@ -1045,9 +1499,9 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
 // (token, rank) pairs carry a row), and the first item's routing loads
 // before the wait for the send kernel (it is input, not the send's output).
 // ============================================================================
-template <bool kLogFmt>
+template <bool kLogFmt, class T>
 __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
-    ll_combine_recv(LlCombineRecvParams p) {
+    ll_combine_recv(LlCombineRecvParams<T> p) {
   const int R = p.t.num_ranks;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int H = p.hidden, K = p.num_topk, E = p.num_experts, E_local = E / R;
@@ -1071,15 +1525,91 @@ __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
   tl_mark(kTlCombine, kTlRecvGo);
   const uint32_t epoch = static_cast<uint32_t>(p.state[0]);
   const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
+  uint64_t seq = 0;
+  if constexpr (kNet<T>) seq = reinterpret_cast<const uint64_t*>(p.state)[1];
 
   uint32_t live = 0;  // shrink: the ranks whose rows count
-  if (!wait_combine_flags(p.t, p.off, half, epoch, p.timeout_ns, p.diag, p.wait_stats,
+  if (!wait_combine_flags(p.t, p.off, half, epoch, seq, p.timeout_ns, p.diag, p.wait_stats,
                           p.send_wait_first, live)) {
     tl_finish(kTlCombine, p.t.rank);
     return;
   }
   tl_mark(kTlCombine, kTlRecvFlags);
 
+  if constexpr (kNet<T>) {
+    // Up to T::kCaps.max_ranks ranks: only the (at most K) ranks the token's
+    // picks name are read, in ascending rank order, kRanksAtOnce rows at a time.
+    for (bool first_item = true; item < items; item += gridDim.x * kWarps, first_item = false) {
+      const int t = item / C, c = item % C;
+      const int col0 = c * (kCombineChunk / 8) + lane;
+      const int4* rows = reinterpret_cast<const int4*>(
+          p.t.local_ptr(half + p.off.comb_rows + static_cast<std::size_t>(t) * 2u * H));
+      const std::size_t rank_stride = static_cast<std::size_t>(p.max_tokens) * H8;  // in int4
+      if (!first_item) pick_of(item, e, w);
+      int rank_of = (e >= 0 && e < E) ? static_cast<int>(e / E_local) : -1;
+      if (rank_of >= 0 && p.t.masked(rank_of)) rank_of = -1;  // a masked rank's pick
+      const bool first = lane == __ffs(__match_any_sync(kFull, e)) - 1;
+      // One lane per distinct rank; lane i of `sorted` holds the i-th smallest.
+      const uint32_t same_rank = __match_any_sync(kFull, rank_of);  // every lane
+      const bool rank_lead = rank_of >= 0 && lane == __ffs(same_rank) - 1;
+      const uint32_t leads = __ballot_sync(kFull, rank_lead);
+      const int n_ranks = __popc(leads);
+      int sorted = -1;
+      for (uint32_t m = leads; m != 0u; m &= m - 1u) {
+        const int r = __shfl_sync(kFull, rank_of, __ffs(m) - 1);
+        const int below = __popc(__ballot_sync(kFull, rank_lead && rank_of < r));
+        if (lane == below) sorted = r;
+      }
+      float acc[kCombineSteps][8];
+#pragma unroll
+      for (int st = 0; st < kCombineSteps; ++st)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[st][i] = 0.0f;
+      for (int i0 = 0; i0 < n_ranks; i0 += kRanksAtOnce) {
+        int4 v[kRanksAtOnce][kCombineSteps];
+#pragma unroll
+        for (int rr = 0; rr < kRanksAtOnce; ++rr) {
+          const int r = __shfl_sync(kFull, sorted, min(i0 + rr, n_ranks - 1));
+#pragma unroll
+          for (int st = 0; st < kCombineSteps; ++st)
+            v[rr][st] = col0 + 32 * st < H8 ? __ldcg(rows + r * rank_stride + col0 + 32 * st)
+                                            : make_int4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int rr = 0; rr < kRanksAtOnce; ++rr) {
+          if (i0 + rr >= n_ranks) break;  // warp-uniform
+          const int r = __shfl_sync(kFull, sorted, i0 + rr);
+          const uint32_t picks = __ballot_sync(kFull, rank_of == r);
+          if (__popc(__ballot_sync(kFull, rank_of == r && first)) == 1) {
+            // One expert on rank r: its raw row, weighted here by each pick of it.
+#pragma unroll
+            for (int st = 0; st < kCombineSteps; ++st) {
+              float f[8];
+              unpack_bf16x8(v[rr][st], f);
+              if constexpr (kLogFmt) logfmt_roundtrip(f);
+              for (uint32_t m = picks; m != 0u; m &= m - 1u) {
+                const float wk = __shfl_sync(kFull, w, __ffs(m) - 1);
+#pragma unroll
+                for (int i = 0; i < 8; ++i) acc[st][i] = fmaf(wk, f[i], acc[st][i]);
+              }
+            }
+          } else {
+#pragma unroll
+            for (int st = 0; st < kCombineSteps; ++st) {
+              float f[8];
+              unpack_bf16x8(v[rr][st], f);
+#pragma unroll
+              for (int i = 0; i < 8; ++i) acc[st][i] += f[i];
+            }
+          }
+        }
+      }
+      int4* out = reinterpret_cast<int4*>(p.out + static_cast<int64_t>(t) * H);
+#pragma unroll
+      for (int st = 0; st < kCombineSteps; ++st)
+        if (col0 + 32 * st < H8) out[col0 + 32 * st] = pack_bf16x8(acc[st]);
+    }
+  } else {
   for (bool first_item = true; item < items; item += gridDim.x * kWarps, first_item = false) {
     const int t = item / C, c = item % C;
     const int col0 = c * (kCombineChunk / 8) + lane;
@@ -1143,15 +1673,11 @@ __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
     for (int st = 0; st < kCombineSteps; ++st)
       if (col0 + 32 * st < H8) out[col0 + 32 * st] = pack_bf16x8(acc[st]);
   }
+  }
   tl_finish(kTlCombine, p.t.rank);
 }
 
 }  // namespace
-
-void launch_ll_dispatch_send(const LlDispatchSendParams& p, int num_blocks, cudaStream_t stream) {
-  ll_dispatch_send<<<num_blocks, kThreads, 0, stream>>>(p);
-  EPX_LAUNCH_CHECK();
-}
 
 enum class Launch { kPlain, kDependent, kCooperative };
 
@@ -1180,8 +1706,8 @@ void launch_ex(void (*kernel)(Params...), int blocks, int threads, std::size_t s
 }
 
 namespace {
-std::size_t dispatch_recv_smem(const LlDispatchRecvParams& p) {
-  return sizeof(int) * static_cast<std::size_t>(p.t.num_ranks) * p.max_tokens;
+std::size_t dispatch_recv_smem(int num_ranks, int max_tokens) {
+  return sizeof(int) * static_cast<std::size_t>(num_ranks) * max_tokens;
 }
 template <class Kernel>
 void allow_smem(Kernel kernel, std::size_t smem) {
@@ -1189,21 +1715,62 @@ void allow_smem(Kernel kernel, std::size_t smem) {
     EPX_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
 }
+/// The params struct of transport type T: the call's arguments and the transport.
+template <template <class> class Params, class T, class Args>
+Params<T> params_of(const T& t, const Args& a) {
+  Params<T> p{};
+  static_cast<Args&>(p) = a;
+  p.t = t;
+  return p;
+}
+/// Arrival order is a load/store protocol: network transports pack in rank order.
+template <class T>
+constexpr bool kArrivalCapable = !T::kCaps.network;
 }  // namespace
 
-void launch_ll_dispatch_recv(const LlDispatchRecvParams& p, int num_blocks, cudaStream_t stream) {
-  const std::size_t smem = dispatch_recv_smem(p);
-  auto* kernel = p.arrival_order ? ll_dispatch_recv<true> : ll_dispatch_recv<false>;
-  allow_smem(kernel, smem);
-  launch_ex(kernel, num_blocks, kThreads, smem, stream, Launch::kPlain, p);
+void launch_ll_dispatch_send(const dev::AnyTransport& t, const LlDispatchSendArgs& a, int num_blocks,
+                             cudaStream_t stream) {
+  std::visit(
+      [&](const auto& tt) {
+        using T = std::decay_t<decltype(tt)>;
+        ll_dispatch_send<T><<<num_blocks, kThreads, 0, stream>>>(
+            params_of<LlDispatchSendParams>(tt, a));
+      },
+      t);
+  EPX_LAUNCH_CHECK();
 }
 
-void launch_ll_dispatch_fused(const LlDispatchSendParams& sp, const LlDispatchRecvParams& rp,
-                              int num_blocks, int send_blocks, cudaStream_t stream) {
-  const std::size_t smem = dispatch_recv_smem(rp);
-  auto* kernel = rp.arrival_order ? ll_dispatch_fused<true> : ll_dispatch_fused<false>;
-  allow_smem(kernel, smem);
-  launch_ex(kernel, num_blocks, kThreads, smem, stream, Launch::kCooperative, sp, rp, send_blocks);
+void launch_ll_dispatch_recv(const dev::AnyTransport& t, const LlDispatchRecvArgs& a, int num_blocks,
+                             cudaStream_t stream) {
+  std::visit(
+      [&](const auto& tt) {
+        using T = std::decay_t<decltype(tt)>;
+        const std::size_t smem = dispatch_recv_smem(tt.num_ranks, a.max_tokens);
+        auto* kernel = a.arrival_order && kArrivalCapable<T> ? ll_dispatch_recv<kArrivalCapable<T>, T>
+                                                             : ll_dispatch_recv<false, T>;
+        allow_smem(kernel, smem);
+        launch_ex(kernel, num_blocks, kThreads, smem, stream, Launch::kPlain,
+                  params_of<LlDispatchRecvParams>(tt, a));
+      },
+      t);
+}
+
+void launch_ll_dispatch_fused(const dev::AnyTransport& t, const LlDispatchSendArgs& sa,
+                              const LlDispatchRecvArgs& ra, int num_blocks, int send_blocks,
+                              cudaStream_t stream) {
+  std::visit(
+      [&](const auto& tt) {
+        using T = std::decay_t<decltype(tt)>;
+        const std::size_t smem = dispatch_recv_smem(tt.num_ranks, ra.max_tokens);
+        auto* kernel = ra.arrival_order && kArrivalCapable<T>
+                           ? ll_dispatch_fused<kArrivalCapable<T>, T>
+                           : ll_dispatch_fused<false, T>;
+        allow_smem(kernel, smem);
+        launch_ex(kernel, num_blocks, kThreads, smem, stream, Launch::kCooperative,
+                  params_of<LlDispatchSendParams>(tt, sa), params_of<LlDispatchRecvParams>(tt, ra),
+                  send_blocks);
+      },
+      t);
 }
 
 /// A cooperative launch: every block is resident at once or the launch fails.
@@ -1211,32 +1778,59 @@ void launch_ll_dispatch_fused(const LlDispatchSendParams& sp, const LlDispatchRe
 /// other ranks' sends produce; with part of a grid kept off the SMs (by other
 /// work) until the rest ends, ranks could wait on each other until the
 /// deadline.
-void launch_ll_combine_send(const LlCombineSendParams& p, int num_blocks, cudaStream_t stream) {
-  const bool stats = p.wait_first != nullptr;
-  auto* kernel = p.logfmt ? (stats ? ll_combine_send<true, true> : ll_combine_send<true, false>)
-                          : (stats ? ll_combine_send<false, true> : ll_combine_send<false, false>);
-  launch_ex(kernel, num_blocks, kThreads, 0, stream, Launch::kCooperative, p);
+void launch_ll_combine_send(const dev::AnyTransport& t, const LlCombineSendArgs& a, int num_blocks,
+                            cudaStream_t stream) {
+  std::visit(
+      [&](const auto& tt) {
+        using T = std::decay_t<decltype(tt)>;
+        const bool stats = a.wait_first != nullptr;
+        auto* kernel = a.logfmt ? (stats ? ll_combine_send<true, true, T>
+                                         : ll_combine_send<true, false, T>)
+                                : (stats ? ll_combine_send<false, true, T>
+                                         : ll_combine_send<false, false, T>);
+        launch_ex(kernel, num_blocks, kThreads, 0, stream, Launch::kCooperative,
+                  params_of<LlCombineSendParams>(tt, a));
+      },
+      t);
 }
 
-void launch_ll_combine_recv(const LlCombineRecvParams& p, int num_blocks, cudaStream_t stream,
-                            bool dependent) {
-  launch_ex(p.logfmt ? ll_combine_recv<true> : ll_combine_recv<false>, num_blocks, kThreads, 0,
-            stream, dependent ? Launch::kDependent : Launch::kPlain, p);
+void launch_ll_combine_recv(const dev::AnyTransport& t, const LlCombineRecvArgs& a, int num_blocks,
+                            cudaStream_t stream, bool dependent) {
+  std::visit(
+      [&](const auto& tt) {
+        using T = std::decay_t<decltype(tt)>;
+        launch_ex(a.logfmt ? ll_combine_recv<true, T> : ll_combine_recv<false, T>, num_blocks,
+                  kThreads, 0, stream, dependent ? Launch::kDependent : Launch::kPlain,
+                  params_of<LlCombineRecvParams>(tt, a));
+      },
+      t);
 }
+
+namespace {
+template <class T>
+void preload_ll_kernels_of() {
+  cudaFuncAttributes a{};
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_send<T>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_recv<false, T>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_recv<kArrivalCapable<T>, T>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_fused<false, T>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_fused<kArrivalCapable<T>, T>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_send<false, false, T>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_send<true, false, T>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_send<false, true, T>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_send<true, true, T>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_recv<false, T>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_recv<true, T>));
+}
+/// preload_ll_kernels_of<T> for every transport T of dev::AnyTransport.
+template <std::size_t... I>
+void preload_ll_kernels_of_all(std::index_sequence<I...>) {
+  (preload_ll_kernels_of<std::variant_alternative_t<I, dev::AnyTransport>>(), ...);
+}
+}  // namespace
 
 void preload_ll_kernels() {
-  cudaFuncAttributes a{};
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_send));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_recv<false>));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_recv<true>));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_fused<false>));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_fused<true>));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_send<false, false>));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_send<true, false>));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_send<false, true>));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_send<true, true>));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_recv<false>));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_recv<true>));
+  preload_ll_kernels_of_all(std::make_index_sequence<std::variant_size_v<dev::AnyTransport>>{});
 }
 
 }  // namespace epx::kernels
