@@ -52,6 +52,26 @@ int sm_budget() {
   return sm_share(*world().comm);
 }
 
+namespace {
+const World& any_world() {
+  auto& worlds = in_process_worlds();
+  return worlds.empty() ? world() : worlds[0];
+}
+}  // namespace
+
+const char* suite_skip_reason(const char* suite) {
+  const World& w = any_world();
+  if (std::string(suite) == "HighThroughput" && w.buffer && w.buffer->num_rdma_ranks() > 1)
+    return "the high-throughput kernels run within one node; this world has virtual nodes "
+           "(EPX_RANKS_PER_NODE)";
+  return nullptr;
+}
+
+bool same_node(int a, int b) {
+  const int rpn = any_world().buffer->num_nvl_ranks();
+  return a / rpn == b / rpn;
+}
+
 void on_every_rank(void (*body)()) {
   auto& worlds = in_process_worlds();
   if (worlds.empty()) return body();

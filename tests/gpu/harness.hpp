@@ -42,12 +42,20 @@ int sm_share(const Communicator& comm);
 int sm_budget();
 
 /// A multi-rank GPU test: TEST whose body runs on every rank (on_every_rank).
-#define EPX_GPU_TEST(suite, name)                               \
-  static void epx_gpu_body_##suite##_##name();                  \
-  TEST(suite, name) {                                           \
-    ::epx::test::on_every_rank(&epx_gpu_body_##suite##_##name); \
-  }                                                             \
+#define EPX_GPU_TEST(suite, name)                                                  \
+  static void epx_gpu_body_##suite##_##name();                                     \
+  TEST(suite, name) {                                                              \
+    if (const char* why = ::epx::test::suite_skip_reason(#suite)) GTEST_SKIP() << why; \
+    ::epx::test::on_every_rank(&epx_gpu_body_##suite##_##name);                    \
+  }                                                                                \
   static void epx_gpu_body_##suite##_##name()
+
+/// Why a suite cannot run in this world (nullptr: it can): the
+/// high-throughput kernels run within one node, so with virtual nodes
+/// (EPX_RANKS_PER_NODE) the HighThroughput suite is skipped.
+const char* suite_skip_reason(const char* suite);
+/// Whether ranks a and b are in one node of the shared buffer's topology.
+bool same_node(int a, int b);
 
 /// Allocator that fills every output with 0xFF bytes (NaN in bf16/f32, -1 in
 /// ints) so unwritten outputs are caught.

@@ -5,6 +5,7 @@
 // Every rank runs every test; a rank's failure fails the run.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -24,7 +25,10 @@ void set_up(epx::test::World& w, std::shared_ptr<epx::Communicator> comm) {
   o.num_nvl_bytes = static_cast<int64_t>(std::getenv("EPX_TEST_NVL_BYTES")
                                              ? std::atoll(std::getenv("EPX_TEST_NVL_BYTES"))
                                              : (1ll << 30));
-  o.num_rdma_bytes = 1ll << 30;
+  // The largest LL workload of the suite (network areas included).
+  o.num_rdma_bytes = std::max<int64_t>(
+      1ll << 30, static_cast<int64_t>(epx::Buffer::get_low_latency_rdma_size_hint(
+                     128, 8192, w.comm->num_ranks(), 256)));
   o.allocator = epx::test::poisoning_allocator(/*capture_arena=*/w.comm->in_process());
   o.timeout_s = 20;
   if (cudaStreamCreateWithFlags(&w.stream, cudaStreamNonBlocking) != cudaSuccess)
@@ -91,10 +95,16 @@ int main(int argc, char** argv) {
       }
       for (const auto& e : errors)
         if (!e.empty()) throw epx::Error(epx::ErrorCode::kInternal, e);
-      std::printf("epx_gpu_tests: %d in-process ranks on GPU %d (backend %s)\n", in_process,
-                  worlds[0].comm->device(), worlds[0].buffer->backend_name());
+      std::printf("epx_gpu_tests: %d in-process ranks on GPU %d (backend %s, %d nodes of %d)\n",
+                  in_process, worlds[0].comm->device(), worlds[0].buffer->backend_name(),
+                  worlds[0].buffer->num_rdma_ranks(), worlds[0].buffer->num_nvl_ranks());
     } else {
       set_up(epx::test::world(), epx::Communicator::from_env());
+      auto& w = epx::test::world();
+      if (w.rank == 0)
+        std::printf("epx_gpu_tests: %d ranks (backend %s, %d nodes of %d)\n", w.num_ranks,
+                    w.buffer->backend_name(), w.buffer->num_rdma_ranks(),
+                    w.buffer->num_nvl_ranks());
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "epx_gpu_tests: setup failed: %s\n", e.what());

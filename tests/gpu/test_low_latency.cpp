@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <csignal>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -510,10 +511,17 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
   }
   if (res.hook) res.hook();
   finish(res.event);
-  if (dies_mid) {
+  if (dies_mid && same_node(me, c.dead_rank)) {
     auto want = ro[me];
     zero_rows_from(want, c.dead_rank, c.dead_mid_dispatch, E_local, RT, H, c.fp8);
     check_dispatch(c, in, res, want);
+  } else if (dies_mid) {
+    // Across nodes a source's rows count only with its dispatch signal, which
+    // a rank that dies mid-dispatch never sends: as if it sent no token.
+    const auto wo = without_rank(in, c.dead_rank, E_local);
+    auto ro_wo = ref::ll_dispatch(wo.x, wo.topk, wo.num_tokens, H, K, c.num_experts,
+                                  c.max_tokens, c.fp8, c.round_scale);
+    check_dispatch(c, in, res, ro_wo[me]);
   } else {
     check_dispatch(c, in, res, ro[me]);
   }
@@ -1263,8 +1271,9 @@ void set_env_on_all_ranks(const char* name, const char* value) {
 /// Rank R/2 dies in the middle of a dispatch: its token count, its token
 /// masks and the rows of its first 5 tokens went out, its other rows did not
 /// (EPX_DEBUG_LL_DISPATCH_STOP). The others wait for those rows until the
-/// deadline, mask it and complete: the rows that came are exact, the others
-/// zero with their scales; the combine leaves its experts out. FP8 in one
+/// deadline, mask it and complete: in its node the rows that came are exact,
+/// the others zero with their scales; in other nodes (virtual nodes) nothing
+/// of it counts, its signal never came. The combine leaves its experts out. FP8 in one
 /// kernel, then BF16 in hook mode (the dying rank runs no hook).
 EPX_GPU_TEST(LowLatency, ShrinkARankThatDiesMidDispatch) {
   auto& w = world();
@@ -1344,6 +1353,245 @@ EPX_GPU_TEST(LowLatency, WaitCostStatsNameTheSlowRank) {
   run_case(c, 21);
   c.hook = true;
   run_case(c, 22);
+}
+
+// ---- across nodes (virtual nodes over a network backend) -------------------------
+
+/// Whether this world's buffer has peers in other nodes (EPX_RANKS_PER_NODE).
+bool across_nodes() {
+  return world().buffer->num_rdma_ranks() > 1;
+}
+
+/// Runs one LL dispatch and combine on `b`, returning the first epx::Error's
+/// text ("" when both completed) and its code.
+std::string ll_pair_error(Buffer& b, const LlCase& c, const LlInputs& in, ErrorCode& code) {
+  auto& w = world();
+  const int T = in.num_tokens[w.rank];
+  auto d_x = to_device(in.x[w.rank]);
+  auto d_topk = to_device(in.topk[w.rank]);
+  auto d_w = to_device(in.weights[w.rank]);
+  try {
+    auto res = b.low_latency_dispatch(dispatch_args(c, d_x.get(), d_topk.get(), T));
+    if (cudaStreamSynchronize(w.stream) != cudaSuccess) return "stream error";
+    const int E_local = c.num_experts / w.num_ranks, RT = w.num_ranks * c.max_tokens;
+    auto d_eo = to_device(std::vector<uint16_t>(static_cast<std::size_t>(E_local) * RT * c.hidden));
+    LowLatencyCombineArgs ca;
+    ca.x = view(d_eo.get(), DType::kBF16, {E_local, RT, c.hidden});
+    ca.topk_idx = view(d_topk.get(), DType::kI64, {T, c.num_topk});
+    ca.topk_weights = view(d_w.get(), DType::kF32, {T, c.num_topk});
+    ca.handle = res.handle;
+    ca.stream = w.stream;
+    b.low_latency_combine(ca);
+    if (cudaStreamSynchronize(w.stream) != cudaSuccess) return "stream error";
+    b.low_latency_dispatch(dispatch_args(c, d_x.get(), d_topk.get(), T));  // raises a late error
+    if (cudaStreamSynchronize(w.stream) != cudaSuccess) return "stream error";
+  } catch (const Error& e) {
+    code = e.code();
+    return e.what();
+  }
+  return "";
+}
+
+/// A proxy thread that dies: rank R-1's proxy channel 0 stops after 3
+/// commands (EPX_DEBUG_PROXY_STOP). Every rank raises within its deadline:
+/// rank R-1 naming its proxy channel, the others naming rank R-1.
+EPX_GPU_TEST(Network, ProxyThreadThatDiesIsNamedOnEveryRank) {
+  auto& w = world();
+  if (!across_nodes()) GTEST_SKIP() << "needs virtual nodes over a network backend";
+  const int R = w.num_ranks, dying = R - 1;
+  LlCase c;
+  c.max_tokens = 16;
+  c.hidden = 1024;
+  c.num_experts = 4 * R;
+  const std::string knob = std::to_string(dying) + ":0:3";
+  std::unique_ptr<Buffer> bp;
+  {
+    struct Unset {
+      ~Unset() { ::unsetenv("EPX_DEBUG_PROXY_STOP"); }
+    } unset;
+    ASSERT_NO_FATAL_FAILURE(set_env_on_all_ranks("EPX_DEBUG_PROXY_STOP", knob.c_str()));
+    BufferOptions o = hint_sized_options(c, R, 2.0, poisoning_allocator());
+    o.backend = "proxy";
+    bp = std::make_unique<Buffer>(w.comm, o);
+    ASSERT_NO_FATAL_FAILURE(set_env_on_all_ranks("EPX_DEBUG_PROXY_STOP", nullptr));
+  }
+  auto in = make_inputs(c, R, 900);
+  const auto t0 = std::chrono::steady_clock::now();
+  ErrorCode code = ErrorCode::kInternal;
+  const std::string msg = ll_pair_error(*bp, c, in, code);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_FALSE(msg.empty()) << "rank " << w.rank << ": no error although rank " << dying
+                            << "'s proxy channel 0 stopped";
+  EXPECT_LT(secs, 20.0) << msg;
+  if (w.rank == dying) {
+    EXPECT_NE(msg.find("proxy channel 0"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("EPX_DEBUG_PROXY_STOP"), std::string::npos) << msg;
+  } else {
+    EXPECT_NE(msg.find("rank " + std::to_string(dying)), std::string::npos) << msg;
+  }
+  ASSERT_TRUE(all_ranks(true));
+  bp->destroy();
+}
+
+/// A rank that stops calling: rank 0 dispatches alone; the wait for a peer
+/// of another node ends at the deadline with an error naming that peer and
+/// the network signal awaited.
+EPX_GPU_TEST(Network, SilentPeerOfAnotherNodeIsNamed) {
+  auto& w = world();
+  if (!across_nodes()) GTEST_SKIP() << "needs virtual nodes over a network backend";
+  LlCase c;
+  c.max_tokens = 16;
+  c.hidden = 1024;
+  c.num_experts = 4 * w.num_ranks;
+  Buffer b(w.comm, hint_sized_options(c, w.num_ranks, 1.0, poisoning_allocator()));
+  auto in = make_inputs(c, w.num_ranks, 901);
+  auto d_x = to_device(in.x[w.rank]);
+  auto d_topk = to_device(in.topk[w.rank]);
+  if (w.rank == 0) {
+    try {
+      b.low_latency_dispatch(dispatch_args(c, d_x.get(), d_topk.get(), in.num_tokens[0]));
+      ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+      b.low_latency_dispatch(dispatch_args(c, d_x.get(), d_topk.get(), in.num_tokens[0]));
+      ADD_FAILURE() << "expected a timeout";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+      const std::string m = e.what();
+      // Whoever it names, the wait it reports matches where that rank lives.
+      const bool net = m.find("over the network") != std::string::npos;
+      bool named = false;
+      for (int r = 1; r < w.num_ranks; ++r)
+        if (m.find("for rank " + std::to_string(r)) != std::string::npos) {
+          named = true;
+          EXPECT_EQ(net, !same_node(0, r)) << m;
+        }
+      EXPECT_TRUE(named) << m;
+    }
+  }
+  ASSERT_TRUE(all_ranks(true));
+  b.clean_low_latency_buffer(c.max_tokens, c.hidden, c.num_experts);
+  // Every rank back in step: a full dispatch is right again.
+  auto res = b.low_latency_dispatch(
+      dispatch_args(c, d_x.get(), d_topk.get(), in.num_tokens[w.rank]));
+  ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+  auto ro = ref::ll_dispatch(in.x, in.topk, in.num_tokens, c.hidden, c.num_topk, c.num_experts,
+                             c.max_tokens, false, false);
+  EXPECT_EQ(to_host<int>(res.recv_count), ro[w.rank].recv_count);
+  EXPECT_TRUE(all_ranks(!rank_failed()));
+  b.destroy();
+}
+
+/// A killed process (one rank per process; EPX_TEST_KILL_RANK=r, run on its
+/// own by the device script): rank r SIGKILLs itself before its second
+/// dispatch; every other rank must raise within the deadline, naming it.
+/// The survivors print "KILL-TEST rank N: PASS ..." and leave at once (their
+/// collectives would wait for the dead rank), so the script reads the lines.
+EPX_GPU_TEST(Network, KilledRankIsNamed) {
+  auto& w = world();
+  const char* kill = std::getenv("EPX_TEST_KILL_RANK");
+  if (kill == nullptr || w.comm->in_process())
+    GTEST_SKIP() << "set EPX_TEST_KILL_RANK, one process per rank (it ends the run)";
+  const int victim = std::atoi(kill);
+  LlCase c;
+  c.max_tokens = 16;
+  c.hidden = 1024;
+  c.num_experts = 4 * w.num_ranks;
+  Buffer b(w.comm, hint_sized_options(c, w.num_ranks, 3.0, poisoning_allocator()));
+  auto in = make_inputs(c, w.num_ranks, 902);
+  ErrorCode code = ErrorCode::kInternal;
+  ASSERT_EQ(ll_pair_error(b, c, in, code), "");
+  ASSERT_TRUE(all_ranks(true));
+  if (w.rank == victim) ::raise(SIGKILL);
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string msg = ll_pair_error(b, c, in, code);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const bool named = msg.find("rank " + std::to_string(victim)) != std::string::npos;
+  std::printf("KILL-TEST rank %d: %s after %.1f s: %s\n", w.rank,
+              named && code == ErrorCode::kTimeout && secs < 30 ? "PASS" : "FAIL", secs,
+              msg.c_str());
+  std::fflush(stdout);
+  std::_Exit(named ? 0 : 1);
+}
+
+/// EPX_TEST_SOAK=N: N low-latency dispatch + combine pairs with routing that
+/// changes every call (16 sets, seeded), no error, the received counts right
+/// every 500 pairs, and neither device nor host memory growing after the
+/// first 500 (each by at most 64 MiB). Progress every tenth.
+EPX_GPU_TEST(Network, Soak) {
+  auto& w = world();
+  const char* n_env = std::getenv("EPX_TEST_SOAK");
+  if (n_env == nullptr) GTEST_SKIP() << "set EPX_TEST_SOAK=N pairs";
+  const long pairs = std::atol(n_env);
+  const int R = w.num_ranks;
+  LlCase c;
+  c.max_tokens = 128;
+  c.hidden = 7168;
+  c.num_experts = 256 % R == 0 ? 256 : 16 * R;
+  c.fp8 = true;
+  constexpr int kSets = 16;
+  std::vector<LlInputs> sets;
+  std::vector<ref::LlDispatchOutput> want;
+  std::vector<DeviceArray<uint16_t>> dx;
+  std::vector<DeviceArray<int64_t>> dt;
+  std::vector<DeviceArray<float>> dw;
+  for (int i = 0; i < kSets; ++i) {
+    sets.push_back(make_inputs(c, R, 7000 + i));
+    auto ro = ref::ll_dispatch(sets[i].x, sets[i].topk, sets[i].num_tokens, c.hidden,
+                               c.num_topk, c.num_experts, c.max_tokens, true, false);
+    want.push_back(ro[w.rank]);
+    dx.push_back(to_device(sets[i].x[w.rank]));
+    dt.push_back(to_device(sets[i].topk[w.rank]));
+    dw.push_back(to_device(sets[i].weights[w.rank]));
+  }
+  const int E_local = c.num_experts / R, RT = R * c.max_tokens;
+  auto d_eo = to_device(std::vector<uint16_t>(static_cast<std::size_t>(E_local) * RT * c.hidden, 0));
+  auto rss = [] {
+    long pages = 0, resident = 0;
+    if (std::FILE* f = std::fopen("/proc/self/statm", "r")) {
+      if (std::fscanf(f, "%ld %ld", &pages, &resident) != 2) resident = 0;
+      std::fclose(f);
+    }
+    return resident * 4096;
+  };
+  std::size_t free0 = 0, total = 0;
+  long rss0 = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (long i = 0; i < pairs; ++i) {
+    const int k = static_cast<int>((i * 7 + 3) % kSets);
+    const int T = sets[k].num_tokens[w.rank];
+    auto res = w.buffer->low_latency_dispatch(dispatch_args(c, dx[k].get(), dt[k].get(), T));
+    LowLatencyCombineArgs ca;
+    ca.x = view(d_eo.get(), DType::kBF16, {E_local, RT, c.hidden});
+    ca.topk_idx = view(dt[k].get(), DType::kI64, {T, c.num_topk});
+    ca.topk_weights = view(dw[k].get(), DType::kF32, {T, c.num_topk});
+    ca.handle = res.handle;
+    ca.stream = w.stream;
+    w.buffer->low_latency_combine(ca);
+    if (i % 500 == 499) {
+      ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+      ASSERT_EQ(to_host<int>(res.recv_count), want[k].recv_count) << "pair " << i;
+      if (i == 499) {
+        ASSERT_EQ(cudaMemGetInfo(&free0, &total), cudaSuccess);
+        rss0 = rss();
+      }
+    }
+    if (w.rank == 0 && pairs >= 10 && i % (pairs / 10) == pairs / 10 - 1)
+      std::printf("soak: %ld / %ld pairs, %.0f s\n", i + 1, pairs,
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+  std::size_t free1 = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free1, &total), cudaSuccess);
+  const long rss1 = rss();
+  if (pairs >= 1000) {
+    EXPECT_LE(static_cast<long long>(free0) - static_cast<long long>(free1), 64ll << 20)
+        << "device memory grew";
+    EXPECT_LE(rss1 - rss0, 64l << 20) << "host memory grew";
+  }
+  if (w.rank == 0)
+    std::printf("soak: %ld pairs in %.1f s; device free %zu -> %zu, host RSS %ld -> %ld\n", pairs,
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
+                free0, free1, rss0, rss1);
+  EXPECT_TRUE(all_ranks(!rank_failed()));
 }
 
 TEST(LowLatency, SizeHint) {

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <variant>
 #include <vector>
 
 #include "core/stream_wait.hpp"
@@ -14,22 +15,36 @@
 
 namespace {
 
-// Rank `me` writes value(me, dst, i) into slot [me] of every dst's region.
-__global__ void write_peers(epx::transport::SymmetricRegion r, int me, int n, int words) {
+// Rank `me` writes value(me, dst, i) into slot [me] of every dst's region that
+// it reaches by load/store (`peers[dst]`, null for a peer of another node).
+__global__ void write_peers(void* const* peers, int me, int n, int words) {
   for (int dst = 0; dst < n; ++dst) {
-    auto* base = static_cast<uint32_t*>(r.peers[dst]) + static_cast<size_t>(me) * words;
+    if (peers[dst] == nullptr) continue;
+    auto* base = static_cast<uint32_t*>(peers[dst]) + static_cast<size_t>(me) * words;
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < words; i += gridDim.x * blockDim.x)
       base[i] = 0x9E3779B9u * (me + 1) + 0x85EBCA6Bu * (dst + 1) + i;
   }
 }
 
+uint32_t smoke_word(int src, int dst, int i) {
+  return 0x9E3779B9u * (src + 1) + 0x85EBCA6Bu * (dst + 1) + static_cast<uint32_t>(i);
+}
+
+epx::Topology world_topology() {
+  auto& w = epx::test::world();
+  return epx::Topology{w.num_ranks, w.buffer->num_nvl_ranks()};
+}
+
 EPX_GPU_TEST(Smoke, SymmetricPeerStores) {
   auto& w = epx::test::world();
-  auto backend = epx::transport::make_backend("auto", *w.comm);
+  auto backend = epx::transport::make_backend("auto", *w.comm, world_topology(), {});
   const int words = 1 << 20;  // 4 MiB from each rank
   auto region = backend->alloc(sizeof(uint32_t) * words * w.num_ranks);
-  for (int r = 0; r < w.num_ranks; ++r) ASSERT_NE(region.peers[r], nullptr) << "peer " << r;
-  write_peers<<<64, 256>>>(region, w.rank, w.num_ranks, words);
+  backend->start();
+  for (int r = 0; r < w.num_ranks; ++r)
+    if (epx::test::same_node(r, w.rank)) ASSERT_NE(region.peers[r], nullptr) << "peer " << r;
+  auto d_peers = epx::test::to_device(region.peers);
+  write_peers<<<64, 256>>>(d_peers.get(), w.rank, w.num_ranks, words);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   backend->barrier();
@@ -38,12 +53,88 @@ EPX_GPU_TEST(Smoke, SymmetricPeerStores) {
             cudaSuccess);
   size_t bad = 0;
   for (int src = 0; src < w.num_ranks; ++src)
-    for (int i = 0; i < words; ++i)
-      bad += got[static_cast<size_t>(src) * words + i] !=
-             0x9E3779B9u * (src + 1) + 0x85EBCA6Bu * (w.rank + 1) + static_cast<uint32_t>(i);
+    if (epx::test::same_node(src, w.rank))
+      for (int i = 0; i < words; ++i)
+        bad += got[static_cast<size_t>(src) * words + i] != smoke_word(src, w.rank, i);
   EXPECT_EQ(bad, 0u) << "rank " << w.rank << " received wrong words";
   backend->free(region);
   EXPECT_TRUE(epx::test::all_ranks(bad == 0));
+}
+
+// The transport concept end to end: rank `me` fills its send area [0, block)
+// with value(me, dst, i) per destination block, puts block dst to every rank
+// dst at [me * block] of dst's receive area with a signal (id me) add of 1 on
+// context dst % contexts, then waits for every source's signal, and quiets.
+// Every kind of peer is covered: itself and its node by load/store, the
+// other nodes by the backend's network path.
+template <class T>
+__global__ void put_signal_all(T t, std::size_t recv_off, int words, int* failed) {
+  const int me = t.rank, n = t.num_ranks;
+  const std::size_t block = 4u * words;
+  const int warp = threadIdx.x / 32, warps = blockDim.x / 32;
+  uint32_t* send = reinterpret_cast<uint32_t*>(t.local_ptr(0));
+  for (int dst = 0; dst < n; ++dst)
+    for (int i = threadIdx.x; i < words; i += blockDim.x)
+      send[static_cast<std::size_t>(dst) * words + i] =
+          0x9E3779B9u * (me + 1) + 0x85EBCA6Bu * (dst + 1) + i;
+  __syncthreads();
+  for (int dst = warp; dst < n; dst += warps)
+    t.template put_signal<epx::dev::Warp>(dst % t.num_contexts, dst,
+                                          recv_off + static_cast<std::size_t>(me) * block,
+                                          static_cast<std::size_t>(dst) * block, block, me, 1);
+  __syncthreads();
+  if (static_cast<int>(threadIdx.x) < n && !t.wait_signal(threadIdx.x, 1, epx::OpId::kNone, threadIdx.x))
+    atomicExch(failed, 1);
+  if (static_cast<int>(threadIdx.x) < t.num_contexts && !t.quiet(threadIdx.x)) atomicExch(failed, 2);
+}
+
+void run_put_signal(const char* backend_name, int contexts) {
+  auto& w = epx::test::world();
+  epx::transport::BackendOptions bo;
+  bo.num_contexts = contexts;
+  auto backend = epx::transport::make_backend(backend_name, *w.comm, world_topology(), bo);
+  const int words = 16 << 10;  // 64 KiB per (source, destination)
+  const std::size_t block = 4u * words, area = block * w.num_ranks;
+  const std::size_t signals = 2 * area;
+  auto region = backend->alloc(signals + 8u * epx::kMaxContexts * w.num_ranks);
+  backend->start();
+  auto t = backend->device(region);
+  auto& base = epx::dev::base_of(t);
+  base.signals = signals;
+  base.num_contexts = backend->num_contexts();
+  base.timeout_ns = 20'000'000'000ull;
+  auto failed = epx::test::to_device(std::vector<int>{0});
+  std::visit(
+      [&](const auto& tt) {
+        put_signal_all<<<1, 256, 0, w.stream>>>(tt, area, words, failed.get());
+      },
+      t);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  // (Not the legacy default stream, nor a device-wide wait: in-process ranks
+  // share the GPU, and this kernel waits for the others'.)
+  ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+  EXPECT_EQ(epx::test::to_host(failed)[0], 0) << backend_name << ": a wait failed";
+  backend->check_health();
+  backend->barrier();
+  std::vector<uint32_t> got(static_cast<size_t>(words) * w.num_ranks);
+  ASSERT_EQ(cudaMemcpy(got.data(), static_cast<char*>(region.local) + area, got.size() * 4,
+                       cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  size_t bad = 0;
+  for (int src = 0; src < w.num_ranks; ++src)
+    for (int i = 0; i < words; ++i)
+      bad += got[static_cast<size_t>(src) * words + i] != smoke_word(src, w.rank, i);
+  EXPECT_EQ(bad, 0u) << backend_name << ": rank " << w.rank << " received wrong words";
+  backend->free(region);
+  EXPECT_TRUE(epx::test::all_ranks(bad == 0));
+}
+
+EPX_GPU_TEST(Smoke, TransportPutSignalDefaultBackend) {
+  run_put_signal("auto", 1);
+}
+
+EPX_GPU_TEST(Smoke, TransportPutSignalProxyTwoChannels) {
+  run_put_signal("proxy", 2);
 }
 
 // Spins until *flag != 0 (host-mapped), or for at most max_ns (its own deadline).
