@@ -15,11 +15,14 @@
 namespace epx::bench {
 
 struct Options {
-  std::string family;  ///< "ht" | "ll"
+  std::string family;  ///< "ht" | "ll" | "fifo"
   int tokens = 0, hidden = 7168, topk = 8, experts = 256;
   int num_sms = 24;
   int recv_tokens = 0;  ///< ht: ring rows per peer (0: the default config's)
   int in_process = 0;   ///< > 0: that many ranks as threads on one GPU (no NVLink: a proxy)
+  std::string backend = "auto";  ///< BufferOptions::backend
+  int ranks_per_node = 0;        ///< BufferOptions::ranks_per_node (0: EPX_RANKS_PER_NODE or the host)
+  int qps = 1;                   ///< BufferOptions::num_qps_per_rank (proxy channels)
   int warmup = 10, iters = 50;
   bool sweep = true;
   bool shrink = false;  ///< ll: BufferOptions::enable_shrink (no rank masked)
@@ -42,7 +45,7 @@ struct World {
 /// --recv-tokens ring if given (also what sizes the buffer).
 Config ht_base_config(const Options& o, int num_ranks);
 /// What the tables print after the rank count: in-process ranks are a proxy.
-const char* ranks_note(const World& w);
+std::string ranks_note(const World& w);
 
 /// Lines the ranks up before a timed run: a one-int NCCL all-reduce on the
 /// stream (in-process ranks, which have no NCCL communicator: a host barrier
@@ -74,5 +77,6 @@ TensorView tv(const void* p, DType d, std::initializer_list<int64_t> shape);
 /// Each family fills `result` (rank 0 writes it to Options::json_path).
 void run_ht(World& w, const Options& o, nlohmann::json& result);
 void run_ll(World& w, const Options& o, nlohmann::json& result);
+void run_fifo(World& w, const Options& o, nlohmann::json& result);
 
 }  // namespace epx::bench

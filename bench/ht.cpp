@@ -191,7 +191,7 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
   if (w.rank == 0) {
     std::printf(
         "\nEPX high-throughput, %d ranks%s, %d tokens, hidden %d, top-%d, %d experts, %d SMs\n", R,
-        ranks_note(w), T, H, K, E, o.num_sms);
+        ranks_note(w).c_str(), T, H, K, E, o.num_sms);
     std::printf("%-28s %10s %10s\n", "op", "us", "GB/s");
     std::printf("%-28s %10.1f %10.1f\n", "dispatch BF16 (cached)", us_bf16, g_bf16);
     std::printf("%-28s %10.1f %10.1f\n", "dispatch FP8 (cached)", us_fp8, g_fp8);

@@ -248,7 +248,7 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
       "hook split: ranks aligned again (and L2 flushed) between send and receive";
   if (w.rank == 0) {
     std::printf("\nEPX low-latency, %d ranks%s, %d tokens, hidden %d, top-%d, %d experts%s\n", R,
-                ranks_note(w), T, H, K, E,
+                ranks_note(w).c_str(), T, H, K, E,
                 w.buffer->shrink_enabled() ? ", enable_shrink (no rank masked)" : "");
     std::printf("%-26s %10s %10s %10s %10s\n", "op", "us", "GB/s", "send us", "recv us");
     std::printf("%-26s %10.1f %10.1f %10.1f %10.1f\n", "dispatch FP8", us_dfp8, g_dfp8, us_ds,
@@ -266,10 +266,10 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
         static_cast<double>(result["dispatch_host_us"]),
         static_cast<double>(result["combine_host_us"]));
     std::printf(
-        "buffer bytes per rank: %zu (hint %zu = %zu for the ops + %zu zero-copy inputs); DeepEP's "
-        "hint: %zu\n",
-        w.buffer->buffer_bytes(), hint, region.core_bytes(), 2 * region.zero_copy_bytes(),
-        deepep_hint);
+        "buffer bytes per rank: %zu (hint %zu = %zu for the ops + %zu network areas + %zu "
+        "zero-copy inputs); DeepEP's hint: %zu\n",
+        w.buffer->buffer_bytes(), hint, region.core_bytes(),
+        region.net_end() - region.core_bytes(), 2 * region.zero_copy_bytes(), deepep_hint);
   }
 }
 

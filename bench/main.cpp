@@ -27,8 +27,15 @@ Config ht_base_config(const Options& o, int num_ranks) {
   return c;
 }
 
-const char* ranks_note(const World& w) {
-  return w.comm->in_process() ? " (in-process on one GPU: no NVLink, a proxy)" : "";
+std::string ranks_note(const World& w) {
+  std::string note = w.comm->in_process() ? " (in-process on one GPU: no NVLink, a proxy)" : "";
+  const std::string backend = w.buffer->backend_name();
+  if (backend == "proxy" || w.buffer->num_rdma_ranks() > 1)
+    note += ", backend " + backend + ", " + std::to_string(w.buffer->num_rdma_ranks()) +
+            " nodes of " + std::to_string(w.buffer->num_nvl_ranks()) +
+            " (peers of other nodes through the network path; on one host its copies are "
+            "CUDA IPC, not a NIC)";
+  return note;
 }
 
 void line_up(World& w) {
@@ -131,7 +138,14 @@ int run_rank(std::shared_ptr<Communicator> comm, const Options& o) {
     EPX_CUDA_CHECK(cudaMalloc(&w.sync_word, sizeof(int)));
     EPX_CUDA_CHECK(cudaMemset(w.sync_word, 0, sizeof(int)));
     BufferOptions bo;
-    if (o.family == "ht") {
+    bo.backend = o.backend;
+    bo.ranks_per_node = o.ranks_per_node;
+    bo.num_qps_per_rank = o.qps;
+    if (o.family == "fifo") {
+      bo.num_rdma_bytes = 1 << 20;  // the fifo family makes its own proxy backend
+      bo.backend = "auto";
+      bo.ranks_per_node = 0;
+    } else if (o.family == "ht") {
       const Config c = ht_base_config(o, w.num_ranks);
       bo.num_nvl_bytes = static_cast<int64_t>(
           c.get_nvl_buffer_size_hint(static_cast<std::size_t>(o.hidden) * 2, w.num_ranks, o.topk));
@@ -148,6 +162,9 @@ int run_rank(std::shared_ptr<Communicator> comm, const Options& o) {
     result["num_ranks"] = w.num_ranks;
     // In-process ranks share one GPU: no NVLink, shared SMs and HBM (a proxy only).
     result["in_process"] = w.comm->in_process();
+    result["backend"] = w.buffer->backend_name();
+    result["ranks_per_node"] = w.buffer->num_nvl_ranks();
+    result["num_qps_per_rank"] = o.qps;
     result["workload"] = {{"tokens", o.tokens},
                           {"hidden", o.hidden},
                           {"topk", o.topk},
@@ -156,6 +173,8 @@ int run_rank(std::shared_ptr<Communicator> comm, const Options& o) {
     result["buffer_bytes_per_rank"] = w.buffer->buffer_bytes();
     if (o.family == "ht") {
       run_ht(w, o, result);
+    } else if (o.family == "fifo") {
+      run_fifo(w, o, result);
     } else {
       run_ll(w, o, result);
     }
@@ -179,6 +198,13 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   auto* ht = app.add_subcommand("ht", "high-throughput dispatch/combine (training, prefill)");
   auto* ll = app.add_subcommand("ll", "low-latency dispatch/combine (decode)");
+  auto* fifo = app.add_subcommand(
+      "fifo", "the CPU proxy's command path: commands/s per proxy thread, one-way latency (2 ranks)");
+  fifo->add_option("--iters", o.iters, "scales the command and round-trip counts")
+      ->capture_default_str();
+  fifo->add_option("--json", o.json_path, "write results here (rank 0)");
+  fifo->add_option("--in-process", o.in_process, "2: both ranks as threads on this GPU")
+      ->check(CLI::Range(2, 2));
   for (auto* sc : {ht, ll}) {
     sc->add_option("--tokens", o.tokens, "tokens per rank (ht: 4096, ll: 128)");
     sc->add_option("--hidden", o.hidden, "hidden size")->capture_default_str();
@@ -187,6 +213,14 @@ int main(int argc, char** argv) {
     sc->add_option("--warmup", o.warmup, "untimed runs")->capture_default_str();
     sc->add_option("--iters", o.iters, "timed runs (median reported)")->capture_default_str();
     sc->add_option("--json", o.json_path, "write results here (rank 0)");
+    sc->add_option("--backend", o.backend, "auto | nvlink | in_process | proxy")
+        ->capture_default_str();
+    sc->add_option("--ranks-per-node", o.ranks_per_node,
+                   "ranks per (virtual) node: fewer than the host holds makes the peers of other "
+                   "nodes network peers (0: EPX_RANKS_PER_NODE, else the host)")
+        ->capture_default_str();
+    sc->add_option("--qps", o.qps, "contexts per peer (num_qps_per_rank; proxy channels)")
+        ->capture_default_str();
   }
   ht->add_option("--sms", o.num_sms, "SMs for the kernels")->capture_default_str();
   ht->add_flag("!--no-sweep", o.sweep, "skip the config sweep");
@@ -197,13 +231,13 @@ int main(int argc, char** argv) {
                    "run that many ranks as threads on the current GPU (Communicator::"
                    "create_in_process): no NVLink, the ranks share the GPU's SMs and memory; "
                    "for relative comparisons on a one-GPU machine only")
-        ->check(CLI::Range(2, 8));
+        ->check(CLI::Range(2, 64));
   ht->add_option("--recv-tokens", o.recv_tokens,
                  "ring rows per peer rank (config.num_max_recv_tokens; default: the default "
                  "config's; fewer than a pair's rows makes the ring lap)")
       ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
-  o.family = ht->parsed() ? "ht" : "ll";
+  o.family = ht->parsed() ? "ht" : fifo->parsed() ? "fifo" : "ll";
   if (o.tokens == 0) o.tokens = o.family == "ht" ? 4096 : 128;
   for (int i = 0; i < argc; ++i) o.command += (i ? " " : "") + std::string(argv[i]);
 

@@ -9,6 +9,13 @@ cmake --build --preset default -j"$(nproc)"
 rm -rf .device && mkdir -p .device
 cp build/default/tests/epx_gpu_tests build/default/tests/epx_unit_tests build/default/bench/epx-bench \
   build/default/bench/epx-nvlink-probe .device/
-cp scripts/launch.sh scripts/device_env.sh scripts/device_run.sh scripts/device_extra.sh .device/
+cp scripts/launch.sh scripts/device_env.sh scripts/device_run.sh scripts/device_extra.sh \
+  scripts/device_net.sh .device/
+# EPX_BASE_DIR: a baseline build's epx-bench (and epx_gpu_tests), for
+# device_net.sh's before/after comparison in the same call.
+if [ -n "${EPX_BASE_DIR:-}" ]; then
+  mkdir -p .device/base
+  cp "$EPX_BASE_DIR"/epx-bench .device/base/
+fi
 git rev-parse --short=12 HEAD > .device/COMMIT 2>/dev/null || echo unknown > .device/COMMIT
 du -sh .device

@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# Runs on the device machine (from the repository root, after
+# scripts/device_pack.sh filled .device/): everything across (virtual)
+# nodes, and the NVLink before/after comparison. Steps (EPX_NET, default all
+# that fit the machine):
+#   inproc   the GPU suite (Smoke, LowLatency, Network) with in-process ranks
+#            as virtual nodes on GPU 0: EPX_VNODES_INPROC="R:RPN ..." (default
+#            "4:2 16:4": 2x2 and 4x4)
+#   procs    the same with one process per GPU: EPX_VNODES_PROCS (default "4:2 2:1"
+#            where there are that many GPUs)
+#   kill     4 processes as 2x2, rank 3 SIGKILLs itself (on 2 GPUs: 2 as 2x1,
+#            rank 1): the others must raise naming it (Network.KilledRankIsNamed
+#            prints KILL-TEST lines)
+#   soak     Network.Soak with EPX_SOAK pairs (default 100000) over 2x2
+#            (processes where there are 4 GPUs, else in-process)
+#   bench    epx-bench ll over the proxy (2x2) and epx-bench fifo (2 ranks)
+#   compare  NVLink before/after on all GPUs: .device/base/epx-bench (the
+#            baseline build) and .device/epx-bench, ht (24 SMs) and ll,
+#            alternating base/new EPX_COMPARE_ROUNDS times (default 2)
+# Logs and JSON under $OUT, packed into logs.tgz and json.tgz at the end.
+set -uo pipefail
+D=$(cd "$(dirname "$0")" && pwd)
+source "$D/device_env.sh"  # OUT, SITE, GPUS, the environment
+export CUDA_MODULE_LOADING=EAGER
+STEPS=${EPX_NET:-inproc procs kill soak bench compare}
+FILTER=${EPX_NET_FILTER:-Smoke.*:LowLatency.*:Network.*}
+mkdir -p "$OUT/json"
+summary=()
+has() { [[ " $STEPS " == *" $1 "* ]]; }
+model=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE 'h[0-9]{3}' | head -1 | tr 'A-Z' 'a-z')
+echo "== $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | head -1), $GPUS GPUs, commit $(cat "$D/COMMIT" 2>/dev/null), steps: $STEPS"
+LINEBUF=()
+command -v stdbuf >/dev/null 2>&1 && LINEBUF=(stdbuf -oL -eL)
+run_suite() {  # LABEL LOG TIMEOUT COMMAND... (line-buffered: a killed run keeps its log)
+  local label=$1 log=$2 limit=$3
+  shift 3
+  echo "== $label"
+  local t0=$(date +%s)
+  timeout "$limit" ${LINEBUF[@]+"${LINEBUF[@]}"} "$@" > "$log" 2>&1
+  local rc=$?
+  grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]|tests passed|FAILURES|epx_gpu_tests:|soak:" "$log" | sort | uniq -c | head -40
+  [ $rc -eq 0 ] || tail -40 "$log"
+  summary+=("$label: rc=$rc ($(( $(date +%s) - t0 )) s)")
+}
+if has inproc; then
+  for spec in ${EPX_VNODES_INPROC:-4:2 16:4}; do
+    r=${spec%%:*} rpn=${spec##*:}
+    run_suite "in-process $r ranks, nodes of $rpn (proxy)" "$OUT/net-inproc$r-rpn$rpn.log" \
+      ${EPX_TEST_TIMEOUT:-420} env EPX_RANKS_PER_NODE=$rpn "$D/epx_gpu_tests" --in-process=$r \
+      --gtest_filter="$FILTER"
+  done
+fi
+if has procs; then
+  for spec in ${EPX_VNODES_PROCS:-4:2 2:1}; do
+    r=${spec%%:*} rpn=${spec##*:}
+    [ "$GPUS" -ge "$r" ] || continue
+    run_suite "$r processes, nodes of $rpn (proxy)" "$OUT/net-procs$r-rpn$rpn.log" \
+      ${EPX_TEST_TIMEOUT:-420} env EPX_RANKS_PER_NODE=$rpn "$D/launch.sh" "$r" "$D/epx_gpu_tests" \
+      --gtest_filter="$FILTER"
+  done
+fi
+if has kill && [ "$GPUS" -ge 2 ]; then
+  # 4 processes as 2x2 (rank 3 dies), or on 2 GPUs 2 as 2x1 (rank 1 dies).
+  kn=4 krpn=2
+  [ "$GPUS" -ge 4 ] || { kn=2; krpn=1; }
+  victim=$((kn - 1))
+  echo "== a killed process ($kn processes, nodes of $krpn, rank $victim SIGKILLs itself)"
+  EPX_RANKS_PER_NODE=$krpn EPX_TEST_KILL_RANK=$victim timeout ${EPX_KILL_TIMEOUT:-120} \
+    "$D/launch.sh" $kn "$D/epx_gpu_tests" --gtest_filter=Network.KilledRankIsNamed \
+    > "$OUT/net-kill.log" 2>&1
+  grep "KILL-TEST" "$OUT/net-kill.log"
+  pass=$(grep -c "KILL-TEST rank [0-9]*: PASS" "$OUT/net-kill.log")
+  summary+=("killed rank: $pass of $victim survivors raised naming it$([ "$pass" = $victim ] && echo ' (PASS)' || echo ' (FAIL)')")
+fi
+if has soak; then
+  n=${EPX_SOAK:-100000}
+  if [ "$GPUS" -ge 4 ]; then
+    run_suite "soak: $n LL pairs, 4 processes as 2x2 (proxy)" "$OUT/net-soak.log" \
+      ${EPX_SOAK_TIMEOUT:-540} env EPX_RANKS_PER_NODE=2 EPX_TEST_SOAK=$n "$D/launch.sh" 4 \
+      "$D/epx_gpu_tests" --gtest_filter=Network.Soak
+  else
+    run_suite "soak: $n LL pairs, 4 in-process ranks as 2x2 (proxy)" "$OUT/net-soak.log" \
+      ${EPX_SOAK_TIMEOUT:-540} env EPX_RANKS_PER_NODE=2 EPX_TEST_SOAK=$n "$D/epx_gpu_tests" \
+      --in-process=4 --gtest_filter=Network.Soak
+  fi
+fi
+if has bench; then
+  if [ "$GPUS" -ge 4 ]; then
+    ll=("$D/launch.sh" 4 "$D/epx-bench" ll) tag="${model}x4"
+  else
+    ll=("$D/epx-bench" ll --in-process 4) tag="${model}x1-inproc4"
+  fi
+  echo "== epx-bench ll --backend proxy --ranks-per-node 2"
+  timeout ${EPX_BENCH_TIMEOUT:-300} ${LINEBUF[@]+"${LINEBUF[@]}"} "${ll[@]}" --backend proxy --ranks-per-node 2 \
+    ${EPX_NET_LL_ARGS:-} --json "$OUT/json/$tag-ll-proxy-rpn2.json" > "$OUT/bench-ll-proxy.log" 2>&1
+  rc=$?
+  tail -12 "$OUT/bench-ll-proxy.log"
+  summary+=("bench ll proxy 2x2: rc=$rc")
+  if [ "$GPUS" -ge 2 ]; then
+    fifo=("$D/launch.sh" 2 "$D/epx-bench" fifo) ftag="${model}x2"
+  else
+    fifo=("$D/epx-bench" fifo --in-process 2) ftag="${model}x1-inproc2"
+  fi
+  echo "== epx-bench fifo"
+  timeout ${EPX_FIFO_TIMEOUT:-120} "${fifo[@]}" --json "$OUT/json/$ftag-fifo.json" > "$OUT/bench-fifo.log" 2>&1
+  rc=$?
+  tail -6 "$OUT/bench-fifo.log"
+  summary+=("bench fifo: rc=$rc")
+fi
+if has compare && [ -x "$D/base/epx-bench" ] && [ "$GPUS" -ge 2 ]; then
+  n=$GPUS
+  [ "$n" -gt 8 ] && n=8
+  for round in $(seq 1 ${EPX_COMPARE_ROUNDS:-2}); do
+    for which in base new; do
+      bin="$D/epx-bench"
+      [ $which = base ] && bin="$D/base/epx-bench"
+      for fam in ht ll; do
+        args=()
+        [ $fam = ht ] && args=(--no-sweep)
+        echo "== compare round $round: $which $fam EP$n"
+        timeout 300 "$D/launch.sh" "$n" "$bin" $fam "${args[@]}" \
+          --json "$OUT/json/${model}x$n-$fam-$which-r$round.json" > "$OUT/cmp-$which-$fam-r$round.log" 2>&1
+        rc=$?
+        grep -E "^(dispatch|combine)" "$OUT/cmp-$which-$fam-r$round.log" | head -6
+        summary+=("compare $which $fam round $round: rc=$rc")
+      done
+    done
+  done
+fi
+echo "== summary"
+printf '%s\n' "${summary[@]}"
+(
+  cd "$OUT" || exit 0
+  shopt -s nullglob
+  logs=(*.log)
+  if [ ${#logs[@]} -gt 0 ] && tar czf net-logs.tgz "${logs[@]}"; then rm -f "${logs[@]}"; fi
+  if [ -d json ] && tar czf json.tgz json; then rm -rf json; fi
+) || true
