@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What a new user does: `pip install .` into a fresh virtual environment, with
-# build isolation, then `import epx` there. PATH holds only the venv,
+# build isolation, then `import epx, deep_ep` there. PATH holds only the venv,
 # nvcc and the system's directories, so CMake, Ninja, nanobind and NCCL come
 # from the system (when new enough) or from PyPI through the build
 # requirements, not from this checkout's development tools (on Debian 12,
@@ -27,11 +27,13 @@ grep -E "using CMake|EPX: NCCL" "$dir/install.log" | sort -u || true
 # From outside the checkout, so that nothing but the installed packages can be imported.
 (cd "$dir" && env -u PYTHONPATH PATH="$clean_path" "$dir/venv/bin/python" - <<'PYEOF'
 import importlib.metadata as md
-import epx
-assert "site-packages" in epx.__file__, epx.__file__
+import epx, deep_ep, deep_ep.utils
+assert deep_ep.Buffer is epx.Buffer and deep_ep.Config is epx.Config, "deep_ep does not serve epx"
+assert "site-packages" in epx.__file__ and "site-packages" in deep_ep.__file__, \
+    (epx.__file__, deep_ep.__file__)
 dist = md.distribution("epx-moe")
 assert dist.metadata["License"] == "MIT", dist.metadata["License"]
-print(f"clean install: epx-moe {dist.version}, epx {epx.__version__} imports "
+print(f"clean install: epx-moe {dist.version}: epx {epx.__version__} and deep_ep import "
       f"from {epx.__file__.rsplit('/epx/', 1)[0]}")
 PYEOF
 )

@@ -11,6 +11,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple, Union
 
 from . import _core
+from . import compat as _compat
 from .config import Config, _core_config
 from .in_process import InProcessComm
 from .utils import EventHandle, EventOverlap, _event_of, _int, _torch, _wrap_event
@@ -213,6 +214,7 @@ class Buffer:
         self.num_rdma_bytes = _int("num_rdma_bytes", num_rdma_bytes)
         self.low_latency_mode = bool(low_latency_mode)
         self.explicitly_destroy = bool(explicitly_destroy)
+        self.enable_shrink = bool(enable_shrink)
 
         self._glue = glue
         self._device = torch.device("cuda", torch.cuda.current_device())
@@ -533,6 +535,36 @@ class Buffer:
         self._record(async_finish, allocate_on_comm_stream, [x, topk_weights, bias_0, bias_1],
                      [combined_x, combined_w])
         return combined_x, combined_w, _wrap_event(r.event)
+
+    def internode_dispatch(self, x: "TensorOrPair", handle: Optional[Any] = None,
+                           num_tokens_per_rank: Optional["torch.Tensor"] = None,
+                           num_tokens_per_rdma_rank: Optional["torch.Tensor"] = None,
+                           is_token_in_rank: Optional["torch.Tensor"] = None,
+                           num_tokens_per_expert: Optional["torch.Tensor"] = None,
+                           topk_idx: Optional["torch.Tensor"] = None,
+                           topk_weights: Optional["torch.Tensor"] = None, expert_alignment: int = 1,
+                           num_worst_tokens: int = 0, config: Optional[Config] = None,
+                           previous_event: Optional[EventOverlap] = None,
+                           async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """DeepEP's internode dispatch (called by its ``dispatch`` across nodes): EPX has
+        no internode kernels; raises EPXUnsupportedError. ``dispatch`` serves a group
+        within one NVLink domain."""
+        _compat.unsupported("internode_dispatch", "group",
+                            "EPX has no internode (RDMA) kernels yet; dispatch() serves the "
+                            "ranks of one NVLink domain")
+
+    def internode_combine(self, x: "torch.Tensor", handle: Any,
+                          topk_weights: Optional["torch.Tensor"] = None,
+                          bias: Union["torch.Tensor", Tuple["torch.Tensor", "torch.Tensor"],
+                                      None] = None,
+                          config: Optional[Config] = None,
+                          previous_event: Optional[EventOverlap] = None,
+                          async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """DeepEP's internode combine: EPX has no internode kernels; raises
+        EPXUnsupportedError (see ``internode_dispatch``)."""
+        _compat.unsupported("internode_combine", "group",
+                            "EPX has no internode (RDMA) kernels yet; combine() serves the "
+                            "ranks of one NVLink domain")
 
     # ---- low-latency ----------------------------------------------------------------------------
 

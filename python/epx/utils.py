@@ -22,7 +22,8 @@ def _torch():
         try:
             import torch
         except ImportError as e:  # pragma: no cover - depends on the environment
-            raise ImportError("epx.Buffer and CUDA events need PyTorch (pip install torch)") from e
+            raise ImportError("epx.Buffer, CUDA events and topk_idx_t need PyTorch "
+                              "(pip install torch)") from e
         _torch_module = torch
     return _torch_module
 
@@ -108,3 +109,55 @@ def _int(name: str, value: Any) -> int:
         return operator.index(value)
     except TypeError:
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
+
+
+def _pairs_without_nvlink(uuids: Sequence[str], nvml: Any) -> list:
+    """The pairs (i, j), i < j, of GPUs (NVML UUIDs) that NVML does not report as
+    NVLink peers. `nvml` is the pynvml module (or a stand-in with its calls)."""
+    handles = [nvml.nvmlDeviceGetHandleByUUID(u) for u in uuids]
+    missing = []
+    for i in range(len(handles)):
+        for j in range(i + 1, len(handles)):
+            status = nvml.nvmlDeviceGetP2PStatus(handles[i], handles[j],
+                                                 nvml.NVML_P2P_CAPS_INDEX_NVLINK)
+            if status != nvml.NVML_P2P_STATUS_OK:
+                missing.append((i, j))
+    return missing
+
+
+def check_nvlink_connections(group: Any) -> None:
+    """DeepEP's ``deep_ep.utils.check_nvlink_connections``: fails unless every pair of
+    GPUs of ``group`` is connected by NVLink.
+
+    As in DeepEP, only PCIe GPUs are checked (SXM GPUs of one node reach each other
+    over NVLink): a group of PCIe GPUs may have at most 2 ranks, and NVML (the
+    ``pynvml`` module, needed only then) must report NVLink between them. Collective
+    over ``group`` in that case. Raises ``EPXUnsupportedError`` naming the GPUs.
+    """
+    torch = _torch()
+    if "PCIE" not in torch.cuda.get_device_name().upper():
+        return
+    if group.size() > 2:
+        _core._raise(_core.ErrorCode.unsupported,
+                     f"check_nvlink_connections: group: PCIe GPUs have pairwise NVLink at "
+                     f"most, so the group may have 2 ranks (got {group.size()})")
+    import torch.distributed as dist
+
+    try:
+        import pynvml
+    except ImportError as e:
+        raise ImportError("check_nvlink_connections: PCIe GPUs are checked through NVML; "
+                          "pip install nvidia-ml-py (the pynvml module)") from e
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    uuids = [None] * group.size()
+    dist.all_gather_object(uuids, f"GPU-{props.uuid}", group)
+    pynvml.nvmlInit()
+    try:
+        missing = _pairs_without_nvlink(uuids, pynvml)
+    finally:
+        pynvml.nvmlShutdown()
+    if missing:
+        i, j = missing[0]
+        _core._raise(_core.ErrorCode.unsupported,
+                     f"check_nvlink_connections: group: GPUs {uuids[i]} (rank {i}) and "
+                     f"{uuids[j]} (rank {j}) are not connected by NVLink")
