@@ -243,3 +243,158 @@ def test_nvlink_pairs_from_nvml():
     some = all_pairs - {frozenset(("GPU-a", "GPU-c"))}
     assert _pairs_without_nvlink(uuids, _FakeNvml(some)) == [(0, 2)]
     assert _pairs_without_nvlink(uuids, _FakeNvml(set())) == [(0, 1), (0, 2), (1, 2)]
+
+
+# ---- DeepEP arguments EPX cannot act on: warn once, or refuse naming them --------------------
+
+@pytest.fixture
+def fresh_warnings():
+    """Forgets which arguments have warned, so each test sees its first warning."""
+    from epx import compat
+
+    compat._reset_for_tests()
+    yield
+    compat._reset_for_tests()
+
+
+class _Stop(Exception):
+    pass
+
+
+class _StopGlue:
+    """Stands in for the torch glue of a Buffer: the first tensor conversion stops the
+    call, so a test sees what the method did with its arguments before any work."""
+
+    def view(self, name, t):
+        raise _Stop(name)
+
+    opt_view = view
+
+
+def _bare_buffer():
+    buf = object.__new__(epx.Buffer)
+    buf._glue = _StopGlue()
+    return buf
+
+
+def _ignored(record):
+    return [w for w in record if issubclass(w.category, epx.EPXIgnoredArgumentWarning)]
+
+
+# DeepEP branches' arguments (keyword-only in EPX), per method.
+FRAMEWORK_KWARGS = {
+    "__init__": ["allow_nvlink_for_normal_mode", "eager_support"],
+    "low_latency_dispatch": ["topk_weights", "x_global_scale", "use_nvfp4", "use_ue8m0_for_sf",
+                             "use_eager"],
+    "low_latency_combine": ["overlap", "packed_recv_count", "comp_signal", "block_m", "threshold",
+                            "num_sms", "src_signals", "src_signal_expect_value", "use_eager"],
+}
+
+
+@pytest.mark.parametrize("method, names", sorted(FRAMEWORK_KWARGS.items()))
+def test_deep_ep_branch_arguments_are_accepted_by_keyword(method, names):
+    params = inspect.signature(getattr(deep_ep.Buffer, method)).parameters
+    for name in names:
+        assert name in params and params[name].kind == inspect.Parameter.KEYWORD_ONLY, name
+
+
+@pytest.mark.parametrize("kwargs, arg", [
+    (dict(num_qps_per_rank=32), "num_qps_per_rank"),
+    (dict(allow_nvlink_for_low_latency_mode=False), "allow_nvlink_for_low_latency_mode"),
+    (dict(allow_mnnvl=True), "allow_mnnvl"),
+    (dict(use_fabric=True), "use_fabric"),
+    (dict(eager_support=True), "eager_support"),
+])
+def test_buffer_arguments_without_effect_warn_once(fresh_warnings, kwargs, arg):
+    import warnings
+
+    for round_ in range(2):
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            # No torch (ImportError) or no process group (ValueError): the warning
+            # comes first either way.
+            with pytest.raises((ImportError, ValueError)):
+                epx.Buffer(None, **kwargs)
+        got = _ignored(record)
+        if round_ == 0:
+            assert len(got) == 1, [str(w.message) for w in record]
+            assert f"Buffer: {arg}: has no effect" in str(got[0].message)
+            assert got[0].filename == __file__  # points at the caller's line
+        else:
+            assert got == [], "warned twice for the same argument"
+
+
+def test_buffer_defaults_do_not_warn(fresh_warnings):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with pytest.raises((ImportError, ValueError)):
+            epx.Buffer(None, num_qps_per_rank=24, allow_nvlink_for_low_latency_mode=True,
+                       allow_mnnvl=False, use_fabric=False, eager_support=False)
+    assert _ignored(record) == []
+
+
+def test_buffer_refuses_high_throughput_without_nvlink():
+    with pytest.raises(epx.EPXUnsupportedError,
+                       match="Buffer: allow_nvlink_for_normal_mode: .*NVLink only") as info:
+        epx.Buffer(None, allow_nvlink_for_normal_mode=False)
+    assert info.value.code == epx._core.ErrorCode.unsupported
+
+
+@pytest.mark.parametrize("kwargs, arg", [
+    (dict(use_nvfp4=True), "use_nvfp4"),
+    (dict(x_global_scale=object()), "x_global_scale"),
+    (dict(use_ue8m0_for_sf=True), "use_ue8m0_for_sf"),
+    (dict(topk_weights=object()), "topk_weights"),
+])
+def test_low_latency_dispatch_refuses_what_it_cannot_return(kwargs, arg):
+    with pytest.raises(epx.EPXUnsupportedError, match=rf"low_latency_dispatch: {arg}: "):
+        _bare_buffer().low_latency_dispatch(None, None, 128, 256, **kwargs)
+
+
+def test_low_latency_combine_refuses_overlap_and_takes_its_settings_without_it():
+    with pytest.raises(epx.EPXUnsupportedError, match="low_latency_combine: overlap: "):
+        _bare_buffer().low_latency_combine(None, None, None, None, overlap=True)
+    # Without overlap DeepEP ignores the overlap settings too: the call goes on.
+    with pytest.raises(TypeError, match="handle: expected the handle"):
+        _bare_buffer().low_latency_combine(None, None, None, None, overlap=False, block_m=128,
+                                           threshold=3, num_sms=5, comp_signal=object(),
+                                           packed_recv_count=object(), src_signals=object(),
+                                           src_signal_expect_value=2)
+
+
+def test_per_call_arguments_without_effect_warn_once(fresh_warnings):
+    import warnings
+
+    calls = [
+        ("dispatch", "num_tokens_per_rdma_rank",
+         lambda b: b.dispatch(None, num_tokens_per_rdma_rank=object())),
+        ("low_latency_dispatch", "use_eager",
+         lambda b: b.low_latency_dispatch(None, None, 128, 256, use_eager=True)),
+    ]
+    for op, arg, call in calls:
+        for round_ in range(2):
+            with warnings.catch_warnings(record=True) as record:
+                warnings.simplefilter("always")
+                with pytest.raises(_Stop):
+                    call(_bare_buffer())
+            got = _ignored(record)
+            assert len(got) == (1 if round_ == 0 else 0), (op, arg, round_)
+            if got:
+                assert f"{op}: {arg}: " in str(got[0].message)
+
+
+def test_config_rdma_fields_warn_once_unless_default(fresh_warnings):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        epx.Config(24, 6, 256, 6, 256)  # DeepEP's defaults: no warning
+        assert _ignored(record) == []
+        epx.Config(24, 6, 256, 6, 128)  # as in DeepEP's own config tables
+        epx.Config(24, 6, 256, 12, 128)
+    got = [str(w.message) for w in _ignored(record)]
+    assert len(got) == 2, got
+    assert any("num_max_rdma_chunked_recv_tokens" in m for m in got)
+    assert any("num_max_rdma_chunked_send_tokens" in m for m in got)
