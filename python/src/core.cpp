@@ -1042,7 +1042,11 @@ NB_MODULE(_core, m) {
   m.def("validate_num_experts", &epx::validate::num_experts, "op"_a, "num_experts"_a,
         "num_ranks"_a);
   m.def("validate_hidden", &epx::validate::hidden, "op"_a, "hidden"_a, "dtype"_a, "fp8_path"_a);
-  m.def("validate_num_topk", &epx::validate::num_topk, "op"_a, "num_topk"_a);
+  m.def("validate_num_topk", &epx::validate::num_topk, "op"_a, "num_topk"_a, "name"_a = "topk_idx");
+  m.def("validate_dispatch_layout", &epx::validate::dispatch_layout, "topk_idx"_a, "num_experts"_a,
+        "num_ranks"_a, "device"_a);
+  m.def("validate_low_latency_sizes", &epx::validate::low_latency_sizes, "op"_a,
+        "num_max_dispatch_tokens_per_rank"_a, "hidden"_a, "num_experts"_a, "num_ranks"_a);
   m.def("validate_topk_idx_values", &epx::validate::topk_idx_values, "op"_a, "topk_idx"_a,
         "num_experts"_a);
   m.def("validate_dispatch", &epx::validate::dispatch, "args"_a, "num_ranks"_a, "device"_a);

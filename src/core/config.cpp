@@ -43,7 +43,7 @@ void Config::validate(int num_ranks, int device_sm_count) const {
               " SMs this rank may use (the GPU's, split among in-process ranks sharing it), "
               "got " +
               std::to_string(num_sms));
-  require(send_sms() >= 1 && recv_sms() >= 1, "config.num_send_sms",
+  require(num_send_sms >= 0 && send_sms() >= 1 && recv_sms() >= 1, "config.num_send_sms",
           "must leave at least one receive SM (0 < num_send_sms < num_sms), got " +
               std::to_string(num_send_sms));
   require(num_max_send_tokens >= 1 && num_max_send_tokens <= 1024, "config.num_max_send_tokens",
