@@ -14,7 +14,7 @@ from . import _core
 from . import compat as _compat
 from .config import Config, _core_config
 from .in_process import InProcessComm
-from .utils import EventHandle, EventOverlap, _event_of, _int, _torch, _wrap_event
+from .utils import INT64, EventHandle, EventOverlap, _event_of, _int, _torch, _wrap_event
 
 _GLUE_LOCK = threading.Lock()
 
@@ -235,8 +235,8 @@ class Buffer:
             self.rank, self.group_size = comm.Get_rank(), comm.Get_size()
             all_gather_object = comm.allgather
         self.group = group
-        self.num_nvl_bytes = _int("num_nvl_bytes", num_nvl_bytes)
-        self.num_rdma_bytes = _int("num_rdma_bytes", num_rdma_bytes)
+        self.num_nvl_bytes = _int("num_nvl_bytes", num_nvl_bytes, INT64)
+        self.num_rdma_bytes = _int("num_rdma_bytes", num_rdma_bytes, INT64)
         self.low_latency_mode = bool(low_latency_mode)
         self.explicitly_destroy = bool(explicitly_destroy)
         self.enable_shrink = bool(enable_shrink)
@@ -342,7 +342,7 @@ class Buffer:
         """
         torch = self._glue.torch
         raw = torch.from_dlpack(self._rt().local_buffer(bool(use_rdma_buffer)))
-        raw = raw[_int("offset", offset):]
+        raw = raw[_int("offset", offset, INT64):]
         n = raw.numel() // dtype.itemsize
         t = raw[: n * dtype.itemsize].view(dtype)
         if size is None:
@@ -485,6 +485,9 @@ class Buffer:
                                       "ignored: EPX's dispatch stays within one NVLink domain "
                                       "(its get_dispatch_layout returns None here)")
         g = self._glue
+        if isinstance(x, tuple) and len(x) != 2:
+            raise ValueError(f"x: expected a tensor or a pair (x, x_scales), got a tuple of "
+                             f"{len(x)}")
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         if handle is not None and not isinstance(handle, _core.DispatchHandle):
             raise TypeError(f"handle: expected the handle returned by dispatch, "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from . import _core
 from . import compat as _compat
-from .utils import _int
+from .utils import SIZE, _int
 
 
 class Config:
@@ -86,13 +86,13 @@ class Config:
                                  num_topk: int = 16) -> int:
         """Bytes of NVLink buffer (``num_nvl_bytes``) a rank needs for tokens of
         ``hidden_bytes`` (hidden x element size) among ``num_ranks`` ranks."""
-        return self._cfg.get_nvl_buffer_size_hint(_int("hidden_bytes", hidden_bytes),
+        return self._cfg.get_nvl_buffer_size_hint(_int("hidden_bytes", hidden_bytes, SIZE),
                                                   _int("num_ranks", num_ranks),
                                                   _int("num_topk", num_topk))
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of RDMA buffer (``num_rdma_bytes``) the high-throughput kernels need (0)."""
-        return self._cfg.get_rdma_buffer_size_hint(_int("hidden_bytes", hidden_bytes),
+        return self._cfg.get_rdma_buffer_size_hint(_int("hidden_bytes", hidden_bytes, SIZE),
                                                    _int("num_ranks", num_ranks))
 
     def __repr__(self) -> str:

@@ -8,7 +8,7 @@ stream has waited for it. Importing this module does not import torch.
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 from . import _core
 
@@ -103,12 +103,22 @@ def _wrap_event(ev: Optional[_core.EventHandle], extra_tensors=None) -> EventOve
     return EventOverlap(EventHandle(ev) if ev is not None else None, extra_tensors)
 
 
-def _int(name: str, value: Any) -> int:
-    """``value`` as an int, or TypeError naming the argument."""
+INT32 = (-(2**31), 2**31 - 1)
+INT64 = (-(2**63), 2**63 - 1)
+SIZE = (0, 2**64 - 1)
+
+
+def _int(name: str, value: Any, bounds: Tuple[int, int] = INT32) -> int:
+    """``value`` as an int: TypeError naming the argument when it is not one,
+    EPXValueError naming it when it does not fit the C++ type (``bounds``)."""
     try:
-        return operator.index(value)
+        v = operator.index(value)
     except TypeError:
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
+    if not bounds[0] <= v <= bounds[1]:
+        _core._raise(_core.ErrorCode.invalid_argument,
+                     f"{name}: must be an integer in [{bounds[0]}, {bounds[1]}] (got {v})")
+    return v
 
 
 def _pairs_without_nvlink(uuids: Sequence[str], nvml: Any) -> list:
