@@ -32,7 +32,7 @@ struct BufferOptions {
   bool allow_nvlink_for_low_latency_mode = true;
   bool allow_mnnvl = false;
   std::string backend = "auto";  ///< auto | nvlink | in_process (EPX_BACKEND overrides "auto")
-  double timeout_s = 0;          ///< 0: EPX_TIMEOUT_S or 100 s
+  double timeout_s = 0;          ///< 0: EPX_TIMEOUT_S or 60 s
   Allocator allocator;           ///< empty: default_allocator()
   /// DeepEP's enable_shrink: low-latency ops leave out the ranks of this
   /// rank's mask (low_latency_update_mask_buffer), and a low-latency wait that
