@@ -32,8 +32,6 @@ namespace epx {
 namespace {
 
 constexpr int64_t kAny = validate::kAny;
-constexpr DType kDTypes[] = {DType::kBF16, DType::kFP8E4M3, DType::kF32,
-                             DType::kI32,  DType::kI64,     DType::kBool};
 
 // Argument sets per op and run: more than 10,000 in all.
 constexpr int kLayoutSets = 1500, kDispatchSets = 4000, kCombineSets = 2500,
