@@ -24,7 +24,7 @@ import epx as _epx
 from epx import Buffer, Config
 from epx.utils import EventHandle, EventOverlap
 
-from . import buffer, utils
+from . import buffer, utils  # noqa: F401  (deep_ep.buffer, deep_ep.utils as attributes)
 
 __version__ = _epx.__version__
 #: Which implementation serves ``deep_ep`` (DeepEP has no such attribute).

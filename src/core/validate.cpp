@@ -102,6 +102,8 @@ void low_latency_sizes(const char* op, int64_t max_tokens, int64_t hidden, int64
     fail(op, "hidden",
          "must be at most " + std::to_string(plan::kLlMaxHidden) + " (got " +
              std::to_string(hidden) + ")");
+  if (num_experts <= 0)
+    fail(op, "num_experts", "must be > 0 (got " + std::to_string(num_experts) + ")");
   if (num_experts > plan::kLlMaxExperts)
     fail(op, "num_experts",
          "must be at most " + std::to_string(plan::kLlMaxExperts) + " for low-latency (got " +

@@ -150,7 +150,7 @@ def make_buffer(num_ranks, device):
     return buf
 
 
-# ---- the rules ------------------------------------------------------------------------------------
+# ---- the rules -----------------------------------------------------------------------------------
 
 def as_int(v, bounds=INT32):
     """(ok, value) for an int argument: an integer (bool included) that fits."""
@@ -231,7 +231,7 @@ def ll_size_rules(v, max_tokens, hidden, experts, R):
     v.flag(experts is not None and (experts <= 0 or experts % R or experts > 1024), "num_experts")
 
 
-# ---- generators -----------------------------------------------------------------------------------
+# ---- generators ----------------------------------------------------------------------------------
 
 def wild_ints():
     return st.one_of(st.integers(-3, 3000), st.sampled_from([-1, 0, 127, 128, 1024, 1025, 8192,
@@ -333,7 +333,7 @@ def configs(draw, bad_p):
     return c
 
 
-# ---- the harness ----------------------------------------------------------------------------------
+# ---- the harness ---------------------------------------------------------------------------------
 
 def names_argument(message, broken):
     return [a for a in broken if re.search(rf"(^|: |\(){re.escape(a)}: ", message)]
@@ -374,7 +374,7 @@ def describe(**kw):
     return lambda: ", ".join(f"{k}={v!r}" for k, v in kw.items())
 
 
-# ---- the DLPack conversion of tensor arguments ------------------------------------------------------
+# ---- the DLPack conversion of tensor arguments ---------------------------------------------------
 
 NP_DTYPES = {np.float32: D.float32, np.int32: D.int32, np.int64: D.int64, np.bool_: D.bool,
              np.uint8: D.float8_e4m3fn}  # uint8 carries FP8 bits
@@ -420,7 +420,7 @@ def test_fuzz_dlpack_conversion():
     check_tally("from_dlpack", tally, N_DLPACK, [])
 
 
-# ---- the ops ---------------------------------------------------------------------------------------
+# ---- the ops -------------------------------------------------------------------------------------
 
 N_LAYOUT, N_DISPATCH, N_COMBINE = 1000, 3000, 1500
 N_LL_DISPATCH, N_LL_COMBINE, N_SMALL, N_CONFIG = 2000, 1500, 1000, 1000
@@ -455,8 +455,7 @@ def test_fuzz_get_dispatch_layout():
     check_tally("get_dispatch_layout", tally, N_LAYOUT, args)
 
 
-def dispatch_rules(R, dev, x, handle, layout, topk_idx, topk_weights, align, worst, config, ev,
-                   rdma):
+def dispatch_rules(R, dev, x, handle, layout, topk_idx, topk_weights, align, worst, config, ev):
     v = Verdict()
     if isinstance(x, tuple):
         if len(x) != 2:
@@ -578,7 +577,7 @@ def test_fuzz_dispatch():
                                   else st.just(0), pb("num_worst_tokens")))
         config, ev = data.draw(configs(pb("config"))), data.draw(events(pb("previous_event")))
         v = dispatch_rules(R, dev, x, handle, layout, topk_idx, topk_weights, align, worst,
-                           config, ev, None)
+                           config, ev)
 
         def call():
             make_buffer(R, dev).dispatch(
