@@ -1,23 +1,34 @@
 #!/usr/bin/env bash
 # Installs what building and testing EPX needs on a fresh Debian/Ubuntu
 # machine that already has the CUDA toolkit (nvcc 13, sm_90a). Idempotent.
-#   - apt: compilers, ninja, GoogleTest, CLI11, nlohmann-json, clang-format
-#   - pip: CMake >= 3.28 (CUDA C++20), nanobind, scikit-build-core, pytest, numpy
+#   - apt: compilers, ninja, GoogleTest, CLI11, nlohmann-json, clang-format,
+#     and python3-venv where the system Python is externally managed (PEP 668)
+#   - pip, into the Python scripts/python_env.sh picks (python3, or the
+#     project's .venv when python3 is closed to pip): CMake >= 3.28 (CUDA
+#     C++20), nanobind, scikit-build-core, pytest, numpy, hypothesis
 #   - NCCL >= 2.28.9 with the device API: the toolkit's copy if new enough,
-#     else the pip wheel nvidia-nccl-cu13==2.28.9 (prints EPX_NCCL_ROOT to use)
+#     else the pip wheel nvidia-nccl-cu13==2.28.9, which CMake finds through
+#     that Python
 set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/python_env.sh
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+pkgs=(g++ ninja-build libgtest-dev libcli11-dev nlohmann-json3-dev clang-format git)
+if epx_needs_venv; then
+  pkgs+=(python3-venv)
+fi
 need_apt=()
-for pkg in g++ ninja-build libgtest-dev libcli11-dev nlohmann-json3-dev clang-format git; do
+for pkg in "${pkgs[@]}"; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
   $SUDO apt-get update -q
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -q "${need_apt[@]}"
 fi
-PY=${PYTHON:-python3}
-$PY -m pip install -q --disable-pip-version-check "cmake>=3.28,<4" "nanobind>=2.4" scikit-build-core pytest numpy
+epx_use_python
+PIP=("$EPX_PY" -m pip install -q --disable-pip-version-check)
+"${PIP[@]}" "cmake>=3.28,<4" "nanobind>=2.4" scikit-build-core pytest numpy hypothesis
 command -v nvcc >/dev/null || { [ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH; }
 command -v nvcc >/dev/null || { echo "install_deps.sh: nvcc (CUDA 13) not found; install the CUDA toolkit" >&2; exit 1; }
 nccl_ok=0
@@ -29,8 +40,7 @@ for h in "${EPX_NCCL_ROOT:-/nonexistent}/include/nccl.h" /usr/local/cuda/include
   fi
 done
 if [ $nccl_ok -eq 0 ]; then
-  $PY -m pip install -q --disable-pip-version-check nvidia-nccl-cu13==2.28.9
-  root=$($PY -c 'import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__) if nvidia.nccl.__file__ else list(nvidia.nccl.__path__)[0])')
-  echo "install_deps.sh: using pip NCCL at $root (export EPX_NCCL_ROOT=$root)"
+  "${PIP[@]}" nvidia-nccl-cu13==2.28.9
+  echo "install_deps.sh: using the pip NCCL of $EPX_PY (CMake finds it there)"
 fi
-echo "install_deps.sh: done"
+echo "install_deps.sh: done ($EPX_PY)"

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The test command: builds everything (every .cu compiles, no GPU needed),
 # runs ctest (CPU tests; GPU tests run on >= 2 local GPUs, else are reported
-# as skipped), checks formatting, then builds the Python package and runs
-# pytest (GPU tests skip without GPUs and torch).
+# as skipped), checks formatting, builds the Python package and runs pytest
+# (GPU tests skip without GPUs and torch), then proves that a clean
+# `pip install .` into a fresh virtual environment works.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install_deps.sh
-export PATH="$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["scripts"])'):$PATH"
+source scripts/python_env.sh
+epx_use_python
+command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
 echo "== format check"
 git ls-files '*.cpp' '*.hpp' '*.cu' '*.cuh' | xargs clang-format --dry-run --Werror
 echo "== build"
@@ -15,11 +18,13 @@ cmake --build --preset default -j"$(nproc)"
 echo "== ctest"
 ctest --preset default
 echo "== python package"
-python3 -m pip install -q --no-build-isolation --no-deps . --config-settings=build-dir=build/python
+"$EPX_PY" -m pip install -q --no-build-isolation --no-deps . --config-settings=build-dir=build/python
 echo "== pytest"
 set +e
-python3 -m pytest tests/python -q -ra
+"$EPX_PY" -m pytest tests/python -q -ra
 rc=$?
 set -e
 # 5 = no tests collected: that is a failure of this script, not a pass.
-exit $rc
+[ $rc -eq 0 ] || exit $rc
+echo "== clean install into a fresh virtual environment"
+bash scripts/check_clean_install.sh

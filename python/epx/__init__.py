@@ -7,9 +7,9 @@ The Python API is DeepEP V1's, so existing code runs unchanged with::
     buffer = deep_ep.Buffer(group, num_nvl_bytes=..., num_rdma_bytes=...)
     recv_x, recv_topk_idx, recv_topk_weights, counts, handle, event = buffer.dispatch(...)
 
-Code that imports submodules by name (``from deep_ep.utils import EventOverlap``)
-can call ``epx.alias_deep_ep()`` first. Importing epx does not import torch;
-``epx.Buffer`` needs it. See docs/python.md.
+EPX also installs a ``deep_ep`` package that serves the same objects, so code
+that imports ``deep_ep`` (and ``deep_ep.utils``) needs no change at all.
+Importing epx does not import torch; ``epx.Buffer`` needs it. See docs/python.md.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import sys
 from . import _core
 from ._core import EPXError, EPXTimeoutError, EPXUnsupportedError, EPXValueError
 from .buffer import Buffer
+from .compat import EPXIgnoredArgumentWarning
 from .config import Config
 from .in_process import InProcessComm, in_process_comms, run_in_process
 from .utils import EventHandle, EventOverlap
@@ -26,21 +27,23 @@ from .utils import EventHandle, EventOverlap
 __version__ = _core.__version__
 __all__ = [
     "Buffer", "Config", "EventHandle", "EventOverlap", "EPXError", "EPXValueError",
-    "EPXTimeoutError", "EPXUnsupportedError", "topk_idx_t", "alias_deep_ep", "InProcessComm",
-    "in_process_comms", "run_in_process",
+    "EPXTimeoutError", "EPXUnsupportedError", "EPXIgnoredArgumentWarning", "topk_idx_t",
+    "alias_deep_ep", "InProcessComm", "in_process_comms", "run_in_process",
 ]
 
 
 def __getattr__(name: str):
     if name == "topk_idx_t":  # DeepEP's dtype of topk_idx, resolved lazily (needs torch)
-        import torch
+        from .utils import _torch
 
-        return torch.int64
+        return _torch().int64
     raise AttributeError(f"module 'epx' has no attribute {name!r}")
 
 
 def alias_deep_ep() -> None:
-    """Makes ``import deep_ep``, ``deep_ep.buffer`` and ``deep_ep.utils`` resolve to epx."""
+    """Makes ``import deep_ep``, ``deep_ep.buffer`` and ``deep_ep.utils`` resolve to epx
+    itself, unless a ``deep_ep`` is imported already. Kept for code written before
+    EPX installed its ``deep_ep`` package, which serves the same objects."""
     from . import buffer, utils
 
     sys.modules.setdefault("deep_ep", sys.modules[__name__])

@@ -11,9 +11,10 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple, Union
 
 from . import _core
+from . import compat as _compat
 from .config import Config, _core_config
 from .in_process import InProcessComm
-from .utils import EventHandle, EventOverlap, _event_of, _int, _torch, _wrap_event
+from .utils import INT64, EventHandle, EventOverlap, _event_of, _int, _torch, _wrap_event
 
 _GLUE_LOCK = threading.Lock()
 
@@ -160,8 +161,9 @@ class Buffer:
                  num_qps_per_rank: int = 24, allow_nvlink_for_low_latency_mode: bool = True,
                  allow_mnnvl: bool = False, use_fabric: bool = False,
                  explicitly_destroy: bool = False, enable_shrink: bool = False,
-                 comm: Any = None, *, backend: str = "auto", timeout_s: float = 0.0,
-                 ranks_per_node: int = 0) -> None:
+                 comm: Any = None, *, allow_nvlink_for_normal_mode: bool = True,
+                 eager_support: bool = False, backend: str = "auto",
+                 timeout_s: float = 0.0, ranks_per_node: int = 0) -> None:
         """Allocates the buffers; collective over ``group`` (or the mpi4py ``comm``).
 
         Arguments:
@@ -170,8 +172,10 @@ class Buffer:
             num_nvl_bytes: high-throughput buffer bytes (``Config.get_nvl_buffer_size_hint``).
             num_rdma_bytes: low-latency buffer bytes (``get_low_latency_rdma_size_hint``).
             low_latency_mode: whether low-latency kernels will be used.
-            num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: passed on.
-            use_fabric: accepted for compatibility, ignored.
+            num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric:
+                DeepEP's RDMA and memory settings; EPX's transports have no use for
+                them, and a value other than DeepEP's default warns once
+                (``EPXIgnoredArgumentWarning``). num_qps_per_rank must be >= 1.
             explicitly_destroy: ``destroy()`` must be called to free the buffers; otherwise
                 they are freed when the Buffer is garbage collected.
             enable_shrink: low-latency ops leave out the ranks this rank masks
@@ -180,6 +184,9 @@ class Buffer:
             comm: an mpi4py communicator, used when ``group`` is None; or an
                 ``epx.InProcessComm`` (ranks as threads of this process, see
                 ``epx.run_in_process``).
+            allow_nvlink_for_normal_mode: (DeepEP's hybrid-ep branch) False raises
+                EPXUnsupportedError: EPX's high-throughput kernels run over NVLink.
+            eager_support: (DeepEP's eager-rdma branch) True warns once: no effect.
             backend: EPX transport ("auto", "nvlink", "proxy" or, for in-process
                 ranks, "in_process"; EPX_BACKEND overrides "auto", which picks "proxy"
                 when the ranks form several nodes).
@@ -189,6 +196,24 @@ class Buffer:
                 through the backend's network path only.
             timeout_s: how long a rank waits for its peers (0: EPX_TIMEOUT_S, else 60 s).
         """
+        op = "Buffer"
+        _compat.ignored_unless_default(op, "num_qps_per_rank", num_qps_per_rank, 24,
+                                       "has no effect: EPX's transports use no RDMA queue pairs")
+        _compat.ignored_unless_default(
+            op, "allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode, True,
+            "has no effect: EPX's low-latency kernels reach the ranks of an NVLink domain "
+            "over NVLink")
+        _compat.ignored_unless_default(op, "allow_mnnvl", allow_mnnvl, False,
+                                       "has no effect: EPX does not switch multi-node NVLink "
+                                       "detection on or off")
+        _compat.ignored_unless_default(op, "use_fabric", use_fabric, False,
+                                       "has no effect: EPX's buffers come from ncclMemAlloc, "
+                                       "which picks its own memory handles")
+        _compat.ignored_unless_default(op, "eager_support", eager_support, False,
+                                       "has no effect: EPX has no RDMA transport to make eager")
+        _compat.unsupported_unless_default(op, "allow_nvlink_for_normal_mode",
+                                           allow_nvlink_for_normal_mode, True,
+                                           "EPX's high-throughput kernels run over NVLink only")
         if isinstance(comm, InProcessComm) and not explicitly_destroy:
             # Destruction is collective; from the garbage collector it would wait for the
             # other ranks' threads while holding the GIL they need.
@@ -215,10 +240,11 @@ class Buffer:
             self.rank, self.group_size = comm.Get_rank(), comm.Get_size()
             all_gather_object = comm.allgather
         self.group = group
-        self.num_nvl_bytes = _int("num_nvl_bytes", num_nvl_bytes)
-        self.num_rdma_bytes = _int("num_rdma_bytes", num_rdma_bytes)
+        self.num_nvl_bytes = _int("num_nvl_bytes", num_nvl_bytes, INT64)
+        self.num_rdma_bytes = _int("num_rdma_bytes", num_rdma_bytes, INT64)
         self.low_latency_mode = bool(low_latency_mode)
         self.explicitly_destroy = bool(explicitly_destroy)
+        self.enable_shrink = bool(enable_shrink)
 
         self._glue = glue
         self._device = torch.device("cuda", torch.cuda.current_device())
@@ -322,7 +348,7 @@ class Buffer:
         """
         torch = self._glue.torch
         raw = torch.from_dlpack(self._rt().local_buffer(bool(use_rdma_buffer)))
-        raw = raw[_int("offset", offset):]
+        raw = raw[_int("offset", offset, INT64):]
         n = raw.numel() // dtype.itemsize
         t = raw[: n * dtype.itemsize].view(dtype)
         if size is None:
@@ -447,7 +473,7 @@ class Buffer:
                 topk_idx/topk_weights and the layout tensors are then not needed).
             num_tokens_per_rank [R] int32, is_token_in_rank [T, R] bool,
             num_tokens_per_expert [E] int32: from ``get_dispatch_layout``.
-            num_tokens_per_rdma_rank: ignored (intranode).
+            num_tokens_per_rdma_rank: None (intranode); a tensor warns once and is ignored.
             topk_idx: [T, K] int64; topk_weights: [T, K] float32.
             expert_alignment: round each local expert's count up to a multiple of this.
             num_worst_tokens: > 0: no host synchronization; outputs have this many rows
@@ -460,7 +486,14 @@ class Buffer:
             [N, K] float32, num_recv_tokens_per_expert_list (E_local ints), handle, event.
             A cached dispatch returns None for the four middle entries.
         """
+        if num_tokens_per_rdma_rank is not None:
+            _compat.warn_ignored_once("dispatch", "num_tokens_per_rdma_rank",
+                                      "ignored: EPX's dispatch stays within one NVLink domain "
+                                      "(its get_dispatch_layout returns None here)")
         g = self._glue
+        if isinstance(x, tuple) and len(x) != 2:
+            raise ValueError(f"x: expected a tensor or a pair (x, x_scales), got a tuple of "
+                             f"{len(x)}")
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         if handle is not None and not isinstance(handle, _core.DispatchHandle):
             raise TypeError(f"handle: expected the handle returned by dispatch, "
@@ -541,6 +574,36 @@ class Buffer:
                      [combined_x, combined_w])
         return combined_x, combined_w, _wrap_event(r.event)
 
+    def internode_dispatch(self, x: "TensorOrPair", handle: Optional[Any] = None,
+                           num_tokens_per_rank: Optional["torch.Tensor"] = None,
+                           num_tokens_per_rdma_rank: Optional["torch.Tensor"] = None,
+                           is_token_in_rank: Optional["torch.Tensor"] = None,
+                           num_tokens_per_expert: Optional["torch.Tensor"] = None,
+                           topk_idx: Optional["torch.Tensor"] = None,
+                           topk_weights: Optional["torch.Tensor"] = None, expert_alignment: int = 1,
+                           num_worst_tokens: int = 0, config: Optional[Config] = None,
+                           previous_event: Optional[EventOverlap] = None,
+                           async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """DeepEP's internode dispatch (called by its ``dispatch`` across nodes): EPX has
+        no internode kernels; raises EPXUnsupportedError. ``dispatch`` serves a group
+        within one NVLink domain."""
+        _compat.unsupported("internode_dispatch", "group",
+                            "EPX has no internode (RDMA) kernels yet; dispatch() serves the "
+                            "ranks of one NVLink domain")
+
+    def internode_combine(self, x: "torch.Tensor", handle: Any,
+                          topk_weights: Optional["torch.Tensor"] = None,
+                          bias: Union["torch.Tensor", Tuple["torch.Tensor", "torch.Tensor"],
+                                      None] = None,
+                          config: Optional[Config] = None,
+                          previous_event: Optional[EventOverlap] = None,
+                          async_finish: bool = False, allocate_on_comm_stream: bool = False):
+        """DeepEP's internode combine: EPX has no internode kernels; raises
+        EPXUnsupportedError (see ``internode_dispatch``)."""
+        _compat.unsupported("internode_combine", "group",
+                            "EPX has no internode (RDMA) kernels yet; combine() serves the "
+                            "ranks of one NVLink domain")
+
     # ---- low-latency ----------------------------------------------------------------------------
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
@@ -573,7 +636,11 @@ class Buffer:
                              dispatch_wait_recv_cost_stats: Optional["torch.Tensor"] = None,
                              use_fp8: bool = True, round_scale: bool = False,
                              use_ue8m0: bool = False, async_finish: bool = False,
-                             return_recv_hook: bool = False
+                             return_recv_hook: bool = False, *,
+                             topk_weights: Optional["torch.Tensor"] = None,
+                             x_global_scale: Optional["torch.Tensor"] = None,
+                             use_nvfp4: bool = False, use_ue8m0_for_sf: bool = False,
+                             use_eager: bool = False
                              ) -> Tuple["TensorOrPair", "torch.Tensor", _core.LowLatencyHandle,
                                         EventOverlap, Optional[Callable[[], None]]]:
         """Sends tokens to their experts, packed per local expert (CUDA-graph friendly).
@@ -588,6 +655,10 @@ class Buffer:
             use_fp8: quantize to float8_e4m3fn with per-128-channel scales.
             round_scale: power-of-two scales; use_ue8m0: pack them as UE8M0 (int32).
             return_recv_hook: send only; call the returned hook to receive.
+            topk_weights, x_global_scale, use_nvfp4, use_ue8m0_for_sf: (DeepEP's hybrid-ep
+                branch: NVFP4 dispatch, received weights) anything but the default raises
+                EPXUnsupportedError naming the argument.
+            use_eager: (DeepEP's eager-rdma branch) True warns once: no effect.
 
         Returns:
             recv_x: [E_local, R*maxT, H] bfloat16, or with use_fp8 the pair (float8 data,
@@ -595,6 +666,18 @@ class Buffer:
                 column-major in the last two dims); recv_count: [E_local] int32 valid rows
                 per expert; handle; event; hook (None without return_recv_hook).
         """
+        op = "low_latency_dispatch"
+        _compat.unsupported_unless_default(op, "topk_weights", topk_weights, None,
+                                           "EPX's low-latency dispatch does not return "
+                                           "received weights (DeepEP hybrid-ep's 7-tuple)")
+        _compat.unsupported_unless_default(op, "x_global_scale", x_global_scale, None,
+                                           "NVFP4 dispatch is not supported by EPX")
+        _compat.unsupported_unless_default(op, "use_nvfp4", use_nvfp4, False,
+                                           "NVFP4 dispatch is not supported by EPX")
+        _compat.unsupported_unless_default(op, "use_ue8m0_for_sf", use_ue8m0_for_sf, False,
+                                           "NVFP4 dispatch is not supported by EPX")
+        _compat.ignored_unless_default(op, "use_eager", use_eager, False,
+                                       "has no effect: EPX has no RDMA transport to make eager")
         g = self._glue
         a = _core.LowLatencyDispatchArgs()
         a.x = g.view("x", x)
@@ -629,7 +712,13 @@ class Buffer:
                             use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
                             out: Optional["torch.Tensor"] = None,
-                            combine_wait_recv_cost_stats: Optional["torch.Tensor"] = None
+                            combine_wait_recv_cost_stats: Optional["torch.Tensor"] = None, *,
+                            overlap: bool = False,
+                            packed_recv_count: Optional["torch.Tensor"] = None,
+                            comp_signal: Optional["torch.Tensor"] = None, block_m: int = 64,
+                            threshold: int = 0, num_sms: int = 3,
+                            src_signals: Optional["torch.Tensor"] = None,
+                            src_signal_expect_value: int = 0, use_eager: bool = False
                             ) -> Tuple["torch.Tensor", EventOverlap, Optional[Callable[[], None]]]:
         """Returns each token's experts' outputs, weighted and summed, to its rank.
 
@@ -645,10 +734,22 @@ class Buffer:
             out: [T, H] bfloat16 to write the result into.
             combine_wait_recv_cost_stats: [R] int64; entry s gets, once per call, the
                 nanoseconds until rank s was seen to begin its combine.
+            overlap: (DeepEP's antgroup-opt and hybrid-ep branches: the combine's send
+                overlapped with the expert GEMM through signals) True raises
+                EPXUnsupportedError. packed_recv_count, comp_signal, block_m, threshold,
+                num_sms, src_signals, src_signal_expect_value configure that overlap and,
+                as in DeepEP, have no effect without it.
+            use_eager: (DeepEP's eager-rdma branch) True warns once: no effect.
 
         Returns:
             combined_x [T, H] bfloat16 (``out`` when given), event, hook.
         """
+        op = "low_latency_combine"
+        _compat.unsupported_unless_default(op, "overlap", overlap, False,
+                                           "a combine overlapped with the expert GEMM is not "
+                                           "supported by EPX")
+        _compat.ignored_unless_default(op, "use_eager", use_eager, False,
+                                       "has no effect: EPX has no RDMA transport to make eager")
         g = self._glue
         if not isinstance(handle, _core.LowLatencyHandle):
             raise TypeError(f"handle: expected the handle returned by low_latency_dispatch, "

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from . import _core
-from .utils import _int
+from . import compat as _compat
+from .utils import SIZE, _int
 
 
 class Config:
@@ -14,8 +15,8 @@ class Config:
     sender moves between two progress signals (``num_max_send_tokens``) and
     ``num_max_nvl_chunked_recv_tokens`` the rows of the receive ring per peer
     rank (``num_max_recv_tokens``; calls may send more tokens: the ring laps).
-    The RDMA values are kept for
-    compatibility and not used (EPX runs within one NVLink domain).
+    The RDMA values are kept for compatibility and not used (EPX runs within one
+    NVLink domain); values other than DeepEP's defaults warn once.
     """
 
     def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
@@ -31,6 +32,11 @@ class Config:
                                                      num_max_rdma_chunked_send_tokens)
         self.num_max_rdma_chunked_recv_tokens = _int("num_max_rdma_chunked_recv_tokens",
                                                      num_max_rdma_chunked_recv_tokens)
+        for name, default in (("num_max_rdma_chunked_send_tokens", 6),
+                              ("num_max_rdma_chunked_recv_tokens", 256)):
+            _compat.ignored_unless_default("Config", name, getattr(self, name), default,
+                                           "kept, but has no effect: EPX has no RDMA "
+                                           "(internode) kernels")
 
     @classmethod
     def _wrap(cls, cfg: _core.Config) -> "Config":
@@ -80,13 +86,13 @@ class Config:
                                  num_topk: int = 16) -> int:
         """Bytes of NVLink buffer (``num_nvl_bytes``) a rank needs for tokens of
         ``hidden_bytes`` (hidden x element size) among ``num_ranks`` ranks."""
-        return self._cfg.get_nvl_buffer_size_hint(_int("hidden_bytes", hidden_bytes),
+        return self._cfg.get_nvl_buffer_size_hint(_int("hidden_bytes", hidden_bytes, SIZE),
                                                   _int("num_ranks", num_ranks),
                                                   _int("num_topk", num_topk))
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of RDMA buffer (``num_rdma_bytes``) the high-throughput kernels need (0)."""
-        return self._cfg.get_rdma_buffer_size_hint(_int("hidden_bytes", hidden_bytes),
+        return self._cfg.get_rdma_buffer_size_hint(_int("hidden_bytes", hidden_bytes, SIZE),
                                                    _int("num_ranks", num_ranks))
 
     def __repr__(self) -> str:

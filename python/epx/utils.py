@@ -8,7 +8,7 @@ stream has waited for it. Importing this module does not import torch.
 from __future__ import annotations
 
 import operator
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 from . import _core
 
@@ -22,7 +22,8 @@ def _torch():
         try:
             import torch
         except ImportError as e:  # pragma: no cover - depends on the environment
-            raise ImportError("epx.Buffer and CUDA events need PyTorch (pip install torch)") from e
+            raise ImportError("epx.Buffer, CUDA events and topk_idx_t need PyTorch "
+                              "(pip install torch)") from e
         _torch_module = torch
     return _torch_module
 
@@ -102,9 +103,71 @@ def _wrap_event(ev: Optional[_core.EventHandle], extra_tensors=None) -> EventOve
     return EventOverlap(EventHandle(ev) if ev is not None else None, extra_tensors)
 
 
-def _int(name: str, value: Any) -> int:
-    """``value`` as an int, or TypeError naming the argument."""
+INT32 = (-(2**31), 2**31 - 1)
+INT64 = (-(2**63), 2**63 - 1)
+SIZE = (0, 2**64 - 1)
+
+
+def _int(name: str, value: Any, bounds: Tuple[int, int] = INT32) -> int:
+    """``value`` as an int: TypeError naming the argument when it is not one,
+    EPXValueError naming it when it does not fit the C++ type (``bounds``)."""
     try:
-        return operator.index(value)
+        v = operator.index(value)
     except TypeError:
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}") from None
+    if not bounds[0] <= v <= bounds[1]:
+        _core._raise(_core.ErrorCode.invalid_argument,
+                     f"{name}: must be an integer in [{bounds[0]}, {bounds[1]}] (got {v})")
+    return v
+
+
+def _pairs_without_nvlink(uuids: Sequence[str], nvml: Any) -> list:
+    """The pairs (i, j), i < j, of GPUs (NVML UUIDs) that NVML does not report as
+    NVLink peers. `nvml` is the pynvml module (or a stand-in with its calls)."""
+    handles = [nvml.nvmlDeviceGetHandleByUUID(u) for u in uuids]
+    missing = []
+    for i in range(len(handles)):
+        for j in range(i + 1, len(handles)):
+            status = nvml.nvmlDeviceGetP2PStatus(handles[i], handles[j],
+                                                 nvml.NVML_P2P_CAPS_INDEX_NVLINK)
+            if status != nvml.NVML_P2P_STATUS_OK:
+                missing.append((i, j))
+    return missing
+
+
+def check_nvlink_connections(group: Any) -> None:
+    """DeepEP's ``deep_ep.utils.check_nvlink_connections``: fails unless every pair of
+    GPUs of ``group`` is connected by NVLink.
+
+    As in DeepEP, only PCIe GPUs are checked (SXM GPUs of one node reach each other
+    over NVLink): a group of PCIe GPUs may have at most 2 ranks, and NVML (the
+    ``pynvml`` module, needed only then) must report NVLink between them. Collective
+    over ``group`` in that case. Raises ``EPXUnsupportedError`` naming the GPUs.
+    """
+    torch = _torch()
+    if "PCIE" not in torch.cuda.get_device_name().upper():
+        return
+    if group.size() > 2:
+        _core._raise(_core.ErrorCode.unsupported,
+                     f"check_nvlink_connections: group: PCIe GPUs have pairwise NVLink at "
+                     f"most, so the group may have 2 ranks (got {group.size()})")
+    import torch.distributed as dist
+
+    try:
+        import pynvml
+    except ImportError as e:
+        raise ImportError("check_nvlink_connections: PCIe GPUs are checked through NVML; "
+                          "pip install nvidia-ml-py (the pynvml module)") from e
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    uuids = [None] * group.size()
+    dist.all_gather_object(uuids, f"GPU-{props.uuid}", group)
+    pynvml.nvmlInit()
+    try:
+        missing = _pairs_without_nvlink(uuids, pynvml)
+    finally:
+        pynvml.nvmlShutdown()
+    if missing:
+        i, j = missing[0]
+        _core._raise(_core.ErrorCode.unsupported,
+                     f"check_nvlink_connections: group: GPUs {uuids[i]} (rank {i}) and "
+                     f"{uuids[j]} (rank {j}) are not connected by NVLink")

@@ -594,7 +594,7 @@ NB_MODULE(_core, m) {
           [](nb::handle obj, const char* name, std::optional<DType> dtype) {
             return view_of(obj, name, dtype);
           },
-          "obj"_a, "name"_a = "tensor", "dtype"_a = nb::none(),
+          "obj"_a.none(), "name"_a = "tensor", "dtype"_a = nb::none(),
           "View of any DLPack producer or capsule; `dtype` reinterprets same-size elements.")
       .def_prop_ro("data", [](const TensorView& v) { return reinterpret_cast<uintptr_t>(v.data); })
       .def_ro("dtype", &TensorView::dtype)
@@ -1045,7 +1045,13 @@ NB_MODULE(_core, m) {
   m.def("validate_num_experts", &epx::validate::num_experts, "op"_a, "num_experts"_a,
         "num_ranks"_a);
   m.def("validate_hidden", &epx::validate::hidden, "op"_a, "hidden"_a, "dtype"_a, "fp8_path"_a);
-  m.def("validate_num_topk", &epx::validate::num_topk, "op"_a, "num_topk"_a);
+  m.def("validate_rank_in_group", &epx::validate::rank_in_group, "op"_a, "name"_a, "value"_a,
+        "num_ranks"_a);
+  m.def("validate_num_topk", &epx::validate::num_topk, "op"_a, "num_topk"_a, "name"_a = "topk_idx");
+  m.def("validate_dispatch_layout", &epx::validate::dispatch_layout, "topk_idx"_a, "num_experts"_a,
+        "num_ranks"_a, "device"_a);
+  m.def("validate_low_latency_sizes", &epx::validate::low_latency_sizes, "op"_a,
+        "num_max_dispatch_tokens_per_rank"_a, "hidden"_a, "num_experts"_a, "num_ranks"_a);
   m.def("validate_topk_idx_values", &epx::validate::topk_idx_values, "op"_a, "topk_idx"_a,
         "num_experts"_a);
   m.def("validate_dispatch", &epx::validate::dispatch, "args"_a, "num_ranks"_a, "device"_a);

@@ -1,3 +1,4 @@
+#include <dlfcn.h>
 #include <nccl.h>
 
 #include <algorithm>
@@ -11,12 +12,57 @@
 #include "common/env.hpp"
 #include "common/plan.hpp"
 #include "core/in_process_group.hpp"
+#include "core/nccl_version.hpp"
 #include "core/stream_wait.hpp"
 #include "epx/buffer.hpp"
 
 namespace epx {
 
 static_assert(sizeof(ncclUniqueId) == kUniqueIdBytes, "ncclUniqueId size changed");
+
+namespace nccl_version {
+
+Version decode(int code) {
+  if (code >= 10000) return {code / 10000, code / 100 % 100, code % 100};
+  return {code / 1000, code / 100 % 10, code % 100};
+}
+
+std::string to_string(const Version& v) {
+  return std::to_string(v.major) + "." + std::to_string(v.minor) + "." + std::to_string(v.patch);
+}
+
+bool at_least(const Version& found, const Version& needed) {
+  if (found.major != needed.major) return found.major > needed.major;
+  if (found.minor != needed.minor) return found.minor > needed.minor;
+  return found.patch >= needed.patch;
+}
+
+void check(int code, const std::string& library) {
+  const Version found = decode(code);
+  if (at_least(found, kRequired)) return;
+  throw Error(ErrorCode::kUnsupported,
+              "NCCL " + to_string(found) + " is loaded" +
+                  (library.empty() ? std::string() : " (" + library + ")") + "; EPX needs NCCL " +
+                  to_string(kRequired) +
+                  " or newer (its device API). Load a newer libnccl.so.2 first: pip install "
+                  "'nvidia-nccl-cu13>=2.28.9', or put its lib directory first in "
+                  "LD_LIBRARY_PATH (a framework imported before EPX may have loaded its own)");
+}
+
+}  // namespace nccl_version
+
+namespace {
+/// The NCCL this process runs with; the library file when the loader says.
+void check_loaded_nccl() {
+  int code = 0;
+  EPX_NCCL_CHECK(ncclGetVersion(&code));
+  Dl_info info{};
+  std::string library;
+  if (dladdr(reinterpret_cast<void*>(&ncclGetVersion), &info) != 0 && info.dli_fname)
+    library = info.dli_fname;
+  nccl_version::check(code, library);
+}
+}  // namespace
 
 UniqueId Communicator::new_unique_id() {
   ncclUniqueId id;
@@ -33,6 +79,7 @@ std::shared_ptr<Communicator> Communicator::create(const UniqueId& id, int rank,
   require(
       rank >= 0 && rank < num_ranks, "rank",
       "must be in [0, num_ranks=" + std::to_string(num_ranks) + "), got " + std::to_string(rank));
+  check_loaded_nccl();
   std::shared_ptr<Communicator> c(new Communicator());
   c->rank_ = rank;
   c->num_ranks_ = num_ranks;

@@ -18,6 +18,11 @@ std::atomic<int>& default_num_sms() {
 
 std::size_t Config::get_nvl_buffer_size_hint(std::size_t hidden_bytes, int num_ranks,
                                              int num_topk) const {
+  validate(num_ranks, 0);  // a size for a config no op accepts would mislead
+  require(hidden_bytes > 0 && hidden_bytes <= (std::size_t{1} << 32), "hidden_bytes",
+          "must be in [1, 2^32], got " + std::to_string(hidden_bytes));
+  require(num_topk >= 1 && num_topk <= 16, "num_topk",
+          "must be in [1, 16], got " + std::to_string(num_topk));
   // Dispatch rows are the larger of the two (they carry ids and FP8 scales);
   // the layout holds up to 1024 experts' counts.
   plan::HtRegion r;
@@ -43,7 +48,7 @@ void Config::validate(int num_ranks, int device_sm_count) const {
               " SMs this rank may use (the GPU's, split among in-process ranks sharing it), "
               "got " +
               std::to_string(num_sms));
-  require(send_sms() >= 1 && recv_sms() >= 1, "config.num_send_sms",
+  require(num_send_sms >= 0 && send_sms() >= 1 && recv_sms() >= 1, "config.num_send_sms",
           "must leave at least one receive SM (0 < num_send_sms < num_sms), got " +
               std::to_string(num_send_sms));
   require(num_max_send_tokens >= 1 && num_max_send_tokens <= 1024, "config.num_max_send_tokens",

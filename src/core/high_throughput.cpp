@@ -70,12 +70,7 @@ Layout Buffer::get_dispatch_layout(const TensorView& topk_idx, int num_experts,
   auto& d = *impl_;
   d.check_alive("get_dispatch_layout");
   const int R = d.comm->num_ranks();
-  validate::num_experts("get_dispatch_layout", num_experts, R);
-  validate::tensor("get_dispatch_layout", "topk_idx", topk_idx, DType::kI64,
-                   {validate::kAny, validate::kAny}, d.device);
-  validate::num_topk("get_dispatch_layout", topk_idx.shape[1]);
-  require(num_experts <= 8192, "num_experts",
-          "must be <= 8192, got " + std::to_string(num_experts));
+  validate::dispatch_layout(topk_idx, num_experts, R, d.device);
   d.enter(s);
   const int T = static_cast<int>(topk_idx.shape[0]);
   Layout out;
@@ -115,12 +110,6 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   const int num_scales = fp8 ? H / 128 : 0;
   const int K = a.topk_idx ? static_cast<int>(a.topk_idx->shape[1]) : 0;
   const int E = a.handle ? 0 : static_cast<int>(a.num_tokens_per_expert->shape[0]);
-  if (a.handle) {
-    require(a.handle->num_ranks == R, "handle", "was made by a buffer of another rank count");
-    require(a.handle->num_tokens == T, "handle",
-            "was made for " + std::to_string(a.handle->num_tokens) + " tokens, x has " +
-                std::to_string(T));
-  }
   const plan::HtRegion region =
       plan_region("dispatch", d, cfg, a.handle ? R : E,
                   plan::ht_dispatch_row_bytes(hidden_bytes, num_scales, K), T);

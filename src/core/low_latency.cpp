@@ -381,10 +381,7 @@ void Buffer::clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, int 
   auto& d = *impl_;
   d.check_alive(op);
   const int R = d.comm->num_ranks();
-  require(num_max_dispatch_tokens_per_rank > 0, "num_max_dispatch_tokens_per_rank",
-          "must be > 0, got " + std::to_string(num_max_dispatch_tokens_per_rank));
-  require(hidden > 0, "hidden", "must be > 0, got " + std::to_string(hidden));
-  validate::num_experts(op, num_experts, R);
+  validate::low_latency_sizes(op, num_max_dispatch_tokens_per_rank, hidden, num_experts, R);
   const plan::LlRegion region = region_of(R, num_max_dispatch_tokens_per_rank, hidden, num_experts);
   // Collective: nobody may still be writing into a peer's region while it is
   // zeroed, and nobody may start a new op before every region is clean.
@@ -466,10 +463,7 @@ std::size_t Buffer::get_low_latency_rdma_size_hint(int num_max_dispatch_tokens_p
   require(
       num_ranks >= 1 && num_ranks <= plan::kLlMaxRanks, "num_ranks",
       "must be in [1, " + std::to_string(plan::kLlMaxRanks) + "], got " + std::to_string(num_ranks));
-  require(num_max_dispatch_tokens_per_rank > 0, "num_max_dispatch_tokens_per_rank",
-          "must be > 0, got " + std::to_string(num_max_dispatch_tokens_per_rank));
-  require(hidden > 0, "hidden", "must be > 0, got " + std::to_string(hidden));
-  validate::num_experts(op, num_experts, num_ranks);
+  validate::low_latency_sizes(op, num_max_dispatch_tokens_per_rank, hidden, num_experts, num_ranks);
   return region_of(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts).total_bytes();
 }
 

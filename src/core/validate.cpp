@@ -72,9 +72,9 @@ void hidden(const char* op, int64_t hidden, DType dtype, bool fp8_path) {
     fail(op, "hidden", "FP8 needs a multiple of 128 (got " + std::to_string(hidden) + ")");
 }
 
-void num_topk(const char* op, int64_t k) {
+void num_topk(const char* op, int64_t k, const char* name) {
   if (k < 1 || k > kMaxTopK)
-    fail(op, "topk_idx",
+    fail(op, name,
          "top-k must be in [1, " + std::to_string(kMaxTopK) + "] (got " + std::to_string(k) + ")");
 }
 
@@ -89,6 +89,39 @@ void topk_idx_values(const char* op, const TensorView& t, int num_experts) {
   }
 }
 
+void low_latency_sizes(const char* op, int64_t max_tokens, int64_t hidden, int64_t num_experts,
+                       int num_ranks) {
+  if (max_tokens <= 0 || max_tokens > kMaxLowLatencyTokens)
+    fail(op, "num_max_dispatch_tokens_per_rank",
+         "must be in [1, " + std::to_string(kMaxLowLatencyTokens) + "] (got " +
+             std::to_string(max_tokens) + ")");
+  if (hidden <= 0) fail(op, "hidden", "must be > 0 (got " + std::to_string(hidden) + ")");
+  if (hidden % 128 != 0)
+    fail(op, "hidden", "must be a multiple of 128 (got " + std::to_string(hidden) + ")");
+  if (hidden > plan::kLlMaxHidden)
+    fail(op, "hidden",
+         "must be at most " + std::to_string(plan::kLlMaxHidden) + " (got " +
+             std::to_string(hidden) + ")");
+  if (num_experts <= 0)
+    fail(op, "num_experts", "must be > 0 (got " + std::to_string(num_experts) + ")");
+  if (num_experts > plan::kLlMaxExperts)
+    fail(op, "num_experts",
+         "must be at most " + std::to_string(plan::kLlMaxExperts) + " for low-latency (got " +
+             std::to_string(num_experts) + ")");
+  validate::num_experts(op, static_cast<int>(num_experts), num_ranks);
+}
+
+void dispatch_layout(const TensorView& topk_idx, int num_experts, int num_ranks, int device) {
+  const char* op = "get_dispatch_layout";
+  validate::num_experts(op, num_experts, num_ranks);
+  if (num_experts > kMaxLayoutExperts)
+    fail(op, "num_experts",
+         "must be at most " + std::to_string(kMaxLayoutExperts) + " (got " +
+             std::to_string(num_experts) + ")");
+  tensor(op, "topk_idx", topk_idx, DType::kI64, {kAny, kAny}, device);
+  num_topk(op, topk_idx.shape[1]);
+}
+
 void dispatch(const DispatchArgs& a, int num_ranks, int device) {
   const char* op = "dispatch";
   const bool fp8 = a.x.dtype == DType::kFP8E4M3;
@@ -98,7 +131,9 @@ void dispatch(const DispatchArgs& a, int num_ranks, int device) {
   if (a.x.device != device)
     fail(op, "x", "must be on cuda:" + std::to_string(device) + " (got " + a.x.describe() + ")");
   const int64_t T = a.x.shape[0], H = a.x.shape[1];
+  if (T < 0) fail(op, "x", "has a negative extent (got " + a.x.describe() + ")");
   hidden(op, H, a.x.dtype, fp8);
+  if (a.x.data == nullptr && T > 0) fail(op, "x", "is null");
   if (a.x.strides[1] != 1 ||
       (a.x.strides[0] * static_cast<int64_t>(element_size(a.x.dtype))) % 16 != 0)
     fail(op, "x", "rows must be contiguous and 16-byte aligned (got " + a.x.describe() + ")");
@@ -118,6 +153,12 @@ void dispatch(const DispatchArgs& a, int num_ranks, int device) {
       fail(op, "topk_idx", "must be None for a cached dispatch (handle given)");
     if (a.num_worst_tokens > 0)
       fail(op, "num_worst_tokens", "must be 0 for a cached dispatch (handle given)");
+    if (a.handle->num_ranks != num_ranks)
+      fail(op, "handle", "was made by a buffer of another rank count");
+    if (a.handle->num_tokens != T)
+      fail(op, "handle",
+           "was made for " + std::to_string(a.handle->num_tokens) + " tokens, x has " +
+               std::to_string(T));
     return;
   }
   if (!a.num_tokens_per_rank || !a.is_token_in_rank || !a.num_tokens_per_expert)
@@ -151,7 +192,7 @@ void combine(const CombineArgs& a, int num_ranks, int device) {
   hidden(op, a.x.shape[1], DType::kBF16, false);
   if (a.topk_weights) {
     tensor(op, "topk_weights", *a.topk_weights, DType::kF32, {h.num_recv_tokens, kAny}, device);
-    num_topk(op, a.topk_weights->shape[1]);
+    num_topk(op, a.topk_weights->shape[1], "topk_weights");
   }
   if (a.bias_0) tensor(op, "bias_0", *a.bias_0, DType::kBF16, {h.num_tokens, a.x.shape[1]}, device);
   if (a.bias_1) tensor(op, "bias_1", *a.bias_1, DType::kBF16, {h.num_tokens, a.x.shape[1]}, device);
@@ -159,29 +200,15 @@ void combine(const CombineArgs& a, int num_ranks, int device) {
 
 void low_latency_dispatch(const LowLatencyDispatchArgs& a, int num_ranks, int device) {
   const char* op = "low_latency_dispatch";
-  if (a.num_max_dispatch_tokens_per_rank <= 0 ||
-      a.num_max_dispatch_tokens_per_rank > kMaxLowLatencyTokens)
-    fail(op, "num_max_dispatch_tokens_per_rank",
-         "must be in [1, " + std::to_string(kMaxLowLatencyTokens) + "] (got " +
-             std::to_string(a.num_max_dispatch_tokens_per_rank) + ")");
   tensor(op, "x", a.x, DType::kBF16, {kAny, kAny}, device);
   const int64_t T = a.x.shape[0], H = a.x.shape[1];
+  low_latency_sizes(op, a.num_max_dispatch_tokens_per_rank, H, a.num_experts, num_ranks);
   if (T > a.num_max_dispatch_tokens_per_rank)
     fail(op, "x",
          "has " + std::to_string(T) + " tokens, more than num_max_dispatch_tokens_per_rank=" +
              std::to_string(a.num_max_dispatch_tokens_per_rank));
-  if (H % 128 != 0) fail(op, "hidden", "must be a multiple of 128 (got " + std::to_string(H) + ")");
-  if (H > plan::kLlMaxHidden)
-    fail(op, "hidden",
-         "must be at most " + std::to_string(plan::kLlMaxHidden) + " (got " + std::to_string(H) +
-             ")");
   tensor(op, "topk_idx", a.topk_idx, DType::kI64, {T, kAny}, device);
   num_topk(op, a.topk_idx.shape[1]);
-  num_experts(op, a.num_experts, num_ranks);
-  if (a.num_experts > plan::kLlMaxExperts)
-    fail(op, "num_experts",
-         "must be at most " + std::to_string(plan::kLlMaxExperts) + " for low-latency (got " +
-             std::to_string(a.num_experts) + ")");
   if (!a.use_fp8 && (a.round_scale || a.use_ue8m0))
     fail(op, "use_fp8", "round_scale and use_ue8m0 need use_fp8=True");
   if (a.use_ue8m0 && !a.round_scale)

@@ -25,8 +25,8 @@ void num_experts(const char* op, int num_experts, int num_ranks);
 void hidden(const char* op, int64_t hidden, DType dtype, bool fp8_path);
 /// A rank of the group: value in [0, num_ranks).
 void rank_in_group(const char* op, const char* name, int value, int num_ranks);
-/// num_topk in [1, kMaxTopK].
-void num_topk(const char* op, int64_t num_topk);
+/// num_topk in [1, kMaxTopK]; `name` is the argument whose extent it is.
+void num_topk(const char* op, int64_t num_topk, const char* name = "topk_idx");
 /// Host-side topk_idx values: each -1 or in [0, num_experts). Only for host
 /// (kCpu) tensors; device values are checked by the layout kernel.
 void topk_idx_values(const char* op, const TensorView& topk_idx, int num_experts);
@@ -34,8 +34,17 @@ void topk_idx_values(const char* op, const TensorView& topk_idx, int num_experts
 inline constexpr int kMaxTopK = 16;
 inline constexpr int kMaxRanks = epx::kMaxRanks;  ///< in all (8 per node: kMaxRanksPerNode)
 inline constexpr int kMaxLowLatencyTokens = plan::kLlMaxTokens;  ///< per rank, per call
+inline constexpr int kMaxLayoutExperts = 8192;                   ///< get_dispatch_layout's kernel
+
+/// Low-latency sizes (ops, clean_low_latency_buffer, the size hint):
+/// num_max_dispatch_tokens_per_rank in [1, kMaxLowLatencyTokens]; hidden > 0,
+/// a multiple of 128 and at most plan::kLlMaxHidden; num_experts > 0, divisible
+/// by num_ranks and at most plan::kLlMaxExperts.
+void low_latency_sizes(const char* op, int64_t num_max_dispatch_tokens_per_rank, int64_t hidden,
+                       int64_t num_experts, int num_ranks);
 
 /// Whole-call checks. Return nothing; throw on the first broken rule.
+void dispatch_layout(const TensorView& topk_idx, int num_experts, int num_ranks, int device);
 void dispatch(const DispatchArgs& a, int num_ranks, int device);
 void combine(const CombineArgs& a, int num_ranks, int device);
 void low_latency_dispatch(const LowLatencyDispatchArgs& a, int num_ranks, int device);

@@ -192,7 +192,7 @@ TEST(Validate, CombineRules) {
   expect_error([&] { validate::combine(c, 4, 0); }, {"bias_0", "[32, 4096]"});
   c.bias_0.reset();
   c.topk_weights = dev_view(DType::kF32, {100, 17});
-  expect_error([&] { validate::combine(c, 4, 0); }, {"topk_idx", "[1, 16]"});
+  expect_error([&] { validate::combine(c, 4, 0); }, {"combine: topk_weights", "[1, 16]"});
   expect_error([&] { validate::combine(c, 8, 0); }, {"handle", "rank count"});
 }
 
