@@ -21,8 +21,8 @@ struct Options {
   int recv_tokens = 0;  ///< ht: ring rows per peer (0: the default config's)
   int in_process = 0;   ///< > 0: that many ranks as threads on one GPU (no NVLink: a proxy)
   std::string backend = "auto";  ///< BufferOptions::backend
-  int ranks_per_node = 0;        ///< BufferOptions::ranks_per_node (0: EPX_RANKS_PER_NODE or the host)
-  int qps = 1;                   ///< BufferOptions::num_qps_per_rank (proxy channels)
+  int ranks_per_node = 0;  ///< BufferOptions::ranks_per_node (0: EPX_RANKS_PER_NODE or the host)
+  int qps = 1;             ///< BufferOptions::num_qps_per_rank (proxy channels)
   int warmup = 10, iters = 50;
   bool sweep = true;
   bool shrink = false;  ///< ll: BufferOptions::enable_shrink (no rank masked)

@@ -84,8 +84,9 @@ void run_fifo(World& w, const Options& o, nlohmann::json& result) {
   for (std::size_t bytes : {std::size_t{0}, std::size_t{4096}}) {
     double cmds_per_s = 0, ns = 0;
     if (w.rank == 0) {
-      std::visit([&](const auto& tt) { post_many<<<1, 32, 0, w.stream>>>(tt, 1, n / 10, bytes, d_ns); },
-                 t);  // warm-up
+      std::visit(
+          [&](const auto& tt) { post_many<<<1, 32, 0, w.stream>>>(tt, 1, n / 10, bytes, d_ns); },
+          t);  // warm-up
       EPX_CUDA_CHECK(cudaStreamSynchronize(w.stream));
       std::visit([&](const auto& tt) { post_many<<<1, 32, 0, w.stream>>>(tt, 1, n, bytes, d_ns); },
                  t);
@@ -96,7 +97,8 @@ void run_fifo(World& w, const Options& o, nlohmann::json& result) {
     }
     backend->barrier();
     if (w.rank == 0) {
-      rate.push_back({{"bytes", bytes}, {"commands", n}, {"ns", ns}, {"commands_per_s", cmds_per_s}});
+      rate.push_back(
+          {{"bytes", bytes}, {"commands", n}, {"ns", ns}, {"commands_per_s", cmds_per_s}});
       std::printf("fifo rate, %s: %d commands in %.1f us: %.0f commands/s per proxy thread\n",
                   bytes ? "4 KiB puts" : "signals", n, ns * 1e-3, cmds_per_s);
     }
@@ -109,14 +111,16 @@ void run_fifo(World& w, const Options& o, nlohmann::json& result) {
   const double one_way_us = elapsed() / iters / 2 * 1e-3;
   backend->barrier();
   if (w.rank == 0)
-    std::printf("fifo latency: 1 KiB put + signal, post to the peer seeing it: %.2f us one way "
-                "(mean of %d round trips / 2)\n",
-                one_way_us, iters);
+    std::printf(
+        "fifo latency: 1 KiB put + signal, post to the peer seeing it: %.2f us one way "
+        "(mean of %d round trips / 2)\n",
+        one_way_us, iters);
   const double need = 1000.0 / 20e-6;  // EP16 LL dispatch: ~1000 messages in ~20 us
   if (w.rank == 0)
-    std::printf("an EP16 low-latency dispatch needs about %.0f messages/s per rank (1000 in "
-                "20 us); these are CUDA IPC copies on one host, not a NIC\n",
-                need);
+    std::printf(
+        "an EP16 low-latency dispatch needs about %.0f messages/s per rank (1000 in "
+        "20 us); these are CUDA IPC copies on one host, not a NIC\n",
+        need);
   result["fifo"] = {{"rate", rate},
                     {"one_way_latency_us", one_way_us},
                     {"round_trips", iters},

@@ -268,8 +268,8 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
     std::printf(
         "buffer bytes per rank: %zu (hint %zu = %zu for the ops + %zu network areas + %zu "
         "zero-copy inputs); DeepEP's hint: %zu\n",
-        w.buffer->buffer_bytes(), hint, region.core_bytes(),
-        region.net_end() - region.core_bytes(), 2 * region.zero_copy_bytes(), deepep_hint);
+        w.buffer->buffer_bytes(), hint, region.core_bytes(), region.net_end() - region.core_bytes(),
+        2 * region.zero_copy_bytes(), deepep_hint);
   }
 }
 

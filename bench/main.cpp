@@ -199,7 +199,8 @@ int main(int argc, char** argv) {
   auto* ht = app.add_subcommand("ht", "high-throughput dispatch/combine (training, prefill)");
   auto* ll = app.add_subcommand("ll", "low-latency dispatch/combine (decode)");
   auto* fifo = app.add_subcommand(
-      "fifo", "the CPU proxy's command path: commands/s per proxy thread, one-way latency (2 ranks)");
+      "fifo",
+      "the CPU proxy's command path: commands/s per proxy thread, one-way latency (2 ranks)");
   fifo->add_option("--iters", o.iters, "scales the command and round-trip counts")
       ->capture_default_str();
   fifo->add_option("--json", o.json_path, "write results here (rank 0)");

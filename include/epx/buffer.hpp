@@ -42,8 +42,8 @@ struct BufferOptions {
   /// holds makes virtual nodes: peers in another node are reached only
   /// through the backend's network operations, even where NVLink could.
   int ranks_per_node = 0;
-  double timeout_s = 0;          ///< 0: EPX_TIMEOUT_S or 60 s
-  Allocator allocator;           ///< empty: default_allocator()
+  double timeout_s = 0;  ///< 0: EPX_TIMEOUT_S or 60 s
+  Allocator allocator;   ///< empty: default_allocator()
   /// DeepEP's enable_shrink: low-latency ops leave out the ranks of this
   /// rank's mask (low_latency_update_mask_buffer), and a low-latency wait that
   /// passes `timeout_s` masks its peer instead of failing the op.

@@ -30,8 +30,8 @@ enum class DiagCode : uint32_t {
   kTimeout = 1,
   kBadExpert = 2,
   kTooManyTokens = 3,
-  kBadLayout = 4,  ///< num_tokens_per_rank disagrees with is_token_in_rank
-  kBadConfig = 5,  ///< a peer's config or row layout differs from this rank's (no data moved)
+  kBadLayout = 4,     ///< num_tokens_per_rank disagrees with is_token_in_rank
+  kBadConfig = 5,     ///< a peer's config or row layout differs from this rank's (no data moved)
   kProxyStopped = 6,  ///< a proxy channel's thread stopped or died (channel = the channel)
 };
 

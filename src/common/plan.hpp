@@ -257,9 +257,7 @@ struct LlRegion {
   static constexpr std::size_t weights_base() { return flags_base() + 2 * flags_bytes(); }
   /// Dispatch tags: sub-offsets inside one half's tag area, and its size.
   static constexpr std::size_t dtag_counts_offset() { return 0; }
-  static constexpr std::size_t dtag_masks_offset() {
-    return align_up(8u * kLlMaxRanks, kAlign);
-  }
+  static constexpr std::size_t dtag_masks_offset() { return align_up(8u * kLlMaxRanks, kAlign); }
   static constexpr std::size_t dtag_chunks_offset() {
     return dtag_masks_offset() + 8u * kLlMaxMaskWords * static_cast<std::size_t>(kLlMaxExperts);
   }
@@ -328,12 +326,9 @@ struct LlRegion {
     return align_up(8u * kLlMaxMaskWords * static_cast<std::size_t>(num_experts), kAlign);
   }
   std::size_t net_masks_offset() const { return core_bytes(); }
-  std::size_t net_weights_offset() const {
-    return net_masks_offset() + 2 * net_masks_half_bytes();
-  }
+  std::size_t net_weights_offset() const { return net_masks_offset() + 2 * net_masks_half_bytes(); }
   std::size_t net_comb_half_bytes() const {
-    return align_up(static_cast<std::size_t>(num_ranks) * max_tokens * combine_row_bytes(),
-                    kAlign);
+    return align_up(static_cast<std::size_t>(num_ranks) * max_tokens * combine_row_bytes(), kAlign);
   }
   std::size_t net_comb_offset() const { return net_weights_offset() + 2 * weights_half_bytes(); }
   std::size_t net_end() const { return net_comb_offset() + 2 * net_comb_half_bytes(); }

@@ -20,9 +20,9 @@ std::vector<int> host_ids(const std::vector<std::string>& identities) {
 Topology make_topology(int num_ranks, int requested, int env_value,
                        const std::vector<int>& host_of) {
   if (num_ranks < 1 || num_ranks > kMaxRanks)
-    throw Error(ErrorCode::kInvalidArgument,
-                "num_ranks: must be in [1, " + std::to_string(kMaxRanks) + "], got " +
-                    std::to_string(num_ranks));
+    throw Error(ErrorCode::kInvalidArgument, "num_ranks: must be in [1, " +
+                                                 std::to_string(kMaxRanks) + "], got " +
+                                                 std::to_string(num_ranks));
   if (static_cast<int>(host_of.size()) != num_ranks)
     throw Error(ErrorCode::kInternal, "make_topology: one host id per rank expected");
   // The host layout: contiguous, equal blocks of ranks per host.

@@ -34,7 +34,8 @@ struct Topology {
 /// option or the variable that broke a rule: ranks_per_node in [1, 8]; it
 /// divides the rank count; a (virtual) node never spans two hosts; hosts
 /// hold their ranks contiguously and equally (node-major numbering).
-Topology make_topology(int num_ranks, int requested, int env_value, const std::vector<int>& host_of);
+Topology make_topology(int num_ranks, int requested, int env_value,
+                       const std::vector<int>& host_of);
 
 /// Dense host ids (0, 1, ... in order of first appearance) from one identity
 /// string per rank (hostname and boot id).

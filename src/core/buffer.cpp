@@ -131,7 +131,8 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
                  d.comm->rank(), dispatch_stop->tokens);
   }
   if (options.enable_shrink) {
-    EPX_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&d.ll_mask), plan::kLlMaxRanks * sizeof(int)));
+    EPX_CUDA_CHECK(
+        cudaMalloc(reinterpret_cast<void**>(&d.ll_mask), plan::kLlMaxRanks * sizeof(int)));
     EPX_CUDA_CHECK(cudaMemset(d.ll_mask, 0, plan::kLlMaxRanks * sizeof(int)));
   }
   if (epoch_start) d.start_epochs_at(*epoch_start);

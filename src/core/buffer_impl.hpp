@@ -12,8 +12,8 @@
 #include "common/diag.hpp"
 #include "core/stream_wait.hpp"
 #include "epx/buffer.hpp"
-#include "transport/backend.hpp"
 #include "transport/any.hpp"
+#include "transport/backend.hpp"
 
 namespace epx {
 

@@ -8,9 +8,9 @@
 #include <string>
 
 #include "common/check.hpp"
-#include "common/topology.hpp"
 #include "common/env.hpp"
 #include "common/plan.hpp"
+#include "common/topology.hpp"
 #include "core/in_process_group.hpp"
 #include "core/nccl_version.hpp"
 #include "core/stream_wait.hpp"
@@ -114,9 +114,8 @@ std::shared_ptr<Communicator> Communicator::from_env() {
 std::vector<std::shared_ptr<Communicator>> Communicator::create_in_process(int num_ranks,
                                                                            std::vector<int> devices,
                                                                            double timeout_s) {
-  require(
-      num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks",
-      "must be in [1, " + std::to_string(kMaxRanks) + "], got " + std::to_string(num_ranks));
+  require(num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks",
+          "must be in [1, " + std::to_string(kMaxRanks) + "], got " + std::to_string(num_ranks));
   require(devices.empty() || static_cast<int>(devices.size()) == num_ranks, "devices",
           "must be empty (every rank on the current device) or name one device per rank: " +
               std::to_string(devices.size()) + " given for " + std::to_string(num_ranks) +

@@ -460,9 +460,9 @@ bool Buffer::shrink_enabled() const {
 std::size_t Buffer::get_low_latency_rdma_size_hint(int num_max_dispatch_tokens_per_rank, int hidden,
                                                    int num_ranks, int num_experts) {
   static constexpr const char* op = "get_low_latency_rdma_size_hint";
-  require(
-      num_ranks >= 1 && num_ranks <= plan::kLlMaxRanks, "num_ranks",
-      "must be in [1, " + std::to_string(plan::kLlMaxRanks) + "], got " + std::to_string(num_ranks));
+  require(num_ranks >= 1 && num_ranks <= plan::kLlMaxRanks, "num_ranks",
+          "must be in [1, " + std::to_string(plan::kLlMaxRanks) + "], got " +
+              std::to_string(num_ranks));
   validate::low_latency_sizes(op, num_max_dispatch_tokens_per_rank, hidden, num_experts, num_ranks);
   return region_of(num_ranks, num_max_dispatch_tokens_per_rank, hidden, num_experts).total_bytes();
 }

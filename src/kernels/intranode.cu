@@ -109,8 +109,8 @@ template <class P>
 __device__ __forceinline__ bool slot_free(const P& p, const Ring& g, int dst, int j, uint32_t epoch,
                                           OpId op) {
   if (j < g.slots) return true;
-  return p.t.wait_flag_warp(credit_offset(p, dst, j - g.slots), epoch, p.timeout_ns, p.diag, op, dst,
-                       j - g.slots);
+  return p.t.wait_flag_warp(credit_offset(p, dst, j - g.slots), epoch, p.timeout_ns, p.diag, op,
+                            dst, j - g.slots);
 }
 
 /// A receiver, once chunk j from `src` is consumed (every lane's loads of it
@@ -175,8 +175,8 @@ __device__ __forceinline__ void for_each_send_chunk(int R, int me, int gw, int n
 /// How many of `n` rows starting at output row `row0` fit the outputs; fewer
 /// (reported once) only when num_worst_tokens was too small.
 template <class T>
-__device__ __forceinline__ int rows_fitting(const HtDispatchParams<T>& p, int64_t row0, int n, int src,
-                                            int slot, int lane) {
+__device__ __forceinline__ int rows_fitting(const HtDispatchParams<T>& p, int64_t row0, int n,
+                                            int src, int slot, int lane) {
   if (row0 + n <= p.max_recv_rows) return n;
   if (lane == 0)
     dev::report(p.diag, DiagCode::kTooManyTokens, OpId::kDispatch, p.t.rank, src, slot,
@@ -211,8 +211,8 @@ template <class P>
 __device__ __forceinline__ bool peers_reached(const P& p, uint32_t epoch, OpId op, int lane) {
   bool ok = true;
   if (p.own_barrier && lane < p.t.num_ranks && lane != p.t.rank)
-    ok = p.t.wait_flag(p.off.barrier + 4 * static_cast<std::size_t>(lane), epoch, p.timeout_ns, p.diag,
-                  op, lane, -1);
+    ok = p.t.wait_flag(p.off.barrier + 4 * static_cast<std::size_t>(lane), epoch, p.timeout_ns,
+                       p.diag, op, lane, -1);
   if (ok && lane < p.t.num_ranks && lane != p.t.rank)
     ok = config_matches(p.t, p.off, epoch,
                         op == OpId::kDispatchNotify ? OpId::kDispatch : OpId::kCombine, lane,
@@ -259,7 +259,8 @@ __device__ __forceinline__ int extra_word(const HtDispatchParams<T>& p, int t, i
 
 /// Stores word i of output row `row`'s extras into the recv_* outputs.
 template <class T>
-__device__ __forceinline__ void store_extra(const HtDispatchParams<T>& p, int64_t row, int i, int v) {
+__device__ __forceinline__ void store_extra(const HtDispatchParams<T>& p, int64_t row, int i,
+                                            int v) {
   const int K = p.num_topk;
   if (i < p.num_scales) {
     p.recv_scales[row * p.num_scales + i] = __int_as_float(v);
@@ -370,8 +371,9 @@ __device__ __forceinline__ void dispatch_body(const HtDispatchParams<T>& p, uint
           // lane here costs 3-6%).
           __syncwarp();
           if (lane == 0)
-            p.t.lsa_flag(dst, p.off.flags + 4 * (static_cast<std::size_t>(me) * p.off.max_chunks + j),
-                       epoch);
+            p.t.lsa_flag(dst,
+                         p.off.flags + 4 * (static_cast<std::size_t>(me) * p.off.max_chunks + j),
+                         epoch);
           return true;
         });
     return;
@@ -408,8 +410,9 @@ __device__ __forceinline__ void dispatch_body(const HtDispatchParams<T>& p, uint
       }
       continue;
     }
-    if (!p.t.wait_flag_warp(p.off.flags + 4 * (static_cast<std::size_t>(src) * p.off.max_chunks + j),
-                       epoch, p.timeout_ns, p.diag, OpId::kDispatch, src, j))
+    if (!p.t.wait_flag_warp(
+            p.off.flags + 4 * (static_cast<std::size_t>(src) * p.off.max_chunks + j), epoch,
+            p.timeout_ns, p.diag, OpId::kDispatch, src, j))
       return;
     const Ring g = ring_of(p, staging, plan::HtRegion::staging_index(src, me), n_src, ch);
     const uint8_t* in = g.row(k0, p.off.row_bytes);
@@ -469,14 +472,16 @@ __device__ __forceinline__ PullRing pull_ring(const HtDispatchParams<T>& p) {
 
 /// Offset of the word of batch c for receiver r, in the sender's region.
 template <class T>
-__device__ __forceinline__ std::size_t pull_word_offset(const HtDispatchParams<T>& p, int r, int c) {
+__device__ __forceinline__ std::size_t pull_word_offset(const HtDispatchParams<T>& p, int r,
+                                                        int c) {
   return p.off.consumed + 8 * (static_cast<std::size_t>(r) * p.off.max_chunks + c);
 }
 
 /// Receiver r's word of batch c of this rank's tokens (without the epoch):
 /// the batch's tokens r takes as a mask, and r's slot of the first << 8.
 template <class T>
-__device__ __forceinline__ uint32_t pull_word(const HtDispatchParams<T>& p, int c, int batch, int r) {
+__device__ __forceinline__ uint32_t pull_word(const HtDispatchParams<T>& p, int c, int batch,
+                                              int r) {
   const int R = p.t.num_ranks, t0 = c * batch, nt = min(batch, p.num_tokens - t0);
   uint32_t mask = 0;
   int first = 0;
@@ -517,7 +522,7 @@ __device__ __forceinline__ void pull_export(const HtDispatchParams<T>& p, uint32
       bool ok = true;
       if (peer_lane)
         ok = p.t.wait_flag_eq(credit_offset(p, lane, old), epoch, p.timeout_ns, p.diag,
-                         OpId::kDispatchSlot, lane, old);
+                              OpId::kDispatchSlot, lane, old);
       if (!__all_sync(kFull, ok)) return;
       __syncwarp();  // every lane's acquire before any lane's stores into the slot
     }
@@ -738,8 +743,9 @@ __device__ __forceinline__ void combine_body(const HtCombineParams<T>& p, uint32
           __threadfence_system();
           __syncwarp();
           if (lane == 0)
-            p.t.lsa_flag(dst, p.off.flags + 4 * (static_cast<std::size_t>(me) * p.off.max_chunks + j),
-                       epoch);
+            p.t.lsa_flag(dst,
+                         p.off.flags + 4 * (static_cast<std::size_t>(me) * p.off.max_chunks + j),
+                         epoch);
           return true;
         });
     return;
@@ -786,8 +792,9 @@ __device__ __forceinline__ void combine_body(const HtCombineParams<T>& p, uint32
         const Ring& g = s_ring[r];
         const int j = k / g.ch;
         if (__shfl_sync(kFull, ready_chunk, r) < j) {
-          ok = p.t.wait_flag_warp(p.off.flags + 4 * (static_cast<std::size_t>(r) * p.off.max_chunks + j),
-                             epoch, p.timeout_ns, p.diag, OpId::kCombine, r, j);
+          ok = p.t.wait_flag_warp(
+              p.off.flags + 4 * (static_cast<std::size_t>(r) * p.off.max_chunks + j), epoch,
+              p.timeout_ns, p.diag, OpId::kCombine, r, j);
           if (lane == r) ready_chunk = j;
         }
         const uint8_t* row_in = g.row(k, p.off.row_bytes);

@@ -54,8 +54,8 @@ static __device__ __noinline__ void report_bad_config(DeviceDiag* diag, OpId op,
 /// After peer `r`'s barrier flag for `epoch` was seen: whether its config
 /// fingerprint for this op equals this rank's (reports kBadConfig when not).
 template <class T>
-__device__ __forceinline__ bool config_matches(const T& t, const HtOffsets& off,
-                                               uint32_t epoch, OpId op, int r, DeviceDiag* diag) {
+__device__ __forceinline__ bool config_matches(const T& t, const HtOffsets& off, uint32_t epoch,
+                                               OpId op, int r, DeviceDiag* diag) {
   const uint64_t w = dev::ld_relaxed_sys_u64(
       reinterpret_cast<const uint64_t*>(t.local_ptr(off.config + 8 * static_cast<std::size_t>(r))));
   // A different epoch: the peer has finished this op already (it needed nothing from us).
@@ -206,7 +206,7 @@ struct LlOffsets {
   /// sent above each token count (plan::ll_count_word)
   uint32_t shape_fp;
   // Network transports (plan::LlRegion's network areas; unused otherwise):
-  std::size_t tok_done, row_done, net_done;  ///< local counters (u32)
+  std::size_t tok_done, row_done, net_done;     ///< local counters (u32)
   std::size_t net_masks, net_masks_half_bytes;  ///< mask send area, per half
   std::size_t net_weights;                      ///< weight send area, per half (weights_half_bytes)
   std::size_t net_comb, net_comb_half_bytes;    ///< combined-row send area, per half
@@ -215,17 +215,23 @@ struct LlOffsets {
 /// Signal ids of the low-latency ops over a network transport, one per source
 /// rank: a source's dispatch (its rows, masks and count), its combine weights,
 /// its combined rows. Each op adds 1 per context to the signal (weights: 1).
-constexpr int ll_sig_dispatch(int num_ranks, int src) { return 0 * num_ranks + src; }
-constexpr int ll_sig_weights(int num_ranks, int src) { return 1 * num_ranks + src; }
-constexpr int ll_sig_combine(int num_ranks, int src) { return 2 * num_ranks + src; }
+constexpr int ll_sig_dispatch(int num_ranks, int src) {
+  return 0 * num_ranks + src;
+}
+constexpr int ll_sig_weights(int num_ranks, int src) {
+  return 1 * num_ranks + src;
+}
+constexpr int ll_sig_combine(int num_ranks, int src) {
+  return 2 * num_ranks + src;
+}
 /// Ints of a low-latency dispatch's state: [0] epoch, [2..3] its u64 op count
 /// (network transports), [8 + s] tokens of source s.
 inline constexpr int kLlStateInts = 8 + plan::kLlMaxRanks;
 
 struct LlDispatchSendArgs {
   LlOffsets off;
-  uint32_t* op_counter;     ///< local LL epoch counter (next_epoch of it; the last block stores it)
-  int32_t* state;           ///< handle state (kLlStateInts): [0] <- this op's epoch
+  uint32_t* op_counter;  ///< local LL epoch counter (next_epoch of it; the last block stores it)
+  int32_t* state;        ///< handle state (kLlStateInts): [0] <- this op's epoch
   /// Network transports: [0] dispatches so far (this one adds 1; the last block stores it)
   uint64_t* seq;
   const uint16_t* x;        ///< [T, H] bf16, contiguous
@@ -245,12 +251,13 @@ template <class T>
 struct LlDispatchSendParams : LlDispatchSendArgs {
   T t;
 };
-void launch_ll_dispatch_send(const dev::AnyTransport& t, const LlDispatchSendArgs& a, int num_blocks,
-                             cudaStream_t stream);
+void launch_ll_dispatch_send(const dev::AnyTransport& t, const LlDispatchSendArgs& a,
+                             int num_blocks, cudaStream_t stream);
 
 struct LlDispatchRecvArgs {
   LlOffsets off;
-  int32_t* state;  ///< handle state: [0] epoch, [2..3] op count (read); [8 + s] <- tokens of source s
+  int32_t*
+      state;  ///< handle state: [0] epoch, [2..3] op count (read); [8 + s] <- tokens of source s
   int hidden, num_topk, num_experts, max_tokens, row_bytes;
   int parts;  ///< units per local expert (E_local * parts units, one block each at most)
   bool fp8, ue8m0;
@@ -278,8 +285,8 @@ struct LlDispatchRecvParams : LlDispatchRecvArgs {
 };
 /// Hook mode: the receive phase alone, after the send kernel; `num_blocks`
 /// blocks take the E_local * p.parts receive units in turn.
-void launch_ll_dispatch_recv(const dev::AnyTransport& t, const LlDispatchRecvArgs& a, int num_blocks,
-                             cudaStream_t stream);
+void launch_ll_dispatch_recv(const dev::AnyTransport& t, const LlDispatchRecvArgs& a,
+                             int num_blocks, cudaStream_t stream);
 /// No hook: send and receive in one cooperative launch of `num_blocks` blocks
 /// (at most 2 per SM, all resident): the first `send_blocks` send, the others
 /// take the rp.parts * E_local receive units.
@@ -290,7 +297,7 @@ void launch_ll_dispatch_fused(const dev::AnyTransport& t, const LlDispatchSendAr
 struct LlCombineSendArgs {
   LlOffsets off;
   uint32_t* op_counter;
-  int32_t* state;             ///< combine state: [0] <- this op's epoch, u64 [1] <- its op count
+  int32_t* state;  ///< combine state: [0] <- this op's epoch, u64 [1] <- its op count
   /// Network transports: [1] combines so far (this one adds 1; the last block stores it)
   uint64_t* seq;
   const int32_t* disp_state;  ///< the dispatch's handle state ([8 + s]: tokens of source s)

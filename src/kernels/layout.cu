@@ -113,8 +113,8 @@ __device__ __forceinline__ void notify_body(const HtNotifyParams<T>& p) {
   __syncthreads();
   if (threadIdx.x < R) p.t.lsa_flag(threadIdx.x, p.off.barrier + 4 * me, epoch);
   if (threadIdx.x < R) {
-    if (!p.t.wait_flag(p.off.barrier + 4 * threadIdx.x, epoch, p.timeout_ns, p.diag, p.op, threadIdx.x,
-                  -1)) {
+    if (!p.t.wait_flag(p.off.barrier + 4 * threadIdx.x, epoch, p.timeout_ns, p.diag, p.op,
+                       threadIdx.x, -1)) {
       atomicExch(&failed, 1);
     } else if (static_cast<int>(threadIdx.x) != me) {
       // The peer's main kernel will use the config it stored: refuse it here, where the

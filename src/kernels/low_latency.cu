@@ -302,10 +302,10 @@ __device__ __forceinline__ void finish_combine_send(const T& t, const LlOffsets&
 /// weight word (send_wait_first[s] - 1), or where s sent no token here (0) the
 /// wait for its flag, in ns.
 template <class T>
-__device__ __forceinline__ bool wait_combine_flags(const T& t, const LlOffsets& o,
-                                                   std::size_t half, uint32_t epoch, uint64_t seq,
-                                                   uint64_t timeout_ns,
-                                                   DeviceDiag* diag, int64_t* wait_stats,
+__device__ __forceinline__ bool wait_combine_flags(const T& t, const LlOffsets& o, std::size_t half,
+                                                   uint32_t epoch, uint64_t seq,
+                                                   uint64_t timeout_ns, DeviceDiag* diag,
+                                                   int64_t* wait_stats,
                                                    const unsigned long long* send_wait_first,
                                                    uint32_t& live) {
   __shared__ int failed;
@@ -454,7 +454,7 @@ __device__ __forceinline__ void net_send_chunk(const LlDispatchSendParams<T>& p,
   const std::size_t tags = tags_of(p.off, epoch);
   int r_k = e >= 0 && e < E ? static_cast<int>(e / E_local) : -1;  // rank of pick `lane`
   if (r_k >= 0 && p.t.masked(r_k)) r_k = -1;                       // shrink
-  const uint32_t same_rank = __match_any_sync(kFull, r_k);  // every lane (not after an &&)
+  const uint32_t same_rank = __match_any_sync(kFull, r_k);         // every lane (not after an &&)
   const bool leader = r_k >= 0 && lane == __ffs(same_rank) - 1;
   const uint32_t leaders = __ballot_sync(kFull, leader);  // one lane per destination rank
   if (leaders == 0u) return;
@@ -493,8 +493,8 @@ __device__ __forceinline__ void net_send_chunk(const LlDispatchSendParams<T>& p,
 
 /// Send work of warps gw = first, first + stride, ...
 template <class T>
-__device__ __forceinline__ void dispatch_send_items(const LlDispatchSendParams<T>& p, uint32_t epoch,
-                                                    int first, int stride) {
+__device__ __forceinline__ void dispatch_send_items(const LlDispatchSendParams<T>& p,
+                                                    uint32_t epoch, int first, int stride) {
   const int R = p.t.num_ranks, me = p.t.rank;
   const int lane = threadIdx.x % 32;
   const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
@@ -660,8 +660,8 @@ __device__ __forceinline__ void net_dispatch_finish(const LlDispatchSendParams<T
 /// count and publishes the epoch to the next op (network transports: after
 /// sending what needs every block's work). Nothing waits for it.
 template <class T>
-__device__ __forceinline__ void dispatch_count_done(const LlDispatchSendParams<T>& p, uint32_t epoch,
-                                                    uint64_t seq) {
+__device__ __forceinline__ void dispatch_count_done(const LlDispatchSendParams<T>& p,
+                                                    uint32_t epoch, uint64_t seq) {
   EPX_TL(kTlDispatch, kTlSendItems);
   __syncthreads();
   uint32_t* control = reinterpret_cast<uint32_t*>(p.t.local_ptr(p.off.control));
@@ -1034,7 +1034,7 @@ __device__ __forceinline__ bool dispatch_recv_unit_net(const LlDispatchRecvParam
 template <class T>
 __device__ __forceinline__ bool dispatch_recv_unit_arrival(const LlDispatchRecvParams<T>& p,
                                                            uint32_t epoch, int le, int* s_list) {
-  __shared__ int s_rows;                    // rows reserved so far
+  __shared__ int s_rows;                       // rows reserved so far
   __shared__ int s_begin[T::kCaps.max_ranks];  // first row of each source's block
   __shared__ int s_total[T::kCaps.max_ranks];  // rows of each source
   __shared__ int s_failed;
@@ -1234,8 +1234,8 @@ __device__ __forceinline__ void net_send_weights(const LlCombineSendParams<T>& p
 /// p.wait_first[s] (left 0 when s sent no token here). The receive's wait for
 /// s's flag would also blame a source whose own send a late rank held up.
 template <class T>
-__device__ __forceinline__ void time_first_weight(const LlCombineSendParams<T>& p, std::size_t weights,
-                                                  uint32_t epoch, int s) {
+__device__ __forceinline__ void time_first_weight(const LlCombineSendParams<T>& p,
+                                                  std::size_t weights, uint32_t epoch, int s) {
   const int lane = threadIdx.x % 32;
   const int E_local = p.num_experts / p.t.num_ranks, W = ceil_div(p.max_tokens, 32);
   if (p.t.masked(s)) return;  // shrink: no weights come from s
@@ -1268,7 +1268,7 @@ __device__ __forceinline__ void time_first_weight(const LlCombineSendParams<T>& 
 // ============================================================================
 template <bool kLogFmt, bool kWaitStats, class T>
 __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendParams<T> p) {
-  __shared__ int s_tokens[T::kCaps.max_ranks + 1];     // [kMaxRanks]: the largest
+  __shared__ int s_tokens[T::kCaps.max_ranks + 1];  // [kMaxRanks]: the largest
   __shared__ int s_rows[kWarps][plan::kLlMaxTopK];  // per warp: rows of the item's experts
   dev::launch_dependents();
   tl_mark(kTlCombine, kTlSendStart);
@@ -1610,69 +1610,69 @@ __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
         if (col0 + 32 * st < H8) out[col0 + 32 * st] = pack_bf16x8(acc[st]);
     }
   } else {
-  for (bool first_item = true; item < items; item += gridDim.x * kWarps, first_item = false) {
-    const int t = item / C, c = item % C;
-    const int col0 = c * (kCombineChunk / 8) + lane;
-    const int4* rows = reinterpret_cast<const int4*>(
-        p.t.local_ptr(half + p.off.comb_rows + static_cast<std::size_t>(t) * 2u * H));
-    const std::size_t rank_stride = static_cast<std::size_t>(p.max_tokens) * H8;  // in int4
-    float acc[kCombineSteps][8];
+    for (bool first_item = true; item < items; item += gridDim.x * kWarps, first_item = false) {
+      const int t = item / C, c = item % C;
+      const int col0 = c * (kCombineChunk / 8) + lane;
+      const int4* rows = reinterpret_cast<const int4*>(
+          p.t.local_ptr(half + p.off.comb_rows + static_cast<std::size_t>(t) * 2u * H));
+      const std::size_t rank_stride = static_cast<std::size_t>(p.max_tokens) * H8;  // in int4
+      float acc[kCombineSteps][8];
 #pragma unroll
-    for (int st = 0; st < kCombineSteps; ++st)
+      for (int st = 0; st < kCombineSteps; ++st)
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[st][i] = 0.0f;
-    int4 v[kRanksAtOnce][kCombineSteps];
-    auto load_rows = [&](int r0) {
+        for (int i = 0; i < 8; ++i) acc[st][i] = 0.0f;
+      int4 v[kRanksAtOnce][kCombineSteps];
+      auto load_rows = [&](int r0) {
 #pragma unroll
-      for (int rr = 0; rr < kRanksAtOnce; ++rr)
+        for (int rr = 0; rr < kRanksAtOnce; ++rr)
 #pragma unroll
-        for (int st = 0; st < kCombineSteps; ++st)
-          v[rr][st] = r0 + rr < R && col0 + 32 * st < H8
-                          ? __ldcg(rows + (r0 + rr) * rank_stride + col0 + 32 * st)
-                          : make_int4(0, 0, 0, 0);
-    };
-    load_rows(0);  // before the routing: one memory latency, not two
-    if (!first_item) pick_of(item, e, w);
-    int rank_of = (e >= 0 && e < E) ? static_cast<int>(e / E_local) : -1;
-    if (rank_of >= 0 && !((live >> rank_of) & 1u)) rank_of = -1;  // a masked rank's pick
-    // First pick of each distinct expert (a repeated expert id counts once).
-    const bool first = lane == __ffs(__match_any_sync(kFull, e)) - 1;
-    for (int r0 = 0; r0 < R; r0 += kRanksAtOnce) {
-      if (r0 > 0) load_rows(r0);
+          for (int st = 0; st < kCombineSteps; ++st)
+            v[rr][st] = r0 + rr < R && col0 + 32 * st < H8
+                            ? __ldcg(rows + (r0 + rr) * rank_stride + col0 + 32 * st)
+                            : make_int4(0, 0, 0, 0);
+      };
+      load_rows(0);  // before the routing: one memory latency, not two
+      if (!first_item) pick_of(item, e, w);
+      int rank_of = (e >= 0 && e < E) ? static_cast<int>(e / E_local) : -1;
+      if (rank_of >= 0 && !((live >> rank_of) & 1u)) rank_of = -1;  // a masked rank's pick
+      // First pick of each distinct expert (a repeated expert id counts once).
+      const bool first = lane == __ffs(__match_any_sync(kFull, e)) - 1;
+      for (int r0 = 0; r0 < R; r0 += kRanksAtOnce) {
+        if (r0 > 0) load_rows(r0);
 #pragma unroll
-      for (int rr = 0; rr < kRanksAtOnce; ++rr) {
-        const int r = r0 + rr;
-        const uint32_t picks = __ballot_sync(kFull, rank_of == r);  // none when r >= R
-        if (picks == 0u) continue;
-        if (__popc(__ballot_sync(kFull, rank_of == r && first)) == 1) {
-          // One expert on rank r: its raw row, weighted here by each pick of it.
+        for (int rr = 0; rr < kRanksAtOnce; ++rr) {
+          const int r = r0 + rr;
+          const uint32_t picks = __ballot_sync(kFull, rank_of == r);  // none when r >= R
+          if (picks == 0u) continue;
+          if (__popc(__ballot_sync(kFull, rank_of == r && first)) == 1) {
+            // One expert on rank r: its raw row, weighted here by each pick of it.
 #pragma unroll
-          for (int st = 0; st < kCombineSteps; ++st) {
-            float f[8];
-            unpack_bf16x8(v[rr][st], f);
-            if constexpr (kLogFmt) logfmt_roundtrip(f);
-            for (uint32_t m = picks; m != 0u; m &= m - 1u) {
-              const float wk = __shfl_sync(kFull, w, __ffs(m) - 1);
+            for (int st = 0; st < kCombineSteps; ++st) {
+              float f[8];
+              unpack_bf16x8(v[rr][st], f);
+              if constexpr (kLogFmt) logfmt_roundtrip(f);
+              for (uint32_t m = picks; m != 0u; m &= m - 1u) {
+                const float wk = __shfl_sync(kFull, w, __ffs(m) - 1);
 #pragma unroll
-              for (int i = 0; i < 8; ++i) acc[st][i] = fmaf(wk, f[i], acc[st][i]);
+                for (int i = 0; i < 8; ++i) acc[st][i] = fmaf(wk, f[i], acc[st][i]);
+              }
             }
-          }
-        } else {
+          } else {
 #pragma unroll
-          for (int st = 0; st < kCombineSteps; ++st) {
-            float f[8];
-            unpack_bf16x8(v[rr][st], f);
+            for (int st = 0; st < kCombineSteps; ++st) {
+              float f[8];
+              unpack_bf16x8(v[rr][st], f);
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[st][i] += f[i];
+              for (int i = 0; i < 8; ++i) acc[st][i] += f[i];
+            }
           }
         }
       }
-    }
-    int4* out = reinterpret_cast<int4*>(p.out + static_cast<int64_t>(t) * H);
+      int4* out = reinterpret_cast<int4*>(p.out + static_cast<int64_t>(t) * H);
 #pragma unroll
-    for (int st = 0; st < kCombineSteps; ++st)
-      if (col0 + 32 * st < H8) out[col0 + 32 * st] = pack_bf16x8(acc[st]);
-  }
+      for (int st = 0; st < kCombineSteps; ++st)
+        if (col0 + 32 * st < H8) out[col0 + 32 * st] = pack_bf16x8(acc[st]);
+    }
   }
   tl_finish(kTlCombine, p.t.rank);
 }
@@ -1728,26 +1728,27 @@ template <class T>
 constexpr bool kArrivalCapable = !T::kCaps.network;
 }  // namespace
 
-void launch_ll_dispatch_send(const dev::AnyTransport& t, const LlDispatchSendArgs& a, int num_blocks,
-                             cudaStream_t stream) {
+void launch_ll_dispatch_send(const dev::AnyTransport& t, const LlDispatchSendArgs& a,
+                             int num_blocks, cudaStream_t stream) {
   std::visit(
       [&](const auto& tt) {
         using T = std::decay_t<decltype(tt)>;
-        ll_dispatch_send<T><<<num_blocks, kThreads, 0, stream>>>(
-            params_of<LlDispatchSendParams>(tt, a));
+        ll_dispatch_send<T>
+            <<<num_blocks, kThreads, 0, stream>>>(params_of<LlDispatchSendParams>(tt, a));
       },
       t);
   EPX_LAUNCH_CHECK();
 }
 
-void launch_ll_dispatch_recv(const dev::AnyTransport& t, const LlDispatchRecvArgs& a, int num_blocks,
-                             cudaStream_t stream) {
+void launch_ll_dispatch_recv(const dev::AnyTransport& t, const LlDispatchRecvArgs& a,
+                             int num_blocks, cudaStream_t stream) {
   std::visit(
       [&](const auto& tt) {
         using T = std::decay_t<decltype(tt)>;
         const std::size_t smem = dispatch_recv_smem(tt.num_ranks, a.max_tokens);
-        auto* kernel = a.arrival_order && kArrivalCapable<T> ? ll_dispatch_recv<kArrivalCapable<T>, T>
-                                                             : ll_dispatch_recv<false, T>;
+        auto* kernel = a.arrival_order && kArrivalCapable<T>
+                           ? ll_dispatch_recv<kArrivalCapable<T>, T>
+                           : ll_dispatch_recv<false, T>;
         allow_smem(kernel, smem);
         launch_ex(kernel, num_blocks, kThreads, smem, stream, Launch::kPlain,
                   params_of<LlDispatchRecvParams>(tt, a));
@@ -1784,10 +1785,9 @@ void launch_ll_combine_send(const dev::AnyTransport& t, const LlCombineSendArgs&
       [&](const auto& tt) {
         using T = std::decay_t<decltype(tt)>;
         const bool stats = a.wait_first != nullptr;
-        auto* kernel = a.logfmt ? (stats ? ll_combine_send<true, true, T>
-                                         : ll_combine_send<true, false, T>)
-                                : (stats ? ll_combine_send<false, true, T>
-                                         : ll_combine_send<false, false, T>);
+        auto* kernel =
+            a.logfmt ? (stats ? ll_combine_send<true, true, T> : ll_combine_send<true, false, T>)
+                     : (stats ? ll_combine_send<false, true, T> : ll_combine_send<false, false, T>);
         launch_ex(kernel, num_blocks, kThreads, 0, stream, Launch::kCooperative,
                   params_of<LlCombineSendParams>(tt, a));
       },

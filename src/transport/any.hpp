@@ -8,8 +8,8 @@
 #include <string>
 #include <variant>
 
-#include "transport/lsa.cuh"
 #include "epx/error.hpp"
+#include "transport/lsa.cuh"
 #include "transport/proxy/device.cuh"
 
 namespace epx::dev {
@@ -47,8 +47,8 @@ inline LsaTransport require_node_view(const AnyTransport& t, const char* what) {
   const TransportBase& b = base_of(t);
   throw Error(ErrorCode::kUnsupported,
               std::string(what) + ": runs within one node; the " + std::to_string(b.num_ranks) +
-                  " ranks form " + std::to_string(b.num_ranks / b.ranks_per_node) +
-                  " nodes of " + std::to_string(b.ranks_per_node) + " (ranks_per_node)");
+                  " ranks form " + std::to_string(b.num_ranks / b.ranks_per_node) + " nodes of " +
+                  std::to_string(b.ranks_per_node) + " (ranks_per_node)");
 }
 
 }  // namespace epx::dev

@@ -45,9 +45,9 @@ std::unique_ptr<Backend> make_backend(const std::string& requested, Communicator
                       "ranks from Communicator::create_in_process use 'in_process' (auto)");
     return make_nvlink_backend(comm, topology);
   }
-  throw Error(ErrorCode::kInvalidArgument,
-              from + ": must be one of auto|nvlink|in_process|proxy|nccl|nvshmem, got '" + name +
-                  "'");
+  throw Error(
+      ErrorCode::kInvalidArgument,
+      from + ": must be one of auto|nvlink|in_process|proxy|nccl|nvshmem, got '" + name + "'");
 }
 
 dev::AnyTransport lsa_device(const Communicator& comm, const Topology& topology,

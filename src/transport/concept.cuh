@@ -162,29 +162,28 @@ __device__ __forceinline__ bool wait_signal_words(const TransportBase& t, const 
     return s;
   };
   return spin_until(
-      sum, [&](uint64_t v) { return v >= value; }, [](uint64_t v) { return static_cast<uint32_t>(v); },
-      static_cast<uint32_t>(value), t.timeout_ns, t.diag, op, t.rank, peer, kDiagSignalChannel + sig,
-      t.mask_word(peer));
+      sum, [&](uint64_t v) { return v >= value; },
+      [](uint64_t v) { return static_cast<uint32_t>(v); }, static_cast<uint32_t>(value),
+      t.timeout_ns, t.diag, op, t.rank, peer, kDiagSignalChannel + sig, t.mask_word(peer));
 }
 #endif  // __CUDACC__
 
 /// A device transport: see the top of this file.
 template <class T>
-concept DeviceTransport =
-    std::is_trivially_copyable_v<T> && std::is_base_of_v<TransportBase, T> &&
+concept DeviceTransport = std::is_trivially_copyable_v<T> && std::is_base_of_v<TransportBase, T> &&
     std::same_as<std::remove_cv_t<decltype(T::kCaps)>, TransportCaps>
 #if defined(__CUDA_ARCH__)
     && requires(const T& t, int r, int ctx, std::size_t off, uint64_t v) {
-         { t.lsa_ptr(r, off) } -> std::same_as<char*>;
-         { t.local_ptr(off) } -> std::same_as<char*>;
-         { t.template put<Warp>(ctx, r, off, off, off) } -> std::same_as<void>;
-         { t.template put_signal<Thread>(ctx, r, off, off, off, r, v) } -> std::same_as<void>;
-         { t.template signal_add<Thread>(ctx, r, r, v) } -> std::same_as<void>;
-         { t.wait_signal(r, v, OpId::kNone, r) } -> std::same_as<bool>;
-         { t.fence(ctx) } -> std::same_as<void>;
-         { t.quiet(ctx) } -> std::same_as<bool>;
-       }
+  { t.lsa_ptr(r, off) } -> std::same_as<char*>;
+  { t.local_ptr(off) } -> std::same_as<char*>;
+  { t.template put<Warp>(ctx, r, off, off, off) } -> std::same_as<void>;
+  { t.template put_signal<Thread>(ctx, r, off, off, off, r, v) } -> std::same_as<void>;
+  { t.template signal_add<Thread>(ctx, r, r, v) } -> std::same_as<void>;
+  { t.wait_signal(r, v, OpId::kNone, r) } -> std::same_as<bool>;
+  { t.fence(ctx) } -> std::same_as<void>;
+  { t.quiet(ctx) } -> std::same_as<bool>;
+}
 #endif
-    ;
+;
 
 }  // namespace epx::dev

@@ -22,7 +22,9 @@ namespace epx::dev {
 template <class T>
 struct LsaWords {
 #if defined(__CUDACC__)
-  __device__ __forceinline__ const T& self() const { return *static_cast<const T*>(this); }
+  __device__ __forceinline__ const T& self() const {
+    return *static_cast<const T*>(this);
+  }
 
   /// Release-stores a 32-bit flag into same-node peer `r` at `offset`.
   __device__ __forceinline__ void lsa_flag(int r, std::size_t offset, uint32_t value) const {
@@ -67,9 +69,9 @@ struct LsaWords {
                         timeout_ns, diag, op, self().rank, peer, channel, self().mask_word(peer));
   }
   /// Waits until the local flag at `offset` is >= `value` (wrap-safe).
-  __device__ __forceinline__ bool wait_flag(std::size_t offset, uint32_t value,
-                                            uint64_t timeout_ns, DeviceDiag* diag, OpId op,
-                                            int peer, int channel) const {
+  __device__ __forceinline__ bool wait_flag(std::size_t offset, uint32_t value, uint64_t timeout_ns,
+                                            DeviceDiag* diag, OpId op, int peer,
+                                            int channel) const {
     return wait_ge(reinterpret_cast<const uint32_t*>(self().local_ptr(offset)), value, timeout_ns,
                    diag, op, self().rank, peer, channel, self().mask_word(peer));
   }
@@ -104,8 +106,8 @@ struct LsaWords {
   /// Adds to same-node peer `r`'s word of signal `sig`, context `ctx`, after
   /// this thread's earlier stores (the group's, after its barrier).
   __device__ __forceinline__ void lsa_signal_add(int ctx, int r, int sig, uint64_t add) const {
-    red_release_sys_add_u64(reinterpret_cast<uint64_t*>(self().lsa_ptr(r, self().signal_word(sig, ctx))),
-                            add);
+    red_release_sys_add_u64(
+        reinterpret_cast<uint64_t*>(self().lsa_ptr(r, self().signal_word(sig, ctx))), add);
   }
 #endif  // __CUDACC__
 };
@@ -145,7 +147,9 @@ struct LsaTransport : TransportBase, LsaWords<LsaTransport> {
   __device__ __forceinline__ bool wait_signal(int sig, uint64_t value, OpId op, int peer) const {
     return wait_signal_words(*this, local_ptr(0), sig, value, op, peer);
   }
-  __device__ __forceinline__ void fence(int) const { __threadfence_system(); }
+  __device__ __forceinline__ void fence(int) const {
+    __threadfence_system();
+  }
   __device__ __forceinline__ bool quiet(int) const {
     __threadfence_system();
     return true;

@@ -42,12 +42,12 @@ int sm_share(const Communicator& comm);
 int sm_budget();
 
 /// A multi-rank GPU test: TEST whose body runs on every rank (on_every_rank).
-#define EPX_GPU_TEST(suite, name)                                                  \
-  static void epx_gpu_body_##suite##_##name();                                     \
-  TEST(suite, name) {                                                              \
+#define EPX_GPU_TEST(suite, name)                                                      \
+  static void epx_gpu_body_##suite##_##name();                                         \
+  TEST(suite, name) {                                                                  \
     if (const char* why = ::epx::test::suite_skip_reason(#suite)) GTEST_SKIP() << why; \
-    ::epx::test::on_every_rank(&epx_gpu_body_##suite##_##name);                    \
-  }                                                                                \
+    ::epx::test::on_every_rank(&epx_gpu_body_##suite##_##name);                        \
+  }                                                                                    \
   static void epx_gpu_body_##suite##_##name()
 
 /// Why a suite cannot run in this world (nullptr: it can): the

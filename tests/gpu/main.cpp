@@ -26,9 +26,9 @@ void set_up(epx::test::World& w, std::shared_ptr<epx::Communicator> comm) {
                                              ? std::atoll(std::getenv("EPX_TEST_NVL_BYTES"))
                                              : (1ll << 30));
   // The largest LL workload of the suite (network areas included).
-  o.num_rdma_bytes = std::max<int64_t>(
-      1ll << 30, static_cast<int64_t>(epx::Buffer::get_low_latency_rdma_size_hint(
-                     128, 8192, w.comm->num_ranks(), 256)));
+  o.num_rdma_bytes =
+      std::max<int64_t>(1ll << 30, static_cast<int64_t>(epx::Buffer::get_low_latency_rdma_size_hint(
+                                       128, 8192, w.comm->num_ranks(), 256)));
   o.allocator = epx::test::poisoning_allocator(/*capture_arena=*/w.comm->in_process());
   o.timeout_s = 20;
   if (cudaStreamCreateWithFlags(&w.stream, cudaStreamNonBlocking) != cudaSuccess)

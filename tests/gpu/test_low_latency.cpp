@@ -15,8 +15,8 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
-#include <csignal>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -519,8 +519,8 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
     // Across nodes a source's rows count only with its dispatch signal, which
     // a rank that dies mid-dispatch never sends: as if it sent no token.
     const auto wo = without_rank(in, c.dead_rank, E_local);
-    auto ro_wo = ref::ll_dispatch(wo.x, wo.topk, wo.num_tokens, H, K, c.num_experts,
-                                  c.max_tokens, c.fp8, c.round_scale);
+    auto ro_wo = ref::ll_dispatch(wo.x, wo.topk, wo.num_tokens, H, K, c.num_experts, c.max_tokens,
+                                  c.fp8, c.round_scale);
     check_dispatch(c, in, res, ro_wo[me]);
   } else {
     check_dispatch(c, in, res, ro[me]);
@@ -1470,8 +1470,8 @@ EPX_GPU_TEST(Network, SilentPeerOfAnotherNodeIsNamed) {
   ASSERT_TRUE(all_ranks(true));
   b.clean_low_latency_buffer(c.max_tokens, c.hidden, c.num_experts);
   // Every rank back in step: a full dispatch is right again.
-  auto res = b.low_latency_dispatch(
-      dispatch_args(c, d_x.get(), d_topk.get(), in.num_tokens[w.rank]));
+  auto res =
+      b.low_latency_dispatch(dispatch_args(c, d_x.get(), d_topk.get(), in.num_tokens[w.rank]));
   ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
   auto ro = ref::ll_dispatch(in.x, in.topk, in.num_tokens, c.hidden, c.num_topk, c.num_experts,
                              c.max_tokens, false, false);
@@ -1535,15 +1535,16 @@ EPX_GPU_TEST(Network, Soak) {
   std::vector<DeviceArray<float>> dw;
   for (int i = 0; i < kSets; ++i) {
     sets.push_back(make_inputs(c, R, 7000 + i));
-    auto ro = ref::ll_dispatch(sets[i].x, sets[i].topk, sets[i].num_tokens, c.hidden,
-                               c.num_topk, c.num_experts, c.max_tokens, true, false);
+    auto ro = ref::ll_dispatch(sets[i].x, sets[i].topk, sets[i].num_tokens, c.hidden, c.num_topk,
+                               c.num_experts, c.max_tokens, true, false);
     want.push_back(ro[w.rank]);
     dx.push_back(to_device(sets[i].x[w.rank]));
     dt.push_back(to_device(sets[i].topk[w.rank]));
     dw.push_back(to_device(sets[i].weights[w.rank]));
   }
   const int E_local = c.num_experts / R, RT = R * c.max_tokens;
-  auto d_eo = to_device(std::vector<uint16_t>(static_cast<std::size_t>(E_local) * RT * c.hidden, 0));
+  auto d_eo =
+      to_device(std::vector<uint16_t>(static_cast<std::size_t>(E_local) * RT * c.hidden, 0));
   auto rss = [] {
     long pages = 0, resident = 0;
     if (std::FILE* f = std::fopen("/proc/self/statm", "r")) {
@@ -1589,8 +1590,8 @@ EPX_GPU_TEST(Network, Soak) {
   }
   if (w.rank == 0)
     std::printf("soak: %ld pairs in %.1f s; device free %zu -> %zu, host RSS %ld -> %ld\n", pairs,
-                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(),
-                free0, free1, rss0, rss1);
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), free0,
+                free1, rss0, rss1);
   EXPECT_TRUE(all_ranks(!rank_failed()));
 }
 

@@ -83,9 +83,11 @@ __global__ void put_signal_all(T t, std::size_t recv_off, int words, int* failed
                                           recv_off + static_cast<std::size_t>(me) * block,
                                           static_cast<std::size_t>(dst) * block, block, me, 1);
   __syncthreads();
-  if (static_cast<int>(threadIdx.x) < n && !t.wait_signal(threadIdx.x, 1, epx::OpId::kNone, threadIdx.x))
+  if (static_cast<int>(threadIdx.x) < n &&
+      !t.wait_signal(threadIdx.x, 1, epx::OpId::kNone, threadIdx.x))
     atomicExch(failed, 1);
-  if (static_cast<int>(threadIdx.x) < t.num_contexts && !t.quiet(threadIdx.x)) atomicExch(failed, 2);
+  if (static_cast<int>(threadIdx.x) < t.num_contexts && !t.quiet(threadIdx.x))
+    atomicExch(failed, 2);
 }
 
 void run_put_signal(const char* backend_name, int contexts) {

@@ -608,7 +608,7 @@ TEST(ValidateFuzz, LowLatencySizesAndSizeHint) {
     const double p = gen_badness(g);
     // Low-latency ops run across nodes: up to epx::kMaxRanks (160) ranks.
     const int R = static_cast<int>(g.chance(p) ? g.pick<int64_t>({0, -1, 3, 16, 160, 161, 1000})
-                                                : gen_ranks(g));
+                                               : gen_ranks(g));
     const int maxT = static_cast<int>(good_or_wild(g, p, g.pick<int64_t>({1, 64, 128, 1024})));
     const int H = static_cast<int>(good_or_wild(g, p, 128 * g.between(1, 128)));
     const int E = static_cast<int>(good_or_wild(g, p, std::max(R, 1) * g.between(1, 1024 / 8)));

@@ -30,8 +30,8 @@ class NvlinkBackend final : public Backend {
                       std::to_string(comm.num_ranks()) +
                       " ranks share this rank's NVLink domain; an RDMA backend is needed");
     if (comm.num_ranks() > kMaxRanksPerNode)
-      throw Error(ErrorCode::kUnsupported, "nvlink backend: at most " +
-                                               std::to_string(kMaxRanksPerNode) + " ranks");
+      throw Error(ErrorCode::kUnsupported,
+                  "nvlink backend: at most " + std::to_string(kMaxRanksPerNode) + " ranks");
     for (int r = 0; r < comm.num_ranks(); ++r) lsa_of_world_[r] = ncclTeamRankToLsa(nc, lsa, r);
     lsa_size_ = lsa.nRanks;
   }

@@ -8,9 +8,9 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstring>
-#include <atomic>
 #include <deque>
 #include <fstream>
 #include <string>

@@ -18,16 +18,18 @@ namespace epx::dev {
 struct ProxyTransport : TransportBase, LsaWords<ProxyTransport> {
   static constexpr TransportCaps kCaps{/*network=*/true, /*peer_loads=*/true, kMaxContexts,
                                        kMaxRanks};
-  char* base[kMaxRanksPerNode];  ///< the node's copies of the region, by local index
-  char* local;                   ///< this rank's copy
-  int region;                    ///< the engine's id of this region
+  char* base[kMaxRanksPerNode];        ///< the node's copies of the region, by local index
+  char* local;                         ///< this rank's copy
+  int region;                          ///< the engine's id of this region
   const proxy::ChannelView* channels;  ///< [num_contexts], device memory
 
 #if defined(__CUDACC__)
   __device__ __forceinline__ char* lsa_ptr(int r, std::size_t offset) const {
     return same_node(r) ? base[r - node_first] + offset : nullptr;
   }
-  __device__ __forceinline__ char* local_ptr(std::size_t offset) const { return local + offset; }
+  __device__ __forceinline__ char* local_ptr(std::size_t offset) const {
+    return local + offset;
+  }
 
   /// Posts one command into channel `ctx` (one thread). False, after a
   /// report, when no slot freed up before the deadline or the channel's
@@ -104,12 +106,13 @@ struct ProxyTransport : TransportBase, LsaWords<ProxyTransport> {
     return wait_signal_words(*this, local, sig, value, op, peer);
   }
   /// A channel applies its commands in order: nothing to do on the device.
-  __device__ __forceinline__ void fence(int) const { __threadfence_system(); }
+  __device__ __forceinline__ void fence(int) const {
+    __threadfence_system();
+  }
   /// Waits until every command of channel `ctx` reserved so far is complete.
   __device__ bool quiet(int ctx) const {
     const proxy::ChannelView ch = channels[ctx];
-    const unsigned long long target =
-        *static_cast<volatile unsigned long long*>(&ch.dev->reserved);
+    const unsigned long long target = *static_cast<volatile unsigned long long*>(&ch.dev->reserved);
     const bool ok = spin_until(
         [&] {
           if (*static_cast<volatile uint32_t*>(&ch.host->stopped) != 0u) return ~0ull;

@@ -4,11 +4,10 @@
 #include <atomic>
 #include <bit>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
-#include <cstdio>
-#include <cstdlib>
 #include <mutex>
 #include <sstream>
 #include <thread>

@@ -32,8 +32,9 @@ void read_stop_knob(int rank, proxy::ProxyOptions& o) {
   if (r != rank) return;
   o.stop_channel = c;
   o.stop_after = n;
-  std::fprintf(stderr, "epx: EPX_DEBUG_PROXY_STOP: rank %d's proxy channel %d stops after %llu "
-                       "commands\n",
+  std::fprintf(stderr,
+               "epx: EPX_DEBUG_PROXY_STOP: rank %d's proxy channel %d stops after %llu "
+               "commands\n",
                r, c, n);
 }
 
@@ -90,10 +91,10 @@ class ProxyBackend final : public Backend {
       if (!topo_.same_node(p, comm_.rank())) continue;
       r.peers[p] = p == comm_.rank() ? r.local : engine_->mapped(r.id, p);
       if (r.peers[p] == nullptr)
-        throw Error(ErrorCode::kUnsupported,
-                    "proxy backend: rank " + std::to_string(p) + " is in rank " +
-                        std::to_string(comm_.rank()) + "'s node but engine '" + engine_->name() +
-                        "' does not map its memory");
+        throw Error(ErrorCode::kUnsupported, "proxy backend: rank " + std::to_string(p) +
+                                                 " is in rank " + std::to_string(comm_.rank()) +
+                                                 "'s node but engine '" + engine_->name() +
+                                                 "' does not map its memory");
     }
     barrier();
     return r;
@@ -125,8 +126,7 @@ class ProxyBackend final : public Backend {
   }
 
   dev::AnyTransport device(const SymmetricRegion& r) const override {
-    if (!proxy_)
-      throw Error(ErrorCode::kInternal, "proxy backend: device() before start()");
+    if (!proxy_) throw Error(ErrorCode::kInternal, "proxy backend: device() before start()");
     dev::ProxyTransport t{};
     t.rank = comm_.rank();
     t.num_ranks = comm_.num_ranks();
