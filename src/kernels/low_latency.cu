@@ -1491,6 +1491,37 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
   finish_combine_send(p.t, p.off, half, p.op_counter, epoch, p.seq + 1, seq);
 }
 
+/// Adds one rank's row of a combine-receive item (`v`, kSteps vectors per
+/// lane) to `acc`: a raw row (the rank hosts a single expert of the token),
+/// weighted here by each of the picks naming it (`picks`: their lanes, `w`
+/// the lane's weight), in lane order; or a sum the rank already weighted
+/// (several experts there), as it is.
+template <bool kLogFmt, int kSteps>
+__device__ __forceinline__ void add_rank_row(float (&acc)[kSteps][8], const int4 (&v)[kSteps],
+                                             uint32_t picks, bool raw, float w) {
+  if (raw) {
+#pragma unroll
+    for (int st = 0; st < kSteps; ++st) {
+      float f[8];
+      unpack_bf16x8(v[st], f);
+      if constexpr (kLogFmt) logfmt_roundtrip(f);
+      for (uint32_t m = picks; m != 0u; m &= m - 1u) {
+        const float wk = __shfl_sync(kFull, w, __ffs(m) - 1);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[st][i] = fmaf(wk, f[i], acc[st][i]);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int st = 0; st < kSteps; ++st) {
+      float f[8];
+      unpack_bf16x8(v[st], f);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[st][i] += f[i];
+    }
+  }
+}
+
 // ============================================================================
 // combine: receive. Each warp takes (token, 256-column chunk) items and sums
 // the rows of the ranks the token reached, in rank order; a rank that hosts one
@@ -1580,28 +1611,8 @@ __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
           if (i0 + rr >= n_ranks) break;  // warp-uniform
           const int r = __shfl_sync(kFull, sorted, i0 + rr);
           const uint32_t picks = __ballot_sync(kFull, rank_of == r);
-          if (__popc(__ballot_sync(kFull, rank_of == r && first)) == 1) {
-            // One expert on rank r: its raw row, weighted here by each pick of it.
-#pragma unroll
-            for (int st = 0; st < kCombineSteps; ++st) {
-              float f[8];
-              unpack_bf16x8(v[rr][st], f);
-              if constexpr (kLogFmt) logfmt_roundtrip(f);
-              for (uint32_t m = picks; m != 0u; m &= m - 1u) {
-                const float wk = __shfl_sync(kFull, w, __ffs(m) - 1);
-#pragma unroll
-                for (int i = 0; i < 8; ++i) acc[st][i] = fmaf(wk, f[i], acc[st][i]);
-              }
-            }
-          } else {
-#pragma unroll
-            for (int st = 0; st < kCombineSteps; ++st) {
-              float f[8];
-              unpack_bf16x8(v[rr][st], f);
-#pragma unroll
-              for (int i = 0; i < 8; ++i) acc[st][i] += f[i];
-            }
-          }
+          add_rank_row<kLogFmt>(acc, v[rr], picks,
+                                __popc(__ballot_sync(kFull, rank_of == r && first)) == 1, w);
         }
       }
       int4* out = reinterpret_cast<int4*>(p.out + static_cast<int64_t>(t) * H);
@@ -1644,28 +1655,8 @@ __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
           const int r = r0 + rr;
           const uint32_t picks = __ballot_sync(kFull, rank_of == r);  // none when r >= R
           if (picks == 0u) continue;
-          if (__popc(__ballot_sync(kFull, rank_of == r && first)) == 1) {
-            // One expert on rank r: its raw row, weighted here by each pick of it.
-#pragma unroll
-            for (int st = 0; st < kCombineSteps; ++st) {
-              float f[8];
-              unpack_bf16x8(v[rr][st], f);
-              if constexpr (kLogFmt) logfmt_roundtrip(f);
-              for (uint32_t m = picks; m != 0u; m &= m - 1u) {
-                const float wk = __shfl_sync(kFull, w, __ffs(m) - 1);
-#pragma unroll
-                for (int i = 0; i < 8; ++i) acc[st][i] = fmaf(wk, f[i], acc[st][i]);
-              }
-            }
-          } else {
-#pragma unroll
-            for (int st = 0; st < kCombineSteps; ++st) {
-              float f[8];
-              unpack_bf16x8(v[rr][st], f);
-#pragma unroll
-              for (int i = 0; i < 8; ++i) acc[st][i] += f[i];
-            }
-          }
+          add_rank_row<kLogFmt>(acc, v[rr], picks,
+                                __popc(__ballot_sync(kFull, rank_of == r && first)) == 1, w);
         }
       }
       int4* out = reinterpret_cast<int4*>(p.out + static_cast<int64_t>(t) * H);
