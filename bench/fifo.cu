@@ -121,6 +121,8 @@ void run_fifo(World& w, const Options& o, nlohmann::json& result) {
         "an EP16 low-latency dispatch needs about %.0f messages/s per rank (1000 in "
         "20 us); these are CUDA IPC copies on one host, not a NIC\n",
         need);
+  result["backend"] = "proxy";  // this family's own backend, one rank per node
+  result["ranks_per_node"] = 1;
   result["fifo"] = {{"rate", rate},
                     {"one_way_latency_us", one_way_us},
                     {"round_trips", iters},
