@@ -1377,7 +1377,7 @@ def test_in_process_allgather_is_in_rank_order_for_objects_of_any_size():
 
 
 @pytest.mark.parametrize("kwargs, arg", [({"num_ranks": 0}, "num_ranks"),
-                                         ({"num_ranks": 9}, "num_ranks"),
+                                         ({"num_ranks": 161}, "num_ranks"),
                                          ({"num_ranks": 2, "devices": [0]}, "devices"),
                                          ({"num_ranks": 2, "timeout_s": 0}, "timeout_s")])
 def test_in_process_comms_refuse_bad_arguments_before_any_cuda_call(kwargs, arg):
