@@ -153,7 +153,11 @@ __device__ __forceinline__ bool last_block_done(uint32_t* done) {
 /// first load does not satisfy `done`, then every 1024 polls); at the deadline
 /// the peer is masked (DeepEP's enable_shrink), not reported, so this op and
 /// the later ones go on without it.
-template <class Load, class Done, class Seen>
+/// kOwnDeadline: give up only at this wait's own deadline, not when another
+/// thread reported (a proxy post that already took a ring slot must fill it,
+/// or the channel stalls for good; a quiet must not let a send area be
+/// rewritten early).
+template <bool kOwnDeadline = false, class Load, class Done, class Seen>
 __device__ __forceinline__ bool spin_until(Load load, Done done, Seen seen, uint32_t expected,
                                            uint64_t timeout_ns, DeviceDiag* diag, OpId op, int rank,
                                            int peer, int channel, int* peer_masked = nullptr) {
@@ -167,7 +171,7 @@ __device__ __forceinline__ bool spin_until(Load load, Done done, Seen seen, uint
     if (done(v)) return true;
     if ((++spins & 1023u) == 0) {
       if (peer_masked != nullptr && mask_set(peer_masked)) return false;
-      if (diag) {
+      if (!kOwnDeadline && diag) {
         // A timeout or a config mismatch anywhere in this launch ends every wait.
         const uint32_t code = *static_cast<volatile uint32_t*>(&diag->code);
         if (code == static_cast<uint32_t>(DiagCode::kTimeout) ||

@@ -388,6 +388,9 @@ void Buffer::clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, int 
   EPX_CUDA_CHECK(cudaStreamSynchronize(d.comm_stream));
   d.ll_sync();
   d.comm->barrier();
+  // Network transports: what every rank sent has landed before anyone zeroes.
+  d.backend->quiesce();
+  d.comm->barrier();
   const std::size_t bytes = std::min(region.core_bytes(), d.ll.bytes);
   if (bytes > 0) EPX_CUDA_CHECK(cudaMemsetAsync(d.ll.local, 0, bytes, d.comm_stream));
   // (The core areas hold the network transports' signals and send counters

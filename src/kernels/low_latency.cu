@@ -452,15 +452,17 @@ __device__ __forceinline__ void net_send_chunk(const LlDispatchSendParams<T>& p,
   const int H = p.hidden, E = p.num_experts, E_local = E / R;
   const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
   const std::size_t tags = tags_of(p.off, epoch);
-  int r_k = e >= 0 && e < E ? static_cast<int>(e / E_local) : -1;  // rank of pick `lane`
-  if (r_k >= 0 && p.t.masked(r_k)) r_k = -1;                       // shrink
-  const uint32_t same_rank = __match_any_sync(kFull, r_k);         // every lane (not after an &&)
-  const bool leader = r_k >= 0 && lane == __ffs(same_rank) - 1;
-  const uint32_t leaders = __ballot_sync(kFull, leader);  // one lane per destination rank
-  if (leaders == 0u) return;
+  const int r_k = e >= 0 && e < E ? static_cast<int>(e / E_local) : -1;  // rank of pick `lane`
+  const uint32_t same_rank = __match_any_sync(kFull, r_k);       // every lane (not after an &&)
+  const bool leader = r_k >= 0 && lane == __ffs(same_rank) - 1;  // one lane per rank
+  // Shrink: nothing is stored or put to a masked rank. Whether the row goes
+  // through the send slot (and counts in tok_done) does not look at the mask,
+  // which may change between two chunks of the token: every chunk counts.
+  const bool live = leader && !p.t.masked(r_k);
   const bool remote = leader && !p.t.same_node(r_k);
-  const uint32_t remotes = __ballot_sync(kFull, remote);
-  const bool to_self = __any_sync(kFull, leader && r_k == me);
+  const uint32_t lives = __ballot_sync(kFull, live), remotes = __ballot_sync(kFull, remote);
+  if (lives == 0u && remotes == 0u) return;
+  const bool to_self = __any_sync(kFull, live && r_k == me);
   const int h0 = c * kDispatchChunk + lane * 16;
   const bool active = h0 < H;
   const std::size_t slot =
@@ -477,16 +479,17 @@ __device__ __forceinline__ void net_send_chunk(const LlDispatchSendParams<T>& p,
       dev::st_na(reinterpret_cast<int4*>(row + 2 * h0) + 1, b);
     }
   };
-  for (uint32_t m = leaders & ~remotes; m != 0u; m &= m - 1u)
+  for (uint32_t m = lives & ~remotes; m != 0u; m &= m - 1u)
     store(p.t.lsa_ptr(__shfl_sync(kFull, r_k, __ffs(m) - 1), slot));
   if (remotes != 0u && !to_self) store(p.t.local_ptr(slot));
   __syncwarp();  // every lane's stores before the arrival flags (release, cumulative)
-  if (leader && !remote) p.t.lsa_flag(r_k, chunk_flag_offset(p.off, tags, me, t, c), epoch);
+  if (live && !remote) p.t.lsa_flag(r_k, chunk_flag_offset(p.off, tags, me, t, c), epoch);
   if (remotes == 0u) return;
   const int C = ceil_div(H, kDispatchChunk);
   if (!last_part(reinterpret_cast<uint32_t*>(p.t.local_ptr(p.off.tok_done)) + t, C)) return;
   const int ctx = t % p.t.num_contexts;
-  for (uint32_t m = remotes; m != 0u; m &= m - 1u)
+  const uint32_t to_put = __ballot_sync(kFull, remote && !p.t.masked(r_k));  // mask at put time
+  for (uint32_t m = to_put; m != 0u; m &= m - 1u)
     p.t.template put<dev::Warp>(ctx, __shfl_sync(kFull, r_k, __ffs(m) - 1), slot, slot,
                                 p.row_bytes);
 }
@@ -1405,11 +1408,13 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
     [[maybe_unused]] const std::size_t here =
         net_rows + (static_cast<std::size_t>(s) * maxT + t) * 2u * H;
     int4* dst = reinterpret_cast<int4*>(remote_s ? p.t.local_ptr(here) : p.t.lsa_ptr(s, at_s));
-    auto chunk_written = [&] {
+    // Every chunk of (s, t) counts in row_done, also one skipped because s
+    // was masked meanwhile (`send` false): the count must reach C and reset.
+    auto chunk_written = [&](bool send) {
       if constexpr (kNet<T>) {
         uint32_t* done = reinterpret_cast<uint32_t*>(p.t.local_ptr(p.off.row_done)) +
                          static_cast<std::size_t>(s) * plan::kLlMaxTokens + t;
-        if (remote_s && last_part(done, C))
+        if (remote_s && last_part(done, C) && send && !__any_sync(kFull, p.t.masked(s)))
           p.t.template put<dev::Warp>(t % p.t.num_contexts, s, at_s, here, 2u * H);
       }
     };
@@ -1426,7 +1431,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
 #pragma unroll
       for (int st = 0; st < kCombineSteps; ++st)
         if (col0 + 32 * st < H8) dev::st_na(dst + col0 + 32 * st, v[st]);
-      chunk_written();
+      chunk_written(true);
       continue;
     }
 
@@ -1480,13 +1485,16 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
       }
     }
     if (!__all_sync(kFull, ok)) {
-      if (__any_sync(kFull, p.t.masked(s))) continue;  // s masked meanwhile (shrink)
+      if (__any_sync(kFull, p.t.masked(s))) {  // s masked meanwhile (shrink)
+        chunk_written(false);
+        continue;
+      }
       break;
     }
 #pragma unroll
     for (int st = 0; st < kCombineSteps; ++st)
       if (col0 + 32 * st < H8) dev::st_na(dst + col0 + 32 * st, pack_bf16x8(acc[st]));
-    chunk_written();
+    chunk_written(true);
   }
   finish_combine_send(p.t, p.off, half, p.op_counter, epoch, p.seq + 1, seq);
 }

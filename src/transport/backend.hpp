@@ -56,6 +56,10 @@ class Backend {
   /// The device struct of `region` (the core fills the TransportBase members
   /// that are its own: signals, peer mask, deadline, diagnostic).
   virtual dev::AnyTransport device(const SymmetricRegion& region) const = 0;
+  /// Collective, no op in flight on this rank: waits until everything this
+  /// rank sent is complete (a proxy's commands still in its rings or copies),
+  /// so that a following barrier means nothing lands any more.
+  virtual void quiesce() {}
   /// After the caller zeroed `region`'s signal words on every rank (collective,
   /// no op in flight): a backend that keeps state about them resets it.
   virtual void region_cleared(const SymmetricRegion& region) { (void)region; }

@@ -79,10 +79,7 @@ static_assert(sizeof(ChannelHost) == 384);
 struct alignas(128) ChannelDevice {
   unsigned long long reserved;       ///< slots taken so far (atomicAdd)
   unsigned long long consumed_seen;  ///< largest ChannelHost::consumed read (saves host reads)
-  /// `reserved` when the last op that posted here ended: the next op's quiet
-  /// waits until `completed` reaches it before it rewrites what those puts read.
-  unsigned long long quiet_target;
-  unsigned long long pad[13];
+  unsigned long long pad[14];
 };
 static_assert(sizeof(ChannelDevice) == 128);
 

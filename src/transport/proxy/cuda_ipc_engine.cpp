@@ -144,7 +144,7 @@ std::string read_hostname() {
 }
 
 /// Events made per channel up front (more are made when marks pile up).
-constexpr std::size_t kEventsPerChannel = 256;
+constexpr std::size_t kEventsPerChannel = 1024;
 
 class CudaIpcEngine final : public Engine {
  public:

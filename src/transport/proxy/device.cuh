@@ -40,7 +40,7 @@ struct ProxyTransport : TransportBase, LsaWords<ProxyTransport> {
     const unsigned long long slot = atomicAdd(&ch.dev->reserved, 1ull);
     unsigned long long seen = *static_cast<volatile unsigned long long*>(&ch.dev->consumed_seen);
     if (slot >= seen + ch.capacity) {
-      const bool ok = spin_until(
+      const bool ok = spin_until<true>(
           [&] {
             if (*static_cast<volatile uint32_t*>(&ch.host->stopped) != 0u) return ~0ull;
             return static_cast<unsigned long long>(ld_volatile_u64(&ch.host->consumed));
@@ -113,7 +113,7 @@ struct ProxyTransport : TransportBase, LsaWords<ProxyTransport> {
   __device__ bool quiet(int ctx) const {
     const proxy::ChannelView ch = channels[ctx];
     const unsigned long long target = *static_cast<volatile unsigned long long*>(&ch.dev->reserved);
-    const bool ok = spin_until(
+    const bool ok = spin_until<true>(
         [&] {
           if (*static_cast<volatile uint32_t*>(&ch.host->stopped) != 0u) return ~0ull;
           return static_cast<unsigned long long>(ld_volatile_u64(&ch.host->completed));

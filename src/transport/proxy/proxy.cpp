@@ -467,6 +467,31 @@ void Proxy::check() const {
   }
 }
 
+void Proxy::drain(double timeout_s) {
+  auto& d = *impl_;
+  for (int c = 0; c < d.num_channels; ++c) {
+    uint64_t reserved = 0;
+    if (d.options.device >= 0) {
+      // (cudaMemcpy: the caller made sure no kernel runs.)
+      EPX_CUDA_CHECK(cudaMemcpy(&reserved, &static_cast<ChannelDevice*>(d.devs.ptr)[c].reserved,
+                                sizeof(reserved), cudaMemcpyDeviceToHost));
+    } else {
+      reserved = load_acquire(static_cast<ChannelDevice*>(d.devs.ptr)[c].reserved);
+    }
+    const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
+    while (load_acquire(d.host_host[c].completed) < reserved) {
+      if (load_acquire(d.host_host[c].stopped) != 0u) check();
+      if (Clock::now() > deadline)
+        throw Error(ErrorCode::kTimeout,
+                    "proxy channel " + std::to_string(c) + ": " +
+                        std::to_string(load_acquire(d.host_host[c].completed)) + " of " +
+                        std::to_string(reserved) + " commands complete after " +
+                        std::to_string(timeout_s) + " s (draining before a clean)");
+      std::this_thread::yield();
+    }
+  }
+}
+
 void Proxy::stop() {
   impl_->stop();
 }

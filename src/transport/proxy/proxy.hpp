@@ -53,6 +53,11 @@ class Proxy {
   /// Throws epx::Error naming the first channel that failed or stopped
   /// (its ChannelHealth::message).
   void check() const;
+  /// Waits until every command the GPU reserved so far on any channel is
+  /// complete (no kernel may post meanwhile: call it once the streams that
+  /// post are idle). Throws epx::Error(kTimeout) after `timeout_s` naming the
+  /// channel, or the channel's failure when it stopped.
+  void drain(double timeout_s);
   /// Stops the threads (idempotent; the destructor calls it).
   void stop();
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
 
@@ -63,6 +64,19 @@ class ProxyBackend final : public Backend {
     }
     read_stop_knob(comm.rank(), po);
     options_ = po;
+    // A receiver waits for one signal per context of the sender: every rank
+    // must use the same count.
+    const auto all = comm.allgather(&num_channels_, sizeof(num_channels_));
+    for (int r = 0; r < comm.num_ranks(); ++r) {
+      int theirs = 0;
+      std::memcpy(&theirs, all.data() + r * sizeof(int), sizeof(int));
+      if (theirs != num_channels_)
+        throw Error(ErrorCode::kInvalidArgument,
+                    "num_qps_per_rank / EPX_PROXY_CHANNELS: every rank must use the same number "
+                    "of proxy channels: rank " +
+                        std::to_string(r) + " uses " + std::to_string(theirs) + ", rank " +
+                        std::to_string(comm.rank()) + " " + std::to_string(num_channels_));
+    }
   }
   ~ProxyBackend() override {
     if (proxy_) proxy_->stop();
@@ -138,6 +152,10 @@ class ProxyBackend final : public Backend {
     t.region = r.id;
     t.channels = proxy_->views_device();
     return t;
+  }
+
+  void quiesce() override {
+    if (proxy_) proxy_->drain(env::timeout_seconds());
   }
 
   void region_cleared(const SymmetricRegion& r) override { engine_->reset_signals(r.id); }
