@@ -442,6 +442,33 @@ class DeferredEngine final : public Engine {
 
 // ChannelHost::completed follows the engine's completed tokens, never runs
 // ahead of them, and the idle thread keeps polling until everything completed.
+// drain() (what a clean waits for): it returns once every reserved command is
+// complete, and times out naming the channel while one is held in the engine.
+TEST(Proxy, DrainWaitsForEveryReservedCommand) {
+  constexpr uint64_t kBytes = 8192;
+  Ranks ranks(2, 2, kBytes);
+  GatedEngine gated(*ranks.engines[0], 1);
+  ProxyOptions opt;
+  opt.num_channels = 2;
+  opt.capacity = 16;
+  Proxy proxy(gated, opt);
+  for (int c = 0; c < 2; ++c)
+    for (uint64_t i = 0; i < 5; ++i)
+      post_from_host(proxy.view(c), put_cmd(1, 4096 + (c * 5 + i) * 64, i * 8, 64), Op::kPut, 0,
+                     10.0, c);
+  try {
+    proxy.drain(0.2);  // channel 1's first put waits at the gate
+    ADD_FAILURE() << "drain returned while channel 1 held a command";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kTimeout);
+    EXPECT_NE(std::string(e.what()).find("proxy channel 1"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(load(proxy.view(0).host->completed), 5u);  // channel 0 was drained first
+  gated.open();
+  proxy.drain(10.0);
+  for (int c = 0; c < 2; ++c) EXPECT_EQ(load(proxy.view(c).host->completed), 5u) << c;
+}
+
 TEST(Proxy, CompletionFollowsTheEngineAndIsPolledWhileIdle) {
   constexpr uint64_t kPosts = 200;
   Ranks ranks(2, 1, 4096);
