@@ -4,8 +4,8 @@
 # nodes, and the NVLink before/after comparison. Steps (EPX_NET, default all
 # that fit the machine):
 #   inproc   the GPU suite (Smoke, LowLatency, Network) with in-process ranks
-#            as virtual nodes on GPU 0: EPX_VNODES_INPROC="R:RPN ..." (default
-#            "4:2 16:4": 2x2 and 4x4)
+#            as virtual nodes on GPU 0: EPX_VNODES_INPROC="R:RPN[:QPS] ..."
+#            (default "4:2 16:4 4:2:4": 2x2, 4x4, and 2x2 with 4 proxy channels)
 #   procs    the same with one process per GPU: EPX_VNODES_PROCS (default "4:2 2:1"
 #            where there are that many GPUs)
 #   kill     4 processes as 2x2, rank 3 SIGKILLs itself (on 2 GPUs: 2 as 2x1,
@@ -43,10 +43,12 @@ run_suite() {  # LABEL LOG TIMEOUT COMMAND... (line-buffered: a killed run keeps
   summary+=("$label: rc=$rc ($(( $(date +%s) - t0 )) s)")
 }
 if has inproc; then
-  for spec in ${EPX_VNODES_INPROC:-4:2 16:4}; do
-    r=${spec%%:*} rpn=${spec##*:}
-    run_suite "in-process $r ranks, nodes of $rpn (proxy)" "$OUT/net-inproc$r-rpn$rpn.log" \
-      ${EPX_TEST_TIMEOUT:-420} env EPX_RANKS_PER_NODE=$rpn "$D/epx_gpu_tests" --in-process=$r \
+  for spec in ${EPX_VNODES_INPROC:-4:2 16:4 4:2:4}; do  # R:RPN[:QPS]
+    IFS=: read -r r rpn qps <<< "$spec"
+    qps=${qps:-1}
+    run_suite "in-process $r ranks, nodes of $rpn, $qps channels (proxy)" \
+      "$OUT/net-inproc$r-rpn$rpn-qps$qps.log" ${EPX_TEST_TIMEOUT:-420} \
+      env EPX_RANKS_PER_NODE=$rpn EPX_TEST_QPS=$qps "$D/epx_gpu_tests" --in-process=$r \
       --gtest_filter="$FILTER"
   done
 fi

@@ -30,6 +30,8 @@ void set_up(epx::test::World& w, std::shared_ptr<epx::Communicator> comm) {
       std::max<int64_t>(1ll << 30, static_cast<int64_t>(epx::Buffer::get_low_latency_rdma_size_hint(
                                        128, 8192, w.comm->num_ranks(), 256)));
   o.allocator = epx::test::poisoning_allocator(/*capture_arena=*/w.comm->in_process());
+  // EPX_TEST_QPS: contexts per peer (proxy channels) of the shared buffer.
+  if (const char* q = std::getenv("EPX_TEST_QPS")) o.num_qps_per_rank = std::atoi(q);
   o.timeout_s = 20;
   if (cudaStreamCreateWithFlags(&w.stream, cudaStreamNonBlocking) != cudaSuccess)
     throw epx::Error(epx::ErrorCode::kCuda, "cudaStreamCreateWithFlags");
