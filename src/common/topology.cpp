@@ -1,5 +1,8 @@
 #include "common/topology.hpp"
 
+#include <unistd.h>
+
+#include <fstream>
 #include <map>
 
 #include "epx/error.hpp"
@@ -15,6 +18,19 @@ std::vector<int> host_ids(const std::vector<std::string>& identities) {
     ids.push_back(it->second);
   }
   return ids;
+}
+
+std::string hostname() {
+  char name[256] = {};
+  if (gethostname(name, sizeof(name) - 1) != 0) return "unknown-host";
+  return name;
+}
+
+std::string boot_id() {
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::string id;
+  std::getline(f, id);
+  return id;
 }
 
 Topology make_topology(int num_ranks, int requested, int env_value,

@@ -41,4 +41,10 @@ Topology make_topology(int num_ranks, int requested, int env_value,
 /// string per rank (hostname and boot id).
 std::vector<int> host_ids(const std::vector<std::string>& identities);
 
+/// This machine's hostname ("unknown-host" when it cannot be read).
+std::string hostname();
+/// /proc/sys/kernel/random/boot_id without its newline ("" when absent): tells
+/// apart hosts that share a name.
+std::string boot_id();
+
 }  // namespace epx

@@ -1,5 +1,3 @@
-#include <unistd.h>
-
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -26,18 +24,7 @@ namespace {
 std::vector<int> host_ids(int num_ranks, Communicator& comm) {
   constexpr std::size_t kBytes = 192;
   std::array<char, kBytes> mine{};
-  std::string id = "in-process";
-  if (!comm.in_process()) {
-    char host[64] = {};
-    gethostname(host, sizeof(host) - 1);
-    std::string boot;
-    if (std::FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
-      char b[64] = {};
-      if (std::fgets(b, sizeof(b), f)) boot = b;
-      std::fclose(f);
-    }
-    id = std::string(host) + "/" + boot;
-  }
+  const std::string id = comm.in_process() ? "in-process" : hostname() + "/" + boot_id();
   std::memcpy(mine.data(), id.data(), std::min(id.size(), kBytes - 1));
   const auto all = comm.allgather(mine.data(), kBytes);
   std::vector<std::string> ids(num_ranks);

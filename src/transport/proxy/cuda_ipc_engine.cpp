@@ -12,7 +12,6 @@
 #include <chrono>
 #include <cstring>
 #include <deque>
-#include <fstream>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -20,6 +19,7 @@
 
 #include "common/check.hpp"
 #include "common/env.hpp"
+#include "common/topology.hpp"
 #include "epx/communicator.hpp"
 #include "transport/proxy/command.hpp"
 #include "transport/proxy/engine.hpp"
@@ -130,19 +130,6 @@ struct OpenStatus {
   char error[300];
 };
 
-std::string read_boot_id() {
-  std::ifstream f("/proc/sys/kernel/random/boot_id");
-  std::string id;
-  std::getline(f, id);
-  return id;
-}
-
-std::string read_hostname() {
-  char name[256] = {};
-  if (gethostname(name, sizeof(name) - 1) != 0) return "unknown-host";
-  return name;
-}
-
 /// Events made per channel up front (more are made when marks pile up).
 constexpr std::size_t kEventsPerChannel = 1024;
 
@@ -155,8 +142,8 @@ class CudaIpcEngine final : public Engine {
         num_ranks_(comm.num_ranks()),
         num_channels_(num_channels),
         timeout_s_(env::timeout_seconds()),
-        hostname_(read_hostname()),
-        boot_id_(read_boot_id()),
+        hostname_(hostname()),
+        boot_id_(boot_id()),
         hosts_(static_cast<std::size_t>(num_ranks_)),
         reach_(static_cast<std::size_t>(num_ranks_), 0) {
     require(num_channels >= 1, "num_channels", "must be >= 1, got " + std::to_string(num_channels));
