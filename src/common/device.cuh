@@ -141,6 +141,22 @@ __device__ __forceinline__ bool last_block_done(uint32_t* done) {
   return true;
 }
 
+/// Block-wide, every thread once its work is done: counts the block in
+/// `*done` (last_block_done); true in every thread of the block that counted
+/// last. System-scope fences around the count carry every block's earlier
+/// writes and posts before what the last block does next.
+__device__ __forceinline__ bool block_counted_last(uint32_t* done) {
+  __shared__ int is_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    fence_acq_rel_sys();  // release: this block's writes
+    is_last = last_block_done(done) ? 1 : 0;
+    if (is_last) fence_acq_rel_sys();  // acquire: every block's
+  }
+  __syncthreads();
+  return is_last != 0;
+}
+
 /// Spins until `done(v)` holds for v = load(); false (after reporting
 /// `seen(v)` against `expected`) when the deadline passes or another thread
 /// already reported a timeout or a peer's differing config (kBadConfig: its

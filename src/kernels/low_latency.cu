@@ -671,14 +671,7 @@ __device__ __forceinline__ void dispatch_count_done(const LlDispatchSendParams<T
   if constexpr (!kNet<T>) {
     if (threadIdx.x == 0 && dev::last_block_done(control + kDoneDispatch)) *p.op_counter = epoch;
   } else {
-    __shared__ int is_last;
-    if (threadIdx.x == 0) {
-      dev::fence_acq_rel_sys();  // release: the block's send-area writes and posts
-      is_last = dev::last_block_done(control + kDoneDispatch) ? 1 : 0;
-      if (is_last) dev::fence_acq_rel_sys();  // acquire: every block's
-    }
-    __syncthreads();
-    if (is_last) {
+    if (dev::block_counted_last(control + kDoneDispatch)) {
       net_dispatch_finish(p, epoch);
       if (threadIdx.x == 0) {
         *p.op_counter = epoch;
@@ -1202,19 +1195,9 @@ __device__ __forceinline__ std::size_t weight_word(const LlOffsets& o, std::size
 /// weight words for it ([me][t][j] for every token t, one message) with an
 /// add of 1 to that rank's weights signal of this rank (context 0).
 template <class T>
-__device__ __forceinline__ void net_send_weights(const LlCombineSendParams<T>& p, uint32_t epoch,
-                                                 uint64_t seq, std::size_t net_weights,
-                                                 std::size_t weights) {
-  __shared__ int is_last;
-  __syncthreads();
-  uint32_t* done = reinterpret_cast<uint32_t*>(p.t.local_ptr(p.off.net_done));
-  if (threadIdx.x == 0) {
-    dev::fence_acq_rel_sys();  // release: the block's weight words
-    is_last = dev::last_block_done(done) ? 1 : 0;
-    if (is_last) dev::fence_acq_rel_sys();  // acquire: every block's
-  }
-  __syncthreads();
-  if (!is_last) return;
+__device__ __forceinline__ void net_send_weights(const LlCombineSendParams<T>& p,
+                                                 std::size_t net_weights, std::size_t weights) {
+  if (!dev::block_counted_last(reinterpret_cast<uint32_t*>(p.t.local_ptr(p.off.net_done)))) return;
   const int R = p.t.num_ranks, me = p.t.rank;
   const std::size_t bytes = 8u * plan::kLlMaxTopK * static_cast<std::size_t>(p.num_tokens);
   for (int r = threadIdx.x; r < R; r += blockDim.x) {
@@ -1226,8 +1209,6 @@ __device__ __forceinline__ void net_send_weights(const LlCombineSendParams<T>& p
     else
       p.t.template signal_add<dev::Thread>(0, r, ll_sig_weights(R, me), 1);
   }
-  (void)epoch;
-  (void)seq;
 }
 
 /// combine_wait_recv_cost_stats: when source s began its combine, as seen
@@ -1350,7 +1331,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
             (static_cast<uint64_t>(epoch) << 32) | __float_as_uint(wsum));
     }
   }
-  if constexpr (kNet<T>) net_send_weights(p, epoch, seq, net_weights, weights);
+  if constexpr (kNet<T>) net_send_weights(p, net_weights, weights);
   if (static_cast<int>(threadIdx.x) < R) s_tokens[threadIdx.x] = min(max(n_src, 0), maxT);
   __syncthreads();
   if (threadIdx.x == 0) {

@@ -31,6 +31,17 @@ struct ProxyTransport : TransportBase, LsaWords<ProxyTransport> {
     return local + offset;
   }
 
+  /// One of channel `ch`'s host counters, or ~0 once its proxy thread stopped
+  /// (a wait on the channel then ends at once).
+  __device__ static unsigned long long counter_or_stopped(const proxy::ChannelView& ch,
+                                                          const uint64_t* counter) {
+    if (stopped(ch)) return ~0ull;
+    return ld_volatile_u64(counter);
+  }
+  __device__ static bool stopped(const proxy::ChannelView& ch) {
+    return *static_cast<volatile uint32_t*>(&ch.host->stopped) != 0u;
+  }
+
   /// Posts one command into channel `ctx` (one thread). False, after a
   /// report, when no slot freed up before the deadline or the channel's
   /// proxy thread stopped.
@@ -41,15 +52,12 @@ struct ProxyTransport : TransportBase, LsaWords<ProxyTransport> {
     unsigned long long seen = *static_cast<volatile unsigned long long*>(&ch.dev->consumed_seen);
     if (slot >= seen + ch.capacity) {
       const bool ok = spin_until<true>(
-          [&] {
-            if (*static_cast<volatile uint32_t*>(&ch.host->stopped) != 0u) return ~0ull;
-            return static_cast<unsigned long long>(ld_volatile_u64(&ch.host->consumed));
-          },
+          [&] { return counter_or_stopped(ch, &ch.host->consumed); },
           [&](unsigned long long v) { return v == ~0ull || slot < v + ch.capacity; },
           [&](unsigned long long v) { return static_cast<uint32_t>(v); },
           static_cast<uint32_t>(slot), timeout_ns, diag, OpId::kProxyPost, rank, peer, ctx);
       const unsigned long long now = ld_volatile_u64(&ch.host->consumed);
-      if (!ok || *static_cast<volatile uint32_t*>(&ch.host->stopped) != 0u) {
+      if (!ok || stopped(ch)) {
         report(diag, DiagCode::kProxyStopped, OpId::kProxyPost, rank, peer, ctx,
                static_cast<uint32_t>(slot), static_cast<uint32_t>(now));
         return false;
@@ -105,7 +113,8 @@ struct ProxyTransport : TransportBase, LsaWords<ProxyTransport> {
   __device__ __forceinline__ bool wait_signal(int sig, uint64_t value, OpId op, int peer) const {
     return wait_signal_words(*this, local, sig, value, op, peer);
   }
-  /// A channel applies its commands in order: nothing to do on the device.
+  /// A channel applies its commands in order; the fence orders this thread's
+  /// earlier stores (to a send area, to same-node peers) before what follows.
   __device__ __forceinline__ void fence(int) const {
     __threadfence_system();
   }
@@ -113,16 +122,12 @@ struct ProxyTransport : TransportBase, LsaWords<ProxyTransport> {
   __device__ bool quiet(int ctx) const {
     const proxy::ChannelView ch = channels[ctx];
     const unsigned long long target = *static_cast<volatile unsigned long long*>(&ch.dev->reserved);
-    const bool ok = spin_until<true>(
-        [&] {
-          if (*static_cast<volatile uint32_t*>(&ch.host->stopped) != 0u) return ~0ull;
-          return static_cast<unsigned long long>(ld_volatile_u64(&ch.host->completed));
-        },
-        [&](unsigned long long v) { return v >= target; },
-        [&](unsigned long long v) { return static_cast<uint32_t>(v); },
-        static_cast<uint32_t>(target), timeout_ns, diag, OpId::kProxyQuiet, rank, -1, ctx);
-    if (ok && *static_cast<volatile uint32_t*>(&ch.host->stopped) != 0u &&
-        ld_volatile_u64(&ch.host->completed) < target) {
+    const bool ok = spin_until<true>([&] { return counter_or_stopped(ch, &ch.host->completed); },
+                                     [&](unsigned long long v) { return v >= target; },
+                                     [&](unsigned long long v) { return static_cast<uint32_t>(v); },
+                                     static_cast<uint32_t>(target), timeout_ns, diag,
+                                     OpId::kProxyQuiet, rank, -1, ctx);
+    if (ok && stopped(ch) && ld_volatile_u64(&ch.host->completed) < target) {
       report(diag, DiagCode::kProxyStopped, OpId::kProxyQuiet, rank, -1, ctx,
              static_cast<uint32_t>(target),
              static_cast<uint32_t>(ld_volatile_u64(&ch.host->completed)));
