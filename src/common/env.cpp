@@ -48,24 +48,43 @@ std::optional<uint32_t> debug_epoch_start() {
   return static_cast<uint32_t>(*v);
 }
 
+namespace {
+/// Decimal integers in [0, 2^31) separated by single colons, exactly `n` of
+/// them and nothing else; false when `v` is anything else.
+bool colon_ints(const std::string& v, int* out, int n) {
+  std::size_t at = 0;
+  for (int i = 0; i < n; ++i) {
+    const std::size_t end = i + 1 < n ? v.find(':', at) : v.size();
+    if (end == std::string::npos) return false;
+    const std::string s = v.substr(at, end - at);
+    if (s.empty() || s.size() > 10 || s.find_first_not_of("0123456789") != std::string::npos)
+      return false;
+    const long x = std::strtol(s.c_str(), nullptr, 10);
+    if (x > 0x7fffffffL) return false;
+    out[i] = static_cast<int>(x);
+    at = end + 1;
+  }
+  return true;
+}
+}  // namespace
+
 std::optional<LlDispatchStop> debug_ll_dispatch_stop() {
   static constexpr const char* name = "EPX_DEBUG_LL_DISPATCH_STOP";
   const auto v = get(name);
   if (!v) return std::nullopt;
-  // Two decimal integers in [0, 2^31) around one colon, nothing else.
-  auto number = [&](const std::string& s, int& out) {
-    if (s.empty() || s.size() > 10 || s.find_first_not_of("0123456789") != std::string::npos)
-      return false;
-    const long x = std::strtol(s.c_str(), nullptr, 10);
-    out = static_cast<int>(x);
-    return x <= 0x7fffffffL;
-  };
-  LlDispatchStop stop;
-  const auto colon = v->find(':');
-  require(colon != std::string::npos && number(v->substr(0, colon), stop.rank) &&
-              number(v->substr(colon + 1), stop.tokens),
-          name, "must be RANK:TOKENS, two integers >= 0, got '" + *v + "'");
-  return stop;
+  int f[2];
+  require(colon_ints(*v, f, 2), name, "must be RANK:TOKENS, two integers >= 0, got '" + *v + "'");
+  return LlDispatchStop{f[0], f[1]};
+}
+
+std::optional<ProxyStop> debug_proxy_stop() {
+  static constexpr const char* name = "EPX_DEBUG_PROXY_STOP";
+  const auto v = get(name);
+  if (!v) return std::nullopt;
+  int f[3];
+  require(colon_ints(*v, f, 3), name,
+          "must be RANK:CHANNEL:COMMANDS, three integers >= 0, got '" + *v + "'");
+  return ProxyStop{f[0], f[1], f[2]};
 }
 
 namespace {

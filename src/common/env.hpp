@@ -31,6 +31,14 @@ struct LlDispatchStop {
 };
 std::optional<LlDispatchStop> debug_ll_dispatch_stop();
 
+/// Test knob EPX_DEBUG_PROXY_STOP=RANK:CHANNEL:COMMANDS: that rank's proxy
+/// channel stops after COMMANDS commands, as a proxy thread that died would.
+/// Unset: nullopt; malformed: epx::Error naming the variable.
+struct ProxyStop {
+  int rank = 0, channel = 0, commands = 0;
+};
+std::optional<ProxyStop> debug_proxy_stop();
+
 /// EPX_HT_PULL (0 or 1, default 0): whether get_dispatch_config's configs use
 /// the pull dispatch (Config::pull_dispatch).
 bool ht_pull();

@@ -372,6 +372,22 @@ TEST(Env, RankInfoFromTorchrunAndMpi) {
                  {"EPX_DEBUG_LL_DISPATCH_STOP", "RANK:TOKENS"});
   }
   unsetenv("EPX_DEBUG_LL_DISPATCH_STOP");
+  // the dead-proxy knob: unset, RANK:CHANNEL:COMMANDS, or an error naming it
+  unsetenv("EPX_DEBUG_PROXY_STOP");
+  EXPECT_FALSE(env::debug_proxy_stop().has_value());
+  setenv("EPX_DEBUG_PROXY_STOP", "3:1:7", 1);
+  const auto proxy_stop = env::debug_proxy_stop();
+  ASSERT_TRUE(proxy_stop.has_value());
+  EXPECT_EQ(proxy_stop->rank, 3);
+  EXPECT_EQ(proxy_stop->channel, 1);
+  EXPECT_EQ(proxy_stop->commands, 7);
+  for (const char* bad :
+       {"3", "3:1", "3:1:", "3::7", "3:1:7:2", "-3:1:7", "3:1:x", " 3:1:7", "3:1:2147483648"}) {
+    setenv("EPX_DEBUG_PROXY_STOP", bad, 1);
+    expect_error([] { env::debug_proxy_stop(); },
+                 {"EPX_DEBUG_PROXY_STOP", "RANK:CHANNEL:COMMANDS"});
+  }
+  unsetenv("EPX_DEBUG_PROXY_STOP");
 }
 
 }  // namespace

@@ -19,24 +19,15 @@
 namespace epx::transport {
 namespace {
 
-/// EPX_DEBUG_PROXY_STOP=RANK:CHANNEL:N: the proxy thread of that rank's channel
-/// stops after N commands, as a proxy thread that died would (tests).
+/// EPX_DEBUG_PROXY_STOP naming this rank: its proxy channel stops early (tests).
 void read_stop_knob(int rank, proxy::ProxyOptions& o) {
-  const auto v = env::get("EPX_DEBUG_PROXY_STOP");
-  if (!v) return;
-  int r = -1, c = -1;
-  unsigned long long n = 0;
-  char tail = 0;
-  if (std::sscanf(v->c_str(), "%d:%d:%llu%c", &r, &c, &n, &tail) != 3 || r < 0 || c < 0)
-    throw Error(ErrorCode::kInvalidArgument,
-                "EPX_DEBUG_PROXY_STOP: must be RANK:CHANNEL:COMMANDS, got '" + *v + "'");
-  if (r != rank) return;
-  o.stop_channel = c;
-  o.stop_after = n;
+  const auto stop = env::debug_proxy_stop();
+  if (!stop || stop->rank != rank) return;
+  o.stop_channel = stop->channel;
+  o.stop_after = static_cast<uint64_t>(stop->commands);
   std::fprintf(stderr,
-               "epx: EPX_DEBUG_PROXY_STOP: rank %d's proxy channel %d stops after %llu "
-               "commands\n",
-               r, c, n);
+               "epx: EPX_DEBUG_PROXY_STOP: rank %d's proxy channel %d stops after %d commands\n",
+               stop->rank, stop->channel, stop->commands);
 }
 
 class ProxyBackend final : public Backend {
