@@ -217,10 +217,11 @@ inline constexpr int kLlMaxMaskWords = kLlMaxTokens / 32;
 ///       chunks    uint32 [R][kLlMaxTokens][kLlMaxChunks]: epoch of the op whose chunk
 ///                 c of token t of source s has arrived (release-stored after it)
 ///   [network control]   signals and send counters (network transports; below)
+///   [network send areas of a fixed place]  mask and weight sends (below)
 ///   [half 0][half 1]       one half per op parity (epoch & 1), each:
 ///       disp rows per source: [maxT] dispatch rows (payload, FP8 scales) at slot = token
 ///       comb rows per source: [maxT] bf16 rows (one per (token, expert rank))
-///   [network areas]             transports with peers in other nodes (below)
+///   [combine row sends]         transports with peers in other nodes (below)
 ///   [zero-copy 0][zero-copy 1]  bf16 [E_local, R*maxT, H] combine inputs
 ///                               (get_next_low_latency_combine_buffer); optional: the ops
 ///                               themselves need core_bytes() (with the network: net_end()).
@@ -289,6 +290,23 @@ struct LlRegion {
                     kAlign);
   }
   std::size_t control_bytes() const { return align_up(net_done_offset() + 16u, kAlign); }
+
+  // ---- network send areas of a fixed place (after the control) -------------
+  //   [mask sends of half 0][half 1]     u64 [R][kLlMaxMaskWords][E_local] tagged words
+  //   [weight sends of half 0][half 1]   u64 [R][kLlMaxTokens][kLlMaxTopK] tagged words
+  // A rank whose shapes differ from its peer's writes that peer's rows where
+  // the peer's layout has something else. Rows never reach a place that does
+  // not move with the shapes, so what a rank sends as tagged words must live
+  // there: else a mismatched peer's rows would overwrite them and the rank
+  // would forward garbage instead of the words that let everyone diagnose
+  // the mismatch.
+  static constexpr std::size_t net_masks_half_bytes() {
+    return align_up(8u * kLlMaxMaskWords * static_cast<std::size_t>(kLlMaxExperts), kAlign);
+  }
+  std::size_t net_masks_offset() const { return control_bytes(); }
+  std::size_t net_weights_offset() const { return net_masks_offset() + 2 * net_masks_half_bytes(); }
+  /// Everything of a fixed place and size for a buffer (R only): the halves follow.
+  std::size_t fixed_bytes() const { return net_weights_offset() + 2 * weights_half_bytes(); }
   /// 32-token words of a token mask.
   int mask_words() const { return (max_tokens + 31) / 32; }
   // Offsets inside a half (its flags, weights and tags live before the halves).
@@ -303,34 +321,28 @@ struct LlRegion {
                         static_cast<std::size_t>(num_ranks) * max_tokens * combine_row_bytes(),
                     kAlign);
   }
-  std::size_t half_offset(int parity) const { return control_bytes() + parity * half_bytes(); }
-  /// Bytes dispatch and combine need.
-  std::size_t core_bytes() const { return control_bytes() + 2 * half_bytes(); }
+  std::size_t half_offset(int parity) const { return fixed_bytes() + parity * half_bytes(); }
+  /// Bytes dispatch and combine need (the network transports: net_end()).
+  std::size_t core_bytes() const { return fixed_bytes() + 2 * half_bytes(); }
   /// One zero-copy combine input [E_local, R*maxT, H] bf16.
   std::size_t zero_copy_bytes() const {
     return align_up(2u * static_cast<std::size_t>(local_experts()) * rows_per_expert() * hidden,
                     kAlign);
   }
 
-  // ---- network send areas (transports with peers in other nodes) ----------
-  // After the core areas (their control part is in control_bytes()):
-  //   [mask sends of half 0][half 1]      u64 [R][kLlMaxMaskWords][E_local] tagged words
-  //   [weight sends of half 0][half 1]    u64 [R][kLlMaxTokens][kLlMaxTopK] tagged words
+  // ---- combine row sends (transports with peers in other nodes) -----------
+  // After the halves:
   //   [combine row sends of half 0][half 1]  bf16 [R][maxT][H]
+  // They move with the shapes; a mismatched peer's dispatch rows may land
+  // there, which is harmless: a combine writes its rows before it puts them.
   // A dispatch row for a remote rank is sent from this rank's own receive
   // slot [me][t] (the same bytes at every destination), its count word from
-  // its own count word: they need no send area. Send areas may move with the
-  // shapes: an op's first act is to wait until the puts that read the last
-  // op's are complete.
-  std::size_t net_masks_half_bytes() const {
-    return align_up(8u * kLlMaxMaskWords * static_cast<std::size_t>(num_experts), kAlign);
-  }
-  std::size_t net_masks_offset() const { return core_bytes(); }
-  std::size_t net_weights_offset() const { return net_masks_offset() + 2 * net_masks_half_bytes(); }
+  // its own count word: they need no send area. An op's first act is to wait
+  // until the puts that read the last op's send areas are complete.
   std::size_t net_comb_half_bytes() const {
     return align_up(static_cast<std::size_t>(num_ranks) * max_tokens * combine_row_bytes(), kAlign);
   }
-  std::size_t net_comb_offset() const { return net_weights_offset() + 2 * weights_half_bytes(); }
+  std::size_t net_comb_offset() const { return core_bytes(); }
   std::size_t net_end() const { return net_comb_offset() + 2 * net_comb_half_bytes(); }
   std::size_t zero_copy_offset(int slot) const { return net_end() + slot * zero_copy_bytes(); }
   /// Everything, network areas and zero-copy inputs included

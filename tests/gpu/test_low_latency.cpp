@@ -1583,6 +1583,7 @@ EPX_GPU_TEST(Network, Soak) {
     if (w.rank == 0 && pairs >= 10 && i % (pairs / 10) == pairs / 10 - 1)
       std::printf("soak: %ld / %ld pairs, %.0f s\n", i + 1, pairs,
                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    std::fflush(stdout);  // a log cut by a timeout still shows how far it got
   }
   ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
   std::size_t free1 = 0;

@@ -2,6 +2,7 @@
 // (common/topology.hpp); the low-latency region's network areas (plan).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -93,12 +94,14 @@ TEST(Topology, LowLatencyNetworkAreas) {
     EXPECT_GE(r.row_done_offset(), r.tok_done_offset() + 4u * plan::kLlMaxTokens);
     EXPECT_GE(r.net_done_offset(), r.row_done_offset() + 4u * R * plan::kLlMaxTokens);
     EXPECT_GE(r.control_bytes(), r.net_done_offset() + 16u);
-    EXPECT_EQ(r.half_offset(0), r.control_bytes());
-    // The send areas after the core, then the zero-copy inputs.
-    EXPECT_EQ(r.net_masks_offset(), r.core_bytes());
+    // The mask and weight sends after the control, then the halves; the
+    // combine row sends after the halves, then the zero-copy inputs.
+    EXPECT_EQ(r.net_masks_offset(), r.control_bytes());
     EXPECT_GE(r.net_weights_offset(),
               r.net_masks_offset() + 2u * 8u * plan::kLlMaxMaskWords * r.num_experts);
-    EXPECT_GE(r.net_comb_offset(), r.net_weights_offset() + 2 * r.weights_half_bytes());
+    EXPECT_GE(r.half_offset(0), r.net_weights_offset() + 2 * r.weights_half_bytes());
+    EXPECT_EQ(r.net_comb_offset(), r.core_bytes());
+    EXPECT_GE(r.net_comb_offset(), r.half_offset(1) + r.half_bytes());
     EXPECT_EQ(r.net_end(), r.net_comb_offset() + 2 * r.net_comb_half_bytes());
     EXPECT_GE(r.net_comb_half_bytes(), static_cast<std::size_t>(R) * 128 * 7168 * 2);
     EXPECT_EQ(r.zero_copy_offset(0), r.net_end());
@@ -119,6 +122,12 @@ TEST(Topology, LowLatencyNetworkAreas) {
     EXPECT_EQ(other.tok_done_offset(), r.tok_done_offset());
     EXPECT_EQ(other.row_done_offset(), r.row_done_offset());
     EXPECT_EQ(other.net_done_offset(), r.net_done_offset());
+    // Nor the tagged words a rank sends (masks, weights): a peer with other
+    // shapes puts its rows into this rank's halves, which must never cover them.
+    EXPECT_EQ(other.net_masks_offset(), r.net_masks_offset());
+    EXPECT_EQ(other.net_weights_offset(), r.net_weights_offset());
+    EXPECT_EQ(other.fixed_bytes(), r.fixed_bytes());
+    EXPECT_GE(std::min(other.half_offset(0), r.half_offset(0)), r.fixed_bytes());
   }
 }
 
