@@ -13,10 +13,12 @@
 #            prints KILL-TEST lines)
 #   soak     Network.Soak with EPX_SOAK pairs (default 100000) over 2x2
 #            (processes where there are 4 GPUs, else in-process)
-#   bench    epx-bench ll over the proxy (2x2) and epx-bench fifo (2 ranks)
+#   bench    epx-bench ll over the proxy (2x2, EPX_BENCH_QPS channels: "1 4")
+#            and epx-bench fifo (2 ranks)
 #   compare  NVLink before/after on all GPUs: .device/base/epx-bench (the
 #            baseline build) and .device/epx-bench, ht (24 SMs) and ll,
-#            alternating base/new EPX_COMPARE_ROUNDS times (default 2)
+#            EPX_COMPARE_ROUNDS times (default 2; base first in odd rounds,
+#            new first in even ones), families EPX_COMPARE_FAMS ("ht ll")
 # Logs and JSON under $OUT, packed into logs.tgz and json.tgz at the end.
 set -uo pipefail
 D=$(cd "$(dirname "$0")" && pwd)
@@ -92,12 +94,15 @@ if has bench; then
   else
     ll=("$D/epx-bench" ll --in-process 4) tag="${model}x1-inproc4"
   fi
-  echo "== epx-bench ll --backend proxy --ranks-per-node 2"
-  timeout ${EPX_BENCH_TIMEOUT:-300} ${LINEBUF[@]+"${LINEBUF[@]}"} "${ll[@]}" --backend proxy --ranks-per-node 2 \
-    ${EPX_NET_LL_ARGS:-} --json "$OUT/json/$tag-ll-proxy-rpn2.json" > "$OUT/bench-ll-proxy.log" 2>&1
-  rc=$?
-  tail -12 "$OUT/bench-ll-proxy.log"
-  summary+=("bench ll proxy 2x2: rc=$rc")
+  for qps in ${EPX_BENCH_QPS:-1 4}; do
+    echo "== epx-bench ll --backend proxy --ranks-per-node 2 --qps $qps"
+    timeout ${EPX_BENCH_TIMEOUT:-300} ${LINEBUF[@]+"${LINEBUF[@]}"} "${ll[@]}" --backend proxy \
+      --ranks-per-node 2 --qps $qps ${EPX_NET_LL_ARGS:-} \
+      --json "$OUT/json/$tag-ll-proxy-rpn2-qps$qps.json" > "$OUT/bench-ll-proxy-qps$qps.log" 2>&1
+    rc=$?
+    tail -8 "$OUT/bench-ll-proxy-qps$qps.log"
+    summary+=("bench ll proxy 2x2, $qps channels: rc=$rc")
+  done
   if [ "$GPUS" -ge 2 ]; then
     fifo=("$D/launch.sh" 2 "$D/epx-bench" fifo) ftag="${model}x2"
   else
@@ -113,10 +118,14 @@ if has compare && [ -x "$D/base/epx-bench" ] && [ "$GPUS" -ge 2 ]; then
   n=$GPUS
   [ "$n" -gt 8 ] && n=8
   for round in $(seq 1 ${EPX_COMPARE_ROUNDS:-2}); do
-    for which in base new; do
+    # base, new in odd rounds and new, base in even ones: a machine that
+    # drifts (clocks, heat) favours neither side.
+    order="base new"
+    [ $((round % 2)) = 0 ] && order="new base"
+    for which in $order; do
       bin="$D/epx-bench"
       [ $which = base ] && bin="$D/base/epx-bench"
-      for fam in ht ll; do
+      for fam in ${EPX_COMPARE_FAMS:-ht ll}; do
         args=()
         [ $fam = ht ] && args=(--no-sweep)
         echo "== compare round $round: $which $fam EP$n"

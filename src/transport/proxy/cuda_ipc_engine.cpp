@@ -229,6 +229,28 @@ class CudaIpcEngine final : public Engine {
     ch.dirty[peer] = 1;
   }
 
+  void put_strided(int channel, int peer, int region, uint64_t dst_off, uint64_t dst_pitch,
+                   uint64_t src_off, uint64_t src_pitch, uint64_t width, uint64_t rows) override {
+    if (rows == 0) return;
+    if (dst_pitch < width || src_pitch < width)
+      throw Error(ErrorCode::kInvalidArgument,
+                  "cuda_ipc engine: put_strided to rank " + std::to_string(peer) + ": pitches (" +
+                      std::to_string(dst_pitch) + ", " + std::to_string(src_pitch) +
+                      ") must be >= the width " + std::to_string(width));
+    Channel& ch = channel_of(channel);
+    const Region& reg = target(peer, region, "put_strided");
+    // The span from the first row's start to the last row's end, each side.
+    check_range("put_strided", "destination", peer, region, dst_off, (rows - 1) * dst_pitch + width,
+                reg.bytes);
+    check_range("put_strided", "source", rank_, region, src_off, (rows - 1) * src_pitch + width,
+                reg.bytes);
+    cudaStream_t s = stream(ch, peer);
+    EPX_CUDA_CHECK(cudaMemcpy2DAsync(static_cast<char*>(reg.peer_base[peer]) + dst_off, dst_pitch,
+                                     static_cast<const char*>(reg.local) + src_off, src_pitch,
+                                     width, rows, cudaMemcpyDeviceToDevice, s));
+    ch.dirty[peer] = 1;
+  }
+
   void signal_add(int channel, int peer, int region, uint64_t sig_off, uint64_t add) override {
     Channel& ch = channel_of(channel);
     const Region& reg = target(peer, region, "signal_add");

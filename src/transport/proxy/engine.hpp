@@ -48,6 +48,15 @@ class Engine {
   /// offset past the region, an unreachable peer) or an engine failure.
   virtual void put(int channel, int peer, int region, uint64_t dst_off, uint64_t src_off,
                    uint64_t bytes) = 0;
+  /// `rows` puts of `width` bytes each: row i from `src_off + i * src_pitch`
+  /// to `dst_off + i * dst_pitch` (pitches >= width), in any order among
+  /// themselves, ordered like one put with the endpoint's other calls.
+  /// Engines with a strided copy override it; the default puts row by row.
+  virtual void put_strided(int channel, int peer, int region, uint64_t dst_off, uint64_t dst_pitch,
+                           uint64_t src_off, uint64_t src_pitch, uint64_t width, uint64_t rows) {
+    for (uint64_t i = 0; i < rows; ++i)
+      put(channel, peer, region, dst_off + i * dst_pitch, src_off + i * src_pitch, width);
+  }
   /// Adds `add` to the 8-byte signal word at `sig_off` of `peer`'s region,
   /// after every earlier put of this (channel, peer) endpoint has landed.
   /// A signal word is written by one (rank, channel) only: the device

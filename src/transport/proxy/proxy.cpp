@@ -14,14 +14,16 @@
 
 #include "common/check.hpp"
 #include "epx/error.hpp"
+#include "transport/proxy/coalesce.hpp"
 
 namespace epx::proxy {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-/// Commands handed to the engine between two marks while the ring stays busy.
-constexpr uint64_t kMarkEvery = 64;
+/// Commands taken between two marks while the ring stays busy (a mark
+/// issues the queued puts: more commands between marks, longer runs).
+constexpr uint64_t kMarkEvery = 256;
 /// Idle backoff: spin this many polls, then yield for kYieldFor, then sleep
 /// kSleep between polls. A channel that keeps getting commands never sleeps;
 /// the sleeps keep dozens of idle proxy threads from starving the threads
@@ -304,6 +306,7 @@ void Proxy::Impl::run(int c) {
     return v != nullptr && v[0] == '1';
   }();
   Backoff backoff;
+  Coalescer queue(engine, c, num_ranks);
 
   auto fail = [&](ErrorCode code, const std::string& what) {
     finish(c, ChannelHealth::State::kFailed, code,
@@ -325,6 +328,7 @@ void Proxy::Impl::run(int c) {
   auto progress = [&](bool mark_now) {
     try {
       if (mark_now) {
+        queue.flush_all();
         engine.mark(c, tail);
         marked = tail;
         since_mark = 0;
@@ -338,8 +342,9 @@ void Proxy::Impl::run(int c) {
       }
       return true;
     } catch (...) {
-      fail_with("tracking completion (consumed " + std::to_string(tail) + ", marked " +
-                    std::to_string(marked) + ", completed " + std::to_string(completed) + ")",
+      fail_with("issuing queued puts or tracking completion (consumed " + std::to_string(tail) +
+                    ", marked " + std::to_string(marked) + ", completed " +
+                    std::to_string(completed) + ")",
                 std::current_exception());
       return false;
     }
@@ -394,10 +399,17 @@ void Proxy::Impl::run(int c) {
                    describe(tail, header, cmd).c_str());
     try {
       const int peer = static_cast<int>(cmd.peer);
-      if (op != Op::kSignal) engine.put(c, peer, region, cmd.dst_off, cmd.src_off, cmd.bytes);
-      if (op != Op::kPut) engine.signal_add(c, peer, region, cmd.sig_off, cmd.add);
+      if (op != Op::kSignal) queue.put(peer, region, cmd.dst_off, cmd.src_off, cmd.bytes);
+      if (op != Op::kPut) {
+        queue.flush(peer);  // the signal follows every put to the peer before it
+        engine.signal_add(c, peer, region, cmd.sig_off, cmd.add);
+      }
     } catch (...) {
-      fail_with("command at " + describe(tail, header, cmd), std::current_exception());
+      fail_with("command at " + describe(tail, header, cmd) +
+                    (queue.queued() > 0 || op != Op::kPut
+                         ? " (or a put to the same peer queued before it)"
+                         : ""),
+                std::current_exception());
       return;
     }
     ++tail;
