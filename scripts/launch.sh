@@ -19,6 +19,15 @@ export MASTER_ADDR=127.0.0.1
 export MASTER_PORT=${MASTER_PORT:-$((20000 + RANDOM % 20000))}
 export WORLD_SIZE=$n
 pids=()
+# A launcher that is stopped (timeout, Ctrl-C) takes its ranks with it: left
+# running, they would hold the GPUs and ports for whatever runs next.
+stop_ranks() {
+  kill -TERM "${pids[@]}" 2>/dev/null
+  sleep 2
+  kill -KILL "${pids[@]}" 2>/dev/null
+  exit 143
+}
+trap stop_ranks TERM INT HUP
 for ((r = 0; r < n; r++)); do
   RANK=$r LOCAL_RANK=$r "$@" &
   pids+=($!)

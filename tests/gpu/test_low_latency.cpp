@@ -1561,6 +1561,7 @@ EPX_GPU_TEST(Network, Soak) {
   std::size_t free0 = 0, total = 0;
   long rss0 = 0;
   const auto t0 = std::chrono::steady_clock::now();
+  double next_report_s = 0.0;
   for (long i = 0; i < pairs; ++i) {
     const int k = static_cast<int>((i * 7 + 3) % kSets);
     const int T = sets[k].num_tokens[w.rank];
@@ -1580,10 +1581,16 @@ EPX_GPU_TEST(Network, Soak) {
         rss0 = rss();
       }
     }
-    if (w.rank == 0 && pairs >= 10 && i % (pairs / 10) == pairs / 10 - 1)
-      std::printf("soak: %ld / %ld pairs, %.0f s\n", i + 1, pairs,
-                  std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    std::fflush(stdout);  // a log cut by a timeout still shows how far it got
+    // Progress on rank 0 at the checks, every 10 s at most (flushed: a log
+    // cut by a timeout still shows how far it got).
+    if (w.rank == 0 && i % 500 == 499) {
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (s >= next_report_s || i + 1 == pairs) {
+        std::printf("soak: %ld / %ld pairs, %.1f s\n", i + 1, pairs, s);
+        std::fflush(stdout);
+        next_report_s = s + 10.0;
+      }
+    }
   }
   ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
   std::size_t free1 = 0;
