@@ -70,6 +70,26 @@ double host_us(World& w, const std::function<void()>& fn, int iters) {
   return median(v);
 }
 
+/// Mean time of one `fn` over `iters` calls back to back: one line-up, then
+/// no host wait between calls (a model's layers run that way), stalls and
+/// all; `fn` should be a dispatch and its combine.
+double back_to_back_us(World& w, const std::function<void()>& fn, int warmup, int iters) {
+  for (int i = 0; i < warmup; ++i) fn();
+  cudaEvent_t a, b;
+  EPX_CUDA_CHECK(cudaEventCreate(&a));
+  EPX_CUDA_CHECK(cudaEventCreate(&b));
+  line_up(w);
+  EPX_CUDA_CHECK(cudaEventRecord(a, w.stream));
+  for (int i = 0; i < iters; ++i) fn();
+  EPX_CUDA_CHECK(cudaEventRecord(b, w.stream));
+  EPX_CUDA_CHECK(cudaEventSynchronize(b));
+  float ms = 0;
+  EPX_CUDA_CHECK(cudaEventElapsedTime(&ms, a, b));
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return iters > 0 ? ms * 1e3 / iters : 0.0;
+}
+
 /// `fn` captured once into a CUDA graph, then timed like time_us (L2 flush,
 /// line-up, events) per replay: the GPU time without the host's per-call work.
 double graph_us(World& w, const std::function<void()>& fn, int warmup, int iters) {
@@ -165,6 +185,16 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
   const double h_comb = host_us(
       w, [&] { w.buffer->low_latency_combine(comb); }, o.iters);
 
+  // Pairs of an FP8 dispatch and its combine, back to back.
+  const double t_pair = back_to_back_us(
+      w,
+      [&] {
+        LowLatencyCombineArgs c = comb;
+        c.handle = w.buffer->low_latency_dispatch(dfp8).handle;
+        w.buffer->low_latency_combine(c);
+      },
+      o.warmup, o.iters);
+
   // Hook mode: send and receive phases apart.
   LowLatencyDispatchArgs dhook = dfp8;
   dhook.return_recv_hook = true;
@@ -235,6 +265,7 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
   result["combine_logfmt_recv_us"] = us_cr_lf;
   result["dispatch_graph_us"] = mean_over_ranks(w, t_dfp8_graph);
   result["combine_graph_us"] = mean_over_ranks(w, t_comb_graph);
+  result["pair_back_to_back_us"] = mean_over_ranks(w, t_pair);
   result["dispatch_host_us"] = mean_over_ranks(w, h_dfp8);
   result["combine_host_us"] = mean_over_ranks(w, h_comb);
   result["max_rank_us"] = {{"dispatch", max_dfp8}, {"combine", max_comb}};
@@ -265,6 +296,8 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
         static_cast<double>(result["combine_graph_us"]),
         static_cast<double>(result["dispatch_host_us"]),
         static_cast<double>(result["combine_host_us"]));
+    std::printf("back to back (no host wait between calls): %.1f us per FP8 dispatch + combine\n",
+                static_cast<double>(result["pair_back_to_back_us"]));
     std::printf(
         "buffer bytes per rank: %zu (hint %zu = %zu for the ops + %zu network areas + %zu "
         "zero-copy inputs); DeepEP's hint: %zu\n",

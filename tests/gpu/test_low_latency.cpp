@@ -1526,6 +1526,10 @@ EPX_GPU_TEST(Network, Soak) {
   const char* n_env = std::getenv("EPX_TEST_SOAK");
   if (n_env == nullptr) GTEST_SKIP() << "set EPX_TEST_SOAK=N pairs";
   const long pairs = std::atol(n_env);
+  // EPX_TEST_SOAK_SYNC=N: the host waits for the stream every N pairs (0, the
+  // default: only at the checks every 500, so the host runs far ahead).
+  const char* sync_env = std::getenv("EPX_TEST_SOAK_SYNC");
+  const long sync_every = sync_env != nullptr ? std::atol(sync_env) : 0;
   const int R = w.num_ranks;
   LlCase c;
   c.max_tokens = 128;
@@ -1573,6 +1577,8 @@ EPX_GPU_TEST(Network, Soak) {
     ca.handle = res.handle;
     ca.stream = w.stream;
     w.buffer->low_latency_combine(ca);
+    if (sync_every > 0 && i % sync_every == sync_every - 1)
+      ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
     if (i % 500 == 499) {
       ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
       ASSERT_EQ(to_host<int>(res.recv_count), want[k].recv_count) << "pair " << i;

@@ -307,6 +307,10 @@ void Proxy::Impl::run(int c) {
   }();
   Backoff backoff;
   Coalescer queue(engine, c, num_ranks);
+  const auto t_start = Clock::now();
+  auto trace_us = [&] {
+    return std::chrono::duration<double, std::micro>(Clock::now() - t_start).count();
+  };
 
   auto fail = [&](ErrorCode code, const std::string& what) {
     finish(c, ChannelHealth::State::kFailed, code,
@@ -332,12 +336,18 @@ void Proxy::Impl::run(int c) {
         engine.mark(c, tail);
         marked = tail;
         since_mark = 0;
+        if (trace)
+          std::fprintf(stderr, "epx proxy rank %d channel %d at %.1f us: mark %llu\n",
+                       engine.rank(), c, trace_us(), static_cast<unsigned long long>(tail));
       }
       if (completed < marked) {
         const uint64_t done = engine.completed(c);
         if (done > completed) {
           completed = done;
           store_release(host.completed, completed);
+          if (trace)
+            std::fprintf(stderr, "epx proxy rank %d channel %d at %.1f us: completed %llu\n",
+                         engine.rank(), c, trace_us(), static_cast<unsigned long long>(done));
         }
       }
       return true;
@@ -395,8 +405,8 @@ void Proxy::Impl::run(int c) {
       return;
     }
     if (trace)
-      std::fprintf(stderr, "epx proxy rank %d channel %d: %s\n", engine.rank(), c,
-                   describe(tail, header, cmd).c_str());
+      std::fprintf(stderr, "epx proxy rank %d channel %d at %.1f us: %s\n", engine.rank(), c,
+                   trace_us(), describe(tail, header, cmd).c_str());
     try {
       const int peer = static_cast<int>(cmd.peer);
       if (op != Op::kSignal) queue.put(peer, region, cmd.dst_off, cmd.src_off, cmd.bytes);
