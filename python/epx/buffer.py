@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 from . import _core
 from . import compat as _compat
 from .config import Config, _core_config
+from .handles import LowLatencyHandle, core_low_latency_handle
 from .in_process import InProcessComm
 from .utils import INT64, EventHandle, EventOverlap, _event_of, _int, _torch, _wrap_event
 
@@ -641,7 +642,7 @@ class Buffer:
                              x_global_scale: Optional["torch.Tensor"] = None,
                              use_nvfp4: bool = False, use_ue8m0_for_sf: bool = False,
                              use_eager: bool = False
-                             ) -> Tuple["TensorOrPair", "torch.Tensor", _core.LowLatencyHandle,
+                             ) -> Tuple["TensorOrPair", "torch.Tensor", LowLatencyHandle,
                                         EventOverlap, Optional[Callable[[], None]]]:
         """Sends tokens to their experts, packed per local expert (CUDA-graph friendly).
 
@@ -664,7 +665,8 @@ class Buffer:
             recv_x: [E_local, R*maxT, H] bfloat16, or with use_fp8 the pair (float8 data,
                 scales [E_local, R*maxT, H/128] float32 or [.., H/512] int32 with use_ue8m0;
                 column-major in the last two dims); recv_count: [E_local] int32 valid rows
-                per expert; handle; event; hook (None without return_recv_hook).
+                per expert; handle: DeepEP's tuple (src_info, layout_range, maxT, hidden,
+                E; ``epx.LowLatencyHandle``); event; hook (None without return_recv_hook).
         """
         op = "low_latency_dispatch"
         _compat.unsupported_unless_default(op, "topk_weights", topk_weights, None,
@@ -696,19 +698,20 @@ class Buffer:
         self._settle(async_finish)
         recv_x, recv_scales = g.out(r.recv_x), g.out(r.recv_x_scales)
         recv_count = g.out(r.recv_count)
-        handle = r.handle
+        core = r.handle
+        handle = LowLatencyHandle(core, g.out(core.src_info), g.out(core.layout_range))
         extra = None
         if async_finish:
             extra = (x, topk_idx, recv_x, recv_scales, recv_count,
                      cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
-                     *[g.out(t) for t in handle.tensors])
+                     *[g.out(t) for t in core.tensors])
         recv = (recv_x, recv_scales) if use_fp8 else recv_x
         hook = self._settled(r.hook, (cumulative_local_expert_recv_stats,
                                       dispatch_wait_recv_cost_stats))
         return recv, recv_count, handle, _wrap_event(r.event, extra), hook
 
     def low_latency_combine(self, x: "torch.Tensor", topk_idx: "torch.Tensor",
-                            topk_weights: "torch.Tensor", handle: _core.LowLatencyHandle,
+                            topk_weights: "torch.Tensor", handle: LowLatencyHandle,
                             use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
                             out: Optional["torch.Tensor"] = None,
@@ -751,14 +754,12 @@ class Buffer:
         _compat.ignored_unless_default(op, "use_eager", use_eager, False,
                                        "has no effect: EPX has no RDMA transport to make eager")
         g = self._glue
-        if not isinstance(handle, _core.LowLatencyHandle):
-            raise TypeError(f"handle: expected the handle returned by low_latency_dispatch, "
-                            f"got {type(handle).__name__}")
+        core = core_low_latency_handle(op, handle)
         a = _core.LowLatencyCombineArgs()
         a.x = g.view("x", x)
         a.topk_idx = g.view("topk_idx", topk_idx)
         a.topk_weights = g.view("topk_weights", topk_weights)
-        a.handle = handle
+        a.handle = core
         a.use_logfmt, a.zero_copy = bool(use_logfmt), bool(zero_copy)
         a.async_finish, a.return_recv_hook = bool(async_finish), bool(return_recv_hook)
         a.out = g.opt_view("out", out)
@@ -773,9 +774,7 @@ class Buffer:
         return (combined_x, _wrap_event(r.event, extra),
                 self._settled(r.hook, (combine_wait_recv_cost_stats,)))
 
-    def get_next_low_latency_combine_buffer(self, handle: _core.LowLatencyHandle) -> "torch.Tensor":
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> "torch.Tensor":
         """[E_local, R*maxT, H] bfloat16 view of the buffer the next zero-copy combine reads."""
-        if not isinstance(handle, _core.LowLatencyHandle):
-            raise TypeError(f"handle: expected the handle returned by low_latency_dispatch, "
-                            f"got {type(handle).__name__}")
-        return self._glue.out(self._rt().get_next_low_latency_combine_buffer(handle))
+        core = core_low_latency_handle("get_next_low_latency_combine_buffer", handle)
+        return self._glue.out(self._rt().get_next_low_latency_combine_buffer(core))

@@ -505,6 +505,40 @@ def test_validate_low_latency_dispatch():
             _core.validate_low_latency_dispatch(ll_args(**over), R, 0)
 
 
+def test_low_latency_handle_is_deep_eps_tuple():
+    """DeepEP code indexes the handle: (src_info, layout_range, maxT, hidden,
+    num_experts); EPX's state rides along and the calls unwrap it."""
+    from epx.handles import LowLatencyHandle, core_low_latency_handle
+
+    maxT = 16
+    core = _core.LowLatencyHandle._for_validation(R, E, maxT, H, T, K)
+    src_info, layout_range = object(), object()
+    h = LowLatencyHandle(core, src_info, layout_range)
+    assert isinstance(h, tuple) and len(h) == 5
+    assert h[0] is src_info and h[1] is layout_range
+    assert tuple(h[2:]) == (maxT, H, E)
+    a, b, m, hid, e = h  # DeepEP's unpacking
+    assert (m, hid, e) == (maxT, H, E)
+    assert h.core is core
+    assert h.num_tokens == T and h.num_topk == K and h.num_ranks == R  # EPX's attributes
+    assert core_low_latency_handle("op", h) is core
+    assert core_low_latency_handle("op", core) is core
+    with pytest.raises(TypeError, match=r"op: handle: expected the handle returned by "
+                                        r"low_latency_dispatch, got a plain tuple"):
+        core_low_latency_handle("op", tuple(h))
+    with pytest.raises(TypeError, match=r"got int"):
+        core_low_latency_handle("op", 7)
+    with pytest.raises(TypeError, match=r"core: expected an epx._core.LowLatencyHandle"):
+        LowLatencyHandle((1, 2), src_info, layout_range)
+    with pytest.raises(AttributeError):
+        h.no_such_attribute
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        import pickle
+        pickle.dumps(h)
+    assert "num_max_dispatch_tokens_per_rank=16" in repr(h)
+    assert epx.LowLatencyHandle is LowLatencyHandle
+
+
 def test_validate_low_latency_combine():
     maxT = 16
     h = _core.LowLatencyHandle._for_validation(R, E, maxT, H, T, K)

@@ -392,10 +392,17 @@ def _case_high_throughput(rank, world, group):
 
 def _check_ll_rows(recv, count, handle, x_src, world, rows_equal):
     """Every valid row of every local expert holds the source token its handle names."""
+    import torch
     from epx.buffer import _TorchGlue
 
-    src_info = _TorchGlue.get().out(handle.src_info).cpu().numpy()
-    rng_ = _TorchGlue.get().out(handle.layout_range).cpu().numpy()
+    # DeepEP's tuple: handle[0] src_info, handle[1] layout_range (and the core's own views).
+    assert isinstance(handle, tuple) and len(handle) == 5
+    assert tuple(handle[2:]) == (handle.core.num_max_dispatch_tokens_per_rank,
+                                 handle.core.hidden, handle.core.num_experts)
+    src_info = handle[0].cpu().numpy()
+    rng_ = handle[1].cpu().numpy()
+    np.testing.assert_array_equal(src_info, _TorchGlue.get().out(handle.src_info).cpu().numpy())
+    assert handle[0].dtype == torch.int32 and handle[1].dtype == torch.int64
     for le in range(count.shape[0]):
         total = 0
         for s in range(world):
