@@ -1,6 +1,7 @@
 // epx-bench: the EPX benchmark. Run one process per GPU:
 //   scripts/launch.sh 4 build/default/bench/epx-bench ht --json bench/results/h200x4-ht.json
 #include <nccl.h>
+#include <sched.h>
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -165,6 +166,11 @@ int run_rank(std::shared_ptr<Communicator> comm, const Options& o) {
     result["backend"] = w.buffer->backend_name();
     result["ranks_per_node"] = w.buffer->num_nvl_ranks();
     result["num_qps_per_rank"] = o.qps;
+    // CPUs this rank's threads may run on (the proxy threads inherit it).
+    cpu_set_t cpus;
+    CPU_ZERO(&cpus);
+    if (sched_getaffinity(0, sizeof(cpus), &cpus) == 0)
+      result["host_cpus_allowed"] = CPU_COUNT(&cpus);
     result["workload"] = {{"tokens", o.tokens},
                           {"hidden", o.hidden},
                           {"topk", o.topk},

@@ -1,5 +1,7 @@
 #include "transport/proxy/proxy.hpp"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
 #include <bit>
@@ -311,6 +313,24 @@ void Proxy::Impl::run(int c) {
   auto trace_us = [&] {
     return std::chrono::duration<double, std::micro>(Clock::now() - t_start).count();
   };
+  if (trace) {
+    // Where the thread may run: a proxy that shares its CPUs with threads
+    // that spin (a host waiting for the GPU) gets time slices, not latency.
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    std::string cpus = "unknown";
+    if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+      cpus = std::to_string(CPU_COUNT(&set)) + " (first";
+      for (int cpu = 0, shown = 0; cpu < CPU_SETSIZE && shown < 8; ++cpu)
+        if (CPU_ISSET(cpu, &set)) {
+          cpus += " " + std::to_string(cpu);
+          ++shown;
+        }
+      cpus += ")";
+    }
+    std::fprintf(stderr, "epx proxy rank %d channel %d: thread started, CPUs allowed: %s\n",
+                 engine.rank(), c, cpus.c_str());
+  }
 
   auto fail = [&](ErrorCode code, const std::string& what) {
     finish(c, ChannelHealth::State::kFailed, code,
