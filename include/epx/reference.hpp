@@ -71,8 +71,9 @@ struct HtDispatchOutput {  ///< one rank's dispatch output
   std::vector<uint16_t> recv_x_bf16;
   std::vector<uint8_t> recv_x_fp8;
   std::vector<float> recv_x_scales;
-  std::vector<int64_t> recv_topk_idx;           ///< [N, K] local expert ids, -1 elsewhere
-  std::vector<float> recv_topk_weights;         ///< [N, K] unchanged weights (empty if none given)
+  std::vector<int64_t> recv_topk_idx;    ///< [N, K] local expert ids, -1 elsewhere
+  std::vector<float> recv_topk_weights;  ///< [N, K] the weights, 0 where the expert is elsewhere
+                                         ///< (empty if none given)
   std::vector<int> num_recv_tokens_per_expert;  ///< [E_local], each rounded up to alignment
   std::vector<int> recv_src_rank;               ///< [N]
   std::vector<int> recv_src_idx;                ///< [N]

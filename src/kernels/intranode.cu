@@ -251,9 +251,16 @@ __device__ __forceinline__ int extra_word(const HtDispatchParams<T>& p, int t, i
     return (e >= lo_e && e < lo_e + epr) ? static_cast<int>(e - lo_e) : -1;
   }
   i -= K;
-  if (i < K)
-    return p.topk_weights ? __float_as_int(__ldg(p.topk_weights + static_cast<int64_t>(t) * K + i))
-                          : 0;
+  if (i < K) {
+    // As DeepEP: the weight of a pick whose expert lives on another rank is 0
+    // (weights always come with ids), so a combine of the received weights
+    // gives back each token's own.
+    if (!p.topk_weights) return 0;
+    const int64_t e = __ldg(p.topk_idx + static_cast<int64_t>(t) * K + i);
+    return e >= lo_e && e < lo_e + epr
+               ? __float_as_int(__ldg(p.topk_weights + static_cast<int64_t>(t) * K + i))
+               : 0;
+  }
   return t;
 }
 
@@ -615,7 +622,15 @@ __device__ __forceinline__ void pull_receive(const HtDispatchParams<T>& p, uint3
                          rows + static_cast<int64_t>(nth_set_bit(mask, r)) * rb + p.hidden_bytes) +
                      i);
           const int k = i - p.num_scales;  // top-k ids come global: rebase to mine
-          return k >= 0 && k < K ? (w >= lo_e && w < lo_e + epr ? w - lo_e : -1) : w;
+          if (k >= 0 && k < K) return w >= lo_e && w < lo_e + epr ? w - lo_e : -1;
+          if (k >= K && k < 2 * K) {  // a weight: 0 unless its pick's expert is mine
+            const int e = __ldcg(
+                reinterpret_cast<const int*>(
+                    rows + static_cast<int64_t>(nth_set_bit(mask, r)) * rb + p.hidden_bytes) +
+                i - K);
+            return e >= lo_e && e < lo_e + epr ? w : 0;
+          }
+          return w;
         },
         [&](int r, int i, int v) { store_extra(p, row0 + r, i, v); }, lane);
     // Rows past num_worst_tokens were not copied, but the slot is free all the same.

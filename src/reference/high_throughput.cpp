@@ -124,8 +124,10 @@ std::vector<HtDispatchOutput> ht_dispatch(const std::vector<HtInput>& inputs, in
             ++o.num_recv_tokens_per_expert[local];
           }
           o.recv_topk_idx[sz(row, num_topk) + k] = local;
+          // DeepEP's meaning: a pick of another rank's expert arrives with weight 0.
           if (has_weights)
-            o.recv_topk_weights[sz(row, num_topk) + k] = in.topk_weights[sz(t, num_topk) + k];
+            o.recv_topk_weights[sz(row, num_topk) + k] =
+                local >= 0 ? in.topk_weights[sz(t, num_topk) + k] : 0.0f;
         }
         o.recv_src_rank[row] = s;
         o.recv_src_idx[row] = t;

@@ -768,7 +768,8 @@ def np_ht_dispatch(xs, idxs, ws, En, align):
                     counts[e] += 1
                 rows.append(xs[s][t])
                 ridx.append(local)
-                rw.append(ws[s][t] if ws is not None else None)
+                # DeepEP's meaning: a pick of another rank's expert arrives with weight 0.
+                rw.append(np.where(local >= 0, ws[s][t], 0) if ws is not None else None)
                 src.append((s, t))
         outs.append(dict(rows=rows, idx=np.array(ridx).reshape(-1, idxs[0].shape[1]),
                          w=rw, src=src, counts=((counts + align - 1) // align * align).tolist()))
