@@ -262,6 +262,14 @@ class Buffer {
   static void set_num_sms(int num_sms);
   static int num_sms();
 
+  /// Raises now what the next op would raise for ops already run: a device
+  /// diagnostic (a wait past its deadline, a peer with other shapes, a dead
+  /// proxy channel) or a proxy thread that died. Reads host memory only (no
+  /// GPU sync): to cover every op enqueued so far, synchronize their streams
+  /// first. Like ncclCommGetAsyncError, for loops that run many ops without
+  /// looking at their results.
+  void check();
+
   /// Frees the symmetric memory (collective); later calls throw.
   void destroy();
 

@@ -607,6 +607,12 @@ class Buffer:
 
     # ---- low-latency ----------------------------------------------------------------------------
 
+    def check(self) -> None:
+        """Raises now what the next op would raise for the ops already run (a wait past
+        its deadline, a peer with other shapes, a dead proxy channel). Reads host
+        memory only: synchronize the ops' streams first to cover all of them."""
+        self._rt().check()
+
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
         """Resets the low-latency buffer (needed after high-throughput ops used it)."""

@@ -1032,6 +1032,7 @@ NB_MODULE(_core, m) {
                   "num_max_dispatch_tokens_per_rank"_a, "hidden"_a, "num_ranks"_a, "num_experts"_a)
       .def_static("set_num_sms", &Buffer::set_num_sms, "num_sms"_a)
       .def_static("num_sms", &Buffer::num_sms)
+      .def("check", &Buffer::check)
       .def("destroy", &Buffer::destroy, nb::call_guard<nb::gil_scoped_release>());
 
   // ---- argument validators (src/core/validate.hpp) ---------------------------------------------

@@ -238,6 +238,11 @@ void Buffer::Impl::start_epochs_at(uint32_t start) {
                  start);
 }
 
+void Buffer::check() {
+  impl_->check_alive("check");
+  impl_->raise_if_failed("check");
+}
+
 void Buffer::Impl::raise_if_failed(const char* op) {
   volatile DeviceDiag* g = diag_host;
   if (g->code == 0) {

@@ -20,7 +20,8 @@
 //                       this context to r
 //   wait_signal(sig, value, ...)  spin until this rank's signal `sig` >= value,
 //                       with a deadline and a diagnostic; false on timeout
-//   fence(ctx)          puts and signals of ctx before it land before those after
+//   fence(ctx)          puts and signals of ctx to a peer before it land before
+//                       those to that peer after it (no order across peers)
 //   quiet(ctx)          every put of ctx issued so far is complete at the source
 //                       (its send area may be rewritten)
 //

@@ -776,6 +776,8 @@ EPX_GPU_TEST(LowLatency, BackToBack50) {
     cs.push_back(w.buffer->low_latency_combine(ca));
   }
   ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+  // A wait that failed in the last ops is raised by no later call: ask.
+  ASSERT_NO_THROW(w.buffer->check());
   for (int i = 0; i < N && !rank_failed(); ++i) {
     LlCase ci = c;
     ci.fp8 = (i % 3) == 1;
@@ -1050,7 +1052,7 @@ EPX_GPU_TEST(LowLatency, BadExpertIdIsRaisedAtNextCall) {
 }
 
 /// Only rank 0 dispatches: its receive phase must give up after the timeout
-/// and the next call must raise kTimeout naming the op; after
+/// and Buffer::check, or else the next call, must raise kTimeout naming the op; after
 /// clean_low_latency_buffer everything works again.
 EPX_GPU_TEST(LowLatency, TimeoutIsReportedAndCleanRecovers) {
   auto& w = world();
@@ -1065,12 +1067,23 @@ EPX_GPU_TEST(LowLatency, TimeoutIsReportedAndCleanRecovers) {
   auto d_x = to_device(in.x[w.rank]);
   auto d_topk = to_device(in.topk[w.rank]);
   if (w.rank == 0) {
-    b.low_latency_dispatch(dispatch_args(c, d_x.get(), d_topk.get(), T));
-    ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
-    expect_error(
-        "dispatch without peers",
-        [&] { b.low_latency_dispatch(dispatch_args(c, d_x.get(), d_topk.get(), T)); },
-        {"low_latency_dispatch (recv)"}, ErrorCode::kTimeout);
+    // Twice: Buffer::check raises it first, then (a second timed-out op)
+    // the next call does.
+    for (int way = 0; way < 2; ++way) {
+      b.low_latency_dispatch(dispatch_args(c, d_x.get(), d_topk.get(), T));
+      ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+      if (way == 0) {
+        expect_error(
+            "check after a dispatch without peers", [&] { b.check(); },
+            {"low_latency_dispatch (recv)"}, ErrorCode::kTimeout);
+        EXPECT_NO_THROW(b.check()) << "a diagnostic is raised once";
+        continue;
+      }
+      expect_error(
+          "dispatch without peers",
+          [&] { b.low_latency_dispatch(dispatch_args(c, d_x.get(), d_topk.get(), T)); },
+          {"low_latency_dispatch (recv)"}, ErrorCode::kTimeout);
+    }
   }
   ASSERT_TRUE(all_ranks(true));
   b.clean_low_latency_buffer(c.max_tokens, c.hidden, c.num_experts);
@@ -1599,6 +1612,7 @@ EPX_GPU_TEST(Network, Soak) {
     }
   }
   ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+  ASSERT_NO_THROW(w.buffer->check());
   std::size_t free1 = 0;
   ASSERT_EQ(cudaMemGetInfo(&free1, &total), cudaSuccess);
   const long rss1 = rss();

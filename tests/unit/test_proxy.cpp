@@ -865,6 +865,31 @@ TEST(Coalescer, ScrambledRowsLandThroughAProxy) {
   EXPECT_NO_THROW(proxy.check());
 }
 
+// Through a proxy: a fence command ends the runs (what came before it goes
+// to the engine first), and is itself no engine call.
+TEST(Coalescer, AFenceKeepsEarlierPutsAheadOfLaterOnes) {
+  RecordingEngine e;
+  ProxyOptions opt;
+  opt.num_channels = 1;
+  opt.capacity = 64;
+  Proxy proxy(e, opt);
+  const ChannelView v = proxy.view(0);
+  for (uint64_t i = 0; i < 3; ++i)
+    post_from_host(v, put_cmd(1, 64 * i, 64 * i, 64), Op::kPut, 0, 10.0, 0);
+  Command fence{};
+  post_from_host(v, fence, Op::kFence, 0, 10.0, 0);
+  for (uint64_t i = 3; i < 6; ++i)
+    post_from_host(v, put_cmd(1, 64 * i, 64 * i, 64), Op::kPut, 0, 10.0, 0);
+  ASSERT_TRUE(wait_until([&] { return load(v.host->consumed) == 7; }));
+  proxy.stop();  // joins the thread: the calls are all recorded
+  ASSERT_EQ(e.calls.size(), 2u);
+  EXPECT_EQ(e.calls[0].op, "put");
+  EXPECT_EQ(e.calls[0].dst, 0u);
+  EXPECT_EQ(e.calls[0].bytes, 192u);
+  EXPECT_EQ(e.calls[1].dst, 192u);
+  EXPECT_EQ(e.calls[1].bytes, 192u);
+}
+
 // ---- the host engine ----------------------------------------------------------------
 
 TEST(HostEngine, ChecksRangesAlignmentRegistrationAndSizes) {

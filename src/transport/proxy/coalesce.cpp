@@ -34,10 +34,12 @@ void Coalescer::flush(int peer) {
   if (peer < 0 || peer >= static_cast<int>(queues_.size())) return;
   auto& q = queues_[static_cast<std::size_t>(peer)];
   if (q.empty()) return;
+  // Taken out first: if the engine throws, the queue is empty and consistent.
+  std::vector<Put> puts;
+  puts.swap(q);
   busy_.erase(std::find(busy_.begin(), busy_.end(), peer));
-  queued_ -= q.size();
-  issue(peer, q);
-  q.clear();
+  queued_ -= puts.size();
+  issue(peer, puts);
 }
 
 void Coalescer::flush_all() {

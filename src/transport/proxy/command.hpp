@@ -14,10 +14,11 @@
 //                      store host->consumed = tail (the slot is free again)
 //                      once the engine reports commands [0, n) complete, store
 //                      host->completed = n
-// Commands of one channel reach the engine in slot order, and the engine
-// applies the commands of one (channel, peer) endpoint in that order: a
-// signal posted after a put on the same channel to the same peer lands after
-// the put's bytes.
+// Commands of one channel are taken in slot order. Puts to one peer between
+// two of its signals may be merged and reordered (coalesce.hpp); a signal
+// posted after a put on the same channel to the same peer lands after the
+// put's bytes, and a fence keeps the puts before it ahead of those after it
+// (per peer: the engine orders each (channel, peer) endpoint on its own).
 #pragma once
 
 #include <cstdint>
@@ -29,6 +30,7 @@ enum class Op : uint32_t {
   kPut = 1,        ///< bytes from this rank's region at src_off to `peer`'s region at dst_off
   kPutSignal = 2,  ///< kPut, then `add` into the u64 at sig_off in `peer`'s region
   kSignal = 3,     ///< `add` into the u64 at sig_off in `peer`'s region
+  kFence = 4,      ///< the channel's earlier puts to a peer land before its later ones
 };
 
 /// One command. `header` is written last (release) and read first (acquire).

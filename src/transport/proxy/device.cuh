@@ -113,10 +113,13 @@ struct ProxyTransport : TransportBase, LsaWords<ProxyTransport> {
   __device__ __forceinline__ bool wait_signal(int sig, uint64_t value, OpId op, int peer) const {
     return wait_signal_words(*this, local, sig, value, op, peer);
   }
-  /// A channel applies its commands in order; the fence orders this thread's
-  /// earlier stores (to a send area, to same-node peers) before what follows.
-  __device__ __forceinline__ void fence(int) const {
+  /// Orders this thread's earlier stores (to a send area, to same-node peers)
+  /// before what follows, and posts a fence command: the proxy issues the
+  /// channel's puts taken before it ahead of those after it (per peer), where
+  /// between two signals it would otherwise merge and reorder them.
+  __device__ __forceinline__ void fence(int ctx) const {
     __threadfence_system();
+    post(ctx, proxy::Op::kFence, 0, 0, 0, 0, 0, 0);
   }
   /// Waits until every command of channel `ctx` reserved so far is complete.
   __device__ bool quiet(int ctx) const {

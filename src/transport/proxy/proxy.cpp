@@ -87,6 +87,8 @@ const char* op_name(Op op) {
       return "put_signal";
     case Op::kSignal:
       return "signal";
+    case Op::kFence:
+      return "fence";
   }
   return nullptr;
 }
@@ -382,6 +384,11 @@ void Proxy::Impl::run(int c) {
 
   while (!stop_flag.load(std::memory_order_relaxed)) {
     if (stops && tail == options.stop_after) {
+      // The commands taken so far reach the engine, as a dead thread's would have.
+      try {
+        queue.flush_all();
+      } catch (...) {
+      }
       finish(c, ChannelHealth::State::kStopped, ErrorCode::kInternal,
              "proxy channel " + std::to_string(c) + " stopped by EPX_DEBUG_PROXY_STOP after " +
                  std::to_string(tail) + " commands");
@@ -413,11 +420,11 @@ void Proxy::Impl::run(int c) {
     const Op op = op_of(header);
     const int region = region_of(header);
     std::string malformed;
-    if (op != Op::kPut && op != Op::kPutSignal && op != Op::kSignal)
+    if (op != Op::kPut && op != Op::kPutSignal && op != Op::kSignal && op != Op::kFence)
       malformed = "unknown op";
-    else if (cmd.peer >= static_cast<uint32_t>(num_ranks))
+    else if (op != Op::kFence && cmd.peer >= static_cast<uint32_t>(num_ranks))
       malformed = "peer is not a rank (num_ranks " + std::to_string(num_ranks) + ")";
-    else if (op != Op::kSignal && cmd.bytes == 0)
+    else if ((op == Op::kPut || op == Op::kPutSignal) && cmd.bytes == 0)
       malformed = "a put of 0 bytes";
     if (!malformed.empty()) {
       fail(ErrorCode::kInternal,
@@ -429,8 +436,12 @@ void Proxy::Impl::run(int c) {
                    trace_us(), describe(tail, header, cmd).c_str());
     try {
       const int peer = static_cast<int>(cmd.peer);
-      if (op != Op::kSignal) queue.put(peer, region, cmd.dst_off, cmd.src_off, cmd.bytes);
-      if (op != Op::kPut) {
+      if (op == Op::kFence) {
+        queue.flush_all();  // what came before goes to the engine before what follows
+      } else if (op != Op::kSignal) {
+        queue.put(peer, region, cmd.dst_off, cmd.src_off, cmd.bytes);
+      }
+      if (op == Op::kPutSignal || op == Op::kSignal) {
         queue.flush(peer);  // the signal follows every put to the peer before it
         engine.signal_add(c, peer, region, cmd.sig_off, cmd.add);
       }
@@ -445,6 +456,12 @@ void Proxy::Impl::run(int c) {
     ++tail;
     store_release(host.consumed, tail);
     if (++since_mark == kMarkEvery && !progress(true)) return;
+  }
+  // Stopped: the puts already taken still reach the engine (a drain before
+  // the stop leaves none; a stop without one should not lose them silently).
+  try {
+    queue.flush_all();
+  } catch (...) {
   }
 }
 
