@@ -299,7 +299,7 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
     std::printf("back to back (no host wait between calls): %.1f us per FP8 dispatch + combine\n",
                 static_cast<double>(result["pair_back_to_back_us"]));
     std::printf(
-        "buffer bytes per rank: %zu (hint %zu = %zu for the ops + %zu network areas + %zu "
+        "buffer bytes per rank: %zu (hint %zu = %zu for the ops + %zu combine row sends + %zu "
         "zero-copy inputs); DeepEP's hint: %zu\n",
         w.buffer->buffer_bytes(), hint, region.core_bytes(), region.net_end() - region.core_bytes(),
         2 * region.zero_copy_bytes(), deepep_hint);
