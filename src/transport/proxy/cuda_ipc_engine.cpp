@@ -135,7 +135,7 @@ constexpr std::size_t kEventsPerChannel = 1024;
 
 class CudaIpcEngine final : public Engine {
  public:
-  CudaIpcEngine(Communicator& comm, int num_channels)
+  CudaIpcEngine(Communicator& comm, int num_channels, std::vector<uint8_t> targets)
       : comm_(comm),
         device_(comm.device()),
         rank_(comm.rank()),
@@ -145,8 +145,12 @@ class CudaIpcEngine final : public Engine {
         hostname_(hostname()),
         boot_id_(boot_id()),
         hosts_(static_cast<std::size_t>(num_ranks_)),
-        reach_(static_cast<std::size_t>(num_ranks_), 0) {
+        reach_(static_cast<std::size_t>(num_ranks_), 0),
+        targets_(std::move(targets)) {
     require(num_channels >= 1, "num_channels", "must be >= 1, got " + std::to_string(num_channels));
+    require(targets_.empty() || static_cast<int>(targets_.size()) == num_ranks_, "targets",
+            "must be empty (every rank) or hold one entry per rank (" + std::to_string(num_ranks_) +
+                "), got " + std::to_string(targets_.size()));
     DeviceGuard guard(device_);
     // Fails here, not at the first signal, when the driver or the GPU lacks what signals need.
     CUdevice dev = 0;
@@ -388,12 +392,18 @@ class CudaIpcEngine final : public Engine {
                       " (host " + hostname_ + ") cannot reach rank " + std::to_string(peer) +
                       " (host " + (hosts_[peer].empty() ? "unknown" : hosts_[peer]) +
                       "): CUDA IPC works within one host only");
+    if (!is_target(peer))
+      throw Error(ErrorCode::kInvalidArgument,
+                  std::string("cuda_ipc engine: ") + what + ": rank " + std::to_string(peer) +
+                      " is not a target of rank " + std::to_string(rank_) +
+                      "'s proxy (a peer of its own node is reached by load/store)");
     if (region < 0 || region >= kMaxRegions || !regions_[region].registered)
       throw Error(ErrorCode::kInvalidArgument,
                   std::string("cuda_ipc engine: ") + what + " to rank " + std::to_string(peer) +
                       ": region " + std::to_string(region) + " is not registered");
     return regions_[region];
   }
+  bool is_target(int peer) const { return targets_.empty() || targets_[peer] != 0; }
 
   static void check_range(const char* what, const char* side, int owner, int region, uint64_t off,
                           uint64_t bytes, std::size_t size) {
@@ -446,8 +456,9 @@ class CudaIpcEngine final : public Engine {
   const int device_, rank_, num_ranks_, num_channels_;
   const double timeout_s_;  ///< how long deregistration waits for this rank's copies
   const std::string hostname_, boot_id_;
-  std::vector<std::string> hosts_;  ///< per rank: its hostname (known after a registration)
-  std::vector<char> reach_;         ///< per rank: same host (CUDA IPC works)
+  std::vector<std::string> hosts_;      ///< per rank: its hostname (known after a registration)
+  std::vector<char> reach_;             ///< per rank: same host (CUDA IPC works)
+  const std::vector<uint8_t> targets_;  ///< per rank: commands may name it (empty: all)
   std::array<Region, kMaxRegions> regions_;
   std::vector<Channel> channels_;
 };
@@ -562,7 +573,7 @@ void CudaIpcEngine::register_region(int id, void* base, std::size_t bytes) {
   // which may wait for this rank.)
   for (auto& ch : channels_) {
     for (int p = 0; p < num_ranks_; ++p)
-      if (reach_[p]) stream(ch, p);
+      if (reach_[p] && is_target(p)) stream(ch, p);  // fewer streams, fewer shared queues
     while (ch.all_events.size() < kEventsPerChannel) {
       cudaEvent_t e = nullptr;
       EPX_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
@@ -600,8 +611,9 @@ void CudaIpcEngine::deregister_region(int id) {
 
 }  // namespace
 
-std::unique_ptr<Engine> make_cuda_ipc_engine(Communicator& comm, int num_channels) {
-  return std::make_unique<CudaIpcEngine>(comm, num_channels);
+std::unique_ptr<Engine> make_cuda_ipc_engine(Communicator& comm, int num_channels,
+                                             std::vector<uint8_t> targets) {
+  return std::make_unique<CudaIpcEngine>(comm, num_channels, std::move(targets));
 }
 
 }  // namespace epx::proxy

@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 namespace epx {
 class Communicator;
@@ -77,7 +78,10 @@ class Engine {
 /// other rank of the host; a put is a cudaMemcpyAsync on the endpoint's own
 /// stream, a signal a stream-ordered write (cuStreamWriteValue64) of the
 /// signal word's running total after it. Refuses, naming them, peers on
-/// another host. Regions must be cudaMalloc'd device memory.
-std::unique_ptr<Engine> make_cuda_ipc_engine(Communicator& comm, int num_channels);
+/// another host. Regions must be cudaMalloc'd device memory. `targets`
+/// (empty: every rank; else one entry per rank): the peers commands may name,
+/// the only ones that get a stream per channel (others are refused).
+std::unique_ptr<Engine> make_cuda_ipc_engine(Communicator& comm, int num_channels,
+                                             std::vector<uint8_t> targets = {});
 
 }  // namespace epx::proxy

@@ -320,18 +320,20 @@ void Proxy::Impl::run(int c) {
     // that spin (a host waiting for the GPU) gets time slices, not latency.
     cpu_set_t set;
     CPU_ZERO(&set);
-    std::string cpus = "unknown";
+    std::ostringstream cpus;
     if (sched_getaffinity(0, sizeof(set), &set) == 0) {
-      cpus = std::to_string(CPU_COUNT(&set)) + " (first";
+      cpus << CPU_COUNT(&set) << " (first";
       for (int cpu = 0, shown = 0; cpu < CPU_SETSIZE && shown < 8; ++cpu)
         if (CPU_ISSET(cpu, &set)) {
-          cpus += " " + std::to_string(cpu);
+          cpus << ' ' << cpu;
           ++shown;
         }
-      cpus += ")";
+      cpus << ')';
+    } else {
+      cpus << "unknown";
     }
     std::fprintf(stderr, "epx proxy rank %d channel %d: thread started, CPUs allowed: %s\n",
-                 engine.rank(), c, cpus.c_str());
+                 engine.rank(), c, cpus.str().c_str());
   }
 
   auto fail = [&](ErrorCode code, const std::string& what) {

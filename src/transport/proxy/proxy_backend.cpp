@@ -42,7 +42,11 @@ class ProxyBackend final : public Backend {
                                                    std::to_string(kMaxContexts) + "], got " +
                                                    std::to_string(cap));
     num_channels_ = static_cast<int>(std::clamp<long>(options.num_contexts, 1, cap));
-    engine_ = proxy::make_cuda_ipc_engine(comm, num_channels_);
+    // The proxy carries puts to other nodes only (same-node peers: load/store).
+    std::vector<uint8_t> targets(static_cast<std::size_t>(topology.num_ranks), 0);
+    for (int r = 0; r < topology.num_ranks; ++r)
+      targets[r] = topology.same_node(comm.rank(), r) ? 0 : 1;
+    engine_ = proxy::make_cuda_ipc_engine(comm, num_channels_, std::move(targets));
     proxy::ProxyOptions po;
     po.num_channels = num_channels_;
     po.device = comm.device();
