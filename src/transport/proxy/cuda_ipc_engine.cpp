@@ -421,8 +421,10 @@ class CudaIpcEngine final : public Engine {
   /// order; the kernels that wait for these copies are followed in their own
   /// streams by work that waits for them to finish (the next kernel, an event),
   /// and a copy queued behind that would wait for the kernel that waits for
-  /// it (until its deadline). Streams of different priorities never share a
-  /// queue, so the copies get queues of their own.
+  /// it (until its deadline). Giving the copies the greatest priority is meant
+  /// to keep them off the queues of the ranks' own streams (an observation on
+  /// H100/H200, not something CUDA documents; CUDA_DEVICE_MAX_CONNECTIONS sets
+  /// how many queues there are).
   cudaStream_t stream(Channel& ch, int peer) {
     cudaStream_t& s = ch.streams[peer];
     if (!s) {
