@@ -162,10 +162,24 @@ inline constexpr bool kNet = T::kCaps.network;
 
 /// Network transports: before a send kernel rewrites its send areas, the
 /// puts of earlier ops that read them are complete (one thread per context).
+/// False for the whole block when a quiet failed (reported): the block must
+/// not rewrite its send areas, and the op must not signal its peers.
 template <class T>
-__device__ __forceinline__ void quiet_send_areas(const T& t) {
-  if (static_cast<int>(threadIdx.x) < t.num_contexts) t.quiet(threadIdx.x);
-  __syncthreads();
+__device__ __forceinline__ bool quiet_send_areas(const T& t) {
+  bool ok = true;
+  if (static_cast<int>(threadIdx.x) < t.num_contexts) ok = t.quiet(threadIdx.x);
+  return __syncthreads_and(ok ? 1 : 0) != 0;
+}
+
+/// Network transports: a send kernel's blocks raise these words (in the
+/// region's net_done area: [1] dispatch, [2] combine) when their part of the
+/// op failed (a failed quiet or wait, already reported here); the last block
+/// then sends no signal, so the peers time out naming this rank instead of
+/// taking an incomplete op, and clears the word for the next op.
+constexpr int kNetFailedDispatch = 1, kNetFailedCombine = 2;
+template <class T>
+__device__ __forceinline__ uint32_t* net_failed_word(const T& t, const LlOffsets& o, int which) {
+  return reinterpret_cast<uint32_t*>(t.local_ptr(o.net_done)) + which;
 }
 
 /// Network transports: counts the calls of the `n` warps that wrote parts of
@@ -254,17 +268,24 @@ __device__ __forceinline__ float fp8_scale(float amax, bool round_scale) {
 /// publishes the epoch. One fence per block, not per thread: the barrier
 /// orders every thread's peer stores before thread 0's system-scope release
 /// fence, and release is cumulative (PTX memory model), so the count carries
-/// them all.
+/// them all. Network transports: `failed` (this thread's part failed) keeps
+/// the last block from signalling anyone (net_failed_word).
 template <class T>
 __device__ __forceinline__ void finish_combine_send(const T& t, const LlOffsets& o,
                                                     std::size_t half, uint32_t* op_counter,
                                                     uint32_t epoch, uint64_t* seq_counter,
-                                                    uint64_t seq) {
+                                                    uint64_t seq, bool failed = false) {
   __shared__ int is_last;
   EPX_TL(kTlCombine, kTlSendItems);
-  __syncthreads();
+  [[maybe_unused]] int block_failed = 0;
+  if constexpr (kNet<T>)
+    block_failed = __syncthreads_or(failed ? 1 : 0);
+  else
+    __syncthreads();
   uint32_t* control = reinterpret_cast<uint32_t*>(t.local_ptr(o.control));
   if (threadIdx.x == 0) {
+    if constexpr (kNet<T>)
+      if (block_failed) atomicOr(net_failed_word(t, o, kNetFailedCombine), 1u);
     dev::fence_acq_rel_sys();  // release: the block's peer stores before the count
     is_last = atomicAdd(control + kDoneCombine, 1u) == gridDim.x - 1 ? 1 : 0;
     if (is_last) dev::fence_acq_rel_sys();  // acquire: every block's stores before the flags
@@ -275,7 +296,8 @@ __device__ __forceinline__ void finish_combine_send(const T& t, const LlOffsets&
   if constexpr (!kNet<T>) {
     if (static_cast<int>(threadIdx.x) < t.num_ranks && !t.masked(threadIdx.x))
       t.lsa_flag(threadIdx.x, flag_offset(half, o, kFlagCombine, t.rank), epoch);
-  } else {
+  } else if (*static_cast<volatile uint32_t*>(net_failed_word(t, o, kNetFailedCombine)) == 0u) {
+    // (A block's part failed: no signal, the peers time out naming this rank.)
     // Peers in other nodes: one signal per context, after that context's row puts.
     for (int r = threadIdx.x; r < t.num_ranks; r += blockDim.x) {
       if (t.masked(r)) continue;
@@ -287,10 +309,14 @@ __device__ __forceinline__ void finish_combine_send(const T& t, const LlOffsets&
       }
     }
   }
+  if constexpr (kNet<T>) __syncthreads();  // every thread read the failed word
   if (threadIdx.x == 0) {
     control[kDoneCombine] = 0u;
     *op_counter = epoch;
-    if constexpr (kNet<T>) *seq_counter = seq;
+    if constexpr (kNet<T>) {
+      *seq_counter = seq;
+      *net_failed_word(t, o, kNetFailedCombine) = 0u;
+    }
   }
   tl_mark(kTlCombine, kTlSendSignal);
 }
@@ -388,10 +414,11 @@ __device__ __forceinline__ std::size_t net_mask_offset(const LlOffsets& o, uint3
 /// sends (`sends`) first waits until the puts that read its send areas are done.
 template <class T>
 __device__ __forceinline__ uint32_t dispatch_begin(const LlDispatchSendParams<T>& p, uint64_t seq,
-                                                   bool sends = true) {
+                                                   bool sends, bool& send_ok) {
   const uint32_t epoch = plan::next_epoch(*p.op_counter);
+  send_ok = true;
   if constexpr (kNet<T>)
-    if (sends) quiet_send_areas(p.t);
+    if (sends) send_ok = quiet_send_areas(p.t);
   if (blockIdx.x == 0) {
     const std::size_t tags = tags_of(p.off, epoch);
     if (static_cast<int>(threadIdx.x) < p.t.num_ranks && !p.t.masked(threadIdx.x)) {
@@ -664,16 +691,21 @@ __device__ __forceinline__ void net_dispatch_finish(const LlDispatchSendParams<T
 /// sending what needs every block's work). Nothing waits for it.
 template <class T>
 __device__ __forceinline__ void dispatch_count_done(const LlDispatchSendParams<T>& p,
-                                                    uint32_t epoch, uint64_t seq) {
+                                                    uint32_t epoch, uint64_t seq,
+                                                    bool failed = false) {
   EPX_TL(kTlDispatch, kTlSendItems);
   __syncthreads();
   uint32_t* control = reinterpret_cast<uint32_t*>(p.t.local_ptr(p.off.control));
   if constexpr (!kNet<T>) {
     if (threadIdx.x == 0 && dev::last_block_done(control + kDoneDispatch)) *p.op_counter = epoch;
   } else {
+    uint32_t* fail = net_failed_word(p.t, p.off, kNetFailedDispatch);
+    if (failed && threadIdx.x == 0) atomicOr(fail, 1u);  // before the count's release
     if (dev::block_counted_last(control + kDoneDispatch)) {
-      net_dispatch_finish(p, epoch);
+      if (*static_cast<volatile uint32_t*>(fail) == 0u) net_dispatch_finish(p, epoch);
+      __syncthreads();
       if (threadIdx.x == 0) {
+        *fail = 0u;
         *p.op_counter = epoch;
         p.seq[0] = seq;
       }
@@ -695,9 +727,11 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_send(LlDispatchSendPa
   tl_mark(kTlDispatch, kTlSendStart);
   tl_mark(kTlDispatch, kTlSendStartMax);
   const uint64_t seq = next_seq<T>(p.seq);
-  const uint32_t epoch = dispatch_begin(p, seq);
-  dispatch_send_items(p, epoch, blockIdx.x * kWarps + threadIdx.x / 32, gridDim.x * kWarps);
-  dispatch_count_done(p, epoch, seq);
+  bool send_ok = true;
+  const uint32_t epoch = dispatch_begin(p, seq, true, send_ok);
+  if (send_ok)
+    dispatch_send_items(p, epoch, blockIdx.x * kWarps + threadIdx.x / 32, gridDim.x * kWarps);
+  dispatch_count_done(p, epoch, seq, !send_ok);
 }
 
 /// The receive's row copies: rows i in [0, n_rows) of local expert le, row_of(i)
@@ -1145,10 +1179,11 @@ __global__ void __launch_bounds__(kThreads, 2)
   tl_mark(kTlDispatch, kTlSendStartMax);
   const int b = static_cast<int>(blockIdx.x);
   const uint64_t seq = next_seq<T>(sp.seq);
-  const uint32_t epoch = dispatch_begin(sp, seq, /*sends=*/b < send_blocks);
-  if (b < send_blocks)
+  bool send_ok = true;
+  const uint32_t epoch = dispatch_begin(sp, seq, /*sends=*/b < send_blocks, send_ok);
+  if (b < send_blocks && send_ok)
     dispatch_send_items(sp, epoch, b * kWarps + threadIdx.x / 32, send_blocks * kWarps);
-  dispatch_count_done(sp, epoch, seq);
+  dispatch_count_done(sp, epoch, seq, !send_ok);
   if (b < send_blocks) {
     tl_finish(kTlDispatch, rp.t.rank);  // (timeline builds count every block)
     return;
@@ -1196,8 +1231,12 @@ __device__ __forceinline__ std::size_t weight_word(const LlOffsets& o, std::size
 /// add of 1 to that rank's weights signal of this rank (context 0).
 template <class T>
 __device__ __forceinline__ void net_send_weights(const LlCombineSendParams<T>& p,
-                                                 std::size_t net_weights, std::size_t weights) {
+                                                 std::size_t net_weights, std::size_t weights,
+                                                 bool failed) {
+  uint32_t* fail = net_failed_word(p.t, p.off, kNetFailedCombine);
+  if (failed && threadIdx.x == 0) atomicOr(fail, 1u);  // before the count's release
   if (!dev::block_counted_last(reinterpret_cast<uint32_t*>(p.t.local_ptr(p.off.net_done)))) return;
+  if (*static_cast<volatile uint32_t*>(fail) != 0u) return;  // a block's part failed
   const int R = p.t.num_ranks, me = p.t.rank;
   const std::size_t bytes = 8u * plan::kLlMaxTopK * static_cast<std::size_t>(p.num_tokens);
   for (int r = threadIdx.x; r < R; r += blockDim.x) {
@@ -1268,7 +1307,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
   constexpr int kCombineChunk = kLogFmt ? kLlCombineSendChunkLogFmt : kLlCombineSendChunk;
   constexpr int kCombineSteps = kCombineChunk / 256;
   constexpr int kRowsAtOnce = kLlCombineSendRowsAtOnce;
-  if constexpr (kNet<T>) quiet_send_areas(p.t);
+  bool send_ok = true;  // false: this block must not touch its send areas
+  if constexpr (kNet<T>) send_ok = quiet_send_areas(p.t);
   // Network transports: this rank's send areas of the op's half.
   [[maybe_unused]] const std::size_t net_weights =
       p.off.net_weights + (epoch & 1u) * p.off.weights_half_bytes;
@@ -1299,7 +1339,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
   // ascending id among t's experts on that rank (the receiver's order).
   // Branch-free around the shuffles: every lane loads (a clamped pick) and
   // every lane takes every step, so the warp never splits around them.
-  for (int t = blockIdx.x * kWarps + warp; t < p.num_tokens; t += gridDim.x * kWarps) {
+  for (int t = blockIdx.x * kWarps + warp; send_ok && t < p.num_tokens; t += gridDim.x * kWarps) {
     const int kk = min(lane, K - 1);
     const int64_t e64 = p.topk_idx[static_cast<int64_t>(t) * K + kk];
     const float w = p.topk_weights[static_cast<int64_t>(t) * K + kk];
@@ -1331,7 +1371,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
             (static_cast<uint64_t>(epoch) << 32) | __float_as_uint(wsum));
     }
   }
-  if constexpr (kNet<T>) net_send_weights(p, net_weights, weights);
+  if constexpr (kNet<T>) net_send_weights(p, net_weights, weights, !send_ok);
   if (static_cast<int>(threadIdx.x) < R) s_tokens[threadIdx.x] = min(max(n_src, 0), maxT);
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -1355,7 +1395,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
   // rank's warps write to all sources at once, each from a different start,
   // instead of every rank writing to source 0 first (one hot ingress).
   const int C = ceil_div(H, kCombineChunk);
-  const int items = R * s_tokens[T::kCaps.max_ranks] * C;
+  const int items = send_ok ? R * s_tokens[T::kCaps.max_ranks] * C : 0;
+  bool failed = !send_ok;  // a wait of this warp failed: the op must not be signalled
   const int W = ceil_div(maxT, 32), RT = R * maxT;
   for (int item = blockIdx.x * kWarps + warp; item < items; item += gridDim.x * kWarps) {
     const int pair = item / C, c = item % C;
@@ -1470,6 +1511,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
         chunk_written(false);
         continue;
       }
+      failed = true;
       break;
     }
 #pragma unroll
@@ -1477,7 +1519,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
       if (col0 + 32 * st < H8) dev::st_na(dst + col0 + 32 * st, pack_bf16x8(acc[st]));
     chunk_written(true);
   }
-  finish_combine_send(p.t, p.off, half, p.op_counter, epoch, p.seq + 1, seq);
+  finish_combine_send(p.t, p.off, half, p.op_counter, epoch, p.seq + 1, seq, failed);
 }
 
 /// Adds one rank's row of a combine-receive item (`v`, kSteps vectors per
