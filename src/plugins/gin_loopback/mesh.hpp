@@ -1,0 +1,88 @@
+// plugins/gin_loopback/mesh.hpp - how the ranks of one GIN collComm reach each
+// other on one host: listen() binds an abstract Unix socket (SOCK_SEQPACKET)
+// and describes it in the 128-byte handle NCCL allgathers; connect() builds a
+// star around rank 0 (every other rank connects to rank 0's socket), which
+// carries the plugin's own collectives: allgather of a few bytes and at most
+// one file descriptor per rank (SCM_RIGHTS; memfds of windows and inboxes).
+// A star needs n - 1 connections instead of n(n-1)/2 and is enough for the
+// few collectives of setup and registration; data never crosses it.
+//
+// Ranks may be threads of one process or processes of one host (a different
+// boot id is refused). Every wait has a deadline; failures throw MeshError
+// naming the rank(s) and what was awaited.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace epx::gin_loop {
+
+class MeshError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// The listen handle (fits NCCL_NET_HANDLE_MAXSIZE = 128 bytes).
+struct MeshHandle {
+  char magic[8];    ///< "EPXLOOP" + version
+  int32_t pid;      ///< of the listening process (diagnostics)
+  uint32_t serial;  ///< per-process listen counter (diagnostics)
+  char boot_id[40];
+  char socket_name[72];  ///< abstract socket name, NUL-terminated, without the leading NUL
+};
+static_assert(sizeof(MeshHandle) <= 128);
+
+/// This rank's listening socket.
+class MeshListener {
+ public:
+  /// Binds and listens; fills `handle`.
+  explicit MeshListener(MeshHandle* handle);
+  ~MeshListener();
+  MeshListener(const MeshListener&) = delete;
+  MeshListener& operator=(const MeshListener&) = delete;
+  int fd() const { return fd_; }
+
+ private:
+  int fd_ = -1;
+};
+
+class Mesh {
+ public:
+  /// Collective over `handles.size()` ranks: rank 0 accepts a connection from
+  /// every other rank, the others connect to rank 0. Waits at most `timeout_s`.
+  Mesh(const std::vector<const MeshHandle*>& handles, int rank, MeshListener& listener,
+       double timeout_s);
+  ~Mesh();
+  Mesh(const Mesh&) = delete;
+  Mesh& operator=(const Mesh&) = delete;
+
+  int rank() const { return rank_; }
+  int num_ranks() const { return num_ranks_; }
+
+  struct Item {
+    std::string bytes;
+    int fd = -1;  ///< a received descriptor (the caller closes it), or -1
+  };
+  /// Collective: every rank contributes `bytes` (at most 1024) and an optional
+  /// descriptor (-1: none; it stays the caller's); returns every rank's item,
+  /// indexed by rank (this rank's with fd -1). `what` names the collective in
+  /// errors. Collectives are numbered: ranks calling different ones fail.
+  std::vector<Item> allgather(const std::string& bytes, int fd, const char* what);
+  /// Collective: returns once every rank entered.
+  void barrier(const char* what) { allgather({}, -1, what); }
+
+ private:
+  int rank_ = 0;
+  int num_ranks_ = 0;
+  double timeout_s_ = 0;
+  uint32_t serial_ = 0;     ///< collectives done so far
+  int root_fd_ = -1;        ///< non-root: the connection to rank 0
+  std::vector<int> peers_;  ///< root: connection of each rank (-1 for itself)
+};
+
+/// This host's boot id (/proc/sys/kernel/random/boot_id), "" if unreadable.
+std::string boot_id();
+
+}  // namespace epx::gin_loop
