@@ -15,6 +15,10 @@
 #            (processes where there are 4 GPUs, else in-process)
 #   bench    epx-bench ll over the proxy (2x2, EPX_BENCH_QPS channels: "1 4")
 #            and epx-bench fifo (2 ranks)
+#   b2b      (not in the default steps) epx-bench ll over the proxy three ways,
+#            for its back-to-back pair time: 4 processes, the same with
+#            CUDA_DEVICE_MAX_CONNECTIONS=32, 4 in-process ranks
+#            (EPX_B2B_TRACE=1 adds the proxy traces with allowed CPUs)
 #   compare  NVLink before/after on all GPUs: .device/base/epx-bench (the
 #            baseline build) and .device/epx-bench, ht (24 SMs) and ll,
 #            EPX_COMPARE_ROUNDS times (default 2; base first in odd rounds,
@@ -113,6 +117,24 @@ if has bench; then
   rc=$?
   tail -6 "$OUT/bench-fifo.log"
   summary+=("bench fifo: rc=$rc")
+fi
+if has b2b; then
+  # Why ops back to back over the proxy are slow: the same bench three ways
+  # (4 processes as 2x2; with more hardware queues; 4 in-process ranks on GPU 0),
+  # each printing "back to back" per pair; proxy traces of 3 pairs on rank 0.
+  runs=()
+  [ "$GPUS" -ge 4 ] && runs+=("procs::$D/launch.sh 4 $D/epx-bench ll"
+                              "procs-conn32:CUDA_DEVICE_MAX_CONNECTIONS=32:$D/launch.sh 4 $D/epx-bench ll")
+  runs+=("inproc4::$D/epx-bench ll --in-process 4")
+  for spec in "${runs[@]}"; do
+    IFS=: read -r tag envs cmd <<< "$spec"
+    echo "== back to back: $tag"
+    timeout ${EPX_B2B_TIMEOUT:-120} env $envs EPX_DEBUG_PROXY=${EPX_B2B_TRACE:-0} $cmd --backend proxy \
+      --ranks-per-node 2 --iters 20 --json "$OUT/json/b2b-$tag.json" > "$OUT/b2b-$tag.log" 2>&1
+    rc=$?
+    grep -E "^dispatch FP8|^combine BF16 |back to back|CPUs allowed" "$OUT/b2b-$tag.log" | sort | uniq -c | head -8
+    summary+=("back to back $tag: rc=$rc")
+  done
 fi
 if has compare && [ -x "$D/base/epx-bench" ] && [ "$GPUS" -ge 2 ]; then
   n=$GPUS
