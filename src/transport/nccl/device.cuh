@@ -1,0 +1,152 @@
+// transport/nccl/device.cuh - NcclGinTransport: the device half of the NCCL
+// GIN backend (docs/nccl_gin.md). Peers in this rank's node are reached by
+// load/store (LsaWords, NCCL's LSA pointers of the window); the others
+// through NCCL's GPU-initiated networking: put, put with a signal add, signal
+// add, flush. Context c is GIN context c % 4 of communicator c / 4 (NCCL
+// 2.28.9 gives at most 4 contexts per communicator).
+//
+// Signals: a peer in another node adds to NCCL's signal `sig` of the context
+// it used (NCCL keeps one word per context); a same-node peer adds to the
+// region's signal words, as on the other transports. wait_signal reads the
+// one or the other by the waited-for peer.
+//
+// Not in the kernels' list of transports yet (transport/any.hpp): the smoke
+// test drives it first (tests/gpu/test_nccl_gin.cu).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#include <nccl.h>
+#include <nccl_device.h>
+#endif
+
+#include "common/device.cuh"
+#include "transport/concept.cuh"
+#include "transport/lsa.cuh"
+
+#if !defined(__CUDACC__)
+struct ncclDevComm;
+typedef struct ncclWindow_vidmem* ncclWindow_t;
+#endif
+
+namespace epx::dev {
+
+/// GIN contexts per NCCL communicator in NCCL 2.28.9.
+inline constexpr int kGinContextsPerComm = 4;
+/// Communicators a transport spreads its contexts over.
+inline constexpr int kMaxGinComms = (kMaxContexts + kGinContextsPerComm - 1) / kGinContextsPerComm;
+
+struct NcclGinTransport : TransportBase, LsaWords<NcclGinTransport> {
+  static constexpr TransportCaps kCaps{/*network=*/true, /*peer_loads=*/true, kMaxContexts,
+                                       kMaxRanks};
+  char* base[kMaxRanksPerNode];    ///< the node's copies of the region, by local index
+  char* local;                     ///< this rank's copy
+  const ncclDevComm* comms;        ///< [ceil(num_contexts / 4)] device communicators
+  ncclWindow_t win[kMaxGinComms];  ///< the region's window in each communicator
+
+#if defined(__CUDACC__)
+  __device__ __forceinline__ char* lsa_ptr(int r, std::size_t offset) const {
+    return same_node(r) ? base[r - node_first] + offset : nullptr;
+  }
+  __device__ __forceinline__ char* local_ptr(std::size_t offset) const {
+    return local + offset;
+  }
+
+  template <class Coop>
+  static __device__ __forceinline__ auto nccl_coop() {
+    if constexpr (std::is_same_v<Coop, Thread>) {
+      return ncclCoopThread{};
+    } else if constexpr (std::is_same_v<Coop, Warp>) {
+      return ncclCoopWarp{};
+    } else {
+      return ncclCoopCta{};
+    }
+  }
+  __device__ __forceinline__ const ncclDevComm& comm_of(int ctx) const {
+    return comms[ctx / kGinContextsPerComm];
+  }
+
+  template <class Coop>
+  __device__ __forceinline__ void put(int ctx, int r, std::size_t dst_off, std::size_t src_off,
+                                      std::size_t bytes) const {
+    if (same_node(r)) {
+      lsa_copy<Coop>(r, dst_off, src_off, bytes);
+      return;
+    }
+    // The group's writes of the send area, then one post for the group.
+    coop_sync<Coop>();
+    const ncclDevComm& dc = comm_of(ctx);
+    ncclGin g(dc, ctx % kGinContextsPerComm);
+    const ncclWindow_t w = win[ctx / kGinContextsPerComm];
+    g.put(ncclTeamWorld(dc), r, w, dst_off, w, src_off, bytes, ncclGin_None{}, ncclGin_None{},
+          nccl_coop<Coop>());
+  }
+  template <class Coop>
+  __device__ __forceinline__ void signal_add(int ctx, int r, int sig, uint64_t add) const {
+    if (same_node(r)) {
+      coop_sync<Coop>();
+      if (coop_leader<Coop>()) lsa_signal_add(ctx, r, sig, add);
+      return;
+    }
+    coop_sync<Coop>();
+    const ncclDevComm& dc = comm_of(ctx);
+    ncclGin g(dc, ctx % kGinContextsPerComm);
+    g.signal(ncclTeamWorld(dc), r, ncclGin_SignalAdd{static_cast<ncclGinSignal_t>(sig), add},
+             nccl_coop<Coop>());
+  }
+  template <class Coop>
+  __device__ __forceinline__ void put_signal(int ctx, int r, std::size_t dst_off,
+                                             std::size_t src_off, std::size_t bytes, int sig,
+                                             uint64_t add) const {
+    if (same_node(r)) {
+      lsa_copy<Coop>(r, dst_off, src_off, bytes);
+      signal_add<Coop>(ctx, r, sig, add);
+      return;
+    }
+    coop_sync<Coop>();
+    const ncclDevComm& dc = comm_of(ctx);
+    ncclGin g(dc, ctx % kGinContextsPerComm);
+    const ncclWindow_t w = win[ctx / kGinContextsPerComm];
+    g.put(ncclTeamWorld(dc), r, w, dst_off, w, src_off, bytes,
+          ncclGin_SignalAdd{static_cast<ncclGinSignal_t>(sig), add}, ncclGin_None{},
+          nccl_coop<Coop>());
+  }
+  /// Signal `sig` >= value: NCCL's words of every context for a peer in
+  /// another node, the region's words for a same-node one; EPX's deadline and
+  /// diagnostic either way (NCCL's own waits have none).
+  __device__ __forceinline__ bool wait_signal(int sig, uint64_t value, OpId op, int peer) const {
+    if (peer >= 0 && same_node(peer)) return wait_signal_words(*this, local, sig, value, op, peer);
+    auto sum = [&] {
+      uint64_t s = 0;
+      for (int c = 0; c < num_contexts; ++c) {
+        ncclGin g(comm_of(c), c % kGinContextsPerComm);
+        s += g.readSignal(static_cast<ncclGinSignal_t>(sig));
+      }
+      return s;
+    };
+    return spin_until(
+        sum, [&](uint64_t v) { return v >= value; },
+        [](uint64_t v) { return static_cast<uint32_t>(v); }, static_cast<uint32_t>(value),
+        timeout_ns, diag, op, rank, peer, kDiagSignalChannel + sig, mask_word(peer));
+  }
+  /// GIN orders a context's operations to one peer: only this thread's
+  /// stores need ordering before what follows.
+  __device__ __forceinline__ void fence(int) const {
+    __threadfence_system();
+  }
+  /// Every put of context `ctx` posted so far (by any thread) has read its
+  /// source. NCCL's flush has no deadline: a dead network hangs here (the
+  /// host watchdog, ncclCommGetAsyncError, is what sees it).
+  __device__ __forceinline__ bool quiet(int ctx) const {
+    ncclGin g(comm_of(ctx), ctx % kGinContextsPerComm);
+    g.flush(ncclCoopThread{});
+    return true;
+  }
+#endif  // __CUDACC__
+};
+
+static_assert(DeviceTransport<NcclGinTransport>);
+
+}  // namespace epx::dev

@@ -1,0 +1,234 @@
+#include "transport/nccl/nccl_backend.hpp"
+
+#include <nccl.h>
+#include <nccl_device.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "common/check.hpp"
+#include "common/plan.hpp"
+#include "epx/communicator.hpp"
+#include "epx/error.hpp"
+
+namespace epx::transport {
+namespace {
+
+__global__ void gin_lsa_pointers(ncclWindow_t win, const int* lsa_index, int n, char** out) {
+  const int i = threadIdx.x;
+  if (i < n) out[i] = static_cast<char*>(ncclGetLsaPointer(win, 0, lsa_index[i]));
+}
+
+__global__ void gin_reset_signals(const ncclDevComm* comms, int num_contexts, int num_signals) {
+  const int ctx = blockIdx.x;
+  if (ctx >= num_contexts) return;
+  ncclGin g(comms[ctx / dev::kGinContextsPerComm], ctx % dev::kGinContextsPerComm);
+  for (int s = threadIdx.x; s < num_signals; s += blockDim.x)
+    g.resetSignal(static_cast<ncclGinSignal_t>(s));
+}
+
+__global__ void gin_flush_all(const ncclDevComm* comms, int num_contexts) {
+  const int ctx = blockIdx.x;
+  if (ctx >= num_contexts || threadIdx.x != 0) return;
+  ncclGin g(comms[ctx / dev::kGinContextsPerComm], ctx % dev::kGinContextsPerComm);
+  g.flush(ncclCoopThread{});
+}
+
+std::string result_name(ncclResult_t r) {
+  return std::string(ncclGetErrorString(r)) + " (" + std::to_string(static_cast<int>(r)) + ")";
+}
+
+class NcclGin final : public NcclGinBackend {
+ public:
+  NcclGin(Communicator& comm, const Topology& topology, int num_contexts, int num_signals)
+      : comm_(comm), topo_(topology), num_contexts_(num_contexts), num_signals_(num_signals) {
+    require(!comm.in_process() && comm.nccl_comm() != nullptr, "backend",
+            "'nccl' needs an NCCL communicator (Communicator::create or from_env), one GPU per "
+            "rank: NCCL refuses two ranks on one GPU");
+    require(num_contexts >= 1 && num_contexts <= kMaxContexts, "num_qps_per_rank",
+            "must be in [1, " + std::to_string(kMaxContexts) + "] for the nccl backend, got " +
+                std::to_string(num_contexts));
+    require(num_signals >= 1 && num_signals <= 65536, "num_signals",
+            "must be in [1, 65536] (NCCL's signal pool), got " + std::to_string(num_signals));
+    auto* parent = static_cast<ncclComm_t>(comm.nccl_comm());
+    const int K = (num_contexts + dev::kGinContextsPerComm - 1) / dev::kGinContextsPerComm;
+    // Own communicators, not sharing the parent's resources (a sharing split
+    // would share its 4 GIN contexts): context c is context c % 4 of comm c / 4.
+    for (int k = 0; k < K; ++k) {
+      ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+      cfg.splitShare = 0;
+      ncclComm_t c = nullptr;
+      EPX_NCCL_CHECK(ncclCommSplit(parent, 0, comm.rank(), &c, &cfg));
+      comms_.push_back(c);
+    }
+    // GIN forced on (one host is one NCCL node, where NCCL leaves it off),
+    // every context connected to every rank now, not at the first op.
+    devcomms_.resize(K);
+    for (int k = 0; k < K; ++k) {
+      ncclDevCommRequirements reqs{};
+      reqs.ginForceEnable = true;
+      reqs.ginContextCount = dev::kGinContextsPerComm;
+      reqs.ginSignalCount = num_signals;
+      const ncclResult_t r = ncclDevCommCreate(comms_[k], &reqs, &devcomms_[k]);
+      if (r != ncclSuccess)
+        throw Error(ErrorCode::kUnsupported,
+                    "nccl backend: ncclDevCommCreate with GIN failed on rank " +
+                        std::to_string(comm.rank()) + ": " + result_name(r) +
+                        "; NCCL needs a GIN-capable net plugin (on one host: the loopback "
+                        "plugin, NCCL_NET_PLUGIN=epxloop with libnccl-net-epxloop.so on "
+                        "LD_LIBRARY_PATH; docs/nccl_gin.md)");
+      devcomm_made_.push_back(true);
+      require(devcomms_[k].ginContextCount >= 1, "backend",
+              "nccl: the device communicator has no GIN context");
+      contexts_per_comm_ = devcomms_[k].ginContextCount;
+    }
+    require(contexts_per_comm_ == dev::kGinContextsPerComm || K == 1, "num_qps_per_rank",
+            "needs " + std::to_string(dev::kGinContextsPerComm) +
+                " GIN contexts per communicator (NCCL_GIN_NCONTEXTS), NCCL gave " +
+                std::to_string(contexts_per_comm_));
+    if (K == 1) num_contexts_ = std::min(num_contexts_, contexts_per_comm_);
+    EPX_CUDA_CHECK(cudaMalloc(&d_devcomms_, sizeof(ncclDevComm) * K));
+    EPX_CUDA_CHECK(
+        cudaMemcpy(d_devcomms_, devcomms_.data(), sizeof(ncclDevComm) * K, cudaMemcpyHostToDevice));
+    // World rank -> NCCL LSA index, for this rank's (virtual) node.
+    ncclTeam_t lsa = ncclTeamLsa(parent);
+    for (int i = 0; i < topology.ranks_per_node; ++i) {
+      const int r = topology.node_of(comm.rank()) * topology.ranks_per_node + i;
+      lsa_index_.push_back(ncclTeamRankToLsa(parent, lsa, r));
+    }
+  }
+
+  ~NcclGin() override {
+    // Best effort: destructors do not throw.
+    for (std::size_t k = 0; k < devcomm_made_.size(); ++k)
+      ncclDevCommDestroy(comms_[k], &devcomms_[k]);
+    if (d_devcomms_) cudaFree(d_devcomms_);
+    for (ncclComm_t c : comms_) ncclCommDestroy(c);
+  }
+
+  const char* name() const override { return "nccl"; }
+  int rank() const override { return comm_.rank(); }
+  int num_ranks() const override { return comm_.num_ranks(); }
+  const Topology& topology() const override { return topo_; }
+  int num_contexts() const override { return num_contexts_; }
+  int num_signals() const override { return num_signals_; }
+
+  SymmetricRegion alloc(std::size_t bytes) override {
+    SymmetricRegion r;
+    r.bytes = plan::align_up(bytes == 0 ? plan::kAlign : bytes, 4096);
+    EPX_NCCL_CHECK(ncclMemAlloc(&r.local, r.bytes));
+    EPX_CUDA_CHECK(cudaMemset(r.local, 0, r.bytes));
+    auto* wins = new Windows{};
+    r.handle = wins;
+    for (std::size_t k = 0; k < comms_.size(); ++k)
+      EPX_NCCL_CHECK(ncclCommWindowRegister(comms_[k], r.local, r.bytes, &wins->w[k],
+                                            NCCL_WIN_COLL_SYMMETRIC));
+    const int n = static_cast<int>(lsa_index_.size());
+    int* d_index = nullptr;
+    char** d_ptrs = nullptr;
+    EPX_CUDA_CHECK(cudaMalloc(&d_index, sizeof(int) * n));
+    EPX_CUDA_CHECK(cudaMalloc(&d_ptrs, sizeof(char*) * n));
+    EPX_CUDA_CHECK(cudaMemcpy(d_index, lsa_index_.data(), sizeof(int) * n, cudaMemcpyHostToDevice));
+    gin_lsa_pointers<<<1, 32>>>(wins->w[0], d_index, n, d_ptrs);
+    EPX_LAUNCH_CHECK();
+    EPX_CUDA_CHECK(cudaMemcpy(wins->base, d_ptrs, sizeof(char*) * n, cudaMemcpyDeviceToHost));
+    EPX_CUDA_CHECK(cudaFree(d_index));
+    EPX_CUDA_CHECK(cudaFree(d_ptrs));
+    r.peers.assign(comm_.num_ranks(), nullptr);
+    const int first = topo_.node_of(comm_.rank()) * topo_.ranks_per_node;
+    for (int i = 0; i < n; ++i) r.peers[first + i] = wins->base[i];
+    barrier();  // every rank's zero fill is done before anyone writes
+    return r;
+  }
+
+  void free(SymmetricRegion& r) override {
+    if (!r.local) return;
+    auto* wins = static_cast<Windows*>(r.handle);
+    EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    barrier();
+    for (std::size_t k = 0; k < comms_.size(); ++k)
+      EPX_NCCL_CHECK(ncclCommWindowDeregister(comms_[k], wins->w[k]));
+    EPX_NCCL_CHECK(ncclMemFree(r.local));
+    delete wins;
+    r = SymmetricRegion{};
+  }
+
+  void barrier() override { comm_.barrier(); }
+
+  dev::AnyTransport device(const SymmetricRegion&) const override {
+    throw Error(ErrorCode::kUnsupported,
+                "backend: 'nccl' is not wired to the dispatch and combine kernels yet (its "
+                "transport runs in the GIN smoke test only; docs/nccl_gin.md)");
+  }
+
+  dev::NcclGinTransport gin_device(const SymmetricRegion& r) const override {
+    const auto* wins = static_cast<const Windows*>(r.handle);
+    dev::NcclGinTransport t{};
+    t.rank = comm_.rank();
+    t.num_ranks = comm_.num_ranks();
+    t.ranks_per_node = topo_.ranks_per_node;
+    t.node_first = topo_.node_of(comm_.rank()) * topo_.ranks_per_node;
+    t.num_contexts = num_contexts_;
+    for (int i = 0; i < kMaxRanksPerNode; ++i)
+      t.base[i] = i < static_cast<int>(lsa_index_.size()) ? wins->base[i] : nullptr;
+    t.local = static_cast<char*>(r.local);
+    t.comms = d_devcomms_;
+    for (std::size_t k = 0; k < comms_.size(); ++k) t.win[k] = wins->w[k];
+    return t;
+  }
+
+  void quiesce() override {
+    // Every context's posted puts have read their sources; then the ranks meet.
+    gin_flush_all<<<num_contexts_, 32>>>(d_devcomms_, num_contexts_);
+    EPX_LAUNCH_CHECK();
+    EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    barrier();
+  }
+
+  void reset_signals() override {
+    gin_reset_signals<<<num_contexts_, 256>>>(d_devcomms_, num_contexts_, num_signals_);
+    EPX_LAUNCH_CHECK();
+    EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    barrier();
+  }
+
+  void check_health() const override {
+    for (std::size_t k = 0; k < comms_.size(); ++k) {
+      ncclResult_t e = ncclSuccess;
+      EPX_NCCL_CHECK(ncclCommGetAsyncError(comms_[k], &e));
+      if (e != ncclSuccess && e != ncclInProgress)
+        throw Error(ErrorCode::kTimeout,
+                    "nccl backend: rank " + std::to_string(comm_.rank()) + "'s communicator " +
+                        std::to_string(k) + " (GIN contexts " +
+                        std::to_string(k * dev::kGinContextsPerComm) + "-" +
+                        std::to_string(k * dev::kGinContextsPerComm + 3) +
+                        ") failed asynchronously: " + result_name(e) +
+                        " (its GIN proxy stopped: ops on it would not complete)");
+    }
+  }
+
+ private:
+  struct Windows {
+    ncclWindow_t w[dev::kMaxGinComms] = {};
+    char* base[kMaxRanksPerNode] = {};
+  };
+  Communicator& comm_;
+  Topology topo_;
+  int num_contexts_, num_signals_;
+  int contexts_per_comm_ = dev::kGinContextsPerComm;
+  std::vector<ncclComm_t> comms_;
+  std::vector<ncclDevComm> devcomms_;
+  std::vector<bool> devcomm_made_;
+  ncclDevComm* d_devcomms_ = nullptr;
+  std::vector<int> lsa_index_;
+};
+
+}  // namespace
+
+std::unique_ptr<NcclGinBackend> make_nccl_gin_backend(Communicator& comm, const Topology& topology,
+                                                      int num_contexts, int num_signals) {
+  return std::make_unique<NcclGin>(comm, topology, num_contexts, num_signals);
+}
+
+}  // namespace epx::transport

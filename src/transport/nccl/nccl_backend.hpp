@@ -1,0 +1,38 @@
+// transport/nccl/nccl_backend.hpp - the host half of the NCCL GIN backend
+// (docs/nccl_gin.md): communicators split from the user's for the GIN
+// contexts (4 per communicator in NCCL 2.28.9), one ncclDevComm each with
+// GIN forced on and every context connected at creation, the region as one
+// ncclMemAlloc allocation registered as a symmetric window in each.
+//
+// Not yet a choice of make_backend: its device struct is not in the kernels'
+// list (transport/any.hpp), so device() refuses; gin_device() is what the
+// smoke test (tests/gpu/test_nccl_gin.cu) runs on. Nothing here has run on a
+// GPU yet.
+#pragma once
+
+#include <memory>
+
+#include "transport/backend.hpp"
+#include "transport/nccl/device.cuh"
+
+namespace epx::transport {
+
+class NcclGinBackend : public Backend {
+ public:
+  /// The device struct of `region` for kernels written for it directly.
+  virtual dev::NcclGinTransport gin_device(const SymmetricRegion& region) const = 0;
+  /// Signals in each context: ids [0, num_signals()) (zeroed at creation).
+  virtual int num_signals() const = 0;
+  /// Collective, no op in flight: every context's signals back to 0
+  /// (a kernel of resetSignal on `stream`, then a barrier).
+  virtual void reset_signals() = 0;
+};
+
+/// `num_contexts` (num_qps_per_rank) GIN contexts per peer, 1 to 32;
+/// `num_signals` signal ids per context. Throws epx::Error naming what is
+/// missing: an NCCL communicator (not in-process ranks), GIN support (a GIN
+/// net plugin: on one host, the loopback plugin, NCCL_NET_PLUGIN=epxloop).
+std::unique_ptr<NcclGinBackend> make_nccl_gin_backend(Communicator& comm, const Topology& topology,
+                                                      int num_contexts, int num_signals);
+
+}  // namespace epx::transport
