@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <utility>
 
 namespace epx::gin_loop {
 namespace {
@@ -17,7 +18,7 @@ std::string num(uint64_t v) {
 
 struct RegRecord {  // what regMrSym allgathers
   uint64_t id, size, alloc_bytes, offset;
-  uint32_t kind, type;
+  uint32_t kind, type, device, pad;
 };
 
 void* map_fd(int fd, std::size_t bytes, const std::string& what) {
@@ -71,9 +72,9 @@ Comm::Comm(const Context& ctx, ListenComm& listen, const std::vector<const MeshH
            int rank)
     : log_(ctx.log),
       config_(ctx.config),
-      memops_(ctx.memops),
       rank_(rank),
-      nranks_(static_cast<int>(handles.size())) {
+      nranks_(static_cast<int>(handles.size())),
+      memops_(make_memops(nranks_, config_.depth)) {
   try {
     mesh_ = std::make_unique<Mesh>(handles, rank, *listen.listener, config_.timeout_s);
   } catch (const MeshError& e) {
@@ -140,7 +141,7 @@ Comm::~Comm() {
 void Comm::free_all() {
   for (Registration* r : regs_) {
     for (auto& p : r->peers)
-      if (p.map_base) memops_->release(p.map_base, p.map_bytes);
+      if (p.map_base) release_quietly(p);
     delete r;
   }
   regs_.clear();
@@ -185,19 +186,26 @@ Registration* Comm::reg_mr_sym(void* data, std::size_t size, int type, uint64_t 
                  ex.alloc_bytes,
                  ex.offset,
                  static_cast<uint32_t>(ex.kind),
-                 static_cast<uint32_t>(type)};
+                 static_cast<uint32_t>(type),
+                 ex.device ? 1u : 0u,
+                 0};
   std::vector<Mesh::Item> items;
   auto reg = std::make_unique<Registration>();
   reg->comm = this;
   reg->id = id;
   reg->local = static_cast<char*>(data);
   reg->size = size;
+  reg->device = ex.device;
   reg->peers.resize(static_cast<std::size_t>(nranks_));
+  auto close_export = [&] {
+    if (ex.close_fd && ex.fd >= 0) ::close(ex.fd), ex.fd = -1;
+  };
   auto cleanup = [&] {
+    close_export();
     for (auto& it : items)
       if (it.fd >= 0) ::close(it.fd), it.fd = -1;
     for (auto& p : reg->peers)
-      if (p.map_base) memops_->release(p.map_base, p.map_bytes), p.map_base = nullptr;
+      if (p.map_base) release_quietly(p);
     std::lock_guard lock(m_);
     registering_ = 0;
   };
@@ -215,13 +223,14 @@ Registration* Comm::reg_mr_sym(void* data, std::size_t size, int type, uint64_t 
                                                 " while rank " + num(rank_) + " made #" + num(id));
       auto& p = reg->peers[r];
       p.kind = static_cast<RegionKind>(rec.kind);
+      p.device = rec.device != 0;
       p.size = rec.size;
       if (r == rank_) {
         p.ptr = reg->local;
       } else if (p.kind == RegionKind::kExportable) {
         if (items[r].fd < 0)
           throw PluginError(ncclInternalError, "rank " + num(r) + " sent no descriptor");
-        p.map_base = memops_->import(items[r].fd, rec.alloc_bytes, r);
+        p.map_base = memops_->import(items[r].fd, rec.alloc_bytes, p.device, r);
         p.map_bytes = rec.alloc_bytes;
         p.ptr = static_cast<char*>(p.map_base) + rec.offset;
       }
@@ -236,6 +245,7 @@ Registration* Comm::reg_mr_sym(void* data, std::size_t size, int type, uint64_t 
     cleanup();
     throw;
   }
+  close_export();
   for (auto& it : items)
     if (it.fd >= 0) ::close(it.fd);
   std::lock_guard lock(m_);
@@ -251,9 +261,28 @@ void Comm::dereg_mr_sym(void* mhandle) {
     r = lookup(mhandle, "mhandle");
     regs_.erase(r);
   }
-  for (auto& p : r->peers)
-    if (p.map_base) memops_->release(p.map_base, p.map_bytes);
-  delete r;
+  std::unique_ptr<Registration> owned(r);
+  std::string first_error;
+  for (auto& p : r->peers) {
+    if (!p.map_base) continue;
+    void* base = std::exchange(p.map_base, nullptr);
+    try {
+      memops_->release(base, p.map_bytes, p.device);
+    } catch (const MemOpsError& e) {
+      if (first_error.empty()) first_error = e.what();
+    }
+  }
+  if (!first_error.empty())  // every mapping was still released (or tried)
+    throw PluginError(ncclSystemError, "deregMrSym: " + first_error);
+}
+
+void Comm::release_quietly(Registration::Peer& p) {
+  void* base = std::exchange(p.map_base, nullptr);
+  try {
+    memops_->release(base, p.map_bytes, p.device);
+  } catch (const MemOpsError& e) {
+    log_warn(log_, "release", e.what());
+  }
 }
 
 Registration* Comm::lookup(void* mh, const char* arg) const {
@@ -293,6 +322,7 @@ void* Comm::iput(uint64_t src_off, void* src_mh, std::size_t size, uint64_t dst_
          std::string(op) + ": rank " + num(peer) + " is not in [0, " + num(nranks_) + ")");
   char* src = nullptr;
   char* dst = nullptr;
+  bool src_device = false, dst_device = false;  // GPU memory: the CUDA path
   if (size > 0) {
     Registration* s;
     Registration* d;
@@ -318,6 +348,8 @@ void* Comm::iput(uint64_t src_off, void* src_mh, std::size_t size, uint64_t dst_
                                     "; only its own process can write it");
     src = s->local + src_off;
     dst = dp.ptr + dst_off;
+    src_device = s->device;
+    dst_device = dp.device;
   } else if (!signal) {
     // A size-0 iput moves nothing; it is still a request in order.
   }
@@ -348,8 +380,9 @@ void* Comm::iput(uint64_t src_off, void* src_mh, std::size_t size, uint64_t dst_
              " requests to this peer are live (not yet tested done); NCCL keeps at most " +
              "32 * maxRecvs = " + num(config_.depth) + " per (context, peer)");
   try {
-    if (size > 0) memops_->copy_async(static_cast<int>(peer), dst, src, size);
-    memops_->mark(static_cast<int>(peer), &p.completed, seq);
+    if (size > 0)
+      memops_->copy_async(static_cast<int>(peer), dst, dst_device, src, src_device, size);
+    memops_->mark(static_cast<int>(peer), seq);
   } catch (const MemOpsError& e) {
     fail(ncclSystemError, std::string(op) + " to rank " + num(peer) + ": " + e.what());
   }
@@ -365,7 +398,7 @@ void* Comm::iput(uint64_t src_off, void* src_mh, std::size_t size, uint64_t dst_
 void Comm::pump(int peer) {
   Peer& p = peers_[peer];
   if (p.outbox.empty()) return;
-  const uint64_t completed = memops_->load_mark(&p.completed);
+  const uint64_t completed = memops_->completed(peer);
   while (!p.outbox.empty() && p.outbox.front().seq <= completed) {
     if (!p.ring.push(p.outbox.front().entry)) return;  // the target's ring is full: later
     p.posted = p.outbox.front().seq;
@@ -386,7 +419,7 @@ bool Comm::test(void* request) {
     fail(ncclInvalidArgument, "test: request " + num(seq_low) + " to rank " + num(peer) +
                                   " is not live (already reported done, or never issued)");
   pump(static_cast<int>(peer));
-  if (memops_->load_mark(&p.completed) < slot.seq) return false;
+  if (memops_->completed(static_cast<int>(peer)) < slot.seq) return false;
   if (slot.signalled && p.posted < slot.seq) return false;
   slot.busy = false;
   return true;
@@ -411,7 +444,7 @@ void Comm::drain_inbox() {
                                     " bytes)");
       auto* word = reinterpret_cast<uint64_t*>(g->local + e.offset);
       try {
-        memops_->write_word(word, memops_->read_word(word) + e.add);
+        memops_->add_word(word, e.add, g->device);
       } catch (const MemOpsError& err) {
         fail(ncclSystemError,
              std::string("applying a signal from rank ") + num(s) + ": " + err.what());
@@ -423,6 +456,11 @@ void Comm::drain_inbox() {
 
 void Comm::progress() {
   std::lock_guard lock(m_);
+  try {
+    memops_->poll();  // a copy or mark that failed on its stream
+  } catch (const MemOpsError& e) {
+    fail(ncclSystemError, e.what());
+  }
   for (int t = 0; t < nranks_; ++t) pump(t);
   drain_inbox();
 }

@@ -47,7 +47,6 @@ struct Context {
   uint64_t comm_id = 0;
   ncclDebugLogger_t log = nullptr;
   Config config;
-  std::shared_ptr<MemOps> memops;
 };
 
 struct ListenComm {
@@ -64,8 +63,10 @@ struct Registration {
   uint64_t id = 0;  ///< collective sequence number, equal on every rank
   char* local = nullptr;
   std::size_t size = 0;
+  bool device = false;  ///< this rank's range is GPU memory (MemOps' CUDA path)
   struct Peer {
     RegionKind kind = RegionKind::kLocalOnly;
+    bool device = false;  ///< that rank's range is GPU memory
     uint64_t size = 0;
     char* ptr = nullptr;       ///< where this process reaches the peer's range (nullptr: it cannot)
     void* map_base = nullptr;  ///< imported allocation (released at deregistration)
@@ -116,8 +117,7 @@ class Comm {
   struct Peer {
     std::vector<Slot> slots;
     uint64_t next_seq = 1;
-    alignas(8) uint64_t completed = 0;  ///< written by MemOps::mark
-    uint64_t posted = 0;                ///< seq of the last signal pushed to the target
+    uint64_t posted = 0;  ///< seq of the last signal pushed to the target
     std::deque<Pending> outbox;
     SignalRing ring;  ///< this rank's ring in the peer's inbox
   };
@@ -127,13 +127,14 @@ class Comm {
   Registration* lookup(void* mh, const char* arg) const;
   void pump(int peer);
   void drain_inbox();
+  void release_quietly(Registration::Peer& p);  ///< teardown: logs a failure
   void free_all();  ///< idempotent: registrations, inbox mappings, the mesh
 
   const ncclDebugLogger_t log_;
   const Config config_;
-  const std::shared_ptr<MemOps> memops_;
   const int rank_;
   const int nranks_;
+  std::unique_ptr<MemOps> memops_;  ///< before every member holding its imports
   std::unique_ptr<Mesh> mesh_;
 
   std::size_t ring_bytes_ = 0;

@@ -1,13 +1,21 @@
 // plugins/gin_loopback/memops.hpp - the memory operations the loopback GIN
 // plugin is written against: classify and export a registered range, import a
-// peer's export, an asynchronous copy, a completion mark, and the read / write
-// of a 64-bit word (the target applies signals with them).
+// peer's export, an asynchronous copy, a completion mark per peer, and the
+// target's read-modify-write of a signal word.
 //
-// Two implementations are planned: the host one (memops_host.cpp, memfd
-// shared memory, synchronous; what CI runs) and a CUDA one (cuMem POSIX-FD
-// export / import, cudaMemcpyAsync and cuStreamWriteValue64 on per-peer
-// streams; not written yet). Failures throw MemOpsError with a sentence that
-// names the argument or peer; the plugin turns it into an NCCL result code.
+// One MemOps per collComm (made at connect): it owns the per-peer completion
+// words and, with CUDA, the per-peer streams. Two implementations:
+//  - host (memops_host.cpp): memfd shared memory, synchronous memcpy; what CI runs;
+//  - CUDA (memops_cuda.cpp, built with EPX_GIN_LOOP_CUDA): GPU ranges go
+//    through the driver (cuMem POSIX-FD export / import, cuMemcpyAsync and
+//    cuStreamWriteValue64 on per-peer streams); host ranges keep the host
+//    memops, so the choice is made per registered pointer (Export::device).
+// Failures throw MemOpsError with a sentence that names the call and the peer;
+// the plugin turns it into an NCCL result code (sticky on the collComm).
+//
+// Threading: the plugin calls copy_async / mark / completed / add_word / poll
+// under its per-collComm mutex; classify / import / release may run
+// concurrently with them (registration on the user thread).
 #pragma once
 
 #include <cstddef>
@@ -33,41 +41,58 @@ const char* to_string(RegionKind kind);
 /// What classify() learns about [data, data + size).
 struct Export {
   RegionKind kind = RegionKind::kLocalOnly;
+  bool device = false;       ///< GPU memory: copies, imports and words go through CUDA
   uint64_t alloc_bytes = 0;  ///< size of the whole allocation (exportable only)
   uint64_t offset = 0;       ///< data - allocation start (exportable only)
-  int fd = -1;               ///< kExportable: a descriptor for the allocation, owned by the MemOps
+  int fd = -1;               ///< kExportable: a descriptor for the allocation
+  bool close_fd = false;     ///< the descriptor was made for this call: the caller closes it
 };
 
 class MemOps {
  public:
   virtual ~MemOps() = default;
   virtual const char* name() const = 0;
-  /// The NCCL_PTR_* bits of ranges this implementation can register.
-  virtual int ptr_support() const = 0;
-  /// Classifies a range of this process registered with NCCL type `type`.
+  /// Classifies a range of this process registered with NCCL type `type`
+  /// (NCCL_PTR_HOST or NCCL_PTR_CUDA); the user thread's call.
   virtual Export classify(void* data, std::size_t size, int type) = 0;
   /// Maps a peer's exportable allocation (`fd` received from it; the caller
-  /// closes it afterwards); returns the address of the allocation's start.
-  virtual void* import(int fd, uint64_t alloc_bytes, int peer) = 0;
-  /// Undoes import().
-  virtual void release(void* base, uint64_t alloc_bytes) = 0;
-  /// Queues a copy on `peer`'s stream (effects in call order per peer).
-  virtual void copy_async(int peer, void* dst, const void* src, std::size_t bytes) = 0;
-  /// Stores `value` to `*word` once every earlier copy_async of `peer` is done.
-  virtual void mark(int peer, uint64_t* word, uint64_t value) = 0;
-  /// Acquire-loads a completion word written by mark().
-  virtual uint64_t load_mark(const uint64_t* word) = 0;
-  /// Reads / writes an 8-byte word of registered memory of this process
-  /// (a signal: the target's applier is its only remote writer).
-  virtual uint64_t read_word(const uint64_t* word) = 0;
-  virtual void write_word(uint64_t* word, uint64_t value) = 0;
+  /// closes it afterwards; `device`: the peer's Export::device); returns the
+  /// address of the allocation's start in this process.
+  virtual void* import(int fd, uint64_t alloc_bytes, bool device, int peer) = 0;
+  /// Undoes import() (waits for copies still in flight).
+  virtual void release(void* base, uint64_t alloc_bytes, bool device) = 0;
+  /// Queues a copy to `peer` (effects in call order per peer); `*_device`:
+  /// that side is GPU memory (either: the CUDA path). The source may be reused
+  /// once it returns (a small host source is staged).
+  virtual void copy_async(int peer, void* dst, bool dst_device, const void* src, bool src_device,
+                          std::size_t bytes) = 0;
+  /// Makes completed(peer) reach `seq` once every earlier copy_async of `peer`
+  /// is done (seq grows by one per request).
+  virtual void mark(int peer, uint64_t seq) = 0;
+  /// The last mark of `peer` known done (an acquire load; never a CUDA call).
+  virtual uint64_t completed(int peer) = 0;
+  /// *word += add, for an 8-byte signal word of this process (`device`: GPU
+  /// memory); the target's applier is the only remote writer of such words.
+  virtual void add_word(uint64_t* word, uint64_t add, bool device) = 0;
+  /// Throws the failure of an asynchronous operation, if any has been seen
+  /// (rate-limited; called from the progress path).
+  virtual void poll() {}
 };
 
-/// Host memory: exportable ranges are those inside an allocation made by
+/// The NCCL_PTR_* bits this build registers: HOST, plus CUDA with EPX_GIN_LOOP_CUDA.
+int memops_ptr_support();
+/// The memops of one collComm of `nranks` ranks and `depth` requests per peer:
+/// host memops, wrapped by the CUDA memops when they are built in (no CUDA
+/// call happens until a GPU range is registered).
+std::unique_ptr<MemOps> make_memops(int nranks, int depth);
+
+/// Host memory only: exportable ranges are those inside an allocation made by
 /// host_alloc_shared (a memfd mapped MAP_SHARED); every other NCCL_PTR_HOST
-/// range is local-only; NCCL_PTR_CUDA is refused (this build has no CUDA
-/// memops). Copies are memcpy, done when copy_async returns.
-std::unique_ptr<MemOps> make_host_memops();
+/// range is local-only; NCCL_PTR_CUDA is refused. Copies are memcpy, done when
+/// copy_async returns.
+std::unique_ptr<MemOps> make_host_memops(int nranks);
+/// The CUDA memops over `host` (which serves every host range).
+std::unique_ptr<MemOps> make_cuda_memops(int nranks, int depth, std::unique_ptr<MemOps> host);
 
 /// A memfd-backed allocation of `bytes` (zeroed) that host memops export;
 /// what tests register as "windows". Throws MemOpsError on failure.

@@ -1,4 +1,6 @@
-// plugins/gin_loopback/memops_host.cpp - MemOps over host shared memory.
+// plugins/gin_loopback/memops_host.cpp - MemOps over host shared memory (the
+// memfd windows of the CPU tests, malloc'd inline values), and the host-only
+// build's make_memops.
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -7,6 +9,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <vector>
 
 #include "plugins/gin_loopback/abi.hpp"
 #include "plugins/gin_loopback/memops.hpp"
@@ -40,8 +43,8 @@ std::string errno_text(int e) {
 
 class HostMemOps final : public MemOps {
  public:
+  explicit HostMemOps(int nranks) : done_(static_cast<std::size_t>(nranks), 0) {}
   const char* name() const override { return "host"; }
-  int ptr_support() const override { return NCCL_PTR_HOST; }
 
   Export classify(void* data, std::size_t size, int type) override {
     if (type == NCCL_PTR_CUDA)
@@ -56,43 +59,67 @@ class HostMemOps final : public MemOps {
     auto it = table().upper_bound(p);
     if (it != table().begin()) {
       --it;
-      if (p >= it->first && p + size <= it->first + it->second.bytes)
-        return Export{RegionKind::kExportable, it->second.bytes, p - it->first, it->second.fd};
+      if (p >= it->first && p + size <= it->first + it->second.bytes) {
+        Export ex;
+        ex.kind = RegionKind::kExportable;
+        ex.alloc_bytes = it->second.bytes;
+        ex.offset = p - it->first;
+        ex.fd = it->second.fd;  // the table's: stays open
+        return ex;
+      }
     }
     return Export{};
   }
 
-  void* import(int fd, uint64_t alloc_bytes, int peer) override {
+  void* import(int fd, uint64_t alloc_bytes, bool device, int peer) override {
+    if (device)
+      throw MemOpsError("rank " + std::to_string(peer) +
+                        " registered GPU memory; this build has host memops only");
     void* p = mmap(nullptr, alloc_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED)
       throw MemOpsError("mapping rank " + std::to_string(peer) + "'s allocation of " +
                         std::to_string(alloc_bytes) + " bytes failed: " + errno_text(errno));
     return p;
   }
-  void release(void* base, uint64_t alloc_bytes) override { munmap(base, alloc_bytes); }
+  void release(void* base, uint64_t alloc_bytes, bool) override { munmap(base, alloc_bytes); }
 
-  void copy_async(int, void* dst, const void* src, std::size_t bytes) override {
+  void copy_async(int, void* dst, bool dst_device, const void* src, bool src_device,
+                  std::size_t bytes) override {
+    if (dst_device || src_device) throw MemOpsError("a GPU copy reached the host memops");
     if (bytes) std::memcpy(dst, src, bytes);
   }
-  void mark(int, uint64_t* word, uint64_t value) override {
-    std::atomic_ref<uint64_t>(*word).store(value, std::memory_order_release);
+  void mark(int peer, uint64_t seq) override {
+    std::atomic_ref<uint64_t>(done_[static_cast<std::size_t>(peer)])
+        .store(seq, std::memory_order_release);
   }
-  uint64_t load_mark(const uint64_t* word) override {
-    return std::atomic_ref<uint64_t>(*const_cast<uint64_t*>(word)).load(std::memory_order_acquire);
+  uint64_t completed(int peer) override {
+    return std::atomic_ref<uint64_t>(done_[static_cast<std::size_t>(peer)])
+        .load(std::memory_order_acquire);
   }
-  uint64_t read_word(const uint64_t* word) override {
-    return std::atomic_ref<uint64_t>(*const_cast<uint64_t*>(word)).load(std::memory_order_acquire);
+  void add_word(uint64_t* word, uint64_t add, bool device) override {
+    if (device) throw MemOpsError("a GPU signal word reached the host memops");
+    std::atomic_ref<uint64_t> w(*word);
+    w.store(w.load(std::memory_order_acquire) + add, std::memory_order_release);
   }
-  void write_word(uint64_t* word, uint64_t value) override {
-    std::atomic_ref<uint64_t>(*word).store(value, std::memory_order_release);
-  }
+
+ private:
+  std::vector<uint64_t> done_;  ///< per peer: the last mark
 };
 
 }  // namespace
 
-std::unique_ptr<MemOps> make_host_memops() {
-  return std::make_unique<HostMemOps>();
+std::unique_ptr<MemOps> make_host_memops(int nranks) {
+  return std::make_unique<HostMemOps>(nranks);
 }
+
+#ifndef EPX_GIN_LOOP_CUDA
+int memops_ptr_support() {
+  return NCCL_PTR_HOST;
+}
+std::unique_ptr<MemOps> make_memops(int nranks, int) {
+  return make_host_memops(nranks);
+}
+#endif
 
 void* host_alloc_shared(std::size_t bytes) {
   if (bytes == 0) throw MemOpsError("host_alloc_shared: bytes must be > 0");

@@ -183,7 +183,6 @@ ncclResult_t gin_init(void** ctx, uint64_t comm_id, ncclDebugLogger_t log) {
     c->comm_id = comm_id;
     c->log = log;
     c->config = read_config();
-    c->memops = make_host_memops();
     *ctx = c.release();
   });
 }
@@ -200,7 +199,7 @@ ncclResult_t gin_properties(int dev, ncclNetProperties_v11_t* p) {
       throw PluginError(ncclInvalidArgument, "dev " + std::to_string(dev) + " is not 0");
     const Config cfg = read_config();
     fill_common(p);
-    p->ptrSupport = make_host_memops()->ptr_support();
+    p->ptrSupport = memops_ptr_support();  // HOST, plus CUDA where the CUDA memops are built
     p->maxRecvs = cfg.depth / 32;
     p->netDeviceType = NCCL_NET_DEVICE_GIN_PROXY;
   });
