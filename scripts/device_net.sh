@@ -15,6 +15,11 @@
 #            (processes where there are 4 GPUs, else in-process)
 #   bench    epx-bench ll over the proxy (2x2, EPX_BENCH_QPS channels: "1 4")
 #            and epx-bench fifo (2 ranks)
+#   nccl     (not in the default steps) the NCCL GIN backend through the
+#            loopback plugin (.device/libnccl-net-epxloop.so), one GPU per
+#            rank: the plugin's own 2-process GPU test, the transport smoke
+#            test, then the Smoke and LowLatency suites with EPX_BACKEND=nccl
+#            as 2 processes of 1 node each and, with 4 GPUs, 4 as 2x2
 #   b2b      (not in the default steps) epx-bench ll over the proxy three ways,
 #            for its back-to-back pair time: 4 processes, the same with
 #            CUDA_DEVICE_MAX_CONNECTIONS=32, 4 in-process ranks
@@ -117,6 +122,22 @@ if has bench; then
   rc=$?
   tail -6 "$OUT/bench-fifo.log"
   summary+=("bench fifo: rc=$rc")
+fi
+if has nccl && [ "$GPUS" -ge 2 ]; then
+  gin=(env NCCL_NET_PLUGIN="$D/libnccl-net-epxloop.so" NCCL_DEBUG=${EPX_NCCL_DEBUG:-WARN}
+       NCCL_DEBUG_SUBSYS=INIT,NET)
+  run_suite "loopback GIN plugin, 2 processes (its own test)" "$OUT/nccl-plugin.log" 120 \
+    "${gin[@]}" "$D/epx_gin_loopback_gpu_tests"
+  run_suite "NCCL GIN transport smoke, 2 processes as 2 nodes" "$OUT/nccl-smoke.log" 120 \
+    "${gin[@]}" EPX_TEST_NCCL_GIN=1 EPX_RANKS_PER_NODE=1 "$D/launch.sh" 2 "$D/epx_gpu_tests" \
+    --gtest_filter=Smoke.TransportPutSignalNcclGin
+  for spec in ${EPX_NCCL_PROCS:-2:1 4:2}; do
+    r=${spec%%:*} rpn=${spec##*:}
+    [ "$GPUS" -ge "$r" ] || continue
+    run_suite "$r processes, nodes of $rpn (nccl)" "$OUT/nccl-procs$r-rpn$rpn.log" \
+      ${EPX_TEST_TIMEOUT:-420} "${gin[@]}" EPX_BACKEND=nccl EPX_RANKS_PER_NODE=$rpn \
+      "$D/launch.sh" "$r" "$D/epx_gpu_tests" --gtest_filter="${EPX_NCCL_FILTER:-Smoke.*:LowLatency.*}"
+  done
 fi
 if has b2b; then
   # Why ops back to back over the proxy are slow: the same bench three ways

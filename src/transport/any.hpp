@@ -6,18 +6,21 @@
 
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <variant>
 
 #include "epx/error.hpp"
 #include "transport/lsa.cuh"
+#include "transport/nccl/device.cuh"
 #include "transport/proxy/device.cuh"
 
 namespace epx::dev {
 
-using AnyTransport = std::variant<LsaTransport, ProxyTransport>;
+using AnyTransport = std::variant<LsaTransport, ProxyTransport, NcclGinTransport>;
 
 static_assert(DeviceTransport<LsaTransport>);
 static_assert(DeviceTransport<ProxyTransport>);
+static_assert(DeviceTransport<NcclGinTransport>);
 
 /// The members every transport shares (rank, node, signals, deadline, ...).
 inline TransportBase& base_of(AnyTransport& t) {
@@ -33,10 +36,16 @@ inline std::optional<LsaTransport> node_view(const AnyTransport& t) {
   const TransportBase& b = base_of(t);
   if (b.ranks_per_node != b.num_ranks || b.num_ranks > kMaxRanksPerNode) return std::nullopt;
   if (const auto* lsa = std::get_if<LsaTransport>(&t)) return *lsa;
-  const auto& p = std::get<ProxyTransport>(t);
+  // The network transports keep the node's copies by local index; with one
+  // node that is the rank.
   LsaTransport v{};
   static_cast<TransportBase&>(v) = b;
-  for (int r = 0; r < b.num_ranks; ++r) v.base[r] = p.base[r];
+  std::visit(
+      [&](const auto& x) {
+        if constexpr (!std::is_same_v<std::decay_t<decltype(x)>, LsaTransport>)
+          for (int r = 0; r < b.num_ranks; ++r) v.base[r] = x.base[r];
+      },
+      t);
   return v;
 }
 

@@ -1,8 +1,11 @@
 #include "transport/backend.hpp"
 
+#include <algorithm>
+
 #include "common/env.hpp"
 #include "epx/communicator.hpp"
 #include "epx/error.hpp"
+#include "transport/nccl/nccl_backend.hpp"
 
 namespace epx::transport {
 
@@ -16,10 +19,23 @@ std::unique_ptr<Backend> make_backend(const std::string& requested, Communicator
   }
   const std::string nodes = std::to_string(topology.num_nodes()) + " nodes of " +
                             std::to_string(topology.ranks_per_node) + " ranks";
-  if (name == "nccl" || name == "nvshmem")
+  if (name == "nvshmem")
     throw Error(ErrorCode::kUnsupported,
-                from + ": '" + name +
-                    "' is not built yet; this build serves 'nvlink', 'in_process' and 'proxy'");
+                from +
+                    ": 'nvshmem' is not built yet; this build serves 'nvlink', 'in_process', "
+                    "'proxy' and 'nccl'");
+  if (name == "nccl") {
+    // GIN contexts: num_qps_per_rank, at most EPX_GIN_CONTEXTS (default 4: one
+    // communicator, one NCCL progress thread per process on a proxy-type GIN).
+    const long cap = env::get_int("EPX_GIN_CONTEXTS").value_or(4);
+    if (cap < 1 || cap > kMaxContexts)
+      throw Error(ErrorCode::kInvalidArgument, "EPX_GIN_CONTEXTS: must be in [1, " +
+                                                   std::to_string(kMaxContexts) + "], got " +
+                                                   std::to_string(cap));
+    const int contexts = static_cast<int>(std::clamp<long>(options.num_contexts, 1, cap));
+    // Signal ids: a source's dispatch, combine weights and combine rows.
+    return make_nccl_gin_backend(comm, topology, contexts, 3 * comm.num_ranks());
+  }
   if (name == "auto") {
     if (!topology.single_node()) return make_proxy_backend(comm, topology, options);
     if (comm.in_process()) return make_in_process_backend(comm, topology);

@@ -145,14 +145,25 @@ struct VmmBuffer {
 struct Plugin {
   void* so = nullptr;
   gl::ncclGin_v11_t* gin = nullptr;
+  std::string error;  ///< dlerror() when it did not load
 };
+/// The plugin to load: NCCL_NET_PLUGIN when it names a file (as NCCL itself
+/// would take it), else the one this build made.
+const char* plugin_path() {
+  const char* env = std::getenv("NCCL_NET_PLUGIN");
+  return env != nullptr && std::strchr(env, '/') != nullptr ? env : EPX_GIN_LOOPBACK_SO;
+}
 const Plugin& plugin() {
   static const Plugin p = [] {
     setenv("EPX_GIN_LOOP_DEPTH", std::to_string(kDepth).c_str(), 1);
     setenv("EPX_GIN_LOOP_TIMEOUT_S", "30", 1);
     Plugin q;
-    q.so = dlopen(EPX_GIN_LOOPBACK_SO, RTLD_NOW | RTLD_LOCAL);
+    q.so = dlopen(plugin_path(), RTLD_NOW | RTLD_LOCAL);
     if (q.so) q.gin = static_cast<gl::ncclGin_v11_t*>(dlsym(q.so, "ncclGinPlugin_v11"));
+    if (!q.gin) {
+      const char* e = dlerror();
+      q.error = e != nullptr ? e : "no ncclGinPlugin_v11";
+    }
     return q;
   }();
   return p;
@@ -184,7 +195,7 @@ Op op_of(int k) {
 
 void run_rank(Board* board, int rank) {
   const Plugin& p = plugin();
-  CHECK_TRUE(p.gin != nullptr, std::string("plugin not loaded: ") + EPX_GIN_LOOPBACK_SO);
+  CHECK_TRUE(p.gin != nullptr, std::string("plugin not loaded: ") + plugin_path() + ": " + p.error);
   const auto& g = *p.gin;
   CHECK_CUDA(cudaSetDevice(rank));
   CHECK_CUDA(cudaFree(nullptr));  // the primary context, current on this thread

@@ -10,8 +10,8 @@
 // region's signal words, as on the other transports. wait_signal reads the
 // one or the other by the waited-for peer.
 //
-// Not in the kernels' list of transports yet (transport/any.hpp): the smoke
-// test drives it first (tests/gpu/test_nccl_gin.cu).
+// In the kernels' list (transport/any.hpp); Smoke.TransportPutSignalNcclGin
+// tests it alone. Nothing of it has run on a GPU yet.
 #pragma once
 
 #include <cstddef>

@@ -156,11 +156,11 @@ class NcclGin final : public NcclGinBackend {
 
   void barrier() override { comm_.barrier(); }
 
-  dev::AnyTransport device(const SymmetricRegion&) const override {
-    throw Error(ErrorCode::kUnsupported,
-                "backend: 'nccl' is not wired to the dispatch and combine kernels yet (its "
-                "transport runs in the GIN smoke test only; docs/nccl_gin.md)");
-  }
+  dev::AnyTransport device(const SymmetricRegion& r) const override { return gin_device(r); }
+
+  /// The core zeroed the region's signal words (those of same-node peers);
+  /// NCCL's words of the other nodes' signals go back to 0 too.
+  void region_cleared(const SymmetricRegion&) override { reset_signals(); }
 
   dev::NcclGinTransport gin_device(const SymmetricRegion& r) const override {
     const auto* wins = static_cast<const Windows*>(r.handle);

@@ -4,10 +4,8 @@
 // GIN forced on and every context connected at creation, the region as one
 // ncclMemAlloc allocation registered as a symmetric window in each.
 //
-// Not yet a choice of make_backend: its device struct is not in the kernels'
-// list (transport/any.hpp), so device() refuses; gin_device() is what the
-// smoke test (tests/gpu/test_nccl_gin.cu) runs on. Nothing here has run on a
-// GPU yet.
+// make_backend("nccl") makes it (EPX_BACKEND=nccl); `auto` does not pick it
+// yet. Nothing here has run on a GPU yet.
 #pragma once
 
 #include <memory>
