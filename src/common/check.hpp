@@ -35,3 +35,19 @@ namespace epx::detail {
       throw ::epx::Error(::epx::ErrorCode::kInternal,                                \
                          std::string("assertion failed: " #cond " at ") + __FILE__); \
   } while (0)
+
+namespace epx {
+/// Makes `device` current; the previous device again on the way out.
+struct DeviceGuard {
+  int previous = -1;
+  explicit DeviceGuard(int device) {
+    EPX_CUDA_CHECK(cudaGetDevice(&previous));
+    if (previous != device) EPX_CUDA_CHECK(cudaSetDevice(device));
+  }
+  ~DeviceGuard() {
+    if (previous >= 0) cudaSetDevice(previous);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+};
+}  // namespace epx

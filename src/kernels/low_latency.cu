@@ -348,7 +348,7 @@ __device__ __forceinline__ bool wait_combine_flags(const T& t, const LlOffsets& 
     if constexpr (kNet<T>) {
       came = t.same_node(s) ? t.wait_flag(flag_offset(half, o, kFlagCombine, s), epoch, timeout_ns,
                                           diag, OpId::kLowLatencyCombineRecv, s, -1)
-                            : t.wait_signal(ll_sig_combine(t.num_ranks, s), seq * t.num_contexts,
+                            : t.wait_signal(ll_sig_combine(t.num_ranks, s), seq,
                                             OpId::kLowLatencyCombineRecv, s);
     } else {
       came = t.wait_flag(flag_offset(half, o, kFlagCombine, s), epoch, timeout_ns, diag,
@@ -839,8 +839,8 @@ __device__ __forceinline__ bool recv_mask_word(const LlDispatchRecvParams<T>& p,
   bool ok = true;
   if constexpr (kNet<T>)  // a source in another node: its words land before its signal
     if (!was_masked && !p.t.same_node(s))
-      ok = p.t.wait_signal(ll_sig_dispatch(p.t.num_ranks, s), seq * p.t.num_contexts,
-                           OpId::kLowLatencyDispatchRecv, s);
+      ok =
+          p.t.wait_signal(ll_sig_dispatch(p.t.num_ranks, s), seq, OpId::kLowLatencyDispatchRecv, s);
   if (ok)
     ok = p.t.wait_tagged(mask_word_offset(p.off, tags, s, w, le, E_local), epoch, word,
                          p.timeout_ns, p.diag, OpId::kLowLatencyDispatchRecv, s, le);
@@ -862,8 +862,8 @@ __device__ __forceinline__ bool recv_token_count(const LlDispatchRecvParams<T>& 
   bool came = true;
   if constexpr (kNet<T>)
     if (!was_masked && !p.t.same_node(s))
-      came = p.t.wait_signal(ll_sig_dispatch(p.t.num_ranks, s), seq * p.t.num_contexts,
-                             OpId::kLowLatencyDispatchRecv, s);
+      came =
+          p.t.wait_signal(ll_sig_dispatch(p.t.num_ranks, s), seq, OpId::kLowLatencyDispatchRecv, s);
   if (came)
     came = p.t.wait_tagged(tags + 8u * s, epoch, n, p.timeout_ns, p.diag,
                            OpId::kLowLatencyDispatchRecv, s, le);
@@ -1247,6 +1247,9 @@ __device__ __forceinline__ void net_send_weights(const LlCombineSendParams<T>& p
                                            ll_sig_weights(R, me), 1);
     else
       p.t.template signal_add<dev::Thread>(0, r, ll_sig_weights(R, me), 1);
+    // Every context's word counts the op (a receiver waits for each).
+    for (int c = 1; c < p.t.num_contexts; ++c)
+      p.t.template signal_add<dev::Thread>(c, r, ll_sig_weights(R, me), 1);
   }
 }
 

@@ -18,8 +18,9 @@
 //   signal_add<Coop>(ctx, r, sig, add)
 //                       `add` to signal `sig` at r after every earlier put of
 //                       this context to r
-//   wait_signal(sig, value, ...)  spin until this rank's signal `sig` >= value,
-//                       with a deadline and a diagnostic; false on timeout
+//   wait_signal(sig, value, ...)  spin until every context's word of this
+//                       rank's signal `sig` is >= value, with a deadline and a
+//                       diagnostic; false on timeout
 //   fence(ctx)          puts and signals of ctx to a peer before it land before
 //                       those to that peer after it (no order across peers)
 //   quiet(ctx)          every put of ctx issued so far is complete at the source
@@ -27,9 +28,13 @@
 //
 // Signals are 64-bit counters that only add (NCCL GIN offers add and inc,
 // not set); receivers wait for >= an expected count derived from how many
-// ops ran. A signal id names one source rank, and a counter is the sum of
-// one word per context (so several contexts of one source can signal it
-// without sharing a word). Contexts are queue pairs / GIN contexts / proxy
+// ops ran. A signal id names one source rank and has one word per context
+// (so several contexts of one source signal it without sharing a word). A
+// sender adds 1 to every context's word per op, each after that context's
+// puts; a receiver waits until every word reaches the op's count. (A sum
+// over the contexts would let a sender that runs an op ahead, with two
+// dispatches in flight, make up with one context's next signal for another
+// context's missing one.) Contexts are queue pairs / GIN contexts / proxy
 // channels used in parallel.
 //
 // Capability flags (T::kCaps): whether some peers need the network, whether
@@ -150,20 +155,21 @@ __device__ __forceinline__ int coop_size() {
   }
 }
 
-/// Spins until the signal `sig` of this rank (the sum of its context words)
-/// is >= `value`. Shrink: gives up (false, no report) when `peer` is masked;
-/// at the deadline masks the peer (shrink) or reports kTimeout naming `op`,
-/// `peer` and, as the channel, kDiagSignalChannel + the signal id.
+/// Spins until every context's word of signal `sig` of this rank is >=
+/// `value` (their minimum is). Shrink: gives up (false, no report) when
+/// `peer` is masked; at the deadline masks the peer (shrink) or reports
+/// kTimeout naming `op`, `peer` and, as the channel, kDiagSignalChannel + the
+/// signal id (seen: the lowest word).
 __device__ __forceinline__ bool wait_signal_words(const TransportBase& t, const char* local,
                                                   int sig, uint64_t value, OpId op, int peer) {
   const uint64_t* w = reinterpret_cast<const uint64_t*>(local + t.signal_word(sig, 0));
-  auto sum = [&] {
-    uint64_t s = 0;
-    for (int c = 0; c < t.num_contexts; ++c) s += ld_acquire_sys_u64(w + c);
-    return s;
+  auto lowest = [&] {
+    uint64_t m = ~0ull;
+    for (int c = 0; c < t.num_contexts; ++c) m = min(m, ld_acquire_sys_u64(w + c));
+    return m;
   };
   return spin_until(
-      sum, [&](uint64_t v) { return v >= value; },
+      lowest, [&](uint64_t v) { return v >= value; },
       [](uint64_t v) { return static_cast<uint32_t>(v); }, static_cast<uint32_t>(value),
       t.timeout_ns, t.diag, op, t.rank, peer, kDiagSignalChannel + sig, t.mask_word(peer));
 }

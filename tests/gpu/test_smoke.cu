@@ -65,7 +65,8 @@ EPX_GPU_TEST(Smoke, SymmetricPeerStores) {
 // The transport concept end to end: rank `me` fills its send area [0, block)
 // with value(me, dst, i) per destination block, puts block dst to every rank
 // dst at [me * block] of dst's receive area with a signal (id me) add of 1 on
-// context dst % contexts, then waits for every source's signal, and quiets.
+// context dst % contexts and a bare add of 1 on the other contexts, then waits
+// for every source's signal, and quiets.
 // Every kind of peer is covered: itself and its node by load/store, the
 // other nodes by the backend's network path.
 template <class T>
@@ -79,10 +80,15 @@ __global__ void put_signal_all(T t, std::size_t recv_off, int words, int* failed
       send[static_cast<std::size_t>(dst) * words + i] =
           0x9E3779B9u * (me + 1) + 0x85EBCA6Bu * (dst + 1) + i;
   __syncthreads();
-  for (int dst = warp; dst < n; dst += warps)
-    t.template put_signal<epx::dev::Warp>(dst % t.num_contexts, dst,
-                                          recv_off + static_cast<std::size_t>(me) * block,
+  for (int dst = warp; dst < n; dst += warps) {
+    const int ctx = dst % t.num_contexts;
+    t.template put_signal<epx::dev::Warp>(ctx, dst, recv_off + static_cast<std::size_t>(me) * block,
                                           static_cast<std::size_t>(dst) * block, block, me, 1);
+    // Every context's word of the signal counts the op (the receiver waits
+    // for each); the others carry no put.
+    for (int c = 0; c < t.num_contexts; ++c)
+      if (c != ctx) t.template signal_add<epx::dev::Warp>(c, dst, me, 1);
+  }
   __syncthreads();
   if (static_cast<int>(threadIdx.x) < n &&
       !t.wait_signal(threadIdx.x, 1, epx::OpId::kNone, threadIdx.x))

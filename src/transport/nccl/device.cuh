@@ -113,26 +113,28 @@ struct NcclGinTransport : TransportBase, LsaWords<NcclGinTransport> {
           ncclGin_SignalAdd{static_cast<ncclGinSignal_t>(sig), add}, ncclGin_None{},
           nccl_coop<Coop>());
   }
-  /// Signal `sig` >= value: NCCL's words of every context for a peer in
-  /// another node, the region's words for a same-node one; EPX's deadline and
-  /// diagnostic either way (NCCL's own waits have none).
+  /// Every context's word of signal `sig` >= value: NCCL's words for a peer
+  /// in another node, the region's words for a same-node one; EPX's deadline
+  /// and diagnostic either way (NCCL's own waits have none).
   __device__ __forceinline__ bool wait_signal(int sig, uint64_t value, OpId op, int peer) const {
     if (peer >= 0 && same_node(peer)) return wait_signal_words(*this, local, sig, value, op, peer);
-    auto sum = [&] {
-      uint64_t s = 0;
+    auto lowest = [&] {
+      uint64_t m = ~0ull;
       for (int c = 0; c < num_contexts; ++c) {
         ncclGin g(comm_of(c), c % kGinContextsPerComm);
-        s += g.readSignal(static_cast<ncclGinSignal_t>(sig));
+        m = min(m, static_cast<uint64_t>(g.readSignal(static_cast<ncclGinSignal_t>(sig))));
       }
-      return s;
+      return m;
     };
     return spin_until(
-        sum, [&](uint64_t v) { return v >= value; },
+        lowest, [&](uint64_t v) { return v >= value; },
         [](uint64_t v) { return static_cast<uint32_t>(v); }, static_cast<uint32_t>(value),
         timeout_ns, diag, op, rank, peer, kDiagSignalChannel + sig, mask_word(peer));
   }
-  /// GIN orders a context's operations to one peer: only this thread's
-  /// stores need ordering before what follows.
+  /// Only this thread's stores are ordered before what follows. GIN makes a
+  /// signal visible after the context's earlier puts to the peer, but does not
+  /// order puts among themselves: a put that must land after another needs a
+  /// signal between them (no kernel relies on fence for that).
   __device__ __forceinline__ void fence(int) const {
     __threadfence_system();
   }

@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "common/check.hpp"
+#include "common/device.cuh"
+#include "common/env.hpp"
 #include "common/plan.hpp"
 #include "epx/communicator.hpp"
 #include "epx/error.hpp"
@@ -28,6 +30,33 @@ __global__ void gin_reset_signals(const ncclDevComm* comms, int num_contexts, in
     g.resetSignal(static_cast<ncclGinSignal_t>(s));
 }
 
+/// One round of the quiesce: on every context, a signal add of 1 to every
+/// rank of another node on signal `drain`, then a wait until this rank's own
+/// word of it reached `expected` (every such rank's add of this round came,
+/// and a context's signal comes after its earlier signals and puts to this
+/// rank). *failed = 1 at the deadline.
+__global__ void gin_drain(const ncclDevComm* comms, int num_contexts, int num_ranks,
+                          int ranks_per_node, int me, int drain, uint64_t expected,
+                          uint64_t timeout_ns, int* failed) {
+  const int ctx = blockIdx.x;
+  if (ctx >= num_contexts || threadIdx.x != 0) return;
+  const ncclDevComm& dc = comms[ctx / dev::kGinContextsPerComm];
+  ncclGin g(dc, ctx % dev::kGinContextsPerComm);
+  const int node = me / ranks_per_node;
+  for (int r = 0; r < num_ranks; ++r)
+    if (r / ranks_per_node != node)
+      g.signal(ncclTeamWorld(dc), r, ncclGin_SignalAdd{static_cast<ncclGinSignal_t>(drain), 1},
+               ncclCoopThread{});
+  g.flush(ncclCoopThread{});
+  const uint64_t t0 = dev::globaltimer_ns();
+  while (g.readSignal(static_cast<ncclGinSignal_t>(drain)) < expected) {
+    if (dev::globaltimer_ns() - t0 > timeout_ns) {
+      atomicExch(failed, 1);
+      return;
+    }
+  }
+}
+
 __global__ void gin_flush_all(const ncclDevComm* comms, int num_contexts) {
   const int ctx = blockIdx.x;
   if (ctx >= num_contexts || threadIdx.x != 0) return;
@@ -43,6 +72,18 @@ class NcclGin final : public NcclGinBackend {
  public:
   NcclGin(Communicator& comm, const Topology& topology, int num_contexts, int num_signals)
       : comm_(comm), topo_(topology), num_contexts_(num_contexts), num_signals_(num_signals) {
+    try {
+      init();
+    } catch (...) {
+      release();  // a constructor that throws runs no destructor
+      throw;
+    }
+  }
+
+  void init() {
+    Communicator& comm = comm_;
+    const Topology& topology = topo_;
+    const int num_contexts = num_contexts_, num_signals = num_signals_;
     require(!comm.in_process() && comm.nccl_comm() != nullptr, "backend",
             "'nccl' needs an NCCL communicator (Communicator::create or from_env), one GPU per "
             "rank: NCCL refuses two ranks on one GPU");
@@ -51,10 +92,14 @@ class NcclGin final : public NcclGinBackend {
                 std::to_string(num_contexts));
     require(num_signals >= 1 && num_signals <= 65536, "num_signals",
             "must be in [1, 65536] (NCCL's signal pool), got " + std::to_string(num_signals));
+    DeviceGuard guard(comm.device());
     auto* parent = static_cast<ncclComm_t>(comm.nccl_comm());
     const int K = (num_contexts + dev::kGinContextsPerComm - 1) / dev::kGinContextsPerComm;
-    // Own communicators, not sharing the parent's resources (a sharing split
-    // would share its 4 GIN contexts): context c is context c % 4 of comm c / 4.
+    // Own communicators: context c is context c % 4 of comm c / 4. Whether a
+    // split shares the parent's resources (and so its 4 GIN contexts) is the
+    // parent's splitShare (0 unless the user set it, or
+    // NCCL_COMM_SPLIT_SHARE_RESOURCES); shared, the contexts are still
+    // correct, only fewer queues.
     for (int k = 0; k < K; ++k) {
       ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
       cfg.splitShare = 0;
@@ -69,7 +114,7 @@ class NcclGin final : public NcclGinBackend {
       ncclDevCommRequirements reqs{};
       reqs.ginForceEnable = true;
       reqs.ginContextCount = dev::kGinContextsPerComm;
-      reqs.ginSignalCount = num_signals;
+      reqs.ginSignalCount = num_signals + 1;  // + the quiesce's drain signal
       const ncclResult_t r = ncclDevCommCreate(comms_[k], &reqs, &devcomms_[k]);
       if (r != ncclSuccess)
         throw Error(ErrorCode::kUnsupported,
@@ -81,31 +126,48 @@ class NcclGin final : public NcclGinBackend {
       devcomm_made_.push_back(true);
       require(devcomms_[k].ginContextCount >= 1, "backend",
               "nccl: the device communicator has no GIN context");
-      contexts_per_comm_ = devcomms_[k].ginContextCount;
+      contexts_per_comm_ =
+          std::min(contexts_per_comm_, static_cast<int>(devcomms_[k].ginContextCount));
     }
     require(contexts_per_comm_ == dev::kGinContextsPerComm || K == 1, "num_qps_per_rank",
             "needs " + std::to_string(dev::kGinContextsPerComm) +
                 " GIN contexts per communicator (NCCL_GIN_NCONTEXTS), NCCL gave " +
                 std::to_string(contexts_per_comm_));
     if (K == 1) num_contexts_ = std::min(num_contexts_, contexts_per_comm_);
+    EPX_CUDA_CHECK(cudaMalloc(&d_failed_, sizeof(int)));
     EPX_CUDA_CHECK(cudaMalloc(&d_devcomms_, sizeof(ncclDevComm) * K));
     EPX_CUDA_CHECK(
         cudaMemcpy(d_devcomms_, devcomms_.data(), sizeof(ncclDevComm) * K, cudaMemcpyHostToDevice));
-    // World rank -> NCCL LSA index, for this rank's (virtual) node.
-    ncclTeam_t lsa = ncclTeamLsa(parent);
+    // World rank -> NCCL LSA index, for this rank's (virtual) node: the
+    // rank's place in the world team mapped into the LSA team (of comms_[0],
+    // whose window gives the pointers).
+    const ncclTeam_t world = ncclTeamWorld(comms_[0]);
+    const int lsa_size = ncclTeamLsa(comms_[0]).nRanks;
     for (int i = 0; i < topology.ranks_per_node; ++i) {
       const int r = topology.node_of(comm.rank()) * topology.ranks_per_node + i;
-      lsa_index_.push_back(ncclTeamRankToLsa(parent, lsa, r));
+      const int idx = ncclTeamRankToLsa(comms_[0], world, r);
+      require(idx >= 0 && idx < lsa_size, "ranks_per_node",
+              "nccl: rank " + std::to_string(r) +
+                  " of this rank's node is not in NCCL's "
+                  "load/store team (" +
+                  std::to_string(lsa_size) + " ranks): a node must be ranks NVLink reaches");
+      lsa_index_.push_back(idx);
     }
   }
 
-  ~NcclGin() override {
-    // Best effort: destructors do not throw.
+  void release() noexcept {
     for (std::size_t k = 0; k < devcomm_made_.size(); ++k)
       ncclDevCommDestroy(comms_[k], &devcomms_[k]);
+    devcomm_made_.clear();
     if (d_devcomms_) cudaFree(d_devcomms_);
+    d_devcomms_ = nullptr;
+    if (d_failed_) cudaFree(d_failed_);
+    d_failed_ = nullptr;
     for (ncclComm_t c : comms_) ncclCommDestroy(c);
+    comms_.clear();
   }
+
+  ~NcclGin() override { release(); }  // best effort: destructors do not throw
 
   const char* name() const override { return "nccl"; }
   int rank() const override { return comm_.rank(); }
@@ -115,6 +177,7 @@ class NcclGin final : public NcclGinBackend {
   int num_signals() const override { return num_signals_; }
 
   SymmetricRegion alloc(std::size_t bytes) override {
+    DeviceGuard guard(comm_.device());
     SymmetricRegion r;
     r.bytes = plan::align_up(bytes == 0 ? plan::kAlign : bytes, 4096);
     EPX_NCCL_CHECK(ncclMemAlloc(&r.local, r.bytes));
@@ -144,7 +207,20 @@ class NcclGin final : public NcclGinBackend {
 
   void free(SymmetricRegion& r) override {
     if (!r.local) return;
+    DeviceGuard guard(comm_.device());
     auto* wins = static_cast<Windows*>(r.handle);
+    // No descriptor may still name the windows: every context flushed when
+    // the communicators are healthy (a failed one's proxy takes none).
+    bool healthy = true;
+    try {
+      check_health();
+    } catch (const Error&) {
+      healthy = false;
+    }
+    if (healthy) {
+      gin_flush_all<<<num_contexts_, 32>>>(d_devcomms_, num_contexts_);
+      EPX_LAUNCH_CHECK();
+    }
     EPX_CUDA_CHECK(cudaDeviceSynchronize());
     barrier();
     for (std::size_t k = 0; k < comms_.size(); ++k)
@@ -178,18 +254,41 @@ class NcclGin final : public NcclGinBackend {
     return t;
   }
 
+  /// Nothing this rank sent lands after it returns (with the barrier after
+  /// it, nothing anyone sent): a flush only frees the sources, so every rank
+  /// also signals every rank of the other nodes on every context and waits
+  /// for theirs; a context's signal lands after its earlier puts and signals.
   void quiesce() override {
-    // Every context's posted puts have read their sources; then the ranks meet.
-    gin_flush_all<<<num_contexts_, 32>>>(d_devcomms_, num_contexts_);
+    DeviceGuard guard(comm_.device());
+    check_health();
+    int remote = 0;
+    for (int r = 0; r < comm_.num_ranks(); ++r) remote += topo_.same_node(comm_.rank(), r) ? 0 : 1;
+    ++drain_rounds_;
+    EPX_CUDA_CHECK(cudaMemset(d_failed_, 0, sizeof(int)));
+    gin_drain<<<num_contexts_, 32>>>(
+        d_devcomms_, num_contexts_, comm_.num_ranks(), topo_.ranks_per_node, comm_.rank(),
+        num_signals_, drain_rounds_ * static_cast<uint64_t>(remote),
+        static_cast<uint64_t>(env::timeout_seconds() * 1e9), d_failed_);
     EPX_LAUNCH_CHECK();
     EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    int failed = 0;
+    EPX_CUDA_CHECK(cudaMemcpy(&failed, d_failed_, sizeof(int), cudaMemcpyDeviceToHost));
+    if (failed != 0) {
+      check_health();  // names a communicator that failed, if one did
+      throw Error(ErrorCode::kTimeout,
+                  "nccl backend: rank " + std::to_string(comm_.rank()) +
+                      "'s quiesce: not every rank of the other nodes answered on every GIN "
+                      "context within the deadline (a rank stalled or left)");
+    }
     barrier();
   }
 
   void reset_signals() override {
-    gin_reset_signals<<<num_contexts_, 256>>>(d_devcomms_, num_contexts_, num_signals_);
+    DeviceGuard guard(comm_.device());
+    gin_reset_signals<<<num_contexts_, 256>>>(d_devcomms_, num_contexts_, num_signals_ + 1);
     EPX_LAUNCH_CHECK();
     EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    drain_rounds_ = 0;
     barrier();
   }
 
@@ -216,11 +315,13 @@ class NcclGin final : public NcclGinBackend {
   Communicator& comm_;
   Topology topo_;
   int num_contexts_, num_signals_;
-  int contexts_per_comm_ = dev::kGinContextsPerComm;
+  int contexts_per_comm_ = dev::kGinContextsPerComm;  ///< the fewest NCCL gave a communicator
   std::vector<ncclComm_t> comms_;
   std::vector<ncclDevComm> devcomms_;
   std::vector<bool> devcomm_made_;
   ncclDevComm* d_devcomms_ = nullptr;
+  int* d_failed_ = nullptr;    ///< the quiesce's deadline flag
+  uint64_t drain_rounds_ = 0;  ///< quiesce rounds since the signals were reset
   std::vector<int> lsa_index_;
 };
 

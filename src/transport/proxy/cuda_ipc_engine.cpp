@@ -75,20 +75,6 @@ void check_cu(CUresult r, const char* expr, const char* file, int line) {
 }
 #define EPX_CU_CHECK(expr) check_cu((expr), #expr, __FILE__, __LINE__)
 
-/// Makes `device` current; the previous device again on the way out.
-struct DeviceGuard {
-  int previous = -1;
-  explicit DeviceGuard(int device) {
-    EPX_CUDA_CHECK(cudaGetDevice(&previous));
-    if (previous != device) EPX_CUDA_CHECK(cudaSetDevice(device));
-  }
-  ~DeviceGuard() {
-    if (previous >= 0) cudaSetDevice(previous);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-};
-
 /// Waits for `stream` until `timeout_s`; false when its work is still queued.
 bool drain(cudaStream_t stream, double timeout_s) {
   const auto deadline = std::chrono::steady_clock::now() +
