@@ -319,7 +319,9 @@ class TorchAllToAll:
                 side.append(local)
                 widths.append(local.shape[1])
                 if topk_weights is not None:
-                    side.append(topk_weights.index_select(0, token).float().view(torch.int32))
+                    # As DeepEP (and EPX): 0 where the pick's expert is elsewhere.
+                    w = topk_weights.index_select(0, token).float()
+                    side.append(torch.where(local >= 0, w, torch.zeros_like(w)).view(torch.int32))
                     widths.append(topk_weights.shape[1])
             else:
                 local = (topk_idx[token, route.k] - route.dest * El).to(torch.int32)

@@ -275,7 +275,8 @@ struct LlRegion {
   //                 its dispatch (kind 0), combine weights (1), combine rows (2)
   //   [tok_done u32 [kLlMaxTokens]]     dispatch: chunks of token t in its send slot
   //   [row_done u32 [R][kLlMaxTokens]]  combine: chunks of row (s, t) in its send slot
-  //   [net_done u32 [4]]                combine: blocks done with their weights
+  //   [net_done u32 [4]]                [0] combine: blocks done with their weights;
+  //                                     [1] / [2] dispatch / combine: a block's part failed
   static constexpr int kNetSignalKinds = 3;
   static constexpr std::size_t signals_bytes() {
     return align_up(8u * kNetSignalKinds * kLlMaxRanks * kMaxContexts, kAlign);

@@ -1227,8 +1227,10 @@ __device__ __forceinline__ std::size_t weight_word(const LlOffsets& o, std::size
 
 /// Network transports: every block counts itself once its weights are in the
 /// send area; the last one puts, to each rank of another node, this rank's
-/// weight words for it ([me][t][j] for every token t, one message) with an
-/// add of 1 to that rank's weights signal of this rank (context 0).
+/// weight words for it ([me][t][j] for every token t, one message on context
+/// 0) with an add of 1 to that rank's weights signal of this rank, and adds 1
+/// on the other contexts (a receiver waits for every context's word). Not
+/// when a block's part of the op failed (net_failed_word).
 template <class T>
 __device__ __forceinline__ void net_send_weights(const LlCombineSendParams<T>& p,
                                                  std::size_t net_weights, std::size_t weights,

@@ -4,6 +4,7 @@
 #include <nccl_device.h>
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -134,6 +135,18 @@ class NcclGin final : public NcclGinBackend {
                 " GIN contexts per communicator (NCCL_GIN_NCONTEXTS), NCCL gave " +
                 std::to_string(contexts_per_comm_));
     if (K == 1) num_contexts_ = std::min(num_contexts_, contexts_per_comm_);
+    // A receiver waits for every context's word of a signal: every rank must
+    // use the same count.
+    const auto all = comm.allgather(&num_contexts_, sizeof(num_contexts_));
+    for (int r = 0; r < comm.num_ranks(); ++r) {
+      int theirs = 0;
+      std::memcpy(&theirs, all.data() + sizeof(int) * r, sizeof(int));
+      require(theirs == num_contexts_, "num_qps_per_rank",
+              "nccl: rank " + std::to_string(r) + " uses " + std::to_string(theirs) +
+                  " GIN contexts, rank " + std::to_string(comm.rank()) + " " +
+                  std::to_string(num_contexts_) +
+                  " (num_qps_per_rank, EPX_GIN_CONTEXTS and NCCL_GIN_NCONTEXTS must agree)");
+    }
     EPX_CUDA_CHECK(cudaMalloc(&d_failed_, sizeof(int)));
     EPX_CUDA_CHECK(cudaMalloc(&d_devcomms_, sizeof(ncclDevComm) * K));
     EPX_CUDA_CHECK(
