@@ -779,6 +779,7 @@ EPX_GPU_TEST(LowLatency, BackToBack50) {
   // A wait that failed in the last ops is raised by no later call: ask.
   ASSERT_NO_THROW(w.buffer->check());
   for (int i = 0; i < N && !rank_failed(); ++i) {
+    SCOPED_TRACE("pair " + std::to_string(i) + " of " + std::to_string(N));
     LlCase ci = c;
     ci.fp8 = (i % 3) == 1;
     check_dispatch(ci, ins[i], ds[i], ros[i][me]);
