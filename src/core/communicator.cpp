@@ -9,9 +9,9 @@
 
 #include "common/check.hpp"
 #include "common/env.hpp"
+#include "common/host_group.hpp"
 #include "common/plan.hpp"
 #include "common/topology.hpp"
-#include "core/in_process_group.hpp"
 #include "core/nccl_version.hpp"
 #include "core/stream_wait.hpp"
 #include "epx/buffer.hpp"

@@ -5,17 +5,9 @@
 
 #include <functional>
 
+#include "common/host_group.hpp"  // kMaxWaitSeconds, capped_wait_seconds
+
 namespace epx::detail {
-
-/// Longest host or device deadline, seconds (about 31 years): a longer one,
-/// infinity included, waits this long (a std::chrono or nanosecond count of
-/// more would overflow).
-constexpr double kMaxWaitSeconds = 1e9;
-
-/// `timeout_s` capped at kMaxWaitSeconds.
-inline double capped_wait_seconds(double timeout_s) {
-  return timeout_s < kMaxWaitSeconds ? timeout_s : kMaxWaitSeconds;
-}
 
 /// Polls `stream` (cudaStreamQuery, yielding the CPU between polls) until its
 /// work is done: true; or until `timeout_s` seconds have passed: false, with

@@ -10,7 +10,7 @@
 #include <thread>
 #include <vector>
 
-#include "core/in_process_group.hpp"
+#include "common/host_group.hpp"
 #include "core/stream_wait.hpp"
 #include "epx/buffer.hpp"
 

@@ -12,14 +12,11 @@
 
 namespace epx::proxy {
 
+// (The group checks num_ranks >= 1 and timeout_s > 0 first.)
 HostFabric::HostFabric(int num_ranks, double timeout_s)
     : num_ranks_(num_ranks),
-      timeout_s_(timeout_s),
-      regions_(static_cast<std::size_t>(std::max(num_ranks, 0)) * kMaxRegions),
-      arrived_(static_cast<std::size_t>(std::max(num_ranks, 0)), 0) {
-  require(num_ranks >= 1, "num_ranks", "must be >= 1, got " + std::to_string(num_ranks));
-  require(timeout_s > 0, "timeout_s", "must be > 0 seconds, got " + std::to_string(timeout_s));
-}
+      group_(num_ranks, timeout_s, "host fabric barrier"),
+      regions_(static_cast<std::size_t>(num_ranks) * kMaxRegions) {}
 
 HostFabric::Region HostFabric::region(int rank, int id) const {
   require(rank >= 0 && rank < num_ranks_, "rank",
@@ -40,41 +37,7 @@ void HostFabric::set_region(int rank, int id, Region r) {
 }
 
 void HostFabric::barrier(int rank) {
-  require(rank >= 0 && rank < num_ranks_, "rank",
-          "must be in [0, " + std::to_string(num_ranks_) + "), got " + std::to_string(rank));
-  std::unique_lock lock(m_);
-  if (broken_)
-    throw Error(ErrorCode::kTimeout, "host fabric barrier: rank " + std::to_string(rank) +
-                                         " entered after an earlier barrier timed out");
-  if (arrived_[rank])
-    throw Error(ErrorCode::kInternal,
-                "host fabric barrier: rank " + std::to_string(rank) + " entered twice");
-  arrived_[rank] = 1;
-  if (++num_arrived_ == num_ranks_) {
-    std::fill(arrived_.begin(), arrived_.end(), 0);
-    num_arrived_ = 0;
-    ++generation_;
-    cv_.notify_all();
-    return;
-  }
-  const uint64_t mine = generation_;
-  // Capped (about 31 years) so that an infinite timeout cannot overflow the clock.
-  const auto wait = std::chrono::duration<double>(std::min(timeout_s_, 1e9));
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(wait);
-  if (cv_.wait_until(lock, deadline, [&] { return generation_ != mine || broken_; }) &&
-      generation_ != mine)
-    return;
-  std::string missing;
-  for (int r = 0; r < num_ranks_; ++r)
-    if (!arrived_[r]) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-  const bool first = !broken_;
-  broken_ = true;
-  cv_.notify_all();
-  throw Error(ErrorCode::kTimeout, "host fabric barrier: rank " + std::to_string(rank) +
-                                       (first ? " waited " + std::to_string(timeout_s_) +
-                                                    " s; rank(s) " + missing + " did not arrive"
-                                              : " gave up: another rank's barrier timed out"));
+  group_.barrier(rank);
 }
 
 namespace {

@@ -4,13 +4,13 @@
 // when the engine returns from it. For the CPU tests of the proxy (no GPU).
 #pragma once
 
-#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
 #include <vector>
 
+#include "common/host_group.hpp"
 #include "transport/proxy/engine.hpp"
 
 namespace epx::proxy {
@@ -40,14 +40,9 @@ class HostFabric {
 
  private:
   const int num_ranks_;
-  const double timeout_s_;
+  detail::InProcessGroup group_;  ///< the barrier
   mutable std::mutex m_;
-  std::condition_variable cv_;
   std::vector<Region> regions_;  ///< [rank * kMaxRegions + id]
-  std::vector<char> arrived_;
-  int num_arrived_ = 0;
-  uint64_t generation_ = 0;
-  bool broken_ = false;
 };
 
 /// Rank `rank`'s engine over `fabric` (num_ranks must be the fabric's).

@@ -1,6 +1,4 @@
-#include "core/in_process_group.hpp"
-
-#include "core/stream_wait.hpp"
+#include "common/host_group.hpp"
 
 #include <chrono>
 #include <cstring>
@@ -10,9 +8,10 @@
 
 namespace epx::detail {
 
-InProcessGroup::InProcessGroup(int num_ranks, double timeout_s)
+InProcessGroup::InProcessGroup(int num_ranks, double timeout_s, std::string what)
     : num_ranks_(num_ranks),
       timeout_s_(timeout_s),
+      what_(std::move(what)),
       arrived_(static_cast<std::size_t>(num_ranks), 0),
       slots_(static_cast<std::size_t>(num_ranks)) {
   require(num_ranks >= 1, "num_ranks", "must be >= 1, got " + std::to_string(num_ranks));
@@ -28,11 +27,10 @@ void InProcessGroup::barrier(int rank) {
   check_rank(rank);
   std::unique_lock lock(m_);
   if (broken_)
-    throw Error(ErrorCode::kTimeout, "in-process barrier: rank " + std::to_string(rank) +
+    throw Error(ErrorCode::kTimeout, what_ + ": rank " + std::to_string(rank) +
                                          " entered after an earlier barrier timed out");
   if (arrived_[rank])
-    throw Error(ErrorCode::kInternal,
-                "in-process barrier: rank " + std::to_string(rank) + " entered twice");
+    throw Error(ErrorCode::kInternal, what_ + ": rank " + std::to_string(rank) + " entered twice");
   arrived_[rank] = 1;
   if (++num_arrived_ == num_ranks_) {
     std::fill(arrived_.begin(), arrived_.end(), 0);
@@ -53,7 +51,7 @@ void InProcessGroup::barrier(int rank) {
   const bool first = !broken_;
   broken_ = true;
   cv_.notify_all();
-  throw Error(ErrorCode::kTimeout, "in-process barrier: rank " + std::to_string(rank) +
+  throw Error(ErrorCode::kTimeout, what_ + ": rank " + std::to_string(rank) +
                                        (first ? " waited " + std::to_string(timeout_s_) +
                                                     " s; rank(s) " + missing + " did not arrive"
                                               : " gave up: another rank's barrier timed out"));

@@ -1,21 +1,33 @@
-// core/in_process_group.hpp - the host collectives of ranks that are threads
-// of one process (Communicator::create_in_process): a barrier with a deadline
-// and an all-gather through shared host memory. No CUDA here, so the CPU
-// tests cover it.
+// common/host_group.hpp - the host collectives of ranks that are threads of
+// one process (Communicator::create_in_process, the proxy's host-memory
+// fabric): a barrier with a deadline and an all-gather through shared host
+// memory. No CUDA here, so the CPU tests cover it.
 #pragma once
 
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <string>
 #include <vector>
 
 namespace epx::detail {
 
+/// Longest host or device deadline, seconds (about 31 years): a longer one,
+/// infinity included, waits this long (a std::chrono or nanosecond count of
+/// more would overflow).
+constexpr double kMaxWaitSeconds = 1e9;
+
+/// `timeout_s` capped at kMaxWaitSeconds.
+inline double capped_wait_seconds(double timeout_s) {
+  return timeout_s < kMaxWaitSeconds ? timeout_s : kMaxWaitSeconds;
+}
+
 class InProcessGroup {
  public:
-  /// `timeout_s`: how long a rank waits in a barrier for the others.
-  InProcessGroup(int num_ranks, double timeout_s);
+  /// `timeout_s`: how long a rank waits in a barrier for the others; `what`
+  /// names the barrier in its errors.
+  InProcessGroup(int num_ranks, double timeout_s, std::string what = "in-process barrier");
 
   int num_ranks() const { return num_ranks_; }
 
@@ -32,6 +44,7 @@ class InProcessGroup {
 
   const int num_ranks_;
   const double timeout_s_;
+  const std::string what_;
   std::mutex m_;
   std::condition_variable cv_;
   uint64_t generation_ = 0;
