@@ -112,6 +112,22 @@ struct LsaWords {
 #endif  // __CUDACC__
 };
 
+/// What the transports with peers in other nodes share: the node's copies of
+/// the region by local index (nullptr from lsa_ptr for other nodes' ranks).
+struct NetworkTransportBase : TransportBase {
+  char* base[kMaxRanksPerNode];  ///< the node's copies of the region, by local index
+  char* local;                   ///< this rank's copy
+
+#if defined(__CUDACC__)
+  __device__ __forceinline__ char* lsa_ptr(int r, std::size_t offset) const {
+    return same_node(r) ? base[r - node_first] + offset : nullptr;
+  }
+  __device__ __forceinline__ char* local_ptr(std::size_t offset) const {
+    return local + offset;
+  }
+#endif
+};
+
 /// Every peer in the node: the NVLink backend (NCCL symmetric window
 /// mappings) and in-process ranks (pointers into one GPU's memory). put is a
 /// copy by stores, a signal an atomic add, wait a poll of local memory.

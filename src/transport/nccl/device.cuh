@@ -38,22 +38,13 @@ inline constexpr int kGinContextsPerComm = 4;
 /// Communicators a transport spreads its contexts over.
 inline constexpr int kMaxGinComms = (kMaxContexts + kGinContextsPerComm - 1) / kGinContextsPerComm;
 
-struct NcclGinTransport : TransportBase, LsaWords<NcclGinTransport> {
+struct NcclGinTransport : NetworkTransportBase, LsaWords<NcclGinTransport> {
   static constexpr TransportCaps kCaps{/*network=*/true, /*peer_loads=*/true, kMaxContexts,
                                        kMaxRanks};
-  char* base[kMaxRanksPerNode];    ///< the node's copies of the region, by local index
-  char* local;                     ///< this rank's copy
   const ncclDevComm* comms;        ///< [ceil(num_contexts / 4)] device communicators
   ncclWindow_t win[kMaxGinComms];  ///< the region's window in each communicator
 
 #if defined(__CUDACC__)
-  __device__ __forceinline__ char* lsa_ptr(int r, std::size_t offset) const {
-    return same_node(r) ? base[r - node_first] + offset : nullptr;
-  }
-  __device__ __forceinline__ char* local_ptr(std::size_t offset) const {
-    return local + offset;
-  }
-
   template <class Coop>
   static __device__ __forceinline__ auto nccl_coop() {
     if constexpr (std::is_same_v<Coop, Thread>) {
@@ -67,21 +58,30 @@ struct NcclGinTransport : TransportBase, LsaWords<NcclGinTransport> {
   __device__ __forceinline__ const ncclDevComm& comm_of(int ctx) const {
     return comms[ctx / kGinContextsPerComm];
   }
+  __device__ __forceinline__ ncclGin gin(int ctx) const {
+    return ncclGin(comm_of(ctx), ctx % kGinContextsPerComm);
+  }
+  /// A put to a peer of another node, with `action` at the peer (ncclGin_None
+  /// or a SignalAdd). Every member of the group calls it; ncclGin syncs the
+  /// group and one thread posts after a release of the group's writes.
+  template <class Coop, class Action>
+  __device__ __forceinline__ void gin_put(int ctx, int r, std::size_t dst_off, std::size_t src_off,
+                                          std::size_t bytes, Action action) const {
+    const ncclWindow_t w = win[ctx / kGinContextsPerComm];
+    gin(ctx).put(ncclTeamWorld(comm_of(ctx)), r, w, dst_off, w, src_off, bytes, action,
+                 ncclGin_None{}, nccl_coop<Coop>());
+  }
+  static __device__ __forceinline__ ncclGin_SignalAdd signal_of(int sig, uint64_t add) {
+    return ncclGin_SignalAdd{static_cast<ncclGinSignal_t>(sig), add};
+  }
 
   template <class Coop>
   __device__ __forceinline__ void put(int ctx, int r, std::size_t dst_off, std::size_t src_off,
                                       std::size_t bytes) const {
-    if (same_node(r)) {
+    if (same_node(r))
       lsa_copy<Coop>(r, dst_off, src_off, bytes);
-      return;
-    }
-    // The group's writes of the send area, then one post for the group.
-    coop_sync<Coop>();
-    const ncclDevComm& dc = comm_of(ctx);
-    ncclGin g(dc, ctx % kGinContextsPerComm);
-    const ncclWindow_t w = win[ctx / kGinContextsPerComm];
-    g.put(ncclTeamWorld(dc), r, w, dst_off, w, src_off, bytes, ncclGin_None{}, ncclGin_None{},
-          nccl_coop<Coop>());
+    else
+      gin_put<Coop>(ctx, r, dst_off, src_off, bytes, ncclGin_None{});
   }
   template <class Coop>
   __device__ __forceinline__ void signal_add(int ctx, int r, int sig, uint64_t add) const {
@@ -90,11 +90,7 @@ struct NcclGinTransport : TransportBase, LsaWords<NcclGinTransport> {
       if (coop_leader<Coop>()) lsa_signal_add(ctx, r, sig, add);
       return;
     }
-    coop_sync<Coop>();
-    const ncclDevComm& dc = comm_of(ctx);
-    ncclGin g(dc, ctx % kGinContextsPerComm);
-    g.signal(ncclTeamWorld(dc), r, ncclGin_SignalAdd{static_cast<ncclGinSignal_t>(sig), add},
-             nccl_coop<Coop>());
+    gin(ctx).signal(ncclTeamWorld(comm_of(ctx)), r, signal_of(sig, add), nccl_coop<Coop>());
   }
   template <class Coop>
   __device__ __forceinline__ void put_signal(int ctx, int r, std::size_t dst_off,
@@ -105,13 +101,7 @@ struct NcclGinTransport : TransportBase, LsaWords<NcclGinTransport> {
       signal_add<Coop>(ctx, r, sig, add);
       return;
     }
-    coop_sync<Coop>();
-    const ncclDevComm& dc = comm_of(ctx);
-    ncclGin g(dc, ctx % kGinContextsPerComm);
-    const ncclWindow_t w = win[ctx / kGinContextsPerComm];
-    g.put(ncclTeamWorld(dc), r, w, dst_off, w, src_off, bytes,
-          ncclGin_SignalAdd{static_cast<ncclGinSignal_t>(sig), add}, ncclGin_None{},
-          nccl_coop<Coop>());
+    gin_put<Coop>(ctx, r, dst_off, src_off, bytes, signal_of(sig, add));
   }
   /// Every context's word of signal `sig` >= value: NCCL's words for a peer
   /// in another node, the region's words for a same-node one; EPX's deadline
@@ -120,10 +110,8 @@ struct NcclGinTransport : TransportBase, LsaWords<NcclGinTransport> {
     if (peer >= 0 && same_node(peer)) return wait_signal_words(*this, local, sig, value, op, peer);
     auto lowest = [&] {
       uint64_t m = ~0ull;
-      for (int c = 0; c < num_contexts; ++c) {
-        ncclGin g(comm_of(c), c % kGinContextsPerComm);
-        m = min(m, static_cast<uint64_t>(g.readSignal(static_cast<ncclGinSignal_t>(sig))));
-      }
+      for (int c = 0; c < num_contexts; ++c)
+        m = min(m, static_cast<uint64_t>(gin(c).readSignal(static_cast<ncclGinSignal_t>(sig))));
       return m;
     };
     return spin_until(
@@ -142,8 +130,7 @@ struct NcclGinTransport : TransportBase, LsaWords<NcclGinTransport> {
   /// source. NCCL's flush has no deadline: a dead network hangs here (the
   /// host watchdog, ncclCommGetAsyncError, is what sees it).
   __device__ __forceinline__ bool quiet(int ctx) const {
-    ncclGin g(comm_of(ctx), ctx % kGinContextsPerComm);
-    g.flush(ncclCoopThread{});
+    gin(ctx).flush(ncclCoopThread{});
     return true;
   }
 #endif  // __CUDACC__

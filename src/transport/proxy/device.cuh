@@ -15,21 +15,13 @@
 
 namespace epx::dev {
 
-struct ProxyTransport : TransportBase, LsaWords<ProxyTransport> {
+struct ProxyTransport : NetworkTransportBase, LsaWords<ProxyTransport> {
   static constexpr TransportCaps kCaps{/*network=*/true, /*peer_loads=*/true, kMaxContexts,
                                        kMaxRanks};
-  char* base[kMaxRanksPerNode];        ///< the node's copies of the region, by local index
-  char* local;                         ///< this rank's copy
   int region;                          ///< the engine's id of this region
   const proxy::ChannelView* channels;  ///< [num_contexts], device memory
 
 #if defined(__CUDACC__)
-  __device__ __forceinline__ char* lsa_ptr(int r, std::size_t offset) const {
-    return same_node(r) ? base[r - node_first] + offset : nullptr;
-  }
-  __device__ __forceinline__ char* local_ptr(std::size_t offset) const {
-    return local + offset;
-  }
 
   /// One of channel `ch`'s host counters, or ~0 once its proxy thread stopped
   /// (a wait on the channel then ends at once).
