@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <variant>
 #include <vector>
 
@@ -12,7 +13,6 @@
 #include "common/plan.hpp"
 #include "gpu/harness.hpp"
 #include "transport/backend.hpp"
-#include "transport/nccl/nccl_backend.hpp"
 
 namespace {
 
@@ -196,10 +196,9 @@ EPX_GPU_TEST(Smoke, StreamWaitHasADeadline) {
 
 }  // namespace
 
-// The NCCL GIN transport, by itself (it is not yet in the kernels' list):
-// the same all-to-all put + signal, peers of other nodes through NCCL's GIN
-// put with a signal add. Needs one GPU per rank, processes, and a GIN net
-// plugin; on one host the loopback one:
+// The NCCL GIN transport by itself: the same all-to-all put + signal, peers
+// of other nodes through NCCL's GIN put with a signal add. Needs one GPU per
+// rank, processes, and a GIN net plugin; on one host the loopback one:
 //   EPX_TEST_NCCL_GIN=1 NCCL_NET_PLUGIN=epxloop LD_LIBRARY_PATH=<dir of
 //   libnccl-net-epxloop.so>:... EPX_RANKS_PER_NODE=1 launch.sh 2 epx_gpu_tests
 EPX_GPU_TEST(Smoke, TransportPutSignalNcclGin) {
@@ -207,34 +206,5 @@ EPX_GPU_TEST(Smoke, TransportPutSignalNcclGin) {
   if (std::getenv("EPX_TEST_NCCL_GIN") == nullptr)
     GTEST_SKIP() << "set EPX_TEST_NCCL_GIN=1 with a GIN net plugin (docs/nccl_gin.md)";
   if (w.comm->in_process()) GTEST_SKIP() << "NCCL refuses two ranks on one GPU";
-  const int contexts = 2;
-  auto backend =
-      epx::transport::make_nccl_gin_backend(*w.comm, world_topology(), contexts, w.num_ranks);
-  const int words = 16 << 10;
-  const std::size_t block = 4u * words, area = block * w.num_ranks;
-  const std::size_t signals = 2 * area;
-  auto region = backend->alloc(signals + 8u * epx::kMaxContexts * w.num_ranks);
-  backend->start();
-  auto t = backend->gin_device(region);
-  t.signals = signals;
-  t.timeout_ns = 20'000'000'000ull;
-  auto failed = epx::test::to_device(std::vector<int>{0});
-  put_signal_all<<<1, 256, 0, w.stream>>>(t, area, words, failed.get());
-  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
-  ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
-  EXPECT_EQ(epx::test::to_host(failed)[0], 0) << "nccl: a wait failed";
-  EXPECT_NO_THROW(backend->check_health());
-  backend->barrier();
-  std::vector<uint32_t> got(static_cast<size_t>(words) * w.num_ranks);
-  ASSERT_EQ(cudaMemcpy(got.data(), static_cast<char*>(region.local) + area, got.size() * 4,
-                       cudaMemcpyDeviceToHost),
-            cudaSuccess);
-  size_t bad = 0;
-  for (int src = 0; src < w.num_ranks; ++src)
-    for (int i = 0; i < words; ++i)
-      bad += got[static_cast<size_t>(src) * words + i] != smoke_word(src, w.rank, i);
-  EXPECT_EQ(bad, 0u) << "nccl: rank " << w.rank << " received wrong words";
-  backend->reset_signals();
-  backend->free(region);
-  EXPECT_TRUE(epx::test::all_ranks(bad == 0));
+  run_put_signal("nccl", 2);
 }

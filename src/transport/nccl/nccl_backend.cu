@@ -14,6 +14,7 @@
 #include "common/plan.hpp"
 #include "epx/communicator.hpp"
 #include "epx/error.hpp"
+#include "transport/nccl/device.cuh"
 
 namespace epx::transport {
 namespace {
@@ -69,7 +70,7 @@ std::string result_name(ncclResult_t r) {
   return std::string(ncclGetErrorString(r)) + " (" + std::to_string(static_cast<int>(r)) + ")";
 }
 
-class NcclGin final : public NcclGinBackend {
+class NcclGin final : public Backend {
  public:
   NcclGin(Communicator& comm, const Topology& topology, int num_contexts, int num_signals)
       : comm_(comm), topo_(topology), num_contexts_(num_contexts), num_signals_(num_signals) {
@@ -187,7 +188,6 @@ class NcclGin final : public NcclGinBackend {
   int num_ranks() const override { return comm_.num_ranks(); }
   const Topology& topology() const override { return topo_; }
   int num_contexts() const override { return num_contexts_; }
-  int num_signals() const override { return num_signals_; }
 
   SymmetricRegion alloc(std::size_t bytes) override {
     DeviceGuard guard(comm_.device());
@@ -251,7 +251,7 @@ class NcclGin final : public NcclGinBackend {
   /// NCCL's words of the other nodes' signals go back to 0 too.
   void region_cleared(const SymmetricRegion&) override { reset_signals(); }
 
-  dev::NcclGinTransport gin_device(const SymmetricRegion& r) const override {
+  dev::NcclGinTransport gin_device(const SymmetricRegion& r) const {
     const auto* wins = static_cast<const Windows*>(r.handle);
     dev::NcclGinTransport t{};
     t.rank = comm_.rank();
@@ -296,7 +296,8 @@ class NcclGin final : public NcclGinBackend {
     barrier();
   }
 
-  void reset_signals() override {
+  /// Collective, no op in flight: every context's signals back to 0.
+  void reset_signals() {
     DeviceGuard guard(comm_.device());
     gin_reset_signals<<<num_contexts_, 256>>>(d_devcomms_, num_contexts_, num_signals_ + 1);
     EPX_LAUNCH_CHECK();
@@ -340,8 +341,8 @@ class NcclGin final : public NcclGinBackend {
 
 }  // namespace
 
-std::unique_ptr<NcclGinBackend> make_nccl_gin_backend(Communicator& comm, const Topology& topology,
-                                                      int num_contexts, int num_signals) {
+std::unique_ptr<Backend> make_nccl_gin_backend(Communicator& comm, const Topology& topology,
+                                               int num_contexts, int num_signals) {
   return std::make_unique<NcclGin>(comm, topology, num_contexts, num_signals);
 }
 

@@ -11,26 +11,14 @@
 #include <memory>
 
 #include "transport/backend.hpp"
-#include "transport/nccl/device.cuh"
 
 namespace epx::transport {
-
-class NcclGinBackend : public Backend {
- public:
-  /// The device struct of `region` for kernels written for it directly.
-  virtual dev::NcclGinTransport gin_device(const SymmetricRegion& region) const = 0;
-  /// Signals in each context: ids [0, num_signals()) (zeroed at creation).
-  virtual int num_signals() const = 0;
-  /// Collective, no op in flight: every context's signals back to 0
-  /// (a kernel of resetSignal on `stream`, then a barrier).
-  virtual void reset_signals() = 0;
-};
 
 /// `num_contexts` (num_qps_per_rank) GIN contexts per peer, 1 to 32;
 /// `num_signals` signal ids per context. Throws epx::Error naming what is
 /// missing: an NCCL communicator (not in-process ranks), GIN support (a GIN
 /// net plugin: on one host, the loopback plugin, NCCL_NET_PLUGIN=epxloop).
-std::unique_ptr<NcclGinBackend> make_nccl_gin_backend(Communicator& comm, const Topology& topology,
-                                                      int num_contexts, int num_signals);
+std::unique_ptr<Backend> make_nccl_gin_backend(Communicator& comm, const Topology& topology,
+                                               int num_contexts, int num_signals);
 
 }  // namespace epx::transport
