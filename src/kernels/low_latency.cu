@@ -182,6 +182,14 @@ __device__ __forceinline__ uint32_t* net_failed_word(const T& t, const LlOffsets
   return reinterpret_cast<uint32_t*>(t.local_ptr(o.net_done)) + which;
 }
 
+/// Network transports: adds 1 to signal `sig` at rank `r` on contexts
+/// [first, num_contexts), each after that context's earlier puts to r (a
+/// receiver waits until every context's word counts the op).
+template <class T>
+__device__ __forceinline__ void signal_contexts(const T& t, int r, int sig, int first = 0) {
+  for (int c = first; c < t.num_contexts; ++c) t.template signal_add<dev::Thread>(c, r, sig, 1);
+}
+
 /// Network transports: counts the calls of the `n` warps that wrote parts of
 /// one send slot (counter `*done`, zero between ops; every part increments
 /// it once); true for the warp that completes it, which then puts the slot
@@ -304,8 +312,7 @@ __device__ __forceinline__ void finish_combine_send(const T& t, const LlOffsets&
       if (t.same_node(r)) {
         t.lsa_flag(r, flag_offset(half, o, kFlagCombine, t.rank), epoch);
       } else {
-        for (int c = 0; c < t.num_contexts; ++c)
-          t.template signal_add<dev::Thread>(c, r, ll_sig_combine(t.num_ranks, t.rank), 1);
+        signal_contexts(t, r, ll_sig_combine(t.num_ranks, t.rank));
       }
     }
   }
@@ -681,8 +688,7 @@ __device__ __forceinline__ void net_dispatch_finish(const LlDispatchSendParams<T
                                   net_mask_offset(p.off, epoch, r, 0, 0, E_local),
                                   8u * W * E_local);
     p.t.template put<dev::Thread>(0, r, count, count, 8u);
-    for (int ctx = 0; ctx < p.t.num_contexts; ++ctx)
-      p.t.template signal_add<dev::Thread>(ctx, r, ll_sig_dispatch(R, me), 1);
+    signal_contexts(p.t, r, ll_sig_dispatch(R, me));
   }
 }
 
@@ -1249,9 +1255,7 @@ __device__ __forceinline__ void net_send_weights(const LlCombineSendParams<T>& p
                                            ll_sig_weights(R, me), 1);
     else
       p.t.template signal_add<dev::Thread>(0, r, ll_sig_weights(R, me), 1);
-    // Every context's word counts the op (a receiver waits for each).
-    for (int c = 1; c < p.t.num_contexts; ++c)
-      p.t.template signal_add<dev::Thread>(c, r, ll_sig_weights(R, me), 1);
+    signal_contexts(p.t, r, ll_sig_weights(R, me), /*first=*/1);  // context 0 signalled above
   }
 }
 
