@@ -523,6 +523,35 @@ struct OneRank {
   }
 };
 
+// NCCL 2.28 connects a split communicator with the comm's ginContext, which
+// its loader left NULL: the plugin takes the listen comm's context instead.
+TEST(GinLoopback, ConnectWithNullContextUsesTheListenContext) {
+  ASSERT_NE(plugin().gin, nullptr);
+  const gl::ncclGin_v11_t& g = *plugin().gin;
+  void *inst = nullptr, *lc = nullptr, *coll = nullptr;
+  char handle[gl::NCCL_NET_HANDLE_MAXSIZE];
+  ASSERT_EQ(g.init(&inst, 7, capture_log), gl::ncclSuccess);
+  ASSERT_EQ(g.listen(inst, 0, handle, &lc), gl::ncclSuccess);
+  void* hs[1] = {handle};
+  ASSERT_EQ(g.connect(nullptr, hs, 1, 0, lc, &coll), gl::ncclSuccess);
+  ASSERT_NE(coll, nullptr);
+  // The communicator works: a put to itself lands.
+  std::vector<uint64_t> local(64, 0);
+  void *mh = nullptr, *gh = nullptr;
+  ASSERT_EQ(g.regMrSym(coll, local.data(), 512, gl::NCCL_PTR_HOST, 0, &mh, &gh), gl::ncclSuccess);
+  local[0] = 0x1234;
+  void* req = nullptr;
+  ASSERT_EQ(g.iput(coll, 0, mh, 8, 256, mh, 0, &req), gl::ncclSuccess);
+  int done = 0;
+  for (int i = 0; i < 1000000 && !done; ++i) ASSERT_EQ(g.test(coll, req, &done), gl::ncclSuccess);
+  EXPECT_EQ(done, 1);
+  EXPECT_EQ(local[32], 0x1234u);
+  EXPECT_EQ(g.deregMrSym(coll, mh), gl::ncclSuccess);
+  EXPECT_EQ(g.closeColl(coll), gl::ncclSuccess);
+  EXPECT_EQ(g.closeListen(lc), gl::ncclSuccess);
+  EXPECT_EQ(g.finalize(inst), gl::ncclSuccess);
+}
+
 TEST(GinLoopback, RingOverrunIsAnError) {
   ASSERT_NE(plugin().gin, nullptr);
   OneRank o;

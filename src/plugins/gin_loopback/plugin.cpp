@@ -222,9 +222,15 @@ ncclResult_t gin_listen(void* ctx, int dev, void* handle, void** listen_comm) {
 ncclResult_t gin_connect(void* ctx, void* handles[], int nranks, int rank, void* listen_comm,
                          void** coll_comm) {
   return guarded(nullptr, "gin connect", [&] {
-    Context* c = context(ctx);
     need(handles, "handles");
     need(listen_comm, "listenComm");
+    // NCCL 2.28 passes comm->ginContext here, which its plugin loader sets
+    // (by init) only for the first communicator of a process: a split
+    // communicator brings NULL. The listen comm's context (from the init that
+    // NCCL's GIN setup makes per communicator) is the same kind of object.
+    auto* listen = static_cast<ListenComm*>(listen_comm);
+    Context* c = ctx ? context(ctx) : listen->ctx;
+    if (!c) throw PluginError(ncclInvalidArgument, "ctx is NULL and the listen comm has none");
     need(coll_comm, "collComm");
     if (nranks < 1 || rank < 0 || rank >= nranks)
       throw PluginError(ncclInvalidArgument, "rank " + std::to_string(rank) + " of nranks " +
@@ -235,7 +241,7 @@ ncclResult_t gin_connect(void* ctx, void* handles[], int nranks, int rank, void*
         throw PluginError(ncclInvalidArgument, "handles[" + std::to_string(r) + "] is NULL");
       hs[r] = static_cast<const MeshHandle*>(handles[r]);
     }
-    *coll_comm = new Comm(*c, *static_cast<ListenComm*>(listen_comm), hs, rank);
+    *coll_comm = new Comm(*c, *listen, hs, rank);
   });
 }
 ncclResult_t gin_reg_mr_sym(void* coll_comm, void* data, std::size_t size, int type, uint64_t flags,

@@ -78,10 +78,17 @@ struct alignas(128) ChannelHost {
 static_assert(sizeof(ChannelHost) == 384);
 
 /// Per channel, written by the GPU (device memory; host memory in CPU tests).
+/// The GPU's waits read the *_seen copies (device memory) and take turns
+/// reading the host counters (waiters): a GPU whose threads all poll pinned
+/// host memory keeps the PCIe reads busy that its own front end needs to
+/// fetch the proxy's copies, which then start milliseconds late.
 struct alignas(128) ChannelDevice {
-  unsigned long long reserved;       ///< slots taken so far (atomicAdd)
-  unsigned long long consumed_seen;  ///< largest ChannelHost::consumed read (saves host reads)
-  unsigned long long pad[14];
+  unsigned long long reserved;        ///< slots taken so far (atomicAdd)
+  unsigned long long consumed_seen;   ///< largest ChannelHost::consumed read
+  unsigned long long completed_seen;  ///< largest ChannelHost::completed read
+  unsigned int waiters;               ///< GPU threads waiting on a host counter now
+  unsigned int pad0;
+  unsigned long long pad[12];
 };
 static_assert(sizeof(ChannelDevice) == 128);
 

@@ -23,15 +23,45 @@ struct ProxyTransport : NetworkTransportBase, LsaWords<ProxyTransport> {
 
 #if defined(__CUDACC__)
 
-  /// One of channel `ch`'s host counters, or ~0 once its proxy thread stopped
-  /// (a wait on the channel then ends at once).
-  __device__ static unsigned long long counter_or_stopped(const proxy::ChannelView& ch,
-                                                          const uint64_t* counter) {
-    if (stopped(ch)) return ~0ull;
-    return ld_volatile_u64(counter);
-  }
   __device__ static bool stopped(const proxy::ChannelView& ch) {
     return *static_cast<volatile uint32_t*>(&ch.host->stopped) != 0u;
+  }
+
+  /// Waits until host counter `counter` of channel `ch` (mirrored in device
+  /// memory at `seen`) reaches `need`; the value read (~0: the proxy thread
+  /// stopped). The waiters poll the mirror and take turns reading the host
+  /// word, about one host read per round of all of them (command.hpp says
+  /// why). A stop is checked at those turns too.
+  __device__ static unsigned long long wait_counter(const proxy::ChannelView& ch,
+                                                    const uint64_t* counter,
+                                                    unsigned long long* seen,
+                                                    unsigned long long need, uint64_t timeout_ns,
+                                                    DeviceDiag* diag, OpId op, int rank, int peer,
+                                                    int ctx, uint32_t expected) {
+    unsigned long long v = *static_cast<volatile unsigned long long*>(seen);
+    if (v >= need) return v;
+    atomicAdd(&ch.dev->waiters, 1u);
+    uint32_t turn = 0, share = 1;
+    spin_until<true>(
+        [&] {
+          v = *static_cast<volatile unsigned long long*>(seen);
+          if (v >= need) return v;
+          if ((turn & 31u) == 0)  // how many take turns now
+            share = max(1u, *static_cast<volatile unsigned int*>(&ch.dev->waiters));
+          if (turn++ % share != 0) return v;
+          if (stopped(ch)) return v = ~0ull;
+          const unsigned long long h = ld_volatile_u64(counter);
+          if (h > v) {
+            atomicMax(seen, h);
+            v = h;
+          }
+          return v;
+        },
+        [&](unsigned long long x) { return x >= need; },
+        [&](unsigned long long x) { return static_cast<uint32_t>(x); }, expected, timeout_ns, diag,
+        op, rank, peer, ctx);
+    atomicSub(&ch.dev->waiters, 1u);
+    return v;
   }
 
   /// Posts one command into channel `ctx` (one thread). False, after a
@@ -41,20 +71,17 @@ struct ProxyTransport : NetworkTransportBase, LsaWords<ProxyTransport> {
                        uint64_t bytes, uint64_t sig_off, uint64_t add) const {
     const proxy::ChannelView ch = channels[ctx];
     const unsigned long long slot = atomicAdd(&ch.dev->reserved, 1ull);
-    unsigned long long seen = *static_cast<volatile unsigned long long*>(&ch.dev->consumed_seen);
-    if (slot >= seen + ch.capacity) {
-      const bool ok = spin_until<true>(
-          [&] { return counter_or_stopped(ch, &ch.host->consumed); },
-          [&](unsigned long long v) { return v == ~0ull || slot < v + ch.capacity; },
-          [&](unsigned long long v) { return static_cast<uint32_t>(v); },
-          static_cast<uint32_t>(slot), timeout_ns, diag, OpId::kProxyPost, rank, peer, ctx);
-      const unsigned long long now = ld_volatile_u64(&ch.host->consumed);
-      if (!ok || stopped(ch)) {
+    if (slot >= *static_cast<volatile unsigned long long*>(&ch.dev->consumed_seen) + ch.capacity) {
+      // A free slot: consumed > slot - capacity.
+      const unsigned long long v = wait_counter(
+          ch, &ch.host->consumed, &ch.dev->consumed_seen, slot - ch.capacity + 1, timeout_ns, diag,
+          OpId::kProxyPost, rank, peer, ctx, static_cast<uint32_t>(slot));
+      if (v == ~0ull || v + ch.capacity <= slot) {  // stopped, or the deadline passed
         report(diag, DiagCode::kProxyStopped, OpId::kProxyPost, rank, peer, ctx,
-               static_cast<uint32_t>(slot), static_cast<uint32_t>(now));
+               static_cast<uint32_t>(slot),
+               static_cast<uint32_t>(ld_volatile_u64(&ch.host->consumed)));
         return false;
       }
-      atomicMax(&ch.dev->consumed_seen, now);
     }
     proxy::Command* c = ch.ring + (slot & (ch.capacity - 1));
     volatile uint64_t* w = reinterpret_cast<volatile uint64_t*>(c);
@@ -117,18 +144,16 @@ struct ProxyTransport : NetworkTransportBase, LsaWords<ProxyTransport> {
   __device__ bool quiet(int ctx) const {
     const proxy::ChannelView ch = channels[ctx];
     const unsigned long long target = *static_cast<volatile unsigned long long*>(&ch.dev->reserved);
-    const bool ok = spin_until<true>([&] { return counter_or_stopped(ch, &ch.host->completed); },
-                                     [&](unsigned long long v) { return v >= target; },
-                                     [&](unsigned long long v) { return static_cast<uint32_t>(v); },
-                                     static_cast<uint32_t>(target), timeout_ns, diag,
-                                     OpId::kProxyQuiet, rank, -1, ctx);
-    if (ok && stopped(ch) && ld_volatile_u64(&ch.host->completed) < target) {
+    const unsigned long long v =
+        wait_counter(ch, &ch.host->completed, &ch.dev->completed_seen, target, timeout_ns, diag,
+                     OpId::kProxyQuiet, rank, -1, ctx, static_cast<uint32_t>(target));
+    if (v == ~0ull && ld_volatile_u64(&ch.host->completed) < target) {  // stopped first
       report(diag, DiagCode::kProxyStopped, OpId::kProxyQuiet, rank, -1, ctx,
              static_cast<uint32_t>(target),
              static_cast<uint32_t>(ld_volatile_u64(&ch.host->completed)));
       return false;
     }
-    return ok;
+    return v >= target;
   }
 #endif  // __CUDACC__
 };
