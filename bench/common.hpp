@@ -25,7 +25,8 @@ struct Options {
   int qps = 1;             ///< BufferOptions::num_qps_per_rank (proxy channels)
   int warmup = 10, iters = 50;
   bool sweep = true;
-  bool shrink = false;  ///< ll: BufferOptions::enable_shrink (no rank masked)
+  bool shrink = false;     ///< ll: BufferOptions::enable_shrink (no rank masked)
+  bool pair_sync = false;  ///< ll: the host waits after each back-to-back pair (diagnosis)
   std::string json_path;
   std::string command;  ///< the command line, for the result file
   int64_t nvl_bytes = 0, rdma_bytes = 0;

@@ -73,14 +73,18 @@ double host_us(World& w, const std::function<void()>& fn, int iters) {
 /// Mean time of one `fn` over `iters` calls back to back: one line-up, then
 /// no host wait between calls (a model's layers run that way), stalls and
 /// all; `fn` should be a dispatch and its combine.
-double back_to_back_us(World& w, const std::function<void()>& fn, int warmup, int iters) {
+double back_to_back_us(World& w, const std::function<void()>& fn, int warmup, int iters,
+                       bool pair_sync) {
   for (int i = 0; i < warmup; ++i) fn();
   cudaEvent_t a, b;
   EPX_CUDA_CHECK(cudaEventCreate(&a));
   EPX_CUDA_CHECK(cudaEventCreate(&b));
   line_up(w);
   EPX_CUDA_CHECK(cudaEventRecord(a, w.stream));
-  for (int i = 0; i < iters; ++i) fn();
+  for (int i = 0; i < iters; ++i) {
+    fn();
+    if (pair_sync) EPX_CUDA_CHECK(cudaStreamSynchronize(w.stream));
+  }
   EPX_CUDA_CHECK(cudaEventRecord(b, w.stream));
   EPX_CUDA_CHECK(cudaEventSynchronize(b));
   float ms = 0;
@@ -193,7 +197,7 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
         c.handle = w.buffer->low_latency_dispatch(dfp8).handle;
         w.buffer->low_latency_combine(c);
       },
-      o.warmup, o.iters);
+      o.warmup, o.iters, o.pair_sync);
 
   // Hook mode: send and receive phases apart.
   LowLatencyDispatchArgs dhook = dfp8;
@@ -266,6 +270,7 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
   result["dispatch_graph_us"] = mean_over_ranks(w, t_dfp8_graph);
   result["combine_graph_us"] = mean_over_ranks(w, t_comb_graph);
   result["pair_back_to_back_us"] = mean_over_ranks(w, t_pair);
+  result["pair_sync"] = o.pair_sync;
   result["dispatch_host_us"] = mean_over_ranks(w, h_dfp8);
   result["combine_host_us"] = mean_over_ranks(w, h_comb);
   result["max_rank_us"] = {{"dispatch", max_dfp8}, {"combine", max_comb}};
@@ -296,7 +301,8 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
         static_cast<double>(result["combine_graph_us"]),
         static_cast<double>(result["dispatch_host_us"]),
         static_cast<double>(result["combine_host_us"]));
-    std::printf("back to back (no host wait between calls): %.1f us per FP8 dispatch + combine\n",
+    std::printf("back to back (%s): %.1f us per FP8 dispatch + combine\n",
+                o.pair_sync ? "the host waits after each pair" : "no host wait between calls",
                 static_cast<double>(result["pair_back_to_back_us"]));
     std::printf(
         "buffer bytes per rank: %zu (hint %zu = %zu for the ops + %zu combine row sends + %zu "

@@ -231,6 +231,9 @@ int main(int argc, char** argv) {
   }
   ht->add_option("--sms", o.num_sms, "SMs for the kernels")->capture_default_str();
   ht->add_flag("!--no-sweep", o.sweep, "skip the config sweep");
+  ll->add_flag("--pair-sync", o.pair_sync,
+               "back to back: the host waits for each pair before the next (tells queued GPU "
+               "work apart from the ops themselves)");
   ll->add_flag("--shrink", o.shrink,
                "a buffer with enable_shrink (no rank masked): what the mask checks cost");
   for (auto* sc : {ht, ll})

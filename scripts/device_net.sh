@@ -21,9 +21,10 @@
 #            test, then the Smoke and LowLatency suites with EPX_BACKEND=nccl
 #            as 2 processes of 1 node each and, with 4 GPUs, 4 as 2x2
 #   b2b      (not in the default steps) epx-bench ll over the proxy three ways,
-#            for its back-to-back pair time: 4 processes, the same with
-#            CUDA_DEVICE_MAX_CONNECTIONS=32, 4 in-process ranks
-#            (EPX_B2B_TRACE=1 adds the proxy traces with allowed CPUs)
+#            for its back-to-back pair time: 4 processes, the same with a host
+#            wait after each pair (--pair-sync), 4 in-process ranks; the proxy
+#            channels' stats (EPX_B2B_TRACE=1: every command instead);
+#            EPX_B2B_INPROC_ENV: VAR=VALUE for the in-process run
 #   compare  NVLink before/after on all GPUs: .device/base/epx-bench (the
 #            baseline build) and .device/epx-bench, ht (24 SMs) and ll,
 #            EPX_COMPARE_ROUNDS times (default 2; base first in odd rounds,
@@ -141,19 +142,21 @@ if has nccl && [ "$GPUS" -ge 2 ]; then
 fi
 if has b2b; then
   # Why ops back to back over the proxy are slow: the same bench three ways
-  # (4 processes as 2x2; with more hardware queues; 4 in-process ranks on GPU 0),
-  # each printing "back to back" per pair; proxy traces of 3 pairs on rank 0.
+  # (4 processes as 2x2; the same with a host wait after each pair; 4
+  # in-process ranks on GPU 0), each printing "back to back" per pair and the
+  # proxy channels' stats (EPX_B2B_TRACE=1: every command instead).
   runs=()
   [ "$GPUS" -ge 4 ] && runs+=("procs::$D/launch.sh 4 $D/epx-bench ll"
-                              "procs-conn32:CUDA_DEVICE_MAX_CONNECTIONS=32:$D/launch.sh 4 $D/epx-bench ll")
-  runs+=("inproc4::$D/epx-bench ll --in-process 4")
+                              "procs-sync::$D/launch.sh 4 $D/epx-bench ll --pair-sync")
+  runs+=("inproc4:${EPX_B2B_INPROC_ENV:-}:$D/epx-bench ll --in-process 4")
   for spec in "${runs[@]}"; do
     IFS=: read -r tag envs cmd <<< "$spec"
     echo "== back to back: $tag"
-    timeout ${EPX_B2B_TIMEOUT:-120} env $envs EPX_DEBUG_PROXY=${EPX_B2B_TRACE:-0} $cmd --backend proxy \
-      --ranks-per-node 2 --iters 20 --json "$OUT/json/b2b-$tag.json" > "$OUT/b2b-$tag.log" 2>&1
+    timeout ${EPX_B2B_TIMEOUT:-120} env $envs EPX_DEBUG_PROXY=${EPX_B2B_TRACE:-stats} $cmd \
+      --backend proxy --ranks-per-node 2 --iters 20 --json "$OUT/json/b2b-$tag.json" \
+      > "$OUT/b2b-$tag.log" 2>&1
     rc=$?
-    grep -E "^dispatch FP8|^combine BF16 |back to back|CPUs allowed" "$OUT/b2b-$tag.log" | sort | uniq -c | head -8
+    grep -E "^dispatch FP8|^combine BF16 |back to back|CPUs allowed|stats:" "$OUT/b2b-$tag.log" | sort | uniq -c | head -16
     summary+=("back to back $tag: rc=$rc")
   done
 fi

@@ -9,9 +9,12 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <exception>
 #include <mutex>
+#include <optional>
 #include <sstream>
+#include <string>
 #include <thread>
 
 #include "common/check.hpp"
@@ -65,6 +68,57 @@ class Backoff {
  private:
   int polls_ = 0;
   Clock::time_point idle_since_;
+};
+
+/// EPX_DEBUG_PROXY=stats: where a channel's time goes, printed when its
+/// thread ends: how long the engine's calls took on this thread (CUDA calls
+/// that block show here) and how long marked work took to complete.
+class ChannelStats {
+ public:
+  /// Times one engine call (or flush) that started at `t0`.
+  void call(Clock::time_point t0) {
+    const double us = since_us(t0);
+    ++calls_;
+    call_us_ += us;
+    call_max_us_ = std::max(call_max_us_, us);
+  }
+  void marked(uint64_t token) { marks_.emplace_back(token, Clock::now()); }
+  /// Commands [0, done) are complete: the marks up to `done` finished now.
+  void completed(uint64_t done) {
+    while (!marks_.empty() && marks_.front().first <= done) {
+      const double us = since_us(marks_.front().second);
+      marks_.pop_front();
+      ++done_;
+      done_us_ += us;
+      done_max_us_ = std::max(done_max_us_, us);
+      int b = 0;
+      while (b < kBuckets - 1 && us >= kEdges[b]) ++b;
+      ++hist_[b];
+    }
+  }
+  void print(int rank, int channel, uint64_t commands) const {
+    std::fprintf(
+        stderr,
+        "epx proxy rank %d channel %d stats: %llu commands; %llu engine calls, %.1f us "
+        "mean, %.1f us max; %llu marks completed, %.1f us mean, %.1f us max after the "
+        "mark (<50us %llu, <200us %llu, <1ms %llu, <5ms %llu, <20ms %llu, more %llu)\n",
+        rank, channel, static_cast<unsigned long long>(commands),
+        static_cast<unsigned long long>(calls_), calls_ ? call_us_ / calls_ : 0.0, call_max_us_,
+        static_cast<unsigned long long>(done_), done_ ? done_us_ / done_ : 0.0, done_max_us_,
+        static_cast<unsigned long long>(hist_[0]), static_cast<unsigned long long>(hist_[1]),
+        static_cast<unsigned long long>(hist_[2]), static_cast<unsigned long long>(hist_[3]),
+        static_cast<unsigned long long>(hist_[4]), static_cast<unsigned long long>(hist_[5]));
+  }
+
+ private:
+  static constexpr int kBuckets = 6;
+  static constexpr double kEdges[kBuckets - 1] = {50, 200, 1000, 5000, 20000};
+  static double since_us(Clock::time_point t0) {
+    return std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+  }
+  std::deque<std::pair<uint64_t, Clock::time_point>> marks_;
+  uint64_t calls_ = 0, done_ = 0, hist_[kBuckets] = {};
+  double call_us_ = 0, call_max_us_ = 0, done_us_ = 0, done_max_us_ = 0;
 };
 
 template <class T>
@@ -309,6 +363,13 @@ void Proxy::Impl::run(int c) {
     const char* v = std::getenv("EPX_DEBUG_PROXY");
     return v != nullptr && v[0] == '1';
   }();
+  // EPX_DEBUG_PROXY=stats: ChannelStats, printed when the thread ends.
+  static const bool want_stats = [] {
+    const char* v = std::getenv("EPX_DEBUG_PROXY");
+    return v != nullptr && std::string(v) == "stats";
+  }();
+  std::optional<ChannelStats> stats;
+  if (want_stats) stats.emplace();
   Backoff backoff;
   Coalescer queue(engine, c, num_ranks);
   const auto t_start = Clock::now();
@@ -356,8 +417,13 @@ void Proxy::Impl::run(int c) {
   auto progress = [&](bool mark_now) {
     try {
       if (mark_now) {
+        const auto t0 = Clock::now();
         queue.flush_all();
         engine.mark(c, tail);
+        if (stats) {
+          stats->call(t0);
+          stats->marked(tail);
+        }
         marked = tail;
         since_mark = 0;
         if (trace)
@@ -366,6 +432,7 @@ void Proxy::Impl::run(int c) {
       }
       if (completed < marked) {
         const uint64_t done = engine.completed(c);
+        if (stats) stats->completed(done);
         if (done > completed) {
           completed = done;
           store_release(host.completed, completed);
@@ -437,6 +504,7 @@ void Proxy::Impl::run(int c) {
       std::fprintf(stderr, "epx proxy rank %d channel %d at %.1f us: %s\n", engine.rank(), c,
                    trace_us(), describe(tail, header, cmd).c_str());
     try {
+      const auto t0 = Clock::now();
       const int peer = static_cast<int>(cmd.peer);
       if (op == Op::kFence) {
         queue.flush_all();  // what came before goes to the engine before what follows
@@ -447,6 +515,7 @@ void Proxy::Impl::run(int c) {
         queue.flush(peer);  // the signal follows every put to the peer before it
         engine.signal_add(c, peer, region, cmd.sig_off, cmd.add);
       }
+      if (stats && op != Op::kPut) stats->call(t0);
     } catch (...) {
       fail_with("command at " + describe(tail, header, cmd) +
                     (queue.queued() > 0 || op != Op::kPut
@@ -465,6 +534,7 @@ void Proxy::Impl::run(int c) {
     queue.flush_all();
   } catch (...) {
   }
+  if (stats) stats->print(engine.rank(), c, tail);
 }
 
 void Proxy::Impl::stop() {
