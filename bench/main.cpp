@@ -247,6 +247,11 @@ int main(int argc, char** argv) {
                  "config's; fewer than a pair's rows makes the ring lap)")
       ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
+  // In-process ranks share one CUDA context and its hardware queues (8 by
+  // default): a proxy's copy stream that shares one with a rank's stream waits
+  // behind that rank's kernel, which may wait for the copy. Set before the
+  // context exists.
+  if (o.in_process > 0) setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   o.family = ht->parsed() ? "ht" : fifo->parsed() ? "fifo" : "ll";
   if (o.tokens == 0) o.tokens = o.family == "ht" ? 4096 : 128;
   for (int i = 0; i < argc; ++i) o.command += (i ? " " : "") + std::string(argv[i]);

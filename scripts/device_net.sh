@@ -22,7 +22,8 @@
 #            as 2 processes of 1 node each and, with 4 GPUs, 4 as 2x2
 #   b2b      (not in the default steps) epx-bench ll over the proxy three ways,
 #            for its back-to-back pair time: 4 processes, the same with a host
-#            wait after each pair (--pair-sync), 4 in-process ranks; the proxy
+#            wait after each pair (--pair-sync), both with the LL kernels on
+#            EPX_B2B_SMS SMs (EPX_LL_SMS, default 100), 4 in-process ranks; the proxy
 #            channels' stats (EPX_B2B_TRACE=1: every command instead);
 #            EPX_B2B_INPROC_ENV: VAR=VALUE for the in-process run
 #   compare  NVLink before/after on all GPUs: .device/base/epx-bench (the
@@ -147,7 +148,9 @@ if has b2b; then
   # proxy channels' stats (EPX_B2B_TRACE=1: every command instead).
   runs=()
   [ "$GPUS" -ge 4 ] && runs+=("procs::$D/launch.sh 4 $D/epx-bench ll"
-                              "procs-sync::$D/launch.sh 4 $D/epx-bench ll --pair-sync")
+                              "procs-sync::$D/launch.sh 4 $D/epx-bench ll --pair-sync"
+                              "procs-sms${EPX_B2B_SMS:-100}:EPX_LL_SMS=${EPX_B2B_SMS:-100}:$D/launch.sh 4 $D/epx-bench ll"
+                              "procs-sync-sms${EPX_B2B_SMS:-100}:EPX_LL_SMS=${EPX_B2B_SMS:-100}:$D/launch.sh 4 $D/epx-bench ll --pair-sync")
   runs+=("inproc4:${EPX_B2B_INPROC_ENV:-}:$D/epx-bench ll --in-process 4")
   for spec in "${runs[@]}"; do
     IFS=: read -r tag envs cmd <<< "$spec"

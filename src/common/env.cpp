@@ -111,6 +111,13 @@ double timeout_seconds() {
   return *t;
 }
 
+std::optional<int> ll_sms() {
+  const auto v = get_int("EPX_LL_SMS");
+  if (!v) return std::nullopt;
+  require(*v >= 1 && *v <= 1 << 20, "EPX_LL_SMS", "must be >= 1, got " + std::to_string(*v));
+  return static_cast<int>(*v);
+}
+
 RankInfo rank_info() {
   RankInfo info;
   if (get("RANK") && get("WORLD_SIZE")) {

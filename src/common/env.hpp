@@ -49,6 +49,11 @@ bool ht_pull();
 /// receive waits for every source. Read when a Buffer is made.
 bool ll_arrival_order();
 
+/// EPX_LL_SMS (>= 1; default: every SM): the low-latency kernels of a rank
+/// use at most this many SMs, leaving the others to other work (copies that
+/// the driver runs on SMs). Read when a Buffer is made; malformed: epx::Error.
+std::optional<int> ll_sms();
+
 struct RankInfo {
   int rank = 0, world_size = 1, local_rank = 0;
   std::string master_addr;

@@ -63,6 +63,7 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
   // kernels (which wait for each other) fit on it at once.
   d.num_sms_gpu = d.num_sms_device;
   d.num_sms_device = std::max(1, d.num_sms_device / d.comm->ranks_on_device());
+  d.ll_sms = std::min(d.num_sms_device, env::ll_sms().value_or(d.num_sms_device));
   if (d.comm->ranks_on_device() > 1) {
     // Ranks sharing a GPU share its CUDA context: no EPX kernel may be loaded
     // lazily at a first launch while a peer's kernel waits for this rank.

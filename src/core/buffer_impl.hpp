@@ -27,6 +27,7 @@ struct Buffer::Impl {
   cudaStream_t comm_stream = nullptr;
   int device = 0;
   int num_sms_device = 0;  ///< SMs this rank may use: the GPU's, split among in-process ranks on it
+  int ll_sms = 0;          ///< of those, what the low-latency kernels use (EPX_LL_SMS)
   int num_sms_gpu = 0;     ///< SMs of the whole GPU
   /// Block budget of one low-latency launch that `per_sm` blocks per SM would
   /// fill on this rank's SMs. With in-process ranks sharing the GPU, the
@@ -35,7 +36,7 @@ struct Buffer::Impl {
   /// at one block per SM, so each gets SMs / (2 x ranks on the GPU) blocks.
   int ll_blocks(int per_sm) const {
     const int sharing = comm->ranks_on_device();
-    return sharing > 1 ? std::max(1, num_sms_gpu / (2 * sharing)) : per_sm * num_sms_device;
+    return sharing > 1 ? std::max(1, num_sms_gpu / (2 * sharing)) : per_sm * ll_sms;
   }
   double timeout_s = 60;
   Allocator alloc;

@@ -65,6 +65,11 @@ int main(int argc, char** argv) {
   // first launch (CUDA's default lazy loading) may wait for the kernels
   // running: a peer's, waiting for this rank. Load every kernel at start-up.
   if (in_process > 0) setenv("CUDA_MODULE_LOADING", "EAGER", 0);
+  // They also share its hardware queues (8 by default): a proxy's copy stream
+  // that shares one with a rank's stream waits behind that rank's kernel,
+  // which may wait for the copy (seen: 20 s timeouts in hook mode). More
+  // queues than the ranks' and proxies' streams make that unlikely.
+  if (in_process > 0) setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   int ndev = 0;
   if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
     std::printf("epx_gpu_tests: SKIPPED: no CUDA device\n");
