@@ -173,6 +173,12 @@ __device__ __forceinline__ bool block_counted_last(uint32_t* done) {
 /// thread reported (a proxy post that already took a ring slot must fill it,
 /// or the channel stalls for good; a quiet must not let a send area be
 /// rewritten early).
+/// EPX_SPIN_SLEEP_NS (build-time, default 0: none): a waiting thread sleeps
+/// this long between polls after its first 64, to measure what spinning
+/// threads cost the rest of the GPU (its copies, incoming peer writes).
+#ifndef EPX_SPIN_SLEEP_NS
+#define EPX_SPIN_SLEEP_NS 0
+#endif
 template <bool kOwnDeadline = false, class Load, class Done, class Seen>
 __device__ __forceinline__ bool spin_until(Load load, Done done, Seen seen, uint32_t expected,
                                            uint64_t timeout_ns, DeviceDiag* diag, OpId op, int rank,
@@ -183,6 +189,8 @@ __device__ __forceinline__ bool spin_until(Load load, Done done, Seen seen, uint
   const uint64_t start = globaltimer_ns();
   uint32_t spins = 0;
   while (true) {
+    if constexpr (EPX_SPIN_SLEEP_NS > 0)
+      if (spins >= 64) __nanosleep(EPX_SPIN_SLEEP_NS);
     v = load();
     if (done(v)) return true;
     if ((++spins & 1023u) == 0) {
