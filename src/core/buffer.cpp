@@ -1,3 +1,5 @@
+#include <cuda.h>
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -20,6 +22,31 @@ std::atomic<int>& default_num_sms();
 }
 
 namespace {
+/// Once per process: a warning when CUDA loads modules lazily (its default
+/// since 12.2) and a network backend runs, which can then stall until the
+/// deadline when some library's kernel is loaded while EPX kernels wait.
+void warn_if_lazy_loading(const char* backend, int rank) {
+  static std::atomic<bool> warned{false};
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  if (cudaGetDriverEntryPointByVersion("cuModuleGetLoadingMode", &fn, 12000, cudaEnableDefault,
+                                       &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess || fn == nullptr) {
+    (void)cudaGetLastError();
+    return;
+  }
+  CUmoduleLoadingMode mode = CU_MODULE_EAGER_LOADING;
+  if (reinterpret_cast<CUresult (*)(CUmoduleLoadingMode*)>(fn)(&mode) != CUDA_SUCCESS ||
+      mode != CU_MODULE_LAZY_LOADING || warned.exchange(true))
+    return;
+  std::fprintf(stderr,
+               "epx: rank %d: backend %s with lazy CUDA module loading: a kernel loaded at its "
+               "first launch while EPX kernels wait for peers can stall every rank until the "
+               "deadline; set CUDA_MODULE_LOADING=EAGER before CUDA starts (EPX's own kernels "
+               "are loaded now)\n",
+               rank, backend);
+}
+
 /// One id per rank, equal for ranks of one host (hostname and boot id).
 std::vector<int> host_ids(int num_ranks, Communicator& comm) {
   constexpr std::size_t kBytes = 192;
@@ -102,6 +129,18 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
   if (options.num_rdma_bytes > 0)
     d.ll = d.backend->alloc(static_cast<std::size_t>(options.num_rdma_bytes));
   d.backend->start();
+  if (d.networked() && d.comm->ranks_on_device() == 1) {
+    // A network backend's host side (the proxy's threads, NCCL's GIN proxy)
+    // issues CUDA work in this context while EPX kernels wait for peers that
+    // wait for that work. A kernel loaded lazily at its first launch in
+    // between stalled every rank until the deadline (4 processes as 2x2 over
+    // the proxy on 4x H100 and 4x H200, CUDA_MODULE_LOADING=LAZY): load EPX's
+    // kernels now, and say that other code's kernels can do the same.
+    kernels::preload_layout_kernels();
+    kernels::preload_ht_kernels();
+    kernels::preload_ll_kernels();
+    warn_if_lazy_loading(d.backend->name(), d.comm->rank());
+  }
   EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&d.comm_stream, cudaStreamNonBlocking));
   // [HT op counter, LL op counter, finished blocks of HT main kernels, of notify
   // kernels, LL network op counts (two u64)]

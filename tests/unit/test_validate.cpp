@@ -313,6 +313,23 @@ TEST(Env, LlArrivalOrderIsZeroOrOne) {
     unsetenv("EPX_LL_ARRIVAL_ORDER");
 }
 
+TEST(Env, LlSmsIsAPositiveCount) {
+  const char* saved = std::getenv("EPX_LL_SMS");
+  const std::string keep = saved ? saved : "";
+  unsetenv("EPX_LL_SMS");
+  EXPECT_FALSE(env::ll_sms().has_value());
+  setenv("EPX_LL_SMS", "100", 1);
+  EXPECT_EQ(env::ll_sms(), 100);
+  setenv("EPX_LL_SMS", "0", 1);
+  expect_error([] { env::ll_sms(); }, {"EPX_LL_SMS", ">= 1"});
+  setenv("EPX_LL_SMS", "many", 1);
+  expect_error([] { env::ll_sms(); }, {"EPX_LL_SMS"});
+  if (saved)
+    setenv("EPX_LL_SMS", keep.c_str(), 1);
+  else
+    unsetenv("EPX_LL_SMS");
+}
+
 TEST(Env, RankInfoFromTorchrunAndMpi) {
   setenv("RANK", "3", 1);
   setenv("WORLD_SIZE", "4", 1);
