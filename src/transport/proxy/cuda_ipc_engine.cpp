@@ -212,8 +212,11 @@ class CudaIpcEngine final : public Engine {
     const Region& reg = target(peer, region, "put");
     check_range("put", "destination", peer, region, dst_off, bytes, reg.bytes);
     check_range("put", "source", rank_, region, src_off, bytes, reg.bytes);
-    copy_rows(ch, peer, static_cast<char*>(reg.peer_base[peer]) + dst_off, 0,
-              static_cast<const char*>(reg.local) + src_off, 0, bytes, 1);
+    cudaStream_t s = stream(ch, peer);
+    EPX_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(reg.peer_base[peer]) + dst_off,
+                                   static_cast<const char*>(reg.local) + src_off, bytes,
+                                   cudaMemcpyDeviceToDevice, s));
+    ch.dirty[peer] = 1;
   }
 
   void put_strided(int channel, int peer, int region, uint64_t dst_off, uint64_t dst_pitch,
@@ -231,8 +234,23 @@ class CudaIpcEngine final : public Engine {
                 reg.bytes);
     check_range("put_strided", "source", rank_, region, src_off, (rows - 1) * src_pitch + width,
                 reg.bytes);
-    copy_rows(ch, peer, static_cast<char*>(reg.peer_base[peer]) + dst_off, dst_pitch,
-              static_cast<const char*>(reg.local) + src_off, src_pitch, width, rows);
+    cudaStream_t s = stream(ch, peer);
+    char* dst = static_cast<char*>(reg.peer_base[peer]) + dst_off;
+    const char* src = static_cast<const char*>(reg.local) + src_off;
+    if (comm_.in_process()) {
+      // Ranks of one process share one GPU, so this is a copy within a
+      // device, which the driver may run on SMs that the ranks' spinning
+      // kernels hold (a suspect, not a finding: the first 2x2 in-process
+      // run with strided copies left one combine unwritten). Row by row, as
+      // the in-process runs that passed did; rows that touch still merge.
+      for (uint64_t i = 0; i < rows; ++i)
+        EPX_CUDA_CHECK(cudaMemcpyAsync(dst + i * dst_pitch, src + i * src_pitch, width,
+                                       cudaMemcpyDeviceToDevice, s));
+    } else {
+      EPX_CUDA_CHECK(cudaMemcpy2DAsync(dst, dst_pitch, src, src_pitch, width, rows,
+                                       cudaMemcpyDeviceToDevice, s));
+    }
+    ch.dirty[peer] = 1;
   }
 
   void signal_add(int channel, int peer, int region, uint64_t sig_off, uint64_t add) override {
@@ -332,9 +350,6 @@ class CudaIpcEngine final : public Engine {
     std::unordered_map<SigKey, uint64_t, SigKeyHash> totals;  ///< running signal totals
     std::array<uint64_t, kMaxRegions> generation{};           ///< reset_generation_ seen
     uint64_t completed = 0;
-    std::vector<void*> batch_dst;  ///< put_strided's row copies (kept between calls)
-    std::vector<const void*> batch_src;
-    std::vector<std::size_t> batch_size;
   };
   /// Bumped by reset_signals(id); channels compare before each signal.
   std::array<std::atomic<uint64_t>, kMaxRegions> reset_generation_{};
@@ -384,32 +399,6 @@ class CudaIpcEngine final : public Engine {
                     ", " + std::to_string(off) + " + " + std::to_string(bytes) +
                     " bytes) is out of bounds of rank " + std::to_string(owner) + "'s region " +
                     std::to_string(region) + " (" + std::to_string(size) + " bytes)");
-  }
-
-  /// `rows` copies of `width` bytes (row i from src + i * src_pitch to dst +
-  /// i * dst_pitch) on the (channel, peer) stream, as one batch that asks the
-  /// driver to leave the SMs to the kernels (PreferOverlapWithCompute). Not
-  /// cudaMemcpy2DAsync: with it, ops issued back to back over 4 H100s took
-  /// 13-40 ms a pair instead of under one, and deadlocked under lazy module
-  /// loading, which points at a driver kernel waiting for the ranks'
-  /// spinning ones.
-  void copy_rows(Channel& ch, int peer, char* dst, uint64_t dst_pitch, const char* src,
-                 uint64_t src_pitch, uint64_t width, uint64_t rows) {
-    ch.batch_dst.resize(rows);
-    ch.batch_src.resize(rows);
-    ch.batch_size.assign(rows, width);
-    for (uint64_t i = 0; i < rows; ++i) {
-      ch.batch_dst[i] = dst + i * dst_pitch;
-      ch.batch_src[i] = src + i * src_pitch;
-    }
-    cudaMemcpyAttributes attr{};
-    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
-    std::size_t first = 0;
-    EPX_CUDA_CHECK(cudaMemcpyBatchAsync(ch.batch_dst.data(), ch.batch_src.data(),
-                                        ch.batch_size.data(), rows, &attr, &first, 1,
-                                        stream(ch, peer)));
-    ch.dirty[peer] = 1;
   }
 
   /// The (channel, peer) endpoint's stream; the channel's thread makes it on first use.
