@@ -238,11 +238,10 @@ class CudaIpcEngine final : public Engine {
     char* dst = static_cast<char*>(reg.peer_base[peer]) + dst_off;
     const char* src = static_cast<const char*>(reg.local) + src_off;
     if (comm_.in_process()) {
-      // Ranks of one process share one GPU, so this is a copy within a
-      // device, which the driver may run on SMs that the ranks' spinning
-      // kernels hold (a suspect, not a finding: the first 2x2 in-process
-      // run with strided copies left one combine unwritten). Row by row, as
-      // the in-process runs that passed did; rows that touch still merge.
+      // Ranks of one process share one GPU: row copies, as in the in-process
+      // suites that passed. (The one failure seen with a pitched copy here,
+      // a combine left unwritten, matches what hardware queues shared with
+      // the ranks' streams did later; a pitched copy is untested since.)
       for (uint64_t i = 0; i < rows; ++i)
         EPX_CUDA_CHECK(cudaMemcpyAsync(dst + i * dst_pitch, src + i * src_pitch, width,
                                        cudaMemcpyDeviceToDevice, s));
@@ -401,16 +400,14 @@ class CudaIpcEngine final : public Engine {
                     std::to_string(region) + " (" + std::to_string(size) + " bytes)");
   }
 
-  /// The (channel, peer) endpoint's stream; the channel's thread makes it on first use.
-  /// The endpoint's stream, at the device's greatest priority. A stream's
-  /// work goes through a hardware queue that other streams may share, in
-  /// order; the kernels that wait for these copies are followed in their own
-  /// streams by work that waits for them to finish (the next kernel, an event),
-  /// and a copy queued behind that would wait for the kernel that waits for
-  /// it (until its deadline). Giving the copies the greatest priority is meant
-  /// to keep them off the queues of the ranks' own streams (an observation on
-  /// H100/H200, not something CUDA documents; CUDA_DEVICE_MAX_CONNECTIONS sets
-  /// how many queues there are).
+  /// The (channel, peer) endpoint's stream, at the device's greatest
+  /// priority; the channel's thread makes it on first use. A stream's work
+  /// goes through a hardware queue that other streams of the context may
+  /// share, in order: a copy queued behind a kernel that waits for it waits
+  /// until that kernel's deadline. Processes of one GPU each have their own
+  /// queues; in-process ranks share the context's (CUDA_DEVICE_MAX_CONNECTIONS,
+  /// 8 by default), and with 8 the in-process 2x2 suite hit exactly that
+  /// (priority does not keep streams apart); with 32 it passed.
   cudaStream_t stream(Channel& ch, int peer) {
     cudaStream_t& s = ch.streams[peer];
     if (!s) {
