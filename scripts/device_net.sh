@@ -19,7 +19,8 @@
 #            loopback plugin (.device/libnccl-net-epxloop.so), one GPU per
 #            rank: the plugin's own 2-process GPU test, the transport smoke
 #            test, then the Smoke and LowLatency suites with EPX_BACKEND=nccl
-#            as 2 processes of 1 node each and, with 4 GPUs, 4 as 2x2
+#            as 2 processes of 1 node each and, with 4 GPUs, 4 as 2x2, and
+#            epx-bench ll --backend nccl on 4 as 2x2
 #   b2b      (not in the default steps) epx-bench ll over the proxy three ways,
 #            for its back-to-back pair time: 4 processes, the same with a host
 #            wait after each pair (--pair-sync), both with the LL kernels on
@@ -140,6 +141,17 @@ if has nccl && [ "$GPUS" -ge 2 ]; then
       ${EPX_TEST_TIMEOUT:-420} "${gin[@]}" EPX_BACKEND=nccl EPX_RANKS_PER_NODE=$rpn \
       "$D/launch.sh" "$r" "$D/epx_gpu_tests" --gtest_filter="${EPX_NCCL_FILTER:-Smoke.*:LowLatency.*}"
   done
+  if [ "$GPUS" -ge 4 ]; then
+    # The LL bench over NCCL's GIN path (GIN_PROXY through the loopback plugin:
+    # CUDA/host copies on this host, not a NIC), beside the proxy's figures.
+    echo "== epx-bench ll --backend nccl --ranks-per-node 2"
+    timeout ${EPX_BENCH_TIMEOUT:-300} env "${gin[@]:1}" "$D/launch.sh" 4 "$D/epx-bench" ll \
+      --backend nccl --ranks-per-node 2 --json "$OUT/json/${model}x4-ll-nccl-rpn2.json" \
+      > "$OUT/bench-ll-nccl.log" 2>&1
+    rc=$?
+    tail -8 "$OUT/bench-ll-nccl.log"
+    summary+=("bench ll nccl 2x2: rc=$rc")
+  fi
 fi
 if has b2b; then
   # Why ops back to back over the proxy are slow: the same bench three ways
