@@ -25,8 +25,9 @@ struct Options {
   int qps = 1;             ///< BufferOptions::num_qps_per_rank (proxy channels)
   int warmup = 10, iters = 50;
   bool sweep = true;
-  bool shrink = false;     ///< ll: BufferOptions::enable_shrink (no rank masked)
-  bool pair_sync = false;  ///< ll: the host waits after each back-to-back pair (diagnosis)
+  bool shrink = false;       ///< ll: BufferOptions::enable_shrink (no rank masked)
+  bool pair_sync = false;    ///< ll: the host waits after each back-to-back pair (diagnosis)
+  bool pair_lineup = false;  ///< ll: the ranks line up (device all-reduce) before each pair
   std::string json_path;
   std::string command;  ///< the command line, for the result file
   int64_t nvl_bytes = 0, rdma_bytes = 0;

@@ -74,7 +74,7 @@ double host_us(World& w, const std::function<void()>& fn, int iters) {
 /// no host wait between calls (a model's layers run that way), stalls and
 /// all; `fn` should be a dispatch and its combine.
 double back_to_back_us(World& w, const std::function<void()>& fn, int warmup, int iters,
-                       bool pair_sync) {
+                       bool pair_sync, bool pair_lineup) {
   for (int i = 0; i < warmup; ++i) fn();
   cudaEvent_t a, b;
   EPX_CUDA_CHECK(cudaEventCreate(&a));
@@ -82,6 +82,7 @@ double back_to_back_us(World& w, const std::function<void()>& fn, int warmup, in
   line_up(w);
   EPX_CUDA_CHECK(cudaEventRecord(a, w.stream));
   for (int i = 0; i < iters; ++i) {
+    if (pair_lineup && i > 0) line_up(w);
     fn();
     if (pair_sync) EPX_CUDA_CHECK(cudaStreamSynchronize(w.stream));
   }
@@ -197,7 +198,7 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
         c.handle = w.buffer->low_latency_dispatch(dfp8).handle;
         w.buffer->low_latency_combine(c);
       },
-      o.warmup, o.iters, o.pair_sync);
+      o.warmup, o.iters, o.pair_sync, o.pair_lineup);
 
   // Hook mode: send and receive phases apart.
   LowLatencyDispatchArgs dhook = dfp8;
@@ -271,6 +272,7 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
   result["combine_graph_us"] = mean_over_ranks(w, t_comb_graph);
   result["pair_back_to_back_us"] = mean_over_ranks(w, t_pair);
   result["pair_sync"] = o.pair_sync;
+  result["pair_lineup"] = o.pair_lineup;
   result["dispatch_host_us"] = mean_over_ranks(w, h_dfp8);
   result["combine_host_us"] = mean_over_ranks(w, h_comb);
   result["max_rank_us"] = {{"dispatch", max_dfp8}, {"combine", max_comb}};
@@ -302,7 +304,9 @@ void run_ll(World& w, const Options& o, nlohmann::json& result) {
         static_cast<double>(result["dispatch_host_us"]),
         static_cast<double>(result["combine_host_us"]));
     std::printf("back to back (%s): %.1f us per FP8 dispatch + combine\n",
-                o.pair_sync ? "the host waits after each pair" : "no host wait between calls",
+                o.pair_sync     ? "the host waits after each pair"
+                : o.pair_lineup ? "ranks lined up on the GPU before each pair"
+                                : "no host wait between calls",
                 static_cast<double>(result["pair_back_to_back_us"]));
     std::printf(
         "buffer bytes per rank: %zu (hint %zu = %zu for the ops + %zu combine row sends + %zu "

@@ -234,6 +234,9 @@ int main(int argc, char** argv) {
   ll->add_flag("--pair-sync", o.pair_sync,
                "back to back: the host waits for each pair before the next (tells queued GPU "
                "work apart from the ops themselves)");
+  ll->add_flag("--pair-lineup", o.pair_lineup,
+               "back to back: the ranks line up (an all-reduce on the stream, no host wait) "
+               "before each pair (tells misaligned ranks apart from queued work)");
   ll->add_flag("--shrink", o.shrink,
                "a buffer with enable_shrink (no rank masked): what the mask checks cost");
   for (auto* sc : {ht, ll})

@@ -12,7 +12,8 @@
 #            rank 1): the others must raise naming it (Network.KilledRankIsNamed
 #            prints KILL-TEST lines)
 #   soak     Network.Soak with EPX_SOAK pairs (default 100000) over 2x2
-#            (processes where there are 4 GPUs, else in-process)
+#            (processes where there are 4 GPUs, else in-process;
+#            EPX_SOAK_LINEUP=1: the ranks meet before each pair)
 #   bench    epx-bench ll over the proxy (2x2, EPX_BENCH_QPS channels: "1 4")
 #            and epx-bench fifo (2 ranks)
 #   nccl     (not in the default steps) the NCCL GIN backend through the
@@ -21,10 +22,10 @@
 #            test, then the Smoke and LowLatency suites with EPX_BACKEND=nccl
 #            as 2 processes of 1 node each and, with 4 GPUs, 4 as 2x2, and
 #            epx-bench ll --backend nccl on 4 as 2x2
-#   b2b      (not in the default steps) epx-bench ll over the proxy three ways,
-#            for its back-to-back pair time: 4 processes, the same with a host
-#            wait after each pair (--pair-sync), both with the LL kernels on
-#            EPX_B2B_SMS SMs (EPX_LL_SMS, default 100), 4 in-process ranks; the proxy
+#   b2b      (not in the default steps) epx-bench ll over the proxy four ways,
+#            for its back-to-back pair time: 4 processes; the same with a host
+#            wait after each pair (--pair-sync); with the ranks lined up on the
+#            GPU before each pair (--pair-lineup); 4 in-process ranks; the proxy
 #            channels' stats (EPX_B2B_TRACE=1: every command instead);
 #            EPX_B2B_INPROC_ENV: VAR=VALUE for the in-process run
 #   compare  NVLink before/after on all GPUs: .device/base/epx-bench (the
@@ -92,11 +93,13 @@ if has soak; then
   n=${EPX_SOAK:-100000}
   if [ "$GPUS" -ge 4 ]; then
     run_suite "soak: $n LL pairs, 4 processes as 2x2 (proxy)" "$OUT/net-soak.log" \
-      ${EPX_SOAK_TIMEOUT:-540} env EPX_RANKS_PER_NODE=2 EPX_TEST_SOAK=$n "$D/launch.sh" 4 \
+      ${EPX_SOAK_TIMEOUT:-540} env EPX_RANKS_PER_NODE=2 EPX_TEST_SOAK=$n \
+      EPX_TEST_SOAK_LINEUP=${EPX_SOAK_LINEUP:-0} "$D/launch.sh" 4 \
       "$D/epx_gpu_tests" --gtest_filter=Network.Soak
   else
     run_suite "soak: $n LL pairs, 4 in-process ranks as 2x2 (proxy)" "$OUT/net-soak.log" \
-      ${EPX_SOAK_TIMEOUT:-540} env EPX_RANKS_PER_NODE=2 EPX_TEST_SOAK=$n "$D/epx_gpu_tests" \
+      ${EPX_SOAK_TIMEOUT:-540} env EPX_RANKS_PER_NODE=2 EPX_TEST_SOAK=$n \
+      EPX_TEST_SOAK_LINEUP=${EPX_SOAK_LINEUP:-0} "$D/epx_gpu_tests" \
       --in-process=4 --gtest_filter=Network.Soak
   fi
 fi
@@ -161,8 +164,7 @@ if has b2b; then
   runs=()
   [ "$GPUS" -ge 4 ] && runs+=("procs::$D/launch.sh 4 $D/epx-bench ll"
                               "procs-sync::$D/launch.sh 4 $D/epx-bench ll --pair-sync"
-                              "procs-sms${EPX_B2B_SMS:-100}:EPX_LL_SMS=${EPX_B2B_SMS:-100}:$D/launch.sh 4 $D/epx-bench ll"
-                              "procs-sync-sms${EPX_B2B_SMS:-100}:EPX_LL_SMS=${EPX_B2B_SMS:-100}:$D/launch.sh 4 $D/epx-bench ll --pair-sync")
+                              "procs-lineup::$D/launch.sh 4 $D/epx-bench ll --pair-lineup")
   runs+=("inproc4:${EPX_B2B_INPROC_ENV:-}:$D/epx-bench ll --in-process 4")
   for spec in "${runs[@]}"; do
     IFS=: read -r tag envs cmd <<< "$spec"

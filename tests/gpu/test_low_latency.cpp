@@ -1544,6 +1544,11 @@ EPX_GPU_TEST(Network, Soak) {
   // default: only at the checks every 500, so the host runs far ahead).
   const char* sync_env = std::getenv("EPX_TEST_SOAK_SYNC");
   const long sync_every = sync_env != nullptr ? std::atol(sync_env) : 0;
+  // EPX_TEST_SOAK_LINEUP=1: before each pair the host waits for the stream
+  // and the ranks meet in a barrier, so every pair starts together (over the
+  // proxy, pairs of ranks that drift apart took 10-40 ms each on one host).
+  const char* lineup_env = std::getenv("EPX_TEST_SOAK_LINEUP");
+  const bool lineup = lineup_env != nullptr && lineup_env[0] == '1';
   const int R = w.num_ranks;
   LlCase c;
   c.max_tokens = 128;
@@ -1583,6 +1588,10 @@ EPX_GPU_TEST(Network, Soak) {
   for (long i = 0; i < pairs; ++i) {
     const int k = static_cast<int>((i * 7 + 3) % kSets);
     const int T = sets[k].num_tokens[w.rank];
+    if (lineup) {
+      ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+      w.comm->barrier();
+    }
     auto res = w.buffer->low_latency_dispatch(dispatch_args(c, dx[k].get(), dt[k].get(), T));
     LowLatencyCombineArgs ca;
     ca.x = view(d_eo.get(), DType::kBF16, {E_local, RT, c.hidden});
