@@ -76,6 +76,10 @@ struct DispatchHandle {
   Tensor send_slot;         ///< [T, R] i32: position of token t among those sent to r, or -1
   Tensor send_list;         ///< [R, T] i32: the tokens sent to r, in slot order
   Tensor recv_src_idx;      ///< [N] i32: source token index of each received row
+  /// [R, R] i32: [i][j] = tokens ranks 0..i send to rank j (DeepEP's
+  /// rank_prefix_matrix; column `rank` ends each source's received rows).
+  Tensor rank_prefix_matrix;
+  Tensor source_num_tokens;  ///< [R] i32: each rank's number of tokens in this dispatch
   std::vector<int> num_recv_tokens_per_expert;
   std::vector<int> recv_counts;  ///< host copy: rows received from each source
 };

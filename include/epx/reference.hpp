@@ -77,6 +77,10 @@ struct HtDispatchOutput {  ///< one rank's dispatch output
   std::vector<int> num_recv_tokens_per_expert;  ///< [E_local], each rounded up to alignment
   std::vector<int> recv_src_rank;               ///< [N]
   std::vector<int> recv_src_idx;                ///< [N]
+  /// [R, R]: [i][j] = tokens that ranks 0..i send to rank j (DeepEP's
+  /// rank_prefix_matrix; the same on every rank).
+  std::vector<int> rank_prefix_matrix;
+  std::vector<int> source_num_tokens;  ///< [R]: each rank's num_tokens
 };
 
 /// Received rows are grouped by source rank in rank order, and within a source

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 from . import _core
 from . import compat as _compat
 from .config import Config, _core_config
-from .handles import LowLatencyHandle, core_low_latency_handle
+from .handles import (DispatchHandle, LowLatencyHandle, core_dispatch_handle,
+                      core_low_latency_handle)
 from .in_process import InProcessComm
 from .utils import INT64, EventHandle, EventOverlap, _event_of, _int, _torch, _wrap_event
 
@@ -454,7 +455,7 @@ class Buffer:
                      [per_rank, per_expert, in_rank])
         return per_rank, None, per_expert, in_rank, _wrap_event(r.event)
 
-    def dispatch(self, x: "TensorOrPair", handle: Optional[_core.DispatchHandle] = None,
+    def dispatch(self, x: "TensorOrPair", handle: Optional[DispatchHandle] = None,
                  num_tokens_per_rank: Optional["torch.Tensor"] = None,
                  num_tokens_per_rdma_rank: Optional["torch.Tensor"] = None,
                  is_token_in_rank: Optional["torch.Tensor"] = None,
@@ -465,7 +466,7 @@ class Buffer:
                  previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False
                  ) -> Tuple["TensorOrPair", Optional["torch.Tensor"], Optional["torch.Tensor"],
-                            Optional[List[int]], Optional[_core.DispatchHandle], EventOverlap]:
+                            Optional[List[int]], Optional[DispatchHandle], EventOverlap]:
         """Sends each token to every rank that hosts one of its experts.
 
         Arguments:
@@ -496,9 +497,7 @@ class Buffer:
             raise ValueError(f"x: expected a tensor or a pair (x, x_scales), got a tuple of "
                              f"{len(x)}")
         x, x_scales = x if isinstance(x, tuple) else (x, None)
-        if handle is not None and not isinstance(handle, _core.DispatchHandle):
-            raise TypeError(f"handle: expected the handle returned by dispatch, "
-                            f"got {type(handle).__name__}")
+        core_handle = core_dispatch_handle("dispatch", handle) if handle is not None else None
         a = _core.DispatchArgs()
         a.x = g.view("x", x)
         a.x_scales = g.opt_view("x_scales", x_scales)
@@ -507,7 +506,7 @@ class Buffer:
         a.num_tokens_per_rank = g.opt_view("num_tokens_per_rank", num_tokens_per_rank)
         a.is_token_in_rank = g.opt_view("is_token_in_rank", is_token_in_rank)
         a.num_tokens_per_expert = g.opt_view("num_tokens_per_expert", num_tokens_per_expert)
-        a.handle = handle
+        a.handle = core_handle
         a.expert_alignment = _int("expert_alignment", expert_alignment)
         a.num_worst_tokens = _int("num_worst_tokens", num_worst_tokens)
         a.config = _core_config(config)
@@ -518,8 +517,8 @@ class Buffer:
         recv_x, recv_scales = g.out(r.recv_x), g.out(r.recv_x_scales)
         recv_topk_idx, recv_topk_weights = g.out(r.recv_topk_idx), g.out(r.recv_topk_weights)
         if async_finish:
-            new_handle = r.handle
-            extra = [g.out(t) for t in new_handle.tensors] if new_handle is not None else []
+            made = r.handle
+            extra = [g.out(t) for t in made.tensors] if made is not None else []
             self._record(True, allocate_on_comm_stream,
                          [x, x_scales, topk_idx, topk_weights, num_tokens_per_rank,
                           is_token_in_rank, num_tokens_per_expert],
@@ -528,10 +527,13 @@ class Buffer:
         event = _wrap_event(r.event)
         if handle is not None:
             return recv, None, None, None, None, event
+        # DeepEP's tuple; its channel elements count config.num_sms // 2 channels.
+        used = config if config is not None else self.get_dispatch_config(self.group_size)
+        new_handle = DispatchHandle(r.handle, self.rank, max(1, used.num_sms // 2), g.out)
         return (recv, recv_topk_idx, recv_topk_weights, list(r.num_recv_tokens_per_expert),
-                r.handle, event)
+                new_handle, event)
 
-    def combine(self, x: "torch.Tensor", handle: _core.DispatchHandle,
+    def combine(self, x: "torch.Tensor", handle: DispatchHandle,
                 topk_weights: Optional["torch.Tensor"] = None,
                 bias: Union["torch.Tensor", Tuple["torch.Tensor", "torch.Tensor"], None] = None,
                 config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
@@ -551,9 +553,7 @@ class Buffer:
             topk_weights), event.
         """
         g = self._glue
-        if not isinstance(handle, _core.DispatchHandle):
-            raise TypeError(f"handle: expected the handle returned by dispatch, "
-                            f"got {type(handle).__name__}")
+        core_handle = core_dispatch_handle("combine", handle)
         if isinstance(bias, tuple):
             if len(bias) != 2:
                 raise ValueError(f"bias: expected a tensor or a pair of tensors, got {len(bias)}")
@@ -562,7 +562,7 @@ class Buffer:
             bias_0, bias_1 = bias, None
         a = _core.CombineArgs()
         a.x = g.view("x", x)
-        a.handle = handle
+        a.handle = core_handle
         a.topk_weights = g.opt_view("topk_weights", topk_weights)
         a.bias_0 = g.opt_view("bias_0", bias_0)
         a.bias_1 = g.opt_view("bias_1", bias_1)

@@ -7,9 +7,12 @@ EPX's calls take the tuple back unchanged (or EPX's core handle, as before).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Dict
+
+import numpy as np
 
 from . import _core
+from .utils import _torch
 
 
 class LowLatencyHandle(tuple):
@@ -67,3 +70,197 @@ def core_low_latency_handle(op: str, handle: Any) -> "_core.LowLatencyHandle":
         else type(handle).__name__
     raise TypeError(f"{op}: handle: expected the handle returned by low_latency_dispatch, "
                     f"got {what}")
+
+
+# ---- the intranode dispatch handle -----------------------------------------------------------
+
+class _Ops:
+    """The few array operations the channel elements need, for torch tensors (what
+    handles hold) and numpy arrays (what the CPU tests without torch use)."""
+
+    def __init__(self, like: Any) -> None:
+        self.np = isinstance(like, np.ndarray)
+        self.dev = None if self.np else like.device
+        if not self.np:
+            self.torch = _torch()
+
+    def arange(self, n: int) -> Any:
+        return np.arange(n) if self.np else self.torch.arange(n, device=self.dev)
+
+    def zeros(self, shape: Any, i64: bool = False) -> Any:
+        if self.np:
+            return np.zeros(shape, dtype=np.int64 if i64 else np.int32)
+        dt = self.torch.int64 if i64 else self.torch.int32
+        return self.torch.zeros(shape, dtype=dt, device=self.dev)
+
+    def i32(self, x: Any) -> Any:
+        return x.astype(np.int32) if self.np else x.to(self.torch.int32)
+
+    def i64(self, x: Any) -> Any:
+        return x.astype(np.int64) if self.np else x.to(self.torch.int64)
+
+    def add_rows(self, out: Any, index: Any, values: Any) -> Any:
+        """out[index[i]] += values[i] (repeated indices add up)."""
+        if self.np:
+            np.add.at(out, index, values)
+        else:
+            out.index_add_(0, index, values)
+        return out
+
+    def cumsum(self, x: Any, axis: int) -> Any:
+        return np.cumsum(x, axis=axis, dtype=np.int32) if self.np \
+            else x.cumsum(axis, dtype=self.torch.int32)
+
+    def cat_cols(self, a: Any, b: Any) -> Any:
+        return np.concatenate([a, b], axis=1) if self.np else self.torch.cat([a, b], dim=1)
+
+    def where(self, cond: Any, a: Any, fill: int) -> Any:
+        return np.where(cond, a, np.int32(fill)).astype(np.int32) if self.np \
+            else self.torch.where(cond, a, self.torch.full_like(a, fill))
+
+    def repeat(self, values: Any, counts: Any, total: int) -> Any:
+        return np.repeat(values, counts) if self.np \
+            else self.torch.repeat_interleave(values, counts, output_size=total)
+
+    def contiguous(self, x: Any) -> Any:
+        return np.ascontiguousarray(x) if self.np else x.contiguous()
+
+
+def _channel_width(num_tokens: Any, num_channels: int) -> Any:
+    """DeepEP's channel size: ceil(T / C) tokens (at least 1, so that T = 0 divides);
+    elementwise for an array of token counts."""
+    if isinstance(num_tokens, int):
+        return max(1, -(-num_tokens // num_channels))
+    w = (num_tokens + num_channels - 1) // num_channels
+    return np.maximum(w, 1) if isinstance(w, np.ndarray) else w.clamp(min=1)
+
+
+def channel_prefix_matrix(is_token_in_rank: Any, num_channels: int) -> Any:
+    """[R, C] int32: tokens sent to rank r from channels 0..c (inclusive), channel c
+    being tokens [c * w, (c + 1) * w) with w = ceil(T / C), as DeepEP's notify."""
+    ops = _Ops(is_token_in_rank)
+    T, R = is_token_in_rank.shape
+    chan = ops.arange(T) // _channel_width(int(T), num_channels)
+    counts = ops.add_rows(ops.zeros((num_channels, R)), chan, ops.i32(is_token_in_rank))
+    return ops.contiguous(ops.cumsum(counts.T, 1))
+
+
+def send_head(is_token_in_rank: Any, chan_prefix: Any) -> Any:
+    """[T, R] int32: for a token sent to r, how many tokens of its channel before it
+    go to r (DeepEP's channel-local index); -1 where the token is not sent."""
+    ops = _Ops(is_token_in_rank)
+    T, R = is_token_in_rank.shape
+    C = chan_prefix.shape[1]
+    m = ops.i32(is_token_in_rank)
+    before = ops.cumsum(m, 0) - m  # tokens before t going to r, over all channels
+    # [R, C]: tokens to r in the channels before c
+    start = ops.cat_cols(ops.zeros((R, 1)), chan_prefix[:, :-1])
+    chan = ops.arange(T) // _channel_width(int(T), C)
+    return ops.where(is_token_in_rank, before - start[:, chan].T, -1)
+
+
+def recv_channel_prefix_matrix(rank_prefix_matrix: Any, recv_src_idx: Any,
+                               source_num_tokens: Any, rank: int, num_channels: int) -> Any:
+    """[R, C] int32: for source s, the rows it sent here from its channels before c
+    (its channel_prefix_matrix[rank][c - 1], 0 for c = 0), as DeepEP's receivers record."""
+    ops = _Ops(recv_src_idx)
+    R, C = rank_prefix_matrix.shape[0], num_channels
+    ends = ops.i64(rank_prefix_matrix[:, rank])
+    rows = ends - ops.cat_cols(ops.zeros((1, 1), i64=True), ends[:-1].reshape(1, -1))[0]
+    n = int(recv_src_idx.shape[0])
+    src = ops.repeat(ops.arange(R), rows, n)
+    width = _channel_width(ops.i64(source_num_tokens), C)
+    flat = src * C + ops.i64(recv_src_idx) // width[src]
+    counts = ops.add_rows(ops.zeros(R * C), flat, ops.i32(ops.zeros(n) + 1)).reshape(R, C)
+    return ops.contiguous(ops.cumsum(counts, 1) - counts)
+
+
+class DispatchHandle(tuple):
+    """An intranode dispatch's handle, DeepEP's 6-tuple (``C`` channels: the
+    dispatch config's ``num_sms // 2``, as DeepEP):
+
+    0. rank_prefix_matrix [R, R] int32: [i][j] = tokens ranks 0..i send to rank j;
+    1. channel_prefix_matrix [R, C] int32: tokens this rank sends to r from its
+       channels 0..c (channel c: tokens [c * w, (c + 1) * w), w = ceil(T / C));
+    2. recv_channel_prefix_matrix [R, C] int32: source s's channel_prefix_matrix
+       [rank][c - 1] (0 for c = 0), where its channel c's rows start in its block;
+    3. recv_src_idx [N] int32: the source token of each received row;
+    4. is_token_in_rank [T, R] bool;
+    5. send_head [T, R] int32: a sent token's index among its channel's tokens to
+       that rank, -1 where not sent (DeepEP's combine later rewrites those -1
+       entries in place; EPX leaves them).
+
+    0, 3 and 4 are EPX's own tensors; 1, 2 and 5 are derived from them with torch
+    on the current stream when first read (EPX's kernels do not use channels).
+    ``.core`` is EPX's handle, which dispatch (cached) and combine take.
+    """
+
+    core: Any
+    _lazy: Dict[int, Callable[[], Any]]
+    _cache: Dict[int, Any]
+
+    def __new__(cls, core: "_core.DispatchHandle", rank: int, num_channels: int,
+                out: Callable[[Any], Any]) -> "DispatchHandle":
+        if not isinstance(core, _core.DispatchHandle):
+            raise TypeError(f"core: expected an epx._core.DispatchHandle, "
+                            f"got {type(core).__name__}")
+        if num_channels < 1:
+            raise ValueError(f"num_channels: must be >= 1, got {num_channels}")
+        prefix, src_idx = out(core.rank_prefix_matrix), out(core.recv_src_idx)
+        in_rank, src_tokens = out(core.is_token_in_rank), out(core.source_num_tokens)
+        self = super().__new__(cls, (prefix, None, None, src_idx, in_rank, None))
+        self.core = core
+        self._cache = {}
+        self._lazy = {
+            1: lambda: channel_prefix_matrix(in_rank, num_channels),
+            2: lambda: recv_channel_prefix_matrix(prefix, src_idx, src_tokens, rank,
+                                                  num_channels),
+            5: lambda: send_head(in_rank, self[1]),
+        }
+        return self
+
+    def _element(self, i: int) -> Any:
+        if i in self._lazy:
+            if i not in self._cache:
+                self._cache[i] = self._lazy[i]()
+            return self._cache[i]
+        return tuple.__getitem__(self, i)
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, slice):
+            return tuple(self._element(i) for i in range(*key.indices(len(self))))
+        i = key.__index__()
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError("handle index out of range")
+        return self._element(i)
+
+    def __iter__(self):
+        return (self._element(i) for i in range(len(self)))
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("core", "_lazy", "_cache"):
+            raise AttributeError(name)
+        return getattr(self.core, name)
+
+    def __reduce__(self):
+        raise TypeError("an EPX handle refers to device state of one buffer and cannot be "
+                        "pickled or copied")
+
+    def __repr__(self) -> str:
+        c = self.core
+        return (f"epx.DispatchHandle(num_ranks={c.num_ranks}, num_tokens={c.num_tokens}, "
+                f"num_recv_tokens={c.num_recv_tokens}, hidden={c.hidden})")
+
+
+def core_dispatch_handle(op: str, handle: Any) -> "_core.DispatchHandle":
+    """EPX's handle inside ``handle`` (a DispatchHandle tuple or the core handle);
+    a TypeError naming ``op`` and the argument otherwise."""
+    if isinstance(handle, DispatchHandle):
+        return handle.core
+    if isinstance(handle, _core.DispatchHandle):
+        return handle
+    what = "a plain tuple (rebuilt from a handle's elements?)" if isinstance(handle, tuple) \
+        else type(handle).__name__
+    raise TypeError(f"{op}: handle: expected the handle returned by dispatch, got {what}")

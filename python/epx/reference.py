@@ -125,8 +125,66 @@ def ht_dispatch(x: Sequence[XInput], topk_idx: Sequence[np.ndarray], num_experts
             "num_recv_tokens_per_expert": o.num_recv_tokens_per_expert.tolist(),
             "recv_src_rank": o.recv_src_rank,
             "recv_src_idx": o.recv_src_idx,
+            "rank_prefix_matrix": o.rank_prefix_matrix.reshape(R, R),
+            "source_num_tokens": o.source_num_tokens,
         })
     return result
+
+
+def deepep_intranode_handle(is_token_in_rank: Sequence[np.ndarray], rank: int,
+                            num_channels: int) -> Tuple[np.ndarray, ...]:
+    """DeepEP V1's intranode dispatch handle of ``rank``, from every rank's
+    is_token_in_rank [T_r, R], by DeepEP's definitions, written as plain loops:
+
+    0. rank_prefix_matrix [R, R]: [i][j] = tokens ranks 0..i send to rank j;
+    1. channel_prefix_matrix [R, C]: tokens this rank sends to r from channels
+       0..c, where channel c holds tokens [c * w, (c + 1) * w), w = ceil(T / C);
+    2. recv_channel_prefix_matrix [R, C]: source s's channel_prefix_matrix
+       [rank][c - 1] (0 for c = 0): where channel c's rows start in s's block;
+    3. recv_src_idx [N]: source token of each received row (sources in rank
+       order, each in token order);
+    4. is_token_in_rank [T, R] of this rank;
+    5. send_head [T, R]: for a token sent to r, how many tokens of its channel
+       before it go to r; -1 where it is not sent.
+    """
+    R, C = len(is_token_in_rank), num_channels
+    masks = [np.asarray(m, dtype=bool) for m in is_token_in_rank]
+
+    def channel_counts(m: np.ndarray) -> np.ndarray:  # [R, C] per-channel counts
+        T = m.shape[0]
+        w = -(-T // C) if T else 0
+        out = np.zeros((R, C), dtype=np.int64)
+        for t in range(T):
+            for r in range(R):
+                if m[t, r]:
+                    out[r, t // w] += 1
+        return out
+
+    prefix = np.zeros((R, R), dtype=np.int32)
+    for j in range(R):
+        acc = 0
+        for i in range(R):
+            acc += int(masks[i][:, j].sum())
+            prefix[i, j] = acc
+    mine = masks[rank]
+    chan = np.cumsum(channel_counts(mine), axis=1).astype(np.int32)
+    recv_chan = np.zeros((R, C), dtype=np.int32)
+    for s in range(R):
+        theirs = np.cumsum(channel_counts(masks[s]), axis=1)
+        for c in range(1, C):
+            recv_chan[s, c] = theirs[rank, c - 1]
+    src_idx = [t for s in range(R) for t in range(masks[s].shape[0]) if masks[s][t, rank]]
+    T = mine.shape[0]
+    w = -(-T // C) if T else 0
+    head = np.full((T, R), -1, dtype=np.int32)
+    for r in range(R):
+        seen = {}
+        for t in range(T):
+            if mine[t, r]:
+                c = t // w
+                head[t, r] = seen.get(c, 0)
+                seen[c] = head[t, r] + 1
+    return (prefix, chan, recv_chan, np.asarray(src_idx, dtype=np.int32), mine.copy(), head)
 
 
 def ht_combine(topk_idx: Sequence[np.ndarray], x: Sequence[np.ndarray], num_experts: int,

@@ -475,6 +475,8 @@ void bind_reference(nb::module_& m) {
   vec_field(hd, "num_recv_tokens_per_expert", &ref::HtDispatchOutput::num_recv_tokens_per_expert);
   vec_field(hd, "recv_src_rank", &ref::HtDispatchOutput::recv_src_rank);
   vec_field(hd, "recv_src_idx", &ref::HtDispatchOutput::recv_src_idx);
+  vec_field(hd, "rank_prefix_matrix", &ref::HtDispatchOutput::rank_prefix_matrix);
+  vec_field(hd, "source_num_tokens", &ref::HtDispatchOutput::source_num_tokens);
   r.def("ht_dispatch", &ref::ht_dispatch, "inputs"_a, "hidden"_a, "num_topk"_a, "num_experts"_a,
         "expert_alignment"_a);
 
@@ -822,10 +824,13 @@ NB_MODULE(_core, m) {
       .def_ro("num_recv_tokens_per_expert", &DH::num_recv_tokens_per_expert)
       .def_prop_ro("is_token_in_rank", [](const DH& h) { return to_py(h.is_token_in_rank); })
       .def_prop_ro("recv_src_idx", [](const DH& h) { return to_py(h.recv_src_idx); })
+      .def_prop_ro("rank_prefix_matrix", [](const DH& h) { return to_py(h.rank_prefix_matrix); })
+      .def_prop_ro("source_num_tokens", [](const DH& h) { return to_py(h.source_num_tokens); })
       .def_prop_ro("tensors", [](const DH& h) {
         nb::list l;
-        for (const Tensor* t : {&h.send_counts, &h.recv_offsets, &h.is_token_in_rank, &h.send_slot,
-                                &h.send_list, &h.recv_src_idx})
+        for (const Tensor* t :
+             {&h.send_counts, &h.recv_offsets, &h.is_token_in_rank, &h.send_slot, &h.send_list,
+              &h.recv_src_idx, &h.rank_prefix_matrix, &h.source_num_tokens})
           if (t->defined()) l.append(to_py(*t));
         return l;
       });

@@ -131,12 +131,15 @@ struct HtRegion {
   int staged_sources() const { return num_ranks > 1 ? num_ranks - 1 : 0; }
   /// Area of source `src` (a peer, src != me) in the staging of rank `me`.
   static constexpr int staging_index(int src, int me) { return src < me ? src : src - 1; }
-  /// Count-exchange row a source writes: [count to me, then E_local per-expert counts].
-  int count_row_ints() const { return 1 + kMaxLocalExperts; }
+  /// Count-exchange row a source writes into every rank: [its token count
+  /// to each of the R ranks, its number of tokens, then its picks of each of
+  /// the receiver's E_local experts]. Every rank thus learns the whole R x R
+  /// count matrix (DeepEP's rank_prefix_matrix) and each source's tokens.
+  static constexpr int count_row_ints() { return kHtMaxRanks + 1 + kMaxLocalExperts; }
 
   static constexpr std::size_t barrier_offset() { return 0; }  // uint32[kHtMaxRanks]
   static constexpr std::size_t counts_bytes() {
-    return align_up(4u * kHtMaxRanks * (1 + kMaxLocalExperts), kAlign);
+    return align_up(4u * kHtMaxRanks * count_row_ints(), kAlign);
   }
   static constexpr std::size_t counts_offset(int parity) {
     return align_up(4u * kHtMaxRanks, kAlign) + parity * counts_bytes();

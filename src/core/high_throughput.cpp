@@ -137,7 +137,9 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
                                {DType::kI32, {T, R}},
                                {DType::kI32, {R, std::max(T, 1)}},
                                {DType::kI32, {R}},
-                               {DType::kI32, {R + 1}}},
+                               {DType::kI32, {R + 1}},
+                               {DType::kI32, {R, R}},
+                               {DType::kI32, {R}}},
                               a.streams);
     d.ordered_after_allocs(a.streams);
     handle->is_token_in_rank = parts[0];
@@ -145,6 +147,8 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
     handle->send_list = parts[2];
     handle->send_counts = parts[3];
     handle->recv_offsets = parts[4];
+    handle->rank_prefix_matrix = parts[5];
+    handle->source_num_tokens = parts[6];
     const TensorView& src = *a.is_token_in_rank;
     if (src.nbytes() > 0)
       EPX_CUDA_CHECK(cudaMemcpyAsync(handle->is_token_in_rank.view.data, src.data, src.nbytes(),
@@ -166,6 +170,8 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
     np.send_list = handle->send_list.ptr<int>();
     np.send_counts = handle->send_counts.ptr<int>();
     np.recv_offsets = handle->recv_offsets.ptr<int>();
+    np.rank_prefix_matrix = handle->rank_prefix_matrix.ptr<int>();
+    np.source_num_tokens = handle->source_num_tokens.ptr<int>();
     const int epr = E / R;
     require(2 + R + epr <= Buffer::Impl::kCountsInts, "num_experts", "too many local experts");
     // The host reads the counts only without num_worst_tokens, and waits for

@@ -82,10 +82,14 @@ struct HtNotifyArgs {
   int* send_list;     ///< [R, T]
   int* send_counts;   ///< [R]
   int* recv_offsets;  ///< [R + 1]
-  int* host_counts;   ///< mapped, nullable: [0] = host_seq once every block is done (so a
-                      ///< layout mismatch is reported before), [1] N, [2..2+R) per source,
-                      ///< then E_local
-  int host_seq;       ///< what [0] gets; the host waits for exactly this value (its dispatch)
+  /// Nullable: [R, R], [i][j] = tokens that ranks 0..i send to rank j
+  /// (DeepEP's rank_prefix_matrix: column `me` ends each source's rows).
+  int* rank_prefix_matrix;
+  int* source_num_tokens;  ///< nullable: [R], each source's number of tokens
+  int* host_counts;        ///< mapped, nullable: [0] = host_seq once every block is done (so a
+                           ///< layout mismatch is reported before), [1] N, [2..2+R) per source,
+                           ///< then E_local
+  int host_seq;            ///< what [0] gets; the host waits for exactly this value (its dispatch)
   uint64_t timeout_ns;
   DeviceDiag* diag;
   OpId op;

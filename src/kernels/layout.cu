@@ -100,10 +100,14 @@ __device__ __forceinline__ void notify_body(const HtNotifyParams<T>& p) {
   const int parity = epoch & 1;
   const int row_ints = p.off.count_row_ints;
   const int epr = p.num_experts / R;
-  // My row in every peer: [tokens I send you, my picks of each of your experts].
-  for (int i = threadIdx.x; i < R * (1 + epr); i += blockDim.x) {
-    const int dst = i / (1 + epr), j = i % (1 + epr);
-    const int v = j == 0 ? p.num_tokens_per_rank[dst] : p.num_tokens_per_expert[dst * epr + j - 1];
+  // My row in every peer (plan::HtRegion::count_row_ints): [tokens I send to
+  // each rank, my number of tokens, my picks of each of your experts].
+  const int row_used = R + 1 + epr;
+  for (int i = threadIdx.x; i < R * row_used; i += blockDim.x) {
+    const int dst = i / row_used, j = i % row_used;
+    const int v = j < R    ? p.num_tokens_per_rank[j]
+                  : j == R ? p.num_tokens
+                           : p.num_tokens_per_expert[dst * epr + j - R - 1];
     int* row = reinterpret_cast<int*>(p.t.lsa_ptr(dst, p.off.counts[parity])) + me * row_ints;
     row[j] = v;
   }
@@ -131,7 +135,7 @@ __device__ __forceinline__ void notify_body(const HtNotifyParams<T>& p) {
   if (threadIdx.x == 0) {
     int acc = 0;
     for (int s = 0; s < R; ++s) {
-      const int c = rows[s * row_ints];
+      const int c = rows[s * row_ints + me];
       p.recv_offsets[s] = acc;
       if (host) host[2 + s] = c;
       acc += c;
@@ -139,10 +143,21 @@ __device__ __forceinline__ void notify_body(const HtNotifyParams<T>& p) {
     p.recv_offsets[R] = acc;
     if (host) host[1] = acc;
   }
+  // Column j of the prefix matrix: what ranks 0..s send to j, for each s.
+  if (p.rank_prefix_matrix != nullptr && static_cast<int>(threadIdx.x) < R) {
+    const int j = threadIdx.x;
+    int acc = 0;
+    for (int s = 0; s < R; ++s) {
+      acc += rows[s * row_ints + j];
+      p.rank_prefix_matrix[s * R + j] = acc;
+    }
+  }
+  if (p.source_num_tokens != nullptr && static_cast<int>(threadIdx.x) < R)
+    p.source_num_tokens[threadIdx.x] = rows[threadIdx.x * row_ints + R];
   if (host == nullptr) return;
   for (int j = threadIdx.x; j < epr; j += blockDim.x) {
     int c = 0;
-    for (int s = 0; s < R; ++s) c += rows[s * row_ints + 1 + j];
+    for (int s = 0; s < R; ++s) c += rows[s * row_ints + R + 1 + j];
     const int a = p.expert_alignment;
     host[2 + R + j] = (c + a - 1) / a * a;
   }

@@ -82,9 +82,18 @@ std::vector<HtDispatchOutput> ht_dispatch(const std::vector<HtInput>& inputs, in
 
   const std::vector<Layout> layouts = source_layouts(inputs, num_topk, num_experts);
   const int E_local = num_experts / R;
+  std::vector<int> prefix(sz(R, R), 0), source_tokens(R, 0);
+  for (int j = 0; j < R; ++j)
+    for (int i = 0, acc = 0; i < R; ++i) {
+      acc += layouts[i].num_tokens_per_rank[j];
+      prefix[sz(i, R) + j] = acc;
+    }
+  for (int s = 0; s < R; ++s) source_tokens[s] = inputs[s].num_tokens;
   std::vector<HtDispatchOutput> outs(R);
   for (int r = 0; r < R; ++r) {
     HtDispatchOutput& o = outs[r];
+    o.rank_prefix_matrix = prefix;
+    o.source_num_tokens = source_tokens;
     int N = 0;
     for (int s = 0; s < R; ++s) N += layouts[s].num_tokens_per_rank[r];
     o.num_recv_tokens = N;

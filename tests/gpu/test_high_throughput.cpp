@@ -162,6 +162,8 @@ void run_case(const HtCase& c, int iters, uint64_t seed0,
     if (c.with_weights)
       ASSERT_EQ(to_host<float>(*res.recv_topk_weights), ro.recv_topk_weights) << c.name();
     ASSERT_EQ(to_host<int>(res.handle->recv_src_idx), ro.recv_src_idx) << c.name();
+    ASSERT_EQ(to_host<int>(res.handle->rank_prefix_matrix), ro.rank_prefix_matrix) << c.name();
+    ASSERT_EQ(to_host<int>(res.handle->source_num_tokens), ro.source_num_tokens) << c.name();
 
     // Cached dispatch reuses the layout and must reproduce recv_x.
     DispatchArgs cached;

@@ -277,6 +277,23 @@ def _case_high_throughput(rank, world, group):
     assert counts == mine["num_recv_tokens_per_expert"]
     assert recv_x.device == dev and recv_idx.dtype == torch.int64
 
+    # DeepEP's 6-tuple handle, every element against the reference's definitions
+    # (channels: the default config's num_sms // 2, as DeepEP)
+    assert isinstance(handle, tuple) and len(handle) == 6
+    C = epx.Buffer.get_dispatch_config(world).num_sms // 2
+    masks = [ref.dispatch_layout(i, E, world)[2] for i in all_idx]
+    want_h = ref.deepep_intranode_handle(masks, rank, C)
+    dtypes = (torch.int32, torch.int32, torch.int32, torch.int32, torch.bool, torch.int32)
+    for k, (got, exp) in enumerate(zip(handle, want_h)):
+        assert got.device == dev and got.dtype == dtypes[k], f"handle[{k}]"
+        np.testing.assert_array_equal(got.cpu().numpy(), exp, err_msg=f"handle[{k}]")
+    np.testing.assert_array_equal(handle[0].cpu().numpy(), mine["rank_prefix_matrix"])
+    np.testing.assert_array_equal(handle[3].cpu().numpy(), mine["recv_src_idx"])
+    # DeepEP's own test reads rank_prefix_matrix[i][rank] as the end of source i's rows
+    ends = [int(handle[0][i][rank]) for i in range(world)]
+    assert ends == list(np.cumsum([int((mine["recv_src_rank"] == i).sum())
+                                   for i in range(world)]))
+
     # cached dispatch reuses the routing
     again, n1, n2, n3, n4, _ = buf.dispatch(x, handle=handle)
     assert (n1, n2, n3, n4) == (None, None, None, None)

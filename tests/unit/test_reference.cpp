@@ -489,6 +489,15 @@ TEST(RefHt, DispatchReceiveOrderAndContents) {
         }
       }
       EXPECT_EQ(o.num_recv_tokens_per_expert, per_expert);
+      // rank_prefix_matrix[i][j]: tokens of ranks 0..i that rank j receives
+      // (counted from the definition: any of the token's experts on j).
+      ASSERT_EQ(o.rank_prefix_matrix.size(), sz(c.R, c.R));
+      for (int j = 0; j < c.R; ++j)
+        for (int i = 0, acc = 0; i < c.R; ++i) {
+          for (int t = 0; t < c.T[i]; ++t) acc += token_on_rank(in[i], t, c.K, El, j) ? 1 : 0;
+          ASSERT_EQ(o.rank_prefix_matrix[sz(i, c.R) + j], acc) << "i=" << i << " j=" << j;
+        }
+      ASSERT_EQ(o.source_num_tokens, c.T);
     }
   }
 }

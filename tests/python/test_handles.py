@@ -1,0 +1,83 @@
+"""The intranode handle's channel elements (epx.handles) against the reference's
+plain-loop statement of DeepEP's definitions: on numpy arrays always, and on
+torch CPU tensors (what handles hold) where torch is installed."""
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from epx import handles
+from epx import reference as ref
+
+BACKENDS = ["numpy"] + (["torch"] if importlib.util.find_spec("torch") else [])
+
+
+def _as(backend, a):
+    if backend == "numpy":
+        return np.asarray(a)
+    import torch
+    return torch.from_numpy(np.ascontiguousarray(a))
+
+
+def _np(x):
+    return x if isinstance(x, np.ndarray) else x.numpy()
+
+
+def _masks(rng, R, sizes, p):
+    return [rng.random((T, R)) < p for T in sizes]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("R,C,sizes,p", [
+    (2, 1, [5, 7], 0.5),
+    (4, 10, [64, 81, 0, 33], 0.4),
+    (8, 12, [200, 3, 129, 77, 1, 0, 50, 96], 0.3),
+    (3, 16, [5, 9, 2], 0.9),  # fewer tokens than channels
+    (4, 7, [40, 40, 40, 40], 0.0),  # nothing sent
+    (4, 7, [40, 41, 42, 43], 1.0),  # everything sent everywhere
+])
+def test_channel_elements_match_the_reference(R, C, sizes, p, backend):
+    rng = np.random.default_rng(R * 100 + C)
+    masks = _masks(rng, R, sizes, p)
+    source_tokens = _as(backend, np.asarray(sizes, dtype=np.int32))
+    for rank in range(R):
+        want = ref.deepep_intranode_handle(masks, rank, C)
+        prefix = _as(backend, want[0])
+        in_rank = _as(backend, masks[rank])
+        src_idx = _as(backend, want[3])
+        chan = handles.channel_prefix_matrix(in_rank, C)
+        np.testing.assert_array_equal(_np(chan), want[1])
+        assert str(chan.dtype).endswith("int32") and tuple(chan.shape) == (R, C)
+        recv = handles.recv_channel_prefix_matrix(prefix, src_idx, source_tokens, rank, C)
+        np.testing.assert_array_equal(_np(recv), want[2])
+        assert str(recv.dtype).endswith("int32") and tuple(recv.shape) == (R, C)
+        head = handles.send_head(in_rank, chan)
+        np.testing.assert_array_equal(_np(head), want[5])
+        assert str(head.dtype).endswith("int32") and tuple(head.shape) == (sizes[rank], R)
+
+
+def test_reference_handle_meanings_on_a_small_case():
+    # Two ranks, two channels; rank 0 has 4 tokens (channels {0,1}, {2,3}),
+    # rank 1 has 3 tokens (channels {0,1}, {2}).
+    m0 = np.array([[1, 0], [1, 1], [0, 1], [1, 1]], dtype=bool)
+    m1 = np.array([[0, 1], [1, 0], [1, 1]], dtype=bool)
+    prefix, chan, recv_chan, src_idx, in_rank, head = ref.deepep_intranode_handle([m0, m1], 1, 2)
+    # to rank 0: 3 from rank 0, then 2 from rank 1; to rank 1: 3 from rank 0, then 2 from rank 1
+    np.testing.assert_array_equal(prefix, [[3, 3], [5, 5]])
+    # rank 1 sends to rank 0 tokens 1 (channel 0) and 2 (channel 1); to itself 0, 2
+    np.testing.assert_array_equal(chan, [[1, 2], [1, 2]])
+    # rows rank 1 receives: from rank 0 tokens 1, 2, 3 (channel 0 holds 1 of them),
+    # from itself tokens 0, 2 (channel 0 holds 1)
+    np.testing.assert_array_equal(recv_chan, [[0, 1], [0, 1]])
+    np.testing.assert_array_equal(src_idx, [1, 2, 3, 0, 2])
+    np.testing.assert_array_equal(in_rank, m1)
+    np.testing.assert_array_equal(head, [[-1, 0], [0, -1], [0, 0]])
+
+
+def test_non_handles_are_refused_by_name():
+    with pytest.raises(TypeError, match=r"combine: handle: expected the handle returned by "
+                                        r"dispatch, got a plain tuple"):
+        handles.core_dispatch_handle("combine", (1, 2, 3))
+    with pytest.raises(TypeError, match=r"dispatch: handle: .* got int"):
+        handles.core_dispatch_handle("dispatch", 3)
