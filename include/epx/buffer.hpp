@@ -85,8 +85,11 @@ struct DispatchHandle {
 };
 
 struct DispatchArgs {
-  TensorView x;                                     ///< [T, H] bf16, or fp8 e4m3 with x_scales
-  std::optional<TensorView> x_scales;               ///< [T, H/128] f32 (fp8 only)
+  /// [T, H] rows of any dtype, each a multiple of 16 bytes (moved as bytes)
+  TensorView x;
+  /// With 1-byte x only (FP8): [T, S >= 1] f32 or i32 (packed UE8M0), any
+  /// strides (per 128 channels, per token, ...); received as [N, S] of its dtype.
+  std::optional<TensorView> x_scales;
   std::optional<TensorView> topk_idx;               ///< [T, K] i64, -1 = unused slot
   std::optional<TensorView> topk_weights;           ///< [T, K] f32
   std::optional<TensorView> num_tokens_per_rank;    ///< [R] i32 (from get_dispatch_layout)
@@ -109,7 +112,7 @@ struct DispatchArgs {
 
 struct DispatchResult {
   Tensor recv_x;                            ///< [N, H] same dtype as x
-  std::optional<Tensor> recv_x_scales;      ///< [N, H/128] f32
+  std::optional<Tensor> recv_x_scales;      ///< [N, S], x_scales' dtype
   std::optional<Tensor> recv_topk_idx;      ///< [N, K] i64, rebased to local experts, -1 elsewhere
   std::optional<Tensor> recv_topk_weights;  ///< [N, K] f32
   std::vector<int> num_recv_tokens_per_expert;  ///< empty when num_worst_tokens > 0

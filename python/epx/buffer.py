@@ -97,6 +97,26 @@ class _TorchGlue:
     def opt_view(self, name: str, t: Any) -> Optional[_core.TensorView]:
         return None if t is None else self.view(name, t)
 
+    def rows(self, name: str, t: Any) -> _core.TensorView:
+        """A dispatch's x -> TensorView: a dtype the core has no name for (float16,
+        float8_e5m2, int8, ...) goes as its rows' bytes (uint8, [T, H * size]), as
+        DeepEP moves rows of any dtype; ``restore`` views the received rows back."""
+        torch = self.torch
+        if isinstance(t, torch.Tensor) and t.dtype not in self.view_dtypes and t.dim() == 2:
+            try:
+                t = t.view(torch.uint8)
+            except RuntimeError as e:
+                raise ValueError(f"{name}: rows of {t.dtype} must be contiguous to be sent "
+                                 f"as bytes ({e})") from None
+        return self.view(name, t)
+
+    def restore(self, recv: Any, like: Any) -> Any:
+        """Received rows in ``like``'s dtype (see ``rows``)."""
+        torch = self.torch
+        if recv is None or not isinstance(like, torch.Tensor) or recv.dtype == like.dtype:
+            return recv
+        return recv.view(torch.uint8).view(like.dtype)
+
     def out(self, obj: Any) -> Any:
         """A result of the core -> torch.Tensor (see to_py in python/src/core.cpp)."""
         torch = self.torch
@@ -499,7 +519,7 @@ class Buffer:
         x, x_scales = x if isinstance(x, tuple) else (x, None)
         core_handle = core_dispatch_handle("dispatch", handle) if handle is not None else None
         a = _core.DispatchArgs()
-        a.x = g.view("x", x)
+        a.x = g.rows("x", x)
         a.x_scales = g.opt_view("x_scales", x_scales)
         a.topk_idx = g.opt_view("topk_idx", topk_idx)
         a.topk_weights = g.opt_view("topk_weights", topk_weights)
@@ -514,7 +534,7 @@ class Buffer:
         r = self._rt().dispatch(a)
         self._settle(async_finish)
 
-        recv_x, recv_scales = g.out(r.recv_x), g.out(r.recv_x_scales)
+        recv_x, recv_scales = g.restore(g.out(r.recv_x), x), g.out(r.recv_x_scales)
         recv_topk_idx, recv_topk_weights = g.out(r.recv_topk_idx), g.out(r.recv_topk_weights)
         if async_finish:
             made = r.handle

@@ -103,11 +103,12 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   const Config cfg = a.config.value_or(get_dispatch_config(R));
   cfg.validate(R, d.num_sms_device);
 
-  const bool fp8 = a.x.dtype == DType::kFP8E4M3;
+  // Scales (FP8) travel with their rows as 4-byte words, float32 or int32 alike.
+  const bool scaled = a.x_scales.has_value();
   const int T = static_cast<int>(a.x.shape[0]);
   const int H = static_cast<int>(a.x.shape[1]);
   const int hidden_bytes = H * static_cast<int>(element_size(a.x.dtype));
-  const int num_scales = fp8 ? H / 128 : 0;
+  const int num_scales = scaled ? static_cast<int>(a.x_scales->shape[1]) : 0;
   const int K = a.topk_idx ? static_cast<int>(a.topk_idx->shape[1]) : 0;
   const int E = a.handle ? 0 : static_cast<int>(a.num_tokens_per_expert->shape[0]);
   const plan::HtRegion region =
@@ -199,7 +200,7 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
 
   DispatchResult res;
   res.recv_x = d.make(a.x.dtype, {N, H}, a.streams);
-  if (fp8) res.recv_x_scales = d.make(DType::kF32, {N, num_scales}, a.streams);
+  if (scaled) res.recv_x_scales = d.make(a.x_scales->dtype, {N, num_scales}, a.streams);
   if (a.topk_idx && !a.handle) res.recv_topk_idx = d.make(DType::kI64, {N, K}, a.streams);
   if (a.topk_weights && !a.handle) res.recv_topk_weights = d.make(DType::kF32, {N, K}, a.streams);
   Tensor recv_src_idx = d.make(DType::kI32, {N}, a.streams);
@@ -215,8 +216,8 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   p.own_barrier = a.handle != nullptr;
   p.x = static_cast<const uint8_t*>(a.x.data);
   p.x_row_bytes = a.x.strides[0] * static_cast<int64_t>(element_size(a.x.dtype));
-  if (fp8) {
-    p.x_scales = a.x_scales->ptr<float>();
+  if (scaled) {
+    p.x_scales = static_cast<const float*>(a.x_scales->data);
     p.scale_stride_token = a.x_scales->strides[0];
     p.scale_stride_channel = a.x_scales->strides[1];
   }
@@ -233,7 +234,7 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   p.recv_offsets = handle->recv_offsets.ptr<int>();
   p.pull = cfg.pull_dispatch && R > 1;  // one rank has no peer to pull from (nor staging)
   p.recv_x = static_cast<uint8_t*>(res.recv_x.view.data);
-  p.recv_scales = fp8 ? res.recv_x_scales->ptr<float>() : nullptr;
+  p.recv_scales = scaled ? static_cast<float*>(res.recv_x_scales->view.data) : nullptr;
   p.recv_topk_idx = res.recv_topk_idx ? res.recv_topk_idx->ptr<int64_t>() : nullptr;
   p.recv_topk_weights = res.recv_topk_weights ? res.recv_topk_weights->ptr<float>() : nullptr;
   p.recv_src_idx = recv_src_idx.ptr<int>();

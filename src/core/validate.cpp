@@ -124,25 +124,30 @@ void dispatch_layout(const TensorView& topk_idx, int num_experts, int num_ranks,
 
 void dispatch(const DispatchArgs& a, int num_ranks, int device) {
   const char* op = "dispatch";
-  const bool fp8 = a.x.dtype == DType::kFP8E4M3;
-  if (a.x.dtype != DType::kBF16 && !fp8)
-    fail(op, "x", "must be bfloat16, or float8_e4m3fn with x_scales (got " + a.x.describe() + ")");
+  // As DeepEP: rows of any dtype (the dispatch moves bytes) whose size is a
+  // multiple of 16 bytes; scales only with 1-byte elements (FP8), float32 or
+  // int32 (packed UE8M0), [num_tokens, any number >= 1], moved with the rows.
   if (a.x.ndim != 2) fail(op, "x", "must be [num_tokens, hidden] (got " + a.x.describe() + ")");
   if (a.x.device != device)
     fail(op, "x", "must be on cuda:" + std::to_string(device) + " (got " + a.x.describe() + ")");
   const int64_t T = a.x.shape[0], H = a.x.shape[1];
   if (T < 0) fail(op, "x", "has a negative extent (got " + a.x.describe() + ")");
-  hidden(op, H, a.x.dtype, fp8);
+  hidden(op, H, a.x.dtype, false);
   if (a.x.data == nullptr && T > 0) fail(op, "x", "is null");
   if (a.x.strides[1] != 1 ||
       (a.x.strides[0] * static_cast<int64_t>(element_size(a.x.dtype))) % 16 != 0)
     fail(op, "x", "rows must be contiguous and 16-byte aligned (got " + a.x.describe() + ")");
-  if (fp8) {
-    if (!a.x_scales)
-      fail(op, "x_scales", "is required with float8_e4m3fn x ([num_tokens, hidden/128] float32)");
-    tensor(op, "x_scales", *a.x_scales, DType::kF32, {T, H / 128}, device, false);
-  } else if (a.x_scales) {
-    fail(op, "x_scales", "must be None unless x is float8_e4m3fn");
+  if (a.x_scales) {
+    if (element_size(a.x.dtype) != 1)
+      fail(op, "x_scales",
+           "needs x of 1-byte elements (float8_e4m3fn; got " + a.x.describe() + ")");
+    const TensorView& sc = *a.x_scales;
+    const DType sd = sc.dtype == DType::kI32 ? DType::kI32 : DType::kF32;
+    tensor(op, "x_scales", sc, sd, {T, kAny}, device, false);
+    if (sc.shape[1] < 1)
+      fail(
+          op, "x_scales",
+          "must have at least one scale per token ([num_tokens, >= 1]; got " + sc.describe() + ")");
   }
   if (a.expert_alignment < 1)
     fail(op, "expert_alignment", "must be >= 1 (got " + std::to_string(a.expert_alignment) + ")");

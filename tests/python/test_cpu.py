@@ -405,13 +405,29 @@ def test_validate_dispatch_accepts_good_args():
                                           num_tokens_per_expert=None), R, 0)
 
 
+def test_validate_dispatch_rows_and_scales_as_deepep():
+    # rows of any dtype (a multiple of 16 bytes); FP8 with or without scales,
+    # float32 or int32, per group or per token
+    for dt in (D.float32, D.int32, D.int64, D.bool):
+        _core.validate_dispatch(dispatch_args(x=cuda(dt, (T, H))), R, 0)
+    _core.validate_dispatch(dispatch_args(D.float8_e4m3fn, x_scales=None), R, 0)
+    for sd, s in ((D.int32, 2), (D.float32, 1), (D.int32, 1), (D.float32, 3)):
+        _core.validate_dispatch(dispatch_args(D.float8_e4m3fn, x_scales=cuda(sd, (T, s))), R, 0)
+    _core.validate_dispatch(dispatch_args(x=cuda(D.float8_e4m3fn, (T, 144))), R, 0)
+
+
 @pytest.mark.parametrize("over, pattern", [
-    (dict(x=cuda(D.float32, (T, H))), r"dispatch: x: must be bfloat16, or float8_e4m3fn"),
     (dict(x=cuda(D.bfloat16, (T, H, 1))), r"dispatch: x: must be \[num_tokens, hidden\]"),
     (dict(x=cuda(D.bfloat16, (T, H), device=1)), r"dispatch: x: must be on cuda:0"),
     (dict(x=cuda(D.bfloat16, (T, H), strides=[1, T])), r"dispatch: x: rows must be contiguous"),
-    (dict(x=cuda(D.float8_e4m3fn, (T, H))), r"dispatch: x_scales: is required"),
-    (dict(x_scales=cuda(D.float32, (T, 2))), r"dispatch: x_scales: must be None unless"),
+    (dict(x=cuda(D.float8_e4m3fn, (T, 8))), r"dispatch: hidden: a row must be a multiple of 16"),
+    (dict(x_scales=cuda(D.float32, (T, 2))), r"dispatch: x_scales: needs x of 1-byte elements"),
+    (dict(x=cuda(D.float8_e4m3fn, (T, H)), x_scales=cuda(D.int64, (T, 2))),
+     r"dispatch: x_scales: must be float32"),
+    (dict(x=cuda(D.float8_e4m3fn, (T, H)), x_scales=cuda(D.float32, (T, 0))),
+     r"dispatch: x_scales: must have at least one scale per token"),
+    (dict(x=cuda(D.float8_e4m3fn, (T, H)), x_scales=cuda(D.float32, (T + 1, 2))),
+     r"dispatch: x_scales: must have shape \[8, \*\]"),
     (dict(num_tokens_per_rank=None), r"dispatch: num_tokens_per_rank: .* required without"),
     (dict(num_tokens_per_rank=cuda(D.int64, (R,))),
      r"dispatch: num_tokens_per_rank: must be int32"),
@@ -432,13 +448,6 @@ def test_validate_dispatch_accepts_good_args():
 def test_validate_dispatch_rejects(over, pattern):
     with pytest.raises(epx.EPXValueError, match=pattern):
         _core.validate_dispatch(dispatch_args(**over), R, 0)
-
-
-def test_validate_dispatch_fp8_hidden():
-    a = dispatch_args(D.float8_e4m3fn, x=cuda(D.float8_e4m3fn, (T, 144)),
-                      x_scales=cuda(D.float32, (T, 1)))
-    with pytest.raises(epx.EPXValueError, match=r"dispatch: hidden: FP8 needs a multiple of 128"):
-        _core.validate_dispatch(a, R, 0)
 
 
 def test_validate_combine():

@@ -268,7 +268,7 @@ class _StopGlue:
     def view(self, name, t):
         raise _Stop(name)
 
-    opt_view = view
+    opt_view = rows = view
 
 
 def _bare_buffer():

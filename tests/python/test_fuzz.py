@@ -87,6 +87,9 @@ class Glue:
     def opt_view(self, name, t):
         return None if t is None else self.view(name, t)
 
+    def rows(self, name, t):  # a Dev's dtype is one the core names: no byte view
+        return self.view(name, t)
+
     def current_stream(self, device):
         return 0
 
@@ -480,17 +483,18 @@ def dispatch_rules(R, dev, x, handle, layout, topk_idx, topk_weights, align, wor
     if not isinstance(x, Dev) or len(x.shape) != 2:
         v.flag(True, "x")
         return v
-    fp8 = x.dtype == D.float8_e4m3fn
-    v.flag(x.dtype not in (D.bfloat16, D.float8_e4m3fn), "x")
+    # rows of any dtype, a multiple of 16 bytes (DeepEP's rule); scales only with
+    # 1-byte elements, float32 or int32, [T, S >= 1], any strides
     T, H = x.shape
     v.flag(x.device != dev or T < 0 or (not x.data and T * H != 0), "x")
-    v.flag(not hidden_ok(H, x.dtype, fp8), "hidden")
+    v.flag(not hidden_ok(H, x.dtype, False), "hidden")
     v.flag(x.strides[1] != 1 or x.strides[0] * ELEMENT[x.dtype] % 16, "x")
-    if fp8:
-        v.flag(x_scales is None or not tensor_ok(x_scales, D.float32, [T, H // 128], dev, False),
-               "x_scales")
-    else:
-        v.flag(x_scales is not None, "x_scales")
+    if x_scales is not None:
+        v.flag(ELEMENT[x.dtype] != 1, "x_scales")
+        v.flag(not (tensor_ok(x_scales, D.float32, [T, ANY], dev, False)
+                    or tensor_ok(x_scales, D.int32, [T, ANY], dev, False)), "x_scales")
+        if isinstance(x_scales, Dev) and len(x_scales.shape) == 2:
+            v.flag(x_scales.shape[1] < 1, "x_scales")
     v.flag(a is not None and a < 1, "expert_alignment")
     v.flag(w is not None and w < 0, "num_worst_tokens")
     if handle is not None:
@@ -534,17 +538,23 @@ def test_fuzz_dispatch():
         R, dev = data.draw(ranks), data.draw(devices)
         hit = lambda name: data.draw(st.floats(0, 1)) < pb(name)  # noqa: E731
         fp8 = data.draw(st.booleans())
+        xt = D.float8_e4m3fn if fp8 else data.draw(
+            st.sampled_from([D.bfloat16, D.bfloat16, D.float32, D.int64]))
         T = data.draw(st.integers(0, 300))
-        H = 128 * data.draw(st.integers(1, 56)) if fp8 else 8 * data.draw(st.integers(1, 900))
+        H = 128 * data.draw(st.integers(1, 56)) if fp8 else \
+            8 * data.draw(st.integers(1, 900)) // max(1, ELEMENT[xt] // 2)
         if hit("hidden"):
             H = data.draw(st.sampled_from([0, H + 4, H + 64, -128] if fp8 else [0, H + 4, -8]))
         K = data.draw(st.integers(1, 16))
         E = R * data.draw(st.integers(1, 32))
         if hit("num_experts"):
             E = data.draw(st.sampled_from([0, E + 1 if R > 1 else 0]))
-        x = data.draw(tensor_arg(D.float8_e4m3fn if fp8 else D.bfloat16, [T, H], dev, pb("x")))
+        x = data.draw(tensor_arg(xt, [T, H], dev, pb("x")))
         if fp8 != hit("x_scales"):
-            x = (x, data.draw(tensor_arg(D.float32, [T, H // 128], dev, pb("x_scales"))))
+            S = H // 128 if data.draw(st.booleans()) and H >= 128 else data.draw(
+                st.sampled_from([1, 7]))
+            st_dtype = data.draw(st.sampled_from([D.float32, D.int32]))
+            x = (x, data.draw(tensor_arg(st_dtype, [T, S], dev, pb("x_scales"))))
         elif hit("x"):
             x = (x,) if not isinstance(x, tuple) else x + (None,)
         handle, layout, topk_idx, topk_weights = None, (None, None, None), None, None

@@ -333,6 +333,36 @@ def _case_high_throughput(rank, world, group):
                                   mine["recv_x"])
     np.testing.assert_array_equal(_bits(buf.combine(rx_p, h_p, config=small)[0]), plain)
 
+    # DeepEP's other inputs: rows of a dtype EPX has no name for (float16, sent as
+    # bytes), and FP8 rows with int32 (packed UE8M0) per-token scales or float32
+    # scales of 3 per token in column-major order. Each received row (and its
+    # scales) is the source's, in the reference's receive order.
+    def expect_rows(sources, recv):
+        got = recv.contiguous().view(torch.uint8).cpu().numpy()
+        want_rows = [sources[s][t] for s, t in zip(mine["recv_src_rank"], mine["recv_src_idx"])]
+        np.testing.assert_array_equal(got, np.asarray(want_rows).reshape(got.shape))
+
+    x16_np = rng.standard_normal((T, H)).astype(np.float16)
+    all_x16 = [a.view(np.uint8) for a in _gather(group, x16_np)]
+    rx16, _, _, _, h16, _ = buf.dispatch(torch.from_numpy(x16_np).to(dev), topk_idx=idx,
+                                         topk_weights=w, **layout)
+    assert rx16.dtype == torch.float16 and rx16.shape == (mine["recv_src_idx"].size, H)
+    expect_rows(all_x16, rx16)
+    np.testing.assert_array_equal(buf.dispatch(torch.from_numpy(x16_np).to(dev),
+                                               handle=h16)[0].cpu().numpy(), rx16.cpu().numpy())
+    q_np = rng.integers(0, 255, (T, H), dtype=np.uint8)
+    s_int = rng.integers(0, 2**31 - 1, (T, 1), dtype=np.int64).astype(np.int32)
+    s_col = rng.standard_normal((3, T)).astype(np.float32)  # used transposed: [T, 3], strides (1, T)
+    all_q, all_si, all_sc = zip(*_gather(group, (q_np, s_int, s_col.T.copy())))
+    xq = torch.from_numpy(q_np).to(dev).view(torch.float8_e4m3fn)
+    for scales, all_s in ((torch.from_numpy(s_int).to(dev), all_si),
+                          (torch.from_numpy(s_col).to(dev).t(), all_sc)):
+        (rq, rs), _, _, _, _, _ = buf.dispatch((xq, scales), topk_idx=idx, topk_weights=w,
+                                               **layout)
+        expect_rows([a for a in all_q], rq)
+        assert rs.dtype == scales.dtype and rs.shape == (rq.shape[0], scales.shape[1])
+        expect_rows([np.ascontiguousarray(a).view(np.uint8) for a in all_s], rs)
+
     # asynchronous, ordered after a captured event, outputs on the comm stream
     for on_comm in (False, True):
         prev = epx.Buffer.capture()

@@ -52,10 +52,18 @@ TEST(Validate, GoodDispatchPasses) {
   EXPECT_NO_THROW(validate::dispatch(good_dispatch(), 4, 0));
 }
 
-TEST(Validate, DispatchXDtype) {
-  auto a = good_dispatch();
-  a.x.dtype = DType::kF32;
-  expect_error([&] { validate::dispatch(a, 4, 0); }, {"dispatch", "x", "bfloat16"});
+TEST(Validate, DispatchXOfAnyDtypeWithRowsOf16Bytes) {
+  // As DeepEP: the dispatch moves rows of bytes, whatever the dtype.
+  for (DType t : {DType::kF32, DType::kI32, DType::kI64, DType::kBool, DType::kFP8E4M3}) {
+    auto a = good_dispatch();
+    a.x.dtype = t;
+    EXPECT_NO_THROW(validate::dispatch(a, 4, 0)) << dtype_name(t);
+  }
+  auto a = good_dispatch();  // [64, 7168]
+  a.x = dev_view(DType::kFP8E4M3, {64, 24});
+  expect_error([&] { validate::dispatch(a, 4, 0); }, {"dispatch", "hidden", "16 bytes"});
+  a.x = dev_view(DType::kFP8E4M3, {64, 32});  // 32 bytes, no multiple of 128 needed
+  EXPECT_NO_THROW(validate::dispatch(a, 4, 0));
 }
 
 TEST(Validate, DispatchXDevice) {
@@ -81,17 +89,32 @@ TEST(Validate, HiddenAlignment) {
   EXPECT_NO_THROW(validate::hidden("op", 2880, DType::kBF16, false));
 }
 
-TEST(Validate, Fp8NeedsScales) {
+TEST(Validate, DispatchScalesAsDeepEp) {
   auto a = good_dispatch();
   a.x.dtype = DType::kFP8E4M3;
-  expect_error([&] { validate::dispatch(a, 4, 0); }, {"x_scales", "required"});
-  a.x_scales = dev_view(DType::kF32, {64, 7168 / 128 + 1}, 0, 9);
+  EXPECT_NO_THROW(validate::dispatch(a, 4, 0));  // FP8 without scales: bytes
+  a.x_scales = dev_view(DType::kF32, {63, 56}, 0, 9);
   expect_error([&] { validate::dispatch(a, 4, 0); }, {"x_scales", "shape"});
-  a.x_scales = dev_view(DType::kF32, {64, 7168 / 128}, 0, 9);
+  a.x_scales = dev_view(DType::kF32, {64, 0}, 0, 9);
+  expect_error([&] { validate::dispatch(a, 4, 0); }, {"x_scales", ">= 1"});
+  a.x_scales = dev_view(DType::kI64, {64, 56}, 0, 9);
+  expect_error([&] { validate::dispatch(a, 4, 0); }, {"x_scales", "float32"});
+  a.x_scales = dev_view(DType::kF32, {64}, 0, 9);
+  expect_error([&] { validate::dispatch(a, 4, 0); }, {"x_scales", "shape"});
+  // float32 or int32 (packed UE8M0), per group of 128 or per token, any strides
+  for (auto [t, s] : {std::pair{DType::kF32, 56},
+                      {DType::kI32, 14},
+                      {DType::kF32, 1},
+                      {DType::kI32, 1},
+                      {DType::kF32, 57}}) {
+    a.x_scales = dev_view(t, {64, s}, 0, 9);
+    EXPECT_NO_THROW(validate::dispatch(a, 4, 0)) << dtype_name(t) << " " << s;
+  }
+  a.x_scales->strides = {1, 64};  // column-major, as DeepEP's tests pass
   EXPECT_NO_THROW(validate::dispatch(a, 4, 0));
-  auto b = good_dispatch();
+  auto b = good_dispatch();  // bfloat16 x: no scales
   b.x_scales = dev_view(DType::kF32, {64, 56}, 0, 9);
-  expect_error([&] { validate::dispatch(b, 4, 0); }, {"x_scales", "None"});
+  expect_error([&] { validate::dispatch(b, 4, 0); }, {"x_scales", "1-byte"});
 }
 
 TEST(Validate, TopkShapeAndRange) {

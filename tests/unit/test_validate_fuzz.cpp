@@ -119,7 +119,8 @@ bool topk_ok(int64_t k) {
 bool experts_ok(int64_t e, int num_ranks) {
   return e > 0 && e % num_ranks == 0;
 }
-/// Hidden size of rows of `dtype`: > 0, rows a multiple of 16 bytes, FP8 a multiple of 128.
+/// Hidden size of rows of `dtype`: > 0, rows a multiple of 16 bytes, FP8 a
+/// multiple of 128 where `fp8` (the low-latency ops).
 bool hidden_ok(int64_t h, DType dtype, bool fp8) {
   return h > 0 && (h * static_cast<int64_t>(element_size(dtype))) % 16 == 0 &&
          (!fp8 || h % 128 == 0);
@@ -143,24 +144,27 @@ Verdict dispatch_layout_rules(const TensorView& topk_idx, int experts, int R, in
 Verdict dispatch_rules(const DispatchArgs& a, int R, int dev) {
   Verdict v;
   const TensorView& x = a.x;
-  const bool fp8 = x.dtype == DType::kFP8E4M3;
-  v.flag(x.dtype != DType::kBF16 && !fp8, "x");
+  // Rows of any dtype (DeepEP's rule); scales only with 1-byte elements,
+  // float32 or int32, [T, S >= 1], any strides.
   if (x.ndim != 2) {
     v.flag(true, "x");
     return v;
   }
   const int64_t T = x.shape[0], H = x.shape[1];
   v.flag(x.device != dev || T < 0 || (x.data == nullptr && T * H != 0), "x");
-  v.flag(!hidden_ok(H, x.dtype, fp8), "hidden");
+  v.flag(!hidden_ok(H, x.dtype, false), "hidden");
   // rows: dense inside, starting at 16-byte multiples
   v.flag(
       x.strides[1] != 1 || (x.strides[0] * static_cast<int64_t>(element_size(x.dtype))) % 16 != 0,
       "x");
-  if (fp8)
-    v.flag(!a.x_scales || !tensor_ok(*a.x_scales, DType::kF32, {T, H / 128}, dev, false),
+  if (a.x_scales) {
+    const TensorView& sc = *a.x_scales;
+    v.flag(element_size(x.dtype) != 1, "x_scales");
+    v.flag(!tensor_ok(sc, DType::kF32, {T, kAny}, dev, false) &&
+               !tensor_ok(sc, DType::kI32, {T, kAny}, dev, false),
            "x_scales");
-  else
-    v.flag(a.x_scales.has_value(), "x_scales");
+    v.flag(sc.ndim == 2 && sc.shape[1] < 1, "x_scales");
+  }
   v.flag(a.expert_alignment < 1, "expert_alignment");
   v.flag(a.num_worst_tokens < 0, "num_worst_tokens");
   if (a.handle) {  // cached: the routing comes from the handle of a dispatch of these tokens
@@ -439,13 +443,20 @@ TEST(ValidateFuzz, Dispatch) {
   for (int i = 0; i < scaled(kDispatchSets); ++i) {
     const double p = gen_badness(g);
     const int R = gen_ranks(g), dev = gen_device(g);
+    // x: FP8 with scales (per 128 or per token, float32 or int32), or rows of
+    // another dtype, each a multiple of 16 bytes.
     const bool fp8 = g.chance(0.4);
+    const DType xt =
+        fp8 ? DType::kFP8E4M3 : g.pick({DType::kBF16, DType::kBF16, DType::kF32, DType::kI64});
     const int64_t T = g.between(0, 300);
-    const int64_t H = fp8 ? 128 * g.between(1, 56) : 8 * g.between(1, 900);
+    const int64_t H = (fp8 ? 128 : 8) * g.between(1, fp8 ? 56 : 900) /
+                      static_cast<int64_t>(element_size(xt) > 2 ? element_size(xt) / 2 : 1);
     const int64_t K = g.between(1, 16), E = R * g.between(1, 32);
     DispatchArgs a;
-    a.x = gen_tensor(g, fp8 ? DType::kFP8E4M3 : DType::kBF16, {T, H}, dev, p);
-    if (fp8 != g.chance(p)) a.x_scales = gen_tensor(g, DType::kF32, {T, H / 128}, dev, p);
+    a.x = gen_tensor(g, xt, {T, H}, dev, p);
+    if (fp8 != g.chance(p))
+      a.x_scales = gen_tensor(g, g.chance(0.5) ? DType::kF32 : DType::kI32,
+                              {T, g.chance(0.5) ? H / 128 : g.pick<int64_t>({1, 7})}, dev, p);
     a.expert_alignment = static_cast<int>(good_or_wild(g, p, g.pick<int64_t>({1, 64, 128})));
     a.num_worst_tokens = static_cast<int>(good_or_wild(g, p, g.chance(0.3) ? 4 * T : 0));
     if (g.chance(0.3)) {  // cached: a handle from a dispatch of these tokens, or of others
