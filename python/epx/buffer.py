@@ -490,7 +490,9 @@ class Buffer:
         """Sends each token to every rank that hosts one of its experts.
 
         Arguments:
-            x: [T, H] bfloat16, or a pair ([T, H] float8_e4m3fn, [T, H/128] float32 scales).
+            x: [T, H] rows of any dtype, each a multiple of 16 bytes, or a pair ([T, H]
+                float8_e4m3fn, [T, S] float32 or int32 scales, S >= 1: per 128 channels,
+                per token, ...); recv_x comes back in x's dtype (scales in theirs).
             handle: a previous dispatch's handle: reuse its routing (cached dispatch;
                 topk_idx/topk_weights and the layout tensors are then not needed).
             num_tokens_per_rank [R] int32, is_token_in_rank [T, R] bool,
