@@ -20,8 +20,8 @@
 #            loopback plugin (.device/libnccl-net-epxloop.so), one GPU per
 #            rank: the plugin's own 2-process GPU test, the transport smoke
 #            test, then the Smoke and LowLatency suites with EPX_BACKEND=nccl
-#            as 2 processes of 1 node each and, with 4 GPUs, 4 as 2x2, and
-#            epx-bench ll --backend nccl on 4 as 2x2
+#            as 2 processes of 1 node each and, with 4 GPUs, 4 as 2x2, a
+#            killed rank, and epx-bench ll --backend nccl on 4 as 2x2
 #   b2b      (not in the default steps) epx-bench ll over the proxy four ways,
 #            for its back-to-back pair time: 4 processes; the same with a host
 #            wait after each pair (--pair-sync); with the ranks lined up on the
@@ -144,6 +144,18 @@ if has nccl && [ "$GPUS" -ge 2 ]; then
       ${EPX_TEST_TIMEOUT:-420} "${gin[@]}" EPX_BACKEND=nccl EPX_RANKS_PER_NODE=$rpn \
       "$D/launch.sh" "$r" "$D/epx_gpu_tests" --gtest_filter="${EPX_NCCL_FILTER:-Smoke.*:LowLatency.*}"
   done
+  # A killed rank over NCCL's GIN path: the others must raise naming it
+  # (NCCL's device code has no deadline of its own: a hang here is a finding).
+  kn=2 krpn=1
+  [ "$GPUS" -ge 4 ] && { kn=4; krpn=2; }
+  echo "== a killed process over nccl ($kn processes, nodes of $krpn, rank $((kn - 1)) dies)"
+  timeout ${EPX_KILL_TIMEOUT:-120} env "${gin[@]:1}" EPX_BACKEND=nccl EPX_RANKS_PER_NODE=$krpn \
+    EPX_TEST_KILL_RANK=$((kn - 1)) "$D/launch.sh" $kn "$D/epx_gpu_tests" \
+    --gtest_filter=Network.KilledRankIsNamed > "$OUT/nccl-kill.log" 2>&1
+  echo "rc=$?"
+  grep "KILL-TEST" "$OUT/nccl-kill.log"
+  pass=$(grep -c "KILL-TEST rank [0-9]*: PASS" "$OUT/nccl-kill.log")
+  summary+=("nccl killed rank: $pass of $((kn - 1)) survivors raised naming it")
   if [ "$GPUS" -ge 4 ]; then
     # The LL bench over NCCL's GIN path (GIN_PROXY through the loopback plugin:
     # CUDA/host copies on this host, not a NIC), beside the proxy's figures.
