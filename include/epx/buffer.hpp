@@ -60,7 +60,10 @@ struct StreamArgs {
 };
 
 struct Layout {
-  Tensor num_tokens_per_rank;    ///< [R] i32
+  Tensor num_tokens_per_rank;  ///< [R] i32
+  /// [num_nodes] i32, tokens with an expert in each node (DeepEP's "RDMA rank");
+  /// undefined when the buffer's ranks form one node, as DeepEP returns None.
+  Tensor num_tokens_per_rdma_rank;
   Tensor num_tokens_per_expert;  ///< [E] i32
   Tensor is_token_in_rank;       ///< [T, R] bool
   std::optional<Event> event;

@@ -49,11 +49,14 @@ struct Layout {
   std::vector<int> num_tokens_per_rank;    ///< [R]
   std::vector<int> num_tokens_per_expert;  ///< [E]
   std::vector<uint8_t> is_token_in_rank;   ///< [T, R], 0/1
+  /// [R / ranks_per_node] when ranks_per_node > 0: tokens with any expert on
+  /// a rank of node n (ranks [n * rpn, (n + 1) * rpn)), each counted once.
+  std::vector<int> num_tokens_per_node;
 };
 /// topk_idx is [T, K]; -1 marks an unused slot; experts are spread evenly,
 /// expert e lives on rank e / (E / R).
 Layout get_dispatch_layout(const std::vector<int64_t>& topk_idx, int num_tokens, int num_topk,
-                           int num_experts, int num_ranks);
+                           int num_experts, int num_ranks, int ranks_per_node = 0);
 
 // ---- high-throughput ---------------------------------------------------------
 struct HtInput {  ///< one rank's dispatch input

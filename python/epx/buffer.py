@@ -461,7 +461,8 @@ class Buffer:
             num_experts: E, divisible by R.
 
         Returns:
-            num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank (None: intranode),
+            num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank ([nodes] int32: tokens
+            with an expert in each node; None when the group is one node),
             num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool, event.
         """
         g = self._glue
@@ -470,10 +471,12 @@ class Buffer:
                                            _int("num_experts", num_experts), streams)
         self._settle(async_finish)
         per_rank, per_expert = g.out(r.num_tokens_per_rank), g.out(r.num_tokens_per_expert)
+        # per (virtual) node when the group spans several, as DeepEP's internode layout
+        per_rdma = g.out(r.num_tokens_per_rdma_rank)
         in_rank = g.out(r.is_token_in_rank)
         self._record(async_finish, allocate_on_comm_stream, [topk_idx],
-                     [per_rank, per_expert, in_rank])
-        return per_rank, None, per_expert, in_rank, _wrap_event(r.event)
+                     [per_rank, per_rdma, per_expert, in_rank])
+        return per_rank, per_rdma, per_expert, in_rank, _wrap_event(r.event)
 
     def dispatch(self, x: "TensorOrPair", handle: Optional[DispatchHandle] = None,
                  num_tokens_per_rank: Optional["torch.Tensor"] = None,

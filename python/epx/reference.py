@@ -72,6 +72,16 @@ def dispatch_layout(topk_idx: np.ndarray, num_experts: int,
             lay.is_token_in_rank.reshape(T, num_ranks).astype(bool))
 
 
+def tokens_per_node(topk_idx: np.ndarray, num_experts: int, num_ranks: int,
+                    ranks_per_node: int) -> np.ndarray:
+    """[R / ranks_per_node] int32: tokens with any expert on a rank of each node
+    (DeepEP's num_tokens_per_rdma_rank)."""
+    topk_idx = np.ascontiguousarray(topk_idx, dtype=np.int64)
+    T, K = topk_idx.shape
+    lay = _ref.get_dispatch_layout(topk_idx, T, K, num_experts, num_ranks, ranks_per_node)
+    return lay.num_tokens_per_node.astype(np.int32)
+
+
 # ---- high-throughput ---------------------------------------------------------------------------
 
 XInput = Union[np.ndarray, Tuple[np.ndarray, np.ndarray]]

@@ -446,14 +446,16 @@ void bind_reference(nb::module_& m) {
   vec_field(layout, "num_tokens_per_rank", &ref::Layout::num_tokens_per_rank);
   vec_field(layout, "num_tokens_per_expert", &ref::Layout::num_tokens_per_expert);
   vec_field(layout, "is_token_in_rank", &ref::Layout::is_token_in_rank);
+  vec_field(layout, "num_tokens_per_node", &ref::Layout::num_tokens_per_node);
   r.def(
       "get_dispatch_layout",
       [](const HostArray<int64_t>& topk_idx, int num_tokens, int num_topk, int num_experts,
-         int num_ranks) {
+         int num_ranks, int ranks_per_node) {
         return ref::get_dispatch_layout(vec_of(topk_idx), num_tokens, num_topk, num_experts,
-                                        num_ranks);
+                                        num_ranks, ranks_per_node);
       },
-      "topk_idx"_a, "num_tokens"_a, "num_topk"_a, "num_experts"_a, "num_ranks"_a);
+      "topk_idx"_a, "num_tokens"_a, "num_topk"_a, "num_experts"_a, "num_ranks"_a,
+      "ranks_per_node"_a = 0);
 
   nb::class_<ref::HtInput> in(r, "HtInput");
   in.def(nb::init<>())
@@ -796,6 +798,8 @@ NB_MODULE(_core, m) {
   nb::class_<epx::Layout>(m, "Layout")
       .def_prop_ro("num_tokens_per_rank",
                    [](const epx::Layout& l) { return to_py(l.num_tokens_per_rank); })
+      .def_prop_ro("num_tokens_per_rdma_rank",  // None within one node
+                   [](const epx::Layout& l) { return to_py(l.num_tokens_per_rdma_rank); })
       .def_prop_ro("num_tokens_per_expert",
                    [](const epx::Layout& l) { return to_py(l.num_tokens_per_expert); })
       .def_prop_ro("is_token_in_rank",

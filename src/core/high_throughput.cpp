@@ -9,6 +9,9 @@
 namespace epx {
 namespace {
 
+static_assert(kernels::kLayoutMaxTopK == validate::kMaxTopK,
+              "the layout kernel keeps every top-k entry a call may pass");
+
 kernels::HtOffsets offsets_of(const plan::HtRegion& r) {
   kernels::HtOffsets o{};
   o.barrier = r.barrier_offset();
@@ -75,6 +78,8 @@ Layout Buffer::get_dispatch_layout(const TensorView& topk_idx, int num_experts,
   const int T = static_cast<int>(topk_idx.shape[0]);
   Layout out;
   out.num_tokens_per_rank = d.make(DType::kI32, {R}, s);
+  if (d.networked())
+    out.num_tokens_per_rdma_rank = d.make(DType::kI32, {d.topology.num_nodes()}, s);
   out.num_tokens_per_expert = d.make(DType::kI32, {num_experts}, s);
   out.is_token_in_rank = d.make(DType::kBool, {T, R}, s);
   d.ordered_after_allocs(s);
@@ -85,7 +90,9 @@ Layout Buffer::get_dispatch_layout(const TensorView& topk_idx, int num_experts,
   p.num_experts = num_experts;
   p.num_ranks = R;
   p.rank = d.comm->rank();
+  p.ranks_per_node = d.topology.ranks_per_node;
   p.num_tokens_per_rank = out.num_tokens_per_rank.ptr<int>();
+  p.num_tokens_per_node = d.networked() ? out.num_tokens_per_rdma_rank.ptr<int>() : nullptr;
   p.num_tokens_per_expert = out.num_tokens_per_expert.ptr<int>();
   p.is_token_in_rank = out.is_token_in_rank.ptr<bool>();
   p.diag = d.diag_dev;

@@ -14,13 +14,17 @@ namespace epx::kernels {
 
 // ---- layout -------------------------------------------------------------------
 struct LayoutParams {
-  const int64_t* topk_idx;  ///< [T, K]
+  const int64_t* topk_idx;  ///< [T, K], K <= kLayoutMaxTopK
   int num_tokens, num_topk, num_experts, num_ranks, rank;
+  int ranks_per_node;          ///< node (NVLink domain) size: ranks [n * it, (n + 1) * it)
   int* num_tokens_per_rank;    ///< [R] (zeroed by the launcher)
   int* num_tokens_per_expert;  ///< [E] (zeroed by the launcher)
+  int* num_tokens_per_node;    ///< nullable: [R / ranks_per_node] (zeroed by the launcher)
   bool* is_token_in_rank;      ///< [T, R]
   DeviceDiag* diag;
 };
+/// Top-k entries a layout thread keeps (validate::num_topk's bound).
+inline constexpr int kLayoutMaxTopK = 16;
 void launch_layout(const LayoutParams& p, cudaStream_t stream);
 
 // ---- high-throughput ----------------------------------------------------------

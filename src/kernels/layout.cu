@@ -9,38 +9,49 @@ namespace {
 
 constexpr int kLayoutThreads = 256;
 
-/// One thread per token: which ranks it reaches, and per-expert / per-rank
-/// counts (shared-memory histograms flushed with one atomic per bin).
+/// One thread per token: which ranks (and nodes) it reaches, and per-expert,
+/// per-rank and per-node counts (shared-memory histograms flushed with one
+/// atomic per bin). Any number of ranks: the token's distinct ranks are kept
+/// in a list of at most K, not in a bit mask.
 __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutParams p) {
   extern __shared__ int smem[];
-  int* expert_hist = smem;                // [E]
-  int* rank_hist = smem + p.num_experts;  // [R]
-  for (int i = threadIdx.x; i < p.num_experts + p.num_ranks; i += blockDim.x) smem[i] = 0;
+  const int num_nodes = p.num_tokens_per_node ? p.num_ranks / p.ranks_per_node : 0;
+  int* expert_hist = smem;                   // [E]
+  int* rank_hist = smem + p.num_experts;     // [R]
+  int* node_hist = rank_hist + p.num_ranks;  // [nodes]
+  for (int i = threadIdx.x; i < p.num_experts + p.num_ranks + num_nodes; i += blockDim.x)
+    smem[i] = 0;
   __syncthreads();
   const int experts_per_rank = p.num_experts / p.num_ranks;
   const int t = blockIdx.x * blockDim.x + threadIdx.x;
   if (t < p.num_tokens) {
-    uint32_t mask = 0;
-    for (int k = 0; k < p.num_topk; ++k) {
+    int ranks[kLayoutMaxTopK];
+    int num_ranks_hit = 0;
+    for (int k = 0; k < p.num_topk && k < kLayoutMaxTopK; ++k) {
       int64_t e = p.topk_idx[static_cast<int64_t>(t) * p.num_topk + k];
-      if (e < 0) {
+      if (e < 0 || e >= p.num_experts) {
         if (e != -1)
           dev::report(p.diag, DiagCode::kBadExpert, OpId::kLayout, p.rank, -1, k, 0,
                       static_cast<uint32_t>(e), t);
         continue;
       }
-      if (e >= p.num_experts) {
-        dev::report(p.diag, DiagCode::kBadExpert, OpId::kLayout, p.rank, -1, k, 0,
-                    static_cast<uint32_t>(e), t);
-        continue;
-      }
       atomicAdd(&expert_hist[e], 1);
-      mask |= 1u << (static_cast<int>(e) / experts_per_rank);
+      const int r = static_cast<int>(e) / experts_per_rank;
+      bool seen = false;
+      for (int i = 0; i < num_ranks_hit; ++i) seen = seen || ranks[i] == r;
+      if (!seen) ranks[num_ranks_hit++] = r;
     }
-    for (int r = 0; r < p.num_ranks; ++r) {
-      bool in = (mask >> r) & 1u;
-      p.is_token_in_rank[static_cast<int64_t>(t) * p.num_ranks + r] = in;
-      if (in) atomicAdd(&rank_hist[r], 1);
+    bool* row = p.is_token_in_rank + static_cast<int64_t>(t) * p.num_ranks;
+    for (int r = 0; r < p.num_ranks; ++r) row[r] = false;
+    for (int i = 0; i < num_ranks_hit; ++i) {
+      row[ranks[i]] = true;
+      atomicAdd(&rank_hist[ranks[i]], 1);
+      if (num_nodes > 0) {  // once per node: the first of the token's ranks there
+        const int n = ranks[i] / p.ranks_per_node;
+        bool first = true;
+        for (int j = 0; j < i; ++j) first = first && ranks[j] / p.ranks_per_node != n;
+        if (first) atomicAdd(&node_hist[n], 1);
+      }
     }
   }
   __syncthreads();
@@ -48,6 +59,8 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutParams p) 
     if (expert_hist[i]) atomicAdd(&p.num_tokens_per_expert[i], expert_hist[i]);
   for (int i = threadIdx.x; i < p.num_ranks; i += blockDim.x)
     if (rank_hist[i]) atomicAdd(&p.num_tokens_per_rank[i], rank_hist[i]);
+  for (int i = threadIdx.x; i < num_nodes; i += blockDim.x)
+    if (node_hist[i]) atomicAdd(&p.num_tokens_per_node[i], node_hist[i]);
 }
 
 constexpr int kNotifyThreads = 512;
@@ -180,11 +193,14 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(HtNotifyParams<T
 }  // namespace
 
 void launch_layout(const LayoutParams& p, cudaStream_t stream) {
+  const int num_nodes = p.num_tokens_per_node ? p.num_ranks / p.ranks_per_node : 0;
   EPX_CUDA_CHECK(cudaMemsetAsync(p.num_tokens_per_rank, 0, sizeof(int) * p.num_ranks, stream));
   EPX_CUDA_CHECK(cudaMemsetAsync(p.num_tokens_per_expert, 0, sizeof(int) * p.num_experts, stream));
+  if (num_nodes > 0)
+    EPX_CUDA_CHECK(cudaMemsetAsync(p.num_tokens_per_node, 0, sizeof(int) * num_nodes, stream));
   if (p.num_tokens == 0) return;
   const int blocks = (p.num_tokens + kLayoutThreads - 1) / kLayoutThreads;
-  const std::size_t smem = sizeof(int) * (p.num_experts + p.num_ranks);
+  const std::size_t smem = sizeof(int) * (p.num_experts + p.num_ranks + num_nodes);
   if (smem > 48 * 1024)
     EPX_CUDA_CHECK(cudaFuncSetAttribute(layout_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));

@@ -129,6 +129,7 @@ void run_case(const HtCase& c, int iters, uint64_t seed0,
       auto got = to_host<uint8_t>(layout.is_token_in_rank);
       ASSERT_EQ(got, rl.is_token_in_rank) << c.name();
     }
+    ASSERT_FALSE(layout.num_tokens_per_rdma_rank.defined()) << "one node: DeepEP returns None";
 
     DeviceArray<uint8_t> d_x =
         c.fp8 ? to_device(mine.x_fp8) : to_device_bytes(mine.x_bf16.data(), mine.x_bf16.size() * 2);
@@ -226,6 +227,37 @@ void run_case(const HtCase& c, int iters, uint64_t seed0,
     }
     ASSERT_TRUE(all_ranks(!rank_failed())) << "another rank failed " << c.name();
   }
+}
+
+/// Across (virtual) nodes: get_dispatch_layout also counts, per node, the
+/// tokens with an expert there (DeepEP's num_tokens_per_rdma_rank), with top-k
+/// picks of one node's ranks counted once, -1 slots and empty tokens; the
+/// per-rank outputs as within a node.
+EPX_GPU_TEST(Network, DispatchLayoutPerNode) {
+  auto& w = world();
+  const int R = w.num_ranks, me = w.rank;
+  const int rpn = R / w.buffer->num_rdma_ranks();
+  if (w.buffer->num_rdma_ranks() < 2) GTEST_SKIP() << "needs ranks in several nodes";
+  StreamArgs s;
+  s.stream = w.stream;
+  for (const auto& [T, K, E] :
+       {std::tuple{300, 8, 16 * R}, {1, 4, 4 * R}, {0, 2, 2 * R}, {700, 16, 64 * R}}) {
+    HtCase c{T, 128, K, E, false, 0.2, false, 1, false};
+    auto in = make_inputs(c, R, 4242 + T);
+    const auto& mine = in[me];
+    auto d_topk = to_device(mine.topk_idx);
+    auto layout =
+        w.buffer->get_dispatch_layout(view(d_topk.get(), DType::kI64, {mine.num_tokens, K}), E, s);
+    ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+    auto rl = ref::get_dispatch_layout(mine.topk_idx, mine.num_tokens, K, E, R, rpn);
+    ASSERT_TRUE(layout.num_tokens_per_rdma_rank.defined());
+    ASSERT_EQ(to_host<int>(layout.num_tokens_per_rdma_rank), rl.num_tokens_per_node)
+        << "T=" << T << " K=" << K;
+    ASSERT_EQ(to_host<int>(layout.num_tokens_per_rank), rl.num_tokens_per_rank);
+    ASSERT_EQ(to_host<int>(layout.num_tokens_per_expert), rl.num_tokens_per_expert);
+    ASSERT_EQ(to_host<uint8_t>(layout.is_token_in_rank), rl.is_token_in_rank);
+  }
+  EXPECT_TRUE(all_ranks(!rank_failed()));
 }
 
 EPX_GPU_TEST(HighThroughput, Bf16Hidden7168) {

@@ -81,3 +81,15 @@ def test_non_handles_are_refused_by_name():
         handles.core_dispatch_handle("combine", (1, 2, 3))
     with pytest.raises(TypeError, match=r"dispatch: handle: .* got int"):
         handles.core_dispatch_handle("dispatch", 3)
+
+
+def test_reference_tokens_per_node():
+    rng = np.random.default_rng(7)
+    R, rpn, E, K, T = 8, 2, 32, 6, 50
+    idx = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int64)
+    idx[rng.random(idx.shape) < 0.3] = -1
+    got = ref.tokens_per_node(idx, E, R, rpn)
+    node_of = np.where(idx >= 0, idx // (E // R) // rpn, -1)
+    want = [int(sum((row == n).any() for row in node_of)) for n in range(R // rpn)]
+    np.testing.assert_array_equal(got, want)
+    assert got.dtype == np.int32

@@ -383,6 +383,40 @@ TEST(RefLayout, RandomProperties) {
   }
 }
 
+TEST(RefLayout, TokensPerNode) {
+  // The known example on 2 nodes of 2 ranks: token 0 reaches nodes 0 (ranks
+  // 0) and 1 (rank 3), token 2 node 1 twice (expert 5 twice), token 3 nodes 0
+  // and 1 (ranks 1, 2, 3: node 1 once).
+  const std::vector<int64_t> idx = {0, 1, 7, -1, -1, -1, 5, 5, -1, 2, 4, 6};
+  EXPECT_EQ(ref::get_dispatch_layout(idx, 4, 3, 8, 4, 2).num_tokens_per_node,
+            (std::vector<int>{2, 3}));
+  EXPECT_EQ(ref::get_dispatch_layout(idx, 4, 3, 8, 4, 1).num_tokens_per_node,
+            ref::get_dispatch_layout(idx, 4, 3, 8, 4).num_tokens_per_rank);
+  EXPECT_EQ(ref::get_dispatch_layout(idx, 4, 3, 8, 4, 4).num_tokens_per_node,
+            (std::vector<int>{3}));
+  EXPECT_TRUE(ref::get_dispatch_layout(idx, 4, 3, 8, 4).num_tokens_per_node.empty());
+  EXPECT_THROW(ref::get_dispatch_layout(idx, 4, 3, 8, 4, 3), std::invalid_argument);
+  // Random: a token counts once per node holding any of its ranks.
+  Rng rng(405);
+  for (int iter = 0; iter < 100; ++iter) {
+    const int rpn = rng.uniform_int(1, 4), nodes = rng.uniform_int(1, 5), R = rpn * nodes;
+    const int E = R * rng.uniform_int(1, 4), K = rng.uniform_int(1, 9), T = rng.uniform_int(0, 50);
+    const std::vector<int64_t> idx2 = random_topk(rng, T, K, E, R);
+    const ref::Layout l = ref::get_dispatch_layout(idx2, T, K, E, R, rpn);
+    std::vector<int> want(nodes, 0);
+    for (int t = 0; t < T; ++t)
+      for (int n = 0; n < nodes; ++n) {
+        bool hit = false;
+        for (int k = 0; k < K; ++k) {
+          const int64_t e = idx2[sz(t, K) + k];
+          hit = hit || (e >= 0 && e / (E / R) / rpn == n);
+        }
+        want[n] += hit ? 1 : 0;
+      }
+    ASSERT_EQ(l.num_tokens_per_node, want);
+  }
+}
+
 // ---- high-throughput ------------------------------------------------------------
 
 struct HtCase {
