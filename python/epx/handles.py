@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict
 
-import numpy as np
-
 from . import _core
 from .utils import _torch
 
@@ -79,51 +77,57 @@ class _Ops:
     handles hold) and numpy arrays (what the CPU tests without torch use)."""
 
     def __init__(self, like: Any) -> None:
-        self.np = isinstance(like, np.ndarray)
+        # numpy only where a numpy array comes in (epx itself needs no numpy)
+        self.np = type(like).__module__ == "numpy"
         self.dev = None if self.np else like.device
-        if not self.np:
+        if self.np:
+            import numpy
+            self.numpy = numpy
+        else:
             self.torch = _torch()
 
     def arange(self, n: int) -> Any:
-        return np.arange(n) if self.np else self.torch.arange(n, device=self.dev)
+        return self.numpy.arange(n) if self.np else self.torch.arange(n, device=self.dev)
 
     def zeros(self, shape: Any, i64: bool = False) -> Any:
         if self.np:
-            return np.zeros(shape, dtype=np.int64 if i64 else np.int32)
+            return self.numpy.zeros(shape, dtype=self.numpy.int64 if i64 else self.numpy.int32)
         dt = self.torch.int64 if i64 else self.torch.int32
         return self.torch.zeros(shape, dtype=dt, device=self.dev)
 
     def i32(self, x: Any) -> Any:
-        return x.astype(np.int32) if self.np else x.to(self.torch.int32)
+        return x.astype(self.numpy.int32) if self.np else x.to(self.torch.int32)
 
     def i64(self, x: Any) -> Any:
-        return x.astype(np.int64) if self.np else x.to(self.torch.int64)
+        return x.astype(self.numpy.int64) if self.np else x.to(self.torch.int64)
 
     def add_rows(self, out: Any, index: Any, values: Any) -> Any:
         """out[index[i]] += values[i] (repeated indices add up)."""
         if self.np:
-            np.add.at(out, index, values)
+            self.numpy.add.at(out, index, values)
         else:
             out.index_add_(0, index, values)
         return out
 
     def cumsum(self, x: Any, axis: int) -> Any:
-        return np.cumsum(x, axis=axis, dtype=np.int32) if self.np \
+        return self.numpy.cumsum(x, axis=axis, dtype=self.numpy.int32) if self.np \
             else x.cumsum(axis, dtype=self.torch.int32)
 
     def cat_cols(self, a: Any, b: Any) -> Any:
-        return np.concatenate([a, b], axis=1) if self.np else self.torch.cat([a, b], dim=1)
+        return self.numpy.concatenate([a, b], axis=1) if self.np \
+            else self.torch.cat([a, b], dim=1)
 
     def where(self, cond: Any, a: Any, fill: int) -> Any:
-        return np.where(cond, a, np.int32(fill)).astype(np.int32) if self.np \
-            else self.torch.where(cond, a, self.torch.full_like(a, fill))
+        if self.np:
+            return self.numpy.where(cond, a, fill).astype(self.numpy.int32)
+        return self.torch.where(cond, a, self.torch.full_like(a, fill))
 
     def repeat(self, values: Any, counts: Any, total: int) -> Any:
-        return np.repeat(values, counts) if self.np \
+        return self.numpy.repeat(values, counts) if self.np \
             else self.torch.repeat_interleave(values, counts, output_size=total)
 
     def contiguous(self, x: Any) -> Any:
-        return np.ascontiguousarray(x) if self.np else x.contiguous()
+        return self.numpy.ascontiguousarray(x) if self.np else x.contiguous()
 
 
 def _channel_width(num_tokens: Any, num_channels: int) -> Any:
@@ -132,7 +136,7 @@ def _channel_width(num_tokens: Any, num_channels: int) -> Any:
     if isinstance(num_tokens, int):
         return max(1, -(-num_tokens // num_channels))
     w = (num_tokens + num_channels - 1) // num_channels
-    return np.maximum(w, 1) if isinstance(w, np.ndarray) else w.clamp(min=1)
+    return w.clamp(min=1) if hasattr(w, "clamp") else w.clip(min=1)
 
 
 def channel_prefix_matrix(is_token_in_rank: Any, num_channels: int) -> Any:
