@@ -292,12 +292,15 @@ class CudaIpcEngine final : public Engine {
   void mark(int channel, uint64_t token) override {
     Channel& ch = channel_of(channel);
     Mark m{token, {}, 0};
+    bool shared_done = false;  // in-process: one stream, one event
     for (int p = 0; p < num_ranks_; ++p) {
       if (!ch.dirty[p]) continue;
-      cudaEvent_t e = take_event(ch);
-      EPX_CUDA_CHECK(cudaEventRecord(e, ch.streams[p]));
-      m.events.push_back(e);
       ch.dirty[p] = 0;
+      if (comm_.in_process() && shared_done) continue;
+      shared_done = true;
+      cudaEvent_t e = take_event(ch);
+      EPX_CUDA_CHECK(cudaEventRecord(e, stream(ch, p)));
+      m.events.push_back(e);
     }
     if (m.events.empty() && ch.marks.empty()) {
       ch.completed = std::max(ch.completed, token);  // nothing issued since the last mark
@@ -407,9 +410,11 @@ class CudaIpcEngine final : public Engine {
   /// until that kernel's deadline. Processes of one GPU each have their own
   /// queues; in-process ranks share the context's (CUDA_DEVICE_MAX_CONNECTIONS,
   /// 8 by default), and with 8 the in-process 2x2 suite hit exactly that
-  /// (priority does not keep streams apart); with 32 it passed.
+  /// (priority does not keep streams apart); with 32 it passed. So in-process
+  /// ranks use one stream per channel for all peers (fewer streams to share
+  /// the queues; its stronger order is still the order puts need).
   cudaStream_t stream(Channel& ch, int peer) {
-    cudaStream_t& s = ch.streams[peer];
+    cudaStream_t& s = ch.streams[comm_.in_process() ? 0 : peer];
     if (!s) {
       EPX_CUDA_CHECK(cudaSetDevice(device_));  // the proxy thread's device already
       int least = 0, greatest = 0;
