@@ -42,8 +42,10 @@ struct ProxyTransport : NetworkTransportBase, LsaWords<ProxyTransport> {
     if (v >= need) return v;
     atomicAdd(&ch.dev->waiters, 1u);
     uint32_t turn = 0, share = 1;
+    uint32_t polls = 0;
     spin_until<true>(
         [&] {
+          if (++polls > 64) __nanosleep(128);  // as wait_signal_words
           v = *static_cast<volatile unsigned long long*>(seen);
           if (v >= need) return v;
           if ((turn & 31u) == 0)  // how many take turns now
