@@ -171,10 +171,12 @@ def recv_channel_prefix_matrix(rank_prefix_matrix: Any, recv_src_idx: Any,
     R, C = rank_prefix_matrix.shape[0], num_channels
     ends = ops.i64(rank_prefix_matrix[:, rank])
     rows = ends - ops.cat_cols(ops.zeros((1, 1), i64=True), ends[:-1].reshape(1, -1))[0]
-    n = int(recv_src_idx.shape[0])
+    # Rows actually received (with num_worst_tokens, recv_src_idx is longer);
+    # reading it waits for the dispatch (as reading any of its outputs does).
+    n = int(ends[-1]) if R > 0 else 0
     src = ops.repeat(ops.arange(R), rows, n)
     width = _channel_width(ops.i64(source_num_tokens), C)
-    flat = src * C + ops.i64(recv_src_idx) // width[src]
+    flat = src * C + ops.i64(recv_src_idx[:n]) // width[src]
     counts = ops.add_rows(ops.zeros(R * C), flat, ops.i32(ops.zeros(n) + 1)).reshape(R, C)
     return ops.contiguous(ops.cumsum(counts, 1) - counts)
 

@@ -51,6 +51,11 @@ def test_channel_elements_match_the_reference(R, C, sizes, p, backend):
         assert str(chan.dtype).endswith("int32") and tuple(chan.shape) == (R, C)
         recv = handles.recv_channel_prefix_matrix(prefix, src_idx, source_tokens, rank, C)
         np.testing.assert_array_equal(_np(recv), want[2])
+        # num_worst_tokens: rows past the received ones (-1 here) change nothing
+        padded = _as(backend, np.concatenate([want[3], np.full(5, -1, np.int32)]))
+        np.testing.assert_array_equal(
+            _np(handles.recv_channel_prefix_matrix(prefix, padded, source_tokens, rank, C)),
+            want[2])
         assert str(recv.dtype).endswith("int32") and tuple(recv.shape) == (R, C)
         head = handles.send_head(in_rank, chan)
         np.testing.assert_array_equal(_np(head), want[5])
