@@ -197,11 +197,13 @@ class DispatchHandle(tuple):
        entries in place; EPX leaves them).
 
     0, 3 and 4 are EPX's own tensors; 1, 2 and 5 are derived from them with torch
-    on the current stream when first read (EPX's kernels do not use channels).
+    on the current stream (EPX's kernels do not use channels); each element is
+    made when first read.
     ``.core`` is EPX's handle, which dispatch (cached) and combine take.
     """
 
     core: Any
+    _out: Callable[[Any], Any]
     _lazy: Dict[int, Callable[[], Any]]
     _cache: Dict[int, Any]
 
@@ -212,25 +214,31 @@ class DispatchHandle(tuple):
                             f"got {type(core).__name__}")
         if num_channels < 1:
             raise ValueError(f"num_channels: must be >= 1, got {num_channels}")
-        prefix, src_idx = out(core.rank_prefix_matrix), out(core.recv_src_idx)
-        in_rank, src_tokens = out(core.is_token_in_rank), out(core.source_num_tokens)
-        self = super().__new__(cls, (prefix, None, None, src_idx, in_rank, None))
+        # Every element is made when first read: a dispatch pays nothing for them.
+        self = super().__new__(cls, (None,) * 6)
         self.core = core
+        self._out = out
         self._cache = {}
         self._lazy = {
-            1: lambda: channel_prefix_matrix(in_rank, num_channels),
-            2: lambda: recv_channel_prefix_matrix(prefix, src_idx, src_tokens, rank,
+            0: lambda: self._tensor("rank_prefix_matrix"),
+            1: lambda: channel_prefix_matrix(self[4], num_channels),
+            2: lambda: recv_channel_prefix_matrix(self[0], self[3],
+                                                  self._tensor("source_num_tokens"), rank,
                                                   num_channels),
-            5: lambda: send_head(in_rank, self[1]),
+            3: lambda: self._tensor("recv_src_idx"),
+            4: lambda: self._tensor("is_token_in_rank"),
+            5: lambda: send_head(self[4], self[1]),
         }
         return self
 
+    def _tensor(self, name: str) -> Any:
+        """One of the core handle's tensors (as ``out`` turns it into a torch.Tensor)."""
+        return self._out(getattr(self.core, name))
+
     def _element(self, i: int) -> Any:
-        if i in self._lazy:
-            if i not in self._cache:
-                self._cache[i] = self._lazy[i]()
-            return self._cache[i]
-        return tuple.__getitem__(self, i)
+        if i not in self._cache:
+            self._cache[i] = self._lazy[i]()
+        return self._cache[i]
 
     def __getitem__(self, key: Any) -> Any:
         if isinstance(key, slice):
@@ -245,8 +253,18 @@ class DispatchHandle(tuple):
     def __iter__(self):
         return (self._element(i) for i in range(len(self)))
 
+    # One handle is one dispatch's device state: equal only to itself (the
+    # tuple's own slots are placeholders).
+    def __eq__(self, other: Any) -> bool:
+        return self is other
+
+    def __ne__(self, other: Any) -> bool:
+        return self is not other
+
+    __hash__ = object.__hash__
+
     def __getattr__(self, name: str) -> Any:
-        if name in ("core", "_lazy", "_cache"):
+        if name in ("core", "_lazy", "_cache", "_out"):
             raise AttributeError(name)
         return getattr(self.core, name)
 

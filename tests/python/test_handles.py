@@ -98,3 +98,44 @@ def test_reference_tokens_per_node():
     want = [int(sum((row == n).any() for row in node_of)) for n in range(R // rpn)]
     np.testing.assert_array_equal(got, want)
     assert got.dtype == np.int32
+
+
+def test_dispatch_handle_tuple_behaviour_without_a_gpu():
+    """The tuple makes each element once, on first read (index, negative index,
+    slice or unpacking), and is equal only to itself. A tensor-less core handle
+    and numpy stand-ins for its tensors: the values on a GPU are test_gpu.py's."""
+    from epx import _core
+
+    tensors = {
+        "rank_prefix_matrix": np.array([[2, 1], [3, 4]], dtype=np.int32),
+        "recv_src_idx": np.array([0, 1, 0, 2], dtype=np.int32),
+        "is_token_in_rank": np.array([[1, 0], [1, 1], [0, 1]], dtype=bool),
+        "source_num_tokens": np.array([3, 3], dtype=np.int32),
+    }
+    reads = []
+
+    class Fake(handles.DispatchHandle):
+        def _tensor(self, name):
+            reads.append(name)
+            return tensors[name]
+
+    core = _core.DispatchHandle._for_validation(2, 3, 4, 128)
+    h = Fake(core, 1, 2, lambda t: t)
+    assert reads == [] and len(h) == 6 and isinstance(h, tuple)
+    want = ref.deepep_intranode_handle(
+        [np.array([[1, 1], [1, 0], [0, 1]], dtype=bool), tensors["is_token_in_rank"]], 1, 2)
+    # elements 1 and 5 depend on this rank's is_token_in_rank alone
+    np.testing.assert_array_equal(h[1], want[1])
+    np.testing.assert_array_equal(h[-1], want[5])
+    np.testing.assert_array_equal(h[0], tensors["rank_prefix_matrix"])
+    a, b, c, d, e, f = h
+    assert a is h[0] and d is tensors["recv_src_idx"] and e is tensors["is_token_in_rank"]
+    assert [x is y for x, y in zip(h[1:3], (b, c))] == [True, True]
+    assert sorted(set(reads)) == sorted(tensors) and len(reads) == len(set(reads))
+    assert h == h and h != Fake(core, 1, 2, lambda t: t) and hash(h) == hash(h)
+    with pytest.raises(IndexError):
+        h[6]
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        import pickle
+        pickle.dumps(h)
+    assert h.num_ranks == 2 and h.num_recv_tokens == 4  # the core's attributes
