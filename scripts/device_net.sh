@@ -76,18 +76,25 @@ if has procs; then
       --gtest_filter="$FILTER"
   done
 fi
-if has kill && [ "$GPUS" -ge 2 ]; then
-  # 4 processes as 2x2 (rank 3 dies), or on 2 GPUs 2 as 2x1 (rank 1 dies).
-  kn=4 krpn=2
+# A killed process: 4 processes as 2x2 (rank 3 dies), or on 2 GPUs 2 as 2x1
+# (rank 1 dies); the survivors must raise naming it. kill_test LABEL LOG
+# [VAR=VALUE...] (the backend's environment).
+kill_test() {
+  local label=$1 log=$2 kn=4 krpn=2
+  shift 2
   [ "$GPUS" -ge 4 ] || { kn=2; krpn=1; }
-  victim=$((kn - 1))
-  echo "== a killed process ($kn processes, nodes of $krpn, rank $victim SIGKILLs itself)"
-  EPX_RANKS_PER_NODE=$krpn EPX_TEST_KILL_RANK=$victim timeout ${EPX_KILL_TIMEOUT:-120} \
-    "$D/launch.sh" $kn "$D/epx_gpu_tests" --gtest_filter=Network.KilledRankIsNamed \
-    > "$OUT/net-kill.log" 2>&1
-  grep "KILL-TEST" "$OUT/net-kill.log"
-  pass=$(grep -c "KILL-TEST rank [0-9]*: PASS" "$OUT/net-kill.log")
-  summary+=("killed rank: $pass of $victim survivors raised naming it$([ "$pass" = $victim ] && echo ' (PASS)' || echo ' (FAIL)')")
+  local victim=$((kn - 1))
+  echo "== a killed process$label ($kn processes, nodes of $krpn, rank $victim SIGKILLs itself)"
+  timeout ${EPX_KILL_TIMEOUT:-120} env "$@" EPX_RANKS_PER_NODE=$krpn EPX_TEST_KILL_RANK=$victim \
+    "$D/launch.sh" $kn "$D/epx_gpu_tests" --gtest_filter=Network.KilledRankIsNamed > "$log" 2>&1
+  echo "rc=$?"
+  grep "KILL-TEST" "$log"
+  local pass
+  pass=$(grep -c "KILL-TEST rank [0-9]*: PASS" "$log")
+  summary+=("killed rank$label: $pass of $victim survivors raised naming it$([ "$pass" = $victim ] && echo ' (PASS)' || echo ' (FAIL)')")
+}
+if has kill && [ "$GPUS" -ge 2 ]; then
+  kill_test "" "$OUT/net-kill.log"
 fi
 if has soak; then
   n=${EPX_SOAK:-100000}
@@ -144,18 +151,8 @@ if has nccl && [ "$GPUS" -ge 2 ]; then
       ${EPX_TEST_TIMEOUT:-420} "${gin[@]}" EPX_BACKEND=nccl EPX_RANKS_PER_NODE=$rpn \
       "$D/launch.sh" "$r" "$D/epx_gpu_tests" --gtest_filter="${EPX_NCCL_FILTER:-Smoke.*:LowLatency.*}"
   done
-  # A killed rank over NCCL's GIN path: the others must raise naming it
-  # (NCCL's device code has no deadline of its own: a hang here is a finding).
-  kn=2 krpn=1
-  [ "$GPUS" -ge 4 ] && { kn=4; krpn=2; }
-  echo "== a killed process over nccl ($kn processes, nodes of $krpn, rank $((kn - 1)) dies)"
-  timeout ${EPX_KILL_TIMEOUT:-120} env "${gin[@]:1}" EPX_BACKEND=nccl EPX_RANKS_PER_NODE=$krpn \
-    EPX_TEST_KILL_RANK=$((kn - 1)) "$D/launch.sh" $kn "$D/epx_gpu_tests" \
-    --gtest_filter=Network.KilledRankIsNamed > "$OUT/nccl-kill.log" 2>&1
-  echo "rc=$?"
-  grep "KILL-TEST" "$OUT/nccl-kill.log"
-  pass=$(grep -c "KILL-TEST rank [0-9]*: PASS" "$OUT/nccl-kill.log")
-  summary+=("nccl killed rank: $pass of $((kn - 1)) survivors raised naming it")
+  # (NCCL's device code has no deadline of its own: a hang here is a finding.)
+  kill_test " over nccl" "$OUT/nccl-kill.log" "${gin[@]:1}" EPX_BACKEND=nccl
   if [ "$GPUS" -ge 4 ]; then
     # The LL bench over NCCL's GIN path (GIN_PROXY through the loopback plugin:
     # CUDA/host copies on this host, not a NIC), beside the proxy's figures.
