@@ -13,7 +13,37 @@ from . import _core
 from .utils import _torch
 
 
-class LowLatencyHandle(tuple):
+class _Handle(tuple):
+    """What EPX's handle tuples share: EPX's handle as ``.core``, whose
+    attributes the tuple also answers, and no pickling (device state)."""
+
+    core: Any
+    _own = ("core",)  # attributes of the tuple itself, never the core's
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for names the tuple lacks: EPX's handle attributes.
+        if name in self._own:
+            raise AttributeError(name)
+        return getattr(self.core, name)
+
+    def __reduce__(self):
+        raise TypeError("an EPX handle refers to device state of one buffer and cannot be "
+                        "pickled or copied")
+
+
+def _core_of(op: str, handle: Any, tuple_cls: type, core_cls: type, made_by: str) -> Any:
+    """EPX's handle inside ``handle`` (a ``tuple_cls`` or a ``core_cls``); a
+    TypeError naming ``op`` and the argument otherwise."""
+    if isinstance(handle, tuple_cls):
+        return handle.core
+    if isinstance(handle, core_cls):
+        return handle
+    what = "a plain tuple (rebuilt from a handle's elements?)" if isinstance(handle, tuple) \
+        else type(handle).__name__
+    raise TypeError(f"{op}: handle: expected the handle returned by {made_by}, got {what}")
+
+
+class LowLatencyHandle(_Handle):
     """A low-latency dispatch's handle, DeepEP's 5-tuple:
 
     0. src_info: [E_local, R*maxT] int32, the source token index of each
@@ -26,8 +56,6 @@ class LowLatencyHandle(tuple):
     state); other attributes (``src_info``, ``num_tokens``, ...) read from it.
     """
 
-    core: Any
-
     def __new__(cls, core: "_core.LowLatencyHandle", src_info: Any,
                 layout_range: Any) -> "LowLatencyHandle":
         if not isinstance(core, _core.LowLatencyHandle):
@@ -38,16 +66,6 @@ class LowLatencyHandle(tuple):
                                      core.num_experts))
         self.core = core
         return self
-
-    def __getattr__(self, name: str) -> Any:
-        # Only called for names the tuple lacks: EPX's handle attributes.
-        if name == "core":
-            raise AttributeError(name)
-        return getattr(self.core, name)
-
-    def __reduce__(self):
-        raise TypeError("an EPX handle refers to device state of one buffer and cannot be "
-                        "pickled or copied")
 
     def __repr__(self) -> str:
         c = self.core
@@ -60,14 +78,7 @@ class LowLatencyHandle(tuple):
 def core_low_latency_handle(op: str, handle: Any) -> "_core.LowLatencyHandle":
     """EPX's handle inside ``handle`` (a LowLatencyHandle tuple or the core
     handle itself); a TypeError naming ``op`` and the argument otherwise."""
-    if isinstance(handle, LowLatencyHandle):
-        return handle.core
-    if isinstance(handle, _core.LowLatencyHandle):
-        return handle
-    what = "a plain tuple (rebuilt from a handle's elements?)" if isinstance(handle, tuple) \
-        else type(handle).__name__
-    raise TypeError(f"{op}: handle: expected the handle returned by low_latency_dispatch, "
-                    f"got {what}")
+    return _core_of(op, handle, LowLatencyHandle, _core.LowLatencyHandle, "low_latency_dispatch")
 
 
 # ---- the intranode dispatch handle -----------------------------------------------------------
@@ -181,7 +192,7 @@ def recv_channel_prefix_matrix(rank_prefix_matrix: Any, recv_src_idx: Any,
     return ops.contiguous(ops.cumsum(counts, 1) - counts)
 
 
-class DispatchHandle(tuple):
+class DispatchHandle(_Handle):
     """An intranode dispatch's handle, DeepEP's 6-tuple (``C`` channels: the
     dispatch config's ``num_sms // 2``, as DeepEP):
 
@@ -202,7 +213,7 @@ class DispatchHandle(tuple):
     ``.core`` is EPX's handle, which dispatch (cached) and combine take.
     """
 
-    core: Any
+    _own = ("core", "_lazy", "_cache", "_out")
     _out: Callable[[Any], Any]
     _lazy: Dict[int, Callable[[], Any]]
     _cache: Dict[int, Any]
@@ -263,15 +274,6 @@ class DispatchHandle(tuple):
 
     __hash__ = object.__hash__
 
-    def __getattr__(self, name: str) -> Any:
-        if name in ("core", "_lazy", "_cache", "_out"):
-            raise AttributeError(name)
-        return getattr(self.core, name)
-
-    def __reduce__(self):
-        raise TypeError("an EPX handle refers to device state of one buffer and cannot be "
-                        "pickled or copied")
-
     def __repr__(self) -> str:
         c = self.core
         return (f"epx.DispatchHandle(num_ranks={c.num_ranks}, num_tokens={c.num_tokens}, "
@@ -281,10 +283,4 @@ class DispatchHandle(tuple):
 def core_dispatch_handle(op: str, handle: Any) -> "_core.DispatchHandle":
     """EPX's handle inside ``handle`` (a DispatchHandle tuple or the core handle);
     a TypeError naming ``op`` and the argument otherwise."""
-    if isinstance(handle, DispatchHandle):
-        return handle.core
-    if isinstance(handle, _core.DispatchHandle):
-        return handle
-    what = "a plain tuple (rebuilt from a handle's elements?)" if isinstance(handle, tuple) \
-        else type(handle).__name__
-    raise TypeError(f"{op}: handle: expected the handle returned by dispatch, got {what}")
+    return _core_of(op, handle, DispatchHandle, _core.DispatchHandle, "dispatch")
