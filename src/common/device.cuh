@@ -173,6 +173,15 @@ __device__ __forceinline__ bool block_counted_last(uint32_t* done) {
 /// thread reported (a proxy post that already took a ring slot must fill it,
 /// or the channel stalls for good; a quiet must not let a send area be
 /// rewritten early).
+/// A network wait lasts microseconds at least: after its first 64 polls a
+/// waiting thread sleeps 128 ns between them (`polls` counts them). A GPU full
+/// of threads spinning on their words delayed the proxy's copies (back-to-back
+/// pairs over the proxy: 15.0 ms spinning, 8.7 ms with every wait sleeping
+/// 200 ns, 4x H200).
+__device__ __forceinline__ void network_poll_pause(uint32_t& polls) {
+  if (++polls > 64) __nanosleep(128);
+}
+
 /// EPX_SPIN_SLEEP_NS (build-time, default 0: none): a waiting thread sleeps
 /// this long between polls after its first 64, to measure what spinning
 /// threads cost the rest of the GPU (its copies, incoming peer writes).

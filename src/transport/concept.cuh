@@ -165,11 +165,7 @@ __device__ __forceinline__ bool wait_signal_words(const TransportBase& t, const 
   const uint64_t* w = reinterpret_cast<const uint64_t*>(local + t.signal_word(sig, 0));
   uint32_t polls = 0;
   auto lowest = [&] {
-    // A network wait lasts microseconds at least: after its first polls a
-    // thread sleeps between them. A GPU full of threads spinning on their
-    // words delayed the proxy's copies (back-to-back pairs over the proxy:
-    // 15.0 ms spinning, 8.7 ms with every wait sleeping 200 ns, 4x H200).
-    if (++polls > 64) __nanosleep(128);
+    network_poll_pause(polls);
     uint64_t m = ~0ull;
     for (int c = 0; c < t.num_contexts; ++c) m = min(m, ld_relaxed_sys_u64(w + c));
     return m;

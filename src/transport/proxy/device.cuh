@@ -45,7 +45,7 @@ struct ProxyTransport : NetworkTransportBase, LsaWords<ProxyTransport> {
     uint32_t polls = 0;
     spin_until<true>(
         [&] {
-          if (++polls > 64) __nanosleep(128);  // as wait_signal_words
+          network_poll_pause(polls);
           v = *static_cast<volatile unsigned long long*>(seen);
           if (v >= need) return v;
           if ((turn & 31u) == 0)  // how many take turns now
