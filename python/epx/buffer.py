@@ -553,8 +553,11 @@ class Buffer:
         if handle is not None:
             return recv, None, None, None, None, event
         # DeepEP's tuple; its channel elements count config.num_sms // 2 channels.
-        used = config if config is not None else self.get_dispatch_config(self.group_size)
-        new_handle = DispatchHandle(r.handle, self.rank, max(1, used.num_sms // 2), g.out)
+        new_handle = DispatchHandle(
+            r.handle, self.rank,
+            lambda: max(1, (config if config is not None
+                            else self.get_dispatch_config(self.group_size)).num_sms // 2),
+            g.out)
         return (recv, recv_topk_idx, recv_topk_weights, list(r.num_recv_tokens_per_expert),
                 new_handle, event)
 

@@ -7,7 +7,7 @@ EPX's calls take the tuple back unchanged (or EPX's core handle, as before).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Union
 
 from . import _core
 from .utils import _torch
@@ -218,13 +218,23 @@ class DispatchHandle(_Handle):
     _lazy: Dict[int, Callable[[], Any]]
     _cache: Dict[int, Any]
 
-    def __new__(cls, core: "_core.DispatchHandle", rank: int, num_channels: int,
+    def __new__(cls, core: "_core.DispatchHandle", rank: int,
+                num_channels: Union[int, Callable[[], int]],
                 out: Callable[[Any], Any]) -> "DispatchHandle":
+        """``num_channels``: C, or what gives it when a channel element is first
+        read (the dispatch passes its config's lookup, so a call pays nothing)."""
         if not isinstance(core, _core.DispatchHandle):
             raise TypeError(f"core: expected an epx._core.DispatchHandle, "
                             f"got {type(core).__name__}")
-        if num_channels < 1:
-            raise ValueError(f"num_channels: must be >= 1, got {num_channels}")
+
+        def channels() -> int:
+            c = num_channels() if callable(num_channels) else num_channels
+            if c < 1:
+                raise ValueError(f"num_channels: must be >= 1, got {c}")
+            return c
+
+        if not callable(num_channels):
+            channels()
         # Every element is made when first read: a dispatch pays nothing for them.
         self = super().__new__(cls, (None,) * 6)
         self.core = core
@@ -232,10 +242,10 @@ class DispatchHandle(_Handle):
         self._cache = {}
         self._lazy = {
             0: lambda: self._tensor("rank_prefix_matrix"),
-            1: lambda: channel_prefix_matrix(self[4], num_channels),
+            1: lambda: channel_prefix_matrix(self[4], channels()),
             2: lambda: recv_channel_prefix_matrix(self[0], self[3],
                                                   self._tensor("source_num_tokens"), rank,
-                                                  num_channels),
+                                                  channels()),
             3: lambda: self._tensor("recv_src_idx"),
             4: lambda: self._tensor("is_token_in_rank"),
             5: lambda: send_head(self[4], self[1]),

@@ -139,3 +139,14 @@ def test_dispatch_handle_tuple_behaviour_without_a_gpu():
         import pickle
         pickle.dumps(h)
     assert h.num_ranks == 2 and h.num_recv_tokens == 4  # the core's attributes
+    # a channel count given as a lookup is asked for when a channel element is read
+    asked = []
+    lazy = Fake(core, 1, lambda: asked.append(1) or 2, lambda t: t)
+    lazy[0], lazy[3], lazy[4]
+    assert asked == []
+    np.testing.assert_array_equal(lazy[1], want[1])
+    assert asked == [1]
+    with pytest.raises(ValueError, match="num_channels: must be >= 1, got 0"):
+        Fake(core, 1, 0, lambda t: t)
+    with pytest.raises(ValueError, match="num_channels: must be >= 1, got 0"):
+        Fake(core, 1, lambda: 0, lambda t: t)[1]
