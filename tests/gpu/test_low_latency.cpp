@@ -422,6 +422,14 @@ void line_up(const LlCase& c) {
     std::this_thread::sleep_for(std::chrono::milliseconds(c.late_ms));
 }
 
+/// With a dead rank (shrink cases) every rank lines up right before each op,
+/// the dead one included: the ranks' host-side reference work differs by
+/// seconds at 16 in-process ranks, more than the shrink deadline, and a live
+/// rank that starts an op that late is rightly masked by the others.
+void line_up_with_dead(const LlCase& c) {
+  if (c.dead_rank >= 0) ASSERT_TRUE(all_ranks(true));
+}
+
 /// After an op whose last rank started c.late_ms late: every other rank puts
 /// at least a fifth of that on it (per wait: the dispatch sums `waits`, one per
 /// local expert) and less than half of it on any other source; the late rank
@@ -473,8 +481,12 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
   const bool dies_mid = c.dead_mid_dispatch >= 0;
   const bool dispatched = c.dead_after_dispatch || dies_mid;  // the dead rank's tokens went out
   if (me == c.dead_rank && !dispatched) {  // no call; the test's collectives only
+    line_up_with_dead(c);
     ASSERT_TRUE(all_ranks(true));
-    if (with_combine) ASSERT_TRUE(all_ranks(true));
+    if (with_combine) {
+      line_up_with_dead(c);
+      ASSERT_TRUE(all_ranks(true));
+    }
     return;
   }
 
@@ -500,13 +512,17 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
   WaitStats dwait(R), cwait(R);
   if (c.late_ms) a.dispatch_wait_recv_cost_stats = dwait.view();
   line_up(c);
+  line_up_with_dead(c);
   auto res = buf->low_latency_dispatch(a);
   EXPECT_EQ(static_cast<bool>(res.hook), c.hook);
   EXPECT_EQ(res.event.has_value(), c.async);
   if (dies_mid && me == c.dead_rank) {  // no hook, no check, no combine; the collectives only
     finish(res.event);
     ASSERT_TRUE(all_ranks(true));
-    if (with_combine) ASSERT_TRUE(all_ranks(true));
+    if (with_combine) {
+      line_up_with_dead(c);
+      ASSERT_TRUE(all_ranks(true));
+    }
     return;
   }
   if (res.hook) res.hook();
@@ -536,6 +552,7 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
   ASSERT_TRUE(all_ranks(!rank_failed())) << "another rank failed " << c.name();
   if (!with_combine) return;
   if (me == c.dead_rank) {  // dead_after_dispatch: stops here
+    line_up_with_dead(c);
     ASSERT_TRUE(all_ranks(true));
     return;
   }
@@ -570,6 +587,7 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
   ca.stream = w.stream;
   if (c.late_ms) ca.combine_wait_recv_cost_stats = cwait.view();
   line_up(c);
+  line_up_with_dead(c);
   auto cres = buf->low_latency_combine(ca);
   EXPECT_EQ(static_cast<bool>(cres.hook), c.hook);
   if (cres.hook) cres.hook();
@@ -1583,6 +1601,10 @@ EPX_GPU_TEST(Network, Soak) {
   };
   std::size_t free0 = 0, total = 0;
   long rss0 = 0;
+  // The ranks start together: their reference set-ups end seconds apart, and
+  // a rank whose first op waits that long for a peer reaches the deadline.
+  ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+  w.comm->barrier();
   const auto t0 = std::chrono::steady_clock::now();
   double next_report_s = 0.0;
   for (long i = 0; i < pairs; ++i) {

@@ -414,8 +414,11 @@ def _case_high_throughput(rank, world, group):
     np.testing.assert_array_equal(_bits(rg), mine["recv_x"])
 
     # errors name the argument
-    _check_raises(epx.EPXValueError, r"dispatch: x: must be bfloat16",
-                  lambda: buf.dispatch(x.float(), topk_idx=idx, **layout))
+    _check_raises(epx.EPXValueError, r"dispatch: x_scales: needs x of 1-byte elements",
+                  lambda: buf.dispatch((x, torch.ones(x.shape[0], 1, device=dev)),
+                                       topk_idx=idx, **layout))
+    _check_raises(epx.EPXValueError, r"dispatch: hidden: a row must be a multiple of 16 bytes",
+                  lambda: buf.dispatch(x[:, :-1].contiguous(), topk_idx=idx, **layout))
     _check_raises(TypeError, r"^x: expected a torch.Tensor, got ndarray",
                   lambda: buf.dispatch(x_np, topk_idx=idx, **layout))
     _check_raises(TypeError, r"handle: expected the handle returned by dispatch",
