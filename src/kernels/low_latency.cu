@@ -833,6 +833,36 @@ __device__ __forceinline__ bool copy_rows(const LlDispatchRecvParams<T>& p, uint
 // its chunks: rows are copied as they arrive, not after the slowest sender.
 // Returns false when a wait failed (reported).
 // ============================================================================
+/// Network transports, shrink: the sources that were masked when this block
+/// began receiving (bit r of word r / 32). A block takes its units one after
+/// another, so a source masked meanwhile (its deadline passed in an earlier
+/// unit) would otherwise count for some local experts and not for others,
+/// depending on the grid; with the snapshot, words that came are counted
+/// in every unit alike. (The NVLink path reads the mask live, as before.)
+__shared__ uint32_t s_masked_at_start[(plan::kLlMaxRanks + 31) / 32];
+
+/// Every thread of a receiving block, before its first unit.
+template <class T>
+__device__ __forceinline__ void snapshot_mask(const T& t) {
+  if constexpr (kNet<T>) {
+    constexpr int kWords = (plan::kLlMaxRanks + 31) / 32;
+    for (int w = threadIdx.x; w < kWords; w += blockDim.x) s_masked_at_start[w] = 0u;
+    __syncthreads();
+    for (int r = threadIdx.x; r < t.num_ranks; r += blockDim.x)
+      if (t.masked(r)) atomicOr(&s_masked_at_start[r / 32], 1u << (r % 32));
+    __syncthreads();
+  }
+}
+
+/// Whether source s counts as masked from the start of this receive.
+template <class T>
+__device__ __forceinline__ bool masked_at_start(const T& t, int s) {
+  if constexpr (kNet<T>)
+    return ((s_masked_at_start[s / 32] >> (s % 32)) & 1u) != 0u;
+  else
+    return t.masked(s);
+}
+
 /// Word w of source s's token mask for local expert le, into `word`. Shrink:
 /// the mask is read beside the wait, not before it (no added latency); a
 /// masked source counts as sending nothing, whether its word came or not (a
@@ -841,7 +871,7 @@ template <class T>
 __device__ __forceinline__ bool recv_mask_word(const LlDispatchRecvParams<T>& p, uint32_t epoch,
                                                uint64_t seq, std::size_t tags, int s, int w, int le,
                                                int E_local, uint32_t& word) {
-  const bool was_masked = p.t.masked(s);
+  const bool was_masked = masked_at_start(p.t, s);
   bool ok = true;
   if constexpr (kNet<T>)  // a source in another node: its words land before its signal
     if (!was_masked && !p.t.same_node(s))
@@ -864,7 +894,7 @@ template <class T>
 __device__ __forceinline__ bool recv_token_count(const LlDispatchRecvParams<T>& p, uint32_t epoch,
                                                  uint64_t seq, std::size_t tags, int s, int le) {
   uint32_t n = 0;
-  const bool was_masked = p.t.masked(s);  // beside the wait, as in recv_mask_word
+  const bool was_masked = masked_at_start(p.t, s);  // as in recv_mask_word
   bool came = true;
   if constexpr (kNet<T>)
     if (!was_masked && !p.t.same_node(s))
@@ -1166,6 +1196,7 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvPa
   uint64_t seq = 0;
   if constexpr (kNet<T>) seq = *reinterpret_cast<const uint64_t*>(p.state + 2);
   const int units = p.num_experts / p.t.num_ranks * p.parts;
+  snapshot_mask(p.t);
   for (int unit = blockIdx.x; unit < units; unit += gridDim.x) {
     if (!dispatch_recv_any<kArrival>(p, epoch, seq, unit, s_list)) break;
     __syncthreads();  // s_list and the scan storage are reused
@@ -1197,6 +1228,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   tl_mark(kTlDispatch, kTlRecvStart);
   tl_mark(kTlDispatch, kTlRecvGo);
   const int units = rp.num_experts / rp.t.num_ranks * rp.parts;
+  snapshot_mask(rp.t);
   for (int unit = b - send_blocks; unit < units; unit += gridDim.x - send_blocks) {
     __syncthreads();  // s_list and the scan storage are reused
     if (!dispatch_recv_any<kArrival>(rp, epoch, seq, unit, s_list)) break;
