@@ -550,6 +550,8 @@ TEST(GinLoopback, ConnectWithNullContextUsesTheListenContext) {
   EXPECT_EQ(g.closeColl(coll), gl::ncclSuccess);
   EXPECT_EQ(g.closeListen(lc), gl::ncclSuccess);
   EXPECT_EQ(g.finalize(inst), gl::ncclSuccess);
+  // NCCL destroys such a communicator by finalizing its NULL context.
+  EXPECT_EQ(g.finalize(nullptr), gl::ncclSuccess);
 }
 
 TEST(GinLoopback, RingOverrunIsAnError) {

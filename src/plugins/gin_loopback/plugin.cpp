@@ -305,6 +305,9 @@ ncclResult_t gin_progress(void* coll_comm) {
                  [&] { comm_of(coll_comm)->progress(); });
 }
 ncclResult_t gin_finalize(void* ctx) {
+  // NCCL 2.28 finalizes a split communicator's NULL context too (connect then
+  // used the listen comm's): nothing to free, as free(NULL).
+  if (ctx == nullptr) return ncclSuccess;
   return guarded(nullptr, "gin finalize", [&] { delete context(ctx); });
 }
 
