@@ -103,9 +103,17 @@ struct HtCombineOutput {
 };
 /// `routing` is the dispatch input of every rank (only num_tokens and
 /// topk_idx are read). Sums in float32 then rounds to BF16 once.
+///
+/// ranks_per_node L (0, or L == R: one node, as above) groups the sum the
+/// way the combine across nodes does it (docs/internode_ht.md): per token,
+/// each node's rows are summed in float32 in ascending rank order and rounded
+/// to BF16 (the one row per node that crosses the network); the token's rank
+/// adds the nodes' rows in ascending node order in float32, then the biases,
+/// and rounds to BF16. Weights are summed the same way with no rounding.
+/// L must divide R.
 std::vector<HtCombineOutput> ht_combine(const std::vector<HtInput>& routing,
                                         const std::vector<HtCombineInput>& inputs, int hidden,
-                                        int num_topk, int num_experts);
+                                        int num_topk, int num_experts, int ranks_per_node = 0);
 
 // ---- low-latency -------------------------------------------------------------
 struct LlDispatchOutput {  ///< one rank's low-latency dispatch output

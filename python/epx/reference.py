@@ -199,14 +199,16 @@ def deepep_intranode_handle(is_token_in_rank: Sequence[np.ndarray], rank: int,
 
 def ht_combine(topk_idx: Sequence[np.ndarray], x: Sequence[np.ndarray], num_experts: int,
                topk_weights: Optional[Sequence[np.ndarray]] = None,
-               bias: Optional[Sequence[Tuple[Optional[np.ndarray], Optional[np.ndarray]]]] = None
-               ) -> List[Tuple[np.ndarray, Optional[np.ndarray]]]:
+               bias: Optional[Sequence[Tuple[Optional[np.ndarray], Optional[np.ndarray]]]] = None,
+               ranks_per_node: int = 0) -> List[Tuple[np.ndarray, Optional[np.ndarray]]]:
     """High-throughput combine of R ranks.
 
     topk_idx[r] is rank r's dispatch routing [T_r, K]; x[r] is [N_r, H] BF16 bits in r's
     dispatch receive order; topk_weights[r] [N_r, K]; bias[r] a pair of [T_r, H] BF16 bits
-    (or None). Returns per rank (combined_x [T_r, H] BF16 bits, combined_topk_weights
-    [T_r, K] or None).
+    (or None). ranks_per_node (0: one node) groups the sum by node as the combine across
+    nodes does: each node's rows summed, rounded to BF16, then the nodes' sums in node
+    order (ref::ht_combine). Returns per rank (combined_x [T_r, H] BF16 bits,
+    combined_topk_weights [T_r, K] or None).
     """
     R = len(x)
     H, K = np.asarray(x[0]).shape[1], np.asarray(topk_idx[0]).shape[1]
@@ -224,7 +226,7 @@ def ht_combine(topk_idx: Sequence[np.ndarray], x: Sequence[np.ndarray], num_expe
             if b1 is not None:
                 ci.bias_1 = np.ascontiguousarray(b1, dtype=np.uint16)
         inputs.append(ci)
-    outs = _ref.ht_combine(routing, inputs, H, K, num_experts)
+    outs = _ref.ht_combine(routing, inputs, H, K, num_experts, ranks_per_node)
     result = []
     for r, o in enumerate(outs):
         T = np.asarray(topk_idx[r]).shape[0]

@@ -492,7 +492,7 @@ void bind_reference(nb::module_& m) {
   vec_field(co, "combined_x", &ref::HtCombineOutput::combined_x);
   vec_field(co, "combined_topk_weights", &ref::HtCombineOutput::combined_topk_weights);
   r.def("ht_combine", &ref::ht_combine, "routing"_a, "inputs"_a, "hidden"_a, "num_topk"_a,
-        "num_experts"_a);
+        "num_experts"_a, "ranks_per_node"_a = 0);
 
   nb::class_<ref::LlDispatchOutput> ld(r, "LlDispatchOutput");
   vec_field(ld, "recv_x_bf16", &ref::LlDispatchOutput::recv_x_bf16);

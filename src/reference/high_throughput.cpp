@@ -151,9 +151,13 @@ std::vector<HtDispatchOutput> ht_dispatch(const std::vector<HtInput>& inputs, in
 
 std::vector<HtCombineOutput> ht_combine(const std::vector<HtInput>& routing,
                                         const std::vector<HtCombineInput>& inputs, int hidden,
-                                        int num_topk, int num_experts) {
+                                        int num_topk, int num_experts, int ranks_per_node) {
   const int R = static_cast<int>(routing.size());
   check_common(R, hidden, num_topk, num_experts, "ht_combine");
+  check(ranks_per_node >= 0 && (ranks_per_node == 0 || R % ranks_per_node == 0),
+        "ht_combine: ranks_per_node must be 0 or divide the rank count");
+  // One node: no row crosses a network, one sum.
+  const int L = ranks_per_node == 0 ? R : ranks_per_node;
   check(inputs.size() == routing.size(), "ht_combine: need one input per rank");
   for (int s = 0; s < R; ++s)
     check(routing[s].num_tokens >= 0 &&
@@ -180,8 +184,8 @@ std::vector<HtCombineOutput> ht_combine(const std::vector<HtInput>& routing,
                 ": topk_weights must be [num_recv_tokens, K] when any rank passes weights");
 
   std::vector<HtCombineOutput> outs(R);
-  std::vector<float> acc(hidden);
-  std::vector<float> wacc(num_topk);
+  std::vector<float> acc(hidden), node_acc(hidden);
+  std::vector<float> wacc(num_topk), node_wacc(num_topk);
   std::vector<int> cursor(R);
   for (int s = 0; s < R; ++s) {
     const int T = routing[s].num_tokens;
@@ -193,14 +197,25 @@ std::vector<HtCombineOutput> ht_combine(const std::vector<HtInput>& routing,
     for (int t = 0; t < T; ++t) {
       std::fill(acc.begin(), acc.end(), 0.0f);
       std::fill(wacc.begin(), wacc.end(), 0.0f);
-      for (int r = 0; r < R; ++r) {
-        if (!layouts[s].is_token_in_rank[sz(t, R) + r]) continue;
-        const int row = base[r * R + s] + cursor[r]++;
-        const uint16_t* xr = &inputs[r].x[sz(row, hidden)];
-        for (int h = 0; h < hidden; ++h) acc[h] += bf16_to_float(xr[h]);
-        if (has_weights)
-          for (int k = 0; k < num_topk; ++k)
-            wacc[k] += inputs[r].topk_weights[sz(row, num_topk) + k];
+      for (int n = 0; n < R / L; ++n) {
+        std::fill(node_acc.begin(), node_acc.end(), 0.0f);
+        std::fill(node_wacc.begin(), node_wacc.end(), 0.0f);
+        bool reached = false;
+        for (int r = n * L; r < (n + 1) * L; ++r) {
+          if (!layouts[s].is_token_in_rank[sz(t, R) + r]) continue;
+          reached = true;
+          const int row = base[r * R + s] + cursor[r]++;
+          const uint16_t* xr = &inputs[r].x[sz(row, hidden)];
+          for (int h = 0; h < hidden; ++h) node_acc[h] += bf16_to_float(xr[h]);
+          if (has_weights)
+            for (int k = 0; k < num_topk; ++k)
+              node_wacc[k] += inputs[r].topk_weights[sz(row, num_topk) + k];
+        }
+        if (!reached) continue;
+        const bool crosses = L < R;  // the node's row travels as BF16
+        for (int h = 0; h < hidden; ++h)
+          acc[h] += crosses ? bf16_to_float(float_to_bf16(node_acc[h])) : node_acc[h];
+        for (int k = 0; k < num_topk; ++k) wacc[k] += node_wacc[k];
       }
       for (const auto* b : {&own.bias_0, &own.bias_1})
         if (!b->empty())

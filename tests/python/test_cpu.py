@@ -840,6 +840,47 @@ def test_ht_combine():
         np.testing.assert_allclose(cw, wacc, rtol=1e-6)
 
 
+def test_ht_combine_across_nodes():
+    """ranks_per_node: each node's rows summed (float32, rank order) and rounded to BF16,
+    then the nodes' rows in node order, then the bias, rounded once more."""
+    Rn, Ln, Hn, Kn, En = 4, 2, 128, 4, 16
+    Ts = [9, 0, 14, 5]
+    idxs = [random_topk(t, Kn, En) for t in Ts]
+    disp = ref.ht_dispatch([random_bf16((t, Hn)) for t in Ts], idxs, En)
+    ys = [random_bf16((len(d["recv_src_idx"]), Hn)) for d in disp]
+    wts = [RNG.random((len(d["recv_src_idx"]), Kn)).astype(np.float32) for d in disp]
+    bias = [(random_bf16((t, Hn)), None) for t in Ts]
+    got = ref.ht_combine(idxs, ys, En, topk_weights=wts, bias=bias, ranks_per_node=Ln)
+    flat = ref.ht_combine(idxs, ys, En, topk_weights=wts, bias=bias)
+    differs = False
+    for s in range(Rn):
+        acc = np.zeros((Ts[s], Hn), np.float32)
+        wacc = np.zeros((Ts[s], Kn), np.float32)
+        for n in range(Rn // Ln):
+            node = np.zeros((Ts[s], Hn), np.float32)
+            wnode = np.zeros((Ts[s], Kn), np.float32)
+            reached = np.zeros(Ts[s], bool)
+            for r in range(n * Ln, (n + 1) * Ln):
+                for row in np.nonzero(disp[r]["recv_src_rank"] == s)[0]:
+                    t = disp[r]["recv_src_idx"][row]
+                    node[t] += np_bf16_float(ys[r][row])
+                    wnode[t] += wts[r][row]
+                    reached[t] = True
+            acc[reached] += np_bf16_float(np_bf16_bits(node[reached]))
+            wacc[reached] += wnode[reached]
+        acc += np_bf16_float(bias[s][0])
+        cx, cw = got[s]
+        np.testing.assert_array_equal(cx, np_bf16_bits(acc))
+        np.testing.assert_array_equal(cw, wacc)
+        differs = differs or not np.array_equal(cx, flat[s][0])
+    assert differs, "grouping by node changed no sum: the test shows nothing"
+    one_node = ref.ht_combine(idxs, ys, En, topk_weights=wts, bias=bias, ranks_per_node=Rn)
+    for s in range(Rn):
+        np.testing.assert_array_equal(one_node[s][0], flat[s][0])
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        ref.ht_combine(idxs, ys, En, ranks_per_node=3)
+
+
 def np_ll_dispatch(xs, idxs, En, maxT):
     """Expert e's rows: source 0's tokens (token order), then source 1's, ...; once per token."""
     Rn = len(xs)

@@ -663,6 +663,81 @@ TEST(RefHt, CombineSumsTheRightRowsPlusBias) {
   }
 }
 
+// Across nodes (ranks_per_node L < R) the combine sums each node's rows in
+// float32, rounds that to BF16 (the row that crosses the network), then adds
+// the nodes' rows in node order, then the biases, and rounds once more.
+// Checked against that statement written out here; L == R (and 0) is the
+// one-node sum, bit for bit; and the grouping does change some results.
+TEST(RefHt, CombineAcrossNodesSumsEachNodeThenTheNodes) {
+  Rng rng(605);
+  const std::vector<HtCase> cases = {
+      {4, 16, 4, 128, {37, 0, 64, 5}},
+      {8, 64, 8, 128, {20, 3, 0, 40, 17, 9, 1, 33}},
+      {6, 12, 5, 256, {11, 12, 13, 0, 2, 30}},
+  };
+  bool some_differ = false;
+  for (const HtCase& c : cases) {
+    for (int L = 1; L <= c.R; ++L) {
+      if (c.R % L != 0) continue;
+      SCOPED_TRACE("R=" + std::to_string(c.R) + " L=" + std::to_string(L));
+      const auto in = make_ht_inputs(rng, c, false, true);
+      const auto d = ref::ht_dispatch(in, c.H, c.K, c.E, 1);
+      std::vector<ref::HtCombineInput> ci(c.R);
+      std::vector<std::map<std::pair<int, int>, int>> row_of(c.R);
+      for (int r = 0; r < c.R; ++r) {
+        ci[r].x = random_bf16(rng, sz(d[r].num_recv_tokens, c.H), false);
+        ci[r].topk_weights = random_weights(rng, sz(d[r].num_recv_tokens, c.K), false);
+        ci[r].bias_0 = random_bf16(rng, sz(c.T[r], c.H), false);
+        for (int n = 0; n < d[r].num_recv_tokens; ++n)
+          row_of[r][{d[r].recv_src_rank[n], d[r].recv_src_idx[n]}] = n;
+      }
+      const auto out = ref::ht_combine(in, ci, c.H, c.K, c.E, L);
+      const auto flat = ref::ht_combine(in, ci, c.H, c.K, c.E);
+      for (int s = 0; s < c.R; ++s)
+        for (int t = 0; t < c.T[s]; ++t) {
+          const std::vector<int> reached = ranks_reached(in[s], t, c.K, c.E, c.R);
+          for (int h = 0; h < c.H; ++h) {
+            float total = 0.0f;
+            for (int n = 0; n < c.R / L; ++n) {
+              float node = 0.0f;
+              bool any = false;
+              for (int r : reached)
+                if (r / L == n) {
+                  node += ref::bf16_to_float(ci[r].x[sz(row_of[r].at({s, t}), c.H) + h]);
+                  any = true;
+                }
+              if (any) total += L < c.R ? ref::bf16_to_float(ref::float_to_bf16(node)) : node;
+            }
+            total += ref::bf16_to_float(ci[s].bias_0[sz(t, c.H) + h]);
+            const uint16_t got = out[s].combined_x[sz(t, c.H) + h];
+            ASSERT_EQ(got, ref::float_to_bf16(total)) << "s=" << s << " t=" << t << " h=" << h;
+            if (L == c.R) ASSERT_EQ(got, flat[s].combined_x[sz(t, c.H) + h]);
+            some_differ = some_differ || got != flat[s].combined_x[sz(t, c.H) + h];
+          }
+          for (int k = 0; k < c.K; ++k) {
+            float w = 0.0f;
+            for (int n = 0; n < c.R / L; ++n) {
+              float node = 0.0f;
+              for (int r : reached)
+                if (r / L == n) node += ci[r].topk_weights[sz(row_of[r].at({s, t}), c.K) + k];
+              w += node;
+            }
+            ASSERT_EQ(out[s].combined_topk_weights[sz(t, c.K) + k], w);
+          }
+        }
+    }
+  }
+  EXPECT_TRUE(some_differ) << "grouping by node never changed a sum: the test shows nothing";
+  // L must divide R.
+  HtCase c{4, 16, 4, 128, {3, 3, 3, 3}};
+  const auto in = make_ht_inputs(rng, c, false, false);
+  const auto d = ref::ht_dispatch(in, c.H, c.K, c.E, 1);
+  std::vector<ref::HtCombineInput> ci(c.R);
+  for (int r = 0; r < c.R; ++r) ci[r].x = d[r].recv_x_bf16;
+  for (int bad : {3, -1, 8})
+    EXPECT_THROW(ref::ht_combine(in, ci, c.H, c.K, c.E, bad), std::invalid_argument) << bad;
+}
+
 TEST(RefHt, EdgeCases) {
   Rng rng(604);
   // Every token masked: nothing is received, combine gives zeros (or the bias).
