@@ -75,6 +75,11 @@ struct LlCase {
     if (dead_mid_dispatch >= 0) n += "_dies_after_rows" + std::to_string(dead_mid_dispatch);
     return n;
   }
+  /// name() and what else shapes the inputs: equal keys, equal reference data.
+  std::string key() const {
+    return name() + "_m" + std::to_string(masked) + (empty_token ? "_empty" : "") +
+           (rank1_no_tokens ? "_rank1none" : "") + (duplicate_picks ? "_dup" : "");
+  }
 };
 
 struct LlInputs {
@@ -495,8 +500,14 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
   // What the reference sees: without the dead rank (the inputs themselves otherwise).
   const LlInputs ref_in = dispatched ? in : without_rank(in, c.dead_rank, E_local);
   const LlInputs comb_in = dispatched ? without_experts_of(in, c.dead_rank, E_local) : ref_in;
-  auto ro = ref::ll_dispatch(ref_in.x, ref_in.topk, ref_in.num_tokens, H, K, c.num_experts,
-                             c.max_tokens, c.fp8, c.round_scale);
+  // Every rank's reference outputs, shared by in-process ranks (harness).
+  const std::string key = c.key() + "_seed" + std::to_string(seed);
+  const auto ro_shared =
+      shared_reference<std::vector<ref::LlDispatchOutput>>("ll_dispatch " + key, [&] {
+        return ref::ll_dispatch(ref_in.x, ref_in.topk, ref_in.num_tokens, H, K, c.num_experts,
+                                c.max_tokens, c.fp8, c.round_scale);
+      });
+  const auto& ro = *ro_shared;
   auto d_x = to_device(in.x[me]);
   auto d_topk = to_device(in.topk[me]);
   auto d_w = to_device(in.weights[me]);
@@ -534,10 +545,13 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
   } else if (dies_mid) {
     // Across nodes a source's rows count only with its dispatch signal, which
     // a rank that dies mid-dispatch never sends: as if it sent no token.
-    const auto wo = without_rank(in, c.dead_rank, E_local);
-    auto ro_wo = ref::ll_dispatch(wo.x, wo.topk, wo.num_tokens, H, K, c.num_experts, c.max_tokens,
+    const auto ro_wo = shared_reference<std::vector<ref::LlDispatchOutput>>(
+        "ll_dispatch without the dead rank " + key, [&] {
+          const auto wo = without_rank(in, c.dead_rank, E_local);
+          return ref::ll_dispatch(wo.x, wo.topk, wo.num_tokens, H, K, c.num_experts, c.max_tokens,
                                   c.fp8, c.round_scale);
-    check_dispatch(c, in, res, ro_wo[me]);
+        });
+    check_dispatch(c, in, res, (*ro_wo)[me]);
   } else {
     check_dispatch(c, in, res, ro[me]);
   }
@@ -557,7 +571,9 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
     return;
   }
 
-  auto eo = make_expert_out(c, R, ro, seed);
+  const auto eo_shared = shared_reference<std::vector<std::vector<uint16_t>>>(
+      "expert_out " + key, [&] { return make_expert_out(c, R, ro, seed); });
+  const auto& eo = *eo_shared;
   const auto mine = expert_out_as_dispatched(c, seed, res);  // eo[me] in the dispatch's packing
   DeviceArray<uint16_t> d_eo;
   TensorView xv;
@@ -594,9 +610,11 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
   finish(cres.event);
   if (c.late_ms) check_waits(c, c.hook ? "combine (hook)" : "combine", cwait, 1);
   if (c.use_out) EXPECT_EQ(cres.combined_x.view.data, static_cast<void*>(d_out.get()));
-  auto rc = ref::ll_combine(eo, comb_in.topk, comb_in.weights, comb_in.num_tokens, H, K,
-                            c.num_experts, c.max_tokens, c.logfmt);
-  check_combine(c, comb_in, ro, eo, to_host<uint16_t>(cres.combined_x), rc[me]);
+  const auto rc = shared_reference<std::vector<std::vector<uint16_t>>>("ll_combine " + key, [&] {
+    return ref::ll_combine(eo, comb_in.topk, comb_in.weights, comb_in.num_tokens, H, K,
+                           c.num_experts, c.max_tokens, c.logfmt);
+  });
+  check_combine(c, comb_in, ro, eo, to_host<uint16_t>(cres.combined_x), (*rc)[me]);
   if (c.empty_token && T > 0) {
     auto got = to_host<uint16_t>(cres.combined_x);
     for (int hh = 0; hh < H; ++hh) ASSERT_EQ(got[hh], 0) << "token with no picks must combine to 0";
