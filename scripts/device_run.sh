@@ -167,8 +167,11 @@ if [[ " $RUN " == *" python "* ]]; then
         summary+=("python tests: not run (EPX_PY_TESTS=0)")
       else
         echo "== python GPU tests (pytest tests/python -m gpu)"
-        timeout ${EPX_PY_TIMEOUT:-300} python3 -m pytest -x -q -ra tests/python -m gpu \
-          > "$OUT/py-tests.log" 2>&1
+        # --capture=sys: the ranks' stderr (and the stacks EPX_TEST_STACKS_AFTER_S
+        # dumps from a case that runs too long) reach the log even when the
+        # timeout ends pytest.
+        EPX_TEST_STACKS_AFTER_S=${EPX_TEST_STACKS_AFTER_S:-60} timeout ${EPX_PY_TIMEOUT:-300} \
+          python3 -m pytest -x -q -ra --capture=sys tests/python -m gpu > "$OUT/py-tests.log" 2>&1
         rc=$?
         tail -15 "$OUT/py-tests.log"
         summary+=("python tests: rc=$rc")

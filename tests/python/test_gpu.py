@@ -27,6 +27,19 @@ def _num_gpus():
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def _stacks_later():
+    """EPX_TEST_STACKS_AFTER_S=N: if the case has not ended after N seconds, every thread's
+    Python stack goes to stderr (faulthandler), so a run cut by a timeout still says
+    where each rank was. Returns the function that disarms it."""
+    after = float(os.environ.get("EPX_TEST_STACKS_AFTER_S", "0") or 0)
+    if after <= 0:
+        return lambda: None
+    import faulthandler
+
+    faulthandler.dump_traceback_later(after, repeat=False, file=sys.__stderr__)
+    return faulthandler.cancel_dump_traceback_later
+
+
 def _rendezvous():
     """A file:// init method in a fresh directory: no TCP port to collide with."""
     return "file://" + os.path.join(tempfile.mkdtemp(prefix="epx-rdv-"), "store")
@@ -39,11 +52,13 @@ def _worker(rank, world, init, case):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
+    disarm = _stacks_later()
     try:
         globals()[case](rank, world, dist.group.WORLD)
         torch.cuda.synchronize()
         dist.barrier()
     finally:
+        disarm()
         dist.destroy_process_group()
 
 
@@ -66,8 +81,12 @@ def _in_process(case, world):
         pytest.skip("needs a GPU and PyTorch")
     import epx
 
-    epx.run_in_process(world, lambda comm: globals()[case](comm.Get_rank(), world, comm),
-                       timeout_s=120.0)
+    disarm = _stacks_later()
+    try:
+        epx.run_in_process(world, lambda comm: globals()[case](comm.Get_rank(), world, comm),
+                           timeout_s=120.0)
+    finally:
+        disarm()
 
 
 # "processes": one process per GPU; "in_process": the ranks as threads on one GPU.
