@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "epx/epx.hpp"
+#include "gpu/shared_reference.hpp"
 
 namespace epx::test {
 
@@ -38,42 +39,6 @@ std::vector<World>& in_process_worlds();
 /// else on one thread per in-process rank (each with its device and world;
 /// failures carry the rank). A body that throws fails the test on that rank.
 void on_every_rank(void (*body)());
-
-/// Reference data that in-process ranks compute alike (the same case and
-/// seed, named by `key`) is made once: the first rank to ask makes it, the
-/// others wait for it and share it while any of them holds it (one that asks
-/// after every holder let go makes its own). 16 in-process ranks each holding
-/// every rank's reference outputs need more host memory than 128 GiB.
-template <class T, class F>
-std::shared_ptr<const T> shared_reference(const std::string& key, F&& make) {
-  static std::mutex mu;
-  static std::map<std::string, std::shared_future<std::weak_ptr<const T>>> made;
-  std::promise<std::weak_ptr<const T>> promise;
-  std::shared_future<std::weak_ptr<const T>> other;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = made.find(key);
-    if (it != made.end() &&
-        !(it->second.wait_for(std::chrono::seconds(0)) == std::future_status::ready &&
-          it->second.get().expired()))
-      other = it->second;
-    else
-      made[key] = promise.get_future().share();
-  }
-  if (other.valid()) {
-    if (auto p = other.get().lock()) return p;
-    return std::make_shared<const T>(make());
-  }
-  std::shared_ptr<const T> p;
-  try {
-    p = std::make_shared<const T>(make());
-  } catch (...) {
-    promise.set_exception(std::current_exception());
-    throw;
-  }
-  promise.set_value(p);
-  return p;
-}
 
 /// SMs a rank of `comm` may use: the GPU's, split among the in-process ranks
 /// on it (as Buffer splits them).
