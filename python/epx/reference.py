@@ -197,6 +197,114 @@ def deepep_intranode_handle(is_token_in_rank: Sequence[np.ndarray], rank: int,
     return (prefix, chan, recv_chan, np.asarray(src_idx, dtype=np.int32), mine.copy(), head)
 
 
+def deepep_internode_handle(is_token_in_rank: Sequence[np.ndarray], rank: int,
+                            num_channels: int, ranks_per_node: int) -> Tuple[np.ndarray, ...]:
+    """DeepEP V1's internode dispatch handle of ``rank``, from every rank's
+    is_token_in_rank [T_r, R], by DeepEP's definitions, written as plain loops: what the
+    internode dispatch must give DeepEP's code (docs/internode_ht.md).
+
+    Ranks are r = n * L + l: node n of N = R / L, local index l (L = ranks_per_node). A
+    token goes to node n when it goes to any rank there, and it crosses the network once
+    per such node, to the rank of the sender's local index there (the forwarder), which
+    passes it on over NVLink. Channel c of a rank's T tokens holds tokens
+    [c * q, (c + 1) * q), q = ceil(T / C). This rank is D = (m, l).
+
+    0. is_token_in_rank [T, R] bool of this rank.
+    1. rdma_channel_prefix_matrix [N, C]: tokens of channels 0..c that go to node n.
+    2. gbl_channel_prefix_matrix [R, C]: tokens of channels 0..c that go to rank r.
+    3. recv_rdma_channel_prefix_matrix [N, C]: element 1 of rank (s, l) at [m, c], what
+       this forwarder receives from node s by channel (each source node counted from 0).
+    4. recv_rdma_rank_prefix_sum [N]: tokens that ranks (0, l) .. (s, l) send to node m;
+       the last is what this forwarder receives in all.
+    5. recv_gbl_channel_prefix_matrix [R, C]: the first row of recv_x that holds source
+       r's channel c: element 6 at r - 1 (0 for r = 0) plus element 2 of rank r at
+       [rank, c - 1] (0 for c = 0).
+    6. recv_gbl_rank_prefix_sum [R]: tokens that ranks 0..r send to this rank.
+    7. recv_src_meta [N_recv, 8] uint8: per row of recv_x (sources in rank order, each in
+       token order), the int32 source node, then the int32 mask of the ranks of node m the
+       token goes to (bit p: rank m * L + p), little-endian.
+    8. send_rdma_head [T, N]: for a token that goes to node n, how many earlier tokens of
+       its channel go to node n; -1 where it does not.
+    9. send_nvl_head [M, L] (M = element 4's last): the tokens this forwarder receives, by
+       source node, then channel, then token; for local rank p, how many earlier tokens of
+       the same source node and channel go to rank (m, p); -1 where the token does not.
+
+    Every prefix above includes its own index (inclusive) except element 5's.
+    """
+    R, C, L = len(is_token_in_rank), num_channels, ranks_per_node
+    if L <= 0 or R % L:
+        raise ValueError(f"ranks_per_node: must divide the {R} ranks, got {L}")
+    N, m, l = R // L, rank // L, rank % L
+    masks = [np.asarray(x, dtype=bool) for x in is_token_in_rank]
+
+    def channel_of(T: int, t: int) -> int:
+        return t // -(-T // C)
+
+    def to_node(mask: np.ndarray, t: int, n: int) -> bool:
+        return bool(mask[t, n * L:(n + 1) * L].any())
+
+    def rdma_prefix(r: int) -> np.ndarray:  # element 1 of rank r
+        T, out = masks[r].shape[0], np.zeros((N, C), dtype=np.int32)
+        for n in range(N):
+            for t in range(T):
+                if to_node(masks[r], t, n):
+                    out[n, channel_of(T, t)] += 1
+        return np.cumsum(out, axis=1).astype(np.int32)
+
+    def gbl_prefix(r: int) -> np.ndarray:  # element 2 of rank r
+        T, out = masks[r].shape[0], np.zeros((R, C), dtype=np.int32)
+        for d in range(R):
+            for t in range(T):
+                if masks[r][t, d]:
+                    out[d, channel_of(T, t)] += 1
+        return np.cumsum(out, axis=1).astype(np.int32)
+
+    mine = masks[rank]
+    T = mine.shape[0]
+    rdma = rdma_prefix(rank)
+    gbl = gbl_prefix(rank)
+    recv_rdma = np.stack([rdma_prefix(s * L + l)[m] for s in range(N)]).astype(np.int32)
+    recv_rdma_sum = np.cumsum(recv_rdma[:, C - 1]).astype(np.int32)
+    recv_gbl_sum = np.cumsum([int(masks[r][:, rank].sum()) for r in range(R)]).astype(np.int32)
+    recv_gbl = np.zeros((R, C), dtype=np.int32)
+    for r in range(R):
+        g = gbl_prefix(r)
+        for c in range(C):
+            recv_gbl[r, c] = (recv_gbl_sum[r - 1] if r else 0) + (g[rank, c - 1] if c else 0)
+    meta = []
+    for r in range(R):
+        for t in range(masks[r].shape[0]):
+            if masks[r][t, rank]:
+                bits = sum(1 << p for p in range(L) if masks[r][t, m * L + p])
+                meta.append(np.array([r // L, bits], dtype="<i4").view(np.uint8))
+    src_meta = np.stack(meta) if meta else np.zeros((0, 8), dtype=np.uint8)
+    rdma_head = np.full((T, N), -1, dtype=np.int32)
+    for n in range(N):
+        seen: Dict[int, int] = {}
+        for t in range(T):
+            if to_node(mine, t, n):
+                c = channel_of(T, t)
+                rdma_head[t, n] = seen.get(c, 0)
+                seen[c] = rdma_head[t, n] + 1
+    nvl_head = np.full((int(recv_rdma_sum[-1]) if N else 0, L), -1, dtype=np.int32)
+    row = 0
+    for s in range(N):
+        src = masks[s * L + l]
+        Ts = src.shape[0]
+        for c in range(C):
+            seen = [0] * L
+            for t in range(Ts):
+                if channel_of(Ts, t) != c or not to_node(src, t, m):
+                    continue
+                for p in range(L):
+                    if src[t, m * L + p]:
+                        nvl_head[row, p] = seen[p]
+                        seen[p] += 1
+                row += 1
+    return (mine.copy(), rdma, gbl, recv_rdma, recv_rdma_sum, recv_gbl, recv_gbl_sum, src_meta,
+            rdma_head, nvl_head)
+
+
 def ht_combine(topk_idx: Sequence[np.ndarray], x: Sequence[np.ndarray], num_experts: int,
                topk_weights: Optional[Sequence[np.ndarray]] = None,
                bias: Optional[Sequence[Tuple[Optional[np.ndarray], Optional[np.ndarray]]]] = None,

@@ -150,3 +150,114 @@ def test_dispatch_handle_tuple_behaviour_without_a_gpu():
         Fake(core, 1, 0, lambda t: t)
     with pytest.raises(ValueError, match="num_channels: must be >= 1, got 0"):
         Fake(core, 1, lambda: 0, lambda t: t)[1]
+
+
+# ---- the internode handle (docs/internode_ht.md): the reference's statement of DeepEP's
+# definitions, checked against the dispatch reference's rows and the layout's counts ----------
+
+def _routing(rng, T, K, E, p_none=0.2):
+    idx = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]) if T else \
+        np.zeros((0, K), np.int64)
+    idx = idx.astype(np.int64)
+    idx[rng.random(idx.shape) < p_none] = -1
+    return idx
+
+
+@pytest.mark.parametrize("R,L,C,sizes", [
+    (4, 2, 3, [37, 0, 64, 5]),
+    (8, 4, 5, [20, 3, 1, 40, 17, 9, 0, 33]),
+    (8, 2, 16, [12, 7, 3, 30, 2, 9, 5, 11]),  # more channels than some ranks have tokens
+    (6, 3, 4, [10, 11, 12, 0, 2, 30]),
+    (4, 4, 2, [5, 6, 7, 8]),  # one node
+])
+def test_internode_handle_reference(R, L, C, sizes):
+    rng = np.random.default_rng(R * 1000 + L * 10 + C)
+    E, K, H = 4 * R, 4, 128
+    N = R // L
+    idxs = [_routing(rng, T, K, E) for T in sizes]
+    masks = [ref.dispatch_layout(i, E, R)[2] for i in idxs]
+    disp = ref.ht_dispatch([np.zeros((T, H), np.uint16) for T in sizes], idxs, E)
+    per_node = [ref.tokens_per_node(i, E, R, L) for i in idxs]
+    per_rank = [ref.dispatch_layout(i, E, R)[0] for i in idxs]
+    for rank in range(R):
+        m, l = rank // L, rank % L
+        (in_rank, rdma, gbl, recv_rdma, recv_rdma_sum, recv_gbl, recv_gbl_sum, meta,
+         rdma_head, nvl_head) = ref.deepep_internode_handle(masks, rank, C, L)
+        T = sizes[rank]
+        np.testing.assert_array_equal(in_rank, masks[rank])
+        # what this rank sends: per node and per rank, the last channel's prefix is the total
+        assert rdma.shape == (N, C) and rdma.dtype == np.int32
+        np.testing.assert_array_equal(rdma[:, -1], per_node[rank])
+        np.testing.assert_array_equal(gbl[:, -1], per_rank[rank])
+        assert (np.diff(rdma, axis=1) >= 0).all() and (np.diff(gbl, axis=1) >= 0).all()
+        # what the forwarder receives: from each node's rank of this local index
+        np.testing.assert_array_equal(recv_rdma[:, -1], [per_node[s * L + l][m] for s in range(N)])
+        np.testing.assert_array_equal(recv_rdma_sum, np.cumsum(recv_rdma[:, -1]))
+        # the rows this rank receives (the dispatch reference's order)
+        d = disp[rank]
+        n_recv = len(d["recv_src_idx"])
+        np.testing.assert_array_equal(recv_gbl_sum, d["rank_prefix_matrix"][:, rank])
+        assert recv_gbl_sum[-1] == n_recv
+        starts = recv_gbl.reshape(-1)
+        ends = np.append(starts[1:], n_recv)
+        for row, (s, t) in enumerate(zip(d["recv_src_rank"], d["recv_src_idx"])):
+            c = t // -(-sizes[s] // C)
+            assert starts[s * C + c] <= row < ends[s * C + c], (rank, row, s, t)
+            # rows of one (source, channel) are contiguous, in token order
+            before = int(masks[s][c * -(-sizes[s] // C):t, rank].sum())
+            assert row == starts[s * C + c] + before
+        assert meta.shape == (n_recv, 8) and meta.dtype == np.uint8
+        words = meta.view("<i4").reshape(n_recv, 2)
+        for row, (s, t) in enumerate(zip(d["recv_src_rank"], d["recv_src_idx"])):
+            assert words[row, 0] == s // L
+            want_bits = sum(1 << p for p in range(L) if masks[s][t, m * L + p])
+            assert words[row, 1] == want_bits
+            assert (words[row, 1] >> l) & 1  # the row came here
+        # heads: per (channel, node) the tokens that go there are numbered 0, 1, ... in order
+        q = -(-T // C) if T else 1
+        for n in range(N):
+            goes = masks[rank][:, n * L:(n + 1) * L].any(axis=1)
+            np.testing.assert_array_equal(rdma_head[~goes, n], -1)
+            for c in range(C):
+                sel = goes & (np.arange(T) // q == c)
+                np.testing.assert_array_equal(rdma_head[sel, n], np.arange(sel.sum()))
+        assert nvl_head.shape == (recv_rdma_sum[-1], L)
+        row = 0
+        for s in range(N):
+            for c in range(C):
+                k = recv_rdma[s, c] - (recv_rdma[s, c - 1] if c else 0)
+                block = nvl_head[row:row + k]
+                for p in range(L):
+                    got = block[:, p]
+                    np.testing.assert_array_equal(got[got >= 0], np.arange((got >= 0).sum()))
+                row += k
+        for p in range(L):  # what the forwarder passes to local rank p: all of it, once
+            want = sum(int(masks[s * L + l][:, m * L + p].sum()) for s in range(N))
+            assert int((nvl_head[:, p] >= 0).sum()) == want
+
+
+def test_internode_handle_on_a_small_case():
+    # 4 ranks as 2 nodes of 2, one channel. Rank 1 = (node 0, local 1); its network
+    # peer is rank 3 = (node 1, local 1).
+    m0 = np.array([[0, 1, 0, 0]], dtype=bool)           # rank 0: to rank 1
+    m1 = np.array([[1, 0, 0, 1], [0, 0, 0, 0], [0, 1, 1, 0]], dtype=bool)
+    m2 = np.array([[0, 1, 0, 0], [1, 1, 0, 0]], dtype=bool)
+    m3 = np.array([[1, 1, 1, 0], [0, 0, 1, 1]], dtype=bool)
+    h = ref.deepep_internode_handle([m0, m1, m2, m3], 1, 1, 2)
+    np.testing.assert_array_equal(h[1], [[2], [2]])        # rank 1 sends 2 tokens to each node
+    np.testing.assert_array_equal(h[2], [[1], [1], [1], [1]])
+    # forwarder (0, 1) receives from rank 1 (its own node): tokens 0, 2; from rank 3: token 0
+    np.testing.assert_array_equal(h[3], [[2], [1]])
+    np.testing.assert_array_equal(h[4], [2, 3])
+    # rows of rank 1: rank 0 token 0, rank 1 token 2, rank 2 tokens 0 and 1, rank 3 token 0
+    np.testing.assert_array_equal(h[6], [1, 2, 4, 5])
+    np.testing.assert_array_equal(h[5], [[0], [1], [2], [4]])
+    words = h[7].view("<i4").reshape(-1, 2)
+    np.testing.assert_array_equal(words[:, 0], [0, 0, 1, 1, 1])
+    np.testing.assert_array_equal(words[:, 1], [0b10, 0b10, 0b10, 0b11, 0b11])
+    np.testing.assert_array_equal(h[8], [[0, 0], [-1, -1], [1, 1]])
+    # forwarded rows: rank 1's tokens 0 (to rank 0) and 2 (to rank 1), then rank 3's
+    # token 0 (to both): counted per source node, so it is the first of its stream
+    np.testing.assert_array_equal(h[9], [[0, -1], [-1, 0], [0, 0]])
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        ref.deepep_internode_handle([m0, m1, m2, m3], 1, 1, 3)
