@@ -140,6 +140,11 @@ class _Ops:
     def contiguous(self, x: Any) -> Any:
         return self.numpy.ascontiguousarray(x) if self.np else x.contiguous()
 
+    def any_of_groups(self, m: Any, group: int) -> Any:
+        """[T, R] bool -> [T, R / group] bool: any of each run of `group` columns."""
+        g = m.reshape(m.shape[0], m.shape[1] // group, group)  # (no -1: T may be 0)
+        return g.any(axis=2) if self.np else g.any(dim=2)
+
 
 def _channel_width(num_tokens: Any, num_channels: int) -> Any:
     """DeepEP's channel size: ceil(T / C) tokens (at least 1, so that T = 0 divides);
@@ -178,9 +183,17 @@ def recv_channel_prefix_matrix(rank_prefix_matrix: Any, recv_src_idx: Any,
                                source_num_tokens: Any, rank: int, num_channels: int) -> Any:
     """[R, C] int32: for source s, the rows it sent here from its channels before c
     (its channel_prefix_matrix[rank][c - 1], 0 for c = 0), as DeepEP's receivers record."""
+    return _recv_channel_starts(rank_prefix_matrix[:, rank], recv_src_idx, source_num_tokens,
+                                num_channels)
+
+
+def _recv_channel_starts(source_ends: Any, recv_src_idx: Any, source_num_tokens: Any,
+                         num_channels: int) -> Any:
+    """[R, C] int32: where source s's channel c starts within s's block of received rows;
+    source_ends [R]: the end row of each source's block (inclusive prefix sum)."""
     ops = _Ops(recv_src_idx)
-    R, C = rank_prefix_matrix.shape[0], num_channels
-    ends = ops.i64(rank_prefix_matrix[:, rank])
+    R, C = source_ends.shape[0], num_channels
+    ends = ops.i64(source_ends)
     rows = ends - ops.cat_cols(ops.zeros((1, 1), i64=True), ends[:-1].reshape(1, -1))[0]
     # Rows actually received (with num_worst_tokens, recv_src_idx is longer);
     # reading it waits for the dispatch (as reading any of its outputs does).
@@ -190,6 +203,37 @@ def recv_channel_prefix_matrix(rank_prefix_matrix: Any, recv_src_idx: Any,
     flat = src * C + ops.i64(recv_src_idx[:n]) // width[src]
     counts = ops.add_rows(ops.zeros(R * C), flat, ops.i32(ops.zeros(n) + 1)).reshape(R, C)
     return ops.contiguous(ops.cumsum(counts, 1) - counts)
+
+
+# ---- the internode dispatch handle's derivable elements (docs/internode_ht.md) ---------------
+
+def rdma_channel_prefix_matrix(is_token_in_rank: Any, num_channels: int,
+                               ranks_per_node: int) -> Any:
+    """[N, C] int32: tokens sent to node n (to any of its ranks) from channels 0..c
+    (inclusive), as DeepEP's internode notify."""
+    ops = _Ops(is_token_in_rank)
+    return channel_prefix_matrix(ops.any_of_groups(is_token_in_rank, ranks_per_node),
+                                 num_channels)
+
+
+def send_rdma_head(is_token_in_rank: Any, rdma_prefix: Any, ranks_per_node: int) -> Any:
+    """[T, N] int32: for a token sent to node n, how many tokens of its channel before
+    it go to node n; -1 where it goes to no rank of n."""
+    ops = _Ops(is_token_in_rank)
+    return send_head(ops.any_of_groups(is_token_in_rank, ranks_per_node), rdma_prefix)
+
+
+def recv_gbl_channel_prefix_matrix(recv_gbl_rank_prefix_sum: Any, recv_src_idx: Any,
+                                   source_num_tokens: Any, num_channels: int) -> Any:
+    """[R, C] int32: the first row of recv_x that holds source r's channel c (absolute:
+    the rows of sources before r, then r's channels before c), as DeepEP's internode
+    receivers record."""
+    ops = _Ops(recv_src_idx)
+    ends = ops.i64(recv_gbl_rank_prefix_sum)
+    R = ends.shape[0]
+    before = ops.cat_cols(ops.zeros((1, 1), i64=True), ends[:-1].reshape(1, -1))[0] if R else ends
+    starts = _recv_channel_starts(ends, recv_src_idx, source_num_tokens, num_channels)
+    return ops.contiguous(ops.i32(ops.i64(starts) + before.reshape(-1, 1)))
 
 
 class DispatchHandle(_Handle):

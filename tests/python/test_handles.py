@@ -261,3 +261,32 @@ def test_internode_handle_on_a_small_case():
     np.testing.assert_array_equal(h[9], [[0, -1], [-1, 0], [0, 0]])
     with pytest.raises(ValueError, match="ranks_per_node"):
         ref.deepep_internode_handle([m0, m1, m2, m3], 1, 1, 3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("R,L,C,sizes,p", [
+    (4, 2, 3, [37, 0, 64, 5], 0.3),
+    (8, 4, 12, [200, 3, 129, 77, 1, 0, 50, 96], 0.2),
+    (6, 3, 16, [5, 9, 2, 0, 4, 7], 0.5),  # fewer tokens than channels
+    (4, 2, 5, [40, 41, 42, 43], 0.0),  # nothing sent
+])
+def test_internode_derivable_elements_match_the_reference(R, L, C, sizes, p, backend):
+    rng = np.random.default_rng(R * 7 + L * 3 + C)
+    masks = _masks(rng, R, sizes, p)
+    source_tokens = _as(backend, np.asarray(sizes, dtype=np.int32))
+    for rank in range(R):
+        want = ref.deepep_internode_handle(masks, rank, C, L)
+        in_rank = _as(backend, masks[rank])
+        rdma = handles.rdma_channel_prefix_matrix(in_rank, C, L)
+        np.testing.assert_array_equal(_np(rdma), want[1])
+        assert str(rdma.dtype).endswith("int32") and tuple(rdma.shape) == (R // L, C)
+        np.testing.assert_array_equal(_np(handles.channel_prefix_matrix(in_rank, C)), want[2])
+        head = handles.send_rdma_head(in_rank, rdma, L)
+        np.testing.assert_array_equal(_np(head), want[8])
+        assert str(head.dtype).endswith("int32") and tuple(head.shape) == (sizes[rank], R // L)
+        src_idx = np.asarray([t for s in range(R) for t in range(sizes[s]) if masks[s][t, rank]],
+                             dtype=np.int32)
+        recv = handles.recv_gbl_channel_prefix_matrix(_as(backend, want[6]),
+                                                      _as(backend, src_idx), source_tokens, C)
+        np.testing.assert_array_equal(_np(recv), want[5])
+        assert str(recv.dtype).endswith("int32") and tuple(recv.shape) == (R, C)
