@@ -9,6 +9,7 @@
 #   - NCCL >= 2.28.9 with the device API: the toolkit's copy if new enough,
 #     else the pip wheel nvidia-nccl-cu13==2.28.9, which CMake finds through
 #     that Python
+#   - NVSHMEM 3.4.5 (pip nvidia-nvshmem-cu13), for the NVSHMEM module's kernels
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/python_env.sh
@@ -42,5 +43,10 @@ done
 if [ $nccl_ok -eq 0 ]; then
   "${PIP[@]}" nvidia-nccl-cu13==2.28.9
   echo "install_deps.sh: using the pip NCCL of $EPX_PY (CMake finds it there)"
+fi
+# NVSHMEM 3.4.5 (pip, 60 MB): CMake finds it through that Python and builds
+# the NVSHMEM module's kernels (docs/nvshmem.md). EPX_SKIP_NVSHMEM=1 skips it.
+if [ "${EPX_SKIP_NVSHMEM:-0}" != 1 ]; then
+  "${PIP[@]}" nvidia-nvshmem-cu13==3.4.5
 fi
 echo "install_deps.sh: done ($EPX_PY)"
