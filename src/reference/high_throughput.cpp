@@ -156,8 +156,10 @@ std::vector<HtCombineOutput> ht_combine(const std::vector<HtInput>& routing,
   check_common(R, hidden, num_topk, num_experts, "ht_combine");
   check(ranks_per_node >= 0 && (ranks_per_node == 0 || R % ranks_per_node == 0),
         "ht_combine: ranks_per_node must be 0 or divide the rank count");
-  // One node: no row crosses a network, one sum.
+  // One node: no row crosses a network, one sum. Across nodes each node's row
+  // travels as BF16.
   const int L = ranks_per_node == 0 ? R : ranks_per_node;
+  const bool crosses = L < R;
   check(inputs.size() == routing.size(), "ht_combine: need one input per rank");
   for (int s = 0; s < R; ++s)
     check(routing[s].num_tokens >= 0 &&
@@ -212,7 +214,6 @@ std::vector<HtCombineOutput> ht_combine(const std::vector<HtInput>& routing,
               node_wacc[k] += inputs[r].topk_weights[sz(row, num_topk) + k];
         }
         if (!reached) continue;
-        const bool crosses = L < R;  // the node's row travels as BF16
         for (int h = 0; h < hidden; ++h)
           acc[h] += crosses ? bf16_to_float(float_to_bf16(node_acc[h])) : node_acc[h];
         for (int k = 0; k < num_topk; ++k) wacc[k] += node_wacc[k];

@@ -611,6 +611,29 @@ TEST(RefHt, CombineOfDispatchRandomValues) {
   check_round_trip(false, 602);
 }
 
+/// Combine inputs of unrelated random rows and weights for every row the
+/// dispatch `d` delivered, biases by bias_mask (bit 0: bias_0, bit 1: bias_1),
+/// and where each rank received (source, token).
+struct CombineInputs {
+  std::vector<ref::HtCombineInput> ci;
+  std::vector<std::map<std::pair<int, int>, int>> row_of;
+};
+CombineInputs random_combine_inputs(Rng& rng, const HtCase& c,
+                                    const std::vector<ref::HtDispatchOutput>& d, int bias_mask) {
+  CombineInputs out{std::vector<ref::HtCombineInput>(c.R),
+                    std::vector<std::map<std::pair<int, int>, int>>(c.R)};
+  for (int r = 0; r < c.R; ++r) {
+    ref::HtCombineInput& ci = out.ci[r];
+    ci.x = random_bf16(rng, sz(d[r].num_recv_tokens, c.H), false);
+    ci.topk_weights = random_weights(rng, sz(d[r].num_recv_tokens, c.K), false);
+    if (bias_mask & 1) ci.bias_0 = random_bf16(rng, sz(c.T[r], c.H), false);
+    if (bias_mask & 2) ci.bias_1 = random_bf16(rng, sz(c.T[r], c.H), false);
+    for (int n = 0; n < d[r].num_recv_tokens; ++n)
+      out.row_of[r][{d[r].recv_src_rank[n], d[r].recv_src_idx[n]}] = n;
+  }
+  return out;
+}
+
 // Every rank returns its own, unrelated rows; the combine must add, per
 // token, exactly the rows the dispatch put there, in rank order, plus biases.
 TEST(RefHt, CombineSumsTheRightRowsPlusBias) {
@@ -620,16 +643,7 @@ TEST(RefHt, CombineSumsTheRightRowsPlusBias) {
     for (int bias_mask = 0; bias_mask < 4; ++bias_mask) {
       const auto in = make_ht_inputs(rng, c, false, true);
       const auto d = ref::ht_dispatch(in, c.H, c.K, c.E, 1);
-      std::vector<ref::HtCombineInput> ci(c.R);
-      std::vector<std::map<std::pair<int, int>, int>> row_of(c.R);
-      for (int r = 0; r < c.R; ++r) {
-        ci[r].x = random_bf16(rng, sz(d[r].num_recv_tokens, c.H), false);
-        ci[r].topk_weights = random_weights(rng, sz(d[r].num_recv_tokens, c.K), false);
-        if (bias_mask & 1) ci[r].bias_0 = random_bf16(rng, sz(c.T[r], c.H), false);
-        if (bias_mask & 2) ci[r].bias_1 = random_bf16(rng, sz(c.T[r], c.H), false);
-        for (int n = 0; n < d[r].num_recv_tokens; ++n)
-          row_of[r][{d[r].recv_src_rank[n], d[r].recv_src_idx[n]}] = n;
-      }
+      const auto [ci, row_of] = random_combine_inputs(rng, c, d, bias_mask);
       const auto out = ref::ht_combine(in, ci, c.H, c.K, c.E);
       bool any_rows = false;
       for (const auto& o : d) any_rows = any_rows || o.num_recv_tokens > 0;
@@ -682,15 +696,7 @@ TEST(RefHt, CombineAcrossNodesSumsEachNodeThenTheNodes) {
       SCOPED_TRACE("R=" + std::to_string(c.R) + " L=" + std::to_string(L));
       const auto in = make_ht_inputs(rng, c, false, true);
       const auto d = ref::ht_dispatch(in, c.H, c.K, c.E, 1);
-      std::vector<ref::HtCombineInput> ci(c.R);
-      std::vector<std::map<std::pair<int, int>, int>> row_of(c.R);
-      for (int r = 0; r < c.R; ++r) {
-        ci[r].x = random_bf16(rng, sz(d[r].num_recv_tokens, c.H), false);
-        ci[r].topk_weights = random_weights(rng, sz(d[r].num_recv_tokens, c.K), false);
-        ci[r].bias_0 = random_bf16(rng, sz(c.T[r], c.H), false);
-        for (int n = 0; n < d[r].num_recv_tokens; ++n)
-          row_of[r][{d[r].recv_src_rank[n], d[r].recv_src_idx[n]}] = n;
-      }
+      const auto [ci, row_of] = random_combine_inputs(rng, c, d, /*bias_mask=*/1);
       const auto out = ref::ht_combine(in, ci, c.H, c.K, c.E, L);
       const auto flat = ref::ht_combine(in, ci, c.H, c.K, c.E);
       for (int s = 0; s < c.R; ++s)
