@@ -187,6 +187,13 @@ def recv_channel_prefix_matrix(rank_prefix_matrix: Any, recv_src_idx: Any,
                                 num_channels)
 
 
+def _block_starts(ops: "_Ops", ends: Any) -> Any:
+    """[R] int64 ends of consecutive blocks (an inclusive prefix sum) -> their starts."""
+    if ends.shape[0] == 0:
+        return ends
+    return ops.cat_cols(ops.zeros((1, 1), i64=True), ends[:-1].reshape(1, -1))[0]
+
+
 def _recv_channel_starts(source_ends: Any, recv_src_idx: Any, source_num_tokens: Any,
                          num_channels: int) -> Any:
     """[R, C] int32: where source s's channel c starts within s's block of received rows;
@@ -194,7 +201,7 @@ def _recv_channel_starts(source_ends: Any, recv_src_idx: Any, source_num_tokens:
     ops = _Ops(recv_src_idx)
     R, C = source_ends.shape[0], num_channels
     ends = ops.i64(source_ends)
-    rows = ends - ops.cat_cols(ops.zeros((1, 1), i64=True), ends[:-1].reshape(1, -1))[0]
+    rows = ends - _block_starts(ops, ends)
     # Rows actually received (with num_worst_tokens, recv_src_idx is longer);
     # reading it waits for the dispatch (as reading any of its outputs does).
     n = int(ends[-1]) if R > 0 else 0
@@ -230,10 +237,8 @@ def recv_gbl_channel_prefix_matrix(recv_gbl_rank_prefix_sum: Any, recv_src_idx: 
     receivers record."""
     ops = _Ops(recv_src_idx)
     ends = ops.i64(recv_gbl_rank_prefix_sum)
-    R = ends.shape[0]
-    before = ops.cat_cols(ops.zeros((1, 1), i64=True), ends[:-1].reshape(1, -1))[0] if R else ends
     starts = _recv_channel_starts(ends, recv_src_idx, source_num_tokens, num_channels)
-    return ops.contiguous(ops.i32(ops.i64(starts) + before.reshape(-1, 1)))
+    return ops.contiguous(ops.i32(ops.i64(starts) + _block_starts(ops, ends).reshape(-1, 1)))
 
 
 class DispatchHandle(_Handle):
