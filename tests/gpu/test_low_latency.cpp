@@ -419,20 +419,16 @@ struct WaitStats {
   TensorView view() const { return epx::test::view(d.get(), DType::kI64, {int64_t(base.size())}); }
 };
 
-/// c.late_ms: every rank lines up, then the last one sleeps before its op.
+/// Every rank lines up before an op: with c.late_ms (then the last one sleeps
+/// before its op), and with a dead rank (shrink cases; the dead one joins the
+/// line-ups of the ops it skips): the ranks' host-side reference work differs
+/// by seconds at 16 in-process ranks, more than the shrink deadline, and a
+/// live rank that starts an op that late is rightly masked by the others.
 void line_up(const LlCase& c) {
-  if (c.late_ms == 0) return;
+  if (c.late_ms == 0 && c.dead_rank < 0) return;
   ASSERT_TRUE(all_ranks(true));
   if (world().rank == world().num_ranks - 1)
     std::this_thread::sleep_for(std::chrono::milliseconds(c.late_ms));
-}
-
-/// With a dead rank (shrink cases) every rank lines up right before each op,
-/// the dead one included: the ranks' host-side reference work differs by
-/// seconds at 16 in-process ranks, more than the shrink deadline, and a live
-/// rank that starts an op that late is rightly masked by the others.
-void line_up_with_dead(const LlCase& c) {
-  if (c.dead_rank >= 0) ASSERT_TRUE(all_ranks(true));
 }
 
 /// After an op whose last rank started c.late_ms late: every other rank puts
@@ -486,10 +482,10 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
   const bool dies_mid = c.dead_mid_dispatch >= 0;
   const bool dispatched = c.dead_after_dispatch || dies_mid;  // the dead rank's tokens went out
   if (me == c.dead_rank && !dispatched) {  // no call; the test's collectives only
-    line_up_with_dead(c);
+    line_up(c);
     ASSERT_TRUE(all_ranks(true));
     if (with_combine) {
-      line_up_with_dead(c);
+      line_up(c);
       ASSERT_TRUE(all_ranks(true));
     }
     return;
@@ -523,7 +519,6 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
   WaitStats dwait(R), cwait(R);
   if (c.late_ms) a.dispatch_wait_recv_cost_stats = dwait.view();
   line_up(c);
-  line_up_with_dead(c);
   auto res = buf->low_latency_dispatch(a);
   EXPECT_EQ(static_cast<bool>(res.hook), c.hook);
   EXPECT_EQ(res.event.has_value(), c.async);
@@ -531,7 +526,7 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
     finish(res.event);
     ASSERT_TRUE(all_ranks(true));
     if (with_combine) {
-      line_up_with_dead(c);
+      line_up(c);
       ASSERT_TRUE(all_ranks(true));
     }
     return;
@@ -566,7 +561,7 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
   ASSERT_TRUE(all_ranks(!rank_failed())) << "another rank failed " << c.name();
   if (!with_combine) return;
   if (me == c.dead_rank) {  // dead_after_dispatch: stops here
-    line_up_with_dead(c);
+    line_up(c);
     ASSERT_TRUE(all_ranks(true));
     return;
   }
@@ -603,7 +598,6 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
   ca.stream = w.stream;
   if (c.late_ms) ca.combine_wait_recv_cost_stats = cwait.view();
   line_up(c);
-  line_up_with_dead(c);
   auto cres = buf->low_latency_combine(ca);
   EXPECT_EQ(static_cast<bool>(cres.hook), c.hook);
   if (cres.hook) cres.hook();
