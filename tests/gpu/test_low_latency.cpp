@@ -359,6 +359,7 @@ void check_combine(const LlCase& c, const LlInputs& in,
       }
   const double slack = 0x1p-8;
   std::size_t bad = 0;
+  std::vector<int> bad_tokens;
   std::vector<double> mag(H);
   for (int t = 0; t < T; ++t) {
     std::fill(mag.begin(), mag.end(), 0.0);
@@ -376,15 +377,46 @@ void check_combine(const LlCase& c, const LlInputs& in,
       const double g = bf(got[i]), r = bf(want[i]);
       const double tol = 1e-2 * std::fabs(r) + 1e-2 + slack * mag[hh];
       if (!(std::fabs(g - r) <= tol)) {
-        if (bad < 5)
+        if (bad < 5) {
+          std::string picks;  // the ranks the token's picks name (which rows the sum read)
+          for (int k = 0; k < K; ++k) {
+            const int64_t e = in.topk[me][static_cast<std::size_t>(t) * K + k];
+            picks += " " + (e < 0 ? std::string("-") : std::to_string(e / E_local));
+          }
           ADD_FAILURE() << c.name() << ": combined_x[" << t << ", " << hh << "] = " << g
-                        << ", reference " << r << ", tolerance " << tol;
+                        << ", reference " << r << ", tolerance " << tol
+                        << "; the token's picks are on ranks" << picks;
+        }
         ++bad;
+        if (bad_tokens.empty() || bad_tokens.back() != t) bad_tokens.push_back(t);
       }
     }
   }
+  std::string tokens;
+  for (std::size_t i = 0; i < bad_tokens.size() && i < 16; ++i)
+    tokens += " " + std::to_string(bad_tokens[i]);
+  if (!bad_tokens.empty()) {
+    // Per rank: how many bad and how many good tokens have a pick there (a
+    // rank whose rows are wrong is named by every bad token and no good one).
+    std::vector<int> on_bad(R, 0), on_good(R, 0);
+    std::vector<char> is_bad(T, 0);
+    for (int t : bad_tokens) is_bad[t] = 1;
+    for (int t = 0; t < T; ++t) {
+      std::vector<char> named(R, 0);
+      for (int k = 0; k < K; ++k) {
+        const int64_t e = in.topk[me][static_cast<std::size_t>(t) * K + k];
+        if (e >= 0) named[e / E_local] = 1;
+      }
+      for (int r = 0; r < R; ++r)
+        if (named[r]) ++(is_bad[t] ? on_bad : on_good)[r];
+    }
+    tokens += "; per rank, bad/good tokens with a pick there:";
+    for (int r = 0; r < R; ++r)
+      tokens += " " + std::to_string(r) + ":" + std::to_string(on_bad[r]) + "/" +
+                std::to_string(on_good[r]);
+  }
   EXPECT_EQ(bad, 0u) << c.name() << ": combined_x differs from the reference in " << bad
-                     << " values";
+                     << " values of " << bad_tokens.size() << " tokens:" << tokens;
 }
 
 LowLatencyDispatchArgs dispatch_args(const LlCase& c, void* x, void* topk, int T) {
