@@ -331,7 +331,13 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   rp.num_experts = E;
   rp.max_tokens = maxT;
   rp.logfmt = a.use_logfmt;
-  rp.timeout_ns = d.timeout_ns();
+  // A source's signal can come one deadline late and still be alive: its
+  // send waits up to the deadline for every source's weights, a dead (shrink:
+  // not yet masked) source's too. So the receive waits twice the deadline
+  // before it gives a source up, and a live rank is not masked (or named)
+  // for a dead one's silence.
+  rp.timeout_ns = 2 * d.timeout_ns();
+  const dev::AnyTransport tr_recv = dev::with_timeout(tr, rp.timeout_ns);
   rp.diag = d.diag_dev;
   const int recv_blocks = std::clamp(ceil_div(static_cast<int64_t>(T) * C_recv, kWarpsPerBlock), 1,
                                      d.ll_blocks(kernels::kLlCombineRecvBlocksPerSm));
@@ -340,18 +346,18 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
     // The receive kernel starts early (programmatic dependent launch) and
     // waits on the SMs the send leaves; with ranks sharing a GPU those SMs may
     // be what a peer's (cooperative) send needs, so there it starts after.
-    kernels::launch_ll_combine_recv(tr, rp, recv_blocks, launch,
+    kernels::launch_ll_combine_recv(tr_recv, rp, recv_blocks, launch,
                                     /*dependent=*/d.comm->ranks_on_device() == 1);
     res.event = d.ll_leave(s, launch);
   } else {
     res.event = d.ll_leave(s, launch);
     Impl* impl = &d;
-    res.hook = [impl, tr, rp, recv_blocks, stream = a.stream, launch, sent = res.event,
+    res.hook = [impl, tr_recv, rp, recv_blocks, stream = a.stream, launch, sent = res.event,
                 out = res.combined_x, state, handle]() {
       impl->check_alive(op);
       impl->raise_if_failed(op);
       if (sent) sent->stream_wait(stream);
-      kernels::launch_ll_combine_recv(tr, rp, recv_blocks, stream, /*dependent=*/false);
+      kernels::launch_ll_combine_recv(tr_recv, rp, recv_blocks, stream, /*dependent=*/false);
       impl->ll_hook_launched(stream, launch);  // `state` lives on `launch`
     };
   }
