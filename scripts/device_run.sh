@@ -170,7 +170,8 @@ if [[ " $RUN " == *" python "* ]]; then
         # --capture=sys: the ranks' stderr (and the stacks EPX_TEST_STACKS_AFTER_S
         # dumps from a case that runs too long) reach the log even when the
         # timeout ends pytest.
-        EPX_TEST_STACKS_AFTER_S=${EPX_TEST_STACKS_AFTER_S:-60} timeout ${EPX_PY_TIMEOUT:-300} \
+        EPX_TEST_STACKS_AFTER_S=${EPX_TEST_STACKS_AFTER_S:-60} EPX_TEST_STACKS_DIR="$OUT/py-stacks" \
+          timeout ${EPX_PY_TIMEOUT:-300} \
           python3 -m pytest -x -q -ra --capture=sys tests/python -m gpu > "$OUT/py-tests.log" 2>&1
         rc=$?
         tail -15 "$OUT/py-tests.log"
@@ -204,6 +205,6 @@ printf '%s\n' "${summary[@]}"
 (
   cd "$OUT" || exit 0
   shopt -s nullglob
-  logs=(*.log topo.tx[t])
-  if [ ${#logs[@]} -gt 0 ] && tar czf logs.tgz "${logs[@]}"; then rm -f "${logs[@]}"; fi
+  logs=(*.log topo.tx[t] py-stack[s])
+  if [ ${#logs[@]} -gt 0 ] && tar czf logs.tgz "${logs[@]}"; then rm -rf "${logs[@]}"; fi
 ) || true

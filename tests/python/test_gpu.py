@@ -27,17 +27,29 @@ def _num_gpus():
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _stacks_later():
-    """EPX_TEST_STACKS_AFTER_S=N: if the case has not ended after N seconds, every thread's
-    Python stack goes to stderr (faulthandler), so a run cut by a timeout still says
-    where each rank was. Returns the function that disarms it."""
+def _stacks_later(case, rank):
+    """EPX_TEST_STACKS_AFTER_S=N: while the case runs, every N seconds every thread's Python
+    stack goes out (faulthandler), so a run cut by a timeout still says where each rank was
+    and whether it moved. To EPX_TEST_STACKS_DIR/<case>-rank<r>.txt when that is set (the
+    ranks' dumps do not interleave), else to stderr. Returns the function that disarms it."""
     after = float(os.environ.get("EPX_TEST_STACKS_AFTER_S", "0") or 0)
     if after <= 0:
         return lambda: None
     import faulthandler
 
-    faulthandler.dump_traceback_later(after, repeat=False, file=sys.__stderr__)
-    return faulthandler.cancel_dump_traceback_later
+    out, close = sys.__stderr__, (lambda: None)
+    where = os.environ.get("EPX_TEST_STACKS_DIR")
+    if where:
+        os.makedirs(where, exist_ok=True)
+        out = open(os.path.join(where, f"{case}-rank{rank}.txt"), "w")
+        close = out.close
+    faulthandler.dump_traceback_later(after, repeat=True, file=out)
+
+    def disarm():
+        faulthandler.cancel_dump_traceback_later()
+        close()
+
+    return disarm
 
 
 def _rendezvous():
@@ -52,7 +64,7 @@ def _worker(rank, world, init, case):
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world,
                             device_id=torch.device("cuda", rank))
-    disarm = _stacks_later()
+    disarm = _stacks_later(case, rank)
     try:
         globals()[case](rank, world, dist.group.WORLD)
         torch.cuda.synchronize()
@@ -81,7 +93,7 @@ def _in_process(case, world):
         pytest.skip("needs a GPU and PyTorch")
     import epx
 
-    disarm = _stacks_later()
+    disarm = _stacks_later(case, "all")
     try:
         epx.run_in_process(world, lambda comm: globals()[case](comm.Get_rank(), world, comm),
                            timeout_s=120.0)
