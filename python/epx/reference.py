@@ -47,10 +47,12 @@ def fp8_to_float(q: np.ndarray) -> np.ndarray:
 def quantize_fp8(x: np.ndarray, round_scale: bool = False) -> Tuple[np.ndarray, np.ndarray]:
     """[T, H] float32 -> (q [T, H] uint8, scales [T, H/128] float32), per 128 channels."""
     x = np.ascontiguousarray(x, dtype=np.float32)
-    rows = [_ref.quantize_row_fp8(row, round_scale) for row in x]
     T, H = x.shape
-    q = np.stack([r[0] for r in rows]) if rows else np.zeros((0, H), np.uint8)
-    s = np.stack([r[1] for r in rows]) if rows else np.zeros((0, H // 128), np.float32)
+    if T == 0:
+        return np.zeros((0, H), np.uint8), np.zeros((0, H // 128), np.float32)
+    # One call for all rows (a call per row took minutes in a 4-process test on
+    # the GPU host, where one process took 0.06 s for the same rows).
+    q, s = _ref.quantize_rows_fp8(x.reshape(-1), H, round_scale)
     return q.reshape(T, H), s.reshape(T, H // 128)
 
 

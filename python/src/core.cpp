@@ -431,6 +431,26 @@ void bind_reference(nb::module_& m) {
       "x"_a, "round_scale"_a = false,
       "One row [hidden] f32 -> (q [hidden] u8, scales [hidden/128] f32).");
   r.def(
+      "quantize_rows_fp8",
+      [](const HostArray<float>& x, int hidden, bool round_scale) {
+        if (hidden <= 0 || hidden % 128 != 0)
+          invalid("hidden: must be a positive multiple of 128 (got " + std::to_string(hidden) +
+                  ")");
+        if (x.size() % static_cast<std::size_t>(hidden) != 0)
+          invalid("x: its size (" + std::to_string(x.size()) + ") must be rows x hidden (" +
+                  std::to_string(hidden) + ")");
+        const std::size_t rows = x.size() / static_cast<std::size_t>(hidden);
+        std::vector<uint8_t> q(x.size());
+        std::vector<float> scales(rows * static_cast<std::size_t>(hidden / 128));
+        for (std::size_t t = 0; t < rows; ++t)
+          ref::quantize_row_fp8(x.data() + t * hidden, hidden, round_scale, q.data() + t * hidden,
+                                scales.data() + t * (hidden / 128));
+        return nb::make_tuple(np_of(std::move(q)), np_of(std::move(scales)));
+      },
+      "x"_a, "hidden"_a, "round_scale"_a = false,
+      "Rows [T * hidden] f32, flat -> (q [T * hidden] u8, scales [T * hidden/128] f32): "
+      "quantize_row_fp8 per row, in one call.");
+  r.def(
       "logfmt_encode",
       [](const HostArray<float>& row) { return np_of(ref::logfmt_encode(vec_of(row))); }, "row"_a);
   r.def(

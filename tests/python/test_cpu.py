@@ -721,6 +721,16 @@ def test_quantize_fp8(round_scale):
     np.testing.assert_allclose(back[big], x[big], rtol=2 ** -3)
     with pytest.raises(ValueError):
         _core.ref.quantize_row_fp8(np.zeros(100, np.float32))
+    # The batched call is the per-row one, row by row.
+    for t in range(x.shape[0]):
+        rq, rs = _core.ref.quantize_row_fp8(x[t], round_scale)
+        np.testing.assert_array_equal(q[t], rq)
+        np.testing.assert_array_equal(s[t], rs)
+    with pytest.raises(ValueError, match="hidden"):
+        _core.ref.quantize_rows_fp8(np.zeros(256, np.float32), 100)
+    with pytest.raises(ValueError, match="rows x hidden"):
+        _core.ref.quantize_rows_fp8(np.zeros(300, np.float32), 128)
+    assert ref.quantize_fp8(np.zeros((0, 256), np.float32))[0].shape == (0, 256)
 
 
 def test_ue8m0():
