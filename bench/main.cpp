@@ -220,7 +220,7 @@ int main(int argc, char** argv) {
     sc->add_option("--warmup", o.warmup, "untimed runs")->capture_default_str();
     sc->add_option("--iters", o.iters, "timed runs (median reported)")->capture_default_str();
     sc->add_option("--json", o.json_path, "write results here (rank 0)");
-    sc->add_option("--backend", o.backend, "auto | nvlink | in_process | proxy | nccl")
+    sc->add_option("--backend", o.backend, "auto | nvlink | in_process | proxy | nccl | nvshmem")
         ->capture_default_str();
     sc->add_option("--ranks-per-node", o.ranks_per_node,
                    "ranks per (virtual) node: fewer than the host holds makes the peers of other "

@@ -22,6 +22,11 @@
 #            test, then the Smoke and LowLatency suites with EPX_BACKEND=nccl
 #            as 2 processes of 1 node each and, with 4 GPUs, 4 as 2x2, a
 #            killed rank, and epx-bench ll --backend nccl on 4 as 2x2
+#   nvshmem  (not in the default steps) the NVSHMEM backend (.device/
+#            libepx_nvshmem.so; NVSHMEM_REMOTE_TRANSPORT=none): the Smoke and
+#            LowLatency suites as 2 processes of 1 node each and 4 as 2x2
+#            (EPX_NVSHMEM_PROCS, EPX_NVSHMEM_FILTER), and epx-bench ll
+#            --backend nvshmem on 4 as 2x2
 #   b2b      (not in the default steps) epx-bench ll over the proxy four ways,
 #            for its back-to-back pair time: 4 processes; the same with a host
 #            wait after each pair (--pair-sync); with the ranks lined up on the
@@ -163,6 +168,36 @@ if has nccl && [ "$GPUS" -ge 2 ]; then
     rc=$?
     tail -8 "$OUT/bench-ll-nccl.log"
     summary+=("bench ll nccl 2x2: rc=$rc")
+  fi
+fi
+if has nvshmem && [ "$GPUS" -ge 2 ]; then
+  # The NVSHMEM backend (.device/libepx_nvshmem.so, found beside the test
+  # binary), NVSHMEM's own library from this machine's pip wheel. On one host
+  # NVSHMEM moves the bytes by P2P; the kernels still take the put/signal
+  # path for peers of another virtual node.
+  nvs_lib=$(python3 -c "import nvidia.nvshmem, os; print(os.path.join(list(nvidia.nvshmem.__path__)[0], 'lib'))" 2>/dev/null)
+  # The unique-id bootstrap over loopback (its default skips lo); NVSHMEM's
+  # INFO log and EPX's trace of each NVSHMEM host call (with a message every
+  # EPX_TIMEOUT_S while one has not returned) say where a start stops.
+  nvs=(env LD_LIBRARY_PATH="$nvs_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+       NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_DISABLE_NVLS=1 EPX_BACKEND=nvshmem
+       NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=${EPX_NVSHMEM_IFNAME:-lo}
+       NVSHMEM_DEBUG=${EPX_NVSHMEM_DEBUG:-INFO} EPX_NVSHMEM_TRACE=1 EPX_TIMEOUT_S=${EPX_TIMEOUT_S:-30})
+  for spec in ${EPX_NVSHMEM_PROCS:-2:1 4:2}; do
+    r=${spec%%:*} rpn=${spec##*:}
+    [ "$GPUS" -ge "$r" ] || continue
+    run_suite "$r processes, nodes of $rpn (nvshmem)" "$OUT/nvshmem-procs$r-rpn$rpn.log" \
+      ${EPX_TEST_TIMEOUT:-420} "${nvs[@]}" EPX_RANKS_PER_NODE=$rpn \
+      "$D/launch.sh" "$r" "$D/epx_gpu_tests" --gtest_filter="${EPX_NVSHMEM_FILTER:-Smoke.*:LowLatency.*}"
+  done
+  if [ "$GPUS" -ge 4 ]; then
+    echo "== epx-bench ll --backend nvshmem --ranks-per-node 2"
+    timeout ${EPX_BENCH_TIMEOUT:-300} "${nvs[@]}" "$D/launch.sh" 4 "$D/epx-bench" ll \
+      --backend nvshmem --ranks-per-node 2 --json "$OUT/json/${model}x4-ll-nvshmem-rpn2.json" \
+      > "$OUT/bench-ll-nvshmem.log" 2>&1
+    rc=$?
+    tail -8 "$OUT/bench-ll-nvshmem.log"
+    summary+=("bench ll nvshmem 2x2: rc=$rc")
   fi
 fi
 if has b2b; then

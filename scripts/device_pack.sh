@@ -10,6 +10,8 @@ rm -rf .device && mkdir -p .device
 cp build/default/tests/epx_gpu_tests build/default/tests/epx_unit_tests build/default/bench/epx-bench \
   build/default/bench/epx-nvlink-probe build/default/tests/epx_gin_loopback_gpu_tests \
   build/default/libnccl-net-epxloop.so .device/
+# The NVSHMEM module, where this build made one (the loader looks beside the binaries).
+if [ -f build/default/libepx_nvshmem.so ]; then cp build/default/libepx_nvshmem.so .device/; fi
 cp scripts/launch.sh scripts/device_env.sh scripts/device_run.sh scripts/device_extra.sh \
   scripts/device_net.sh .device/
 # EPX_BASE_DIR: a baseline build's epx-bench (and epx_gpu_tests), for

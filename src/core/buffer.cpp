@@ -123,6 +123,7 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
               std::to_string(options.num_qps_per_rank));
   transport::BackendOptions bo;
   bo.num_contexts = options.num_qps_per_rank;
+  bo.heap_bytes = static_cast<std::size_t>(options.num_nvl_bytes + options.num_rdma_bytes);
   d.backend = transport::make_backend(options.backend, *d.comm, d.topology, bo);
   if (options.num_nvl_bytes > 0)
     d.ht = d.backend->alloc(static_cast<std::size_t>(options.num_nvl_bytes));

@@ -356,4 +356,24 @@ void preload_layout_kernels();
 void preload_ht_kernels();
 void preload_ll_kernels();
 
+/// The low-latency launchers of a module's transport (dev::ModuleTransport):
+/// plain functions across the module boundary, each given the transport's
+/// data. They return 0, or an ErrorCode + 1 with its message in `err` (the core
+/// raises it as epx::Error); nothing is thrown across the boundary.
+struct ModuleKernels {
+  using Err = char*;
+  int (*ll_dispatch_send)(const dev::NetworkTransportBase& t, const LlDispatchSendArgs& a,
+                          int num_blocks, cudaStream_t stream, Err err, std::size_t err_len);
+  int (*ll_dispatch_recv)(const dev::NetworkTransportBase& t, const LlDispatchRecvArgs& a,
+                          int num_blocks, cudaStream_t stream, Err err, std::size_t err_len);
+  int (*ll_dispatch_fused)(const dev::NetworkTransportBase& t, const LlDispatchSendArgs& sa,
+                           const LlDispatchRecvArgs& ra, int num_blocks, int send_blocks,
+                           cudaStream_t stream, Err err, std::size_t err_len);
+  int (*ll_combine_send)(const dev::NetworkTransportBase& t, const LlCombineSendArgs& a,
+                         int num_blocks, cudaStream_t stream, Err err, std::size_t err_len);
+  int (*ll_combine_recv)(const dev::NetworkTransportBase& t, const LlCombineRecvArgs& a,
+                         int num_blocks, cudaStream_t stream, bool dependent, Err err,
+                         std::size_t err_len);
+};
+
 }  // namespace epx::kernels

@@ -1,50 +1,107 @@
-// Low-latency dispatch and combine (decode): the launchers for the built-in
-// transports (dev::AnyTransport). The kernels, their protocol and a launch
-// helper per op and transport type are in low_latency_kernels.cuh.
+// Low-latency dispatch and combine (decode): the launchers for every
+// transport of dev::AnyTransport. The kernels, their protocol and a launch
+// helper per op and transport type are in low_latency_kernels.cuh; a module's
+// transport (dev::ModuleTransport) brings its own instantiations, called
+// through its table.
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <variant>
 
+#include "epx/error.hpp"
 #include "kernels/low_latency_kernels.cuh"
 
 namespace epx::kernels {
 
+namespace {
+
+/// Runs `built_in(tt)` for libepx's own transports, `module(table, tt)` for a
+/// module's, and raises what the module reported.
+template <class BuiltIn, class Module>
+void launch_on(const dev::AnyTransport& t, const char* what, BuiltIn&& built_in, Module&& module) {
+  std::visit(
+      [&](const auto& tt) {
+        using T = std::decay_t<decltype(tt)>;
+        if constexpr (dev::kBuiltIn<T>) {
+          built_in(tt);
+        } else {
+          if (tt.kernels == nullptr)
+            throw Error(ErrorCode::kInternal,
+                        std::string(what) + ": the module transport has no launcher table");
+          char err[1024] = {0};
+          const int rc = module(*tt.kernels, static_cast<const dev::NetworkTransportBase&>(tt), err,
+                                sizeof(err));
+          if (rc != 0) throw Error(static_cast<ErrorCode>(rc - 1), std::string(what) + ": " + err);
+        }
+      },
+      t);
+}
+
+}  // namespace
+
 void launch_ll_dispatch_send(const dev::AnyTransport& t, const LlDispatchSendArgs& a,
                              int num_blocks, cudaStream_t stream) {
-  std::visit([&](const auto& tt) { launch_ll_dispatch_send_for(tt, a, num_blocks, stream); }, t);
+  launch_on(
+      t, "low-latency dispatch send",
+      [&](const auto& tt) { launch_ll_dispatch_send_for(tt, a, num_blocks, stream); },
+      [&](const ModuleKernels& k, const auto& tt, char* err, std::size_t n) {
+        return k.ll_dispatch_send(tt, a, num_blocks, stream, err, n);
+      });
 }
 
 void launch_ll_dispatch_recv(const dev::AnyTransport& t, const LlDispatchRecvArgs& a,
                              int num_blocks, cudaStream_t stream) {
-  std::visit([&](const auto& tt) { launch_ll_dispatch_recv_for(tt, a, num_blocks, stream); }, t);
+  launch_on(
+      t, "low-latency dispatch receive",
+      [&](const auto& tt) { launch_ll_dispatch_recv_for(tt, a, num_blocks, stream); },
+      [&](const ModuleKernels& k, const auto& tt, char* err, std::size_t n) {
+        return k.ll_dispatch_recv(tt, a, num_blocks, stream, err, n);
+      });
 }
 
 void launch_ll_dispatch_fused(const dev::AnyTransport& t, const LlDispatchSendArgs& sa,
                               const LlDispatchRecvArgs& ra, int num_blocks, int send_blocks,
                               cudaStream_t stream) {
-  std::visit(
+  launch_on(
+      t, "low-latency dispatch",
       [&](const auto& tt) {
         launch_ll_dispatch_fused_for(tt, sa, ra, num_blocks, send_blocks, stream);
       },
-      t);
+      [&](const ModuleKernels& k, const auto& tt, char* err, std::size_t n) {
+        return k.ll_dispatch_fused(tt, sa, ra, num_blocks, send_blocks, stream, err, n);
+      });
 }
 
 void launch_ll_combine_send(const dev::AnyTransport& t, const LlCombineSendArgs& a, int num_blocks,
                             cudaStream_t stream) {
-  std::visit([&](const auto& tt) { launch_ll_combine_send_for(tt, a, num_blocks, stream); }, t);
+  launch_on(
+      t, "low-latency combine send",
+      [&](const auto& tt) { launch_ll_combine_send_for(tt, a, num_blocks, stream); },
+      [&](const ModuleKernels& k, const auto& tt, char* err, std::size_t n) {
+        return k.ll_combine_send(tt, a, num_blocks, stream, err, n);
+      });
 }
 
 void launch_ll_combine_recv(const dev::AnyTransport& t, const LlCombineRecvArgs& a, int num_blocks,
                             cudaStream_t stream, bool dependent) {
-  std::visit(
-      [&](const auto& tt) { launch_ll_combine_recv_for(tt, a, num_blocks, stream, dependent); }, t);
+  launch_on(
+      t, "low-latency combine receive",
+      [&](const auto& tt) { launch_ll_combine_recv_for(tt, a, num_blocks, stream, dependent); },
+      [&](const ModuleKernels& k, const auto& tt, char* err, std::size_t n) {
+        return k.ll_combine_recv(tt, a, num_blocks, stream, dependent, err, n);
+      });
 }
 
 namespace {
-/// preload_ll_kernels_of<T> for every transport T of dev::AnyTransport.
+/// preload_ll_kernels_of<T> for every built-in transport T of dev::AnyTransport
+/// (a module preloads its own when it loads).
+template <class T>
+void preload_if_built_in() {
+  if constexpr (dev::kBuiltIn<T>) preload_ll_kernels_of<T>();
+}
 template <std::size_t... I>
 void preload_ll_kernels_of_all(std::index_sequence<I...>) {
-  (preload_ll_kernels_of<std::variant_alternative_t<I, dev::AnyTransport>>(), ...);
+  (preload_if_built_in<std::variant_alternative_t<I, dev::AnyTransport>>(), ...);
 }
 }  // namespace
 

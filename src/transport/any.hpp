@@ -14,9 +14,27 @@
 #include "transport/nccl/device.cuh"
 #include "transport/proxy/device.cuh"
 
+namespace epx::kernels {
+struct ModuleKernels;  // kernels/kernels.hpp
+}
+
 namespace epx::dev {
 
-using AnyTransport = std::variant<LsaTransport, ProxyTransport, NcclGinTransport>;
+/// A transport whose device struct and kernels live in a module the core
+/// loads at run time (the NVSHMEM backend, docs/nvshmem.md), so that libepx
+/// holds no relocatable device code and no symbol of that library. Its data
+/// is what the module's device struct holds (a NetworkTransportBase); its
+/// launchers are the module's (`kernels`). Not a DeviceTransport itself: no
+/// kernel of libepx is instantiated for it.
+struct ModuleTransport : NetworkTransportBase {
+  const kernels::ModuleKernels* kernels = nullptr;
+};
+
+using AnyTransport = std::variant<LsaTransport, ProxyTransport, NcclGinTransport, ModuleTransport>;
+
+/// Whether libepx's own kernels are instantiated for transport type T.
+template <class T>
+inline constexpr bool kBuiltIn = !std::is_same_v<T, ModuleTransport>;
 
 static_assert(DeviceTransport<LsaTransport>);
 static_assert(DeviceTransport<ProxyTransport>);

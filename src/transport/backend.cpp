@@ -6,6 +6,7 @@
 #include "epx/communicator.hpp"
 #include "epx/error.hpp"
 #include "transport/nccl/nccl_backend.hpp"
+#include "transport/nvshmem/nvshmem_backend.hpp"
 
 namespace epx::transport {
 
@@ -19,11 +20,7 @@ std::unique_ptr<Backend> make_backend(const std::string& requested, Communicator
   }
   const std::string nodes = std::to_string(topology.num_nodes()) + " nodes of " +
                             std::to_string(topology.ranks_per_node) + " ranks";
-  if (name == "nvshmem")
-    throw Error(ErrorCode::kUnsupported,
-                from +
-                    ": 'nvshmem' is not built yet; this build serves 'nvlink', 'in_process', "
-                    "'proxy' and 'nccl'");
+  if (name == "nvshmem") return make_nvshmem_backend(comm, topology, options);
   if (name == "nccl") {
     // GIN contexts: num_qps_per_rank, at most EPX_GIN_CONTEXTS (default 4: one
     // communicator, one NCCL progress thread per process on a proxy-type GIN).

@@ -32,6 +32,9 @@ struct SymmetricRegion {
 struct BackendOptions {
   /// Contexts (queue pairs, proxy channels) per peer: num_qps_per_rank.
   int num_contexts = 1;
+  /// The bytes the Buffer will allocate (a backend whose memory is fixed at
+  /// start, NVSHMEM's heap, sizes it from this).
+  std::size_t heap_bytes = 0;
 };
 
 class Backend {
@@ -73,7 +76,7 @@ class Backend {
 dev::AnyTransport lsa_device(const Communicator& comm, const Topology& topology,
                              const SymmetricRegion& region);
 
-/// `name`: "auto" | "nvlink" | "in_process" | "proxy" (EPX_BACKEND overrides
+/// `name`: "auto" | "nvlink" | "in_process" | "proxy" | "nccl" | "nvshmem" (EPX_BACKEND overrides
 /// "auto"). "auto" is "proxy" when the topology has several nodes, else
 /// "in_process" for a communicator from create_in_process, else "nvlink".
 /// Throws epx::Error(kUnsupported) when the machine or the communicator

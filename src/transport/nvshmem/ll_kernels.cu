@@ -1,41 +1,69 @@
 // transport/nvshmem/ll_kernels.cu - the low-latency kernels instantiated for
 // NvshmemTransport, in the NVSHMEM module's own relocatable translation unit
-// (docs/nvshmem.md): the launch helpers of kernels/low_latency_kernels.cuh
-// with that transport type, under names the module's launcher table will
-// hold. Built (and device-linked with libnvshmem_device.a) when CMake finds
-// NVSHMEM; libepx itself has no relocatable code and no NVSHMEM symbol.
-// Nothing loads it yet: the backend's host half and its loading are the next
-// step, and nothing of it has run on a GPU.
+// (docs/nvshmem.md), and the module's launcher table (kernels::ModuleKernels)
+// that the core calls through dev::ModuleTransport. libepx itself has no
+// relocatable code and no NVSHMEM symbol.
+#include <cstdio>
+#include <exception>
+
+#include "epx/error.hpp"
 #include "kernels/low_latency_kernels.cuh"
 #include "transport/nvshmem/device.cuh"
+#include "transport/nvshmem/module.hpp"
 
-namespace epx::kernels::nvshmem {
+namespace epx::nvshmem_module {
+
+namespace {
 
 using T = dev::NvshmemTransport;
+using kernels::LlCombineRecvArgs;
+using kernels::LlCombineSendArgs;
+using kernels::LlDispatchRecvArgs;
+using kernels::LlDispatchSendArgs;
 
-void launch_ll_dispatch_send(const T& t, const LlDispatchSendArgs& a, int num_blocks,
-                             cudaStream_t stream) {
-  launch_ll_dispatch_send_for(t, a, num_blocks, stream);
-}
-void launch_ll_dispatch_recv(const T& t, const LlDispatchRecvArgs& a, int num_blocks,
-                             cudaStream_t stream) {
-  launch_ll_dispatch_recv_for(t, a, num_blocks, stream);
-}
-void launch_ll_dispatch_fused(const T& t, const LlDispatchSendArgs& sa,
-                              const LlDispatchRecvArgs& ra, int num_blocks, int send_blocks,
-                              cudaStream_t stream) {
-  launch_ll_dispatch_fused_for(t, sa, ra, num_blocks, send_blocks, stream);
-}
-void launch_ll_combine_send(const T& t, const LlCombineSendArgs& a, int num_blocks,
-                            cudaStream_t stream) {
-  launch_ll_combine_send_for(t, a, num_blocks, stream);
-}
-void launch_ll_combine_recv(const T& t, const LlCombineRecvArgs& a, int num_blocks,
-                            cudaStream_t stream, bool dependent) {
-  launch_ll_combine_recv_for(t, a, num_blocks, stream, dependent);
-}
-void preload_ll_kernels() {
-  preload_ll_kernels_of<T>();
+/// The module's device struct from the transport data the core filled.
+T device_of(const dev::NetworkTransportBase& base) {
+  T t{};
+  static_cast<dev::NetworkTransportBase&>(t) = base;
+  return t;
 }
 
-}  // namespace epx::kernels::nvshmem
+int dispatch_send(const dev::NetworkTransportBase& t, const LlDispatchSendArgs& a, int blocks,
+                  cudaStream_t s, char* err, std::size_t n) {
+  return guarded(err, n, [&] { kernels::launch_ll_dispatch_send_for(device_of(t), a, blocks, s); });
+}
+int dispatch_recv(const dev::NetworkTransportBase& t, const LlDispatchRecvArgs& a, int blocks,
+                  cudaStream_t s, char* err, std::size_t n) {
+  return guarded(err, n, [&] { kernels::launch_ll_dispatch_recv_for(device_of(t), a, blocks, s); });
+}
+int dispatch_fused(const dev::NetworkTransportBase& t, const LlDispatchSendArgs& sa,
+                   const LlDispatchRecvArgs& ra, int blocks, int send_blocks, cudaStream_t s,
+                   char* err, std::size_t n) {
+  return guarded(err, n, [&] {
+    kernels::launch_ll_dispatch_fused_for(device_of(t), sa, ra, blocks, send_blocks, s);
+  });
+}
+int combine_send(const dev::NetworkTransportBase& t, const LlCombineSendArgs& a, int blocks,
+                 cudaStream_t s, char* err, std::size_t n) {
+  return guarded(err, n, [&] { kernels::launch_ll_combine_send_for(device_of(t), a, blocks, s); });
+}
+int combine_recv(const dev::NetworkTransportBase& t, const LlCombineRecvArgs& a, int blocks,
+                 cudaStream_t s, bool dependent, char* err, std::size_t n) {
+  return guarded(
+      err, n, [&] { kernels::launch_ll_combine_recv_for(device_of(t), a, blocks, s, dependent); });
+}
+
+constexpr kernels::ModuleKernels kTable{dispatch_send, dispatch_recv, dispatch_fused, combine_send,
+                                        combine_recv};
+
+}  // namespace
+
+const kernels::ModuleKernels* ll_kernels() {
+  return &kTable;
+}
+
+int preload_ll_kernels(char* err, std::size_t n) {
+  return guarded(err, n, [] { kernels::preload_ll_kernels_of<T>(); });
+}
+
+}  // namespace epx::nvshmem_module
