@@ -25,6 +25,8 @@
 #include "core/validate.hpp"
 #include "epx/epx.hpp"
 #include "epx/reference.hpp"
+#include "transport/nvshmem/module.hpp"
+#include "transport/nvshmem/nvshmem_backend.hpp"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -695,6 +697,11 @@ NB_MODULE(_core, m) {
                ", num_send_sms=" + std::to_string(c.num_send_sms) +
                (c.pull_dispatch ? ", pull_dispatch=True" : "") + ")";
       });
+  m.def(
+      "nvshmem_module_version",
+      [] { return std::string(epx::transport::load_nvshmem_module().nvshmem_version); },
+      "The NVSHMEM version of the nvshmem backend's module (loads it); raises "
+      "EPXUnsupportedError saying why when it cannot be loaded.");
   m.def("get_dispatch_config", &epx::get_dispatch_config, "num_ranks"_a);
   m.def("get_combine_config", &epx::get_combine_config, "num_ranks"_a);
 

@@ -1486,3 +1486,17 @@ def test_in_process_buffer_needs_explicit_destroy():
     comm = epx.InProcessComm(_FakeCoreComm(0, {"n": 2}))
     with pytest.raises(ValueError, match="explicitly_destroy"):
         epx.Buffer(comm=comm, num_nvl_bytes=1 << 20)
+
+
+def test_nvshmem_module_is_found_or_its_absence_named():
+    """The nvshmem backend's module: beside epx._core when the build made one
+    (it then loads without a GPU and reports its NVSHMEM), else an
+    EPXUnsupportedError that names the build option."""
+    import os
+    here = os.path.dirname(_core.__file__)
+    if os.path.exists(os.path.join(here, "libepx_nvshmem.so")) and \
+            "EPX_NVSHMEM_MODULE" not in os.environ:
+        assert _core.nvshmem_module_version() == "3.4.5"
+    else:
+        with pytest.raises(epx.EPXUnsupportedError, match="EPX_WITH_NVSHMEM|could not be loaded"):
+            _core.nvshmem_module_version()
