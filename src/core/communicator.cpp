@@ -103,11 +103,21 @@ std::shared_ptr<Communicator> Communicator::from_env() {
           "must name a visible GPU (this process sees " + std::to_string(ndev) + "), got " +
               std::to_string(info.local_rank));
   EPX_CUDA_CHECK(cudaSetDevice(info.local_rank));
-  if (!env::get("NCCL_COMM_ID")) {
+  const bool set_here = !env::get("NCCL_COMM_ID");
+  if (set_here) {
     // NCCL's own bootstrap root serves the id: every rank derives the same one.
     std::string addr = info.master_addr + ":" + std::to_string(info.master_port + 1);
     setenv("NCCL_COMM_ID", addr.c_str(), 1);
   }
+  // Unset again once this communicator is up: left set, every later unique
+  // id of the process (NVSHMEM's own NCCL teams, torch's, the user's) would
+  // be that one fixed address, and their roots collide on its port.
+  struct Unset {
+    bool active;
+    ~Unset() {
+      if (active) unsetenv("NCCL_COMM_ID");
+    }
+  } unset{set_here};
   return create(new_unique_id(), info.rank, info.world_size);
 }
 

@@ -8,6 +8,7 @@
 
 #include "common/diag.hpp"
 #include "common/plan.hpp"
+#include "epx/error.hpp"
 #include "transport/any.hpp"
 
 namespace epx::kernels {
@@ -355,6 +356,16 @@ void launch_ll_combine_recv(const dev::AnyTransport& t, const LlCombineRecvArgs&
 void preload_layout_kernels();
 void preload_ht_kernels();
 void preload_ll_kernels();
+
+/// A module function's return value as an ErrorCode (0 is success, else
+/// code + 1; anything else is kInternal).
+inline ErrorCode decode_module_error(int rc) {
+  const int c = rc - 1;
+  return c >= static_cast<int>(ErrorCode::kInvalidArgument) &&
+                 c <= static_cast<int>(ErrorCode::kInternal)
+             ? static_cast<ErrorCode>(c)
+             : ErrorCode::kInternal;
+}
 
 /// The low-latency launchers of a module's transport (dev::ModuleTransport):
 /// plain functions across the module boundary, each given the transport's

@@ -31,7 +31,7 @@ void launch_on(const dev::AnyTransport& t, const char* what, BuiltIn&& built_in,
           char err[1024] = {0};
           const int rc = module(*tt.kernels, static_cast<const dev::NetworkTransportBase&>(tt), err,
                                 sizeof(err));
-          if (rc != 0) throw Error(static_cast<ErrorCode>(rc - 1), std::string(what) + ": " + err);
+          if (rc != 0) throw Error(decode_module_error(rc), std::string(what) + ": " + err);
         }
       },
       t);

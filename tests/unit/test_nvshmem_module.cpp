@@ -2,6 +2,7 @@
 // cannot load are named; the module this build made loads and has its table.
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #include <string>
 
@@ -73,6 +74,10 @@ TEST(NvshmemModule, AMissingPathIsNamed) {
 // The module of this build loads without a GPU (NVSHMEM starts only at a
 // Buffer) and brings every entry of its table.
 TEST(NvshmemModule, TheBuiltModuleLoadsWithItsTable) {
+  // (The binary run away from its build tree, as on the GPU machine, has no
+  // module at that path; there the GPU suites load it from beside them.)
+  if (::access(EPX_NVSHMEM_MODULE_PATH, F_OK) != 0)
+    GTEST_SKIP() << "no module at " << EPX_NVSHMEM_MODULE_PATH << " (run away from the build tree)";
   ScopedEnv env("EPX_NVSHMEM_MODULE", EPX_NVSHMEM_MODULE_PATH);
   const epx::nvshmem_module::Api* api = nullptr;
   try {

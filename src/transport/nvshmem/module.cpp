@@ -110,6 +110,10 @@ int init(const Host& host, std::size_t heap_bytes, char* err, std::size_t n) {
       return;
     }
     EPX_CUDA_CHECK(cudaSetDevice(host.device));
+    // NVSHMEM builds NCCL teams of its own at init unless told not to; EPX
+    // uses no NVSHMEM collective that needs them, and their roots would share
+    // whatever NCCL_COMM_ID the process has set.
+    ::setenv("NVSHMEM_DISABLE_NCCL", "1", 0);
     // The heap is sized at init: room for this Buffer's regions twice (later
     // Buffers of the process share it) and 1 GiB, unless the user sized it.
     if (std::getenv("NVSHMEM_SYMMETRIC_SIZE") == nullptr) {
@@ -130,8 +134,9 @@ int init(const Host& host, std::size_t heap_bytes, char* err, std::size_t n) {
     nvshmemx_init_attr_t attr = NVSHMEMX_INIT_ATTR_INITIALIZER;
     check_status(nvshmemx_set_attr_uniqueid_args(host.rank, host.num_ranks, &id, &attr),
                  "nvshmemx_set_attr_uniqueid_args");
-    // nvshmemx_init_attr's own steps, without its exit() on failure: a
-    // failed init becomes an epx::Error on this rank.
+    // nvshmemx_init_attr's own steps, minus its exit() when the status is
+    // nonzero, which becomes an epx::Error here (NVSHMEM may still exit on
+    // failures inside).
     int provided = 0;
     nvshmemi_version_t version = {NVSHMEM_VENDOR_MAJOR_VERSION, NVSHMEM_VENDOR_MINOR_VERSION,
                                   NVSHMEM_VENDOR_PATCH_VERSION};
@@ -153,10 +158,20 @@ int init(const Host& host, std::size_t heap_bytes, char* err, std::size_t n) {
   });
 }
 
+/// What every entry after init needs: the lock (NVSHMEM runs SERIALIZED, so
+/// two Buffers on two threads must not interleave its collectives), NVSHMEM
+/// up, and this process's device current on the calling thread.
+struct Entry {
+  std::lock_guard<std::mutex> lock{g_mutex};
+  explicit Entry(const char* what) {
+    if (g_refs <= 0) fail(ErrorCode::kInternal, std::string(what) + " before init");
+    EPX_CUDA_CHECK(cudaSetDevice(g_device));
+  }
+};
+
 int finalize(char* err, std::size_t n) {
   return guarded(err, n, [&] {
-    std::lock_guard<std::mutex> lock(g_mutex);
-    if (g_refs <= 0) fail(ErrorCode::kInternal, "finalize without init");
+    Entry entry("finalize");
     if (--g_refs == 0) {
       Watch w(g_rank, "nvshmem_finalize");
       nvshmem_finalize();
@@ -166,6 +181,7 @@ int finalize(char* err, std::size_t n) {
 
 int alloc(std::size_t bytes, void** out, char* err, std::size_t n) {
   return guarded(err, n, [&] {
+    Entry entry("alloc");
     void* p = nullptr;
     {
       Watch w(g_rank, "nvshmem_malloc(" + std::to_string(bytes) + ")");
@@ -190,6 +206,7 @@ int alloc(std::size_t bytes, void** out, char* err, std::size_t n) {
 
 int free_block(void* p, char* err, std::size_t n) {
   return guarded(err, n, [&] {
+    Entry entry("free");
     EPX_CUDA_CHECK(cudaDeviceSynchronize());
     Watch w(g_rank, "nvshmem_free");
     nvshmem_free(p);  // collective, with its own barrier
@@ -202,6 +219,7 @@ void* peer_ptr(void* local, int pe) {
 
 int quiesce(char* err, std::size_t n) {
   return guarded(err, n, [&] {
+    Entry entry("quiesce");
     cudaStream_t s = nullptr;
     EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     Watch w(g_rank, "quiet and barrier (quiesce)");
@@ -215,6 +233,7 @@ int quiesce(char* err, std::size_t n) {
 
 int barrier(char* err, std::size_t n) {
   return guarded(err, n, [&] {
+    Entry entry("barrier");
     Watch w(g_rank, "nvshmem_barrier_all");
     nvshmem_barrier_all();
   });

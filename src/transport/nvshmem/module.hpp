@@ -59,7 +59,7 @@ inline int encode(ErrorCode c) {
   return static_cast<int>(c) + 1;
 }
 inline ErrorCode decode(int rc) {
-  return static_cast<ErrorCode>(rc - 1);
+  return kernels::decode_module_error(rc);
 }
 
 /// Runs `f`; an exception becomes its encoded ErrorCode and its message in

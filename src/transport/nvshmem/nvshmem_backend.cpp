@@ -139,7 +139,16 @@ class NvshmemBackend final : public Backend {
     check(api_.init(host, options.heap_bytes, err, sizeof(err)), err);
   }
 
+  /// nvshmem_finalize is collective with no deadline: it runs only after
+  /// every rank met in EPX's barrier (which has one). A rank that cannot
+  /// meet them (a peer died, or a constructor threw on some ranks) leaves
+  /// NVSHMEM up rather than hang in it.
   ~NvshmemBackend() override {
+    try {
+      comm_.barrier();
+    } catch (...) {
+      return;
+    }
     char err[1024] = {0};
     api_.finalize(err, sizeof(err));  // best effort: destructors do not throw
   }
