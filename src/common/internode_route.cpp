@@ -1,0 +1,85 @@
+#include "common/internode_route.hpp"
+
+#include <string>
+#include <utility>
+
+#include "epx/error.hpp"
+
+namespace epx::plan {
+
+InternodeRoute::InternodeRoute(InternodeCounts counts) : c_(std::move(counts)) {
+  const Topology& t = c_.topology;
+  require(t.ranks_per_node >= 1 && t.num_ranks >= 1 && t.num_ranks % t.ranks_per_node == 0,
+          "topology", "ranks_per_node must divide the rank count");
+  R_ = t.num_ranks;
+  N_ = t.num_nodes();
+  require(c_.tokens_to_rank.size() == static_cast<std::size_t>(R_) * R_, "tokens_to_rank",
+          "must be [R][R] = " + std::to_string(R_ * R_) + " counts, got " +
+              std::to_string(c_.tokens_to_rank.size()));
+  require(c_.tokens_to_node.size() == static_cast<std::size_t>(R_) * N_, "tokens_to_node",
+          "must be [R][N] = " + std::to_string(R_ * N_) + " counts, got " +
+              std::to_string(c_.tokens_to_node.size()));
+  for (int s = 0; s < R_; ++s)
+    for (int m = 0; m < N_; ++m) {
+      // A token with an expert in node m reaches at least one and at most
+      // all of its ranks.
+      int most = 0, sum = 0;
+      for (int l = 0; l < t.ranks_per_node; ++l) {
+        const int v = at(s, m * t.ranks_per_node + l);
+        require(v >= 0, "tokens_to_rank", "counts must be >= 0");
+        most = v > most ? v : most;
+        sum += v;
+      }
+      const int node = c_.tokens_to_node[static_cast<std::size_t>(s) * N_ + m];
+      require(node >= most && node <= sum, "tokens_to_node",
+              "rank " + std::to_string(s) + "'s count for node " + std::to_string(m) + " (" +
+                  std::to_string(node) + ") must lie between its largest count for one rank of " +
+                  "that node (" + std::to_string(most) + ") and their sum (" + std::to_string(sum) +
+                  ")");
+    }
+  recv_offset_.assign(static_cast<std::size_t>(R_) * R_, 0);
+  recv_rows_.assign(R_, 0);
+  for (int d = 0; d < R_; ++d)
+    for (int s = 0; s < R_; ++s) {
+      recv_offset_[static_cast<std::size_t>(d) * R_ + s] = recv_rows_[d];
+      recv_rows_[d] += at(s, d);
+    }
+}
+
+int InternodeRoute::network_rows(int s, int m) const {
+  if (m == c_.topology.node_of(s)) return 0;
+  return c_.tokens_to_node[static_cast<std::size_t>(s) * N_ + m];
+}
+
+int InternodeRoute::forwarded_rows(int f, int s) const {
+  const Topology& t = c_.topology;
+  if (t.local_of(f) != t.local_of(s)) return 0;  // f forwards only its own local index
+  if (f == s) {
+    // Its own tokens for its own node: those with an expert there.
+    return c_.tokens_to_node[static_cast<std::size_t>(s) * N_ + t.node_of(s)];
+  }
+  return network_rows(s, t.node_of(f));
+}
+
+int InternodeRoute::recv_rows(int d) const {
+  return recv_rows_[d];
+}
+
+int InternodeRoute::recv_offset(int d, int s) const {
+  return recv_offset_[static_cast<std::size_t>(d) * R_ + s];
+}
+
+int InternodeRoute::network_rows_sent(int s) const {
+  int rows = 0;
+  for (int m = 0; m < N_; ++m) rows += network_rows(s, m);
+  return rows;
+}
+
+int InternodeRoute::network_rows_received(int f) const {
+  int rows = 0;
+  for (int s = 0; s < R_; ++s)
+    if (s != f) rows += forwarded_rows(f, s);
+  return rows;
+}
+
+}  // namespace epx::plan

@@ -1,0 +1,225 @@
+// The high-throughput route across nodes (common/internode_route.hpp), replayed
+// on the CPU: every source's tokens go to the forwarder with its local index
+// in each destination node (itself for its own node), which places each row
+// in each receiver's output at route.recv_offset + its running index. The
+// result must be the reference dispatch's rows in its order, and the
+// combine summed back along the same route (each node's rows in float32,
+// rounded to BF16, then the nodes in order) the reference combine across
+// nodes, bit for bit. No GPU.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/internode_route.hpp"
+#include "epx/error.hpp"
+#include "epx/reference.hpp"
+
+namespace {
+
+namespace ref = epx::ref;
+using epx::plan::InternodeCounts;
+using epx::plan::InternodeRoute;
+
+std::size_t sz(int a, int b) {
+  return static_cast<std::size_t>(a) * static_cast<std::size_t>(b);
+}
+
+struct Case {
+  int R, L, H, K, E;
+  std::vector<int> T;  ///< tokens per rank
+  double masked;
+};
+
+struct Routed {
+  std::vector<ref::HtInput> in;
+  std::vector<ref::Layout> layout;
+  InternodeCounts counts;
+};
+
+Routed make(const Case& c, uint64_t seed) {
+  Routed r;
+  const int N = c.R / c.L;
+  r.in.resize(c.R);
+  r.counts.topology = epx::Topology{c.R, c.L};
+  r.counts.tokens_to_rank.assign(sz(c.R, c.R), 0);
+  r.counts.tokens_to_node.assign(sz(c.R, N), 0);
+  for (int s = 0; s < c.R; ++s) {
+    ref::HtInput& x = r.in[s];
+    x.num_tokens = c.T[s];
+    x.topk_idx = ref::random_topk(c.T[s], c.K, c.E, c.masked, seed * 131 + s);
+    x.x_bf16 = ref::random_bf16(sz(c.T[s], c.H), seed * 137 + s);
+    r.layout.push_back(ref::get_dispatch_layout(x.topk_idx, c.T[s], c.K, c.E, c.R, c.L));
+    for (int d = 0; d < c.R; ++d)
+      r.counts.tokens_to_rank[sz(s, c.R) + d] = r.layout[s].num_tokens_per_rank[d];
+    for (int m = 0; m < N; ++m)
+      r.counts.tokens_to_node[sz(s, N) + m] = r.layout[s].num_tokens_per_node[m];
+  }
+  return r;
+}
+
+/// The two-level dispatch along the route: placed[d][row] = {source, token}.
+std::vector<std::vector<std::pair<int, int>>> replay_dispatch(const Case& c, const Routed& r,
+                                                              const InternodeRoute& route) {
+  const int N = c.R / c.L;
+  std::vector<std::vector<std::pair<int, int>>> placed(c.R);
+  for (int d = 0; d < c.R; ++d) placed[d].assign(route.recv_rows(d), {-1, -1});
+  for (int s = 0; s < c.R; ++s)
+    for (int m = 0; m < N; ++m) {
+      const int f = route.forwarder(s, m);
+      EXPECT_EQ(f / c.L, m);
+      EXPECT_EQ(f % c.L, s % c.L);
+      std::vector<int> running(c.R, 0);
+      int stream = 0;  // rows of s that f takes in, in token order
+      for (int t = 0; t < c.T[s]; ++t) {
+        bool in_node = false;
+        for (int d = m * c.L; d < (m + 1) * c.L; ++d) {
+          if (!r.layout[s].is_token_in_rank[sz(t, c.R) + d]) continue;
+          in_node = true;
+          const int pos = route.recv_offset(d, s) + running[d]++;
+          EXPECT_LT(running[d] - 1, r.counts.tokens_to_rank[sz(s, c.R) + d]);
+          EXPECT_EQ(placed[d].at(pos).first, -1) << "two rows for one slot";
+          placed[d].at(pos) = {s, t};
+        }
+        stream += in_node ? 1 : 0;
+      }
+      EXPECT_EQ(stream, route.forwarded_rows(f, s)) << "s=" << s << " m=" << m;
+      EXPECT_EQ(m == s / c.L ? 0 : stream, route.network_rows(s, m)) << "s=" << s << " m=" << m;
+    }
+  return placed;
+}
+
+void check_case(const Case& c, uint64_t seed) {
+  SCOPED_TRACE("R=" + std::to_string(c.R) + " L=" + std::to_string(c.L) + " seed " +
+               std::to_string(seed));
+  const Routed r = make(c, seed);
+  const InternodeRoute route(r.counts);
+  const auto placed = replay_dispatch(c, r, route);
+  const auto want = ref::ht_dispatch(r.in, c.H, c.K, c.E, 1);
+  for (int d = 0; d < c.R; ++d) {
+    ASSERT_EQ(route.recv_rows(d), want[d].num_recv_tokens) << "d=" << d;
+    for (int row = 0; row < route.recv_rows(d); ++row) {
+      const auto [s, t] = placed[d][row];
+      ASSERT_EQ(s, want[d].recv_src_rank[row]) << "d=" << d << " row=" << row;
+      ASSERT_EQ(t, want[d].recv_src_idx[row]) << "d=" << d << " row=" << row;
+      for (int h = 0; h < c.H; ++h)
+        ASSERT_EQ(r.in[s].x_bf16[sz(t, c.H) + h], want[d].recv_x_bf16[sz(row, c.H) + h]);
+    }
+  }
+  // Every row put over the network is taken in by exactly one forwarder.
+  long sent = 0, received = 0;
+  for (int s = 0; s < c.R; ++s) sent += route.network_rows_sent(s);
+  for (int f = 0; f < c.R; ++f) received += route.network_rows_received(f);
+  EXPECT_EQ(sent, received);
+  if (c.L == c.R) EXPECT_EQ(sent, 0) << "one node: nothing crosses a network";
+
+  // The combine back along the same route, against the reference's.
+  const int N = c.R / c.L;
+  std::vector<ref::HtCombineInput> ci(c.R);
+  std::vector<std::vector<int>> row_of(c.R);  // [d][s * maxT + t] -> row
+  int max_t = 1;
+  for (int t : c.T) max_t = t > max_t ? t : max_t;
+  for (int d = 0; d < c.R; ++d) {
+    ci[d].x = ref::random_bf16(sz(route.recv_rows(d), c.H), seed * 139 + d);
+    ci[d].bias_0 = ref::random_bf16(sz(c.T[d], c.H), seed * 149 + d);
+    row_of[d].assign(sz(c.R, max_t), -1);
+    for (int row = 0; row < route.recv_rows(d); ++row)
+      row_of[d][sz(placed[d][row].first, max_t) + placed[d][row].second] = row;
+  }
+  const auto out = ref::ht_combine(r.in, ci, c.H, c.K, c.E, c.L);
+  for (int s = 0; s < c.R; ++s)
+    for (int t = 0; t < c.T[s]; ++t)
+      for (int h = 0; h < c.H; ++h) {
+        float total = 0.0f;
+        for (int m = 0; m < N; ++m) {
+          // The forwarder sums its node's rows in ascending rank order and
+          // sends one BF16 row (none when the token reaches no rank there).
+          float node = 0.0f;
+          bool any = false;
+          for (int d = m * c.L; d < (m + 1) * c.L; ++d) {
+            const int row = row_of[d][sz(s, max_t) + t];
+            if (row < 0) continue;
+            node += ref::bf16_to_float(ci[d].x[sz(row, c.H) + h]);
+            any = true;
+          }
+          if (any) total += N > 1 ? ref::bf16_to_float(ref::float_to_bf16(node)) : node;
+        }
+        total += ref::bf16_to_float(ci[s].bias_0[sz(t, c.H) + h]);
+        ASSERT_EQ(out[s].combined_x[sz(t, c.H) + h], ref::float_to_bf16(total))
+            << "s=" << s << " t=" << t << " h=" << h;
+      }
+}
+
+TEST(InternodeRoute, ReplaysTheReferenceDispatchAndCombine) {
+  const std::vector<Case> cases = {
+      {4, 2, 16, 4, 64, {37, 0, 64, 5}, 0.1},                // 2x2, a rank with no token
+      {16, 4, 8, 8, 128, std::vector<int>(16, 24), 0.1},     // 4x4
+      {8, 2, 8, 8, 256, {40, 1, 0, 33, 17, 9, 64, 2}, 0.2},  // 4x2, 0 and 1 tokens
+      {8, 8, 8, 4, 64, {5, 6, 7, 8, 9, 10, 11, 12}, 0.0},    // one node
+      {6, 1, 8, 3, 12, {11, 12, 13, 0, 2, 30}, 0.1},         // every rank its own node
+      {4, 2, 8, 4, 64, {20, 20, 20, 20}, 1.0},               // every slot -1: nothing moves
+  };
+  for (uint64_t seed = 1; seed <= 3; ++seed)
+    for (const Case& c : cases) check_case(c, seed);
+}
+
+// A node that receives nothing: no source sends it a row, its forwarders take
+// in nothing, its ranks receive nothing.
+TEST(InternodeRoute, ANodeThatReceivesNothing) {
+  const Case c{4, 2, 8, 2, 8, {10, 10, 10, 10}, 0.0};
+  Routed r = make(c, 7);
+  // Route every pick to experts 0..3 (ranks 0 and 1, node 0).
+  for (auto& x : r.in)
+    for (std::size_t i = 0; i < x.topk_idx.size(); ++i) x.topk_idx[i] = static_cast<int64_t>(i % 2);
+  r.layout.clear();
+  for (int s = 0; s < c.R; ++s) {
+    r.layout.push_back(ref::get_dispatch_layout(r.in[s].topk_idx, c.T[s], c.K, c.E, c.R, c.L));
+    for (int d = 0; d < c.R; ++d)
+      r.counts.tokens_to_rank[sz(s, c.R) + d] = r.layout[s].num_tokens_per_rank[d];
+    for (int m = 0; m < 2; ++m)
+      r.counts.tokens_to_node[sz(s, 2) + m] = r.layout[s].num_tokens_per_node[m];
+  }
+  const InternodeRoute route(r.counts);
+  for (int s = 0; s < c.R; ++s) EXPECT_EQ(route.network_rows(s, 1), 0);
+  EXPECT_EQ(route.recv_rows(2), 0);
+  EXPECT_EQ(route.recv_rows(3), 0);
+  EXPECT_EQ(route.network_rows_received(2) + route.network_rows_received(3), 0);
+  const auto placed = replay_dispatch(c, r, route);
+  EXPECT_EQ(placed[0].size() + placed[1].size(), static_cast<std::size_t>(4 * 10 * 1));
+}
+
+TEST(InternodeRoute, BadCountsAreNamed) {
+  auto message = [](InternodeCounts c) {
+    try {
+      InternodeRoute route(std::move(c));
+    } catch (const epx::Error& e) {
+      EXPECT_EQ(e.code(), epx::ErrorCode::kInvalidArgument);
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  InternodeCounts ok{epx::Topology{4, 2}, std::vector<int>(16, 1), std::vector<int>(8, 1)};
+  EXPECT_EQ(message(ok), "");
+  InternodeCounts c = ok;
+  c.tokens_to_rank.pop_back();
+  EXPECT_NE(message(c).find("tokens_to_rank"), std::string::npos);
+  c = ok;
+  c.tokens_to_node.push_back(0);
+  EXPECT_NE(message(c).find("tokens_to_node"), std::string::npos);
+  c = ok;
+  c.tokens_to_rank[3] = -1;
+  EXPECT_NE(message(c).find("tokens_to_rank"), std::string::npos);
+  c = ok;
+  c.tokens_to_node[0] = 3;  // more than the sum over the node's two ranks
+  EXPECT_NE(message(c).find("tokens_to_node"), std::string::npos);
+  c = ok;
+  c.tokens_to_node[1] = 0;  // fewer than one of the node's ranks receives
+  EXPECT_NE(message(c).find("tokens_to_node"), std::string::npos);
+  c = ok;
+  c.topology = epx::Topology{4, 3};
+  EXPECT_NE(message(c).find("topology"), std::string::npos);
+}
+
+}  // namespace
