@@ -64,6 +64,15 @@ TEST(NvshmemModule, AModuleThatCannotLoadIsNamed) {
   EXPECT_NE(msg.find(bogus), std::string::npos) << msg;
 }
 
+// By bare name and not on the loader's path: no module (not "could not load").
+TEST(NvshmemModule, ABareNameNotOnTheLoadersPathIsNoModule) {
+  ScopedEnv env("EPX_NVSHMEM_MODULE", "libepx_nvshmem_absent.so");
+  const std::string msg = load_error();
+  ASSERT_FALSE(msg.empty()) << "an absent module loaded";
+  EXPECT_NE(msg.find("no NVSHMEM module"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("libepx_nvshmem_absent.so"), std::string::npos) << msg;
+}
+
 TEST(NvshmemModule, AMissingPathIsNamed) {
   ScopedEnv env("EPX_NVSHMEM_MODULE", "/nonexistent/libepx_nvshmem.so");
   const std::string msg = load_error();

@@ -73,11 +73,15 @@ const nvshmem_module::Api& load_nvshmem_module() {
     if (!exists(path)) continue;
     void* h = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (h == nullptr) {
-      const char* e = ::dlerror();
+      const char* why = ::dlerror();  // (a second call would return null)
+      const std::string e = why ? why : "dlopen failed";
+      // By bare name: not on the loader's path at all is "no module".
+      if (path.find('/') == std::string::npos &&
+          e.rfind(path + ": cannot open shared object file", 0) == 0)
+        continue;
       // Found but not loadable: most often NVSHMEM's own library is missing.
-      load_error = path + ": " + (e ? e : "dlopen failed");
-      if (path.find('/') != std::string::npos) break;
-      continue;
+      load_error = path + ": " + e;
+      break;
     }
     using Entry = const Api* (*)();
     auto entry = reinterpret_cast<Entry>(::dlsym(h, "epx_nvshmem_module_api"));
