@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common/env.hpp"
+#include "common/plan.hpp"
 #include "epx/communicator.hpp"
 #include "epx/error.hpp"
 #include "transport/nvshmem/module.hpp"
@@ -164,7 +165,7 @@ class NvshmemBackend final : public Backend {
 
   SymmetricRegion alloc(std::size_t bytes) override {
     SymmetricRegion r;
-    r.bytes = (bytes == 0 ? 1 : bytes + 4095) / 4096 * 4096;
+    r.bytes = plan::align_up(bytes == 0 ? plan::kAlign : bytes, 4096);
     comm_.barrier();  // EPX's deadline first: a missing rank is named, not waited for in NVSHMEM
     char err[1024] = {0};
     check(api_.alloc(r.bytes, &r.local, err, sizeof(err)), err);
