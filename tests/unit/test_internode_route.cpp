@@ -39,24 +39,32 @@ struct Routed {
   InternodeCounts counts;
 };
 
-Routed make(const Case& c, uint64_t seed) {
-  Routed r;
+/// The layouts of r.in's routing and the counts the exchange would give.
+void route_counts(const Case& c, Routed& r) {
   const int N = c.R / c.L;
-  r.in.resize(c.R);
+  r.layout.clear();
   r.counts.topology = epx::Topology{c.R, c.L};
   r.counts.tokens_to_rank.assign(sz(c.R, c.R), 0);
   r.counts.tokens_to_node.assign(sz(c.R, N), 0);
   for (int s = 0; s < c.R; ++s) {
-    ref::HtInput& x = r.in[s];
-    x.num_tokens = c.T[s];
-    x.topk_idx = ref::random_topk(c.T[s], c.K, c.E, c.masked, seed * 131 + s);
-    x.x_bf16 = ref::random_bf16(sz(c.T[s], c.H), seed * 137 + s);
-    r.layout.push_back(ref::get_dispatch_layout(x.topk_idx, c.T[s], c.K, c.E, c.R, c.L));
+    r.layout.push_back(ref::get_dispatch_layout(r.in[s].topk_idx, c.T[s], c.K, c.E, c.R, c.L));
     for (int d = 0; d < c.R; ++d)
       r.counts.tokens_to_rank[sz(s, c.R) + d] = r.layout[s].num_tokens_per_rank[d];
     for (int m = 0; m < N; ++m)
       r.counts.tokens_to_node[sz(s, N) + m] = r.layout[s].num_tokens_per_node[m];
   }
+}
+
+Routed make(const Case& c, uint64_t seed) {
+  Routed r;
+  r.in.resize(c.R);
+  for (int s = 0; s < c.R; ++s) {
+    ref::HtInput& x = r.in[s];
+    x.num_tokens = c.T[s];
+    x.topk_idx = ref::random_topk(c.T[s], c.K, c.E, c.masked, seed * 131 + s);
+    x.x_bf16 = ref::random_bf16(sz(c.T[s], c.H), seed * 137 + s);
+  }
+  route_counts(c, r);
   return r;
 }
 
@@ -173,14 +181,7 @@ TEST(InternodeRoute, ANodeThatReceivesNothing) {
   // Route every pick to experts 0..3 (ranks 0 and 1, node 0).
   for (auto& x : r.in)
     for (std::size_t i = 0; i < x.topk_idx.size(); ++i) x.topk_idx[i] = static_cast<int64_t>(i % 2);
-  r.layout.clear();
-  for (int s = 0; s < c.R; ++s) {
-    r.layout.push_back(ref::get_dispatch_layout(r.in[s].topk_idx, c.T[s], c.K, c.E, c.R, c.L));
-    for (int d = 0; d < c.R; ++d)
-      r.counts.tokens_to_rank[sz(s, c.R) + d] = r.layout[s].num_tokens_per_rank[d];
-    for (int m = 0; m < 2; ++m)
-      r.counts.tokens_to_node[sz(s, 2) + m] = r.layout[s].num_tokens_per_node[m];
-  }
+  route_counts(c, r);
   const InternodeRoute route(r.counts);
   for (int s = 0; s < c.R; ++s) EXPECT_EQ(route.network_rows(s, 1), 0);
   EXPECT_EQ(route.recv_rows(2), 0);
