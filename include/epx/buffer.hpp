@@ -85,6 +85,16 @@ struct DispatchHandle {
   Tensor source_num_tokens;  ///< [R] i32: each rank's number of tokens in this dispatch
   std::vector<int> num_recv_tokens_per_expert;
   std::vector<int> recv_counts;  ///< host copy: rows received from each source
+
+  /// Across nodes (docs/internode_ht.md); empty within a node. The count
+  /// exchange's numbers (host), from which every rank derives the same route:
+  /// [R][R] tokens of each source per rank, [R][N] per node.
+  std::vector<int> net_tokens_to_rank, net_tokens_to_node;
+  int ranks_per_node = 0;  ///< > 0: the handle of a dispatch across nodes
+  Tensor net_send_pos;     ///< [T, N] i32: token t's index in this rank's stream to node m, or -1
+  Tensor net_fwd_mask;     ///< [N, rows] i32: local ranks each record this rank forwarded reached
+  Tensor net_recv_meta;    ///< [N_recv, 2] i32: each received row's source rank and record index
+  Tensor net_table;        ///< i32: the kernels' route table (kernels::HtNetTable)
 };
 
 struct DispatchArgs {

@@ -82,4 +82,47 @@ int InternodeRoute::network_rows_received(int f) const {
   return rows;
 }
 
+int InternodeRoute::max_node_rows() const {
+  int most = 0;
+  for (int v : c_.tokens_to_node) most = v > most ? v : most;
+  return most;
+}
+
+int InternodeRoute::max_recv_rows() const {
+  int most = 0;
+  for (int v : recv_rows_) most = v > most ? v : most;
+  return most;
+}
+
+HtNetRegion HtNetRegion::dispatch(const InternodeRoute& route, std::size_t record_bytes) {
+  const Topology& t = route.topology();
+  HtNetRegion r;
+  r.row_bytes = record_bytes;
+  r.slot_rows = route.max_node_rows();
+  r.num_nodes = t.num_nodes();
+  r.ranks_per_node = t.ranks_per_node;
+  const std::size_t slots = r.slot_bytes() * static_cast<std::size_t>(r.num_nodes);
+  r.recv = body(t.num_ranks);
+  r.send = align_up(r.recv + slots, kAlign);
+  r.stage = align_up(r.send + slots, kAlign);
+  r.total =
+      align_up(r.stage + record_bytes * static_cast<std::size_t>(route.max_recv_rows()), kAlign);
+  return r;
+}
+
+HtNetRegion HtNetRegion::combine(const InternodeRoute& route, std::size_t row_bytes) {
+  const Topology& t = route.topology();
+  HtNetRegion r;
+  r.row_bytes = row_bytes;
+  r.slot_rows = route.max_node_rows();
+  r.num_nodes = t.num_nodes();
+  r.ranks_per_node = t.ranks_per_node;
+  const std::size_t slots = r.slot_bytes() * static_cast<std::size_t>(r.num_nodes);
+  r.stage = body(t.num_ranks);
+  r.send = align_up(r.stage + slots * static_cast<std::size_t>(t.ranks_per_node), kAlign);
+  r.recv = align_up(r.send + slots, kAlign);
+  r.total = align_up(r.recv + slots, kAlign);
+  return r;
+}
+
 }  // namespace epx::plan

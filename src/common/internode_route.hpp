@@ -7,8 +7,10 @@
 // the reference model.
 #pragma once
 
+#include <cstddef>
 #include <vector>
 
+#include "common/plan.hpp"
 #include "common/topology.hpp"
 
 namespace epx::plan {
@@ -49,6 +51,16 @@ class InternodeRoute {
   int network_rows_sent(int s) const;
   /// Rows rank f receives over the network (all sources of other nodes).
   int network_rows_received(int f) const;
+  /// The count exchange's numbers.
+  int tokens_to_rank(int s, int d) const { return at(s, d); }
+  int tokens_to_node(int s, int m) const {
+    return c_.tokens_to_node[static_cast<std::size_t>(s) * N_ + m];
+  }
+  /// The most rows any source has for one node (its own included): the rows
+  /// of one node's slot in the whole-call areas (HtNetRegion).
+  int max_node_rows() const;
+  /// The most rows any rank receives.
+  int max_recv_rows() const;
 
  private:
   int at(int s, int d) const { return c_.tokens_to_rank[static_cast<std::size_t>(s) * R_ + d]; }
@@ -56,6 +68,72 @@ class InternodeRoute {
   int R_ = 1, N_ = 1;
   std::vector<int> recv_offset_;  ///< [R][R]: [d][s]
   std::vector<int> recv_rows_;    ///< [R]
+};
+
+/// Signals of the internode high-throughput ops, one id per (kind, source
+/// rank): a source's barrier arrival, its network rows (dispatch), a
+/// forwarder's staged rows (dispatch), a receiver's returned rows (combine),
+/// a forwarder's node sums (combine).
+enum class HtNetSignal : int {
+  kBarrier = 0,
+  kDispatchNet,
+  kDispatchNvl,
+  kCombineReturn,
+  kCombineNet,
+  kKinds
+};
+constexpr int ht_net_signal(int num_ranks, HtNetSignal kind, int src) {
+  return static_cast<int>(kind) * num_ranks + src;
+}
+
+/// One dispatch record, as sent over the network and staged over NVLink:
+/// payload, scales (4-byte words), top-k expert ids (global, i32) and
+/// weights (f32), then the source token index, the mask of the destination
+/// node's local ranks it reaches, its index in the source's stream to that
+/// node, and the source rank.
+constexpr std::size_t ht_net_record_bytes(std::size_t hidden_bytes, int num_scales, int num_topk) {
+  return align_up(hidden_bytes + 4u * num_scales + 8u * num_topk + 16u, 16);
+}
+
+/// The internode high-throughput region (the buffer's num_nvl_bytes region):
+/// a fixed header, then one op's areas, sized for the whole call from the
+/// count exchange (docs/internode_ht.md, "A first version"). Every rank
+/// computes the same offsets from the same exchanged counts.
+///
+///   [op counts u64[4], local: ops, dispatches, combines]
+///   [finished-block counters u32[16], local]
+///   [signals u64 [kKinds * R][kMaxContexts]]
+///   body, dispatch: [recv: N slots][send: N slots][stage: rows]
+///                   a slot holds `slot_rows` records; recv slot m: the rows
+///                   from node m's source of this rank's local index; send
+///                   slot m: this rank's rows for node m (its own node's
+///                   slot: the rows it forwards itself, never sent)
+///   body, combine:  [stage: L x N slots][send: N slots][recv: N slots] of
+///                   combine rows; stage slot (d, m): local rank d's rows for
+///                   the records that came from node m; send slot m: node
+///                   sums for node m's source; recv slot m: node m's sums
+struct HtNetRegion {
+  static constexpr std::size_t kCounts = 0;
+  static constexpr std::size_t kDone = 64;
+  static constexpr int kDoneWords = 16;
+  static constexpr std::size_t kSignals = 256;
+  static constexpr std::size_t signals_bytes(int num_ranks) {
+    return 8u * static_cast<int>(HtNetSignal::kKinds) * num_ranks * kMaxContexts;
+  }
+  static constexpr std::size_t body(int num_ranks) {
+    return align_up(kSignals + signals_bytes(num_ranks), kAlign);
+  }
+
+  std::size_t row_bytes = 0;  ///< a record (dispatch) or combine row
+  int slot_rows = 0;          ///< rows per slot (InternodeRoute::max_node_rows)
+  int num_nodes = 1, ranks_per_node = 1;
+  std::size_t recv = 0, send = 0, stage = 0, total = 0;
+
+  std::size_t slot_bytes() const { return row_bytes * static_cast<std::size_t>(slot_rows); }
+  /// A dispatch's areas: stage holds the most rows any rank receives.
+  static HtNetRegion dispatch(const InternodeRoute& route, std::size_t record_bytes);
+  /// A combine's areas.
+  static HtNetRegion combine(const InternodeRoute& route, std::size_t row_bytes);
 };
 
 }  // namespace epx::plan

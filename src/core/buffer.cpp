@@ -96,6 +96,7 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
     // lazily at a first launch while a peer's kernel waits for this rank.
     kernels::preload_layout_kernels();
     kernels::preload_ht_kernels();
+    kernels::preload_ht_net_kernels();
     kernels::preload_ll_kernels();
   }
   // Kernels address a peer's region with this rank's offsets, and the LL
@@ -139,6 +140,7 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
     // kernels now, and say that other code's kernels can do the same.
     kernels::preload_layout_kernels();
     kernels::preload_ht_kernels();
+    kernels::preload_ht_net_kernels();
     kernels::preload_ll_kernels();
     warn_if_lazy_loading(d.backend->name(), d.comm->rank());
   }
@@ -305,11 +307,21 @@ void Buffer::Impl::raise_if_failed(const char* op) {
   }
   if (code == DiagCode::kTimeout && g->channel >= kDiagSignalChannel) {
     const int sig = g->channel - kDiagSignalChannel, R = comm->num_ranks();
-    static const char* kinds[] = {"dispatch", "combine weights", "combine rows"};
+    // The signal kinds of the low-latency ops, and of the high-throughput
+    // ones across nodes (plan::HtNetSignal).
+    static const char* ll_kinds[] = {"dispatch", "combine weights", "combine rows"};
+    static const char* ht_kinds[] = {"arrival at the op", "dispatch rows",
+                                     "forwarded dispatch rows", "returned combine rows",
+                                     "combined node rows"};
+    const bool ll = what == OpId::kLowLatencyDispatchSend ||
+                    what == OpId::kLowLatencyDispatchRecv || what == OpId::kLowLatencyCombineSend ||
+                    what == OpId::kLowLatencyCombineRecv;
+    const int kind = sig / R;
+    const char* name =
+        ll ? (kind < 3 ? ll_kinds[kind] : "signal") : (kind < 5 ? ht_kinds[kind] : "signal");
     os << op_name(what) << ": rank " << g->rank << " waited more than " << timeout_s
-       << " s for rank " << g->peer << "'s " << (sig / R < 3 ? kinds[sig / R] : "signal")
-       << " over the network (signal " << sig << " at " << g->seen << ", expected " << g->expected
-       << "); rank " << g->peer
+       << " s for rank " << g->peer << "'s " << name << " over the network (signal " << sig
+       << " at " << g->seen << ", expected " << g->expected << "); rank " << g->peer
        << " or its proxy / network is stalled or dead, or it called a different op (set "
           "EPX_TIMEOUT_S to wait longer)";
   } else if (code == DiagCode::kTimeout) {

@@ -93,17 +93,6 @@ struct Buffer::Impl {
   }
   /// Whether the backend reaches some peers over the network (not by load/store).
   bool networked() const { return !topology.single_node(); }
-  /// Throws kUnsupported for an op that runs within one node only.
-  void require_single_node(const char* op) const {
-    if (topology.single_node()) return;
-    throw Error(ErrorCode::kUnsupported,
-                std::string(op) + ": the high-throughput kernels run within one node; the " +
-                    std::to_string(topology.num_ranks) + " ranks form " +
-                    std::to_string(topology.num_nodes()) + " nodes of " +
-                    std::to_string(topology.ranks_per_node) +
-                    " (ranks_per_node / EPX_RANKS_PER_NODE). Use the low-latency ops across "
-                    "nodes, or one node");
-  }
   uint64_t timeout_ns() const {
     return static_cast<uint64_t>(detail::capped_wait_seconds(timeout_s) * 1e9);
   }
@@ -137,8 +126,8 @@ struct Buffer::Impl {
   void enter(const StreamArgs& s);
   /// Finish: event for async_finish, or make the caller's stream wait.
   std::optional<Event> leave(const StreamArgs& s);
-  /// Low-latency ops: the stream to launch on. Without async_finish that is
-  /// the caller's stream itself (DeepEP does the same in hook mode): no event
+  /// Low-latency ops, and the high-throughput ones across nodes: the stream to launch on. Without
+  /// async_finish that is the caller's stream itself (DeepEP does the same in hook mode): no event
   /// hop to the comm stream and back, the same order for the caller.
   cudaStream_t ll_enter(const StreamArgs& s);
   /// Pairs with ll_enter: records the tail; event / caller wait as leave().
@@ -166,6 +155,10 @@ struct Buffer::Impl {
   std::vector<Tensor> make_parts(const std::vector<Part>& parts, const StreamArgs& s);
   /// Orders the comm stream after the allocations make() did for `s`.
   void ordered_after_allocs(const StreamArgs& s);
+
+  /// dispatch / combine when the ranks form several nodes (core/internode.cpp).
+  DispatchResult net_dispatch(const DispatchArgs& a);
+  CombineResult net_combine(const CombineArgs& a);
 };
 
 }  // namespace epx

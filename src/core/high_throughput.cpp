@@ -104,9 +104,9 @@ Layout Buffer::get_dispatch_layout(const TensorView& topk_idx, int num_experts,
 DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   auto& d = *impl_;
   d.check_alive("dispatch");
-  d.require_single_node("dispatch");
   const int R = d.comm->num_ranks();
   validate::dispatch(a, R, d.device);
+  if (d.networked()) return d.net_dispatch(a);
   const Config cfg = a.config.value_or(get_dispatch_config(R));
   cfg.validate(R, d.num_sms_device);
 
@@ -260,9 +260,9 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
 CombineResult Buffer::combine(const CombineArgs& a) {
   auto& d = *impl_;
   d.check_alive("combine");
-  d.require_single_node("combine");
   const int R = d.comm->num_ranks();
   validate::combine(a, R, d.device);
+  if (d.networked()) return d.net_combine(a);
   Config cfg = a.config.value_or(get_combine_config(R));
   cfg.pull_dispatch = false;  // a dispatch-only choice (and its send share)
   cfg.validate(R, d.num_sms_device);

@@ -181,6 +181,102 @@ void launch_ht_combine(const dev::AnyTransport& t, const HtCombineArgs& a, int n
 }  // namespace epx::kernels
 
 // ============================================================================
+// High-throughput across nodes (issue 25): src/kernels/internode.cu. The
+// first version of docs/internode_ht.md: whole-call areas (plan::HtNetRegion),
+// offsets from plan::InternodeRoute on the host, a barrier kernel before each
+// op (every rank has finished the previous op, so its areas may be rewritten).
+// ============================================================================
+namespace epx::kernels {
+
+/// Where an internode op's areas lie (plan::HtNetRegion) and its shapes.
+struct HtNetOffsets {
+  std::size_t counts, done;  ///< local: u64 op counts, u32 finished-block counters
+  std::size_t recv, send, stage;
+  std::size_t row_bytes, slot_bytes;
+  int slot_rows, num_nodes, ranks_per_node;
+};
+
+/// The route table a dispatch uploads (int32, kept in the handle), in this order.
+struct HtNetTable {
+  int fwd_rows;     ///< [N]: rows this rank forwards for node m's source (its own: m = its node)
+  int stage_base;   ///< [L][N]: where those rows start in local rank d's stage (recv_offset)
+  int recv_offset;  ///< [R + 1]: first row of each source in this rank's output, then the total
+  int node_rows;    ///< [N]: this rank's rows for each node
+  int ints;         ///< the table's size
+  static constexpr HtNetTable make(int num_ranks, int num_nodes, int ranks_per_node) {
+    HtNetTable t{};
+    t.fwd_rows = 0;
+    t.stage_base = num_nodes;
+    t.recv_offset = t.stage_base + ranks_per_node * num_nodes;
+    t.node_rows = t.recv_offset + num_ranks + 1;
+    t.ints = t.node_rows + num_nodes;
+    return t;
+  }
+};
+
+/// Which op a barrier opens (its own count in the op-count words).
+enum class HtNetOp : int { kDispatch = 1, kCombine = 2 };
+
+/// send_pos and the per-rank / per-node token counts from is_token_in_rank.
+struct HtNetRouteArgs {
+  const bool* is_token_in_rank;  ///< [T, R]
+  int num_tokens, num_ranks, ranks_per_node;
+  int* send_pos;     ///< [T, N]: token t's index in this rank's stream to node m, or -1
+  int* rank_counts;  ///< [R]
+  int* node_counts;  ///< [N]
+};
+void launch_ht_net_route(const HtNetRouteArgs& a, cudaStream_t stream);
+
+struct HtNetDispatchArgs {
+  HtNetOffsets off;
+  HtNetOp op;
+  const int* table;  ///< HtNetTable layout
+  const uint8_t* x;  ///< rows of hidden_bytes
+  int64_t x_row_bytes;
+  const float* x_scales;  ///< nullable
+  int64_t scale_stride_token, scale_stride_channel;
+  const int64_t* topk_idx;    ///< [T, K] nullable
+  const float* topk_weights;  ///< [T, K] nullable
+  const bool* is_token_in_rank;
+  const int* send_pos;  ///< [T, N]
+  int num_tokens, hidden_bytes, num_scales, num_topk, num_experts;
+  int* fwd_mask;  ///< [N, slot_rows]: local ranks each forwarded record reached
+  int num_recv_rows;
+  uint8_t* recv_x;
+  float* recv_scales;
+  int64_t* recv_topk_idx;
+  float* recv_topk_weights;
+  int* recv_src_idx;
+  int* recv_meta;  ///< [N_recv, 2]: source rank, record index
+  int num_blocks;  ///< of the send and receive kernels
+};
+/// The barrier, then send, forward and receive.
+void launch_ht_net_dispatch(const dev::AnyTransport& t, const HtNetDispatchArgs& a,
+                            cudaStream_t stream);
+
+struct HtNetCombineArgs {
+  HtNetOffsets off;
+  const int* table;
+  const uint16_t* x;  ///< [N_recv, H] bf16
+  int num_x_rows;
+  const float* topk_weights;  ///< [N_recv, K] nullable
+  const uint16_t* bias0;
+  const uint16_t* bias1;
+  const int* send_pos;  ///< [T, N]
+  const int* fwd_mask;  ///< [N, slot_rows]
+  const int* recv_meta;
+  int num_recv_rows, num_tokens, hidden, num_topk;
+  uint16_t* combined_x;
+  float* combined_topk_weights;
+  int num_blocks;
+};
+/// The barrier, then return, node sum and finish.
+void launch_ht_net_combine(const dev::AnyTransport& t, const HtNetCombineArgs& a,
+                           cudaStream_t stream);
+
+}  // namespace epx::kernels
+
+// ============================================================================
 // Low-latency (issue 4): src/kernels/low_latency.cu. Each op is a send kernel
 // (epoch from op_counter, data and flags into the peers' receive slots) and a
 // receive kernel (epoch from the op's state word, waits, unpacks locally).
@@ -355,6 +451,7 @@ void launch_ll_combine_recv(const dev::AnyTransport& t, const LlCombineRecvArgs&
 /// waiting for this rank.
 void preload_layout_kernels();
 void preload_ht_kernels();
+void preload_ht_net_kernels();  ///< kernels/internode.cu
 void preload_ll_kernels();
 
 /// A module function's return value as an ErrorCode (0 is success, else

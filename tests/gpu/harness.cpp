@@ -64,6 +64,8 @@ const char* suite_skip_reason(const char* suite) {
   if (std::string(suite) == "HighThroughput" && w.buffer && w.buffer->num_rdma_ranks() > 1)
     return "the high-throughput kernels run within one node; this world has virtual nodes "
            "(EPX_RANKS_PER_NODE)";
+  if (std::string(suite) == "Internode" && (!w.buffer || w.buffer->num_rdma_ranks() < 2))
+    return "needs ranks in several (virtual) nodes (EPX_RANKS_PER_NODE)";
   return nullptr;
 }
 

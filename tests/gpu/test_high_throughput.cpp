@@ -27,6 +27,8 @@ struct HtCase {
   /// Of every 64 tokens, 8..23 are padding (top-k all -1) and 32..47 go only
   /// to their own rank: whole pull batches that no peer takes.
   bool peerless_runs = false;
+  /// Across nodes: no token routes to node 1 (a node that receives nothing).
+  bool starve_node1 = false;
   std::string name() const {
     return "T" + std::to_string(num_tokens) + "_H" + std::to_string(hidden) +
            (fp8 ? "_fp8" : "_bf16") + "_K" + std::to_string(num_topk) + "_E" +
@@ -49,6 +51,11 @@ std::vector<ref::HtInput> make_inputs(const HtCase& c, int R, uint64_t seed) {
     if (c.starve_rank1 && R > 1)
       for (auto& e : x.topk_idx)
         if (e >= epr && e < 2 * epr) e = -1;
+    if (c.starve_node1) {
+      const int rpn = world().buffer->num_nvl_ranks();
+      for (auto& e : x.topk_idx)
+        if (e >= rpn * epr && e < 2 * rpn * epr) e = -1;
+    }
     if (c.peerless_runs)
       for (int t = 0; t < x.num_tokens; ++t) {
         const int i = t % 64;
@@ -129,7 +136,10 @@ void run_case(const HtCase& c, int iters, uint64_t seed0,
       auto got = to_host<uint8_t>(layout.is_token_in_rank);
       ASSERT_EQ(got, rl.is_token_in_rank) << c.name();
     }
-    ASSERT_FALSE(layout.num_tokens_per_rdma_rank.defined()) << "one node: DeepEP returns None";
+    const int rpn = buf->num_nvl_ranks();
+    const bool across = rpn < R;
+    ASSERT_EQ(layout.num_tokens_per_rdma_rank.defined(), across)
+        << "one node: DeepEP returns None; across nodes the tokens per node";
 
     DeviceArray<uint8_t> d_x =
         c.fp8 ? to_device(mine.x_fp8) : to_device_bytes(mine.x_bf16.data(), mine.x_bf16.size() * 2);
@@ -209,9 +219,12 @@ void run_case(const HtCase& c, int iters, uint64_t seed0,
     ca.config = config;
     auto cres = buf->combine(ca);
     cudaStreamSynchronize(w.stream);
-    auto rc = ref::ht_combine(in, cin, H, K, c.num_experts);
+    // Across nodes each node's sum crosses the network as BF16 (the
+    // reference's ranks_per_node), added in the reference's order: bit-exact.
+    auto rc = ref::ht_combine(in, cin, H, K, c.num_experts, across ? rpn : 0);
     auto got = to_host<uint16_t>(cres.combined_x);
     ASSERT_EQ(got.size(), rc[me].combined_x.size());
+    if (across) EXPECT_EQ(got, rc[me].combined_x) << c.name() << ": combined_x not bit-exact";
     std::size_t bad = 0;
     for (std::size_t i = 0; i < got.size(); ++i) {
       const float g = bf(got[i]), r = bf(rc[me].combined_x[i]);
@@ -796,6 +809,76 @@ EPX_GPU_TEST(HighThroughput, MismatchedConfigIsRefused) {
   EXPECT_TRUE(all_ranks(!rank_failed()));
   // The same buffer still dispatches and combines correctly.
   run_case({128, 1024, 4, 8 * R, false, 0.1, true, 1, false}, 1, 22);
+}
+
+// ---- across (virtual) nodes: the two-level dispatch and combine ----------------
+// The same cases through the network and NVLink forwarding, against the same
+// reference; the combine must match the reference's node-grouped sums bit
+// for bit (run_case).
+
+EPX_GPU_TEST(Internode, Bf16Hidden7168) {
+  run_case({512, 7168, 8, 256, false, 0.1, true, 1, false}, 2, 311);
+}
+EPX_GPU_TEST(Internode, Fp8Hidden7168) {
+  run_case({512, 7168, 8, 256, true, 0.1, true, 1, false}, 2, 312);
+}
+EPX_GPU_TEST(Internode, HiddenSizesNoWeights) {
+  for (int h : {256, 2880}) run_case({300, h, 8, 64, false, 0.05, false, 1, false}, 1, 313 + h);
+}
+EPX_GPU_TEST(Internode, NodeReceivesNothing) {
+  HtCase c{256, 2048, 4, 64, false, 0.0, true, 1, false};
+  c.starve_node1 = true;
+  run_case(c, 1, 314);
+}
+EPX_GPU_TEST(Internode, RankReceivesNothing) {
+  run_case({256, 2048, 4, 64, false, 0.0, true, 1, true}, 1, 315);
+}
+EPX_GPU_TEST(Internode, OneAndZeroTokens) {
+  run_case({1, 2048, 8, 64, false, 0.0, true, 1, false}, 1, 316);
+  run_case({0, 2048, 8, 64, false, 0.0, true, 1, false}, 1, 317);
+}
+EPX_GPU_TEST(Internode, ExpertAlignmentAndMaskedRows) {
+  run_case({333, 4096, 6, 48, false, 0.5, true, 128, false}, 1, 318);
+}
+EPX_GPU_TEST(Internode, Stress200Calls) {
+  stress_calls(200, std::nullopt);
+}
+/// A call whose whole-call areas do not fit num_nvl_bytes raises
+/// kBufferTooSmall naming it on every rank, before any kernel; num_worst_tokens
+/// (no host count exchange yet across nodes) is refused by name; the buffer
+/// works afterwards.
+EPX_GPU_TEST(Internode, RefusedCallsAreNamed) {
+  auto& w = world();
+  const int R = w.num_ranks, me = w.rank;
+  BufferOptions o;
+  o.num_nvl_bytes = 1 << 20;
+  o.timeout_s = 20;
+  o.allocator = poisoning_allocator(w.comm->in_process());
+  Buffer b(w.comm, o);
+  StreamArgs s;
+  s.stream = w.stream;
+  const HtCase c{256, 7168, 8, 64, false, 0.0, false, 1, false};
+  auto in = make_inputs(c, R, 319);
+  const auto& mine = in[me];
+  auto d_topk = to_device(mine.topk_idx);
+  auto d_x = to_device(mine.x_bf16);
+  auto layout = b.get_dispatch_layout(view(d_topk.get(), DType::kI64, {mine.num_tokens, 8}), 64, s);
+  DispatchArgs a;
+  a.x = view(d_x.get(), DType::kBF16, {mine.num_tokens, c.hidden});
+  a.topk_idx = view(d_topk.get(), DType::kI64, {mine.num_tokens, 8});
+  a.set_layout(layout);
+  a.streams = s;
+  Config cfg = shared_gpu_config();
+  a.config = cfg;
+  expect_error(
+      "whole call in 1 MiB", [&] { b.dispatch(a); }, {"num_nvl_bytes", "bytes"},
+      ErrorCode::kBufferTooSmall);
+  a.num_worst_tokens = 4096;
+  expect_error(
+      "num_worst_tokens", [&] { b.dispatch(a); }, {"num_worst_tokens"}, ErrorCode::kUnsupported);
+  EXPECT_TRUE(all_ranks(!rank_failed()));
+  b.destroy();
+  run_case({64, 256, 4, 8 * R, false, 0.1, true, 1, false}, 1, 320);
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 // nodes, bit for bit. No GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -224,3 +225,48 @@ TEST(InternodeRoute, BadCountsAreNamed) {
 }
 
 }  // namespace
+
+// The whole-call areas of the internode kernels: after the header and the
+// signal words, aligned, disjoint, each as large as the route needs (a
+// node's slot holds the most rows any source has for one node, the stage the
+// most rows any rank receives), and the same on every rank (they depend on
+// the exchanged counts only).
+TEST(InternodeRoute, WholeCallRegionsHoldTheRoute) {
+  using epx::plan::HtNetRegion;
+  const Case c{8, 2, 8, 8, 256, {40, 1, 0, 33, 17, 9, 64, 2}, 0.2};
+  Routed r = make(c, 5);
+  route_counts(c, r);
+  const InternodeRoute route(r.counts);
+  const int N = 4;
+  int most_node = 0, most_recv = 0;
+  for (int s = 0; s < c.R; ++s)
+    for (int m = 0; m < N; ++m) most_node = std::max(most_node, route.tokens_to_node(s, m));
+  for (int d = 0; d < c.R; ++d) most_recv = std::max(most_recv, route.recv_rows(d));
+  EXPECT_EQ(route.max_node_rows(), most_node);
+  EXPECT_EQ(route.max_recv_rows(), most_recv);
+
+  const std::size_t rec = epx::plan::ht_net_record_bytes(7168, 56, 8);
+  EXPECT_EQ(rec % 16, 0u);
+  EXPECT_GE(rec, 7168u + 4 * 56 + 8 * 8 + 16);
+  const HtNetRegion d = HtNetRegion::dispatch(route, rec);
+  const std::size_t body = HtNetRegion::body(c.R);
+  EXPECT_GE(body, HtNetRegion::kSignals + HtNetRegion::signals_bytes(c.R));
+  EXPECT_GE(HtNetRegion::kSignals, HtNetRegion::kDone + 4u * HtNetRegion::kDoneWords);
+  EXPECT_EQ(d.slot_rows, most_node);
+  EXPECT_EQ(d.recv, body);
+  EXPECT_GE(d.send, d.recv + N * d.slot_bytes());
+  EXPECT_GE(d.stage, d.send + N * d.slot_bytes());
+  EXPECT_GE(d.total, d.stage + rec * most_recv);
+  for (std::size_t off : {d.recv, d.send, d.stage, d.total}) EXPECT_EQ(off % 128, 0u);
+
+  const std::size_t row = epx::plan::ht_combine_row_bytes(7168, 8);
+  const HtNetRegion k = HtNetRegion::combine(route, row);
+  EXPECT_EQ(k.stage, body);
+  EXPECT_GE(k.send, k.stage + static_cast<std::size_t>(c.L) * N * k.slot_bytes());
+  EXPECT_GE(k.recv, k.send + N * k.slot_bytes());
+  EXPECT_GE(k.total, k.recv + N * k.slot_bytes());
+  // Equal counts, equal regions: what every rank computes.
+  const InternodeRoute again(r.counts);
+  EXPECT_EQ(HtNetRegion::dispatch(again, rec).total, d.total);
+  EXPECT_EQ(HtNetRegion::combine(again, row).total, k.total);
+}

@@ -1,0 +1,335 @@
+// Host side of dispatch and combine when the ranks form several nodes
+// (issue 25, docs/internode_ht.md "A first version"): a host count exchange
+// over the communicator, the route (plan::InternodeRoute) every rank derives
+// from it, whole-call areas in the num_nvl_bytes region, then the kernels of
+// kernels/internode.cu.
+#include <algorithm>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/internode_route.hpp"
+#include "core/buffer_impl.hpp"
+#include "core/stream_wait.hpp"
+#include "kernels/kernels.hpp"
+
+namespace epx {
+namespace {
+
+kernels::HtNetOffsets offsets_of(const plan::HtNetRegion& r) {
+  kernels::HtNetOffsets o{};
+  o.counts = plan::HtNetRegion::kCounts;
+  o.done = plan::HtNetRegion::kDone;
+  o.recv = r.recv;
+  o.send = r.send;
+  o.stage = r.stage;
+  o.row_bytes = r.row_bytes;
+  o.slot_bytes = r.slot_bytes();
+  o.slot_rows = r.slot_rows;
+  o.num_nodes = r.num_nodes;
+  o.ranks_per_node = r.ranks_per_node;
+  return o;
+}
+
+/// Every rank computes the same region from the same counts, so all of them
+/// raise here together when it does not fit.
+void check_fits(const char* op, const plan::HtNetRegion& r, const transport::SymmetricRegion& ht) {
+  if (r.total <= ht.bytes) return;
+  throw Error(ErrorCode::kBufferTooSmall,
+              std::string(op) + ": num_nvl_bytes: the call needs " + std::to_string(r.total) +
+                  " bytes (across nodes the first version sizes its areas for the whole call: " +
+                  std::to_string(r.num_nodes) + " slots of " + std::to_string(r.slot_rows) +
+                  " rows of " + std::to_string(r.row_bytes) +
+                  " B each way, and the rows this rank receives) but the buffer has " +
+                  std::to_string(ht.bytes) + "; raise num_nvl_bytes or send fewer tokens");
+}
+
+/// The SMs of the send, receive and sum kernels: the config's; without a
+/// config, the default's within this rank's share of the GPU (in-process
+/// ranks split it).
+int net_blocks(const char* op, const std::optional<Config>& given, const Config& cfg,
+               int sms_device) {
+  if (!given) return std::max(1, std::min(cfg.num_sms, sms_device));
+  require(cfg.num_sms >= 1 && cfg.num_sms <= sms_device, "config.num_sms",
+          std::string(op) + ": must be in [1, " + std::to_string(sms_device) +
+              "] (the SMs this rank may use), got " + std::to_string(cfg.num_sms));
+  return cfg.num_sms;
+}
+
+plan::InternodeRoute route_of(const DispatchHandle& h, const Topology& topology) {
+  plan::InternodeCounts c;
+  c.topology = topology;
+  c.tokens_to_rank = h.net_tokens_to_rank;
+  c.tokens_to_node = h.net_tokens_to_node;
+  return plan::InternodeRoute(std::move(c));
+}
+
+/// Orders stream x after the allocations make() did for `s` (x is the
+/// caller's stream or the comm stream, as ll_enter chose).
+void after_allocs(Buffer::Impl& d, const StreamArgs& s, cudaStream_t x) {
+  if (x == d.comm_stream)
+    d.ordered_after_allocs(s);
+  else if (s.allocate_on_comm_stream)
+    Event::record(d.comm_stream).stream_wait(x);
+}
+
+void upload(const Tensor& dst, const std::vector<int>& src, cudaStream_t stream) {
+  if (src.empty()) return;
+  EPX_CUDA_CHECK(cudaMemcpyAsync(dst.view.data, src.data(), src.size() * sizeof(int),
+                                 cudaMemcpyHostToDevice, stream));
+}
+
+}  // namespace
+
+DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
+  const char* op = "dispatch";
+  const int R = comm->num_ranks(), me = comm->rank();
+  const int L = topology.ranks_per_node, N = topology.num_nodes();
+  if (a.num_worst_tokens > 0)
+    throw Error(ErrorCode::kUnsupported,
+                "dispatch: num_worst_tokens: across nodes the dispatch needs the host count "
+                "exchange for now (pass num_worst_tokens=0)");
+  if (a.handle && a.handle->ranks_per_node != L)
+    throw Error(ErrorCode::kInvalidArgument,
+                "dispatch: handle: was made by a dispatch within one node or with another "
+                "ranks_per_node (" +
+                    std::to_string(a.handle->ranks_per_node) + ", this buffer has " +
+                    std::to_string(L) + ")");
+  const Config cfg = a.config.value_or(get_dispatch_config(R));
+  const int blocks = net_blocks(op, a.config, cfg, num_sms_device);
+
+  const bool scaled = a.x_scales.has_value();
+  const int T = static_cast<int>(a.x.shape[0]);
+  const int H = static_cast<int>(a.x.shape[1]);
+  const int hidden_bytes = H * static_cast<int>(element_size(a.x.dtype));
+  const int S = scaled ? static_cast<int>(a.x_scales->shape[1]) : 0;
+  const int K = (a.handle || !a.topk_idx) ? 0 : static_cast<int>(a.topk_idx->shape[1]);
+  const int E = a.handle ? R : static_cast<int>(a.num_tokens_per_expert->shape[0]);
+
+  // As the low-latency ops: without async_finish the kernels run on the
+  // caller's stream itself. With in-process ranks sharing a GPU this keeps
+  // the comm streams idle: the ranks' busy streams and the proxy's then fit
+  // the GPU's hardware queues (CUDA_DEVICE_MAX_CONNECTIONS), where a proxy
+  // copy queued behind a kernel that waits for it would stall until the
+  // deadline (4x4 in-process ranks: 48 busy streams on 32 queues did).
+  const cudaStream_t x = ll_enter(a.streams);
+  auto handle = std::make_shared<DispatchHandle>();
+  if (a.handle) {
+    *handle = *a.handle;
+  } else {
+    handle->num_ranks = R;
+    handle->num_tokens = T;
+    handle->hidden = H;
+    handle->ranks_per_node = L;
+    const int E_ints =
+        R + N + E + R;  // rank counts, node counts, experts, the caller's rank counts
+    require(E_ints <= kCountsInts, "num_experts",
+            "dispatch: too many experts for the count exchange (" + std::to_string(E) + ")");
+    auto parts = make_parts({{DType::kBool, {T, R}},
+                             {DType::kI32, {T, N}},
+                             {DType::kI32, {R + N}},
+                             {DType::kI32, {R, R}},
+                             {DType::kI32, {R}}},
+                            a.streams);
+    after_allocs(*this, a.streams, x);
+    handle->is_token_in_rank = parts[0];
+    handle->net_send_pos = parts[1];
+    const Tensor counts = parts[2];
+    handle->rank_prefix_matrix = parts[3];
+    handle->source_num_tokens = parts[4];
+    const TensorView& src = *a.is_token_in_rank;
+    if (src.nbytes() > 0)
+      EPX_CUDA_CHECK(cudaMemcpyAsync(handle->is_token_in_rank.view.data, src.data, src.nbytes(),
+                                     cudaMemcpyDeviceToDevice, x));
+    kernels::HtNetRouteArgs ra{};
+    ra.is_token_in_rank = handle->is_token_in_rank.ptr<bool>();
+    ra.num_tokens = T;
+    ra.num_ranks = R;
+    ra.ranks_per_node = L;
+    ra.send_pos = handle->net_send_pos.ptr<int>();
+    ra.rank_counts = counts.ptr<int>();
+    ra.node_counts = counts.ptr<int>() + R;
+    kernels::launch_ht_net_route(ra, x);
+    // The counts to the host: the route's, the caller's per expert and per rank.
+    int* host = counts_host;
+    EPX_CUDA_CHECK(
+        cudaMemcpyAsync(host, counts.view.data, sizeof(int) * (R + N), cudaMemcpyDeviceToHost, x));
+    EPX_CUDA_CHECK(cudaMemcpyAsync(host + R + N, a.num_tokens_per_expert->data, sizeof(int) * E,
+                                   cudaMemcpyDeviceToHost, x));
+    EPX_CUDA_CHECK(cudaMemcpyAsync(host + R + N + E, a.num_tokens_per_rank->data, sizeof(int) * R,
+                                   cudaMemcpyDeviceToHost, x));
+    if (!detail::wait_stream_for(x, timeout_s))
+      throw Error(ErrorCode::kTimeout, "dispatch: the count exchange's copies did not finish in " +
+                                           std::to_string(timeout_s) + " s");
+    raise_if_failed(op);
+    // One row per rank: T, whether its layout disagrees, rank counts, node
+    // counts, expert counts. A rank whose layout is bad still takes part, so
+    // that every rank raises instead of waiting.
+    std::vector<int> row(2 + R + N + E);
+    row[0] = T;
+    row[1] = std::memcmp(host, host + R + N + E, sizeof(int) * R) != 0 ? 1 : 0;
+    std::memcpy(row.data() + 2, host, sizeof(int) * (R + N + E));
+    const auto all = comm->allgather(row.data(), row.size() * sizeof(int));
+    auto at = [&](int s, int i) {
+      int v;
+      std::memcpy(&v, all.data() + (static_cast<std::size_t>(s) * row.size() + i) * sizeof(int),
+                  sizeof(int));
+      return v;
+    };
+    for (int s = 0; s < R; ++s)
+      if (at(s, 1) != 0)
+        throw Error(ErrorCode::kInvalidArgument,
+                    "dispatch: num_tokens_per_rank: rank " + std::to_string(s) +
+                        "'s disagrees with its is_token_in_rank (pass the tensors of one "
+                        "get_dispatch_layout call)");
+    handle->net_tokens_to_rank.assign(static_cast<std::size_t>(R) * R, 0);
+    handle->net_tokens_to_node.assign(static_cast<std::size_t>(R) * N, 0);
+    std::vector<int> prefix(static_cast<std::size_t>(R) * R), source_tokens(R);
+    for (int s = 0; s < R; ++s) {
+      source_tokens[s] = at(s, 0);
+      for (int d2 = 0; d2 < R; ++d2) {
+        handle->net_tokens_to_rank[static_cast<std::size_t>(s) * R + d2] = at(s, 2 + d2);
+        prefix[static_cast<std::size_t>(s) * R + d2] =
+            at(s, 2 + d2) + (s > 0 ? prefix[static_cast<std::size_t>(s - 1) * R + d2] : 0);
+      }
+      for (int m = 0; m < N; ++m)
+        handle->net_tokens_to_node[static_cast<std::size_t>(s) * N + m] = at(s, 2 + R + m);
+    }
+    const int epr = E / R;
+    handle->num_recv_tokens_per_expert.assign(epr, 0);
+    for (int j = 0; j < epr; ++j) {
+      long long sum = 0;
+      for (int s = 0; s < R; ++s) sum += at(s, 2 + R + N + me * epr + j);
+      const long long al = a.expert_alignment;
+      handle->num_recv_tokens_per_expert[j] = static_cast<int>((sum + al - 1) / al * al);
+    }
+    handle->recv_counts.assign(R, 0);
+    for (int s = 0; s < R; ++s) handle->recv_counts[s] = at(s, 2 + me);
+    upload(handle->rank_prefix_matrix, prefix, x);
+    upload(handle->source_num_tokens, source_tokens, x);
+  }
+
+  const plan::InternodeRoute route = route_of(*handle, topology);
+  const plan::HtNetRegion region =
+      plan::HtNetRegion::dispatch(route, plan::ht_net_record_bytes(hidden_bytes, S, K));
+  check_fits(op, region, ht);
+  const int Nr = route.recv_rows(me);
+  if (!a.handle) {
+    handle->num_recv_tokens = Nr;
+    const kernels::HtNetTable tab = kernels::HtNetTable::make(R, N, L);
+    std::vector<int> table(tab.ints, 0);
+    for (int m = 0; m < N; ++m) {
+      const int src = m * L + topology.local_of(me);
+      table[tab.fwd_rows + m] = route.forwarded_rows(me, src);
+      table[tab.node_rows + m] = route.tokens_to_node(me, m);
+      for (int d2 = 0; d2 < L; ++d2)
+        table[tab.stage_base + d2 * N + m] = route.recv_offset(topology.node_of(me) * L + d2, src);
+    }
+    for (int s = 0; s < R; ++s) table[tab.recv_offset + s] = route.recv_offset(me, s);
+    table[tab.recv_offset + R] = Nr;
+    auto parts = make_parts({{DType::kI32, {tab.ints}},
+                             {DType::kI32, {N, std::max(region.slot_rows, 1)}},
+                             {DType::kI32, {Nr, 2}}},
+                            a.streams);
+    after_allocs(*this, a.streams, x);
+    handle->net_table = parts[0];
+    handle->net_fwd_mask = parts[1];
+    handle->net_recv_meta = parts[2];
+    upload(handle->net_table, table, x);
+  }
+
+  DispatchResult res;
+  res.recv_x = make(a.x.dtype, {Nr, H}, a.streams);
+  if (scaled) res.recv_x_scales = make(a.x_scales->dtype, {Nr, S}, a.streams);
+  if (K > 0) res.recv_topk_idx = make(DType::kI64, {Nr, K}, a.streams);
+  if (K > 0 && a.topk_weights) res.recv_topk_weights = make(DType::kF32, {Nr, K}, a.streams);
+  Tensor recv_src_idx = make(DType::kI32, {Nr}, a.streams);
+  after_allocs(*this, a.streams, x);
+
+  kernels::HtNetDispatchArgs p{};
+  p.off = offsets_of(region);
+  p.table = handle->net_table.ptr<int>();
+  p.x = static_cast<const uint8_t*>(a.x.data);
+  p.x_row_bytes = a.x.strides[0] * static_cast<int64_t>(element_size(a.x.dtype));
+  if (scaled) {
+    p.x_scales = static_cast<const float*>(a.x_scales->data);
+    p.scale_stride_token = a.x_scales->strides[0];
+    p.scale_stride_channel = a.x_scales->strides[1];
+  }
+  p.topk_idx = K > 0 ? a.topk_idx->ptr<int64_t>() : nullptr;
+  p.topk_weights = K > 0 && a.topk_weights ? a.topk_weights->ptr<float>() : nullptr;
+  p.is_token_in_rank = handle->is_token_in_rank.ptr<bool>();
+  p.send_pos = handle->net_send_pos.ptr<int>();
+  p.num_tokens = T;
+  p.hidden_bytes = hidden_bytes;
+  p.num_scales = S;
+  p.num_topk = K;
+  p.num_experts = E;
+  p.fwd_mask = handle->net_fwd_mask.ptr<int>();
+  p.num_recv_rows = Nr;
+  p.recv_x = static_cast<uint8_t*>(res.recv_x.view.data);
+  p.recv_scales = scaled ? static_cast<float*>(res.recv_x_scales->view.data) : nullptr;
+  p.recv_topk_idx = res.recv_topk_idx ? res.recv_topk_idx->ptr<int64_t>() : nullptr;
+  p.recv_topk_weights = res.recv_topk_weights ? res.recv_topk_weights->ptr<float>() : nullptr;
+  p.recv_src_idx = recv_src_idx.ptr<int>();
+  p.recv_meta = handle->net_recv_meta.ptr<int>();
+  p.num_blocks = blocks;
+  const std::size_t signals = plan::HtNetRegion::kSignals;
+  kernels::launch_ht_net_dispatch(transport(ht, signals), p, x);
+  if (!a.handle) handle->recv_src_idx = recv_src_idx;
+  res.num_recv_tokens_per_expert = handle->num_recv_tokens_per_expert;
+  res.handle = handle;
+  res.event = ll_leave(a.streams, x);
+  return res;
+}
+
+CombineResult Buffer::Impl::net_combine(const CombineArgs& a) {
+  const char* op = "combine";
+  const auto& h = *a.handle;
+  const int L = topology.ranks_per_node;
+  if (h.ranks_per_node != L)
+    throw Error(ErrorCode::kInvalidArgument,
+                "combine: handle: was made by a dispatch within one node or with another "
+                "ranks_per_node (" +
+                    std::to_string(h.ranks_per_node) + ", this buffer has " + std::to_string(L) +
+                    ")");
+  Config cfg = a.config.value_or(get_combine_config(comm->num_ranks()));
+  const int blocks = net_blocks(op, a.config, cfg, num_sms_device);
+  const int T = h.num_tokens, H = static_cast<int>(a.x.shape[1]);
+  const int K = a.topk_weights ? static_cast<int>(a.topk_weights->shape[1]) : 0;
+  const plan::InternodeRoute route = route_of(h, topology);
+  const plan::HtNetRegion region =
+      plan::HtNetRegion::combine(route, plan::ht_combine_row_bytes(H, K));
+  check_fits(op, region, ht);
+
+  const cudaStream_t x = ll_enter(a.streams);  // as dispatch
+  CombineResult res;
+  res.combined_x = make(DType::kBF16, {T, H}, a.streams);
+  if (a.topk_weights) res.combined_topk_weights = make(DType::kF32, {T, K}, a.streams);
+  after_allocs(*this, a.streams, x);
+  kernels::HtNetCombineArgs p{};
+  p.off = offsets_of(region);
+  p.table = h.net_table.ptr<int>();
+  p.x = a.x.ptr<uint16_t>();
+  p.num_x_rows = static_cast<int>(a.x.shape[0]);
+  p.topk_weights = a.topk_weights ? a.topk_weights->ptr<float>() : nullptr;
+  p.bias0 = a.bias_0 ? a.bias_0->ptr<uint16_t>() : nullptr;
+  p.bias1 = a.bias_1 ? a.bias_1->ptr<uint16_t>() : nullptr;
+  p.send_pos = h.net_send_pos.ptr<int>();
+  p.fwd_mask = h.net_fwd_mask.ptr<int>();
+  p.recv_meta = h.net_recv_meta.ptr<int>();
+  p.num_recv_rows = h.num_recv_tokens;
+  p.num_tokens = T;
+  p.hidden = H;
+  p.num_topk = K;
+  p.combined_x = res.combined_x.ptr<uint16_t>();
+  p.combined_topk_weights =
+      res.combined_topk_weights ? res.combined_topk_weights->ptr<float>() : nullptr;
+  p.num_blocks = blocks;
+  kernels::launch_ht_net_combine(transport(ht, plan::HtNetRegion::kSignals), p, x);
+  res.event = ll_leave(a.streams, x);
+  return res;
+}
+
+}  // namespace epx
