@@ -8,6 +8,122 @@
 #include "epx/reference.hpp"
 
 namespace epx::bench {
+namespace {
+
+/// Across (virtual) nodes: the two-level kernels have no chunk or split to
+/// sweep yet; each op is timed at --sms, and the bandwidths are given with
+/// DeepEP's two figures: network ("RDMA") bytes per GPU, as DeepEP's
+/// test_internode.py counts them (each token once per node it reaches, its
+/// own node included, hidden x 2 bytes), and NVLink bytes (the rows
+/// received, recv_x's bytes). `net_cross_bytes` is what actually crosses
+/// between nodes (other nodes only).
+void run_ht_internode(World& w, const Options& o, nlohmann::json& result,
+                      const std::vector<int64_t>& topk, const std::shared_ptr<void>& d_topk,
+                      const std::shared_ptr<void>& d_x, const std::shared_ptr<void>& d_xq,
+                      const std::shared_ptr<void>& d_xs, const std::shared_ptr<void>& d_w) {
+  const int T = o.tokens, H = o.hidden, K = o.topk, E = o.experts, R = w.num_ranks;
+  const int L = w.buffer->num_nvl_ranks(), N = R / L, me_node = w.rank / L;
+  StreamArgs s;
+  s.stream = w.stream;
+  auto layout = w.buffer->get_dispatch_layout(tv(d_topk.get(), DType::kI64, {T, K}), E, s);
+  Config cfg = ht_base_config(o, R);
+  DispatchArgs full;
+  full.x = tv(d_x.get(), DType::kBF16, {T, H});
+  full.topk_idx = tv(d_topk.get(), DType::kI64, {T, K});
+  full.topk_weights = tv(d_w.get(), DType::kF32, {T, K});
+  full.set_layout(layout);
+  full.streams = s;
+  full.config = cfg;
+  auto first = w.buffer->dispatch(full);
+  EPX_CUDA_CHECK(cudaStreamSynchronize(w.stream));
+  const int64_t Nr = first.recv_x.size(0);
+  // Nodes each token reaches (experts spread evenly over the ranks).
+  int64_t node_tokens = 0, cross_tokens = 0;
+  for (int t = 0; t < T; ++t) {
+    std::vector<char> hit(N, 0);
+    for (int k = 0; k < K; ++k) {
+      const int64_t e = topk[static_cast<std::size_t>(t) * K + k];
+      if (e >= 0) hit[static_cast<int>(e / (E / R)) / L] = 1;
+    }
+    for (int m = 0; m < N; ++m)
+      if (hit[m]) {
+        ++node_tokens;
+        if (m != me_node) ++cross_tokens;
+      }
+  }
+  const double net_bytes = static_cast<double>(node_tokens) * H * 2;
+  const double cross_bytes = static_cast<double>(cross_tokens) * H * 2;
+  const double nvl_bytes = static_cast<double>(Nr) * H * 2;
+  auto cached = [&](bool fp8) {
+    DispatchArgs a;
+    a.x = fp8 ? tv(d_xq.get(), DType::kFP8E4M3, {T, H}) : tv(d_x.get(), DType::kBF16, {T, H});
+    if (fp8) a.x_scales = tv(d_xs.get(), DType::kF32, {T, H / 128});
+    a.handle = first.handle;
+    a.config = cfg;
+    a.streams = s;
+    return w.buffer->dispatch(a);
+  };
+  auto combine = [&] {
+    CombineArgs a;
+    a.x = first.recv_x.view;
+    a.handle = first.handle;
+    a.config = cfg;
+    a.streams = s;
+    return w.buffer->combine(a);
+  };
+  const double t_full = time_us(
+      w, [&] { w.buffer->dispatch(full); }, o.warmup, o.iters);
+  const double t_bf16 = time_us(
+      w, [&] { cached(false); }, o.warmup, o.iters);
+  const double t_fp8 = time_us(
+      w, [&] { cached(true); }, o.warmup, o.iters);
+  const double t_comb = time_us(w, combine, o.warmup, o.iters);
+  // FP8 rows are H bytes plus H / 128 scales of 4 bytes.
+  const double fp8_scale = (H + 4.0 * (H / 128)) / (2.0 * H);
+  auto rates = [&](double us, double scale) {
+    return nlohmann::json{{"us", mean_over_ranks(w, us)},
+                          {"net_gbps", mean_over_ranks(w, scale * net_bytes / us / 1e3)},
+                          {"net_cross_gbps", mean_over_ranks(w, scale * cross_bytes / us / 1e3)},
+                          {"nvl_gbps", mean_over_ranks(w, scale * nvl_bytes / us / 1e3)},
+                          {"min_rank_net_gbps", min_over_ranks(w, scale * net_bytes / us / 1e3)}};
+  };
+  result["family"] = "ht";
+  result["internode"] = true;
+  result["num_sms"] = cfg.num_sms;
+  result["nodes"] = N;
+  result["dispatch_bf16"] = rates(t_bf16, 1.0);
+  result["dispatch_fp8"] = rates(t_fp8, fp8_scale);
+  result["combine"] = rates(t_comb, 1.0);
+  result["dispatch_bf16_uncached"] = rates(t_full, 1.0);
+  result["bytes_rank0"] = {{"net", net_bytes}, {"net_cross", cross_bytes}, {"nvl", nvl_bytes}};
+  result["recv_tokens_rank0"] = Nr;
+  result["counting"] =
+      "net: tokens x nodes reached (own node included, as DeepEP's test_internode.py) x H x 2; "
+      "net_cross: other nodes only; nvl: received rows x H x 2 (FP8: H + 4 H / 128 per row)";
+  result["timing"] =
+      "median of iters per rank (L2 flushed, ranks aligned by an all-reduce), mean over ranks";
+  if (w.rank == 0) {
+    std::printf(
+        "\nEPX high-throughput across nodes, %d ranks%s, %d tokens, hidden %d, top-%d, %d experts, "
+        "%d SMs\n",
+        R, ranks_note(w).c_str(), T, H, K, E, cfg.num_sms);
+    std::printf("%-30s %10s %12s %12s %12s\n", "op", "us", "net GB/s", "cross GB/s", "NVL GB/s");
+    auto row = [&](const char* name, const char* key) {
+      const auto& r = result[key];
+      std::printf("%-30s %10.1f %12.1f %12.1f %12.1f\n", name, r["us"].get<double>(),
+                  r["net_gbps"].get<double>(), r["net_cross_gbps"].get<double>(),
+                  r["nvl_gbps"].get<double>());
+    };
+    row("dispatch BF16 (cached)", "dispatch_bf16");
+    row("dispatch FP8 (cached)", "dispatch_fp8");
+    row("combine BF16", "combine");
+    row("dispatch BF16 (count exchange)", "dispatch_bf16_uncached");
+    std::printf("buffer bytes per rank: %zu\n", w.buffer->buffer_bytes());
+  }
+}
+
+}  // namespace
+
 void run_ht(World& w, const Options& o, nlohmann::json& result) {
   const int T = o.tokens, H = o.hidden, K = o.topk, E = o.experts, R = w.num_ranks;
   auto topk = ref::random_topk(T, K, E, 0.0, 1000 + w.rank);
@@ -26,6 +142,8 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
   std::vector<float> weights(static_cast<std::size_t>(T) * K, 0.125f);
   auto d_topk = upload(topk), d_x = upload(xb), d_xq = upload(xq), d_xs = upload(xs),
        d_w = upload(weights);
+  if (w.buffer->num_rdma_ranks() > 1)
+    return run_ht_internode(w, o, result, topk, d_topk, d_x, d_xq, d_xs, d_w);
 
   StreamArgs s;
   s.stream = w.stream;

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <thread>
 #include <vector>
@@ -147,9 +148,17 @@ int run_rank(std::shared_ptr<Communicator> comm, const Options& o) {
       bo.backend = "auto";
       bo.ranks_per_node = 0;
     } else if (o.family == "ht") {
-      const Config c = ht_base_config(o, w.num_ranks);
-      bo.num_nvl_bytes = static_cast<int64_t>(
-          c.get_nvl_buffer_size_hint(static_cast<std::size_t>(o.hidden) * 2, w.num_ranks, o.topk));
+      // Nodes of --ranks-per-node or EPX_RANKS_PER_NODE (one host is one node otherwise).
+      const char* env_rpn = std::getenv("EPX_RANKS_PER_NODE");
+      const int rpn = o.ranks_per_node > 0 ? o.ranks_per_node : env_rpn ? std::atoi(env_rpn) : 0;
+      if (rpn > 0 && rpn < w.num_ranks) {
+        bo.num_nvl_bytes = static_cast<int64_t>(
+            Buffer::get_internode_nvl_size_hint(o.tokens, o.hidden, w.num_ranks, rpn, o.topk));
+      } else {
+        const Config c = ht_base_config(o, w.num_ranks);
+        bo.num_nvl_bytes = static_cast<int64_t>(c.get_nvl_buffer_size_hint(
+            static_cast<std::size_t>(o.hidden) * 2, w.num_ranks, o.topk));
+      }
     } else {
       bo.num_rdma_bytes = static_cast<int64_t>(
           Buffer::get_low_latency_rdma_size_hint(o.tokens, o.hidden, w.num_ranks, o.experts));

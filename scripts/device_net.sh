@@ -33,6 +33,10 @@
 #            GPU before each pair (--pair-lineup); 4 in-process ranks; the proxy
 #            channels' stats (EPX_B2B_TRACE=1: every command instead);
 #            EPX_B2B_INPROC_ENV: VAR=VALUE for the in-process run
+#   htbench  (not in the default steps) epx-bench ht across virtual nodes: 4
+#            in-process ranks as 2x2 over the proxy, and one process per GPU
+#            (4 as 2x2, or 2 as 2x1) over the proxy and over NCCL GIN
+#            (EPX_HTBENCH_ARGS: more epx-bench arguments, e.g. --tokens)
 #   compare  NVLink before/after on all GPUs: .device/base/epx-bench (the
 #            baseline build) and .device/epx-bench, ht (24 SMs) and ll,
 #            EPX_COMPARE_ROUNDS times (default 2; base first in odd rounds,
@@ -168,6 +172,32 @@ if has nccl && [ "$GPUS" -ge 2 ]; then
     rc=$?
     tail -8 "$OUT/bench-ll-nccl.log"
     summary+=("bench ll nccl 2x2: rc=$rc")
+  fi
+fi
+if has htbench; then
+  # The high-throughput kernels across nodes (issue 25). On one host the
+  # network is CUDA IPC copies (proxy) or the loopback GIN plugin (nccl): these
+  # times do not predict a cluster (docs/scaling.md does that from bytes).
+  hb() {  # LABEL TAG ENV... -- COMMAND...
+    local label=$1 tag=$2
+    shift 2
+    echo "== epx-bench ht $label"
+    timeout ${EPX_BENCH_TIMEOUT:-300} ${LINEBUF[@]+"${LINEBUF[@]}"} env "$@" ${EPX_HTBENCH_ARGS:-} \
+      --json "$OUT/json/$tag.json" > "$OUT/bench-ht-$tag.log" 2>&1
+    local rc=$?
+    tail -9 "$OUT/bench-ht-$tag.log"
+    summary+=("bench ht $label: rc=$rc")
+  }
+  hb "4 in-process as 2x2 (proxy)" "${model}x1-inproc4-ht-proxy-rpn2" \
+    "$D/epx-bench" ht --in-process 4 --ranks-per-node 2 --backend proxy
+  if [ "$GPUS" -ge 2 ]; then
+    hn=2 hrpn=1
+    [ "$GPUS" -ge 4 ] && { hn=4; hrpn=2; }
+    hb "$hn processes, nodes of $hrpn (proxy)" "${model}x$GPUS-ht-proxy-rpn$hrpn" \
+      "$D/launch.sh" $hn "$D/epx-bench" ht --ranks-per-node $hrpn --backend proxy
+    hb "$hn processes, nodes of $hrpn (nccl)" "${model}x$GPUS-ht-nccl-rpn$hrpn" \
+      NCCL_NET_PLUGIN="$D/libnccl-net-epxloop.so" "$D/launch.sh" $hn "$D/epx-bench" ht \
+      --ranks-per-node $hrpn --backend nccl
   fi
 fi
 if has nvshmem && [ "$GPUS" -ge 2 ]; then

@@ -92,9 +92,10 @@ struct DispatchHandle {
   std::vector<int> net_tokens_to_rank, net_tokens_to_node;
   int ranks_per_node = 0;  ///< > 0: the handle of a dispatch across nodes
   Tensor net_send_pos;     ///< [T, N] i32: token t's index in this rank's stream to node m, or -1
-  Tensor net_fwd_mask;     ///< [N, rows] i32: local ranks each record this rank forwarded reached
-  Tensor net_recv_meta;    ///< [N_recv, 2] i32: each received row's source rank and record index
-  Tensor net_table;        ///< i32: the kernels' route table (kernels::HtNetTable)
+  Tensor net_rank_pos;   ///< [T, R] i32: token t's index among this rank's tokens for rank r, or -1
+  Tensor net_fwd_mask;   ///< [N, rows] i32: local ranks each record this rank forwarded reached
+  Tensor net_recv_meta;  ///< [N_recv, 2] i32: each received row's source rank and record index
+  Tensor net_table;      ///< i32: the kernels' route table (kernels::HtNetTable)
 };
 
 struct DispatchArgs {
@@ -277,6 +278,15 @@ class Buffer {
   bool shrink_enabled() const;
   static std::size_t get_low_latency_rdma_size_hint(int num_max_dispatch_tokens_per_rank,
                                                     int hidden, int num_ranks, int num_experts);
+  /// num_nvl_bytes that holds any high-throughput dispatch and combine across
+  /// nodes (`num_ranks` ranks in nodes of `ranks_per_node`) of up to
+  /// `num_max_tokens` tokens per rank of `hidden` BF16 channels (FP8 rows with
+  /// scales are smaller) and top-`num_topk`: the first version of those
+  /// kernels sizes its areas for the whole call, and this is its worst case
+  /// (every token to every node and rank). Routing spread over the experts
+  /// needs much less; a call that does not fit raises kBufferTooSmall.
+  static std::size_t get_internode_nvl_size_hint(int num_max_tokens, int hidden, int num_ranks,
+                                                 int ranks_per_node, int num_topk);
 
   /// Overrides Config::num_sms of the default configs (DeepEP's set_num_sms).
   static void set_num_sms(int num_sms);

@@ -125,4 +125,18 @@ HtNetRegion HtNetRegion::combine(const InternodeRoute& route, std::size_t row_by
   return r;
 }
 
+std::size_t HtNetRegion::worst_case(const Topology& topology, int tokens, std::size_t record_bytes,
+                                    std::size_t combine_row_bytes) {
+  // The counts of a routing that sends every token everywhere.
+  const int R = topology.num_ranks, N = topology.num_nodes();
+  InternodeCounts c;
+  c.topology = topology;
+  c.tokens_to_rank.assign(static_cast<std::size_t>(R) * R, tokens);
+  c.tokens_to_node.assign(static_cast<std::size_t>(R) * N, tokens);
+  const InternodeRoute route(std::move(c));
+  const std::size_t d = dispatch(route, record_bytes).total;
+  const std::size_t k = combine(route, combine_row_bytes).total;
+  return d > k ? d : k;
+}
+
 }  // namespace epx::plan

@@ -90,9 +90,11 @@ constexpr int ht_net_signal(int num_ranks, HtNetSignal kind, int src) {
 /// payload, scales (4-byte words), top-k expert ids (global, i32) and
 /// weights (f32), then the source token index, the mask of the destination
 /// node's local ranks it reaches, its index in the source's stream to that
-/// node, and the source rank.
-constexpr std::size_t ht_net_record_bytes(std::size_t hidden_bytes, int num_scales, int num_topk) {
-  return align_up(hidden_bytes + 4u * num_scales + 8u * num_topk + 16u, 16);
+/// node, the source rank, and for each of the node's `ranks_per_node` ranks
+/// its row among the source's rows there (-1 where it does not go).
+constexpr std::size_t ht_net_record_bytes(std::size_t hidden_bytes, int num_scales, int num_topk,
+                                          int ranks_per_node) {
+  return align_up(hidden_bytes + 4u * num_scales + 8u * num_topk + 16u + 4u * ranks_per_node, 16);
 }
 
 /// The internode high-throughput region (the buffer's num_nvl_bytes region):
@@ -134,6 +136,10 @@ struct HtNetRegion {
   static HtNetRegion dispatch(const InternodeRoute& route, std::size_t record_bytes);
   /// A combine's areas.
   static HtNetRegion combine(const InternodeRoute& route, std::size_t row_bytes);
+  /// The most bytes dispatch and combine can need with at most `tokens`
+  /// tokens per rank: every token to every node and rank.
+  static std::size_t worst_case(const Topology& topology, int tokens, std::size_t record_bytes,
+                                std::size_t combine_row_bytes);
 };
 
 }  // namespace epx::plan

@@ -128,6 +128,7 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
             "dispatch: too many experts for the count exchange (" + std::to_string(E) + ")");
     auto parts = make_parts({{DType::kBool, {T, R}},
                              {DType::kI32, {T, N}},
+                             {DType::kI32, {T, R}},
                              {DType::kI32, {R + N}},
                              {DType::kI32, {R, R}},
                              {DType::kI32, {R}}},
@@ -135,9 +136,10 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
     after_allocs(*this, a.streams, x);
     handle->is_token_in_rank = parts[0];
     handle->net_send_pos = parts[1];
-    const Tensor counts = parts[2];
-    handle->rank_prefix_matrix = parts[3];
-    handle->source_num_tokens = parts[4];
+    handle->net_rank_pos = parts[2];
+    const Tensor counts = parts[3];
+    handle->rank_prefix_matrix = parts[4];
+    handle->source_num_tokens = parts[5];
     const TensorView& src = *a.is_token_in_rank;
     if (src.nbytes() > 0)
       EPX_CUDA_CHECK(cudaMemcpyAsync(handle->is_token_in_rank.view.data, src.data, src.nbytes(),
@@ -148,6 +150,7 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
     ra.num_ranks = R;
     ra.ranks_per_node = L;
     ra.send_pos = handle->net_send_pos.ptr<int>();
+    ra.rank_pos = handle->net_rank_pos.ptr<int>();
     ra.rank_counts = counts.ptr<int>();
     ra.node_counts = counts.ptr<int>() + R;
     kernels::launch_ht_net_route(ra, x);
@@ -212,7 +215,7 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
 
   const plan::InternodeRoute route = route_of(*handle, topology);
   const plan::HtNetRegion region =
-      plan::HtNetRegion::dispatch(route, plan::ht_net_record_bytes(hidden_bytes, S, K));
+      plan::HtNetRegion::dispatch(route, plan::ht_net_record_bytes(hidden_bytes, S, K, L));
   check_fits(op, region, ht);
   const int Nr = route.recv_rows(me);
   if (!a.handle) {
@@ -259,8 +262,8 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   }
   p.topk_idx = K > 0 ? a.topk_idx->ptr<int64_t>() : nullptr;
   p.topk_weights = K > 0 && a.topk_weights ? a.topk_weights->ptr<float>() : nullptr;
-  p.is_token_in_rank = handle->is_token_in_rank.ptr<bool>();
   p.send_pos = handle->net_send_pos.ptr<int>();
+  p.rank_pos = handle->net_rank_pos.ptr<int>();
   p.num_tokens = T;
   p.hidden_bytes = hidden_bytes;
   p.num_scales = S;
@@ -330,6 +333,27 @@ CombineResult Buffer::Impl::net_combine(const CombineArgs& a) {
   kernels::launch_ht_net_combine(transport(ht, plan::HtNetRegion::kSignals), p, x);
   res.event = ll_leave(a.streams, x);
   return res;
+}
+
+std::size_t Buffer::get_internode_nvl_size_hint(int num_max_tokens, int hidden, int num_ranks,
+                                                int ranks_per_node, int num_topk) {
+  require(num_max_tokens >= 0, "num_max_tokens",
+          "must be >= 0, got " + std::to_string(num_max_tokens));
+  require(hidden > 0 && hidden % 8 == 0, "hidden",
+          "must be a positive multiple of 8 (16-byte BF16 rows), got " + std::to_string(hidden));
+  require(num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks",
+          "must be in [1, " + std::to_string(kMaxRanks) + "], got " + std::to_string(num_ranks));
+  require(
+      ranks_per_node >= 1 && ranks_per_node <= kMaxRanksPerNode && num_ranks % ranks_per_node == 0,
+      "ranks_per_node",
+      "must be in [1, " + std::to_string(kMaxRanksPerNode) + "] and divide num_ranks (" +
+          std::to_string(num_ranks) + "), got " + std::to_string(ranks_per_node));
+  require(num_topk >= 0 && num_topk <= 16, "num_topk",
+          "must be in [0, 16], got " + std::to_string(num_topk));
+  const std::size_t record = plan::ht_net_record_bytes(2u * hidden, 0, num_topk, ranks_per_node);
+  const std::size_t row = plan::ht_combine_row_bytes(hidden, num_topk);
+  return plan::HtNetRegion::worst_case(Topology{num_ranks, ranks_per_node}, num_max_tokens, record,
+                                       row);
 }
 
 }  // namespace epx

@@ -111,17 +111,17 @@ void launch_barrier(const T& t, const HtNetOffsets& off, HtNetOp op, cudaStream_
 // ---- route ---------------------------------------------------------------------
 
 /// One block per node m: token t's place among this rank's tokens with an
-/// expert in m (a block scan in token order), the node's count, and the
-/// counts of m's ranks.
+/// expert in m (send_pos) and among those sent to each rank of m
+/// (rank_pos), block scans in token order; the counts per node and rank.
+/// Column kL of the scans is the node, columns l < L its ranks.
 __global__ void __launch_bounds__(1024) route_kernel(HtNetRouteArgs a) {
   const int m = blockIdx.x, L = a.ranks_per_node, R = a.num_ranks;
   const int N = R / L, lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int nwarps = blockDim.x / 32;
-  __shared__ int warp_sums[32];
-  __shared__ int rank_counts[kMaxRanksPerNode];
-  __shared__ int base;
-  if (threadIdx.x < L) rank_counts[threadIdx.x] = 0;
-  if (threadIdx.x == 0) base = 0;
+  constexpr int kCols = kMaxRanksPerNode + 1;
+  __shared__ int warp_sums[32][kCols];
+  __shared__ int base[kCols];
+  if (threadIdx.x < kCols) base[threadIdx.x] = 0;
   __syncthreads();
   for (int t0 = 0; t0 < a.num_tokens; t0 += blockDim.x) {
     const int t = t0 + threadIdx.x;
@@ -129,25 +129,35 @@ __global__ void __launch_bounds__(1024) route_kernel(HtNetRouteArgs a) {
     if (t < a.num_tokens)
       for (int l = 0; l < L; ++l)
         if (a.is_token_in_rank[static_cast<int64_t>(t) * R + m * L + l]) mask |= 1 << l;
-    for (int l = 0; l < L; ++l) {
-      const int n = __popc(__ballot_sync(kFull, (mask >> l) & 1));
-      if (lane == 0 && n > 0) atomicAdd(&rank_counts[l], n);
+    unsigned hit[kCols];
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const bool in = c < L ? ((mask >> c) & 1) != 0 : c == kMaxRanksPerNode && mask != 0;
+      hit[c] = __ballot_sync(kFull, in);
+      if (lane == 0) warp_sums[warp][c] = __popc(hit[c]);
     }
-    const unsigned hit = __ballot_sync(kFull, mask != 0);
-    if (lane == 0) warp_sums[warp] = __popc(hit);
     __syncthreads();
-    int before = base;
-    for (int w = 0; w < warp; ++w) before += warp_sums[w];
-    if (t < a.num_tokens)
-      a.send_pos[static_cast<int64_t>(t) * N + m] =
-          mask != 0 ? before + __popc(hit & ((1u << lane) - 1u)) : -1;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      if (c >= L && c < kMaxRanksPerNode) continue;
+      int before = base[c];
+      for (int w = 0; w < warp; ++w) before += warp_sums[w][c];
+      const bool in = (hit[c] >> lane) & 1;
+      const int pos = in ? before + __popc(hit[c] & ((1u << lane) - 1u)) : -1;
+      if (t < a.num_tokens) {
+        if (c == kMaxRanksPerNode)
+          a.send_pos[static_cast<int64_t>(t) * N + m] = pos;
+        else
+          a.rank_pos[static_cast<int64_t>(t) * R + m * L + c] = pos;
+      }
+    }
     __syncthreads();
-    if (threadIdx.x == 0)
-      for (int w = 0; w < nwarps; ++w) base += warp_sums[w];
+    if (threadIdx.x < kCols)
+      for (int w = 0; w < nwarps; ++w) base[threadIdx.x] += warp_sums[w][threadIdx.x];
     __syncthreads();
   }
-  if (threadIdx.x < L) a.rank_counts[m * L + threadIdx.x] = rank_counts[threadIdx.x];
-  if (threadIdx.x == 0) a.node_counts[m] = base;
+  if (threadIdx.x < L) a.rank_counts[m * L + threadIdx.x] = base[threadIdx.x];
+  if (threadIdx.x == 0) a.node_counts[m] = base[kMaxRanksPerNode];
 }
 
 // ---- dispatch ------------------------------------------------------------------
@@ -159,7 +169,7 @@ struct DispatchParams : HtNetDispatchArgs {
 
 /// The byte offsets of a record's fields after the payload.
 struct RecordFields {
-  int scales, ids, weights, token, mask, index, src;
+  int scales, ids, weights, token, mask, index, src, pos;
   __device__ RecordFields(int hidden_bytes, int S, int K) {
     scales = hidden_bytes;
     ids = scales + 4 * S;
@@ -168,6 +178,7 @@ struct RecordFields {
     mask = token + 4;
     index = mask + 4;
     src = index + 4;
+    pos = src + 4;  ///< int [L]: the record's row among the source's rows at each local rank
   }
 };
 
@@ -217,14 +228,16 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DispatchParams<
         }
         word_at(rec, f.scales + 4 * i)[0] = v;
       }
-      if (lane == 0) {
-        int mask = 0;
-        for (int l = 0; l < L; ++l)
-          if (p.is_token_in_rank[static_cast<int64_t>(tok) * R + m * L + l]) mask |= 1 << l;
-        *word_at(rec, f.token) = tok;
-        *word_at(rec, f.mask) = mask;
-        *word_at(rec, f.index) = j;
-        *word_at(rec, f.src) = t.rank;
+      if (lane < L) {
+        const int k = p.rank_pos[static_cast<int64_t>(tok) * R + m * L + lane];
+        word_at(rec, f.pos)[lane] = k;
+        const unsigned mask = __ballot_sync((1u << L) - 1u, k >= 0);
+        if (lane == 0) {
+          *word_at(rec, f.token) = tok;
+          *word_at(rec, f.mask) = static_cast<int>(mask);
+          *word_at(rec, f.index) = j;
+          *word_at(rec, f.src) = t.rank;
+        }
       }
     }
   }
@@ -244,77 +257,52 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DispatchParams<
   }
 }
 
-/// One block per source node m: the records of m's source with this rank's
-/// local index (from the network, or this rank's own for its node) go to
-/// each local rank they reach, at that source's rows in its stage, in
-/// record order; each record's mask is kept for the combine. The last block
-/// signals every local rank.
+/// The records of each node's source with this rank's local index (from the
+/// network, or this rank's own for its node) go to each local rank they
+/// reach, at the row the source computed (its running index there, plus
+/// where that source's rows start); each record's mask is kept for the
+/// combine. Every warp takes records in turn across all source nodes; every
+/// block first waits for every source. The last block signals every local
+/// rank.
 template <class T>
 __global__ void __launch_bounds__(kThreads) dispatch_forward_kernel(DispatchParams<T> p) {
   const auto& t = p.t;
   const int L = p.off.ranks_per_node, N = p.off.num_nodes, R = t.num_ranks;
-  const int m = blockIdx.x, n = t.rank / L, l = t.rank % L;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int n = t.rank / L, l = t.rank % L, lane = threadIdx.x % 32;
   const HtNetTable tab = HtNetTable::make(R, N, L);
-  const int rows = p.table[tab.fwd_rows + m];
   const RecordFields f(p.hidden_bytes, p.num_scales, p.num_topk);
   __shared__ int ok;
-  __shared__ int base[kMaxRanksPerNode];
-  __shared__ int warp_count[kWarps][kMaxRanksPerNode];
-  __shared__ int pos[kThreads][kMaxRanksPerNode];
-  if (threadIdx.x == 0) {
-    ok = 1;
-    if (m != n) {
-      const int src = m * L + l;
-      ok = t.wait_signal(sig(t, HtNetSignal::kDispatchNet, src), op_counts(t, p.off)[1],
-                         OpId::kDispatch, src)
-               ? 1
-               : 0;
-    }
-  }
-  if (threadIdx.x < L) base[threadIdx.x] = p.table[tab.stage_base + threadIdx.x * N + m];
+  if (threadIdx.x == 0) ok = 1;
   __syncthreads();
-  const uint8_t* area =
-      reinterpret_cast<const uint8_t*>(t.local_ptr(m == n ? p.off.send : p.off.recv)) +
-      m * p.off.slot_bytes;
-  for (int j0 = 0; ok && j0 < rows; j0 += kThreads) {
-    const int j = j0 + threadIdx.x;
-    const int mask = j < rows ? ld_int(reinterpret_cast<const int*>(
-                                    area + static_cast<std::size_t>(j) * p.off.row_bytes + f.mask))
-                              : 0;
-    if (j < rows) p.fwd_mask[static_cast<int64_t>(m) * p.off.slot_rows + j] = mask;
-    for (int d = 0; d < L; ++d) {
-      const unsigned b = __ballot_sync(kFull, (mask >> d) & 1);
-      pos[threadIdx.x][d] = __popc(b & ((1u << lane) - 1u));
-      if (lane == 0) warp_count[warp][d] = __popc(b);
-    }
-    __syncthreads();
-    if (threadIdx.x < L) {
-      // warp_count[w][d] becomes the exclusive prefix over warps, plus base.
-      int run = base[threadIdx.x];
-      for (int w = 0; w < kWarps; ++w) {
-        const int c = warp_count[w][threadIdx.x];
-        warp_count[w][threadIdx.x] = run;
-        run += c;
-      }
-      base[threadIdx.x] = run;
-    }
-    __syncthreads();
-    // Each warp copies the records of its 32 threads.
-    for (int i = 0; i < 32; ++i) {
-      const int jj = j0 + warp * 32 + i;
-      if (jj >= rows) break;
-      const int mk = __shfl_sync(kFull, mask, i);
-      const uint8_t* rec = area + static_cast<std::size_t>(jj) * p.off.row_bytes;
+  for (int m = threadIdx.x; m < N; m += blockDim.x) {
+    if (m == n) continue;
+    const int src = m * L + l;
+    if (!t.wait_signal(sig(t, HtNetSignal::kDispatchNet, src), op_counts(t, p.off)[1],
+                       OpId::kDispatch, src))
+      ok = 0;
+  }
+  __syncthreads();
+  const int gw = blockIdx.x * kWarps + threadIdx.x / 32, nw = gridDim.x * kWarps;
+  int first = 0;  // records of the nodes before m
+  for (int m = 0; ok && m < N; ++m) {
+    const int rows = p.table[tab.fwd_rows + m];
+    const uint8_t* area =
+        reinterpret_cast<const uint8_t*>(t.local_ptr(m == n ? p.off.send : p.off.recv)) +
+        m * p.off.slot_bytes;
+    for (int j = (gw - first % nw + nw) % nw; j < rows; j += nw) {
+      const uint8_t* rec = area + static_cast<std::size_t>(j) * p.off.row_bytes;
+      const int mask = ld_int(rec + f.mask);
+      const int k = lane < L ? ld_int(rec + f.pos + 4 * lane) : -1;
+      if (lane == 0) p.fwd_mask[static_cast<int64_t>(m) * p.off.slot_rows + j] = mask;
       for (int d = 0; d < L; ++d) {
-        if (!((mk >> d) & 1)) continue;
-        const int k = warp_count[warp][d] + pos[warp * 32 + i][d];
+        if (!((mask >> d) & 1)) continue;
+        const int row = p.table[tab.stage_base + d * N + m] + __shfl_sync(kFull, k, d);
         uint8_t* dst = reinterpret_cast<uint8_t*>(
-            t.lsa_ptr(n * L + d, p.off.stage + static_cast<std::size_t>(k) * p.off.row_bytes));
+            t.lsa_ptr(n * L + d, p.off.stage + static_cast<std::size_t>(row) * p.off.row_bytes));
         warp_copy<true, 4>(dst, rec, static_cast<int>(p.off.row_bytes), lane);
       }
     }
-    __syncthreads();
+    first += rows;
   }
   if (!last_block_ok(t, p.off, kDoneForward, ok != 0)) return;
   for (int d = threadIdx.x; d < L; d += blockDim.x)
@@ -375,7 +363,7 @@ void dispatch_for(const T& t, const HtNetDispatchArgs& a, cudaStream_t stream) {
   launch_barrier(t, a.off, HtNetOp::kDispatch, stream);
   dispatch_send_kernel<T><<<a.num_blocks, kThreads, 0, stream>>>(p);
   EPX_CUDA_CHECK(cudaGetLastError());
-  dispatch_forward_kernel<T><<<a.off.num_nodes, kThreads, 0, stream>>>(p);
+  dispatch_forward_kernel<T><<<a.num_blocks, kThreads, 0, stream>>>(p);
   EPX_CUDA_CHECK(cudaGetLastError());
   dispatch_recv_kernel<T><<<a.num_blocks, kThreads, 0, stream>>>(p);
   EPX_CUDA_CHECK(cudaGetLastError());

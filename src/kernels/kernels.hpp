@@ -222,6 +222,7 @@ struct HtNetRouteArgs {
   const bool* is_token_in_rank;  ///< [T, R]
   int num_tokens, num_ranks, ranks_per_node;
   int* send_pos;     ///< [T, N]: token t's index in this rank's stream to node m, or -1
+  int* rank_pos;     ///< [T, R]: token t's index among this rank's tokens for rank r, or -1
   int* rank_counts;  ///< [R]
   int* node_counts;  ///< [N]
 };
@@ -237,8 +238,8 @@ struct HtNetDispatchArgs {
   int64_t scale_stride_token, scale_stride_channel;
   const int64_t* topk_idx;    ///< [T, K] nullable
   const float* topk_weights;  ///< [T, K] nullable
-  const bool* is_token_in_rank;
-  const int* send_pos;  ///< [T, N]
+  const int* send_pos;        ///< [T, N]
+  const int* rank_pos;        ///< [T, R]
   int num_tokens, hidden_bytes, num_scales, num_topk, num_experts;
   int* fwd_mask;  ///< [N, slot_rows]: local ranks each forwarded record reached
   int num_recv_rows;

@@ -245,9 +245,9 @@ TEST(InternodeRoute, WholeCallRegionsHoldTheRoute) {
   EXPECT_EQ(route.max_node_rows(), most_node);
   EXPECT_EQ(route.max_recv_rows(), most_recv);
 
-  const std::size_t rec = epx::plan::ht_net_record_bytes(7168, 56, 8);
+  const std::size_t rec = epx::plan::ht_net_record_bytes(7168, 56, 8, c.L);
   EXPECT_EQ(rec % 16, 0u);
-  EXPECT_GE(rec, 7168u + 4 * 56 + 8 * 8 + 16);
+  EXPECT_GE(rec, 7168u + 4 * 56 + 8 * 8 + 16 + 4 * c.L);
   const HtNetRegion d = HtNetRegion::dispatch(route, rec);
   const std::size_t body = HtNetRegion::body(c.R);
   EXPECT_GE(body, HtNetRegion::kSignals + HtNetRegion::signals_bytes(c.R));
