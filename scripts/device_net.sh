@@ -33,10 +33,11 @@
 #            GPU before each pair (--pair-lineup); 4 in-process ranks; the proxy
 #            channels' stats (EPX_B2B_TRACE=1: every command instead);
 #            EPX_B2B_INPROC_ENV: VAR=VALUE for the in-process run
-#   htbench  (not in the default steps) epx-bench ht across virtual nodes: 4
-#            in-process ranks as 2x2 over the proxy, and one process per GPU
-#            (4 as 2x2, or 2 as 2x1) over the proxy and over NCCL GIN
-#            (EPX_HTBENCH_ARGS: more epx-bench arguments, e.g. --tokens)
+#   xbench   (not in the default steps) epx-bench ht across virtual nodes on
+#            4 in-process ranks as 2x2 (proxy), then epx-bench ll and ht with
+#            one process per GPU (4 as 2x2, or 2 as 2x1) over each backend of
+#            EPX_XBENCH_BACKENDS (default "proxy nccl nvshmem"), in this one
+#            call (EPX_XBENCH_ARGS: more epx-bench arguments, e.g. --tokens)
 #   compare  NVLink before/after on all GPUs: .device/base/epx-bench (the
 #            baseline build) and .device/epx-bench, ht (24 SMs) and ll,
 #            EPX_COMPARE_ROUNDS times (default 2; base first in odd rounds,
@@ -174,45 +175,53 @@ if has nccl && [ "$GPUS" -ge 2 ]; then
     summary+=("bench ll nccl 2x2: rc=$rc")
   fi
 fi
-if has htbench; then
-  # The high-throughput kernels across nodes (issue 25). On one host the
-  # network is CUDA IPC copies (proxy) or the loopback GIN plugin (nccl): these
-  # times do not predict a cluster (docs/scaling.md does that from bytes).
-  hb() {  # LABEL TAG ENV... -- COMMAND...
-    local label=$1 tag=$2
-    shift 2
-    echo "== epx-bench ht $label"
-    timeout ${EPX_BENCH_TIMEOUT:-300} ${LINEBUF[@]+"${LINEBUF[@]}"} env "$@" ${EPX_HTBENCH_ARGS:-} \
-      --json "$OUT/json/$tag.json" > "$OUT/bench-ht-$tag.log" 2>&1
+# NVSHMEM's environment for the nvshmem and xbench steps: its library from
+# this machine's pip wheel, the unique-id bootstrap over loopback (its default
+# skips lo); NVSHMEM's INFO log and EPX's trace of each NVSHMEM host call
+# (with a message every EPX_TIMEOUT_S while one has not returned) say where a
+# start stops. On one host NVSHMEM moves the bytes by P2P; the kernels still
+# take the put/signal path for peers of another virtual node.
+nvs_lib=$(python3 -c "import nvidia.nvshmem, os; print(os.path.join(list(nvidia.nvshmem.__path__)[0], 'lib'))" 2>/dev/null)
+nvs=(env LD_LIBRARY_PATH="$nvs_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+     NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_DISABLE_NVLS=1 EPX_BACKEND=nvshmem
+     NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=${EPX_NVSHMEM_IFNAME:-lo}
+     NVSHMEM_DEBUG=${EPX_NVSHMEM_DEBUG:-INFO} EPX_NVSHMEM_TRACE=1 EPX_TIMEOUT_S=${EPX_TIMEOUT_S:-30})
+if has xbench; then
+  # On one host the network is CUDA IPC copies (proxy), the loopback GIN
+  # plugin (nccl) or NVSHMEM's P2P: these times do not predict a cluster
+  # (docs/scaling.md does that from bytes).
+  xb() {  # FAMILY LABEL TAG ENV/COMMAND...
+    local fam=$1 label=$2 tag=$3
+    shift 3
+    echo "== epx-bench $fam $label"
+    timeout ${EPX_BENCH_TIMEOUT:-300} ${LINEBUF[@]+"${LINEBUF[@]}"} "$@" ${EPX_XBENCH_ARGS:-} \
+      --json "$OUT/json/$tag.json" > "$OUT/bench-$tag.log" 2>&1
     local rc=$?
-    tail -9 "$OUT/bench-ht-$tag.log"
-    summary+=("bench ht $label: rc=$rc")
+    tail -9 "$OUT/bench-$tag.log"
+    summary+=("bench $fam $label: rc=$rc")
   }
-  hb "4 in-process as 2x2 (proxy)" "${model}x1-inproc4-ht-proxy-rpn2" \
+  xb ht "4 in-process as 2x2 (proxy)" "${model}x1-inproc4-ht-proxy-rpn2" \
     "$D/epx-bench" ht --in-process 4 --ranks-per-node 2 --backend proxy
   if [ "$GPUS" -ge 2 ]; then
     hn=2 hrpn=1
     [ "$GPUS" -ge 4 ] && { hn=4; hrpn=2; }
-    hb "$hn processes, nodes of $hrpn (proxy)" "${model}x$GPUS-ht-proxy-rpn$hrpn" \
-      "$D/launch.sh" $hn "$D/epx-bench" ht --ranks-per-node $hrpn --backend proxy
-    hb "$hn processes, nodes of $hrpn (nccl)" "${model}x$GPUS-ht-nccl-rpn$hrpn" \
-      NCCL_NET_PLUGIN="$D/libnccl-net-epxloop.so" "$D/launch.sh" $hn "$D/epx-bench" ht \
-      --ranks-per-node $hrpn --backend nccl
+    for be in ${EPX_XBENCH_BACKENDS:-proxy nccl nvshmem}; do
+      case $be in
+        nccl) pre=(env NCCL_NET_PLUGIN="$D/libnccl-net-epxloop.so") ;;
+        nvshmem) pre=("${nvs[@]}" NVSHMEM_DEBUG=WARN EPX_NVSHMEM_TRACE=0) ;;
+        *) pre=(env) ;;
+      esac
+      for fam in ll ht; do
+        xb $fam "$hn processes, nodes of $hrpn ($be)" "${model}x$GPUS-$fam-$be-rpn$hrpn" \
+          "${pre[@]}" "$D/launch.sh" $hn "$D/epx-bench" $fam --ranks-per-node $hrpn --backend $be
+      done
+    done
   fi
 fi
 if has nvshmem && [ "$GPUS" -ge 2 ]; then
   # The NVSHMEM backend (.device/libepx_nvshmem.so, found beside the test
-  # binary), NVSHMEM's own library from this machine's pip wheel. On one host
-  # NVSHMEM moves the bytes by P2P; the kernels still take the put/signal
-  # path for peers of another virtual node.
-  nvs_lib=$(python3 -c "import nvidia.nvshmem, os; print(os.path.join(list(nvidia.nvshmem.__path__)[0], 'lib'))" 2>/dev/null)
-  # The unique-id bootstrap over loopback (its default skips lo); NVSHMEM's
-  # INFO log and EPX's trace of each NVSHMEM host call (with a message every
-  # EPX_TIMEOUT_S while one has not returned) say where a start stops.
-  nvs=(env LD_LIBRARY_PATH="$nvs_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-       NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_DISABLE_NVLS=1 EPX_BACKEND=nvshmem
-       NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=${EPX_NVSHMEM_IFNAME:-lo}
-       NVSHMEM_DEBUG=${EPX_NVSHMEM_DEBUG:-INFO} EPX_NVSHMEM_TRACE=1 EPX_TIMEOUT_S=${EPX_TIMEOUT_S:-30})
+  # binary).
+  # (NVSHMEM's environment: nvs, above.)
   for spec in ${EPX_NVSHMEM_PROCS:-2:1 4:2}; do
     r=${spec%%:*} rpn=${spec##*:}
     [ "$GPUS" -ge "$r" ] || continue

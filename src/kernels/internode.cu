@@ -12,101 +12,12 @@
 #include <type_traits>
 #include <variant>
 
-#include "common/check.hpp"
-#include "common/internode_route.hpp"
-#include "kernels/bf16.cuh"
-#include "kernels/copy.cuh"
-#include "kernels/kernels.hpp"
+#include "kernels/internode_kernels.cuh"
 
 namespace epx::kernels {
 namespace {
 
 constexpr unsigned kFull = 0xffffffffu;
-constexpr int kThreads = 512;
-constexpr int kWarps = kThreads / 32;
-/// Finished-block counters (plan::HtNetRegion::kDone), one per kernel.
-/// kFailed: a block whose wait failed (reported) sets it; the last block
-/// then sends nothing, so that the peers time out naming this rank instead
-/// of taking rows that never came, and clears it.
-enum DoneWord : int { kDoneSend = 0, kDoneForward, kDoneReturn, kDoneNodeSum, kFailed = 8 };
-
-using plan::HtNetSignal;
-
-template <class T>
-__device__ __forceinline__ int sig(const T& t, HtNetSignal kind, int src) {
-  return plan::ht_net_signal(t.num_ranks, kind, src);
-}
-template <class T>
-__device__ __forceinline__ uint64_t* op_counts(const T& t, const HtNetOffsets& o) {
-  return reinterpret_cast<uint64_t*>(t.local_ptr(o.counts));
-}
-template <class T>
-__device__ __forceinline__ uint32_t* done_word(const T& t, const HtNetOffsets& o, DoneWord w) {
-  return reinterpret_cast<uint32_t*>(t.local_ptr(o.done)) + w;
-}
-/// Block-wide: counts the block in `w` (with `ok` false it marks the op
-/// failed); true for the last block when no block failed.
-template <class T>
-__device__ __forceinline__ bool last_block_ok(const T& t, const HtNetOffsets& o, DoneWord w,
-                                              bool ok) {
-  uint32_t* failed = done_word(t, o, kFailed);
-  if (!ok && threadIdx.x == 0) atomicOr(failed, 1u);
-  if (!dev::block_counted_last(done_word(t, o, w))) return false;
-  __shared__ int any_failed;
-  if (threadIdx.x == 0) {
-    any_failed = static_cast<int>(*static_cast<volatile uint32_t*>(failed));
-    *failed = 0u;
-  }
-  __syncthreads();
-  return any_failed == 0;
-}
-/// Adds 1 to signal `s` at rank r on every context (a receiver waits until
-/// every context's word counts the op); context 0's add follows this
-/// thread's earlier puts to r.
-template <class T>
-__device__ __forceinline__ void signal_all_contexts(const T& t, int r, int s) {
-  for (int c = 0; c < t.num_contexts; ++c) t.template signal_add<dev::Thread>(c, r, s, 1);
-}
-
-// ---- barrier -------------------------------------------------------------------
-
-template <class T>
-struct BarrierParams {
-  HtNetOffsets off;
-  HtNetOp op;
-  T t;
-};
-
-/// One block: counts the op, waits until the puts of earlier ops left this
-/// rank, tells every rank it arrived, waits for every rank's arrival. After
-/// it every rank has finished the previous op, so its areas may be rewritten.
-template <class T>
-__global__ void __launch_bounds__(kThreads) barrier_kernel(BarrierParams<T> p) {
-  const auto& t = p.t;
-  __shared__ uint64_t ops;
-  __shared__ int ok;
-  if (threadIdx.x == 0) {
-    uint64_t* c = op_counts(t, p.off);
-    ops = ++c[0];
-    ++c[static_cast<int>(p.op)];
-    ok = 1;
-  }
-  __syncthreads();
-  if (static_cast<int>(threadIdx.x) < t.num_contexts && !t.quiet(threadIdx.x)) ok = 0;
-  __syncthreads();
-  if (!ok) return;  // reported; the peers time out naming this rank
-  for (int r = threadIdx.x; r < t.num_ranks; r += blockDim.x)
-    if (r != t.rank) signal_all_contexts(t, r, sig(t, HtNetSignal::kBarrier, t.rank));
-  for (int r = threadIdx.x; r < t.num_ranks; r += blockDim.x)
-    if (r != t.rank) t.wait_signal(sig(t, HtNetSignal::kBarrier, r), ops, OpId::kBarrier, r);
-}
-
-template <class T>
-void launch_barrier(const T& t, const HtNetOffsets& off, HtNetOp op, cudaStream_t stream) {
-  BarrierParams<T> p{off, op, t};
-  barrier_kernel<T><<<1, kThreads, 0, stream>>>(p);
-  EPX_CUDA_CHECK(cudaGetLastError());
-}
 
 // ---- route ---------------------------------------------------------------------
 
@@ -160,411 +71,25 @@ __global__ void __launch_bounds__(1024) route_kernel(HtNetRouteArgs a) {
   if (threadIdx.x == 0) a.node_counts[m] = base[kMaxRanksPerNode];
 }
 
-// ---- dispatch ------------------------------------------------------------------
-
-template <class T>
-struct DispatchParams : HtNetDispatchArgs {
-  T t;
-};
-
-/// The byte offsets of a record's fields after the payload.
-struct RecordFields {
-  int scales, ids, weights, token, mask, index, src, pos;
-  __device__ RecordFields(int hidden_bytes, int S, int K) {
-    scales = hidden_bytes;
-    ids = scales + 4 * S;
-    weights = ids + 4 * K;
-    token = weights + 4 * K;
-    mask = token + 4;
-    index = mask + 4;
-    src = index + 4;
-    pos = src + 4;  ///< int [L]: the record's row among the source's rows at each local rank
-  }
-};
-
-/// A word peers or the network wrote during this kernel (past L1).
-__device__ __forceinline__ int ld_int(const void* p) {
-  return *static_cast<const volatile int*>(p);
-}
-__device__ __forceinline__ float ld_float(const void* p) {
-  return *static_cast<const volatile float*>(p);
-}
-
-__device__ __forceinline__ int* word_at(uint8_t* rec, int off) {
-  return reinterpret_cast<int*>(rec + off);
-}
-
-/// Every warp takes tokens in turn and writes each one's record into the
-/// send slot of every node it reaches (its own node's slot too: the records
-/// this rank forwards itself). The last block puts each other node's slot to
-/// the rank with this rank's local index there and signals it.
-template <class T>
-__global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DispatchParams<T> p) {
-  const auto& t = p.t;
-  const int lane = threadIdx.x % 32;
-  const int L = p.off.ranks_per_node, N = p.off.num_nodes, R = t.num_ranks;
-  const int S = p.num_scales, K = p.num_topk;
-  const RecordFields f(p.hidden_bytes, S, K);
-  const int extras = S + 2 * K;
-  for (int tok = blockIdx.x * kWarps + threadIdx.x / 32; tok < p.num_tokens;
-       tok += gridDim.x * kWarps) {
-    for (int m = 0; m < N; ++m) {
-      const int j = p.send_pos[static_cast<int64_t>(tok) * N + m];
-      if (j < 0) continue;
-      uint8_t* rec = reinterpret_cast<uint8_t*>(t.local_ptr(p.off.send)) + m * p.off.slot_bytes +
-                     static_cast<std::size_t>(j) * p.off.row_bytes;
-      warp_copy<false, 4>(rec, p.x + static_cast<int64_t>(tok) * p.x_row_bytes, p.hidden_bytes,
-                          lane);
-      for (int i = lane; i < extras; i += 32) {
-        int v;
-        if (i < S) {
-          v = __float_as_int(p.x_scales[tok * p.scale_stride_token + i * p.scale_stride_channel]);
-        } else if (i < S + K) {
-          v = static_cast<int>(p.topk_idx[static_cast<int64_t>(tok) * K + (i - S)]);
-        } else {
-          v = p.topk_weights
-                  ? __float_as_int(p.topk_weights[static_cast<int64_t>(tok) * K + (i - S - K)])
-                  : 0;
-        }
-        word_at(rec, f.scales + 4 * i)[0] = v;
-      }
-      if (lane < L) {
-        const int k = p.rank_pos[static_cast<int64_t>(tok) * R + m * L + lane];
-        word_at(rec, f.pos)[lane] = k;
-        const unsigned mask = __ballot_sync((1u << L) - 1u, k >= 0);
-        if (lane == 0) {
-          *word_at(rec, f.token) = tok;
-          *word_at(rec, f.mask) = static_cast<int>(mask);
-          *word_at(rec, f.index) = j;
-          *word_at(rec, f.src) = t.rank;
-        }
-      }
-    }
-  }
-  if (!last_block_ok(t, p.off, kDoneSend, true)) return;
-  const int n = t.rank / L, l = t.rank % L;
-  const int* node_rows = p.table + HtNetTable::make(R, N, L).node_rows;
-  for (int m = threadIdx.x; m < N; m += blockDim.x) {
-    if (m == n) continue;
-    const int fwd = m * L + l, s = sig(t, HtNetSignal::kDispatchNet, t.rank);
-    const std::size_t bytes = static_cast<std::size_t>(node_rows[m]) * p.off.row_bytes;
-    if (bytes > 0)
-      t.template put_signal<dev::Thread>(0, fwd, p.off.recv + n * p.off.slot_bytes,
-                                         p.off.send + m * p.off.slot_bytes, bytes, s, 1);
-    else
-      t.template signal_add<dev::Thread>(0, fwd, s, 1);
-    for (int c = 1; c < t.num_contexts; ++c) t.template signal_add<dev::Thread>(c, fwd, s, 1);
-  }
-}
-
-/// The records of each node's source with this rank's local index (from the
-/// network, or this rank's own for its node) go to each local rank they
-/// reach, at the row the source computed (its running index there, plus
-/// where that source's rows start); each record's mask is kept for the
-/// combine. Every warp takes records in turn across all source nodes; every
-/// block first waits for every source. The last block signals every local
-/// rank.
-template <class T>
-__global__ void __launch_bounds__(kThreads) dispatch_forward_kernel(DispatchParams<T> p) {
-  const auto& t = p.t;
-  const int L = p.off.ranks_per_node, N = p.off.num_nodes, R = t.num_ranks;
-  const int n = t.rank / L, l = t.rank % L, lane = threadIdx.x % 32;
-  const HtNetTable tab = HtNetTable::make(R, N, L);
-  const RecordFields f(p.hidden_bytes, p.num_scales, p.num_topk);
-  __shared__ int ok;
-  if (threadIdx.x == 0) ok = 1;
-  __syncthreads();
-  for (int m = threadIdx.x; m < N; m += blockDim.x) {
-    if (m == n) continue;
-    const int src = m * L + l;
-    if (!t.wait_signal(sig(t, HtNetSignal::kDispatchNet, src), op_counts(t, p.off)[1],
-                       OpId::kDispatch, src))
-      ok = 0;
-  }
-  __syncthreads();
-  const int gw = blockIdx.x * kWarps + threadIdx.x / 32, nw = gridDim.x * kWarps;
-  int first = 0;  // records of the nodes before m
-  for (int m = 0; ok && m < N; ++m) {
-    const int rows = p.table[tab.fwd_rows + m];
-    const uint8_t* area =
-        reinterpret_cast<const uint8_t*>(t.local_ptr(m == n ? p.off.send : p.off.recv)) +
-        m * p.off.slot_bytes;
-    for (int j = (gw - first % nw + nw) % nw; j < rows; j += nw) {
-      const uint8_t* rec = area + static_cast<std::size_t>(j) * p.off.row_bytes;
-      const int mask = ld_int(rec + f.mask);
-      const int k = lane < L ? ld_int(rec + f.pos + 4 * lane) : -1;
-      if (lane == 0) p.fwd_mask[static_cast<int64_t>(m) * p.off.slot_rows + j] = mask;
-      for (int d = 0; d < L; ++d) {
-        if (!((mask >> d) & 1)) continue;
-        const int row = p.table[tab.stage_base + d * N + m] + __shfl_sync(kFull, k, d);
-        uint8_t* dst = reinterpret_cast<uint8_t*>(
-            t.lsa_ptr(n * L + d, p.off.stage + static_cast<std::size_t>(row) * p.off.row_bytes));
-        warp_copy<true, 4>(dst, rec, static_cast<int>(p.off.row_bytes), lane);
-      }
-    }
-    first += rows;
-  }
-  if (!last_block_ok(t, p.off, kDoneForward, ok != 0)) return;
-  for (int d = threadIdx.x; d < L; d += blockDim.x)
-    signal_all_contexts(t, n * L + d, sig(t, HtNetSignal::kDispatchNvl, t.rank));
-}
-
-/// Waits for the node's forwarders, then unpacks the stage into the outputs
-/// (top-k ids rebased to this rank's experts, -1 and weight 0 elsewhere).
-template <class T>
-__global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(DispatchParams<T> p) {
-  const auto& t = p.t;
-  const int L = p.off.ranks_per_node, n = t.rank / L;
-  const int lane = threadIdx.x % 32;
-  const int S = p.num_scales, K = p.num_topk;
-  const RecordFields f(p.hidden_bytes, S, K);
-  __shared__ int ok;
-  if (threadIdx.x == 0) ok = 1;
-  __syncthreads();
-  if (threadIdx.x < L) {
-    const int fwd = n * L + threadIdx.x;
-    if (!t.wait_signal(sig(t, HtNetSignal::kDispatchNvl, fwd), op_counts(t, p.off)[1],
-                       OpId::kDispatch, fwd))
-      ok = 0;
-  }
-  __syncthreads();
-  if (!ok) return;
-  const int epr = p.num_experts / t.num_ranks, lo = t.rank * epr;
-  const uint8_t* stage = reinterpret_cast<const uint8_t*>(t.local_ptr(p.off.stage));
-  for (int row = blockIdx.x * kWarps + threadIdx.x / 32; row < p.num_recv_rows;
-       row += gridDim.x * kWarps) {
-    const uint8_t* rec = stage + static_cast<std::size_t>(row) * p.off.row_bytes;
-    warp_copy<true, 4>(p.recv_x + static_cast<int64_t>(row) * p.hidden_bytes, rec, p.hidden_bytes,
-                       lane);
-    for (int i = lane; i < S; i += 32)
-      p.recv_scales[static_cast<int64_t>(row) * S + i] =
-          ld_float(reinterpret_cast<const float*>(rec + f.scales) + i);
-    for (int i = lane; i < K; i += 32) {
-      const int e = ld_int(reinterpret_cast<const int*>(rec + f.ids) + i);
-      const bool mine = e >= lo && e < lo + epr;
-      if (p.recv_topk_idx) p.recv_topk_idx[static_cast<int64_t>(row) * K + i] = mine ? e - lo : -1;
-      if (p.recv_topk_weights)
-        p.recv_topk_weights[static_cast<int64_t>(row) * K + i] =
-            mine ? ld_float(reinterpret_cast<const float*>(rec + f.weights) + i) : 0.0f;
-    }
-    if (lane == 0) {
-      p.recv_src_idx[row] = ld_int(reinterpret_cast<const int*>(rec + f.token));
-      p.recv_meta[2 * row] = ld_int(reinterpret_cast<const int*>(rec + f.src));
-      p.recv_meta[2 * row + 1] = ld_int(reinterpret_cast<const int*>(rec + f.index));
-    }
-  }
-}
-
-template <class T>
-void dispatch_for(const T& t, const HtNetDispatchArgs& a, cudaStream_t stream) {
-  DispatchParams<T> p{};
-  static_cast<HtNetDispatchArgs&>(p) = a;
-  p.t = t;
-  launch_barrier(t, a.off, HtNetOp::kDispatch, stream);
-  dispatch_send_kernel<T><<<a.num_blocks, kThreads, 0, stream>>>(p);
-  EPX_CUDA_CHECK(cudaGetLastError());
-  dispatch_forward_kernel<T><<<a.num_blocks, kThreads, 0, stream>>>(p);
-  EPX_CUDA_CHECK(cudaGetLastError());
-  dispatch_recv_kernel<T><<<a.num_blocks, kThreads, 0, stream>>>(p);
-  EPX_CUDA_CHECK(cudaGetLastError());
-}
-
-// ---- combine -------------------------------------------------------------------
-
-template <class T>
-struct CombineParams : HtNetCombineArgs {
-  T t;
-};
-
-/// Each received row goes back over NVLink to the forwarder it came
-/// through, into its stage slot (this rank, the source's node) at the
-/// record's index; the last block signals every local rank.
-template <class T>
-__global__ void __launch_bounds__(kThreads) combine_return_kernel(CombineParams<T> p) {
-  const auto& t = p.t;
-  const int L = p.off.ranks_per_node, N = p.off.num_nodes, n = t.rank / L, me_l = t.rank % L;
-  const int lane = threadIdx.x % 32, H = p.hidden, K = p.num_topk;
-  for (int row = blockIdx.x * kWarps + threadIdx.x / 32; row < p.num_recv_rows;
-       row += gridDim.x * kWarps) {
-    const int src = p.recv_meta[2 * row], j = p.recv_meta[2 * row + 1];
-    const int fwd = n * L + src % L, m = src / L;
-    auto* dst = reinterpret_cast<uint8_t*>(
-        t.lsa_ptr(fwd, p.off.stage + (static_cast<std::size_t>(me_l) * N + m) * p.off.slot_bytes +
-                           static_cast<std::size_t>(j) * p.off.row_bytes));
-    if (row < p.num_x_rows) {
-      warp_copy<false, 4>(
-          dst, reinterpret_cast<const uint8_t*>(p.x + static_cast<int64_t>(row) * H), 2 * H, lane);
-    } else {
-      for (int i = lane; i < 2 * H / 16; i += 32)
-        dev::st_na(reinterpret_cast<int4*>(dst) + i, make_int4(0, 0, 0, 0));
-    }
-    for (int k = lane; k < K; k += 32)
-      reinterpret_cast<float*>(dst + 2 * H)[k] =
-          p.topk_weights && row < p.num_x_rows ? p.topk_weights[static_cast<int64_t>(row) * K + k]
-                                               : 0.0f;
-  }
-  if (!last_block_ok(t, p.off, kDoneReturn, true)) return;
-  for (int d = threadIdx.x; d < L; d += blockDim.x)
-    signal_all_contexts(t, n * L + d, sig(t, HtNetSignal::kCombineReturn, t.rank));
-}
-
-/// Waits for the node's ranks, then sums each forwarded record's rows (the
-/// ranks in its mask, ascending) in float32, rounds to BF16 and writes the
-/// row to its source's send slot (or, for this rank's own records, straight
-/// to its receive slot). The last block puts each other node's slot to its
-/// source and signals it.
-template <class T>
-__global__ void __launch_bounds__(kThreads) combine_node_sum_kernel(CombineParams<T> p) {
-  const auto& t = p.t;
-  const int L = p.off.ranks_per_node, N = p.off.num_nodes, R = t.num_ranks;
-  const int n = t.rank / L, l = t.rank % L;
-  const int lane = threadIdx.x % 32, H = p.hidden, K = p.num_topk;
-  const HtNetTable tab = HtNetTable::make(R, N, L);
-  const int slot_rows = p.off.slot_rows;
-  __shared__ int ok;
-  if (threadIdx.x == 0) ok = 1;
-  __syncthreads();
-  if (threadIdx.x < L) {
-    const int d = n * L + threadIdx.x;
-    if (!t.wait_signal(sig(t, HtNetSignal::kCombineReturn, d), op_counts(t, p.off)[2],
-                       OpId::kCombine, d))
-      ok = 0;
-  }
-  __syncthreads();
-  const uint8_t* stage = reinterpret_cast<const uint8_t*>(t.local_ptr(p.off.stage));
-  int first = 0;  // rows of the nodes before m
-  const int gw = blockIdx.x * kWarps + threadIdx.x / 32, nw = gridDim.x * kWarps;
-  for (int m = 0; ok && m < N; ++m) {
-    const int rows = p.table[tab.fwd_rows + m];
-    auto* out = reinterpret_cast<uint8_t*>(t.local_ptr(m == n ? p.off.recv : p.off.send)) +
-                (m == n ? n : m) * p.off.slot_bytes;
-    // Rows are numbered across the nodes so that every warp has work.
-    for (int w = (gw - first % nw + nw) % nw; w < rows; w += nw) {
-      const int mask = p.fwd_mask[static_cast<int64_t>(m) * slot_rows + w];
-      const std::size_t at = static_cast<std::size_t>(w) * p.off.row_bytes;
-      for (int v = lane; v < H / 8; v += 32) {
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int d = 0; d < L; ++d)
-          if ((mask >> d) & 1)
-            accumulate_bf16x8(
-                acc, dev::ld_l2(reinterpret_cast<const int4*>(
-                                    stage +
-                                    (static_cast<std::size_t>(d) * N + m) * p.off.slot_bytes + at) +
-                                v));
-        reinterpret_cast<int4*>(out + at)[v] = pack_bf16x8(acc);
-      }
-      for (int k = lane; k < K; k += 32) {
-        float acc = 0.0f;
-        for (int d = 0; d < L; ++d)
-          if ((mask >> d) & 1)
-            acc += ld_float(
-                reinterpret_cast<const float*>(
-                    stage + (static_cast<std::size_t>(d) * N + m) * p.off.slot_bytes + at + 2 * H) +
-                k);
-        reinterpret_cast<float*>(out + at + 2 * H)[k] = acc;
-      }
-    }
-    first += rows;
-  }
-  if (!last_block_ok(t, p.off, kDoneNodeSum, ok != 0)) return;
-  for (int m = threadIdx.x; m < N; m += blockDim.x) {
-    if (m == n) continue;
-    const int src = m * L + l, s = sig(t, HtNetSignal::kCombineNet, t.rank);
-    const std::size_t bytes = static_cast<std::size_t>(p.table[tab.fwd_rows + m]) * p.off.row_bytes;
-    if (bytes > 0)
-      t.template put_signal<dev::Thread>(0, src, p.off.recv + n * p.off.slot_bytes,
-                                         p.off.send + m * p.off.slot_bytes, bytes, s, 1);
-    else
-      t.template signal_add<dev::Thread>(0, src, s, 1);
-    for (int c = 1; c < t.num_contexts; ++c) t.template signal_add<dev::Thread>(c, src, s, 1);
-  }
-}
-
-/// Waits for every other node's sums, then adds, per token, the rows of the
-/// nodes it reached in ascending node order in float32, then the biases, and
-/// rounds to BF16; the weights follow in float32.
-template <class T>
-__global__ void __launch_bounds__(kThreads) combine_finish_kernel(CombineParams<T> p) {
-  const auto& t = p.t;
-  const int L = p.off.ranks_per_node, N = p.off.num_nodes;
-  const int n = t.rank / L, l = t.rank % L;
-  const int lane = threadIdx.x % 32, H = p.hidden, K = p.num_topk;
-  __shared__ int ok;
-  if (threadIdx.x == 0) ok = 1;
-  __syncthreads();
-  for (int m = threadIdx.x; m < N; m += blockDim.x) {
-    if (m == n) continue;
-    const int fwd = m * L + l;
-    if (!t.wait_signal(sig(t, HtNetSignal::kCombineNet, fwd), op_counts(t, p.off)[2],
-                       OpId::kCombine, fwd))
-      ok = 0;
-  }
-  __syncthreads();
-  if (!ok) return;
-  const uint8_t* recv = reinterpret_cast<const uint8_t*>(t.local_ptr(p.off.recv));
-  for (int tok = blockIdx.x * kWarps + threadIdx.x / 32; tok < p.num_tokens;
-       tok += gridDim.x * kWarps) {
-    const int* pos = p.send_pos + static_cast<int64_t>(tok) * N;
-    for (int v = lane; v < H / 8; v += 32) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int m = 0; m < N; ++m) {
-        const int j = pos[m];
-        if (j < 0) continue;
-        accumulate_bf16x8(acc, dev::ld_l2(reinterpret_cast<const int4*>(
-                                              recv + m * p.off.slot_bytes +
-                                              static_cast<std::size_t>(j) * p.off.row_bytes) +
-                                          v));
-      }
-      for (const uint16_t* b : {p.bias0, p.bias1})
-        if (b)
-          accumulate_bf16x8(acc,
-                            reinterpret_cast<const int4*>(b + static_cast<int64_t>(tok) * H)[v]);
-      reinterpret_cast<int4*>(p.combined_x + static_cast<int64_t>(tok) * H)[v] = pack_bf16x8(acc);
-    }
-    if (p.combined_topk_weights)
-      for (int k = lane; k < K; k += 32) {
-        float acc = 0.0f;
-        for (int m = 0; m < N; ++m) {
-          const int j = pos[m];
-          if (j < 0) continue;
-          acc += ld_float(reinterpret_cast<const float*>(
-                              recv + m * p.off.slot_bytes +
-                              static_cast<std::size_t>(j) * p.off.row_bytes + 2 * H) +
-                          k);
-        }
-        p.combined_topk_weights[static_cast<int64_t>(tok) * K + k] = acc;
-      }
-  }
-}
-
-template <class T>
-void combine_for(const T& t, const HtNetCombineArgs& a, cudaStream_t stream) {
-  CombineParams<T> p{};
-  static_cast<HtNetCombineArgs&>(p) = a;
-  p.t = t;
-  launch_barrier(t, a.off, HtNetOp::kCombine, stream);
-  combine_return_kernel<T><<<a.num_blocks, kThreads, 0, stream>>>(p);
-  EPX_CUDA_CHECK(cudaGetLastError());
-  combine_node_sum_kernel<T><<<a.num_blocks, kThreads, 0, stream>>>(p);
-  EPX_CUDA_CHECK(cudaGetLastError());
-  combine_finish_kernel<T><<<a.num_blocks, kThreads, 0, stream>>>(p);
-  EPX_CUDA_CHECK(cudaGetLastError());
-}
-
-/// Runs `fn(tt)` for the transports whose kernels libepx holds; a module's
-/// transport has no internode high-throughput kernels yet.
-template <class Fn>
-void on_built_in(const dev::AnyTransport& t, const char* what, Fn&& fn) {
+/// Runs `built_in(tt)` for libepx's own transports, `module(table, tt)` for a
+/// module's, and raises what the module reported.
+template <class BuiltIn, class Module>
+void launch_on(const dev::AnyTransport& t, const char* what, BuiltIn&& built_in, Module&& module) {
   std::visit(
       [&](const auto& tt) {
         using T = std::decay_t<decltype(tt)>;
         if constexpr (dev::kBuiltIn<T>) {
-          fn(tt);
+          built_in(tt);
         } else {
-          throw Error(ErrorCode::kUnsupported,
-                      std::string(what) +
-                          ": the high-throughput kernels across nodes do not run over this "
-                          "backend yet (EPX_BACKEND=proxy or nccl do)");
+          if (tt.kernels == nullptr || tt.kernels->ht_net_dispatch == nullptr)
+            throw Error(ErrorCode::kUnsupported,
+                        std::string(what) +
+                            ": this backend's module has no high-throughput "
+                            "kernels across nodes");
+          char err[1024] = {0};
+          const int rc = module(*tt.kernels, static_cast<const dev::NetworkTransportBase&>(tt), err,
+                                sizeof(err));
+          if (rc != 0) throw Error(decode_module_error(rc), std::string(what) + ": " + err);
         }
       },
       t);
@@ -580,30 +105,28 @@ void launch_ht_net_route(const HtNetRouteArgs& a, cudaStream_t stream) {
 
 void launch_ht_net_dispatch(const dev::AnyTransport& t, const HtNetDispatchArgs& a,
                             cudaStream_t stream) {
-  on_built_in(t, "dispatch", [&](const auto& tt) { dispatch_for(tt, a, stream); });
+  launch_on(
+      t, "dispatch", [&](const auto& tt) { launch_ht_net_dispatch_for(tt, a, stream); },
+      [&](const ModuleKernels& k, const auto& tt, char* err, std::size_t n) {
+        return k.ht_net_dispatch(tt, a, stream, err, n);
+      });
 }
 
 void launch_ht_net_combine(const dev::AnyTransport& t, const HtNetCombineArgs& a,
                            cudaStream_t stream) {
-  on_built_in(t, "combine", [&](const auto& tt) { combine_for(tt, a, stream); });
+  launch_on(
+      t, "combine", [&](const auto& tt) { launch_ht_net_combine_for(tt, a, stream); },
+      [&](const ModuleKernels& k, const auto& tt, char* err, std::size_t n) {
+        return k.ht_net_combine(tt, a, stream, err, n);
+      });
 }
 
 void preload_ht_net_kernels() {
   cudaFuncAttributes attr{};
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, route_kernel));
   // Across nodes the network transports run these.
-  auto each = [&](auto tag) {
-    using T = decltype(tag);
-    EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, barrier_kernel<T>));
-    EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, dispatch_send_kernel<T>));
-    EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, dispatch_forward_kernel<T>));
-    EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, dispatch_recv_kernel<T>));
-    EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, combine_return_kernel<T>));
-    EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, combine_node_sum_kernel<T>));
-    EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, combine_finish_kernel<T>));
-  };
-  each(dev::ProxyTransport{});
-  each(dev::NcclGinTransport{});
+  preload_ht_net_kernels_of<dev::ProxyTransport>();
+  preload_ht_net_kernels_of<dev::NcclGinTransport>();
 }
 
 }  // namespace epx::kernels

@@ -483,6 +483,11 @@ struct ModuleKernels {
   int (*ll_combine_recv)(const dev::NetworkTransportBase& t, const LlCombineRecvArgs& a,
                          int num_blocks, cudaStream_t stream, bool dependent, Err err,
                          std::size_t err_len);
+  /// The high-throughput ops across nodes (launch_ht_net_dispatch / _combine).
+  int (*ht_net_dispatch)(const dev::NetworkTransportBase& t, const HtNetDispatchArgs& a,
+                         cudaStream_t stream, Err err, std::size_t err_len);
+  int (*ht_net_combine)(const dev::NetworkTransportBase& t, const HtNetCombineArgs& a,
+                        cudaStream_t stream, Err err, std::size_t err_len);
 };
 
 }  // namespace epx::kernels

@@ -108,4 +108,12 @@ struct NvshmemTransport : NetworkTransportBase, LsaWords<NvshmemTransport> {
 
 static_assert(DeviceTransport<NvshmemTransport>);
 
+/// The module's device struct from the transport data the core filled
+/// (dev::ModuleTransport holds no more than a NetworkTransportBase).
+inline NvshmemTransport nvshmem_device_of(const NetworkTransportBase& base) {
+  NvshmemTransport t{};
+  static_cast<NetworkTransportBase&>(t) = base;
+  return t;
+}
+
 }  // namespace epx::dev

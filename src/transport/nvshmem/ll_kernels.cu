@@ -13,6 +13,12 @@
 
 namespace epx::nvshmem_module {
 
+// ht_kernels.cu
+int ht_net_dispatch(const dev::NetworkTransportBase& t, const kernels::HtNetDispatchArgs& a,
+                    cudaStream_t s, char* err, std::size_t n);
+int ht_net_combine(const dev::NetworkTransportBase& t, const kernels::HtNetCombineArgs& a,
+                   cudaStream_t s, char* err, std::size_t n);
+
 namespace {
 
 using T = dev::NvshmemTransport;
@@ -22,39 +28,43 @@ using kernels::LlDispatchRecvArgs;
 using kernels::LlDispatchSendArgs;
 
 /// The module's device struct from the transport data the core filled.
-T device_of(const dev::NetworkTransportBase& base) {
-  T t{};
-  static_cast<dev::NetworkTransportBase&>(t) = base;
-  return t;
-}
 
 int dispatch_send(const dev::NetworkTransportBase& t, const LlDispatchSendArgs& a, int blocks,
                   cudaStream_t s, char* err, std::size_t n) {
-  return guarded(err, n, [&] { kernels::launch_ll_dispatch_send_for(device_of(t), a, blocks, s); });
+  return guarded(err, n, [&] {
+    kernels::launch_ll_dispatch_send_for(dev::nvshmem_device_of(t), a, blocks, s);
+  });
 }
 int dispatch_recv(const dev::NetworkTransportBase& t, const LlDispatchRecvArgs& a, int blocks,
                   cudaStream_t s, char* err, std::size_t n) {
-  return guarded(err, n, [&] { kernels::launch_ll_dispatch_recv_for(device_of(t), a, blocks, s); });
+  return guarded(err, n, [&] {
+    kernels::launch_ll_dispatch_recv_for(dev::nvshmem_device_of(t), a, blocks, s);
+  });
 }
 int dispatch_fused(const dev::NetworkTransportBase& t, const LlDispatchSendArgs& sa,
                    const LlDispatchRecvArgs& ra, int blocks, int send_blocks, cudaStream_t s,
                    char* err, std::size_t n) {
   return guarded(err, n, [&] {
-    kernels::launch_ll_dispatch_fused_for(device_of(t), sa, ra, blocks, send_blocks, s);
+    kernels::launch_ll_dispatch_fused_for(dev::nvshmem_device_of(t), sa, ra, blocks, send_blocks,
+                                          s);
   });
 }
 int combine_send(const dev::NetworkTransportBase& t, const LlCombineSendArgs& a, int blocks,
                  cudaStream_t s, char* err, std::size_t n) {
-  return guarded(err, n, [&] { kernels::launch_ll_combine_send_for(device_of(t), a, blocks, s); });
+  return guarded(err, n, [&] {
+    kernels::launch_ll_combine_send_for(dev::nvshmem_device_of(t), a, blocks, s);
+  });
 }
 int combine_recv(const dev::NetworkTransportBase& t, const LlCombineRecvArgs& a, int blocks,
                  cudaStream_t s, bool dependent, char* err, std::size_t n) {
-  return guarded(
-      err, n, [&] { kernels::launch_ll_combine_recv_for(device_of(t), a, blocks, s, dependent); });
+  return guarded(err, n, [&] {
+    kernels::launch_ll_combine_recv_for(dev::nvshmem_device_of(t), a, blocks, s, dependent);
+  });
 }
 
-constexpr kernels::ModuleKernels kTable{dispatch_send, dispatch_recv, dispatch_fused, combine_send,
-                                        combine_recv};
+constexpr kernels::ModuleKernels kTable{dispatch_send, dispatch_recv, dispatch_fused,
+                                        combine_send,  combine_recv,  ht_net_dispatch,
+                                        ht_net_combine};
 
 }  // namespace
 

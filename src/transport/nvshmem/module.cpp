@@ -23,8 +23,17 @@
 
 namespace epx::nvshmem_module {
 
-const kernels::ModuleKernels* ll_kernels();        // ll_kernels.cu
-int preload_ll_kernels(char* err, std::size_t n);  // ll_kernels.cu
+const kernels::ModuleKernels* ll_kernels();            // ll_kernels.cu
+int preload_ll_kernels(char* err, std::size_t n);      // ll_kernels.cu
+int preload_ht_net_kernels(char* err, std::size_t n);  // ht_kernels.cu
+
+namespace {
+/// Every kernel of the module.
+int preload_all(char* err, std::size_t n) {
+  const int rc = preload_ll_kernels(err, n);
+  return rc != 0 ? rc : preload_ht_net_kernels(err, n);
+}
+}  // namespace
 
 namespace {
 
@@ -259,7 +268,7 @@ epx_nvshmem_module_api() {
                        peer_ptr,
                        quiesce,
                        barrier,
-                       preload_ll_kernels,
+                       preload_all,
                        ll_kernels()};
   return &api;
 }

@@ -16,7 +16,7 @@
 
 namespace epx::nvshmem_module {
 
-inline constexpr int kAbiVersion = 1;
+inline constexpr int kAbiVersion = 2;  // 2: the table has the HT launchers
 
 /// What the core lends the module for its bootstrap.
 struct Host {
@@ -50,7 +50,8 @@ struct Api {
   int (*barrier)(char* err, std::size_t n);
   /// Loads every kernel of the module now (none lazily while peers wait).
   int (*preload)(char* err, std::size_t n);
-  /// The low-latency launchers (dev::ModuleTransport::kernels).
+  /// The launchers, low-latency and high-throughput across nodes
+  /// (dev::ModuleTransport::kernels).
   const kernels::ModuleKernels* kernels;
 };
 
