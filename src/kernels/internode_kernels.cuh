@@ -61,6 +61,23 @@ __device__ __forceinline__ void signal_all_contexts(const T& t, int r, int s) {
   for (int c = 0; c < t.num_contexts; ++c) t.template signal_add<dev::Thread>(c, r, s, 1);
 }
 
+/// Block-wide: one node's slot to rank r, then 1 added to signal `s` there on
+/// every context (context 0's after the bytes landed). The block shares the
+/// put: a transport that copies with the calling threads (NVSHMEM over P2P)
+/// needs the whole block for a slot of megabytes, where one thread took
+/// half a second.
+template <class T>
+__device__ __forceinline__ void put_node(const T& t, int r, std::size_t dst, std::size_t src,
+                                         std::size_t bytes, int s) {
+  if (bytes > 0)
+    t.template put_signal<dev::Block>(0, r, dst, src, bytes, s, 1);
+  else
+    t.template signal_add<dev::Block>(0, r, s, 1);
+  if (threadIdx.x == 0)
+    for (int c = 1; c < t.num_contexts; ++c) t.template signal_add<dev::Thread>(c, r, s, 1);
+  __syncthreads();
+}
+
 // ---- barrier -------------------------------------------------------------------
 
 template <class T>
@@ -185,17 +202,11 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DispatchParams<
   if (!last_block_ok(t, p.off, kDoneSend, true)) return;
   const int n = t.rank / L, l = t.rank % L;
   const int* node_rows = p.table + HtNetTable::make(R, N, L).node_rows;
-  for (int m = threadIdx.x; m < N; m += blockDim.x) {
-    if (m == n) continue;
-    const int fwd = m * L + l, s = sig(t, HtNetSignal::kDispatchNet, t.rank);
-    const std::size_t bytes = static_cast<std::size_t>(node_rows[m]) * p.off.row_bytes;
-    if (bytes > 0)
-      t.template put_signal<dev::Thread>(0, fwd, p.off.recv + n * p.off.slot_bytes,
-                                         p.off.send + m * p.off.slot_bytes, bytes, s, 1);
-    else
-      t.template signal_add<dev::Thread>(0, fwd, s, 1);
-    for (int c = 1; c < t.num_contexts; ++c) t.template signal_add<dev::Thread>(c, fwd, s, 1);
-  }
+  for (int m = 0; m < N; ++m)
+    if (m != n)
+      put_node(t, m * L + l, p.off.recv + n * p.off.slot_bytes, p.off.send + m * p.off.slot_bytes,
+               static_cast<std::size_t>(node_rows[m]) * p.off.row_bytes,
+               sig(t, HtNetSignal::kDispatchNet, t.rank));
 }
 
 /// The records of each node's source with this rank's local index (from the
@@ -408,17 +419,11 @@ __global__ void __launch_bounds__(kThreads) combine_node_sum_kernel(CombineParam
     first += rows;
   }
   if (!last_block_ok(t, p.off, kDoneNodeSum, ok != 0)) return;
-  for (int m = threadIdx.x; m < N; m += blockDim.x) {
-    if (m == n) continue;
-    const int src = m * L + l, s = sig(t, HtNetSignal::kCombineNet, t.rank);
-    const std::size_t bytes = static_cast<std::size_t>(p.table[tab.fwd_rows + m]) * p.off.row_bytes;
-    if (bytes > 0)
-      t.template put_signal<dev::Thread>(0, src, p.off.recv + n * p.off.slot_bytes,
-                                         p.off.send + m * p.off.slot_bytes, bytes, s, 1);
-    else
-      t.template signal_add<dev::Thread>(0, src, s, 1);
-    for (int c = 1; c < t.num_contexts; ++c) t.template signal_add<dev::Thread>(c, src, s, 1);
-  }
+  for (int m = 0; m < N; ++m)
+    if (m != n)
+      put_node(t, m * L + l, p.off.recv + n * p.off.slot_bytes, p.off.send + m * p.off.slot_bytes,
+               static_cast<std::size_t>(p.table[tab.fwd_rows + m]) * p.off.row_bytes,
+               sig(t, HtNetSignal::kCombineNet, t.rank));
 }
 
 /// Waits for every other node's sums, then adds, per token, the rows of the
