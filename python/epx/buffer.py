@@ -500,7 +500,9 @@ class Buffer:
                 topk_idx/topk_weights and the layout tensors are then not needed).
             num_tokens_per_rank [R] int32, is_token_in_rank [T, R] bool,
             num_tokens_per_expert [E] int32: from ``get_dispatch_layout``.
-            num_tokens_per_rdma_rank: None (intranode); a tensor warns once and is ignored.
+            num_tokens_per_rdma_rank: across nodes, get_dispatch_layout's per-node counts
+                (EPX derives them again from is_token_in_rank); within one node None (a
+                tensor warns once and is ignored).
             topk_idx: [T, K] int64; topk_weights: [T, K] float32.
             expert_alignment: round each local expert's count up to a multiple of this.
             num_worst_tokens: > 0: no host synchronization; outputs have this many rows
@@ -513,10 +515,10 @@ class Buffer:
             [N, K] float32, num_recv_tokens_per_expert_list (E_local ints), handle, event.
             A cached dispatch returns None for the four middle entries.
         """
-        if num_tokens_per_rdma_rank is not None:
+        if num_tokens_per_rdma_rank is not None and self.get_num_rdma_ranks() == 1:
             _compat.warn_ignored_once("dispatch", "num_tokens_per_rdma_rank",
-                                      "ignored: EPX's dispatch stays within one NVLink domain "
-                                      "(its get_dispatch_layout returns None here)")
+                                      "ignored: the ranks form one node "
+                                      "(get_dispatch_layout returns None here)")
         g = self._glue
         if isinstance(x, tuple) and len(x) != 2:
             raise ValueError(f"x: expected a tensor or a pair (x, x_scales), got a tuple of "
@@ -613,12 +615,16 @@ class Buffer:
                            num_worst_tokens: int = 0, config: Optional[Config] = None,
                            previous_event: Optional[EventOverlap] = None,
                            async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        """DeepEP's internode dispatch (called by its ``dispatch`` across nodes): EPX has
-        no internode kernels; raises EPXUnsupportedError. ``dispatch`` serves a group
-        within one NVLink domain."""
-        _compat.unsupported("internode_dispatch", "group",
-                            "EPX has no internode (RDMA) kernels yet; dispatch() serves the "
-                            "ranks of one NVLink domain")
+        """DeepEP's internode dispatch (its ``dispatch`` calls it across nodes): the
+        same as ``dispatch``, which serves groups across nodes itself; within one node
+        raises EPXUnsupportedError, as DeepEP asserts."""
+        if self.get_num_rdma_ranks() == 1:
+            _compat.unsupported("internode_dispatch", "group",
+                                "the ranks form one node; use dispatch()")
+        return self.dispatch(x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
+                             is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+                             expert_alignment, num_worst_tokens, config, previous_event,
+                             async_finish, allocate_on_comm_stream)
 
     def internode_combine(self, x: "torch.Tensor", handle: Any,
                           topk_weights: Optional["torch.Tensor"] = None,
@@ -627,11 +633,13 @@ class Buffer:
                           config: Optional[Config] = None,
                           previous_event: Optional[EventOverlap] = None,
                           async_finish: bool = False, allocate_on_comm_stream: bool = False):
-        """DeepEP's internode combine: EPX has no internode kernels; raises
-        EPXUnsupportedError (see ``internode_dispatch``)."""
-        _compat.unsupported("internode_combine", "group",
-                            "EPX has no internode (RDMA) kernels yet; combine() serves the "
-                            "ranks of one NVLink domain")
+        """DeepEP's internode combine: the same as ``combine`` across nodes; within one
+        node raises EPXUnsupportedError (see ``internode_dispatch``)."""
+        if self.get_num_rdma_ranks() == 1:
+            _compat.unsupported("internode_combine", "group",
+                                "the ranks form one node; use combine()")
+        return self.combine(x, handle, topk_weights, bias, config, previous_event,
+                            async_finish, allocate_on_comm_stream)
 
     # ---- low-latency ----------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ import inspect
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 
@@ -169,11 +170,18 @@ def test_names_epx_does_not_provide_fail_loudly():
         deep_ep.not_a_name  # noqa: B018
 
 
-def test_internode_methods_raise_naming_the_operation():
-    buf = object.__new__(deep_ep.Buffer)  # no GPU needed: they refuse before any work
-    with pytest.raises(epx.EPXUnsupportedError, match="internode_dispatch: .*no internode"):
+def test_internode_methods_within_one_node_raise_and_across_nodes_are_dispatch_and_combine():
+    # No GPU needed: within one node they refuse before any work; across nodes
+    # they go on to dispatch / combine (which stop at their first tensor here).
+    buf = _bare_buffer(nodes=1)
+    with pytest.raises(epx.EPXUnsupportedError, match="internode_dispatch: .*one node"):
         buf.internode_dispatch(None)
-    with pytest.raises(epx.EPXUnsupportedError, match="internode_combine: .*no internode"):
+    with pytest.raises(epx.EPXUnsupportedError, match="internode_combine: .*one node"):
+        buf.internode_combine(None, None)
+    buf = _bare_buffer(nodes=2)
+    with pytest.raises(_Stop):
+        buf.internode_dispatch(None)
+    with pytest.raises(TypeError, match="^combine: handle: expected the handle"):
         buf.internode_combine(None, None)
 
 
@@ -271,9 +279,11 @@ class _StopGlue:
     opt_view = rows = view
 
 
-def _bare_buffer():
+def _bare_buffer(nodes=1):
+    """A Buffer with no GPU state whose ranks form `nodes` nodes."""
     buf = object.__new__(epx.Buffer)
     buf._glue = _StopGlue()
+    buf.runtime = types.SimpleNamespace(get_num_rdma_ranks=lambda: nodes)
     return buf
 
 
@@ -373,6 +383,12 @@ def test_per_call_arguments_without_effect_warn_once(fresh_warnings):
         ("low_latency_dispatch", "use_eager",
          lambda b: b.low_latency_dispatch(None, None, 128, 256, use_eager=True)),
     ]
+    # Across nodes DeepEP passes get_dispatch_layout's per-node counts: no warning.
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with pytest.raises(_Stop):
+            _bare_buffer(nodes=2).dispatch(None, num_tokens_per_rdma_rank=object())
+    assert not _ignored(record)
     for op, arg, call in calls:
         for round_ in range(2):
             with warnings.catch_warnings(record=True) as record:
