@@ -328,6 +328,17 @@ class Buffer:
             _int("hidden", hidden), _int("num_ranks", num_ranks), _int("num_experts", num_experts))
 
     @staticmethod
+    def get_internode_nvl_size_hint(num_max_tokens: int, hidden: int, num_ranks: int,
+                                    ranks_per_node: int, num_topk: int) -> int:
+        """``num_nvl_bytes`` that holds any high-throughput dispatch and combine across
+        nodes of up to ``num_max_tokens`` tokens per rank (the first internode version
+        sizes its areas for the whole call; this is its worst case)."""
+        return _core.Buffer.get_internode_nvl_size_hint(
+            _int("num_max_tokens", num_max_tokens), _int("hidden", hidden),
+            _int("num_ranks", num_ranks), _int("ranks_per_node", ranks_per_node),
+            _int("num_topk", num_topk))
+
+    @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
         """The default dispatch Config for ``num_ranks`` ranks."""
         return Config._wrap(_core.get_dispatch_config(_int("num_ranks", num_ranks)))

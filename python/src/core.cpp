@@ -1066,6 +1066,8 @@ NB_MODULE(_core, m) {
       .def_prop_ro("shrink_enabled", &Buffer::shrink_enabled)
       .def_static("get_low_latency_rdma_size_hint", &Buffer::get_low_latency_rdma_size_hint,
                   "num_max_dispatch_tokens_per_rank"_a, "hidden"_a, "num_ranks"_a, "num_experts"_a)
+      .def_static("get_internode_nvl_size_hint", &Buffer::get_internode_nvl_size_hint,
+                  "num_max_tokens"_a, "hidden"_a, "num_ranks"_a, "ranks_per_node"_a, "num_topk"_a)
       .def_static("set_num_sms", &Buffer::set_num_sms, "num_sms"_a)
       .def_static("num_sms", &Buffer::num_sms)
       .def("check", &Buffer::check)

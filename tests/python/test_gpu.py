@@ -117,6 +117,13 @@ def test_case(case, world, ranks):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("ranks", list(_RANKS))
+def test_high_throughput_across_nodes(world, ranks):
+    """The high-throughput ops across virtual nodes (2 nodes of world // 2 ranks)."""
+    _RANKS[ranks]("_case_high_throughput_across_nodes", world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_moe_layer_example(world):
     """examples/moe_layer.py (deep_ep code, only the import changed) against a dense
     single-process computation of the same layer."""
@@ -259,6 +266,62 @@ def _check_raises(exc, pattern, fn):
 
 
 # ---- high-throughput -----------------------------------------------------------------------------
+
+def _case_high_throughput_across_nodes(rank, world, group):
+    """DeepEP's calls, unchanged, on ranks split into virtual nodes of world // 2 ranks:
+    layout with per-node counts, dispatch, cached dispatch, combine with weights and
+    biases, against the reference (the combine bit for bit, nodes summed as BF16)."""
+    import torch
+
+    import epx
+    from epx import reference as ref
+
+    dev = _device(rank, group)
+    rpn = max(1, world // 2)
+    H, K, E = 512, 4, 8 * world
+    rng = np.random.default_rng(300 + rank)
+    T = 80 + 13 * rank
+    idx_np = _routing(rng, T, K, E)
+    x_np = ref.bf16_from_float(rng.standard_normal((T, H)).astype(np.float32))
+    w_np = rng.random((T, K)).astype(np.float32)
+    idx, x, w = (torch.from_numpy(idx_np).to(dev), _bf16(x_np, dev),
+                 torch.from_numpy(w_np).to(dev))
+    all_idx, all_x, all_w = zip(*_gather(group, (idx_np, x_np, w_np)))
+    want = ref.ht_dispatch(list(all_x), list(all_idx), E, topk_weights=list(all_w))
+    mine = want[rank]
+
+    nvl = epx.Buffer.get_internode_nvl_size_hint(128, H, world, rpn, K)
+    buf = _buffer(group, nvl, 0, explicitly_destroy=True, ranks_per_node=rpn)
+    assert buf.get_num_rdma_ranks() == world // rpn
+    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    assert per_rdma is not None and per_rdma.shape == (world // rpn,)
+    recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
+        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
+        is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
+        topk_weights=w)
+    np.testing.assert_array_equal(_bits(recv_x), mine["recv_x"])
+    np.testing.assert_array_equal(recv_idx.cpu().numpy(), mine["recv_topk_idx"])
+    np.testing.assert_array_equal(recv_w.cpu().numpy(), mine["recv_topk_weights"])
+    assert counts == mine["num_recv_tokens_per_expert"]
+    np.testing.assert_array_equal(handle[0].cpu().numpy(), mine["rank_prefix_matrix"])
+    np.testing.assert_array_equal(handle[3].cpu().numpy(), mine["recv_src_idx"])
+    again = buf.dispatch(x, handle=handle)[0]
+    np.testing.assert_array_equal(_bits(again), mine["recv_x"])
+
+    b0_np = ref.bf16_from_float(rng.standard_normal((T, H)).astype(np.float32))
+    b1_np = ref.bf16_from_float(rng.standard_normal((T, H)).astype(np.float32))
+    all_recv_x = [want[r]["recv_x"] for r in range(world)]
+    all_recv_w = [want[r]["recv_topk_weights"] for r in range(world)]
+    all_bias = _gather(group, (b0_np, b1_np))
+    expect = ref.ht_combine(list(all_idx), all_recv_x, E, topk_weights=all_recv_w,
+                            bias=all_bias, ranks_per_node=rpn)[rank]
+    cx, cw, _ = buf.internode_combine(recv_x, handle, topk_weights=recv_w,
+                                      bias=(_bf16(b0_np, dev), _bf16(b1_np, dev)))
+    np.testing.assert_array_equal(_bits(cx), expect[0])
+    np.testing.assert_allclose(cw.cpu().numpy(), expect[1], rtol=1e-6)
+    torch.cuda.synchronize()
+    buf.destroy()
+
 
 def _case_high_throughput(rank, world, group):
     import torch
