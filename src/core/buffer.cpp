@@ -319,9 +319,12 @@ void Buffer::Impl::raise_if_failed(const char* op) {
     const int kind = sig / R;
     const char* name =
         ll ? (kind < 3 ? ll_kinds[kind] : "signal") : (kind < 5 ? ht_kinds[kind] : "signal");
+    // The low-latency ops signal only peers of other nodes; the
+    // high-throughput ones across nodes signal every rank.
     os << op_name(what) << ": rank " << g->rank << " waited more than " << timeout_s
-       << " s for rank " << g->peer << "'s " << name << " over the network (signal " << sig
-       << " at " << g->seen << ", expected " << g->expected << "); rank " << g->peer
+       << " s for rank " << g->peer << "'s " << name << (ll ? " over the network" : "")
+       << " (signal " << sig << " at " << g->seen << ", expected " << g->expected << "); rank "
+       << g->peer
        << " or its proxy / network is stalled or dead, or it called a different op (set "
           "EPX_TIMEOUT_S to wait longer)";
   } else if (code == DiagCode::kTimeout) {

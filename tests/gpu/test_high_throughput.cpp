@@ -881,5 +881,60 @@ EPX_GPU_TEST(Internode, RefusedCallsAreNamed) {
   run_case({64, 256, 4, 8 * R, false, 0.1, true, 1, false}, 1, 320);
 }
 
+/// A rank that does not come to an op is named by the others within the
+/// deadline, never a hang: rank 0 alone makes a cached dispatch; its barrier
+/// waits for every other rank and reports one of them.
+EPX_GPU_TEST(Internode, SilentPeerIsNamed) {
+  auto& w = world();
+  const int R = w.num_ranks, me = w.rank;
+  const HtCase c{64, 256, 4, 8 * R, false, 0.1, true, 1, false};
+  BufferOptions o;
+  o.num_nvl_bytes = static_cast<int64_t>(Buffer::get_internode_nvl_size_hint(
+      c.num_tokens + 1, c.hidden, R, w.buffer->num_nvl_ranks(), c.num_topk));
+  o.timeout_s = 1.0;
+  o.allocator = poisoning_allocator(w.comm->in_process());
+  Buffer b(w.comm, o);
+  StreamArgs s;
+  s.stream = w.stream;
+  auto in = make_inputs(c, R, 321);
+  const auto& mine = in[me];
+  const int T = mine.num_tokens;
+  auto d_topk = to_device(mine.topk_idx);
+  auto d_x = to_device(mine.x_bf16);
+  auto layout =
+      b.get_dispatch_layout(view(d_topk.get(), DType::kI64, {T, c.num_topk}), c.num_experts, s);
+  DispatchArgs a;
+  a.x = view(d_x.get(), DType::kBF16, {T, c.hidden});
+  a.topk_idx = view(d_topk.get(), DType::kI64, {T, c.num_topk});
+  a.set_layout(layout);
+  a.streams = s;
+  a.config = shared_gpu_config();
+  auto res = b.dispatch(a);
+  ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+  if (me == 0) {
+    DispatchArgs cached;
+    cached.x = a.x;
+    cached.handle = res.handle;
+    cached.streams = s;
+    cached.config = a.config;
+    try {
+      b.dispatch(cached);
+      ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+      b.check();
+      ADD_FAILURE() << "expected a timeout";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+      const std::string m = e.what();
+      bool named = false;
+      for (int r = 1; r < R; ++r)
+        named |= m.find("for rank " + std::to_string(r)) != std::string::npos;
+      EXPECT_TRUE(named) << m;
+      EXPECT_NE(m.find("arrival at the op"), std::string::npos) << m;
+    }
+  }
+  EXPECT_TRUE(all_ranks(!rank_failed()));
+  b.destroy();
+}
+
 }  // namespace
 }  // namespace epx::test
