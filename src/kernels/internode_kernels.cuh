@@ -78,6 +78,40 @@ __device__ __forceinline__ void put_node(const T& t, int r, std::size_t dst, std
   __syncthreads();
 }
 
+/// Warp-wide: dst[v] = BF16 of the float32 sum, in order, of src(i)[v] for
+/// i in [0, n) (src gives nullptr for a row not summed), then of bias0[v]
+/// and bias1[v] where given, for the nv 16-byte vectors of a row. Each lane
+/// keeps kSumVectors vectors' loads in flight.
+constexpr int kSumVectors = 4;
+template <class Src>
+__device__ __forceinline__ void sum_rows(int4* dst, int nv, int n, Src src, const int4* bias0,
+                                         const int4* bias1, int lane) {
+  constexpr int kU = kSumVectors;
+  for (int v0 = lane; v0 < nv; v0 += 32 * kU) {
+    float acc[kU][8];
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[u][e] = 0.0f;
+    auto add = [&](const int4* row, bool coherent) {
+      int4 x[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (v0 + 32 * u < nv) x[u] = coherent ? dev::ld_l2(row + v0 + 32 * u) : row[v0 + 32 * u];
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (v0 + 32 * u < nv) accumulate_bf16x8(acc[u], x[u]);
+    };
+    for (int i = 0; i < n; ++i)
+      if (const int4* row = src(i)) add(row, true);
+    if (bias0) add(bias0, false);
+    if (bias1) add(bias1, false);
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+      if (v0 + 32 * u < nv) dst[v0 + 32 * u] = pack_bf16x8(acc[u]);
+  }
+}
+
 // ---- barrier -------------------------------------------------------------------
 
 template <class T>
@@ -394,17 +428,15 @@ __global__ void __launch_bounds__(kThreads) combine_node_sum_kernel(CombineParam
     for (int w = (gw - first % nw + nw) % nw; w < rows; w += nw) {
       const int mask = p.fwd_mask[static_cast<int64_t>(m) * slot_rows + w];
       const std::size_t at = static_cast<std::size_t>(w) * p.off.row_bytes;
-      for (int v = lane; v < H / 8; v += 32) {
-        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-        for (int d = 0; d < L; ++d)
-          if ((mask >> d) & 1)
-            accumulate_bf16x8(
-                acc, dev::ld_l2(reinterpret_cast<const int4*>(
-                                    stage +
-                                    (static_cast<std::size_t>(d) * N + m) * p.off.slot_bytes + at) +
-                                v));
-        reinterpret_cast<int4*>(out + at)[v] = pack_bf16x8(acc);
-      }
+      sum_rows(
+          reinterpret_cast<int4*>(out + at), H / 8, L,
+          [&](int d) -> const int4* {
+            return (mask >> d) & 1
+                       ? reinterpret_cast<const int4*>(
+                             stage + (static_cast<std::size_t>(d) * N + m) * p.off.slot_bytes + at)
+                       : nullptr;
+          },
+          nullptr, nullptr, lane);
       for (int k = lane; k < K; k += 32) {
         float acc = 0.0f;
         for (int d = 0; d < L; ++d)
@@ -451,22 +483,19 @@ __global__ void __launch_bounds__(kThreads) combine_finish_kernel(CombineParams<
   for (int tok = blockIdx.x * kWarps + threadIdx.x / 32; tok < p.num_tokens;
        tok += gridDim.x * kWarps) {
     const int* pos = p.send_pos + static_cast<int64_t>(tok) * N;
-    for (int v = lane; v < H / 8; v += 32) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      for (int m = 0; m < N; ++m) {
-        const int j = pos[m];
-        if (j < 0) continue;
-        accumulate_bf16x8(acc, dev::ld_l2(reinterpret_cast<const int4*>(
-                                              recv + m * p.off.slot_bytes +
-                                              static_cast<std::size_t>(j) * p.off.row_bytes) +
-                                          v));
-      }
-      for (const uint16_t* b : {p.bias0, p.bias1})
-        if (b)
-          accumulate_bf16x8(acc,
-                            reinterpret_cast<const int4*>(b + static_cast<int64_t>(tok) * H)[v]);
-      reinterpret_cast<int4*>(p.combined_x + static_cast<int64_t>(tok) * H)[v] = pack_bf16x8(acc);
-    }
+    auto bias = [&](const uint16_t* b) {
+      return b ? reinterpret_cast<const int4*>(b + static_cast<int64_t>(tok) * H) : nullptr;
+    };
+    sum_rows(
+        reinterpret_cast<int4*>(p.combined_x + static_cast<int64_t>(tok) * H), H / 8, N,
+        [&](int m) -> const int4* {
+          const int j = pos[m];
+          return j >= 0
+                     ? reinterpret_cast<const int4*>(recv + m * p.off.slot_bytes +
+                                                     static_cast<std::size_t>(j) * p.off.row_bytes)
+                     : nullptr;
+        },
+        bias(p.bias0), bias(p.bias1), lane);
     if (p.combined_topk_weights)
       for (int k = lane; k < K; k += 32) {
         float acc = 0.0f;
