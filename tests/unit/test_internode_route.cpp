@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "common/internode_route.hpp"
+#include "epx/buffer.hpp"
 #include "epx/error.hpp"
 #include "epx/reference.hpp"
 
@@ -269,4 +270,47 @@ TEST(InternodeRoute, WholeCallRegionsHoldTheRoute) {
   const InternodeRoute again(r.counts);
   EXPECT_EQ(HtNetRegion::dispatch(again, rec).total, d.total);
   EXPECT_EQ(HtNetRegion::combine(again, row).total, k.total);
+}
+
+// Buffer::get_internode_nvl_size_hint: bad arguments named before any
+// arithmetic, and a hint that holds the worst-case regions of both ops.
+TEST(InternodeRoute, SizeHintNamesBadArgumentsAndHoldsTheWorstCase) {
+  auto code_and_text = [](auto fn) -> std::pair<epx::ErrorCode, std::string> {
+    try {
+      fn();
+    } catch (const epx::Error& e) {
+      return {e.code(), e.what()};
+    }
+    return {epx::ErrorCode::kInternal, ""};
+  };
+  const struct {
+    int tokens, hidden, ranks, rpn, topk;
+    const char* names;
+  } bad[] = {{-1, 7168, 4, 2, 8, "num_max_tokens"},
+             {128, 7, 4, 2, 8, "hidden"},
+             {128, 0, 4, 2, 8, "hidden"},
+             {128, 7168, 0, 1, 8, "num_ranks"},
+             {128, 7168, 4, 3, 8, "ranks_per_node"},
+             {128, 7168, 18, 9, 8, "ranks_per_node"},
+             {128, 7168, 4, 2, 17, "num_topk"}};
+  for (const auto& b : bad) {
+    const auto [code, text] = code_and_text([&] {
+      epx::Buffer::get_internode_nvl_size_hint(b.tokens, b.hidden, b.ranks, b.rpn, b.topk);
+    });
+    EXPECT_EQ(code, epx::ErrorCode::kInvalidArgument) << b.names << ": " << text;
+    EXPECT_NE(text.find(b.names), std::string::npos) << text;
+  }
+  const std::size_t hint = epx::Buffer::get_internode_nvl_size_hint(4096, 7168, 16, 4, 8);
+  epx::plan::InternodeCounts all{epx::Topology{16, 4}, std::vector<int>(16 * 16, 4096),
+                                 std::vector<int>(16 * 4, 4096)};
+  const InternodeRoute route(all);
+  EXPECT_GE(hint, epx::plan::HtNetRegion::dispatch(
+                      route, epx::plan::ht_net_record_bytes(2 * 7168, 0, 8, 4))
+                      .total);
+  EXPECT_GE(hint,
+            epx::plan::HtNetRegion::combine(route, epx::plan::ht_combine_row_bytes(7168, 8)).total);
+  // FP8 rows with per-128 scales are smaller than the BF16 ones the hint sizes for.
+  EXPECT_LT(epx::plan::ht_net_record_bytes(7168, 56, 8, 4),
+            epx::plan::ht_net_record_bytes(2 * 7168, 0, 8, 4));
+  EXPECT_LT(epx::Buffer::get_internode_nvl_size_hint(1024, 7168, 16, 4, 8), hint);
 }
