@@ -73,7 +73,11 @@ class InternodeRoute {
 /// Signals of the internode high-throughput ops, one id per (kind, source
 /// rank): a source's barrier arrival, its network rows (dispatch), a
 /// forwarder's staged rows (dispatch), a receiver's returned rows (combine),
-/// a forwarder's node sums (combine).
+/// a forwarder's node sums (combine). Their ids come after the low-latency
+/// ops' (LlRegion::kNetSignalKinds per rank): a backend whose signals are one
+/// pool per communicator, not words of each region (NCCL GIN), keeps the two
+/// families apart, and resets the low-latency ones alone when that region is
+/// cleared.
 enum class HtNetSignal : int {
   kBarrier = 0,
   kDispatchNet,
@@ -82,9 +86,13 @@ enum class HtNetSignal : int {
   kCombineNet,
   kKinds
 };
+inline constexpr int kHtNetFirstSignalKind = LlRegion::kNetSignalKinds;
 constexpr int ht_net_signal(int num_ranks, HtNetSignal kind, int src) {
-  return static_cast<int>(kind) * num_ranks + src;
+  return (kHtNetFirstSignalKind + static_cast<int>(kind)) * num_ranks + src;
 }
+/// Signal ids per rank count of both families (what a pool must hold).
+inline constexpr int kSignalKindsAll =
+    kHtNetFirstSignalKind + static_cast<int>(HtNetSignal::kKinds);
 
 /// One dispatch record, as sent over the network and staged over NVLink:
 /// payload, scales (4-byte words), top-k expert ids (global, i32) and
@@ -104,7 +112,7 @@ constexpr std::size_t ht_net_record_bytes(std::size_t hidden_bytes, int num_scal
 ///
 ///   [op counts u64[4], local: ops, dispatches, combines]
 ///   [finished-block counters u32[16], local]
-///   [signals u64 [kKinds * R][kMaxContexts]]
+///   [signals u64 [kSignalKindsAll * R][kMaxContexts]] (ht_net_signal's ids)
 ///   body, dispatch: [recv: N slots][send: N slots][stage: rows]
 ///                   a slot holds `slot_rows` records; recv slot m: the rows
 ///                   from node m's source of this rank's local index; send
@@ -120,7 +128,7 @@ struct HtNetRegion {
   static constexpr int kDoneWords = 16;
   static constexpr std::size_t kSignals = 256;
   static constexpr std::size_t signals_bytes(int num_ranks) {
-    return 8u * static_cast<int>(HtNetSignal::kKinds) * num_ranks * kMaxContexts;
+    return 8u * kSignalKindsAll * num_ranks * kMaxContexts;
   }
   static constexpr std::size_t body(int num_ranks) {
     return align_up(kSignals + signals_bytes(num_ranks), kAlign);

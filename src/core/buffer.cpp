@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "common/env.hpp"
+#include "common/internode_route.hpp"
 #include "common/plan.hpp"
 #include "common/topology.hpp"
 #include "core/buffer_impl.hpp"
@@ -270,7 +271,9 @@ void Buffer::Impl::start_epochs_at(uint32_t start) {
     EPX_CUDA_CHECK(cudaMemcpy(static_cast<char*>(region) + offset, v.data(), 4 * words,
                               cudaMemcpyHostToDevice));
   };
-  if (ht.bytes >= plan::HtRegion::flags_offset())
+  // (Across nodes the ht region holds the internode ops' counts and signals,
+  // which count ops from 0 and have no epoch to start.)
+  if (!networked() && ht.bytes >= plan::HtRegion::flags_offset())
     fill(ht.local, plan::HtRegion::barrier_offset(), plan::kHtMaxRanks);
   if (ll.bytes >= plan::LlRegion::weights_base())
     fill(ll.local, plan::LlRegion::flags_base(), 2 * plan::LlRegion::flags_bytes() / 4);
@@ -316,9 +319,9 @@ void Buffer::Impl::raise_if_failed(const char* op) {
     const bool ll = what == OpId::kLowLatencyDispatchSend ||
                     what == OpId::kLowLatencyDispatchRecv || what == OpId::kLowLatencyCombineSend ||
                     what == OpId::kLowLatencyCombineRecv;
-    const int kind = sig / R;
-    const char* name =
-        ll ? (kind < 3 ? ll_kinds[kind] : "signal") : (kind < 5 ? ht_kinds[kind] : "signal");
+    const int kind = sig / R, ht_kind = kind - plan::kHtNetFirstSignalKind;
+    const char* name = ll ? (kind < 3 ? ll_kinds[kind] : "signal")
+                          : (ht_kind >= 0 && ht_kind < 5 ? ht_kinds[ht_kind] : "signal");
     // The low-latency ops signal only peers of other nodes; the
     // high-throughput ones across nodes signal every rank.
     os << op_name(what) << ": rank " << g->rank << " waited more than " << timeout_s

@@ -169,10 +169,16 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
     // One row per rank: T, whether its layout disagrees, rank counts, node
     // counts, expert counts. A rank whose layout is bad still takes part, so
     // that every rank raises instead of waiting.
-    std::vector<int> row(2 + R + N + E);
+    // The row's shapes too: every rank derives the areas' offsets from its own
+    // record size, so ranks whose rows differ would misplace each other's.
+    constexpr int kHead = 5;  // T, bad layout, hidden bytes, scales, top-k
+    std::vector<int> row(kHead + R + N + E);
     row[0] = T;
     row[1] = std::memcmp(host, host + R + N + E, sizeof(int) * R) != 0 ? 1 : 0;
-    std::memcpy(row.data() + 2, host, sizeof(int) * (R + N + E));
+    row[2] = hidden_bytes;
+    row[3] = S;
+    row[4] = K;
+    std::memcpy(row.data() + kHead, host, sizeof(int) * (R + N + E));
     const auto all = comm->allgather(row.data(), row.size() * sizeof(int));
     auto at = [&](int s, int i) {
       int v;
@@ -180,6 +186,16 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
                   sizeof(int));
       return v;
     };
+    static constexpr const char* kShapeNames[] = {"x (hidden bytes)", "x_scales (scales per token)",
+                                                  "topk_idx (top-k)"};
+    for (int s = 0; s < R; ++s)
+      for (int i = 0; i < 3; ++i)
+        if (at(s, 2 + i) != row[2 + i])
+          throw Error(ErrorCode::kInvalidArgument,
+                      std::string("dispatch: ") + kShapeNames[i] + ": rank " + std::to_string(s) +
+                          " passed " + std::to_string(at(s, 2 + i)) + ", rank " +
+                          std::to_string(me) + " " + std::to_string(row[2 + i]) +
+                          "; every rank must dispatch rows of one shape");
     for (int s = 0; s < R; ++s)
       if (at(s, 1) != 0)
         throw Error(ErrorCode::kInvalidArgument,
@@ -192,23 +208,23 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
     for (int s = 0; s < R; ++s) {
       source_tokens[s] = at(s, 0);
       for (int d2 = 0; d2 < R; ++d2) {
-        handle->net_tokens_to_rank[static_cast<std::size_t>(s) * R + d2] = at(s, 2 + d2);
+        handle->net_tokens_to_rank[static_cast<std::size_t>(s) * R + d2] = at(s, kHead + d2);
         prefix[static_cast<std::size_t>(s) * R + d2] =
-            at(s, 2 + d2) + (s > 0 ? prefix[static_cast<std::size_t>(s - 1) * R + d2] : 0);
+            at(s, kHead + d2) + (s > 0 ? prefix[static_cast<std::size_t>(s - 1) * R + d2] : 0);
       }
       for (int m = 0; m < N; ++m)
-        handle->net_tokens_to_node[static_cast<std::size_t>(s) * N + m] = at(s, 2 + R + m);
+        handle->net_tokens_to_node[static_cast<std::size_t>(s) * N + m] = at(s, kHead + R + m);
     }
     const int epr = E / R;
     handle->num_recv_tokens_per_expert.assign(epr, 0);
     for (int j = 0; j < epr; ++j) {
       long long sum = 0;
-      for (int s = 0; s < R; ++s) sum += at(s, 2 + R + N + me * epr + j);
+      for (int s = 0; s < R; ++s) sum += at(s, kHead + R + N + me * epr + j);
       const long long al = a.expert_alignment;
       handle->num_recv_tokens_per_expert[j] = static_cast<int>((sum + al - 1) / al * al);
     }
     handle->recv_counts.assign(R, 0);
-    for (int s = 0; s < R; ++s) handle->recv_counts[s] = at(s, 2 + me);
+    for (int s = 0; s < R; ++s) handle->recv_counts[s] = at(s, kHead + me);
     upload(handle->rank_prefix_matrix, prefix, x);
     upload(handle->source_num_tokens, source_tokens, x);
   }

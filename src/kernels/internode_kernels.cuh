@@ -138,11 +138,27 @@ __global__ void __launch_bounds__(kThreads) barrier_kernel(BarrierParams<T> p) {
   __syncthreads();
   if (static_cast<int>(threadIdx.x) < t.num_contexts && !t.quiet(threadIdx.x)) ok = 0;
   __syncthreads();
-  if (!ok) return;  // reported; the peers time out naming this rank
+  // A failure (reported) marks the op failed: the next kernel's last block
+  // then sends nothing, and the op's stores into peers are skipped, so a
+  // peer that is late, not dead, never gets this op's rows into areas it
+  // may still read; the peers time out naming this rank.
+  uint32_t* failed = done_word(t, p.off, kFailed);
+  if (!ok) {
+    if (threadIdx.x == 0) atomicOr(failed, 1u);
+    return;
+  }
   for (int r = threadIdx.x; r < t.num_ranks; r += blockDim.x)
     if (r != t.rank) signal_all_contexts(t, r, sig(t, HtNetSignal::kBarrier, t.rank));
   for (int r = threadIdx.x; r < t.num_ranks; r += blockDim.x)
-    if (r != t.rank) t.wait_signal(sig(t, HtNetSignal::kBarrier, r), ops, OpId::kBarrier, r);
+    if (r != t.rank && !t.wait_signal(sig(t, HtNetSignal::kBarrier, r), ops, OpId::kBarrier, r))
+      atomicOr(failed, 1u);
+}
+
+/// Whether the op's barrier failed (kFailed, before any block of the next
+/// kernel counted itself).
+template <class T>
+__device__ __forceinline__ bool barrier_failed(const T& t, const HtNetOffsets& o) {
+  return *static_cast<volatile uint32_t*>(done_word(t, o, kFailed)) != 0u;
 }
 
 template <class T>
@@ -370,8 +386,8 @@ __global__ void __launch_bounds__(kThreads) combine_return_kernel(CombineParams<
   const auto& t = p.t;
   const int L = p.off.ranks_per_node, N = p.off.num_nodes, n = t.rank / L, me_l = t.rank % L;
   const int lane = threadIdx.x % 32, H = p.hidden, K = p.num_topk;
-  for (int row = blockIdx.x * kWarps + threadIdx.x / 32; row < p.num_recv_rows;
-       row += gridDim.x * kWarps) {
+  const int rows = barrier_failed(t, p.off) ? 0 : p.num_recv_rows;  // no store into a peer then
+  for (int row = blockIdx.x * kWarps + threadIdx.x / 32; row < rows; row += gridDim.x * kWarps) {
     const int src = p.recv_meta[2 * row], j = p.recv_meta[2 * row + 1];
     const int fwd = n * L + src % L, m = src / L;
     auto* dst = reinterpret_cast<uint8_t*>(
@@ -423,7 +439,7 @@ __global__ void __launch_bounds__(kThreads) combine_node_sum_kernel(CombineParam
   for (int m = 0; ok && m < N; ++m) {
     const int rows = p.table[tab.fwd_rows + m];
     auto* out = reinterpret_cast<uint8_t*>(t.local_ptr(m == n ? p.off.recv : p.off.send)) +
-                (m == n ? n : m) * p.off.slot_bytes;
+                m * p.off.slot_bytes;
     // Rows are numbered across the nodes so that every warp has work.
     for (int w = (gw - first % nw + nw) % nw; w < rows; w += nw) {
       const int mask = p.fwd_mask[static_cast<int64_t>(m) * slot_rows + w];

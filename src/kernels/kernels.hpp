@@ -230,7 +230,6 @@ void launch_ht_net_route(const HtNetRouteArgs& a, cudaStream_t stream);
 
 struct HtNetDispatchArgs {
   HtNetOffsets off;
-  HtNetOp op;
   const int* table;  ///< HtNetTable layout
   const uint8_t* x;  ///< rows of hidden_bytes
   int64_t x_row_bytes;

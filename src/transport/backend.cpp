@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "common/env.hpp"
+#include "common/internode_route.hpp"
 #include "epx/communicator.hpp"
 #include "epx/error.hpp"
 #include "transport/nccl/nccl_backend.hpp"
@@ -30,8 +31,11 @@ std::unique_ptr<Backend> make_backend(const std::string& requested, Communicator
                                                    std::to_string(kMaxContexts) + "], got " +
                                                    std::to_string(cap));
     const int contexts = static_cast<int>(std::clamp<long>(options.num_contexts, 1, cap));
-    // Signal ids: a source's dispatch, combine weights and combine rows.
-    return make_nccl_gin_backend(comm, topology, contexts, 3 * comm.num_ranks());
+    // Signal ids: the low-latency ops' (a source's dispatch, combine weights and
+    // combine rows), then the high-throughput ones' across nodes
+    // (plan::ht_net_signal); clearing the low-latency region resets the first.
+    return make_nccl_gin_backend(comm, topology, contexts, plan::kSignalKindsAll * comm.num_ranks(),
+                                 plan::LlRegion::kNetSignalKinds * comm.num_ranks());
   }
   if (name == "auto") {
     if (!topology.single_node()) return make_proxy_backend(comm, topology, options);

@@ -114,10 +114,12 @@ struct NcclGinTransport : NetworkTransportBase, LsaWords<NcclGinTransport> {
         m = min(m, static_cast<uint64_t>(gin(c).readSignal(static_cast<ncclGinSignal_t>(sig))));
       return m;
     };
-    return spin_until(
+    const bool ok = spin_until(
         lowest, [&](uint64_t v) { return v >= value; },
         [](uint64_t v) { return static_cast<uint32_t>(v); }, static_cast<uint32_t>(value),
         timeout_ns, diag, op, rank, peer, kDiagSignalChannel + sig, mask_word(peer));
+    if (ok) fence_acq_rel_sys();  // acquire: what the peer's signal published, as for words
+    return ok;
   }
   /// Only this thread's stores are ordered before what follows. GIN makes a
   /// signal visible after the context's earlier puts to the peer, but does not

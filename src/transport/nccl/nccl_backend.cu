@@ -24,12 +24,15 @@ __global__ void gin_lsa_pointers(ncclWindow_t win, const int* lsa_index, int n, 
   if (i < n) out[i] = static_cast<char*>(ncclGetLsaPointer(win, 0, lsa_index[i]));
 }
 
-__global__ void gin_reset_signals(const ncclDevComm* comms, int num_contexts, int num_signals) {
+/// Signals [0, count) and `drain` of every context back to 0.
+__global__ void gin_reset_signals(const ncclDevComm* comms, int num_contexts, int count,
+                                  int drain) {
   const int ctx = blockIdx.x;
   if (ctx >= num_contexts) return;
   ncclGin g(comms[ctx / dev::kGinContextsPerComm], ctx % dev::kGinContextsPerComm);
-  for (int s = threadIdx.x; s < num_signals; s += blockDim.x)
+  for (int s = threadIdx.x; s < count; s += blockDim.x)
     g.resetSignal(static_cast<ncclGinSignal_t>(s));
+  if (threadIdx.x == 0) g.resetSignal(static_cast<ncclGinSignal_t>(drain));
 }
 
 /// One round of the quiesce: on every context, a signal add of 1 to every
@@ -72,8 +75,13 @@ std::string result_name(ncclResult_t r) {
 
 class NcclGin final : public Backend {
  public:
-  NcclGin(Communicator& comm, const Topology& topology, int num_contexts, int num_signals)
-      : comm_(comm), topo_(topology), num_contexts_(num_contexts), num_signals_(num_signals) {
+  NcclGin(Communicator& comm, const Topology& topology, int num_contexts, int num_signals,
+          int num_cleared_signals)
+      : comm_(comm),
+        topo_(topology),
+        num_contexts_(num_contexts),
+        num_signals_(num_signals),
+        num_cleared_signals_(num_cleared_signals) {
     try {
       init();
     } catch (...) {
@@ -248,7 +256,9 @@ class NcclGin final : public Backend {
   dev::AnyTransport device(const SymmetricRegion& r) const override { return gin_device(r); }
 
   /// The core zeroed the region's signal words (those of same-node peers);
-  /// NCCL's words of the other nodes' signals go back to 0 too.
+  /// NCCL's words of the other nodes' low-latency signals go back to 0 too
+  /// (the core clears the low-latency region only; the high-throughput ops
+  /// across nodes keep counting in their own ids).
   void region_cleared(const SymmetricRegion&) override { reset_signals(); }
 
   dev::NcclGinTransport gin_device(const SymmetricRegion& r) const {
@@ -296,10 +306,12 @@ class NcclGin final : public Backend {
     barrier();
   }
 
-  /// Collective, no op in flight: every context's signals back to 0.
+  /// Collective, no op in flight: every context's low-latency signals and
+  /// the drain signal back to 0.
   void reset_signals() {
     DeviceGuard guard(comm_.device());
-    gin_reset_signals<<<num_contexts_, 256>>>(d_devcomms_, num_contexts_, num_signals_ + 1);
+    gin_reset_signals<<<num_contexts_, 256>>>(d_devcomms_, num_contexts_, num_cleared_signals_,
+                                              num_signals_);
     EPX_LAUNCH_CHECK();
     EPX_CUDA_CHECK(cudaDeviceSynchronize());
     drain_rounds_ = 0;
@@ -328,7 +340,7 @@ class NcclGin final : public Backend {
   };
   Communicator& comm_;
   Topology topo_;
-  int num_contexts_, num_signals_;
+  int num_contexts_, num_signals_, num_cleared_signals_;
   int contexts_per_comm_ = dev::kGinContextsPerComm;  ///< the fewest NCCL gave a communicator
   std::vector<ncclComm_t> comms_;
   std::vector<ncclDevComm> devcomms_;
@@ -342,8 +354,9 @@ class NcclGin final : public Backend {
 }  // namespace
 
 std::unique_ptr<Backend> make_nccl_gin_backend(Communicator& comm, const Topology& topology,
-                                               int num_contexts, int num_signals) {
-  return std::make_unique<NcclGin>(comm, topology, num_contexts, num_signals);
+                                               int num_contexts, int num_signals,
+                                               int num_cleared_signals) {
+  return std::make_unique<NcclGin>(comm, topology, num_contexts, num_signals, num_cleared_signals);
 }
 
 }  // namespace epx::transport

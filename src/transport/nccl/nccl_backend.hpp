@@ -15,10 +15,13 @@
 namespace epx::transport {
 
 /// `num_contexts` (num_qps_per_rank) GIN contexts per peer, 1 to 32;
-/// `num_signals` signal ids per context. Throws epx::Error naming what is
+/// `num_signals` signal ids per context, of which a cleared region resets
+/// [0, `num_cleared_signals`) (the low-latency ops'; the others count on).
+/// Throws epx::Error naming what is
 /// missing: an NCCL communicator (not in-process ranks), GIN support (a GIN
 /// net plugin: on one host, the loopback plugin, NCCL_NET_PLUGIN=epxloop).
 std::unique_ptr<Backend> make_nccl_gin_backend(Communicator& comm, const Topology& topology,
-                                               int num_contexts, int num_signals);
+                                               int num_contexts, int num_signals,
+                                               int num_cleared_signals);
 
 }  // namespace epx::transport
