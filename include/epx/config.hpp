@@ -50,9 +50,14 @@ struct Config {
 
   /// Bytes of NVLink-reachable buffer a rank needs for tokens of
   /// `hidden_bytes` payload (hidden * element size of the widest dtype used)
-  /// with up to `num_topk` picks, among `num_ranks` ranks.
+  /// with up to `num_topk` picks, among `num_ranks` ranks. More than 8 ranks
+  /// are nodes of 8 (as DeepEP assumes): the internode ops' worst case for
+  /// kInternodeHintTokens tokens per rank (Buffer::get_internode_nvl_size_hint
+  /// sizes for other counts and node sizes).
   std::size_t get_nvl_buffer_size_hint(std::size_t hidden_bytes, int num_ranks,
                                        int num_topk = 16) const;
+  /// Tokens per rank the hint across nodes is sized for (DeepEP's pretraining batch).
+  static constexpr int kInternodeHintTokens = 4096;
   /// Bytes of RDMA buffer (0 for intranode).
   std::size_t get_rdma_buffer_size_hint(std::size_t hidden_bytes, int num_ranks) const;
 

@@ -85,7 +85,9 @@ class Config:
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int,
                                  num_topk: int = 16) -> int:
         """Bytes of NVLink buffer (``num_nvl_bytes``) a rank needs for tokens of
-        ``hidden_bytes`` (hidden x element size) among ``num_ranks`` ranks."""
+        ``hidden_bytes`` (hidden x element size) among ``num_ranks`` ranks. More than
+        8 ranks are nodes of 8: the internode ops' worst case for 4096 tokens per rank
+        (``Buffer.get_internode_nvl_size_hint`` sizes for other counts)."""
         return self._cfg.get_nvl_buffer_size_hint(_int("hidden_bytes", hidden_bytes, SIZE),
                                                   _int("num_ranks", num_ranks),
                                                   _int("num_topk", num_topk))

@@ -5,6 +5,7 @@
 
 #include "common/env.hpp"
 #include "common/plan.hpp"
+#include "epx/buffer.hpp"
 #include "epx/error.hpp"
 
 namespace epx {
@@ -18,6 +19,24 @@ std::atomic<int>& default_num_sms() {
 
 std::size_t Config::get_nvl_buffer_size_hint(std::size_t hidden_bytes, int num_ranks,
                                              int num_topk) const {
+  if (num_ranks > plan::kHtMaxRanks) {
+    // More ranks than one NVLink domain holds: nodes of 8, as DeepEP assumes
+    // there. The internode kernels' areas are sized for the whole call; this
+    // is their worst case for kInternodeHintTokens tokens per rank (a larger
+    // call raises kBufferTooSmall naming num_nvl_bytes).
+    validate(plan::kHtMaxRanks, 0);  // the config's other fields
+    require(num_ranks % kMaxRanksPerNode == 0 && num_ranks <= kMaxRanks, "num_ranks",
+            "across nodes must be a multiple of " + std::to_string(kMaxRanksPerNode) +
+                " (nodes of 8) up to " + std::to_string(kMaxRanks) + ", got " +
+                std::to_string(num_ranks));
+    require(hidden_bytes > 0 && hidden_bytes <= (std::size_t{1} << 30), "hidden_bytes",
+            "across nodes must be in [1, 2^30], got " + std::to_string(hidden_bytes));
+    require(num_topk >= 1 && num_topk <= 16, "num_topk",
+            "must be in [1, 16], got " + std::to_string(num_topk));
+    const int hidden = static_cast<int>(plan::align_up((hidden_bytes + 1) / 2, 8));
+    return Buffer::get_internode_nvl_size_hint(kInternodeHintTokens, hidden, num_ranks,
+                                               kMaxRanksPerNode, num_topk);
+  }
   validate(num_ranks, 0);  // a size for a config no op accepts would mislead
   require(hidden_bytes > 0 && hidden_bytes <= (std::size_t{1} << 32), "hidden_bytes",
           "must be in [1, 2^32], got " + std::to_string(hidden_bytes));

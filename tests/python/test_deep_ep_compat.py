@@ -154,6 +154,9 @@ def test_static_helpers_work_without_a_gpu():
         cfg = get(8)
         assert isinstance(cfg, deep_ep.Config) and cfg.num_sms == deep_ep.Buffer.num_sms
         assert cfg.get_nvl_buffer_size_hint(7168 * 2, 8) > 0
+    # DeepEP's internode sizing at EP16: nodes of 8, the internode ops' whole-call worst case
+    ep16 = deep_ep.Buffer.get_dispatch_config(16).get_nvl_buffer_size_hint(7168 * 2, 16)
+    assert ep16 == epx.Buffer.get_internode_nvl_size_hint(4096, 7168, 16, 8, 16)
     assert deep_ep.Buffer.is_sm90_compiled() is True
     assert isinstance(deep_ep.Buffer.num_sms, int)
 

@@ -925,8 +925,10 @@ def test_fuzz_config():
                 warnings.simplefilter("ignore", epx.EPXIgnoredArgumentWarning)
                 c = epx.Config(*vals)
             rule_config(v, c, r, sms=0)
-            v.flag(not 1 <= r <= 8, "num_ranks")
-            v.flag(not 0 < hb <= 2**32, "hidden_bytes")
+            # More than 8 ranks: nodes of 8 (the internode hint), up to 160 ranks.
+            across = r > 8
+            v.flag(not (1 <= r <= 8 or (across and r % 8 == 0 and r <= 160)), "num_ranks")
+            v.flag(not 0 < hb <= (2**30 if across else 2**32), "hidden_bytes")
             v.flag(not 1 <= k <= 16, "num_topk")
 
         def call():

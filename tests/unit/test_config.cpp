@@ -308,5 +308,28 @@ TEST(Plan, NextEpochSkipsZeroAndKeepsParityAlternating) {
   }
 }
 
+// DeepEP's internode sizing, `config.get_nvl_buffer_size_hint(hidden_bytes,
+// group.size())` at EP16 and up, works unchanged: nodes of 8, the internode
+// ops' worst case for 4096 tokens per rank; a rank count that is not nodes of
+// 8 is named.
+TEST(Config, SizeHintAcrossNodes) {
+  for (int R : {16, 32}) {
+    const std::size_t hint = get_dispatch_config(R).get_nvl_buffer_size_hint(7168 * 2, R, 8);
+    EXPECT_EQ(hint, Buffer::get_internode_nvl_size_hint(Config::kInternodeHintTokens, 7168, R,
+                                                        kMaxRanksPerNode, 8))
+        << "R=" << R;
+  }
+  // FP8 payloads (7168 bytes) ask for no more than BF16 ones.
+  EXPECT_LE(get_dispatch_config(16).get_nvl_buffer_size_hint(7168, 16, 8),
+            get_dispatch_config(16).get_nvl_buffer_size_hint(7168 * 2, 16, 8));
+  try {
+    get_dispatch_config(12).get_nvl_buffer_size_hint(7168 * 2, 12, 8);
+    ADD_FAILURE() << "expected an error for 12 ranks";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("num_ranks"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace
 }  // namespace epx
