@@ -8,11 +8,8 @@
 // host (the route table), and a barrier opens every op. Kernels see the
 // transport concept only: puts and signals to other nodes, lsa_ptr stores
 // within the node.
-#include <string>
-#include <type_traits>
-#include <variant>
-
 #include "kernels/internode_kernels.cuh"
+#include "kernels/launch_on.hpp"
 
 namespace epx::kernels {
 namespace {
@@ -69,30 +66,6 @@ __global__ void __launch_bounds__(1024) route_kernel(HtNetRouteArgs a) {
   }
   if (threadIdx.x < L) a.rank_counts[m * L + threadIdx.x] = base[threadIdx.x];
   if (threadIdx.x == 0) a.node_counts[m] = base[kMaxRanksPerNode];
-}
-
-/// Runs `built_in(tt)` for libepx's own transports, `module(table, tt)` for a
-/// module's, and raises what the module reported.
-template <class BuiltIn, class Module>
-void launch_on(const dev::AnyTransport& t, const char* what, BuiltIn&& built_in, Module&& module) {
-  std::visit(
-      [&](const auto& tt) {
-        using T = std::decay_t<decltype(tt)>;
-        if constexpr (dev::kBuiltIn<T>) {
-          built_in(tt);
-        } else {
-          if (tt.kernels == nullptr || tt.kernels->ht_net_dispatch == nullptr)
-            throw Error(ErrorCode::kUnsupported,
-                        std::string(what) +
-                            ": this backend's module has no high-throughput "
-                            "kernels across nodes");
-          char err[1024] = {0};
-          const int rc = module(*tt.kernels, static_cast<const dev::NetworkTransportBase&>(tt), err,
-                                sizeof(err));
-          if (rc != 0) throw Error(decode_module_error(rc), std::string(what) + ": " + err);
-        }
-      },
-      t);
 }
 
 }  // namespace

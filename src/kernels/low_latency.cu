@@ -3,41 +3,10 @@
 // helper per op and transport type are in low_latency_kernels.cuh; a module's
 // transport (dev::ModuleTransport) brings its own instantiations, called
 // through its table.
-#include <string>
-#include <type_traits>
-#include <utility>
-#include <variant>
-
-#include "epx/error.hpp"
+#include "kernels/launch_on.hpp"
 #include "kernels/low_latency_kernels.cuh"
 
 namespace epx::kernels {
-
-namespace {
-
-/// Runs `built_in(tt)` for libepx's own transports, `module(table, tt)` for a
-/// module's, and raises what the module reported.
-template <class BuiltIn, class Module>
-void launch_on(const dev::AnyTransport& t, const char* what, BuiltIn&& built_in, Module&& module) {
-  std::visit(
-      [&](const auto& tt) {
-        using T = std::decay_t<decltype(tt)>;
-        if constexpr (dev::kBuiltIn<T>) {
-          built_in(tt);
-        } else {
-          if (tt.kernels == nullptr)
-            throw Error(ErrorCode::kInternal,
-                        std::string(what) + ": the module transport has no launcher table");
-          char err[1024] = {0};
-          const int rc = module(*tt.kernels, static_cast<const dev::NetworkTransportBase&>(tt), err,
-                                sizeof(err));
-          if (rc != 0) throw Error(decode_module_error(rc), std::string(what) + ": " + err);
-        }
-      },
-      t);
-}
-
-}  // namespace
 
 void launch_ll_dispatch_send(const dev::AnyTransport& t, const LlDispatchSendArgs& a,
                              int num_blocks, cudaStream_t stream) {
