@@ -236,7 +236,7 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   const int Nr = route.recv_rows(me);
   if (!a.handle) {
     handle->num_recv_tokens = Nr;
-    const kernels::HtNetTable tab = kernels::HtNetTable::make(R, N, L);
+    const kernels::HtNetTable tab = kernels::HtNetTable::make(N, L);
     std::vector<int> table(tab.ints, 0);
     for (int m = 0; m < N; ++m) {
       const int src = m * L + topology.local_of(me);
@@ -245,8 +245,6 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
       for (int d2 = 0; d2 < L; ++d2)
         table[tab.stage_base + d2 * N + m] = route.recv_offset(topology.node_of(me) * L + d2, src);
     }
-    for (int s = 0; s < R; ++s) table[tab.recv_offset + s] = route.recv_offset(me, s);
-    table[tab.recv_offset + R] = Nr;
     auto parts = make_parts({{DType::kI32, {tab.ints}},
                              {DType::kI32, {N, std::max(region.slot_rows, 1)}},
                              {DType::kI32, {Nr, 2}}},

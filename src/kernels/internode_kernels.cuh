@@ -251,7 +251,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DispatchParams<
   }
   if (!last_block_ok(t, p.off, kDoneSend, true)) return;
   const int n = t.rank / L, l = t.rank % L;
-  const int* node_rows = p.table + HtNetTable::make(R, N, L).node_rows;
+  const int* node_rows = p.table + HtNetTable::make(N, L).node_rows;
   for (int m = 0; m < N; ++m)
     if (m != n)
       put_node(t, m * L + l, p.off.recv + n * p.off.slot_bytes, p.off.send + m * p.off.slot_bytes,
@@ -269,9 +269,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DispatchParams<
 template <class T>
 __global__ void __launch_bounds__(kThreads) dispatch_forward_kernel(DispatchParams<T> p) {
   const auto& t = p.t;
-  const int L = p.off.ranks_per_node, N = p.off.num_nodes, R = t.num_ranks;
+  const int L = p.off.ranks_per_node, N = p.off.num_nodes;
   const int n = t.rank / L, l = t.rank % L, lane = threadIdx.x % 32;
-  const HtNetTable tab = HtNetTable::make(R, N, L);
+  const HtNetTable tab = HtNetTable::make(N, L);
   const RecordFields f(p.hidden_bytes, p.num_scales, p.num_topk);
   __shared__ int ok;
   if (threadIdx.x == 0) ok = 1;
@@ -418,10 +418,10 @@ __global__ void __launch_bounds__(kThreads) combine_return_kernel(CombineParams<
 template <class T>
 __global__ void __launch_bounds__(kThreads) combine_node_sum_kernel(CombineParams<T> p) {
   const auto& t = p.t;
-  const int L = p.off.ranks_per_node, N = p.off.num_nodes, R = t.num_ranks;
+  const int L = p.off.ranks_per_node, N = p.off.num_nodes;
   const int n = t.rank / L, l = t.rank % L;
   const int lane = threadIdx.x % 32, H = p.hidden, K = p.num_topk;
-  const HtNetTable tab = HtNetTable::make(R, N, L);
+  const HtNetTable tab = HtNetTable::make(N, L);
   const int slot_rows = p.off.slot_rows;
   __shared__ int ok;
   if (threadIdx.x == 0) ok = 1;

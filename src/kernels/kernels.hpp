@@ -198,17 +198,15 @@ struct HtNetOffsets {
 
 /// The route table a dispatch uploads (int32, kept in the handle), in this order.
 struct HtNetTable {
-  int fwd_rows;     ///< [N]: rows this rank forwards for node m's source (its own: m = its node)
-  int stage_base;   ///< [L][N]: where those rows start in local rank d's stage (recv_offset)
-  int recv_offset;  ///< [R + 1]: first row of each source in this rank's output, then the total
-  int node_rows;    ///< [N]: this rank's rows for each node
-  int ints;         ///< the table's size
-  static constexpr HtNetTable make(int num_ranks, int num_nodes, int ranks_per_node) {
+  int fwd_rows;    ///< [N]: rows this rank forwards for node m's source (its own: m = its node)
+  int stage_base;  ///< [L][N]: where those rows start in local rank d's stage (recv_offset)
+  int node_rows;   ///< [N]: this rank's rows for each node
+  int ints;        ///< the table's size
+  static constexpr HtNetTable make(int num_nodes, int ranks_per_node) {
     HtNetTable t{};
     t.fwd_rows = 0;
     t.stage_base = num_nodes;
-    t.recv_offset = t.stage_base + ranks_per_node * num_nodes;
-    t.node_rows = t.recv_offset + num_ranks + 1;
+    t.node_rows = t.stage_base + ranks_per_node * num_nodes;
     t.ints = t.node_rows + num_nodes;
     return t;
   }
