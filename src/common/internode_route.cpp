@@ -94,15 +94,20 @@ int InternodeRoute::max_recv_rows() const {
   return most;
 }
 
-HtNetRegion HtNetRegion::dispatch(const InternodeRoute& route, std::size_t record_bytes) {
+HtNetRegion HtNetRegion::slots_of(const InternodeRoute& route, std::size_t row_bytes) {
   const Topology& t = route.topology();
   HtNetRegion r;
-  r.row_bytes = record_bytes;
+  r.row_bytes = row_bytes;
   r.slot_rows = route.max_node_rows();
   r.num_nodes = t.num_nodes();
   r.ranks_per_node = t.ranks_per_node;
+  return r;
+}
+
+HtNetRegion HtNetRegion::dispatch(const InternodeRoute& route, std::size_t record_bytes) {
+  HtNetRegion r = slots_of(route, record_bytes);
   const std::size_t slots = r.slot_bytes() * static_cast<std::size_t>(r.num_nodes);
-  r.recv = body(t.num_ranks);
+  r.recv = body(route.topology().num_ranks);
   r.send = align_up(r.recv + slots, kAlign);
   r.stage = align_up(r.send + slots, kAlign);
   r.total =
@@ -111,15 +116,10 @@ HtNetRegion HtNetRegion::dispatch(const InternodeRoute& route, std::size_t recor
 }
 
 HtNetRegion HtNetRegion::combine(const InternodeRoute& route, std::size_t row_bytes) {
-  const Topology& t = route.topology();
-  HtNetRegion r;
-  r.row_bytes = row_bytes;
-  r.slot_rows = route.max_node_rows();
-  r.num_nodes = t.num_nodes();
-  r.ranks_per_node = t.ranks_per_node;
+  HtNetRegion r = slots_of(route, row_bytes);
   const std::size_t slots = r.slot_bytes() * static_cast<std::size_t>(r.num_nodes);
-  r.stage = body(t.num_ranks);
-  r.send = align_up(r.stage + slots * static_cast<std::size_t>(t.ranks_per_node), kAlign);
+  r.stage = body(route.topology().num_ranks);
+  r.send = align_up(r.stage + slots * static_cast<std::size_t>(r.ranks_per_node), kAlign);
   r.recv = align_up(r.send + slots, kAlign);
   r.total = align_up(r.recv + slots, kAlign);
   return r;

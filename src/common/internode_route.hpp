@@ -148,6 +148,11 @@ struct HtNetRegion {
   /// tokens per rank: every token to every node and rank.
   static std::size_t worst_case(const Topology& topology, int tokens, std::size_t record_bytes,
                                 std::size_t combine_row_bytes);
+
+ private:
+  /// The shape both ops share: rows of `row_bytes`, slots of the route's
+  /// most rows for one node; no area placed yet.
+  static HtNetRegion slots_of(const InternodeRoute& route, std::size_t row_bytes);
 };
 
 }  // namespace epx::plan
