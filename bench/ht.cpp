@@ -1,7 +1,10 @@
 // epx-bench ht: high-throughput dispatch (BF16, FP8) and combine, counted like
 // DeepEP's tests: bytes = recv_x.numel() * element size (+ FP8 scales).
 #include <cstdio>
+#include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "bench/common.hpp"
 #include "common/check.hpp"
@@ -9,6 +12,58 @@
 
 namespace epx::bench {
 namespace {
+
+/// This rank's inputs and the calls every variant times: the layout, the
+/// uncached dispatch with it (the count exchange each time), and a first
+/// dispatch whose handle the cached dispatches and the combines take.
+struct HtCalls {
+  World& w;
+  int T, H;
+  std::shared_ptr<void> d_x, d_xq, d_xs;
+  StreamArgs s;
+  Layout layout;
+  DispatchArgs full;
+  DispatchResult first;
+
+  HtCalls(World& w_, const Options& o, const std::shared_ptr<void>& d_topk, std::shared_ptr<void> x,
+          std::shared_ptr<void> xq, std::shared_ptr<void> xs, const std::shared_ptr<void>& d_w,
+          const Config& base)
+      : w(w_),
+        T(o.tokens),
+        H(o.hidden),
+        d_x(std::move(x)),
+        d_xq(std::move(xq)),
+        d_xs(std::move(xs)) {
+    const int K = o.topk;
+    s.stream = w.stream;
+    layout = w.buffer->get_dispatch_layout(tv(d_topk.get(), DType::kI64, {T, K}), o.experts, s);
+    full.x = tv(d_x.get(), DType::kBF16, {T, H});
+    full.topk_idx = tv(d_topk.get(), DType::kI64, {T, K});
+    full.topk_weights = tv(d_w.get(), DType::kF32, {T, K});
+    full.set_layout(layout);
+    full.streams = s;
+    full.config = base;
+    first = w.buffer->dispatch(full);
+    EPX_CUDA_CHECK(cudaStreamSynchronize(w.stream));
+  }
+  DispatchResult cached(const Config& c, bool fp8) const {
+    DispatchArgs a;
+    a.x = fp8 ? tv(d_xq.get(), DType::kFP8E4M3, {T, H}) : tv(d_x.get(), DType::kBF16, {T, H});
+    if (fp8) a.x_scales = tv(d_xs.get(), DType::kF32, {T, H / 128});
+    a.handle = first.handle;
+    a.config = c;
+    a.streams = s;
+    return w.buffer->dispatch(a);
+  }
+  CombineResult combine(const Config& c) const {
+    CombineArgs a;
+    a.x = first.recv_x.view;
+    a.handle = first.handle;
+    a.config = c;
+    a.streams = s;
+    return w.buffer->combine(a);
+  }
+};
 
 /// Across (virtual) nodes: the two-level kernels have no chunk or split to
 /// sweep yet; each op is timed at --sms, and the bandwidths are given with
@@ -18,25 +73,11 @@ namespace {
 /// received, recv_x's bytes). `net_cross_bytes` is what actually crosses
 /// between nodes (other nodes only).
 void run_ht_internode(World& w, const Options& o, nlohmann::json& result,
-                      const std::vector<int64_t>& topk, const std::shared_ptr<void>& d_topk,
-                      const std::shared_ptr<void>& d_x, const std::shared_ptr<void>& d_xq,
-                      const std::shared_ptr<void>& d_xs, const std::shared_ptr<void>& d_w) {
+                      const std::vector<int64_t>& topk, const HtCalls& calls) {
   const int T = o.tokens, H = o.hidden, K = o.topk, E = o.experts, R = w.num_ranks;
   const int L = w.buffer->num_nvl_ranks(), N = R / L, me_node = w.rank / L;
-  StreamArgs s;
-  s.stream = w.stream;
-  auto layout = w.buffer->get_dispatch_layout(tv(d_topk.get(), DType::kI64, {T, K}), E, s);
-  Config cfg = ht_base_config(o, R);
-  DispatchArgs full;
-  full.x = tv(d_x.get(), DType::kBF16, {T, H});
-  full.topk_idx = tv(d_topk.get(), DType::kI64, {T, K});
-  full.topk_weights = tv(d_w.get(), DType::kF32, {T, K});
-  full.set_layout(layout);
-  full.streams = s;
-  full.config = cfg;
-  auto first = w.buffer->dispatch(full);
-  EPX_CUDA_CHECK(cudaStreamSynchronize(w.stream));
-  const int64_t Nr = first.recv_x.size(0);
+  const Config cfg = *calls.full.config;
+  const int64_t Nr = calls.first.recv_x.size(0);
   // Nodes each token reaches (experts spread evenly over the ranks).
   int64_t node_tokens = 0, cross_tokens = 0;
   for (int t = 0; t < T; ++t) {
@@ -54,30 +95,14 @@ void run_ht_internode(World& w, const Options& o, nlohmann::json& result,
   const double net_bytes = static_cast<double>(node_tokens) * H * 2;
   const double cross_bytes = static_cast<double>(cross_tokens) * H * 2;
   const double nvl_bytes = static_cast<double>(Nr) * H * 2;
-  auto cached = [&](bool fp8) {
-    DispatchArgs a;
-    a.x = fp8 ? tv(d_xq.get(), DType::kFP8E4M3, {T, H}) : tv(d_x.get(), DType::kBF16, {T, H});
-    if (fp8) a.x_scales = tv(d_xs.get(), DType::kF32, {T, H / 128});
-    a.handle = first.handle;
-    a.config = cfg;
-    a.streams = s;
-    return w.buffer->dispatch(a);
-  };
-  auto combine = [&] {
-    CombineArgs a;
-    a.x = first.recv_x.view;
-    a.handle = first.handle;
-    a.config = cfg;
-    a.streams = s;
-    return w.buffer->combine(a);
-  };
   const double t_full = time_us(
-      w, [&] { w.buffer->dispatch(full); }, o.warmup, o.iters);
+      w, [&] { w.buffer->dispatch(calls.full); }, o.warmup, o.iters);
   const double t_bf16 = time_us(
-      w, [&] { cached(false); }, o.warmup, o.iters);
+      w, [&] { calls.cached(cfg, false); }, o.warmup, o.iters);
   const double t_fp8 = time_us(
-      w, [&] { cached(true); }, o.warmup, o.iters);
-  const double t_comb = time_us(w, combine, o.warmup, o.iters);
+      w, [&] { calls.cached(cfg, true); }, o.warmup, o.iters);
+  const double t_comb = time_us(
+      w, [&] { calls.combine(cfg); }, o.warmup, o.iters);
   // FP8 rows are H bytes plus H / 128 scales of 4 bytes.
   const double fp8_scale = (H + 4.0 * (H / 128)) / (2.0 * H);
   auto rates = [&](double us, double scale) {
@@ -142,52 +167,21 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
   std::vector<float> weights(static_cast<std::size_t>(T) * K, 0.125f);
   auto d_topk = upload(topk), d_x = upload(xb), d_xq = upload(xq), d_xs = upload(xs),
        d_w = upload(weights);
-  if (w.buffer->num_rdma_ranks() > 1)
-    return run_ht_internode(w, o, result, topk, d_topk, d_x, d_xq, d_xs, d_w);
-
-  StreamArgs s;
-  s.stream = w.stream;
-  auto layout = w.buffer->get_dispatch_layout(tv(d_topk.get(), DType::kI64, {T, K}), E, s);
-  DispatchArgs full;
-  full.x = tv(d_x.get(), DType::kBF16, {T, H});
-  full.topk_idx = tv(d_topk.get(), DType::kI64, {T, K});
-  full.topk_weights = tv(d_w.get(), DType::kF32, {T, K});
-  full.set_layout(layout);
-  full.streams = s;
   const Config base = ht_base_config(o, R);
-  full.config = base;
-  auto first = w.buffer->dispatch(full);
-  EPX_CUDA_CHECK(cudaStreamSynchronize(w.stream));
-  const int64_t N = first.recv_x.size(0);
+  const HtCalls calls(w, o, d_topk, d_x, d_xq, d_xs, d_w, base);
+  if (w.buffer->num_rdma_ranks() > 1) return run_ht_internode(w, o, result, topk, calls);
+  const int64_t N = calls.first.recv_x.size(0);
   const double bytes_bf16 = static_cast<double>(N) * H * 2;
   const double bytes_fp8 = static_cast<double>(N) * H + static_cast<double>(N) * (H / 128) * 4;
-
-  auto dispatch_cached = [&](const Config& c, bool fp8) {
-    DispatchArgs a;
-    a.x = fp8 ? tv(d_xq.get(), DType::kFP8E4M3, {T, H}) : tv(d_x.get(), DType::kBF16, {T, H});
-    if (fp8) a.x_scales = tv(d_xs.get(), DType::kF32, {T, H / 128});
-    a.handle = first.handle;
-    a.config = c;
-    a.streams = s;
-    return w.buffer->dispatch(a);
-  };
-  auto combine = [&](const Config& c) {
-    CombineArgs a;
-    a.x = first.recv_x.view;
-    a.handle = first.handle;
-    a.config = c;
-    a.streams = s;
-    return w.buffer->combine(a);
-  };
 
   // Sweep chunk sizes and the send/receive split at the given SM count.
   Config best_d = base, best_c = base;
   nlohmann::json sweep = nlohmann::json::array();
   auto measure = [&](const Config& c, double& td, double& tc) {
     td = max_over_ranks(w, time_us(
-                               w, [&] { dispatch_cached(c, false); }, 2, 10));
+                               w, [&] { calls.cached(c, false); }, 2, 10));
     tc = max_over_ranks(w, time_us(
-                               w, [&] { combine(c); }, 2, 10));
+                               w, [&] { calls.combine(c); }, 2, 10));
     sweep.push_back({{"num_sms", c.num_sms},
                      {"chunk", c.num_max_send_tokens},
                      {"send_sms", c.send_sms()},
@@ -239,7 +233,7 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
       Config c = best_p;
       c.num_send_sms = send;
       const double t = max_over_ranks(w, time_us(
-                                             w, [&] { dispatch_cached(c, false); }, 2, 10));
+                                             w, [&] { calls.cached(c, false); }, 2, 10));
       sweep.push_back(
           {{"num_sms", c.num_sms}, {"pull", true}, {"send_sms", c.send_sms()}, {"dispatch_us", t}});
       if (w.rank == 0)
@@ -249,20 +243,20 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
   }
 
   const double t_full = time_us(
-      w, [&] { w.buffer->dispatch(full); }, o.warmup, o.iters);
+      w, [&] { w.buffer->dispatch(calls.full); }, o.warmup, o.iters);
   const double t_bf16 = time_us(
-      w, [&] { dispatch_cached(best_d, false); }, o.warmup, o.iters);
+      w, [&] { calls.cached(best_d, false); }, o.warmup, o.iters);
   const double t_fp8 = time_us(
-      w, [&] { dispatch_cached(best_d, true); }, o.warmup, o.iters);
+      w, [&] { calls.cached(best_d, true); }, o.warmup, o.iters);
   const double t_comb = time_us(
-      w, [&] { combine(best_c); }, o.warmup, o.iters);
+      w, [&] { calls.combine(best_c); }, o.warmup, o.iters);
 
   double t_pull_bf16 = 0, t_pull_fp8 = 0;
   if (R > 1) {
     t_pull_bf16 = time_us(
-        w, [&] { dispatch_cached(best_p, false); }, o.warmup, o.iters);
+        w, [&] { calls.cached(best_p, false); }, o.warmup, o.iters);
     t_pull_fp8 = time_us(
-        w, [&] { dispatch_cached(best_p, true); }, o.warmup, o.iters);
+        w, [&] { calls.cached(best_p, true); }, o.warmup, o.iters);
   }
 
   const double g_bf16 = mean_over_ranks(w, bytes_bf16 / t_bf16 / 1e3);
