@@ -267,6 +267,53 @@ def _check_raises(exc, pattern, fn):
 
 # ---- high-throughput -----------------------------------------------------------------------------
 
+def _ht_inputs(rank, group, dev, rng, T, H, K, E):
+    """This rank's routing (host copy too), rows and weights on `dev`, every rank's
+    routing gathered, and the reference dispatch of all ranks."""
+    import torch
+
+    from epx import reference as ref
+
+    idx_np = _routing(rng, T, K, E)
+    x_np = ref.bf16_from_float(rng.standard_normal((T, H)).astype(np.float32))
+    w_np = rng.random((T, K)).astype(np.float32)
+    idx = torch.from_numpy(idx_np).to(dev)
+    x = _bf16(x_np, dev)
+    w = torch.from_numpy(w_np).to(dev)
+    all_idx, all_x, all_w = zip(*_gather(group, (idx_np, x_np, w_np)))
+    want = ref.ht_dispatch(list(all_x), list(all_idx), E, topk_weights=list(all_w))
+    return idx_np, idx, x, w, all_idx, want
+
+
+def _check_dispatch(mine, recv_x, recv_idx, recv_w, counts):
+    """A dispatch's outputs against this rank's reference dispatch."""
+    np.testing.assert_array_equal(_bits(recv_x), mine["recv_x"])
+    np.testing.assert_array_equal(recv_idx.cpu().numpy(), mine["recv_topk_idx"])
+    np.testing.assert_array_equal(recv_w.cpu().numpy(), mine["recv_topk_weights"])
+    assert counts == mine["num_recv_tokens_per_expert"]
+
+
+def _check_combine_with_biases(combine, rank, group, dev, rng, T, H, E, all_idx, want, recv_x,
+                               handle, recv_w, ranks_per_node=0):
+    """combine(recv_x, handle, ...) of identity experts with weights and a pair of fresh
+    biases against the reference (bit for bit; weights to 1e-6); every rank's received
+    rows, for the caller's further checks."""
+    from epx import reference as ref
+
+    b0_np = ref.bf16_from_float(rng.standard_normal((T, H)).astype(np.float32))
+    b1_np = ref.bf16_from_float(rng.standard_normal((T, H)).astype(np.float32))
+    all_recv_x = [want[r]["recv_x"] for r in range(len(want))]
+    all_recv_w = [want[r]["recv_topk_weights"] for r in range(len(want))]
+    all_bias = _gather(group, (b0_np, b1_np))
+    expect = ref.ht_combine(list(all_idx), all_recv_x, E, topk_weights=all_recv_w,
+                            bias=all_bias, ranks_per_node=ranks_per_node)[rank]
+    cx, cw, _ = combine(recv_x, handle, topk_weights=recv_w,
+                        bias=(_bf16(b0_np, dev), _bf16(b1_np, dev)))
+    np.testing.assert_array_equal(_bits(cx), expect[0])
+    np.testing.assert_allclose(cw.cpu().numpy(), expect[1], rtol=1e-6)
+    return all_recv_x
+
+
 def _case_high_throughput_across_nodes(rank, world, group):
     """DeepEP's calls, unchanged, on ranks split into virtual nodes of world // 2 ranks:
     layout with per-node counts, dispatch, cached dispatch, combine with weights and
@@ -274,20 +321,13 @@ def _case_high_throughput_across_nodes(rank, world, group):
     import torch
 
     import epx
-    from epx import reference as ref
 
     dev = _device(rank, group)
     rpn = max(1, world // 2)
     H, K, E = 512, 4, 8 * world
     rng = np.random.default_rng(300 + rank)
     T = 80 + 13 * rank
-    idx_np = _routing(rng, T, K, E)
-    x_np = ref.bf16_from_float(rng.standard_normal((T, H)).astype(np.float32))
-    w_np = rng.random((T, K)).astype(np.float32)
-    idx, x, w = (torch.from_numpy(idx_np).to(dev), _bf16(x_np, dev),
-                 torch.from_numpy(w_np).to(dev))
-    all_idx, all_x, all_w = zip(*_gather(group, (idx_np, x_np, w_np)))
-    want = ref.ht_dispatch(list(all_x), list(all_idx), E, topk_weights=list(all_w))
+    _, idx, x, w, all_idx, want = _ht_inputs(rank, group, dev, rng, T, H, K, E)
     mine = want[rank]
 
     nvl = epx.Buffer.get_internode_nvl_size_hint(128, H, world, rpn, K)
@@ -299,26 +339,14 @@ def _case_high_throughput_across_nodes(rank, world, group):
         x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
         is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
         topk_weights=w)
-    np.testing.assert_array_equal(_bits(recv_x), mine["recv_x"])
-    np.testing.assert_array_equal(recv_idx.cpu().numpy(), mine["recv_topk_idx"])
-    np.testing.assert_array_equal(recv_w.cpu().numpy(), mine["recv_topk_weights"])
-    assert counts == mine["num_recv_tokens_per_expert"]
+    _check_dispatch(mine, recv_x, recv_idx, recv_w, counts)
     np.testing.assert_array_equal(handle[0].cpu().numpy(), mine["rank_prefix_matrix"])
     np.testing.assert_array_equal(handle[3].cpu().numpy(), mine["recv_src_idx"])
     again = buf.dispatch(x, handle=handle)[0]
     np.testing.assert_array_equal(_bits(again), mine["recv_x"])
 
-    b0_np = ref.bf16_from_float(rng.standard_normal((T, H)).astype(np.float32))
-    b1_np = ref.bf16_from_float(rng.standard_normal((T, H)).astype(np.float32))
-    all_recv_x = [want[r]["recv_x"] for r in range(world)]
-    all_recv_w = [want[r]["recv_topk_weights"] for r in range(world)]
-    all_bias = _gather(group, (b0_np, b1_np))
-    expect = ref.ht_combine(list(all_idx), all_recv_x, E, topk_weights=all_recv_w,
-                            bias=all_bias, ranks_per_node=rpn)[rank]
-    cx, cw, _ = buf.internode_combine(recv_x, handle, topk_weights=recv_w,
-                                      bias=(_bf16(b0_np, dev), _bf16(b1_np, dev)))
-    np.testing.assert_array_equal(_bits(cx), expect[0])
-    np.testing.assert_allclose(cw.cpu().numpy(), expect[1], rtol=1e-6)
+    _check_combine_with_biases(buf.internode_combine, rank, group, dev, rng, T, H, E, all_idx,
+                               want, recv_x, handle, recv_w, ranks_per_node=rpn)
     torch.cuda.synchronize()
     buf.destroy()
 
@@ -333,15 +361,7 @@ def _case_high_throughput(rank, world, group):
     H, K, E = 256, 4, 8 * world
     rng = np.random.default_rng(100 + rank)
     T = 64 + 17 * rank
-    idx_np = _routing(rng, T, K, E)
-    x_np = ref.bf16_from_float(rng.standard_normal((T, H)).astype(np.float32))
-    w_np = rng.random((T, K)).astype(np.float32)
-    idx = torch.from_numpy(idx_np).to(dev)
-    x = _bf16(x_np, dev)
-    w = torch.from_numpy(w_np).to(dev)
-
-    all_idx, all_x, all_w = zip(*_gather(group, (idx_np, x_np, w_np)))
-    want = ref.ht_dispatch(list(all_x), list(all_idx), E, topk_weights=list(all_w))
+    idx_np, idx, x, w, all_idx, want = _ht_inputs(rank, group, dev, rng, T, H, K, E)
     mine = want[rank]
 
     hidden_bytes = H * 2
@@ -365,10 +385,7 @@ def _case_high_throughput(rank, world, group):
     # dispatch
     recv_x, recv_idx, recv_w, counts, handle, ev = buf.dispatch(
         x, topk_idx=idx, topk_weights=w, **layout)
-    np.testing.assert_array_equal(_bits(recv_x), mine["recv_x"])
-    np.testing.assert_array_equal(recv_idx.cpu().numpy(), mine["recv_topk_idx"])
-    np.testing.assert_array_equal(recv_w.cpu().numpy(), mine["recv_topk_weights"])
-    assert counts == mine["num_recv_tokens_per_expert"]
+    _check_dispatch(mine, recv_x, recv_idx, recv_w, counts)
     assert recv_x.device == dev and recv_idx.dtype == torch.int64
 
     # DeepEP's 6-tuple handle, every element against the reference's definitions
@@ -394,17 +411,8 @@ def _case_high_throughput(rank, world, group):
     np.testing.assert_array_equal(_bits(again), mine["recv_x"])
 
     # combine (identity experts), with weights and a pair of biases
-    b0_np = ref.bf16_from_float(rng.standard_normal((T, H)).astype(np.float32))
-    b1_np = ref.bf16_from_float(rng.standard_normal((T, H)).astype(np.float32))
-    all_recv_x = [want[r]["recv_x"] for r in range(world)]
-    all_recv_w = [want[r]["recv_topk_weights"] for r in range(world)]
-    all_bias = _gather(group, (b0_np, b1_np))
-    expect = ref.ht_combine(list(all_idx), all_recv_x, E, topk_weights=all_recv_w,
-                            bias=all_bias)[rank]
-    cx, cw, _ = buf.combine(recv_x, handle, topk_weights=recv_w,
-                            bias=(_bf16(b0_np, dev), _bf16(b1_np, dev)))
-    np.testing.assert_array_equal(_bits(cx), expect[0])
-    np.testing.assert_allclose(cw.cpu().numpy(), expect[1], rtol=1e-6)
+    all_recv_x = _check_combine_with_biases(buf.combine, rank, group, dev, rng, T, H, E, all_idx,
+                                            want, recv_x, handle, recv_w)
     plain = ref.ht_combine(list(all_idx), all_recv_x, E)[rank][0]
     cx2, cw2, _ = buf.combine(recv_x, handle)
     assert cw2 is None
