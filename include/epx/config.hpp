@@ -63,6 +63,9 @@ struct Config {
 
   /// Throws epx::Error naming the field when a value is out of range.
   void validate(int num_ranks, int device_sm_count) const;
+  /// validate's rules for the fields alone (no rank count: across nodes the
+  /// count has its own rules).
+  void validate_fields(int device_sm_count) const;
 };
 
 /// Default configs per rank count (tuned on H200, see docs/benchmarks.md).

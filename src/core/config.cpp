@@ -24,7 +24,7 @@ std::size_t Config::get_nvl_buffer_size_hint(std::size_t hidden_bytes, int num_r
     // there. The internode kernels' areas are sized for the whole call; this
     // is their worst case for kInternodeHintTokens tokens per rank (a larger
     // call raises kBufferTooSmall naming num_nvl_bytes).
-    validate(plan::kHtMaxRanks, 0);  // the config's other fields
+    validate_fields(0);
     require(num_ranks % kMaxRanksPerNode == 0 && num_ranks <= kMaxRanks, "num_ranks",
             "across nodes must be a multiple of " + std::to_string(kMaxRanksPerNode) +
                 " (nodes of 8) up to " + std::to_string(kMaxRanks) + ", got " +
@@ -59,7 +59,12 @@ std::size_t Config::get_rdma_buffer_size_hint(std::size_t, int) const {
 }
 
 void Config::validate(int num_ranks, int device_sm_count) const {
-  const std::string op = "config";
+  validate_fields(device_sm_count);
+  require(num_ranks >= 1 && num_ranks <= plan::kHtMaxRanks, "num_ranks",
+          "must be in [1, 8] for the NVLink backend, got " + std::to_string(num_ranks));
+}
+
+void Config::validate_fields(int device_sm_count) const {
   require(num_sms >= 2, "config.num_sms",
           "must be >= 2 (one send and one receive SM), got " + std::to_string(num_sms));
   require(device_sm_count <= 0 || num_sms <= device_sm_count, "config.num_sms",
@@ -75,8 +80,6 @@ void Config::validate(int num_ranks, int device_sm_count) const {
   require(num_max_recv_tokens >= num_max_send_tokens, "config.num_max_recv_tokens",
           "must be >= num_max_send_tokens (" + std::to_string(num_max_send_tokens) + "), got " +
               std::to_string(num_max_recv_tokens));
-  require(num_ranks >= 1 && num_ranks <= plan::kHtMaxRanks, "num_ranks",
-          "must be in [1, 8] for the NVLink backend, got " + std::to_string(num_ranks));
 }
 
 // Chunk sizes from epx-bench's sweep at 24 SMs (8 sending): EP2 (nvidia-h200-x2,
