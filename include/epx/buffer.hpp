@@ -94,8 +94,11 @@ struct DispatchHandle {
   Tensor net_send_pos;     ///< [T, N] i32: token t's index in this rank's stream to node m, or -1
   Tensor net_rank_pos;   ///< [T, R] i32: token t's index among this rank's tokens for rank r, or -1
   Tensor net_fwd_mask;   ///< [N, rows] i32: local ranks each record this rank forwarded reached
-  Tensor net_recv_meta;  ///< [N_recv, 2] i32: each received row's source rank and record index
-  Tensor net_table;      ///< i32: the kernels' route table (kernels::HtNetTable)
+  Tensor net_fwd_token;  ///< [N, rows] i32: each forwarded record's token index at its source
+  /// [N_recv, 3] i32: each received row's source rank, record index, and the
+  /// mask of this node's ranks its token reached (DeepEP's recv_src_meta)
+  Tensor net_recv_meta;
+  Tensor net_table;  ///< i32: the kernels' route table (kernels::HtNetTable)
 };
 
 struct DispatchArgs {

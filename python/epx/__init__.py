@@ -21,7 +21,7 @@ from ._core import EPXError, EPXTimeoutError, EPXUnsupportedError, EPXValueError
 from .buffer import Buffer
 from .compat import EPXIgnoredArgumentWarning
 from .config import Config
-from .handles import DispatchHandle, LowLatencyHandle
+from .handles import DispatchHandle, InternodeDispatchHandle, LowLatencyHandle
 from .in_process import InProcessComm, in_process_comms, run_in_process
 from .utils import EventHandle, EventOverlap
 
@@ -30,6 +30,7 @@ __all__ = [
     "Buffer", "Config", "EventHandle", "EventOverlap", "EPXError", "EPXValueError",
     "EPXTimeoutError", "EPXUnsupportedError", "EPXIgnoredArgumentWarning", "topk_idx_t",
     "alias_deep_ep", "InProcessComm", "in_process_comms", "run_in_process", "LowLatencyHandle", "DispatchHandle",
+    "InternodeDispatchHandle",
 ]
 
 

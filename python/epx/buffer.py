@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 from . import _core
 from . import compat as _compat
 from .config import Config, _core_config
-from .handles import (DispatchHandle, LowLatencyHandle, core_dispatch_handle,
-                      core_low_latency_handle)
+from .handles import (DispatchHandle, InternodeDispatchHandle, LowLatencyHandle,
+                      core_dispatch_handle, core_low_latency_handle)
 from .in_process import InProcessComm
 from .utils import INT64, EventHandle, EventOverlap, _event_of, _int, _torch, _wrap_event
 
@@ -565,8 +565,10 @@ class Buffer:
         event = _wrap_event(r.event)
         if handle is not None:
             return recv, None, None, None, None, event
-        # DeepEP's tuple; its channel elements count config.num_sms // 2 channels.
-        new_handle = DispatchHandle(
+        # DeepEP's tuple (its internode one across nodes); its channel elements count
+        # config.num_sms // 2 channels.
+        kind = InternodeDispatchHandle if r.handle.ranks_per_node > 0 else DispatchHandle
+        new_handle = kind(
             r.handle, self.rank,
             lambda: max(1, (config if config is not None
                             else self.get_dispatch_config(self.group_size)).num_sms // 2),

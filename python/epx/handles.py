@@ -7,7 +7,7 @@ EPX's calls take the tuple back unchanged (or EPX's core handle, as before).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Union
+from typing import Any, Callable, Dict, Sequence, Tuple, Union
 
 from . import _core
 from .utils import _torch
@@ -137,6 +137,24 @@ class _Ops:
         return self.numpy.repeat(values, counts) if self.np \
             else self.torch.repeat_interleave(values, counts, output_size=total)
 
+    def array(self, values: Any) -> Any:
+        """int64 array of a host list, on this device."""
+        return self.numpy.asarray(values, dtype=self.numpy.int64) if self.np \
+            else self.torch.tensor(values, dtype=self.torch.int64, device=self.dev)
+
+    def bits(self, masks: Any, n: int) -> Any:
+        """[M] int masks -> [M, n] int32 of their bits 0..n-1."""
+        shifts = self.arange(n)
+        return self.i32((masks.reshape(-1, 1) >> shifts) & 1)
+
+    def stack_cols(self, a: Any, b: Any) -> Any:
+        return self.numpy.stack([a, b], axis=1) if self.np else self.torch.stack([a, b], dim=1)
+
+    def as_bytes(self, x: Any) -> Any:
+        """A contiguous int32 array [M, k] seen as uint8 [M, 4k] (little-endian)."""
+        x = self.contiguous(self.i32(x))
+        return x.view(self.numpy.uint8) if self.np else x.view(self.torch.uint8)
+
     def contiguous(self, x: Any) -> Any:
         return self.numpy.ascontiguousarray(x) if self.np else x.contiguous()
 
@@ -241,64 +259,101 @@ def recv_gbl_channel_prefix_matrix(recv_gbl_rank_prefix_sum: Any, recv_src_idx: 
     return ops.contiguous(ops.i32(ops.i64(starts) + _block_starts(ops, ends).reshape(-1, 1)))
 
 
-class DispatchHandle(_Handle):
-    """An intranode dispatch's handle, DeepEP's 6-tuple (``C`` channels: the
-    dispatch config's ``num_sms // 2``, as DeepEP):
+def _forwarded_records(ops: "_Ops", fwd_token: Any, fwd_rows: Any) -> Tuple[Any, Any, Any]:
+    """The records a forwarder kept, by source node: [M] source node, position in its
+    node's rows and token index of each, from fwd_token [N, rows] (node s's first fwd_rows[s] rows are its records, in
+    token order) and fwd_rows [N] (a host list)."""
+    rows = ops.array(list(fwd_rows))
+    M = int(sum(fwd_rows))
+    node = ops.repeat(ops.arange(len(fwd_rows)), rows, M)
+    pos = ops.arange(M) - _exclusive_sum(ops, rows)[node]
+    return node, pos, ops.i64(fwd_token[node, pos])
 
-    0. rank_prefix_matrix [R, R] int32: [i][j] = tokens ranks 0..i send to rank j;
-    1. channel_prefix_matrix [R, C] int32: tokens this rank sends to r from its
-       channels 0..c (channel c: tokens [c * w, (c + 1) * w), w = ceil(T / C));
-    2. recv_channel_prefix_matrix [R, C] int32: source s's channel_prefix_matrix
-       [rank][c - 1] (0 for c = 0), where its channel c's rows start in its block;
-    3. recv_src_idx [N] int32: the source token of each received row;
-    4. is_token_in_rank [T, R] bool;
-    5. send_head [T, R] int32: a sent token's index among its channel's tokens to
-       that rank, -1 where not sent (DeepEP's combine later rewrites those -1
-       entries in place; EPX leaves them).
 
-    0, 3 and 4 are EPX's own tensors; 1, 2 and 5 are derived from them with torch
-    on the current stream (EPX's kernels do not use channels); each element is
-    made when first read.
-    ``.core`` is EPX's handle, which dispatch (cached) and combine take.
-    """
+def _exclusive_sum(ops: "_Ops", counts: Any) -> Any:
+    """[n] counts -> [n] int64: where each block of consecutive rows starts."""
+    return _block_starts(ops, ops.i64(ops.cumsum(counts, 0)))
+
+
+def _forwarded_channels(ops: "_Ops", node: Any, token: Any, source_tokens: Any,
+                        num_channels: int) -> Any:
+    """[M] int64: each forwarded record's channel at its source (source_tokens [N]: the
+    token count of each node's source)."""
+    width = _channel_width(ops.i64(source_tokens), num_channels)
+    return token // width[node]
+
+
+def recv_rdma_channel_prefix_matrix(fwd_token: Any, fwd_rows: Sequence[int],
+                                    source_tokens: Any, num_channels: int) -> Any:
+    """[N, C] int32: the records this forwarder got from node s's source (the rank of
+    its local index there) from that source's channels 0..c (inclusive), as DeepEP's
+    forwarders record. fwd_token [N, rows]: each record's token index; fwd_rows [N]
+    (host): the records per node; source_tokens [N]: each of those sources' token count."""
+    ops = _Ops(fwd_token)
+    N, C = len(fwd_rows), num_channels
+    node, _, token = _forwarded_records(ops, fwd_token, fwd_rows)
+    chan = _forwarded_channels(ops, node, token, source_tokens, C)
+    ones = ops.i32(ops.zeros(node.shape[0]) + 1)
+    counts = ops.add_rows(ops.zeros(N * C), node * C + chan, ones).reshape(N, C)
+    return ops.contiguous(ops.cumsum(counts, 1))
+
+
+def recv_rdma_rank_prefix_sum(fwd_rows: Sequence[int], like: Any) -> Any:
+    """[N] int32: the records this forwarder got from nodes 0..s (inclusive), on
+    ``like``'s device."""
+    ops = _Ops(like)
+    return ops.contiguous(ops.cumsum(ops.array(list(fwd_rows)), 0))
+
+
+def recv_src_meta(recv_meta: Any, ranks_per_node: int) -> Any:
+    """[N_recv, 8] uint8: per received row the int32 source node, then the int32 mask of
+    this node's ranks its token reached, from EPX's recv_meta [N_recv, 3] (source rank,
+    record index, mask)."""
+    ops = _Ops(recv_meta)
+    return ops.as_bytes(ops.stack_cols(recv_meta[:, 0] // ranks_per_node, recv_meta[:, 2]))
+
+
+def send_nvl_head(fwd_mask: Any, fwd_token: Any, fwd_rows: Sequence[int], source_tokens: Any,
+                  num_channels: int, ranks_per_node: int) -> Any:
+    """[M, L] int32: for each record this forwarder got (by source node, then token) and
+    each local rank p its token reaches, how many earlier records of the same source
+    node and channel reach p; -1 where it does not reach p."""
+    ops = _Ops(fwd_token)
+    N, C, L = len(fwd_rows), num_channels, ranks_per_node
+    node, pos, token = _forwarded_records(ops, fwd_token, fwd_rows)
+    M = node.shape[0]
+    chan = _forwarded_channels(ops, node, token, source_tokens, C)
+    reach = ops.bits(ops.i64(fwd_mask[node, pos]), L)  # [M, L]
+    before = ops.cumsum(reach, 0) - reach  # records before each one reaching p, overall
+    # the first record of each (node, channel) group (groups are contiguous)
+    key = node * C + chan
+    ones = ops.i32(ops.zeros(M) + 1)
+    first = _exclusive_sum(ops, ops.add_rows(ops.zeros(N * C), key, ones))[key]
+    return ops.contiguous(ops.where(reach > 0, before - before[first], -1))
+
+
+class _LazyHandle(_Handle):
+    """A dispatch handle tuple whose elements are made when first read (a dispatch
+    pays nothing for them), from the core handle's tensors with torch on the
+    current stream. ``.core`` is EPX's handle, which dispatch (cached) and
+    combine take."""
 
     _own = ("core", "_lazy", "_cache", "_out")
+    _size = 0
     _out: Callable[[Any], Any]
     _lazy: Dict[int, Callable[[], Any]]
     _cache: Dict[int, Any]
 
-    def __new__(cls, core: "_core.DispatchHandle", rank: int,
-                num_channels: Union[int, Callable[[], int]],
-                out: Callable[[Any], Any]) -> "DispatchHandle":
-        """``num_channels``: C, or what gives it when a channel element is first
-        read (the dispatch passes its config's lookup, so a call pays nothing)."""
+    def __new__(cls, core: "_core.DispatchHandle", out: Callable[[Any], Any],
+                lazy: Callable[[Any], Dict[int, Callable[[], Any]]]) -> Any:
         if not isinstance(core, _core.DispatchHandle):
             raise TypeError(f"core: expected an epx._core.DispatchHandle, "
                             f"got {type(core).__name__}")
-
-        def channels() -> int:
-            c = num_channels() if callable(num_channels) else num_channels
-            if c < 1:
-                raise ValueError(f"num_channels: must be >= 1, got {c}")
-            return c
-
-        if not callable(num_channels):
-            channels()
-        # Every element is made when first read: a dispatch pays nothing for them.
-        self = super().__new__(cls, (None,) * 6)
+        self = super().__new__(cls, (None,) * cls._size)
         self.core = core
         self._out = out
         self._cache = {}
-        self._lazy = {
-            0: lambda: self._tensor("rank_prefix_matrix"),
-            1: lambda: channel_prefix_matrix(self[4], channels()),
-            2: lambda: recv_channel_prefix_matrix(self[0], self[3],
-                                                  self._tensor("source_num_tokens"), rank,
-                                                  channels()),
-            3: lambda: self._tensor("recv_src_idx"),
-            4: lambda: self._tensor("is_token_in_rank"),
-            5: lambda: send_head(self[4], self[1]),
-        }
+        self._lazy = lazy(self)
         return self
 
     def _tensor(self, name: str) -> Any:
@@ -335,11 +390,139 @@ class DispatchHandle(_Handle):
 
     def __repr__(self) -> str:
         c = self.core
-        return (f"epx.DispatchHandle(num_ranks={c.num_ranks}, num_tokens={c.num_tokens}, "
-                f"num_recv_tokens={c.num_recv_tokens}, hidden={c.hidden})")
+        return (f"epx.{type(self).__name__}(num_ranks={c.num_ranks}, "
+                f"num_tokens={c.num_tokens}, num_recv_tokens={c.num_recv_tokens}, "
+                f"hidden={c.hidden})")
+
+
+def _channel_count(num_channels: Union[int, Callable[[], int]]) -> Callable[[], int]:
+    """What gives C (``num_channels`` itself, or what it returns when a channel element
+    is first read: the dispatch passes its config's lookup, so a call pays nothing); a
+    plain int is checked now."""
+    def channels() -> int:
+        c = num_channels() if callable(num_channels) else num_channels
+        if c < 1:
+            raise ValueError(f"num_channels: must be >= 1, got {c}")
+        return c
+
+    if not callable(num_channels):
+        channels()
+    return channels
+
+
+class DispatchHandle(_LazyHandle):
+    """An intranode dispatch's handle, DeepEP's 6-tuple (``C`` channels: the
+    dispatch config's ``num_sms // 2``, as DeepEP):
+
+    0. rank_prefix_matrix [R, R] int32: [i][j] = tokens ranks 0..i send to rank j;
+    1. channel_prefix_matrix [R, C] int32: tokens this rank sends to r from its
+       channels 0..c (channel c: tokens [c * w, (c + 1) * w), w = ceil(T / C));
+    2. recv_channel_prefix_matrix [R, C] int32: source s's channel_prefix_matrix
+       [rank][c - 1] (0 for c = 0), where its channel c's rows start in its block;
+    3. recv_src_idx [N] int32: the source token of each received row;
+    4. is_token_in_rank [T, R] bool;
+    5. send_head [T, R] int32: a sent token's index among its channel's tokens to
+       that rank, -1 where not sent (DeepEP's combine later rewrites those -1
+       entries in place; EPX leaves them).
+
+    0, 3 and 4 are EPX's own tensors; 1, 2 and 5 are derived from them with torch
+    on the current stream (EPX's kernels do not use channels); each element is
+    made when first read.
+    ``.core`` is EPX's handle, which dispatch (cached) and combine take.
+    """
+
+    _size = 6
+
+    def __new__(cls, core: "_core.DispatchHandle", rank: int,
+                num_channels: Union[int, Callable[[], int]],
+                out: Callable[[Any], Any]) -> "DispatchHandle":
+        """``num_channels``: C, or what gives it when a channel element is first
+        read."""
+        channels = _channel_count(num_channels)
+        return super().__new__(cls, core, out, lambda self: {
+            0: lambda: self._tensor("rank_prefix_matrix"),
+            1: lambda: channel_prefix_matrix(self[4], channels()),
+            2: lambda: recv_channel_prefix_matrix(self[0], self[3],
+                                                  self._tensor("source_num_tokens"), rank,
+                                                  channels()),
+            3: lambda: self._tensor("recv_src_idx"),
+            4: lambda: self._tensor("is_token_in_rank"),
+            5: lambda: send_head(self[4], self[1]),
+        })
+
+
+class InternodeDispatchHandle(_LazyHandle):
+    """A dispatch's handle across nodes, DeepEP's internode 10-tuple (``C``
+    channels: the config's ``num_sms // 2``; N nodes of L ranks; this rank is
+    (m, l); reference.deepep_internode_handle states each element in loops):
+
+    0. is_token_in_rank [T, R] bool;
+    1. rdma_channel_prefix_matrix [N, C] int32: tokens of channels 0..c to node n;
+    2. gbl_channel_prefix_matrix [R, C] int32: tokens of channels 0..c to rank r;
+    3. recv_rdma_channel_prefix_matrix [N, C] int32: what this rank forwards from
+       node s's rank (s, l), by that rank's channels 0..c;
+    4. recv_rdma_rank_prefix_sum [N] int32: what it forwards from nodes 0..s;
+    5. recv_gbl_channel_prefix_matrix [R, C] int32: the first row of recv_x of
+       source r's channel c;
+    6. recv_gbl_rank_prefix_sum [R] int32: rows from ranks 0..r (the end of each
+       source's rows; DeepEP's test reads ``handle[-4]``);
+    7. recv_src_meta [N_recv, 8] uint8: per row the int32 source node, then the
+       int32 mask of this node's ranks its token reached;
+    8. send_rdma_head [T, N] int32: a token's index among its channel's tokens
+       to node n, -1 where it does not go there;
+    9. send_nvl_head [M, L] int32: per forwarded record (M: element 4's last),
+       its index among the records of its source node and channel that reach
+       local rank p, -1 where it does not reach p.
+
+    0 is EPX's own tensor, 3, 4, 7 and 9 come from what the kernels record
+    (each forwarded record's token and mask, each row's mask), the rest are
+    derived with torch; every prefix is inclusive except element 5's. DeepEP's
+    combine rewrites the -1 entries of 8 and 9 in place; EPX leaves them.
+    """
+
+    _size = 10
+
+    def __new__(cls, core: "_core.DispatchHandle", rank: int,
+                num_channels: Union[int, Callable[[], int]],
+                out: Callable[[Any], Any]) -> "InternodeDispatchHandle":
+        channels = _channel_count(num_channels)
+        L = core.ranks_per_node
+        if L < 1 or core.num_ranks % L:
+            raise ValueError(f"core: not the handle of a dispatch across nodes "
+                             f"(ranks_per_node {L})")
+        N, local = core.num_ranks // L, rank % L
+
+        def fwd_rows() -> Any:  # records of each node's source (s, l), from the exchange
+            to_node = core.net_tokens_to_node
+            return [to_node[(s * L + local) * N + rank // L] for s in range(N)]
+
+        def elements(self: "InternodeDispatchHandle") -> Dict[int, Callable[[], Any]]:
+            def source_tokens() -> Any:  # the token counts of those sources
+                return self._tensor("source_num_tokens")[local::L]
+
+            return {
+                0: lambda: self._tensor("is_token_in_rank"),
+                1: lambda: rdma_channel_prefix_matrix(self[0], channels(), L),
+                2: lambda: channel_prefix_matrix(self[0], channels()),
+                3: lambda: recv_rdma_channel_prefix_matrix(
+                    self._tensor("net_fwd_token"), fwd_rows(), source_tokens(), channels()),
+                4: lambda: recv_rdma_rank_prefix_sum(fwd_rows(), self[0]),
+                5: lambda: recv_gbl_channel_prefix_matrix(
+                    self[6], self._tensor("recv_src_idx"), self._tensor("source_num_tokens"),
+                    channels()),
+                6: lambda: self._tensor("rank_prefix_matrix")[:, rank].contiguous(),
+                7: lambda: recv_src_meta(self._tensor("net_recv_meta"), L),
+                8: lambda: send_rdma_head(self[0], self[1], L),
+                9: lambda: send_nvl_head(self._tensor("net_fwd_mask"),
+                                         self._tensor("net_fwd_token"), fwd_rows(),
+                                         source_tokens(), channels(), L),
+            }
+
+        return super().__new__(cls, core, out, elements)
 
 
 def core_dispatch_handle(op: str, handle: Any) -> "_core.DispatchHandle":
-    """EPX's handle inside ``handle`` (a DispatchHandle tuple or the core handle);
-    a TypeError naming ``op`` and the argument otherwise."""
-    return _core_of(op, handle, DispatchHandle, _core.DispatchHandle, "dispatch")
+    """EPX's handle inside ``handle`` (a DispatchHandle or InternodeDispatchHandle
+    tuple, or the core handle); a TypeError naming ``op`` and the argument
+    otherwise."""
+    return _core_of(op, handle, _LazyHandle, _core.DispatchHandle, "dispatch")

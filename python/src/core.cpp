@@ -857,11 +857,19 @@ NB_MODULE(_core, m) {
       .def_prop_ro("recv_src_idx", [](const DH& h) { return to_py(h.recv_src_idx); })
       .def_prop_ro("rank_prefix_matrix", [](const DH& h) { return to_py(h.rank_prefix_matrix); })
       .def_prop_ro("source_num_tokens", [](const DH& h) { return to_py(h.source_num_tokens); })
+      // Across nodes (0 / empty within one node): what DeepEP's internode
+      // handle elements are derived from (epx.handles).
+      .def_ro("ranks_per_node", &DH::ranks_per_node)
+      .def_ro("net_tokens_to_node", &DH::net_tokens_to_node)
+      .def_prop_ro("net_fwd_mask", [](const DH& h) { return to_py(h.net_fwd_mask); })
+      .def_prop_ro("net_fwd_token", [](const DH& h) { return to_py(h.net_fwd_token); })
+      .def_prop_ro("net_recv_meta", [](const DH& h) { return to_py(h.net_recv_meta); })
       .def_prop_ro("tensors", [](const DH& h) {
         nb::list l;
         for (const Tensor* t :
              {&h.send_counts, &h.recv_offsets, &h.is_token_in_rank, &h.send_slot, &h.send_list,
-              &h.recv_src_idx, &h.rank_prefix_matrix, &h.source_num_tokens})
+              &h.recv_src_idx, &h.rank_prefix_matrix, &h.source_num_tokens, &h.net_send_pos,
+              &h.net_rank_pos, &h.net_fwd_mask, &h.net_fwd_token, &h.net_recv_meta, &h.net_table})
           if (t->defined()) l.append(to_py(*t));
         return l;
       });

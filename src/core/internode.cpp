@@ -247,12 +247,14 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
     }
     auto parts = make_parts({{DType::kI32, {tab.ints}},
                              {DType::kI32, {N, std::max(region.slot_rows, 1)}},
-                             {DType::kI32, {Nr, 2}}},
+                             {DType::kI32, {N, std::max(region.slot_rows, 1)}},
+                             {DType::kI32, {Nr, 3}}},
                             a.streams);
     after_allocs(*this, a.streams, x);
     handle->net_table = parts[0];
     handle->net_fwd_mask = parts[1];
-    handle->net_recv_meta = parts[2];
+    handle->net_fwd_token = parts[2];
+    handle->net_recv_meta = parts[3];
     upload(handle->net_table, table, x);
   }
 
@@ -284,6 +286,7 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   p.num_topk = K;
   p.num_experts = E;
   p.fwd_mask = handle->net_fwd_mask.ptr<int>();
+  p.fwd_token = handle->net_fwd_token.ptr<int>();
   p.num_recv_rows = Nr;
   p.recv_x = static_cast<uint8_t*>(res.recv_x.view.data);
   p.recv_scales = scaled ? static_cast<float*>(res.recv_x_scales->view.data) : nullptr;

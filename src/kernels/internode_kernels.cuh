@@ -295,7 +295,11 @@ __global__ void __launch_bounds__(kThreads) dispatch_forward_kernel(DispatchPara
       const uint8_t* rec = area + static_cast<std::size_t>(j) * p.off.row_bytes;
       const int mask = ld_int(rec + f.mask);
       const int k = lane < L ? ld_int(rec + f.pos + 4 * lane) : -1;
-      if (lane == 0) p.fwd_mask[static_cast<int64_t>(m) * p.off.slot_rows + j] = mask;
+      if (lane == 0) {
+        const int64_t at = static_cast<int64_t>(m) * p.off.slot_rows + j;
+        p.fwd_mask[at] = mask;
+        p.fwd_token[at] = ld_int(rec + f.token);
+      }
       for (int d = 0; d < L; ++d) {
         if (!((mask >> d) & 1)) continue;
         const int row = p.table[tab.stage_base + d * N + m] + __shfl_sync(kFull, k, d);
@@ -351,8 +355,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(DispatchParams<
     }
     if (lane == 0) {
       p.recv_src_idx[row] = ld_int(reinterpret_cast<const int*>(rec + f.token));
-      p.recv_meta[2 * row] = ld_int(reinterpret_cast<const int*>(rec + f.src));
-      p.recv_meta[2 * row + 1] = ld_int(reinterpret_cast<const int*>(rec + f.index));
+      p.recv_meta[3 * row] = ld_int(reinterpret_cast<const int*>(rec + f.src));
+      p.recv_meta[3 * row + 1] = ld_int(reinterpret_cast<const int*>(rec + f.index));
+      p.recv_meta[3 * row + 2] = ld_int(reinterpret_cast<const int*>(rec + f.mask));
     }
   }
 }
@@ -388,7 +393,7 @@ __global__ void __launch_bounds__(kThreads) combine_return_kernel(CombineParams<
   const int lane = threadIdx.x % 32, H = p.hidden, K = p.num_topk;
   const int rows = barrier_failed(t, p.off) ? 0 : p.num_recv_rows;  // no store into a peer then
   for (int row = blockIdx.x * kWarps + threadIdx.x / 32; row < rows; row += gridDim.x * kWarps) {
-    const int src = p.recv_meta[2 * row], j = p.recv_meta[2 * row + 1];
+    const int src = p.recv_meta[3 * row], j = p.recv_meta[3 * row + 1];
     const int fwd = n * L + src % L, m = src / L;
     auto* dst = reinterpret_cast<uint8_t*>(
         t.lsa_ptr(fwd, p.off.stage + (static_cast<std::size_t>(me_l) * N + m) * p.off.slot_bytes +

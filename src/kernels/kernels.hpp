@@ -238,14 +238,15 @@ struct HtNetDispatchArgs {
   const int* send_pos;        ///< [T, N]
   const int* rank_pos;        ///< [T, R]
   int num_tokens, hidden_bytes, num_scales, num_topk, num_experts;
-  int* fwd_mask;  ///< [N, slot_rows]: local ranks each forwarded record reached
+  int* fwd_mask;   ///< [N, slot_rows]: local ranks each forwarded record reached
+  int* fwd_token;  ///< [N, slot_rows]: each forwarded record's token index at its source
   int num_recv_rows;
   uint8_t* recv_x;
   float* recv_scales;
   int64_t* recv_topk_idx;
   float* recv_topk_weights;
   int* recv_src_idx;
-  int* recv_meta;  ///< [N_recv, 2]: source rank, record index
+  int* recv_meta;  ///< [N_recv, 3]: source rank, record index, local ranks the token reached
   int num_blocks;  ///< of the send and receive kernels
 };
 /// The barrier, then send, forward and receive.
@@ -260,9 +261,9 @@ struct HtNetCombineArgs {
   const float* topk_weights;  ///< [N_recv, K] nullable
   const uint16_t* bias0;
   const uint16_t* bias1;
-  const int* send_pos;  ///< [T, N]
-  const int* fwd_mask;  ///< [N, slot_rows]
-  const int* recv_meta;
+  const int* send_pos;   ///< [T, N]
+  const int* fwd_mask;   ///< [N, slot_rows]
+  const int* recv_meta;  ///< [N_recv, 3]
   int num_recv_rows, num_tokens, hidden, num_topk;
   uint16_t* combined_x;
   float* combined_topk_weights;

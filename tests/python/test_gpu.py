@@ -316,11 +316,13 @@ def _check_combine_with_biases(combine, rank, group, dev, rng, T, H, E, all_idx,
 
 def _case_high_throughput_across_nodes(rank, world, group):
     """DeepEP's calls, unchanged, on ranks split into virtual nodes of world // 2 ranks:
-    layout with per-node counts, dispatch, cached dispatch, combine with weights and
-    biases, against the reference (the combine bit for bit, nodes summed as BF16)."""
+    layout with per-node counts, dispatch (DeepEP's internode handle), cached dispatch,
+    combine with weights and biases, against the reference (the combine bit for bit,
+    nodes summed as BF16)."""
     import torch
 
     import epx
+    from epx import reference as ref
 
     dev = _device(rank, group)
     rpn = max(1, world // 2)
@@ -340,8 +342,21 @@ def _case_high_throughput_across_nodes(rank, world, group):
         is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
         topk_weights=w)
     _check_dispatch(mine, recv_x, recv_idx, recv_w, counts)
-    np.testing.assert_array_equal(handle[0].cpu().numpy(), mine["rank_prefix_matrix"])
-    np.testing.assert_array_equal(handle[3].cpu().numpy(), mine["recv_src_idx"])
+    # DeepEP's internode 10-tuple, every element against the reference's definitions
+    # (channels: the default config's num_sms // 2, as DeepEP)
+    assert isinstance(handle, epx.InternodeDispatchHandle) and len(handle) == 10
+    C = epx.Buffer.get_dispatch_config(world).num_sms // 2
+    masks = [ref.dispatch_layout(i, E, world)[2] for i in all_idx]
+    want_h = ref.deepep_internode_handle(masks, rank, C, rpn)
+    i32, u8 = torch.int32, torch.uint8
+    dtypes = (torch.bool, i32, i32, i32, i32, i32, i32, u8, i32, i32)
+    for k, (got, exp) in enumerate(zip(handle, want_h)):
+        assert got.device == dev and got.dtype == dtypes[k], f"handle[{k}]"
+        np.testing.assert_array_equal(got.cpu().numpy(), exp, err_msg=f"handle[{k}]")
+    # DeepEP's internode test reads handle[-4] as the end of each source's rows
+    ends = handle[-4].cpu().numpy()
+    np.testing.assert_array_equal(
+        ends, np.cumsum([int((mine["recv_src_rank"] == i).sum()) for i in range(world)]))
     again = buf.dispatch(x, handle=handle)[0]
     np.testing.assert_array_equal(_bits(again), mine["recv_x"])
 

@@ -290,3 +290,66 @@ def test_internode_derivable_elements_match_the_reference(R, L, C, sizes, p, bac
                                                       _as(backend, src_idx), source_tokens, C)
         np.testing.assert_array_equal(_np(recv), want[5])
         assert str(recv.dtype).endswith("int32") and tuple(recv.shape) == (R, C)
+
+
+def _forwarder_state(masks, rank, L, pad):
+    """What the internode kernels record on ``rank`` (a statement of their records
+    independent of epx.handles): per source node s, the tokens of rank (s, l) that
+    reach this node, in token order, as fwd_token / fwd_mask [N, rows] (rows past a
+    node's count hold ``pad``), their counts, and per received row [source rank,
+    record index, mask of this node's ranks] in the dispatch's row order."""
+    R = len(masks)
+    N, m, l = R // L, rank // L, rank % L
+    rows = [[t for t in range(masks[s * L + l].shape[0])
+             if masks[s * L + l][t, m * L:(m + 1) * L].any()] for s in range(N)]
+    width = max([len(r) for r in rows] + [1])
+    token = np.full((N, width), pad, dtype=np.int32)
+    mask = np.full((N, width), pad, dtype=np.int32)
+    for s, toks in enumerate(rows):
+        for j, t in enumerate(toks):
+            token[s, j] = t
+            mask[s, j] = sum(1 << p for p in range(L) if masks[s * L + l][t, m * L + p])
+    meta = []
+    for src in range(R):
+        sent = [t for t in range(masks[src].shape[0])
+                if masks[src][t, m * L:(m + 1) * L].any()]
+        for j, t in enumerate(sent):
+            if masks[src][t, rank]:
+                meta.append([src, j, sum(1 << p for p in range(L) if masks[src][t, m * L + p])])
+    meta = np.asarray(meta, dtype=np.int32).reshape(-1, 3)
+    return token, mask, [len(r) for r in rows], meta
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("R,L,C,sizes,p", [
+    (4, 2, 3, [37, 0, 64, 5], 0.3),
+    (8, 4, 12, [200, 3, 129, 77, 1, 0, 50, 96], 0.2),
+    (6, 3, 16, [5, 9, 2, 0, 4, 7], 0.5),  # fewer tokens than channels
+    (4, 2, 5, [40, 41, 42, 43], 0.0),  # nothing sent
+    (8, 2, 4, [30, 31, 32, 33, 34, 35, 36, 37], 1.0),  # everything everywhere
+    (3, 1, 2, [9, 0, 4], 0.6),  # nodes of one rank
+])
+def test_internode_recorded_elements_match_the_reference(R, L, C, sizes, p, backend):
+    """Elements 3, 4, 7 and 9 from what the kernels record (modelled here from the
+    routing) against the reference's definitions."""
+    rng = np.random.default_rng(R * 11 + L * 5 + C)
+    masks = _masks(rng, R, sizes, p)
+    N = R // L
+    for rank in range(R):
+        want = ref.deepep_internode_handle(masks, rank, C, L)
+        token, mask, fwd_rows, meta = _forwarder_state(masks, rank, L, pad=-7)
+        src_tokens = _as(backend, np.asarray(sizes[rank % L::L], dtype=np.int32))
+        got3 = handles.recv_rdma_channel_prefix_matrix(_as(backend, token), fwd_rows,
+                                                       src_tokens, C)
+        np.testing.assert_array_equal(_np(got3), want[3])
+        assert str(got3.dtype).endswith("int32") and tuple(got3.shape) == (N, C)
+        got4 = handles.recv_rdma_rank_prefix_sum(fwd_rows, _as(backend, token))
+        np.testing.assert_array_equal(_np(got4), want[4])
+        assert str(got4.dtype).endswith("int32")
+        got7 = handles.recv_src_meta(_as(backend, meta), L)
+        np.testing.assert_array_equal(_np(got7), want[7])
+        assert str(got7.dtype).endswith("uint8") and tuple(got7.shape) == want[7].shape
+        got9 = handles.send_nvl_head(_as(backend, mask), _as(backend, token), fwd_rows,
+                                     src_tokens, C, L)
+        np.testing.assert_array_equal(_np(got9), want[9])
+        assert str(got9.dtype).endswith("int32") and tuple(got9.shape) == want[9].shape

@@ -16,7 +16,8 @@
 
 namespace epx::nvshmem_module {
 
-inline constexpr int kAbiVersion = 2;  // 2: the table has the HT launchers
+inline constexpr int kAbiVersion =
+    3;  // 2: the table has the HT launchers; 3: their args record the forwarded tokens
 
 /// What the core lends the module for its bootstrap.
 struct Host {
