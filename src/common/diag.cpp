@@ -1,5 +1,8 @@
-// common/diag.cpp - names of the ops a kernel diagnostic can report.
+// common/diag.cpp - names of the ops a kernel diagnostic can report, and the
+// messages the host builds from some of its reports.
 #include "common/diag.hpp"
+
+#include <sstream>
 
 namespace epx {
 
@@ -37,6 +40,30 @@ const char* op_name(OpId op) {
       return "proxy quiet (waiting for a channel's commands to complete)";
   }
   return "?";
+}
+
+/// The barrier's report of a peer whose op or row shape across nodes differs
+/// (kernels::HtNetShape: channel = 4 * this rank's op + the field).
+std::string internode_shape_message(int channel, int rank, int peer, int mine, int theirs) {
+  static const char* ops[] = {"?", "dispatch", "combine"};
+  static const char* dispatch_fields[] = {"", "x (hidden bytes)", "x_scales (scales per token)",
+                                          "topk_idx (top-k)"};
+  static const char* combine_fields[] = {"", "x (hidden)", "topk_weights (top-k)", "?"};
+  auto op_of = [&](int v) { return v >= 1 && v <= 2 ? ops[v] : ops[0]; };
+  const int op = channel / 4, field = channel % 4;
+  std::ostringstream os;
+  if (field == 0) {
+    os << op_of(mine) << " across nodes: rank " << rank << " called " << op_of(mine)
+       << " while rank " << peer << " called " << op_of(theirs)
+       << "; every rank must call the same op in the same order (nothing was sent)";
+    return os.str();
+  }
+  const char* name = op == 1 ? dispatch_fields[field] : combine_fields[field];
+  os << op_of(op) << " across nodes: " << name << ": rank " << peer << " passed " << theirs
+     << ", rank " << rank << " " << mine
+     << "; every rank must pass rows of one shape (nothing was sent; this call's outputs are "
+        "not valid)";
+  return os.str();
 }
 
 }  // namespace epx

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 namespace epx {
 
@@ -47,6 +48,12 @@ struct DeviceDiag {
 };
 
 const char* op_name(OpId op);
+
+/// The message of a kBadConfig from the internode barrier (OpId::kBarrier): a
+/// peer's op or row shape differs from this rank's. `channel`: 4 * this
+/// rank's op (1 dispatch, 2 combine) + the field that differs
+/// (kernels::HtNetShape: 0 the op, then the op's row fields).
+std::string internode_shape_message(int channel, int rank, int peer, int mine, int theirs);
 
 /// DeviceDiag::channel of a wait for a signal (a network peer's puts): this
 /// plus the signal id.

@@ -113,6 +113,8 @@ constexpr std::size_t ht_net_record_bytes(std::size_t hidden_bytes, int num_scal
 ///   [op counts u64[4], local: ops, dispatches, combines]
 ///   [finished-block counters u32[16], local]
 ///   [signals u64 [kSignalKindsAll * R][kMaxContexts]] (ht_net_signal's ids)
+///   [shapes: 16 B [2][R] from each source, by op parity; 16 B [2] this
+///    rank's own, the source of its puts] (the barrier's shape check)
 ///   body, dispatch: [recv: N slots][send: N slots][stage: rows]
 ///                   a slot holds `slot_rows` records; recv slot m: the rows
 ///                   from node m's source of this rank's local index; send
@@ -130,8 +132,11 @@ struct HtNetRegion {
   static constexpr std::size_t signals_bytes(int num_ranks) {
     return 8u * kSignalKindsAll * num_ranks * kMaxContexts;
   }
+  /// Each op's row shape (HtNetShape), exchanged by the barrier.
+  static constexpr std::size_t kShapeBytes = 16;
+  static constexpr std::size_t shapes(int num_ranks) { return kSignals + signals_bytes(num_ranks); }
   static constexpr std::size_t body(int num_ranks) {
-    return align_up(kSignals + signals_bytes(num_ranks), kAlign);
+    return align_up(shapes(num_ranks) + kShapeBytes * (2u * num_ranks + 2u), kAlign);
   }
 
   std::size_t row_bytes = 0;  ///< a record (dispatch) or combine row

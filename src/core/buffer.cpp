@@ -341,6 +341,9 @@ void Buffer::Impl::raise_if_failed(const char* op) {
        << g->expected << " on rank " << g->rank << " but is_token_in_rank marks " << g->seen
        << " tokens for rank " << g->peer
        << "; pass the tensors of one get_dispatch_layout call unchanged";
+  } else if (code == DiagCode::kBadConfig && static_cast<OpId>(g->op) == OpId::kBarrier) {
+    os << internode_shape_message(g->channel, g->rank, g->peer, static_cast<int>(g->expected),
+                                  static_cast<int>(g->seen));
   } else if (code == DiagCode::kBadConfig) {
     const bool ll = static_cast<OpId>(g->op) == OpId::kLowLatencyDispatchRecv;
     os << op_name(static_cast<OpId>(g->op)) << ": rank " << g->rank << " and rank " << g->peer

@@ -21,6 +21,7 @@ kernels::HtNetOffsets offsets_of(const plan::HtNetRegion& r) {
   kernels::HtNetOffsets o{};
   o.counts = plan::HtNetRegion::kCounts;
   o.done = plan::HtNetRegion::kDone;
+  o.shapes = plan::HtNetRegion::shapes(r.num_nodes * r.ranks_per_node);
   o.recv = r.recv;
   o.send = r.send;
   o.stage = r.stage;

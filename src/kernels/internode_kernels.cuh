@@ -118,17 +118,70 @@ template <class T>
 struct BarrierParams {
   HtNetOffsets off;
   HtNetOp op;
+  HtNetShape shape;
   T t;
 };
 
+/// Where source `src`'s shape for ops of `parity` lands (src = num_ranks:
+/// this rank's own copy, what its puts send).
+__device__ __forceinline__ std::size_t shape_at(const HtNetOffsets& o, int num_ranks, int parity,
+                                                int src) {
+  const std::size_t i = src == num_ranks ? 2u * num_ranks + parity
+                                         : static_cast<std::size_t>(parity) * num_ranks + src;
+  return o.shapes + plan::HtNetRegion::kShapeBytes * i;
+}
+
+/// A shape's four words, stored and loaded past L1 (peers write them).
+__device__ __forceinline__ void store_shape(void* at, const HtNetShape& v) {
+  auto* w = static_cast<volatile int*>(at);
+  w[0] = v.op;
+  w[1] = v.a;
+  w[2] = v.b;
+  w[3] = v.c;
+}
+__device__ __forceinline__ HtNetShape load_shape(const void* at) {
+  const auto* w = static_cast<const volatile int*>(at);
+  return HtNetShape{w[0], w[1], w[2], w[3]};
+}
+
+/// Reports peer r's differing shape (cold, out of line).
+static __device__ __noinline__ void report_bad_shape(DeviceDiag* diag, int rank, int r, int channel,
+                                                     int mine, int theirs) {
+  dev::report(diag, DiagCode::kBadConfig, OpId::kBarrier, rank, r, channel,
+              static_cast<uint32_t>(mine), static_cast<uint32_t>(theirs));
+}
+
+/// Sends this rank's arrival (with its shape for this op) to rank r: over
+/// NVLink a store, then the signals; over the network a put of the shape
+/// with context 0's signal, then the other contexts' signals.
+template <class T>
+__device__ __forceinline__ void arrive_at(const T& t, const HtNetOffsets& o, int r, int parity,
+                                          const HtNetShape& shape) {
+  const int s = plan::ht_net_signal(t.num_ranks, HtNetSignal::kBarrier, t.rank);
+  const std::size_t dst = shape_at(o, t.num_ranks, parity, t.rank);
+  if (void* p = t.lsa_ptr(r, dst)) {
+    store_shape(p, shape);
+    __threadfence_system();
+    signal_all_contexts(t, r, s);
+    return;
+  }
+  t.template put_signal<dev::Thread>(0, r, dst, shape_at(o, t.num_ranks, parity, t.num_ranks),
+                                     plan::HtNetRegion::kShapeBytes, s, 1);
+  for (int c = 1; c < t.num_contexts; ++c) t.template signal_add<dev::Thread>(c, r, s, 1);
+}
+
 /// One block: counts the op, waits until the puts of earlier ops left this
-/// rank, tells every rank it arrived, waits for every rank's arrival. After
-/// it every rank has finished the previous op, so its areas may be rewritten.
+/// rank, tells every rank it arrived (with this op's shape), waits for every
+/// rank's arrival and compares its shape with this rank's. After it every
+/// rank has finished the previous op, so its areas may be rewritten. Shapes
+/// alternate between two areas by op parity: a peer rewrites one only after
+/// the next barrier, which this rank enters after reading it.
 template <class T>
 __global__ void __launch_bounds__(kThreads) barrier_kernel(BarrierParams<T> p) {
   const auto& t = p.t;
   __shared__ uint64_t ops;
   __shared__ int ok;
+  const HtNetShape& shape = p.shape;
   if (threadIdx.x == 0) {
     uint64_t* c = op_counts(t, p.off);
     ops = ++c[0];
@@ -136,6 +189,7 @@ __global__ void __launch_bounds__(kThreads) barrier_kernel(BarrierParams<T> p) {
     ok = 1;
   }
   __syncthreads();
+  const int parity = static_cast<int>(ops & 1u);
   if (static_cast<int>(threadIdx.x) < t.num_contexts && !t.quiet(threadIdx.x)) ok = 0;
   __syncthreads();
   // A failure (reported) marks the op failed: the next kernel's last block
@@ -147,11 +201,29 @@ __global__ void __launch_bounds__(kThreads) barrier_kernel(BarrierParams<T> p) {
     if (threadIdx.x == 0) atomicOr(failed, 1u);
     return;
   }
+  if (threadIdx.x == 0) {
+    store_shape(t.local_ptr(shape_at(p.off, t.num_ranks, parity, t.num_ranks)), shape);
+    __threadfence_system();  // before any put of it
+  }
+  __syncthreads();
   for (int r = threadIdx.x; r < t.num_ranks; r += blockDim.x)
-    if (r != t.rank) signal_all_contexts(t, r, sig(t, HtNetSignal::kBarrier, t.rank));
-  for (int r = threadIdx.x; r < t.num_ranks; r += blockDim.x)
-    if (r != t.rank && !t.wait_signal(sig(t, HtNetSignal::kBarrier, r), ops, OpId::kBarrier, r))
+    if (r != t.rank) arrive_at(t, p.off, r, parity, shape);
+  for (int r = threadIdx.x; r < t.num_ranks; r += blockDim.x) {
+    if (r == t.rank) continue;
+    if (!t.wait_signal(sig(t, HtNetSignal::kBarrier, r), ops, OpId::kBarrier, r)) {
       atomicOr(failed, 1u);
+      continue;
+    }
+    const HtNetShape theirs = load_shape(t.local_ptr(shape_at(p.off, t.num_ranks, parity, r)));
+    const int mine_f[4] = {shape.op, shape.a, shape.b, shape.c};
+    const int their_f[4] = {theirs.op, theirs.a, theirs.b, theirs.c};
+    for (int i = 0; i < 4; ++i)
+      if (mine_f[i] != their_f[i]) {
+        report_bad_shape(t.diag, t.rank, r, 4 * shape.op + i, mine_f[i], their_f[i]);
+        atomicOr(failed, 1u);
+        break;
+      }
+  }
 }
 
 /// Whether the op's barrier failed (kFailed, before any block of the next
@@ -162,8 +234,9 @@ __device__ __forceinline__ bool barrier_failed(const T& t, const HtNetOffsets& o
 }
 
 template <class T>
-inline void launch_barrier(const T& t, const HtNetOffsets& off, HtNetOp op, cudaStream_t stream) {
-  BarrierParams<T> p{off, op, t};
+inline void launch_barrier(const T& t, const HtNetOffsets& off, HtNetOp op, HtNetShape shape,
+                           cudaStream_t stream) {
+  BarrierParams<T> p{off, op, shape, t};
   barrier_kernel<T><<<1, kThreads, 0, stream>>>(p);
   EPX_CUDA_CHECK(cudaGetLastError());
 }
@@ -367,7 +440,9 @@ void dispatch_for(const T& t, const HtNetDispatchArgs& a, cudaStream_t stream) {
   DispatchParams<T> p{};
   static_cast<HtNetDispatchArgs&>(p) = a;
   p.t = t;
-  launch_barrier(t, a.off, HtNetOp::kDispatch, stream);
+  launch_barrier(t, a.off, HtNetOp::kDispatch,
+                 {static_cast<int>(HtNetOp::kDispatch), a.hidden_bytes, a.num_scales, a.num_topk},
+                 stream);
   dispatch_send_kernel<T><<<a.num_blocks, kThreads, 0, stream>>>(p);
   EPX_CUDA_CHECK(cudaGetLastError());
   dispatch_forward_kernel<T><<<a.num_blocks, kThreads, 0, stream>>>(p);
@@ -538,7 +613,8 @@ void combine_for(const T& t, const HtNetCombineArgs& a, cudaStream_t stream) {
   CombineParams<T> p{};
   static_cast<HtNetCombineArgs&>(p) = a;
   p.t = t;
-  launch_barrier(t, a.off, HtNetOp::kCombine, stream);
+  launch_barrier(t, a.off, HtNetOp::kCombine,
+                 {static_cast<int>(HtNetOp::kCombine), a.hidden, a.num_topk, 0}, stream);
   combine_return_kernel<T><<<a.num_blocks, kThreads, 0, stream>>>(p);
   EPX_CUDA_CHECK(cudaGetLastError());
   combine_node_sum_kernel<T><<<a.num_blocks, kThreads, 0, stream>>>(p);

@@ -191,6 +191,7 @@ namespace epx::kernels {
 /// Where an internode op's areas lie (plan::HtNetRegion) and its shapes.
 struct HtNetOffsets {
   std::size_t counts, done;  ///< local: u64 op counts, u32 finished-block counters
+  std::size_t shapes;        ///< plan::HtNetRegion::shapes
   std::size_t recv, send, stage;
   std::size_t row_bytes, slot_bytes;
   int slot_rows, num_nodes, ranks_per_node;
@@ -214,6 +215,15 @@ struct HtNetTable {
 
 /// Which op a barrier opens (its own count in the op-count words).
 enum class HtNetOp : int { kDispatch = 1, kCombine = 2 };
+
+/// What every rank must agree on for an op to place rows alike (the barrier
+/// compares each peer's with its own): the op, then for a dispatch the hidden
+/// bytes, scales per token and top-k, for a combine the hidden size and the
+/// top-k of topk_weights (0 without them). A mismatch is reported as
+/// kBadConfig of OpId::kBarrier, channel = 4 * op + the first field that differs.
+struct HtNetShape {
+  int op, a, b, c;
+};
 
 /// send_pos and the per-rank / per-node token counts from is_token_in_rank.
 struct HtNetRouteArgs {

@@ -2,9 +2,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -881,59 +886,161 @@ EPX_GPU_TEST(Internode, RefusedCallsAreNamed) {
   run_case({64, 256, 4, 8 * R, false, 0.1, true, 1, false}, 1, 320);
 }
 
+/// A buffer across nodes for case c (its deadline `timeout_s`), this rank's
+/// inputs on the device, and a first dispatch with weights, synchronized.
+struct NetFirstDispatch {
+  std::unique_ptr<Buffer> b;
+  DeviceArray<int64_t> topk;
+  DeviceArray<uint16_t> x;
+  DeviceArray<float> w;
+  DispatchArgs a;
+  DispatchResult res;
+  int T = 0;
+  NetFirstDispatch(const HtCase& c, double timeout_s, uint64_t seed) {
+    auto& w_ = world();
+    const int R = w_.num_ranks;
+    const auto in = make_inputs(c, R, seed);
+    const auto& mine = in[w_.rank];
+    T = mine.num_tokens;
+    BufferOptions o;
+    o.num_nvl_bytes = static_cast<int64_t>(Buffer::get_internode_nvl_size_hint(
+        T + 1, c.hidden, R, w_.buffer->num_nvl_ranks(), c.num_topk));
+    o.timeout_s = timeout_s;
+    o.allocator = poisoning_allocator(w_.comm->in_process());
+    b = std::make_unique<Buffer>(w_.comm, o);
+    topk = to_device(mine.topk_idx);
+    x = to_device(mine.x_bf16);
+    w = to_device(mine.topk_weights);
+    StreamArgs s;
+    s.stream = w_.stream;
+    auto layout =
+        b->get_dispatch_layout(view(topk.get(), DType::kI64, {T, c.num_topk}), c.num_experts, s);
+    a.x = view(x.get(), DType::kBF16, {T, c.hidden});
+    a.topk_idx = view(topk.get(), DType::kI64, {T, c.num_topk});
+    a.topk_weights = view(w.get(), DType::kF32, {T, c.num_topk});
+    a.set_layout(layout);
+    a.streams = s;
+    a.config = shared_gpu_config();
+    res = b->dispatch(a);
+    EXPECT_EQ(cudaStreamSynchronize(w_.stream), cudaSuccess);
+  }
+  /// A cached dispatch of `x` (the first dispatch's rows by default).
+  DispatchResult cached(std::optional<TensorView> rows = std::nullopt) {
+    DispatchArgs d;
+    d.x = rows.value_or(a.x);
+    d.handle = res.handle;
+    d.streams = a.streams;
+    d.config = a.config;
+    return b->dispatch(d);
+  }
+  /// A combine of the received rows, with their weights or without.
+  CombineResult combine(bool weights) {
+    CombineArgs ca;
+    ca.x = res.recv_x.view;
+    ca.handle = res.handle;
+    if (weights) ca.topk_weights = res.recv_topk_weights->view;
+    ca.streams = a.streams;
+    ca.config = a.config;
+    return b->combine(ca);
+  }
+};
+
 /// A rank that does not come to an op is named by the others within the
 /// deadline, never a hang: rank 0 alone makes a cached dispatch; its barrier
 /// waits for every other rank and reports one of them.
 EPX_GPU_TEST(Internode, SilentPeerIsNamed) {
   auto& w = world();
-  const int R = w.num_ranks, me = w.rank;
-  const HtCase c{64, 256, 4, 8 * R, false, 0.1, true, 1, false};
-  BufferOptions o;
-  o.num_nvl_bytes = static_cast<int64_t>(Buffer::get_internode_nvl_size_hint(
-      c.num_tokens + 1, c.hidden, R, w.buffer->num_nvl_ranks(), c.num_topk));
-  o.timeout_s = 1.0;
-  o.allocator = poisoning_allocator(w.comm->in_process());
-  Buffer b(w.comm, o);
-  StreamArgs s;
-  s.stream = w.stream;
-  auto in = make_inputs(c, R, 321);
-  const auto& mine = in[me];
-  const int T = mine.num_tokens;
-  auto d_topk = to_device(mine.topk_idx);
-  auto d_x = to_device(mine.x_bf16);
-  auto layout =
-      b.get_dispatch_layout(view(d_topk.get(), DType::kI64, {T, c.num_topk}), c.num_experts, s);
-  DispatchArgs a;
-  a.x = view(d_x.get(), DType::kBF16, {T, c.hidden});
-  a.topk_idx = view(d_topk.get(), DType::kI64, {T, c.num_topk});
-  a.set_layout(layout);
-  a.streams = s;
-  a.config = shared_gpu_config();
-  auto res = b.dispatch(a);
-  ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
-  if (me == 0) {
-    DispatchArgs cached;
-    cached.x = a.x;
-    cached.handle = res.handle;
-    cached.streams = s;
-    cached.config = a.config;
+  const HtCase c{64, 256, 4, 8 * w.num_ranks, false, 0.1, true, 1, false};
+  NetFirstDispatch f(c, 1.0, 321);
+  if (w.rank == 0) {
     try {
-      b.dispatch(cached);
+      f.cached();
       ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
-      b.check();
+      f.b->check();
       ADD_FAILURE() << "expected a timeout";
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
       const std::string m = e.what();
       bool named = false;
-      for (int r = 1; r < R; ++r)
+      for (int r = 1; r < w.num_ranks; ++r)
         named |= m.find("for rank " + std::to_string(r)) != std::string::npos;
       EXPECT_TRUE(named) << m;
       EXPECT_NE(m.find("arrival at the op"), std::string::npos) << m;
     }
   }
   EXPECT_TRUE(all_ranks(!rank_failed()));
-  b.destroy();
+  f.b->destroy();
+}
+
+/// Ranks whose rows differ in shape are refused by name on every rank, and
+/// nothing moves: the barrier compares each op's shape. A cached dispatch
+/// (no count exchange) where the last rank passes half the hidden size, then
+/// (on a fresh buffer: a refused op leaves the first one unusable, as a
+/// timeout does) a combine where the last rank passes no topk_weights.
+EPX_GPU_TEST(Internode, ShapeMismatchIsNamed) {
+  auto& w = world();
+  const int me = w.rank, odd = w.num_ranks - 1;
+  const HtCase c{64, 256, 4, 8 * w.num_ranks, false, 0.1, true, 1, false};
+  for (const bool combine : {false, true}) {
+    NetFirstDispatch f(c, 5.0, 322);
+    auto half = to_device(std::vector<uint16_t>(static_cast<std::size_t>(f.T) * c.hidden / 2, 0));
+    const char* field = combine ? "topk_weights (top-k)" : "x (hidden bytes)";
+    try {
+      if (combine)
+        f.combine(me != odd);
+      else  // rows half as wide on the last rank
+        f.cached(me == odd ? view(half.get(), DType::kBF16, {f.T, c.hidden / 2}) : f.a.x);
+      ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+      f.b->check();
+      ADD_FAILURE() << field << ": expected an error";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      const std::string m = e.what();
+      EXPECT_NE(m.find(field), std::string::npos) << m;
+      EXPECT_NE(m.find("rank " + std::to_string(me == odd ? 0 : odd)), std::string::npos) << m;
+    }
+    EXPECT_TRUE(all_ranks(!rank_failed()));
+    f.b->destroy();
+  }
+}
+
+/// A killed process (one rank per process; EPX_TEST_KILL_RANK=r, run on its
+/// own by the device script, as Network.KilledRankIsNamed): after a dispatch
+/// and a combine across nodes, rank r SIGKILLs itself; every other rank's
+/// cached dispatch and combine must raise within the deadline, naming it.
+/// The survivors print "KILL-TEST rank N: PASS ..." and leave at once.
+EPX_GPU_TEST(Internode, KilledRankIsNamed) {
+  auto& w = world();
+  const char* kill = std::getenv("EPX_TEST_KILL_RANK");
+  if (kill == nullptr || w.comm->in_process())
+    GTEST_SKIP() << "set EPX_TEST_KILL_RANK, one process per rank (it ends the run)";
+  const int victim = std::atoi(kill);
+  const HtCase c{128, 1024, 4, 8 * w.num_ranks, false, 0.1, true, 1, false};
+  NetFirstDispatch f(c, 3.0, 323);
+  f.combine(true);
+  ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+  f.b->check();
+  ASSERT_TRUE(all_ranks(true));
+  if (w.rank == victim) ::raise(SIGKILL);
+  const auto t0 = std::chrono::steady_clock::now();
+  std::string msg = "no error";
+  ErrorCode code = ErrorCode::kInternal;
+  try {
+    f.cached();
+    f.combine(true);
+    cudaStreamSynchronize(w.stream);
+    f.b->check();
+  } catch (const Error& e) {
+    msg = e.what();
+    code = e.code();
+  }
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const bool named = msg.find("rank " + std::to_string(victim)) != std::string::npos;
+  std::printf("KILL-TEST rank %d: %s after %.1f s: %s\n", w.rank,
+              named && code == ErrorCode::kTimeout && secs < 30 ? "PASS" : "FAIL", secs,
+              msg.c_str());
+  std::fflush(stdout);
+  std::_Exit(named ? 0 : 1);
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/diag.hpp"
 #include "common/internode_route.hpp"
 #include "epx/buffer.hpp"
 #include "epx/error.hpp"
@@ -252,6 +253,9 @@ TEST(InternodeRoute, WholeCallRegionsHoldTheRoute) {
   const HtNetRegion d = HtNetRegion::dispatch(route, rec);
   const std::size_t body = HtNetRegion::body(c.R);
   EXPECT_GE(body, HtNetRegion::kSignals + HtNetRegion::signals_bytes(c.R));
+  // The shapes the barrier exchanges: [2][R] from the sources, [2] its own.
+  EXPECT_EQ(HtNetRegion::shapes(c.R), HtNetRegion::kSignals + HtNetRegion::signals_bytes(c.R));
+  EXPECT_GE(body, HtNetRegion::shapes(c.R) + HtNetRegion::kShapeBytes * (2u * c.R + 2u));
   EXPECT_GE(HtNetRegion::kSignals, HtNetRegion::kDone + 4u * HtNetRegion::kDoneWords);
   EXPECT_EQ(d.slot_rows, most_node);
   EXPECT_EQ(d.recv, body);
@@ -313,4 +317,22 @@ TEST(InternodeRoute, SizeHintNamesBadArgumentsAndHoldsTheWorstCase) {
   EXPECT_LT(epx::plan::ht_net_record_bytes(7168, 56, 8, 4),
             epx::plan::ht_net_record_bytes(2 * 7168, 0, 8, 4));
   EXPECT_LT(epx::Buffer::get_internode_nvl_size_hint(1024, 7168, 16, 4, 8), hint);
+}
+
+// The barrier's report of a differing shape names the op, the argument, both
+// ranks and both values (channel = 4 * op + field, kernels::HtNetShape).
+TEST(InternodeShape, MismatchMessageNamesArgumentAndRanks) {
+  auto has = [](const std::string& m, std::initializer_list<const char*> parts) {
+    for (const char* p : parts) EXPECT_NE(m.find(p), std::string::npos) << p << " in: " << m;
+  };
+  has(epx::internode_shape_message(4 * 1 + 1, 0, 3, 14336, 7168),
+      {"dispatch", "x (hidden bytes)", "rank 3 passed 7168", "rank 0 14336"});
+  has(epx::internode_shape_message(4 * 1 + 2, 2, 1, 56, 0),
+      {"dispatch", "x_scales", "rank 1 passed 0", "rank 2 56"});
+  has(epx::internode_shape_message(4 * 1 + 3, 1, 0, 0, 8), {"dispatch", "topk_idx"});
+  has(epx::internode_shape_message(4 * 2 + 1, 0, 1, 7168, 4096), {"combine", "x (hidden)"});
+  has(epx::internode_shape_message(4 * 2 + 2, 0, 1, 8, 0),
+      {"combine", "topk_weights (top-k)", "rank 1 passed 0", "rank 0 8"});
+  has(epx::internode_shape_message(4 * 1 + 0, 0, 5, 1, 2),
+      {"rank 0 called dispatch", "rank 5 called combine", "same op"});
 }
