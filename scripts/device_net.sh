@@ -10,7 +10,8 @@
 #            where there are that many GPUs)
 #   kill     4 processes as 2x2, rank 3 SIGKILLs itself (on 2 GPUs: 2 as 2x1,
 #            rank 1): the others must raise naming it (Network.KilledRankIsNamed
-#            prints KILL-TEST lines)
+#            for the low-latency ops, Internode.KilledRankIsNamed for dispatch
+#            and combine across nodes; EPX_KILL_TESTS; they print KILL-TEST lines)
 #   soak     Network.Soak with EPX_SOAK pairs (default 100000) over 2x2
 #            (processes where there are 4 GPUs, else in-process;
 #            EPX_SOAK_LINEUP=1: the ranks meet before each pair)
@@ -25,7 +26,8 @@
 #   nvshmem  (not in the default steps) the NVSHMEM backend (.device/
 #            libepx_nvshmem.so; NVSHMEM_REMOTE_TRANSPORT=none): the Smoke and
 #            LowLatency suites as 2 processes of 1 node each and 4 as 2x2
-#            (EPX_NVSHMEM_PROCS, EPX_NVSHMEM_FILTER), and epx-bench ll
+#            (EPX_NVSHMEM_PROCS, EPX_NVSHMEM_FILTER), a killed rank (as the
+#            kill step; EPX_NVSHMEM_KILL=0 skips it), and epx-bench ll
 #            --backend nvshmem on 4 as 2x2
 #   b2b      (not in the default steps) epx-bench ll over the proxy four ways,
 #            for its back-to-back pair time: 4 processes; the same with a host
@@ -93,15 +95,19 @@ kill_test() {
   local label=$1 log=$2 kn=4 krpn=2
   shift 2
   [ "$GPUS" -ge 4 ] || { kn=2; krpn=1; }
-  local victim=$((kn - 1))
-  echo "== a killed process$label ($kn processes, nodes of $krpn, rank $victim SIGKILLs itself)"
-  timeout ${EPX_KILL_TIMEOUT:-120} env "$@" EPX_RANKS_PER_NODE=$krpn EPX_TEST_KILL_RANK=$victim \
-    "$D/launch.sh" $kn "$D/epx_gpu_tests" --gtest_filter=Network.KilledRankIsNamed > "$log" 2>&1
-  echo "rc=$?"
-  grep "KILL-TEST" "$log"
-  local pass
-  pass=$(grep -c "KILL-TEST rank [0-9]*: PASS" "$log")
-  summary+=("killed rank$label: $pass of $victim survivors raised naming it$([ "$pass" = $victim ] && echo ' (PASS)' || echo ' (FAIL)')")
+  local victim=$((kn - 1)) test
+  # The low-latency ops, then dispatch and combine across nodes (EPX_KILL_TESTS)
+  for test in ${EPX_KILL_TESTS:-Network.KilledRankIsNamed Internode.KilledRankIsNamed}; do
+    local tlog="${log%.log}-${test%%.*}.log"
+    echo "== a killed process$label, $test ($kn processes, nodes of $krpn, rank $victim SIGKILLs itself)"
+    timeout ${EPX_KILL_TIMEOUT:-120} env "$@" EPX_RANKS_PER_NODE=$krpn EPX_TEST_KILL_RANK=$victim \
+      "$D/launch.sh" $kn "$D/epx_gpu_tests" --gtest_filter="$test" > "$tlog" 2>&1
+    echo "rc=$?"
+    grep "KILL-TEST" "$tlog"
+    local pass
+    pass=$(grep -c "KILL-TEST rank [0-9]*: PASS" "$tlog")
+    summary+=("killed rank$label, $test: $pass of $victim survivors raised naming it$([ "$pass" = $victim ] && echo ' (PASS)' || echo ' (FAIL)')")
+  done
 }
 if has kill && [ "$GPUS" -ge 2 ]; then
   kill_test "" "$OUT/net-kill.log"
@@ -229,6 +235,10 @@ if has nvshmem && [ "$GPUS" -ge 2 ]; then
       ${EPX_TEST_TIMEOUT:-420} "${nvs[@]}" EPX_RANKS_PER_NODE=$rpn \
       "$D/launch.sh" "$r" "$D/epx_gpu_tests" --gtest_filter="${EPX_NVSHMEM_FILTER:-Smoke.*:LowLatency.*}"
   done
+  # A killed process over NVSHMEM (EPX_NVSHMEM_KILL=0 skips it)
+  [ "${EPX_NVSHMEM_KILL:-1}" = 1 ] && \
+    kill_test " over nvshmem" "$OUT/nvshmem-kill.log" "${nvs[@]:1}" NVSHMEM_DEBUG=WARN \
+      EPX_NVSHMEM_TRACE=0 EPX_TIMEOUT_S=3
   if [ "$GPUS" -ge 4 ]; then
     echo "== epx-bench ll --backend nvshmem --ranks-per-node 2"
     timeout ${EPX_BENCH_TIMEOUT:-300} "${nvs[@]}" "$D/launch.sh" 4 "$D/epx-bench" ll \
