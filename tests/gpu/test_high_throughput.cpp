@@ -902,9 +902,11 @@ struct NetFirstDispatch {
     const auto in = make_inputs(c, R, seed);
     const auto& mine = in[w_.rank];
     T = mine.num_tokens;
+    int most = 0;  // every rank sizes its buffer alike
+    for (const auto& r : in) most = std::max(most, r.num_tokens);
     BufferOptions o;
     o.num_nvl_bytes = static_cast<int64_t>(Buffer::get_internode_nvl_size_hint(
-        T + 1, c.hidden, R, w_.buffer->num_nvl_ranks(), c.num_topk));
+        most, c.hidden, R, w_.buffer->num_nvl_ranks(), c.num_topk));
     o.timeout_s = timeout_s;
     o.allocator = poisoning_allocator(w_.comm->in_process());
     b = std::make_unique<Buffer>(w_.comm, o);

@@ -358,6 +358,8 @@ def _case_high_throughput_across_nodes(rank, world, group):
     np.testing.assert_array_equal(
         ends, np.cumsum([int((mine["recv_src_rank"] == i).sum()) for i in range(world)]))
     again = buf.dispatch(x, handle=handle)[0]
+    torch.cuda.synchronize()
+    buf.check()  # a failed op raises its own error here, before the rows are compared
     np.testing.assert_array_equal(_bits(again), mine["recv_x"])
 
     _check_combine_with_biases(buf.internode_combine, rank, group, dev, rng, T, H, E, all_idx,
