@@ -14,9 +14,9 @@ import pytest
 pytestmark = pytest.mark.gpu
 
 # NVLink multicast stays off (see docs); bounded waits so a failing rank cannot hang the test.
-# CUDA modules load eagerly: with lazy loading, a torch kernel loaded for the first time
-# between two ops across nodes stalled a cached dispatch over the proxy until the deadline
-# (2 processes, 2x H100; docs/limitations.md).
+# CUDA modules load eagerly: with lazy loading (EPX warns of it) a cached dispatch across
+# nodes over the proxy once ran into the deadline with 2 processes on 2x H100, likely a
+# torch kernel loaded for the first time while EPX kernels waited (docs/limitations.md).
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                ("NVSHMEM_DISABLE_NVLS", "1"), ("EPX_TIMEOUT_S", "60"),
                ("CUDA_MODULE_LOADING", "EAGER")):
