@@ -99,6 +99,10 @@ struct DispatchHandle {
   /// mask of this node's ranks its token reached (DeepEP's recv_src_meta)
   Tensor net_recv_meta;
   Tensor net_table;  ///< i32: the kernels' route table (kernels::HtNetTable)
+  /// num_worst_tokens across nodes (0: the host count exchange sized the
+  /// areas and net_tokens_* hold its numbers): the areas are fixed by the
+  /// buffer, with slots of net_slot_rows rows (plan::HtNetRegion::fixed_*).
+  int net_worst = 0, net_slot_rows = 0;
 };
 
 struct DispatchArgs {

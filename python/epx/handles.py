@@ -492,11 +492,11 @@ class InternodeDispatchHandle(_LazyHandle):
                              f"(ranks_per_node {L})")
         N, local = core.num_ranks // L, rank % L
 
-        def fwd_rows() -> Any:  # records of each node's source (s, l), from the exchange
-            to_node = core.net_tokens_to_node
-            return [to_node[(s * L + local) * N + rank // L] for s in range(N)]
-
         def elements(self: "InternodeDispatchHandle") -> Dict[int, Callable[[], Any]]:
+            def fwd_rows() -> Any:  # records of each node's source (s, l): the route
+                # table's first N ints (made on the GPU with num_worst_tokens)
+                return [int(v) for v in self._tensor("net_table")[:N].tolist()]
+
             def source_tokens() -> Any:  # the token counts of those sources
                 return self._tensor("source_num_tokens")[local::L]
 

@@ -864,6 +864,8 @@ NB_MODULE(_core, m) {
       .def_prop_ro("net_fwd_mask", [](const DH& h) { return to_py(h.net_fwd_mask); })
       .def_prop_ro("net_fwd_token", [](const DH& h) { return to_py(h.net_fwd_token); })
       .def_prop_ro("net_recv_meta", [](const DH& h) { return to_py(h.net_recv_meta); })
+      .def_prop_ro("net_table", [](const DH& h) { return to_py(h.net_table); })
+      .def_ro("net_worst", &DH::net_worst)
       .def_prop_ro("tensors", [](const DH& h) {
         nb::list l;
         for (const Tensor* t :

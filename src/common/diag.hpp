@@ -50,9 +50,12 @@ struct DeviceDiag {
 const char* op_name(OpId op);
 
 /// The message of a kBadConfig from the internode barrier (OpId::kBarrier): a
-/// peer's op or row shape differs from this rank's. `channel`: 4 * this
-/// rank's op (1 dispatch, 2 combine) + the field that differs
-/// (kernels::HtNetShape: 0 the op, then the op's row fields).
+/// peer's op or row shape differs from this rank's, or a rank's rows do not
+/// fit or its layout disagrees. `channel`: kInternodeShapeFields * this
+/// rank's op (1 dispatch, 2 combine) + the field (kernels::HtNetShape: 0 the
+/// op, 1-3 the op's row fields, 4 num_worst_tokens, 5 whether the rows fit,
+/// 6 the caller's layout).
+inline constexpr int kInternodeShapeFields = 8;
 std::string internode_shape_message(int channel, int rank, int peer, int mine, int theirs);
 
 /// DeviceDiag::channel of a wait for a signal (a network peer's puts): this

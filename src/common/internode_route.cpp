@@ -104,25 +104,78 @@ HtNetRegion HtNetRegion::slots_of(const InternodeRoute& route, std::size_t row_b
   return r;
 }
 
-HtNetRegion HtNetRegion::dispatch(const InternodeRoute& route, std::size_t record_bytes) {
-  HtNetRegion r = slots_of(route, record_bytes);
+void HtNetRegion::place_dispatch(HtNetRegion& r, int num_ranks) {
   const std::size_t slots = r.slot_bytes() * static_cast<std::size_t>(r.num_nodes);
-  r.recv = body(route.topology().num_ranks);
+  r.recv = body(num_ranks);
   r.send = align_up(r.recv + slots, kAlign);
   r.stage = align_up(r.send + slots, kAlign);
-  r.total =
-      align_up(r.stage + record_bytes * static_cast<std::size_t>(route.max_recv_rows()), kAlign);
+  r.total = align_up(r.stage + r.row_bytes * static_cast<std::size_t>(r.stage_rows), kAlign);
+  if (r.count_ints > 0) {
+    // [R] rows from the sources, then this rank's own (what its puts send)
+    r.count_rows = r.total;
+    r.total = align_up(r.count_rows + 4u * r.count_ints * (num_ranks + 1u), kAlign);
+  }
+}
+
+void HtNetRegion::place_combine(HtNetRegion& r, int num_ranks) {
+  const std::size_t slots = r.slot_bytes() * static_cast<std::size_t>(r.num_nodes);
+  r.stage = body(num_ranks);
+  r.send = align_up(r.stage + slots * static_cast<std::size_t>(r.ranks_per_node), kAlign);
+  r.recv = align_up(r.send + slots, kAlign);
+  r.total = align_up(r.recv + slots, kAlign);
+}
+
+HtNetRegion HtNetRegion::dispatch(const InternodeRoute& route, std::size_t record_bytes) {
+  HtNetRegion r = slots_of(route, record_bytes);
+  r.stage_rows = route.max_recv_rows();
+  place_dispatch(r, route.topology().num_ranks);
   return r;
 }
 
 HtNetRegion HtNetRegion::combine(const InternodeRoute& route, std::size_t row_bytes) {
   HtNetRegion r = slots_of(route, row_bytes);
-  const std::size_t slots = r.slot_bytes() * static_cast<std::size_t>(r.num_nodes);
-  r.stage = body(route.topology().num_ranks);
-  r.send = align_up(r.stage + slots * static_cast<std::size_t>(r.ranks_per_node), kAlign);
-  r.recv = align_up(r.send + slots, kAlign);
-  r.total = align_up(r.recv + slots, kAlign);
+  place_combine(r, route.topology().num_ranks);
   return r;
+}
+
+HtNetRegion HtNetRegion::fixed_combine(const Topology& topology, int slot_rows,
+                                       std::size_t row_bytes) {
+  HtNetRegion r;
+  r.row_bytes = row_bytes;
+  r.slot_rows = slot_rows;
+  r.num_nodes = topology.num_nodes();
+  r.ranks_per_node = topology.ranks_per_node;
+  place_combine(r, topology.num_ranks);
+  return r;
+}
+
+HtNetRegion HtNetRegion::fixed_dispatch(const Topology& topology, int worst,
+                                        std::size_t record_bytes, int slot_rows) {
+  HtNetRegion r;
+  r.row_bytes = record_bytes;
+  r.num_nodes = topology.num_nodes();
+  r.ranks_per_node = topology.ranks_per_node;
+  r.stage_rows = worst;
+  r.count_ints = count_row_ints(topology.num_ranks, r.num_nodes);
+  r.slot_rows = slot_rows;
+  place_dispatch(r, topology.num_ranks);
+  return r;
+}
+
+int HtNetRegion::fixed_slot_rows(const Topology& topology, int worst, std::size_t record_bytes,
+                                 std::size_t combine_row_bytes, std::size_t capacity) {
+  // The areas with no slot rows, then the rows that fit beside them (each
+  // area is aligned: leave kAlign per area for that).
+  const std::size_t N = static_cast<std::size_t>(topology.num_nodes());
+  const std::size_t L = static_cast<std::size_t>(topology.ranks_per_node);
+  const std::size_t fixed = fixed_dispatch(topology, worst, record_bytes, 0).total + 4 * kAlign;
+  const std::size_t combine_fixed = body(topology.num_ranks) + 4 * kAlign;
+  if (capacity <= fixed || capacity <= combine_fixed) return 0;
+  const std::size_t d = (capacity - fixed) / (2 * N * record_bytes);
+  const std::size_t k = (capacity - combine_fixed) / ((L + 2) * N * combine_row_bytes);
+  constexpr std::size_t kMaxRows = 1u << 24;  // keeps every offset well inside int
+  const std::size_t rows = d < k ? d : k;
+  return static_cast<int>(rows < kMaxRows ? rows : kMaxRows);
 }
 
 std::size_t HtNetRegion::worst_case(const Topology& topology, int tokens, std::size_t record_bytes,

@@ -73,7 +73,8 @@ class InternodeRoute {
 /// Signals of the internode high-throughput ops, one id per (kind, source
 /// rank): a source's barrier arrival, its network rows (dispatch), a
 /// forwarder's staged rows (dispatch), a receiver's returned rows (combine),
-/// a forwarder's node sums (combine). Their ids come after the low-latency
+/// a forwarder's node sums (combine), its count row (the exchange of a
+/// num_worst_tokens dispatch). Their ids come after the low-latency
 /// ops' (LlRegion::kNetSignalKinds per rank): a backend whose signals are one
 /// pool per communicator, not words of each region (NCCL GIN), keeps the two
 /// families apart, and resets the low-latency ones alone when that region is
@@ -84,6 +85,7 @@ enum class HtNetSignal : int {
   kDispatchNvl,
   kCombineReturn,
   kCombineNet,
+  kCounts,  ///< a source's count row (num_worst_tokens dispatch: the exchange on the GPU)
   kKinds
 };
 inline constexpr int kHtNetFirstSignalKind = LlRegion::kNetSignalKinds;
@@ -110,7 +112,7 @@ constexpr std::size_t ht_net_record_bytes(std::size_t hidden_bytes, int num_scal
 /// count exchange (docs/internode_ht.md, "A first version"). Every rank
 /// computes the same offsets from the same exchanged counts.
 ///
-///   [op counts u64[4], local: ops, dispatches, combines]
+///   [op counts u64[4], local: ops, dispatches, combines, count exchanges]
 ///   [finished-block counters u32[16], local]
 ///   [signals u64 [kSignalKindsAll * R][kMaxContexts]] (ht_net_signal's ids)
 ///   [shapes: 16 B [2][R] from each source, by op parity; 16 B [2] this
@@ -133,7 +135,7 @@ struct HtNetRegion {
     return 8u * kSignalKindsAll * num_ranks * kMaxContexts;
   }
   /// Each op's row shape (HtNetShape), exchanged by the barrier.
-  static constexpr std::size_t kShapeBytes = 16;
+  static constexpr std::size_t kShapeBytes = 32;
   static constexpr std::size_t shapes(int num_ranks) { return kSignals + signals_bytes(num_ranks); }
   static constexpr std::size_t body(int num_ranks) {
     return align_up(shapes(num_ranks) + kShapeBytes * (2u * num_ranks + 2u), kAlign);
@@ -143,6 +145,9 @@ struct HtNetRegion {
   int slot_rows = 0;          ///< rows per slot (InternodeRoute::max_node_rows)
   int num_nodes = 1, ranks_per_node = 1;
   std::size_t recv = 0, send = 0, stage = 0, total = 0;
+  int stage_rows = 0;          ///< dispatch: the rows a rank's stage holds
+  std::size_t count_rows = 0;  ///< num_worst_tokens dispatch: the count exchange's rows
+  int count_ints = 0;          ///< ints per count row (count_row_ints)
 
   std::size_t slot_bytes() const { return row_bytes * static_cast<std::size_t>(slot_rows); }
   /// A dispatch's areas: stage holds the most rows any rank receives.
@@ -154,10 +159,35 @@ struct HtNetRegion {
   static std::size_t worst_case(const Topology& topology, int tokens, std::size_t record_bytes,
                                 std::size_t combine_row_bytes);
 
+  /// With num_worst_tokens (no host count exchange) the areas cannot follow
+  /// the counts: they are fixed by the buffer. A stage of `worst` rows, the
+  /// count exchange's rows, and slots of the most rows that let both this
+  /// dispatch and a combine of `combine_row_bytes` rows fit `capacity` bytes
+  /// (0 when not even one row does). Every rank computes the same from the
+  /// same buffer and shapes; a rank with more tokens for one node than a
+  /// slot holds is refused by the barrier.
+  static int fixed_slot_rows(const Topology& topology, int worst, std::size_t record_bytes,
+                             std::size_t combine_row_bytes, std::size_t capacity);
+  /// Such a dispatch's areas with `slot_rows` (a cached dispatch keeps its
+  /// handle's).
+  static HtNetRegion fixed_dispatch(const Topology& topology, int worst, std::size_t record_bytes,
+                                    int slot_rows);
+  /// The combine of such a dispatch: the same slots, of combine rows.
+  static HtNetRegion fixed_combine(const Topology& topology, int slot_rows, std::size_t row_bytes);
+  /// Ints of one count row: the token count, whether the caller's
+  /// num_tokens_per_rank disagrees with its routing, then per rank, then per
+  /// node.
+  static constexpr int count_row_ints(int num_ranks, int num_nodes) {
+    return 2 + num_ranks + num_nodes;
+  }
+
  private:
   /// The shape both ops share: rows of `row_bytes`, slots of the route's
   /// most rows for one node; no area placed yet.
   static HtNetRegion slots_of(const InternodeRoute& route, std::size_t row_bytes);
+  /// The areas of a dispatch / combine with the shape already set.
+  static void place_dispatch(HtNetRegion& r, int num_ranks);
+  static void place_combine(HtNetRegion& r, int num_ranks);
 };
 
 }  // namespace epx::plan

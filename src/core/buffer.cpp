@@ -313,15 +313,15 @@ void Buffer::Impl::raise_if_failed(const char* op) {
     // The signal kinds of the low-latency ops, and of the high-throughput
     // ones across nodes (plan::HtNetSignal).
     static const char* ll_kinds[] = {"dispatch", "combine weights", "combine rows"};
-    static const char* ht_kinds[] = {"arrival at the op", "dispatch rows",
+    static const char* ht_kinds[] = {"arrival at the op",     "dispatch rows",
                                      "forwarded dispatch rows", "returned combine rows",
-                                     "combined node rows"};
+                                     "combined node rows",      "count row"};
     const bool ll = what == OpId::kLowLatencyDispatchSend ||
                     what == OpId::kLowLatencyDispatchRecv || what == OpId::kLowLatencyCombineSend ||
                     what == OpId::kLowLatencyCombineRecv;
     const int kind = sig / R, ht_kind = kind - plan::kHtNetFirstSignalKind;
     const char* name = ll ? (kind < 3 ? ll_kinds[kind] : "signal")
-                          : (ht_kind >= 0 && ht_kind < 5 ? ht_kinds[ht_kind] : "signal");
+                          : (ht_kind >= 0 && ht_kind < 6 ? ht_kinds[ht_kind] : "signal");
     // The low-latency ops signal only peers of other nodes; the
     // high-throughput ones across nodes signal every rank.
     os << op_name(what) << ": rank " << g->rank << " waited more than " << timeout_s

@@ -30,12 +30,24 @@ kernels::HtNetOffsets offsets_of(const plan::HtNetRegion& r) {
   o.slot_rows = r.slot_rows;
   o.num_nodes = r.num_nodes;
   o.ranks_per_node = r.ranks_per_node;
+  o.stage_rows = r.stage_rows;
+  o.count_rows = r.count_rows;
+  o.count_ints = r.count_ints;
   return o;
 }
 
 /// Every rank computes the same region from the same counts, so all of them
 /// raise here together when it does not fit.
-void check_fits(const char* op, const plan::HtNetRegion& r, const transport::SymmetricRegion& ht) {
+void check_fits(const char* op, const plan::HtNetRegion& r, const transport::SymmetricRegion& ht,
+                int worst) {
+  if (worst > 0 && (r.slot_rows < 1 || r.total > ht.bytes))
+    throw Error(ErrorCode::kBufferTooSmall,
+                std::string(op) + ": num_nvl_bytes: with num_worst_tokens (" +
+                    std::to_string(worst) +
+                    ") the areas are fixed by the buffer: a stage of that many rows of " +
+                    std::to_string(r.row_bytes) +
+                    " B and at least one row per node's slot, but the buffer has " +
+                    std::to_string(ht.bytes) + " bytes; raise num_nvl_bytes");
   if (r.total <= ht.bytes) return;
   throw Error(ErrorCode::kBufferTooSmall,
               std::string(op) + ": num_nvl_bytes: the call needs " + std::to_string(r.total) +
@@ -87,10 +99,6 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   const char* op = "dispatch";
   const int R = comm->num_ranks(), me = comm->rank();
   const int L = topology.ranks_per_node, N = topology.num_nodes();
-  if (a.num_worst_tokens > 0)
-    throw Error(ErrorCode::kUnsupported,
-                "dispatch: num_worst_tokens: across nodes the dispatch needs the host count "
-                "exchange for now (pass num_worst_tokens=0)");
   if (a.handle && a.handle->ranks_per_node != L)
     throw Error(ErrorCode::kInvalidArgument,
                 "dispatch: handle: was made by a dispatch within one node or with another "
@@ -107,6 +115,10 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   const int S = scaled ? static_cast<int>(a.x_scales->shape[1]) : 0;
   const int K = (a.handle || !a.topk_idx) ? 0 : static_cast<int>(a.topk_idx->shape[1]);
   const int E = a.handle ? R : static_cast<int>(a.num_tokens_per_expert->shape[0]);
+  // num_worst_tokens: no host wait; the areas are fixed by the buffer and
+  // the counts are exchanged on the GPU (a cached dispatch follows its handle).
+  const int worst = a.handle ? a.handle->net_worst : std::max(0, a.num_worst_tokens);
+  const std::size_t record = plan::ht_net_record_bytes(hidden_bytes, S, K, L);
 
   // As the low-latency ops: without async_finish the kernels run on the
   // caller's stream itself. With in-process ranks sharing a GPU this keeps
@@ -116,6 +128,7 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   // deadline (4x4 in-process ranks: 48 busy streams on 32 queues did).
   const cudaStream_t x = ll_enter(a.streams);
   auto handle = std::make_shared<DispatchHandle>();
+  Tensor route_counts;  // [R + N]: this rank's rows per rank and per node (a new route)
   if (a.handle) {
     *handle = *a.handle;
   } else {
@@ -155,6 +168,15 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
     ra.rank_counts = counts.ptr<int>();
     ra.node_counts = counts.ptr<int>() + R;
     kernels::launch_ht_net_route(ra, x);
+    route_counts = counts;
+  }
+  if (!a.handle && worst > 0) {
+    handle->num_recv_tokens = worst;
+    handle->net_worst = worst;
+    handle->net_slot_rows = plan::HtNetRegion::fixed_slot_rows(
+        topology, worst, record, plan::ht_combine_row_bytes(H, K), ht.bytes);
+  } else if (!a.handle) {
+    const Tensor& counts = route_counts;
     // The counts to the host: the route's, the caller's per expert and per rank.
     int* host = counts_host;
     EPX_CUDA_CHECK(
@@ -230,21 +252,28 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
     upload(handle->source_num_tokens, source_tokens, x);
   }
 
-  const plan::InternodeRoute route = route_of(*handle, topology);
+  std::optional<plan::InternodeRoute> route;
+  if (worst == 0) route.emplace(route_of(*handle, topology));
   const plan::HtNetRegion region =
-      plan::HtNetRegion::dispatch(route, plan::ht_net_record_bytes(hidden_bytes, S, K, L));
-  check_fits(op, region, ht);
-  const int Nr = route.recv_rows(me);
+      worst > 0 ? plan::HtNetRegion::fixed_dispatch(topology, worst, record, handle->net_slot_rows)
+                : plan::HtNetRegion::dispatch(*route, record);
+  check_fits(op, region, ht, worst);
+  const int Nr = worst > 0 ? worst : route->recv_rows(me);
   if (!a.handle) {
     handle->num_recv_tokens = Nr;
     const kernels::HtNetTable tab = kernels::HtNetTable::make(N, L);
-    std::vector<int> table(tab.ints, 0);
-    for (int m = 0; m < N; ++m) {
-      const int src = m * L + topology.local_of(me);
-      table[tab.fwd_rows + m] = route.forwarded_rows(me, src);
-      table[tab.node_rows + m] = route.tokens_to_node(me, m);
-      for (int d2 = 0; d2 < L; ++d2)
-        table[tab.stage_base + d2 * N + m] = route.recv_offset(topology.node_of(me) * L + d2, src);
+    std::vector<int> table;  // with num_worst_tokens the exchange kernel makes it
+    if (worst == 0) {
+      table.assign(tab.ints, 0);
+      for (int m = 0; m < N; ++m) {
+        const int src = m * L + topology.local_of(me);
+        table[tab.fwd_rows + m] = route->forwarded_rows(me, src);
+        table[tab.node_rows + m] = route->tokens_to_node(me, m);
+        for (int d2 = 0; d2 < L; ++d2)
+          table[tab.stage_base + d2 * N + m] =
+              route->recv_offset(topology.node_of(me) * L + d2, src);
+      }
+      table[tab.recv_rows] = Nr;
     }
     auto parts = make_parts({{DType::kI32, {tab.ints}},
                              {DType::kI32, {N, std::max(region.slot_rows, 1)}},
@@ -266,6 +295,10 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   if (K > 0 && a.topk_weights) res.recv_topk_weights = make(DType::kF32, {Nr, K}, a.streams);
   Tensor recv_src_idx = make(DType::kI32, {Nr}, a.streams);
   after_allocs(*this, a.streams, x);
+  // Rows past what arrives (num_worst_tokens) name no expert, as within a node.
+  if (worst > 0 && res.recv_topk_idx && Nr > 0)
+    EPX_CUDA_CHECK(
+        cudaMemsetAsync(res.recv_topk_idx->view.data, 0xff, res.recv_topk_idx->view.nbytes(), x));
 
   kernels::HtNetDispatchArgs p{};
   p.off = offsets_of(region);
@@ -296,6 +329,14 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   p.recv_src_idx = recv_src_idx.ptr<int>();
   p.recv_meta = handle->net_recv_meta.ptr<int>();
   p.num_blocks = blocks;
+  p.num_worst = worst;
+  if (!a.handle && worst > 0) {
+    p.route_counts = route_counts.ptr<int>();
+    p.caller_rank_counts = a.num_tokens_per_rank->ptr<int>();
+    p.table_out = handle->net_table.ptr<int>();
+    p.rank_prefix_matrix = handle->rank_prefix_matrix.ptr<int>();
+    p.source_num_tokens = handle->source_num_tokens.ptr<int>();
+  }
   const std::size_t signals = plan::HtNetRegion::kSignals;
   kernels::launch_ht_net_dispatch(transport(ht, signals), p, x);
   if (!a.handle) handle->recv_src_idx = recv_src_idx;
@@ -319,10 +360,11 @@ CombineResult Buffer::Impl::net_combine(const CombineArgs& a) {
   const int blocks = net_blocks(op, a.config, cfg, num_sms_device);
   const int T = h.num_tokens, H = static_cast<int>(a.x.shape[1]);
   const int K = a.topk_weights ? static_cast<int>(a.topk_weights->shape[1]) : 0;
-  const plan::InternodeRoute route = route_of(h, topology);
+  const std::size_t row = plan::ht_combine_row_bytes(H, K);
   const plan::HtNetRegion region =
-      plan::HtNetRegion::combine(route, plan::ht_combine_row_bytes(H, K));
-  check_fits(op, region, ht);
+      h.net_worst > 0 ? plan::HtNetRegion::fixed_combine(topology, h.net_slot_rows, row)
+                      : plan::HtNetRegion::combine(route_of(h, topology), row);
+  check_fits(op, region, ht, h.net_worst);
 
   const cudaStream_t x = ll_enter(a.streams);  // as dispatch
   CombineResult res;
@@ -348,6 +390,7 @@ CombineResult Buffer::Impl::net_combine(const CombineArgs& a) {
   p.combined_topk_weights =
       res.combined_topk_weights ? res.combined_topk_weights->ptr<float>() : nullptr;
   p.num_blocks = blocks;
+  p.num_worst = h.net_worst;
   kernels::launch_ht_net_combine(transport(ht, plan::HtNetRegion::kSignals), p, x);
   res.event = ll_leave(a.streams, x);
   return res;

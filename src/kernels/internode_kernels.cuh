@@ -119,6 +119,9 @@ struct BarrierParams {
   HtNetOffsets off;
   HtNetOp op;
   HtNetShape shape;
+  /// [N]: this rank's rows per node, checked against off.slot_rows (the
+  /// shape's `fits`); nullptr: they fit (the host sized the slots).
+  const int* node_counts;
   T t;
 };
 
@@ -131,17 +134,20 @@ __device__ __forceinline__ std::size_t shape_at(const HtNetOffsets& o, int num_r
   return o.shapes + plan::HtNetRegion::kShapeBytes * i;
 }
 
-/// A shape's four words, stored and loaded past L1 (peers write them).
+/// A shape's words, stored and loaded past L1 (peers write them).
+static_assert(sizeof(HtNetShape) == 4 * kHtNetShapeFields &&
+              sizeof(HtNetShape) <= plan::HtNetRegion::kShapeBytes);
 __device__ __forceinline__ void store_shape(void* at, const HtNetShape& v) {
   auto* w = static_cast<volatile int*>(at);
-  w[0] = v.op;
-  w[1] = v.a;
-  w[2] = v.b;
-  w[3] = v.c;
+  const int* f = reinterpret_cast<const int*>(&v);
+  for (int i = 0; i < kHtNetShapeFields; ++i) w[i] = f[i];
 }
 __device__ __forceinline__ HtNetShape load_shape(const void* at) {
   const auto* w = static_cast<const volatile int*>(at);
-  return HtNetShape{w[0], w[1], w[2], w[3]};
+  HtNetShape v;
+  int* f = reinterpret_cast<int*>(&v);
+  for (int i = 0; i < kHtNetShapeFields; ++i) f[i] = w[i];
+  return v;
 }
 
 /// Reports peer r's differing shape (cold, out of line).
@@ -181,12 +187,16 @@ __global__ void __launch_bounds__(kThreads) barrier_kernel(BarrierParams<T> p) {
   const auto& t = p.t;
   __shared__ uint64_t ops;
   __shared__ int ok;
-  const HtNetShape& shape = p.shape;
+  __shared__ HtNetShape shape;
   if (threadIdx.x == 0) {
     uint64_t* c = op_counts(t, p.off);
     ops = ++c[0];
     ++c[static_cast<int>(p.op)];
     ok = 1;
+    shape = p.shape;
+    shape.fits = 1;
+    if (p.node_counts)
+      for (int m = 0; m < p.off.num_nodes; ++m) shape.fits &= p.node_counts[m] <= p.off.slot_rows;
   }
   __syncthreads();
   const int parity = static_cast<int>(ops & 1u);
@@ -204,6 +214,12 @@ __global__ void __launch_bounds__(kThreads) barrier_kernel(BarrierParams<T> p) {
   if (threadIdx.x == 0) {
     store_shape(t.local_ptr(shape_at(p.off, t.num_ranks, parity, t.num_ranks)), shape);
     __threadfence_system();  // before any put of it
+    // Its own rows not fitting a slot: refused on every rank (the others see
+    // `fits` differ, or do not fit either and report it themselves).
+    if (!shape.fits) {
+      report_bad_shape(t.diag, t.rank, t.rank, kHtNetShapeFields * shape.op + 5, 1, 0);
+      atomicOr(done_word(t, p.off, kFailed), 1u);
+    }
   }
   __syncthreads();
   for (int r = threadIdx.x; r < t.num_ranks; r += blockDim.x)
@@ -215,11 +231,12 @@ __global__ void __launch_bounds__(kThreads) barrier_kernel(BarrierParams<T> p) {
       continue;
     }
     const HtNetShape theirs = load_shape(t.local_ptr(shape_at(p.off, t.num_ranks, parity, r)));
-    const int mine_f[4] = {shape.op, shape.a, shape.b, shape.c};
-    const int their_f[4] = {theirs.op, theirs.a, theirs.b, theirs.c};
-    for (int i = 0; i < 4; ++i)
+    const int* mine_f = reinterpret_cast<const int*>(&shape);
+    const int* their_f = reinterpret_cast<const int*>(&theirs);
+    for (int i = 0; i < kHtNetShapeFields; ++i)
       if (mine_f[i] != their_f[i]) {
-        report_bad_shape(t.diag, t.rank, r, 4 * shape.op + i, mine_f[i], their_f[i]);
+        report_bad_shape(t.diag, t.rank, r, kHtNetShapeFields * shape.op + i, mine_f[i],
+                         their_f[i]);
         atomicOr(failed, 1u);
         break;
       }
@@ -235,8 +252,8 @@ __device__ __forceinline__ bool barrier_failed(const T& t, const HtNetOffsets& o
 
 template <class T>
 inline void launch_barrier(const T& t, const HtNetOffsets& off, HtNetOp op, HtNetShape shape,
-                           cudaStream_t stream) {
-  BarrierParams<T> p{off, op, shape, t};
+                           const int* node_counts, cudaStream_t stream) {
+  BarrierParams<T> p{off, op, shape, node_counts, t};
   barrier_kernel<T><<<1, kThreads, 0, stream>>>(p);
   EPX_CUDA_CHECK(cudaGetLastError());
 }
@@ -273,6 +290,101 @@ __device__ __forceinline__ float ld_float(const void* p) {
 
 __device__ __forceinline__ int* word_at(uint8_t* rec, int off) {
   return reinterpret_cast<int*>(rec + off);
+}
+
+/// A num_worst_tokens dispatch's count exchange, on the GPU (no host wait):
+/// each rank puts its count row (tokens, whether the caller's
+/// num_tokens_per_rank disagrees with its routing, rows per rank, rows per
+/// node) to every rank, then makes from all rows what the host makes
+/// otherwise: the route table, rank_prefix_matrix and source_num_tokens. A
+/// disagreeing layout is refused on every rank (every rank sees the flag), a
+/// rank receiving more rows than num_worst_tokens is reported (the rows past
+/// it are dropped). One block.
+template <class T>
+__global__ void __launch_bounds__(kThreads) exchange_kernel(DispatchParams<T> p) {
+  const auto& t = p.t;
+  const int R = t.num_ranks, N = p.off.num_nodes, L = p.off.ranks_per_node;
+  const int ci = p.off.count_ints, me = t.rank, n = me / L, l = me % L;
+  __shared__ uint64_t seq;
+  __shared__ int ok;
+  if (threadIdx.x == 0) {
+    seq = ++op_counts(t, p.off)[3];  // exchanges so far: the same on every rank
+    ok = !barrier_failed(t, p.off);
+  }
+  __syncthreads();
+  if (!ok) return;  // the send kernel's last block sees the failure
+  auto* rows = reinterpret_cast<int*>(t.local_ptr(p.off.count_rows));  // [R + 1][ci]
+  int* own = rows + static_cast<std::size_t>(R) * ci;
+  __shared__ int bad;
+  if (threadIdx.x == 0) bad = 0;
+  __syncthreads();
+  for (int d = threadIdx.x; d < R; d += blockDim.x)
+    if (p.caller_rank_counts[d] != p.route_counts[d]) bad = 1;
+  __syncthreads();
+  for (int i = threadIdx.x; i < ci; i += blockDim.x)
+    own[i] = i == 0 ? p.num_tokens : (i == 1 ? bad : p.route_counts[i - 2]);
+  __threadfence_system();  // before any put of it
+  __syncthreads();
+  const std::size_t dst = p.off.count_rows + 4u * ci * static_cast<std::size_t>(me);
+  const int s = sig(t, HtNetSignal::kCounts, me);
+  for (int r = threadIdx.x; r < R; r += blockDim.x) {
+    if (r == me) continue;
+    if (void* q = t.lsa_ptr(r, dst)) {
+      for (int i = 0; i < ci; ++i) static_cast<volatile int*>(q)[i] = own[i];
+      __threadfence_system();
+      signal_all_contexts(t, r, s);
+    } else {
+      t.template put_signal<dev::Thread>(0, r, dst, p.off.count_rows + 4u * ci * R, 4u * ci, s, 1);
+      for (int c = 1; c < t.num_contexts; ++c) t.template signal_add<dev::Thread>(c, r, s, 1);
+    }
+  }
+  for (int i = threadIdx.x; i < ci; i += blockDim.x)
+    rows[static_cast<std::size_t>(me) * ci + i] = own[i];
+  for (int r = threadIdx.x; r < R; r += blockDim.x)
+    if (r != me && !t.wait_signal(sig(t, HtNetSignal::kCounts, r), seq, OpId::kDispatch, r)) ok = 0;
+  __syncthreads();
+  auto row = [&](int src, int i) {
+    return static_cast<const volatile int*>(rows)[static_cast<std::size_t>(src) * ci + i];
+  };
+  for (int src = threadIdx.x; ok && src < R; src += blockDim.x)
+    if (row(src, 1) != 0) {
+      report_bad_shape(t.diag, me, src,
+                       kHtNetShapeFields * static_cast<int>(HtNetOp::kDispatch) + 6, 0, 1);
+      ok = 0;
+    }
+  __syncthreads();
+  if (!ok) {
+    if (threadIdx.x == 0) atomicOr(done_word(t, p.off, kFailed), 1u);
+    return;
+  }
+  // rank_prefix_matrix [s][d]: rows sources 0..s send to d; each source's tokens
+  for (int d = threadIdx.x; d < R; d += blockDim.x) {
+    int acc = 0;
+    for (int src = 0; src < R; ++src) {
+      acc += row(src, 2 + d);
+      p.rank_prefix_matrix[static_cast<std::size_t>(src) * R + d] = acc;
+    }
+  }
+  for (int src = threadIdx.x; src < R; src += blockDim.x) p.source_num_tokens[src] = row(src, 0);
+  __syncthreads();
+  const HtNetTable tab = HtNetTable::make(N, L);
+  const int* rpm = p.rank_prefix_matrix;
+  for (int m = threadIdx.x; m < N; m += blockDim.x) {
+    p.table_out[tab.fwd_rows + m] = row(m * L + l, 2 + R + n);  // node m's source to this node
+    p.table_out[tab.node_rows + m] = row(me, 2 + R + m);
+  }
+  for (int i = threadIdx.x; i < L * N; i += blockDim.x) {
+    const int d = i / N, m = i % N, src = m * L + l, dest = n * L + d;
+    p.table_out[tab.stage_base + i] =
+        src > 0 ? rpm[static_cast<std::size_t>(src - 1) * R + dest] : 0;
+  }
+  if (threadIdx.x == 0) {
+    const int got = rpm[static_cast<std::size_t>(R - 1) * R + me];
+    p.table_out[tab.recv_rows] = got;
+    if (got > p.num_worst)
+      dev::report(t.diag, DiagCode::kTooManyTokens, OpId::kDispatch, me, -1, -1,
+                  static_cast<uint32_t>(p.num_worst), static_cast<uint32_t>(got - 1));
+  }
 }
 
 /// Every warp takes tokens in turn and writes each one's record into the
@@ -366,8 +478,12 @@ __global__ void __launch_bounds__(kThreads) dispatch_forward_kernel(DispatchPara
         m * p.off.slot_bytes;
     for (int j = (gw - first % nw + nw) % nw; j < rows; j += nw) {
       const uint8_t* rec = area + static_cast<std::size_t>(j) * p.off.row_bytes;
-      const int mask = ld_int(rec + f.mask);
       const int k = lane < L ? ld_int(rec + f.pos + 4 * lane) : -1;
+      // Lane d: the row at local rank d, if the token goes there and the row
+      // fits its stage (past num_worst_tokens it is dropped: reported by the
+      // exchange, and the combine then counts it as zero).
+      const int at_d = k >= 0 ? p.table[tab.stage_base + lane * N + m] + k : -1;
+      const int mask = static_cast<int>(__ballot_sync(kFull, at_d >= 0 && at_d < p.off.stage_rows));
       if (lane == 0) {
         const int64_t at = static_cast<int64_t>(m) * p.off.slot_rows + j;
         p.fwd_mask[at] = mask;
@@ -375,7 +491,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_forward_kernel(DispatchPara
       }
       for (int d = 0; d < L; ++d) {
         if (!((mask >> d) & 1)) continue;
-        const int row = p.table[tab.stage_base + d * N + m] + __shfl_sync(kFull, k, d);
+        const int row = __shfl_sync(kFull, at_d, d);
         uint8_t* dst = reinterpret_cast<uint8_t*>(
             t.lsa_ptr(n * L + d, p.off.stage + static_cast<std::size_t>(row) * p.off.row_bytes));
         warp_copy<true, 4>(dst, rec, static_cast<int>(p.off.row_bytes), lane);
@@ -410,8 +526,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(DispatchParams<
   if (!ok) return;
   const int epr = p.num_experts / t.num_ranks, lo = t.rank * epr;
   const uint8_t* stage = reinterpret_cast<const uint8_t*>(t.local_ptr(p.off.stage));
-  for (int row = blockIdx.x * kWarps + threadIdx.x / 32; row < p.num_recv_rows;
-       row += gridDim.x * kWarps) {
+  const HtNetTable tab = HtNetTable::make(p.off.num_nodes, L);
+  const int rows = min(p.num_recv_rows, p.table[tab.recv_rows]);  // num_worst_tokens: <= it
+  for (int row = blockIdx.x * kWarps + threadIdx.x / 32; row < rows; row += gridDim.x * kWarps) {
     const uint8_t* rec = stage + static_cast<std::size_t>(row) * p.off.row_bytes;
     warp_copy<true, 4>(p.recv_x + static_cast<int64_t>(row) * p.hidden_bytes, rec, p.hidden_bytes,
                        lane);
@@ -441,8 +558,13 @@ void dispatch_for(const T& t, const HtNetDispatchArgs& a, cudaStream_t stream) {
   static_cast<HtNetDispatchArgs&>(p) = a;
   p.t = t;
   launch_barrier(t, a.off, HtNetOp::kDispatch,
-                 {static_cast<int>(HtNetOp::kDispatch), a.hidden_bytes, a.num_scales, a.num_topk},
-                 stream);
+                 {static_cast<int>(HtNetOp::kDispatch), a.hidden_bytes, a.num_scales, a.num_topk,
+                  a.num_worst, 1, 0, 0},
+                 a.route_counts ? a.route_counts + t.num_ranks : nullptr, stream);
+  if (a.route_counts) {
+    exchange_kernel<T><<<1, kThreads, 0, stream>>>(p);
+    EPX_CUDA_CHECK(cudaGetLastError());
+  }
   dispatch_send_kernel<T><<<a.num_blocks, kThreads, 0, stream>>>(p);
   EPX_CUDA_CHECK(cudaGetLastError());
   dispatch_forward_kernel<T><<<a.num_blocks, kThreads, 0, stream>>>(p);
@@ -466,7 +588,11 @@ __global__ void __launch_bounds__(kThreads) combine_return_kernel(CombineParams<
   const auto& t = p.t;
   const int L = p.off.ranks_per_node, N = p.off.num_nodes, n = t.rank / L, me_l = t.rank % L;
   const int lane = threadIdx.x % 32, H = p.hidden, K = p.num_topk;
-  const int rows = barrier_failed(t, p.off) ? 0 : p.num_recv_rows;  // no store into a peer then
+  // No store into a peer when the op failed; with num_worst_tokens the rows
+  // that arrived (at most the outputs' rows).
+  const int rows = barrier_failed(t, p.off)
+                       ? 0
+                       : min(p.num_recv_rows, p.table[HtNetTable::make(N, L).recv_rows]);
   for (int row = blockIdx.x * kWarps + threadIdx.x / 32; row < rows; row += gridDim.x * kWarps) {
     const int src = p.recv_meta[3 * row], j = p.recv_meta[3 * row + 1];
     const int fwd = n * L + src % L, m = src / L;
@@ -613,8 +739,10 @@ void combine_for(const T& t, const HtNetCombineArgs& a, cudaStream_t stream) {
   CombineParams<T> p{};
   static_cast<HtNetCombineArgs&>(p) = a;
   p.t = t;
-  launch_barrier(t, a.off, HtNetOp::kCombine,
-                 {static_cast<int>(HtNetOp::kCombine), a.hidden, a.num_topk, 0}, stream);
+  launch_barrier(
+      t, a.off, HtNetOp::kCombine,
+      {static_cast<int>(HtNetOp::kCombine), a.hidden, a.num_topk, 0, a.num_worst, 1, 0, 0}, nullptr,
+      stream);
   combine_return_kernel<T><<<a.num_blocks, kThreads, 0, stream>>>(p);
   EPX_CUDA_CHECK(cudaGetLastError());
   combine_node_sum_kernel<T><<<a.num_blocks, kThreads, 0, stream>>>(p);
@@ -643,6 +771,7 @@ void preload_ht_net_kernels_of() {
   using namespace internode;
   cudaFuncAttributes attr{};
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, barrier_kernel<T>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, exchange_kernel<T>));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, dispatch_send_kernel<T>));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, dispatch_forward_kernel<T>));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, dispatch_recv_kernel<T>));

@@ -195,6 +195,9 @@ struct HtNetOffsets {
   std::size_t recv, send, stage;
   std::size_t row_bytes, slot_bytes;
   int slot_rows, num_nodes, ranks_per_node;
+  int stage_rows;          ///< dispatch: rows of a rank's stage (rows past it are dropped)
+  std::size_t count_rows;  ///< num_worst_tokens dispatch: the count exchange's rows
+  int count_ints;          ///< ints per count row
 };
 
 /// The route table a dispatch uploads (int32, kept in the handle), in this order.
@@ -202,13 +205,15 @@ struct HtNetTable {
   int fwd_rows;    ///< [N]: rows this rank forwards for node m's source (its own: m = its node)
   int stage_base;  ///< [L][N]: where those rows start in local rank d's stage (recv_offset)
   int node_rows;   ///< [N]: this rank's rows for each node
+  int recv_rows;   ///< [1]: the rows this rank receives
   int ints;        ///< the table's size
   static constexpr HtNetTable make(int num_nodes, int ranks_per_node) {
     HtNetTable t{};
     t.fwd_rows = 0;
     t.stage_base = num_nodes;
     t.node_rows = t.stage_base + ranks_per_node * num_nodes;
-    t.ints = t.node_rows + num_nodes;
+    t.recv_rows = t.node_rows + num_nodes;
+    t.ints = t.recv_rows + 1;
     return t;
   }
 };
@@ -219,11 +224,15 @@ enum class HtNetOp : int { kDispatch = 1, kCombine = 2 };
 /// What every rank must agree on for an op to place rows alike (the barrier
 /// compares each peer's with its own): the op, then for a dispatch the hidden
 /// bytes, scales per token and top-k, for a combine the hidden size and the
-/// top-k of topk_weights (0 without them). A mismatch is reported as
-/// kBadConfig of OpId::kBarrier, channel = 4 * op + the first field that differs.
+/// top-k of topk_weights (0 without them); then num_worst_tokens (0: the
+/// host count exchange sized the areas), and whether this rank's rows for
+/// every node fit a slot (set by the barrier from the route's counts). A
+/// mismatch is reported as kBadConfig of OpId::kBarrier, channel =
+/// kHtNetShapeFields * op + the first field that differs.
 struct HtNetShape {
-  int op, a, b, c;
+  int op, a, b, c, worst, fits, unused0, unused1;
 };
+inline constexpr int kHtNetShapeFields = kInternodeShapeFields;
 
 /// send_pos and the per-rank / per-node token counts from is_token_in_rank.
 struct HtNetRouteArgs {
@@ -258,6 +267,14 @@ struct HtNetDispatchArgs {
   int* recv_src_idx;
   int* recv_meta;  ///< [N_recv, 3]: source rank, record index, local ranks the token reached
   int num_blocks;  ///< of the send and receive kernels
+  /// num_worst_tokens (0: none): the table and the handle's counts are made
+  /// on the GPU by a count exchange (no host wait), from these:
+  int num_worst;
+  const int* route_counts;        ///< [R + N]: this rank's tokens per rank, per node
+  const int* caller_rank_counts;  ///< [R]: the caller's num_tokens_per_rank (checked)
+  int* table_out;                 ///< = table, written by the exchange
+  int* rank_prefix_matrix;        ///< [R, R]
+  int* source_num_tokens;         ///< [R]
 };
 /// The barrier, then send, forward and receive.
 void launch_ht_net_dispatch(const dev::AnyTransport& t, const HtNetDispatchArgs& a,
@@ -275,6 +292,7 @@ struct HtNetCombineArgs {
   const int* fwd_mask;   ///< [N, slot_rows]
   const int* recv_meta;  ///< [N_recv, 3]
   int num_recv_rows, num_tokens, hidden, num_topk;
+  int num_worst;  ///< the dispatch's num_worst_tokens (0: none)
   uint16_t* combined_x;
   float* combined_topk_weights;
   int num_blocks;

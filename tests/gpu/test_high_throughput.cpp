@@ -878,12 +878,130 @@ EPX_GPU_TEST(Internode, RefusedCallsAreNamed) {
   expect_error(
       "whole call in 1 MiB", [&] { b.dispatch(a); }, {"num_nvl_bytes", "bytes"},
       ErrorCode::kBufferTooSmall);
-  a.num_worst_tokens = 4096;
+  a.num_worst_tokens = 4096;  // a stage of 4096 rows does not fit 1 MiB either
   expect_error(
-      "num_worst_tokens", [&] { b.dispatch(a); }, {"num_worst_tokens"}, ErrorCode::kUnsupported);
+      "num_worst_tokens in 1 MiB", [&] { b.dispatch(a); }, {"num_nvl_bytes", "num_worst_tokens"},
+      ErrorCode::kBufferTooSmall);
   EXPECT_TRUE(all_ranks(!rank_failed()));
   b.destroy();
   run_case({64, 256, 4, 8 * R, false, 0.1, true, 1, false}, 1, 320);
+}
+
+/// num_worst_tokens across nodes: no host wait (the counts are exchanged on
+/// the GPU), outputs of num_worst_tokens rows whose tail names no expert.
+/// Then dispatch + combine captured in a CUDA graph and replayed with other
+/// routing and rows copied into the captured inputs: each replay matches the
+/// reference of its own inputs, the combine bit for bit (the count exchange
+/// and the route run on the GPU at every replay).
+EPX_GPU_TEST(Internode, WorstTokensAndGraphReplay) {
+  auto& w = world();
+  const int R = w.num_ranks, me = w.rank, L = w.buffer->num_nvl_ranks();
+  const HtCase c{96, 512, 4, 8 * R, false, 0.1, true, 1, false};
+  const int H = c.hidden, K = c.num_topk, E = c.num_experts;
+  const int worst = (c.num_tokens + 1) * R;
+  constexpr int kSets = 3;
+  std::vector<std::vector<ref::HtInput>> ins;
+  std::vector<std::vector<ref::HtDispatchOutput>> ros;
+  std::vector<std::vector<ref::HtCombineInput>> cins;
+  for (int i = 0; i < kSets; ++i) {
+    ins.push_back(make_inputs(c, R, 400 + i));
+    ros.push_back(ref::ht_dispatch(ins[i], H, K, E, 1));
+    std::vector<ref::HtCombineInput> cin(R);
+    for (int r = 0; r < R; ++r)  // the combine's x: the received rows (identity experts)
+      cin[r].x = ros[i][r].recv_x_bf16;
+    cins.push_back(std::move(cin));
+  }
+  const int T = ins[0][me].num_tokens;
+  BufferOptions o;
+  // The areas are fixed by the buffer: a stage of `worst` rows, and slots
+  // with room for every token of a rank.
+  o.num_nvl_bytes =
+      static_cast<int64_t>(Buffer::get_internode_nvl_size_hint(c.num_tokens + 16, H, R, L, K));
+  o.timeout_s = 20.0;
+  o.allocator = poisoning_allocator(true);
+  Buffer b(w.comm, o);
+  StreamArgs s;
+  s.stream = w.stream;
+  auto d_topk = to_device(ins[0][me].topk_idx);
+  auto d_x = to_device(ins[0][me].x_bf16);
+  auto d_w = to_device(ins[0][me].topk_weights);
+  auto layout = b.get_dispatch_layout(view(d_topk.get(), DType::kI64, {T, K}), E, s);
+  DispatchArgs a;
+  a.x = view(d_x.get(), DType::kBF16, {T, H});
+  a.topk_idx = view(d_topk.get(), DType::kI64, {T, K});
+  a.topk_weights = view(d_w.get(), DType::kF32, {T, K});
+  a.set_layout(layout);
+  a.num_worst_tokens = worst;
+  a.streams = s;
+  a.config = shared_gpu_config();
+  // Checks set i's outputs: the first N rows (and the tail's top-k), the combine.
+  auto check = [&](int i, const Tensor& recv_x, const Tensor& recv_idx, const Tensor& combined,
+                   const char* what) {
+    const auto& ro = ros[i][me];
+    const int N = ro.num_recv_tokens;
+    ASSERT_EQ(recv_x.size(0), worst) << what;
+    auto gx = to_host<uint16_t>(recv_x);
+    gx.resize(static_cast<std::size_t>(N) * H);
+    ASSERT_EQ(gx, ro.recv_x_bf16) << what << ": set " << i;
+    auto gi = to_host<int64_t>(recv_idx);
+    std::vector<int64_t> head(gi.begin(), gi.begin() + static_cast<std::ptrdiff_t>(N) * K);
+    ASSERT_EQ(head, ro.recv_topk_idx) << what << ": set " << i;
+    for (std::size_t j = static_cast<std::size_t>(N) * K; j < gi.size(); ++j)
+      ASSERT_EQ(gi[j], -1) << what << ": tail row " << j / K;
+    const auto rc = ref::ht_combine(ins[i], cins[i], H, K, E, L);
+    ASSERT_EQ(to_host<uint16_t>(combined), rc[me].combined_x) << what << ": set " << i;
+  };
+  auto pair = [&](Tensor& rx, Tensor& ri, Tensor& cx) {
+    auto r1 = b.dispatch(a);
+    CombineArgs ca;
+    ca.x = r1.recv_x.view;  // identity experts: the received rows, the tail unused
+    ca.handle = r1.handle;
+    ca.streams = s;
+    ca.config = a.config;
+    auto r2 = b.combine(ca);
+    rx = r1.recv_x;
+    ri = *r1.recv_topk_idx;
+    cx = r2.combined_x;
+    EXPECT_TRUE(r1.num_recv_tokens_per_expert.empty()) << "no host counts without a host wait";
+  };
+  Tensor rx, ri, cx;
+  pair(rx, ri, cx);
+  ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+  b.check();
+  check(0, rx, ri, cx, "eager");
+
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(w.stream, cudaStreamCaptureModeRelaxed), cudaSuccess);
+  pair(rx, ri, cx);
+  ASSERT_EQ(cudaStreamEndCapture(w.stream, &graph), cudaSuccess);
+  cudaGraphExec_t exec;
+  ASSERT_TRUE(instantiate_on_every_rank(graph, &exec, w.stream));
+  for (int rep = 0; rep < 6; ++rep) {
+    const int i = (rep + 1) % kSets;
+    // New inputs into the captured ones: rows, routing, and its layout.
+    const auto& mine = ins[i][me];
+    auto cp = [&](void* dst, const void* src, std::size_t bytes) {
+      ASSERT_EQ(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, w.stream), cudaSuccess);
+    };
+    cp(d_x.get(), mine.x_bf16.data(), mine.x_bf16.size() * 2);
+    cp(d_topk.get(), mine.topk_idx.data(), mine.topk_idx.size() * 8);
+    cp(d_w.get(), mine.topk_weights.data(), mine.topk_weights.size() * 4);
+    auto rl = ref::get_dispatch_layout(mine.topk_idx, T, K, E, R);
+    cp(layout.num_tokens_per_rank.view.data, rl.num_tokens_per_rank.data(), R * 4);
+    cp(layout.num_tokens_per_expert.view.data, rl.num_tokens_per_expert.data(), E * 4);
+    cp(layout.is_token_in_rank.view.data, rl.is_token_in_rank.data(), rl.is_token_in_rank.size());
+    // Poison the graph's outputs (fixed addresses across launches).
+    for (const Tensor* t : {&rx, &ri, &cx})
+      ASSERT_EQ(cudaMemsetAsync(t->view.data, 0xff, t->view.nbytes(), w.stream), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, w.stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+    b.check();
+    check(i, rx, ri, cx, "replay");
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  EXPECT_TRUE(all_ranks(!rank_failed()));
+  b.destroy();
 }
 
 /// A buffer across nodes for case c (its deadline `timeout_s`), this rank's

@@ -366,8 +366,33 @@ def _case_high_throughput_across_nodes(rank, world, group):
     buf.check()  # a failed op raises its own error here, before the rows are compared
     np.testing.assert_array_equal(_bits(again), mine["recv_x"])
 
-    _check_combine_with_biases(buf.internode_combine, rank, group, dev, rng, T, H, E, all_idx,
-                               want, recv_x, handle, recv_w, ranks_per_node=rpn)
+    all_recv_x = _check_combine_with_biases(buf.internode_combine, rank, group, dev, rng, T, H,
+                                            E, all_idx, want, recv_x, handle, recv_w,
+                                            ranks_per_node=rpn)
+
+    # num_worst_tokens: no host wait (the counts are exchanged on the GPU); the outputs
+    # have that many rows, the first ones as above, the tail's top-k -1; DeepEP returns
+    # no per-expert counts then. The handle's elements and the combine as before.
+    worst = 128 * world
+    wx, widx, ww, wcounts, whandle, _ = buf.dispatch(
+        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
+        is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
+        topk_weights=w, num_worst_tokens=worst)
+    torch.cuda.synchronize()
+    buf.check()
+    n = len(mine["recv_src_idx"])
+    assert wx.shape[0] == worst and wcounts == []
+    np.testing.assert_array_equal(_bits(wx)[:n], mine["recv_x"])
+    np.testing.assert_array_equal(widx[:n].cpu().numpy(), mine["recv_topk_idx"])
+    assert (widx[n:] == -1).all()
+    np.testing.assert_array_equal(ww[:n].cpu().numpy(), mine["recv_topk_weights"])
+    for k in range(10):  # recv_src_meta has a row per output row: the first n compared
+        got = whandle[k].cpu().numpy()
+        np.testing.assert_array_equal(got[:n] if k == 7 else got, want_h[k],
+                                      err_msg=f"num_worst_tokens handle[{k}]")
+    cx, _, _ = buf.combine(wx, whandle)
+    expect = ref.ht_combine(list(all_idx), all_recv_x, E, ranks_per_node=rpn)[rank][0]
+    np.testing.assert_array_equal(_bits(cx), expect)
     torch.cuda.synchronize()
     buf.destroy()
 

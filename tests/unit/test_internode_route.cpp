@@ -320,19 +320,26 @@ TEST(InternodeRoute, SizeHintNamesBadArgumentsAndHoldsTheWorstCase) {
 }
 
 // The barrier's report of a differing shape names the op, the argument, both
-// ranks and both values (channel = 4 * op + field, kernels::HtNetShape).
+// ranks and both values (channel = kInternodeShapeFields * op + field, kernels::HtNetShape).
 TEST(InternodeShape, MismatchMessageNamesArgumentAndRanks) {
+  constexpr int F = epx::kInternodeShapeFields;
   auto has = [](const std::string& m, std::initializer_list<const char*> parts) {
     for (const char* p : parts) EXPECT_NE(m.find(p), std::string::npos) << p << " in: " << m;
   };
-  has(epx::internode_shape_message(4 * 1 + 1, 0, 3, 14336, 7168),
+  has(epx::internode_shape_message(F + 1, 0, 3, 14336, 7168),
       {"dispatch", "x (hidden bytes)", "rank 3 passed 7168", "rank 0 14336"});
-  has(epx::internode_shape_message(4 * 1 + 2, 2, 1, 56, 0),
+  has(epx::internode_shape_message(F + 2, 2, 1, 56, 0),
       {"dispatch", "x_scales", "rank 1 passed 0", "rank 2 56"});
-  has(epx::internode_shape_message(4 * 1 + 3, 1, 0, 0, 8), {"dispatch", "topk_idx"});
-  has(epx::internode_shape_message(4 * 2 + 1, 0, 1, 7168, 4096), {"combine", "x (hidden)"});
-  has(epx::internode_shape_message(4 * 2 + 2, 0, 1, 8, 0),
+  has(epx::internode_shape_message(F + 3, 1, 0, 0, 8), {"dispatch", "topk_idx"});
+  has(epx::internode_shape_message(2 * F + 1, 0, 1, 7168, 4096), {"combine", "x (hidden)"});
+  has(epx::internode_shape_message(2 * F + 2, 0, 1, 8, 0),
       {"combine", "topk_weights (top-k)", "rank 1 passed 0", "rank 0 8"});
-  has(epx::internode_shape_message(4 * 1 + 0, 0, 5, 1, 2),
+  has(epx::internode_shape_message(F + 0, 0, 5, 1, 2),
       {"rank 0 called dispatch", "rank 5 called combine", "same op"});
+  has(epx::internode_shape_message(F + 4, 0, 1, 4096, 2048),
+      {"num_worst_tokens", "rank 1 passed 2048", "rank 0 4096"});
+  has(epx::internode_shape_message(F + 5, 2, 2, 1, 0), {"num_nvl_bytes", "rank 2", "slot"});
+  has(epx::internode_shape_message(F + 5, 0, 3, 1, 0), {"num_nvl_bytes", "rank 3"});
+  has(epx::internode_shape_message(F + 6, 0, 3, 0, 1),
+      {"num_tokens_per_rank", "rank 3", "is_token_in_rank"});
 }
