@@ -493,9 +493,14 @@ class InternodeDispatchHandle(_LazyHandle):
         N, local = core.num_ranks // L, rank % L
 
         def elements(self: "InternodeDispatchHandle") -> Dict[int, Callable[[], Any]]:
-            def fwd_rows() -> Any:  # records of each node's source (s, l): the route
-                # table's first N ints (made on the GPU with num_worst_tokens)
-                return [int(v) for v in self._tensor("net_table")[:N].tolist()]
+            def fwd_rows() -> Any:  # records of each node's source (s, l)
+                if core.net_worst == 0:  # from the host count exchange
+                    to_node = core.net_tokens_to_node
+                    return [to_node[(s * L + local) * N + rank // L] for s in range(N)]
+                # num_worst_tokens: the route table's first N ints, made on the GPU
+                # (copied on the current stream: .tolist() of a device tensor stalled
+                # in-process ranks, as a legacy-stream copy would)
+                return [int(v) for v in self._tensor("net_table")[:N].cpu().tolist()]
 
             def source_tokens() -> Any:  # the token counts of those sources
                 return self._tensor("source_num_tokens")[local::L]
