@@ -39,7 +39,8 @@
 #            4 in-process ranks as 2x2 (proxy), then epx-bench ll and ht with
 #            one process per GPU (4 as 2x2, or 2 as 2x1) over each backend of
 #            EPX_XBENCH_BACKENDS (default "proxy nccl nvshmem"), in this one
-#            call (EPX_XBENCH_ARGS: more epx-bench arguments, e.g. --tokens)
+#            call (EPX_XBENCH_ARGS: more epx-bench arguments, e.g. --tokens;
+#            EPX_XBENCH_FAMS: the families, default "ll ht")
 #   compare  NVLink before/after on all GPUs: .device/base/epx-bench (the
 #            baseline build) and .device/epx-bench, ht (24 SMs) and ll,
 #            EPX_COMPARE_ROUNDS times (default 2; base first in odd rounds,
@@ -217,7 +218,7 @@ if has xbench; then
         nvshmem) pre=("${nvs[@]}" NVSHMEM_DEBUG=WARN EPX_NVSHMEM_TRACE=0) ;;
         *) pre=(env) ;;
       esac
-      for fam in ll ht; do
+      for fam in ${EPX_XBENCH_FAMS:-ll ht}; do
         xb $fam "$hn processes, nodes of $hrpn ($be)" "${model}x$GPUS-$fam-$be-rpn$hrpn" \
           "${pre[@]}" "$D/launch.sh" $hn "$D/epx-bench" $fam --ranks-per-node $hrpn --backend $be
       done

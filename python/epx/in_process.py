@@ -13,14 +13,17 @@ It is for tests and development where there are fewer GPUs than ranks: every ran
 traffic stays in that GPU's memory, so its speed says nothing about NVLink. Ranks on
 one GPU split its SMs (docs/in_process.md). Each rank's thread works on a stream of
 its own: the default (legacy) stream is shared by every thread and would order one
-rank's waits behind another's.
+rank's waits behind another's. Set CUDA_DEVICE_MAX_CONNECTIONS=32 before CUDA starts
+(run_in_process warns otherwise): the ranks' streams need that many hardware queues.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import struct
 import threading
+import warnings
 from typing import Any, Callable, List, Optional, Sequence
 
 from . import _core
@@ -69,6 +72,30 @@ def in_process_comms(num_ranks: int, devices: Optional[Sequence[int]] = None,
     return [InProcessComm(c) for c in comms]
 
 
+def _warn_if_few_hardware_queues(comms: Sequence["InProcessComm"]) -> None:
+    """Once per process: several ranks on one GPU with fewer than 32 hardware queues
+    (CUDA_DEVICE_MAX_CONNECTIONS, default 8). Their streams then share queues, and a
+    kernel queued behind another rank's waiting kernel can stall both until the
+    deadline (4 ranks as 2x2 across virtual nodes did)."""
+    global _warned_queues
+    devices = [c.device for c in comms]
+    if _warned_queues or len(devices) == len(set(devices)):
+        return
+    try:
+        queues = int(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "8"))
+    except ValueError:
+        queues = 8
+    if queues < 32:
+        _warned_queues = True
+        warnings.warn("epx.run_in_process: several ranks share a GPU with "
+                      f"CUDA_DEVICE_MAX_CONNECTIONS={queues}; set it to 32 before CUDA starts "
+                      "(a rank's kernel queued behind another rank's waiting one can stall "
+                      "both until the deadline)", stacklevel=3)
+
+
+_warned_queues = False
+
+
 def run_in_process(num_ranks: int, fn: Callable[..., Any], *args: Any,
                    devices: Optional[Sequence[int]] = None, timeout_s: float = 300.0) -> List[Any]:
     """Runs ``fn(comm, *args)`` once per rank, each on its own thread with the rank's
@@ -77,6 +104,7 @@ def run_in_process(num_ranks: int, fn: Callable[..., Any], *args: Any,
     once every thread has ended (a rank left waiting for a failed one gives up at its
     deadline)."""
     comms = in_process_comms(num_ranks, devices, timeout_s)
+    _warn_if_few_hardware_queues(comms)
     results: List[Any] = [None] * len(comms)
     errors: List[Optional[BaseException]] = [None] * len(comms)
 

@@ -17,9 +17,11 @@ pytestmark = pytest.mark.gpu
 # CUDA modules load eagerly: with lazy loading (EPX warns of it) a cached dispatch across
 # nodes over the proxy once ran into the deadline with 2 processes on 2x H100, likely a
 # torch kernel loaded for the first time while EPX kernels waited (docs/limitations.md).
+# In-process ranks need 32 hardware queues: with the default 8, a count exchange of 4 ranks
+# as 2x2 waited until the deadline (a kernel queued behind another rank's waiting one).
 for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"),
                ("NVSHMEM_DISABLE_NVLS", "1"), ("EPX_TIMEOUT_S", "60"),
-               ("CUDA_MODULE_LOADING", "EAGER")):
+               ("CUDA_MODULE_LOADING", "EAGER"), ("CUDA_DEVICE_MAX_CONNECTIONS", "32")):
     os.environ.setdefault(_k, _v)
 
 
