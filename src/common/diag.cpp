@@ -38,6 +38,8 @@ const char* op_name(OpId op) {
       return "proxy post (waiting for a free slot in a channel's ring)";
     case OpId::kProxyQuiet:
       return "proxy quiet (waiting for a channel's commands to complete)";
+    case OpId::kNetQuiet:
+      return "network quiet (waiting for this rank's puts to leave)";
   }
   return "?";
 }

@@ -24,6 +24,7 @@ enum class OpId : uint32_t {
   kCombineSlot = 12,   ///< a combine sender waiting for a ring slot
   kProxyPost = 13,     ///< a GPU thread waiting for a free slot in a proxy channel's ring
   kProxyQuiet = 14,    ///< a GPU thread waiting for a proxy channel's commands to complete
+  kNetQuiet = 15,      ///< a GPU thread waiting for its network puts to leave (channel: context)
 };
 
 enum class DiagCode : uint32_t {

@@ -308,12 +308,21 @@ void Buffer::Impl::raise_if_failed(const char* op) {
        << "); the proxy thread is stalled or dead";
     throw Error(ErrorCode::kTimeout, std::string(op) + ": " + os.str());
   }
+  if (code == DiagCode::kTimeout && what == OpId::kNetQuiet) {
+    std::memset(const_cast<DeviceDiag*>(diag_host), 0, sizeof(DeviceDiag));
+    backend->check_health();  // names a failed communicator, if one failed
+    os << op_name(what) << ": rank " << g->rank << "'s puts on network context " << g->channel
+       << " did not all leave within " << timeout_s << " s (" << g->expected << " posted, "
+       << g->seen << " done); the network, or the backend's engine for it (NCCL's GIN proxy), "
+       << "is stalled, or a peer cannot be reached";
+    throw Error(ErrorCode::kTimeout, std::string(op) + ": " + os.str());
+  }
   if (code == DiagCode::kTimeout && g->channel >= kDiagSignalChannel) {
     const int sig = g->channel - kDiagSignalChannel, R = comm->num_ranks();
     // The signal kinds of the low-latency ops, and of the high-throughput
     // ones across nodes (plan::HtNetSignal).
     static const char* ll_kinds[] = {"dispatch", "combine weights", "combine rows"};
-    static const char* ht_kinds[] = {"arrival at the op",     "dispatch rows",
+    static const char* ht_kinds[] = {"arrival at the op",       "dispatch rows",
                                      "forwarded dispatch rows", "returned combine rows",
                                      "combined node rows",      "count row"};
     const bool ll = what == OpId::kLowLatencyDispatchSend ||

@@ -43,6 +43,10 @@ struct NcclGinTransport : NetworkTransportBase, LsaWords<NcclGinTransport> {
                                        kMaxRanks};
   const ncclDevComm* comms;        ///< [ceil(num_contexts / 4)] device communicators
   ncclWindow_t win[kMaxGinComms];  ///< the region's window in each communicator
+  /// [kMaxContexts]: puts posted on each context so far (the backend's,
+  /// shared by its regions); NCCL's counter of the context counts those whose
+  /// source was read (quiet waits for the one to reach the other).
+  unsigned long long* posted;
 
 #if defined(__CUDACC__)
   template <class Coop>
@@ -64,12 +68,20 @@ struct NcclGinTransport : NetworkTransportBase, LsaWords<NcclGinTransport> {
   /// A put to a peer of another node, with `action` at the peer (ncclGin_None
   /// or a SignalAdd). Every member of the group calls it; ncclGin syncs the
   /// group and one thread posts after a release of the group's writes.
+  /// NCCL's counter of context ctx (one per context index of its
+  /// communicator): its puts whose source was read.
+  static __device__ __forceinline__ ncclGinCounter_t counter_of(int ctx) {
+    return static_cast<ncclGinCounter_t>(ctx % kGinContextsPerComm);
+  }
+  /// Counted in `posted` before it is posted, so that a quiet that reads
+  /// `posted` after this put was issued waits for it.
   template <class Coop, class Action>
   __device__ __forceinline__ void gin_put(int ctx, int r, std::size_t dst_off, std::size_t src_off,
                                           std::size_t bytes, Action action) const {
     const ncclWindow_t w = win[ctx / kGinContextsPerComm];
+    if (coop_leader<Coop>()) atomicAdd(posted + ctx, 1ull);
     gin(ctx).put(ncclTeamWorld(comm_of(ctx)), r, w, dst_off, w, src_off, bytes, action,
-                 ncclGin_None{}, nccl_coop<Coop>());
+                 ncclGin_CounterInc{counter_of(ctx)}, nccl_coop<Coop>());
   }
   static __device__ __forceinline__ ncclGin_SignalAdd signal_of(int sig, uint64_t add) {
     return ncclGin_SignalAdd{static_cast<ncclGinSignal_t>(sig), add};
@@ -129,11 +141,18 @@ struct NcclGinTransport : NetworkTransportBase, LsaWords<NcclGinTransport> {
     __threadfence_system();
   }
   /// Every put of context `ctx` posted so far (by any thread) has read its
-  /// source. NCCL's flush has no deadline: a dead network hangs here (the
-  /// host watchdog, ncclCommGetAsyncError, is what sees it).
+  /// source: NCCL's counter of the context reaches the puts posted on it,
+  /// within EPX's deadline (NCCL's flush, which waits for the same, has
+  /// none: a dead network would hang there). False after reporting the
+  /// posted and completed counts.
   __device__ __forceinline__ bool quiet(int ctx) const {
-    gin(ctx).flush(ncclCoopThread{});
-    return true;
+    const uint64_t target = *static_cast<volatile unsigned long long*>(posted + ctx);
+    const ncclGin g = gin(ctx);
+    return spin_until<true>([&] { return static_cast<uint64_t>(g.readCounter(counter_of(ctx))); },
+                            [&](uint64_t v) { return v >= target; },
+                            [](uint64_t v) { return static_cast<uint32_t>(v); },
+                            static_cast<uint32_t>(target), timeout_ns, diag, OpId::kNetQuiet, rank,
+                            -1, ctx);
   }
 #endif  // __CUDACC__
 };

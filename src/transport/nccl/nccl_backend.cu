@@ -124,7 +124,8 @@ class NcclGin final : public Backend {
       ncclDevCommRequirements reqs{};
       reqs.ginForceEnable = true;
       reqs.ginContextCount = dev::kGinContextsPerComm;
-      reqs.ginSignalCount = num_signals + 1;  // + the quiesce's drain signal
+      reqs.ginSignalCount = num_signals + 1;            // + the quiesce's drain signal
+      reqs.ginCounterCount = dev::kGinContextsPerComm;  // one per context: quiet's
       const ncclResult_t r = ncclDevCommCreate(comms_[k], &reqs, &devcomms_[k]);
       if (r != ncclSuccess)
         throw Error(ErrorCode::kUnsupported,
@@ -157,6 +158,8 @@ class NcclGin final : public Backend {
                   " (num_qps_per_rank, EPX_GIN_CONTEXTS and NCCL_GIN_NCONTEXTS must agree)");
     }
     EPX_CUDA_CHECK(cudaMalloc(&d_failed_, sizeof(int)));
+    EPX_CUDA_CHECK(cudaMalloc(&d_posted_, sizeof(unsigned long long) * kMaxContexts));
+    EPX_CUDA_CHECK(cudaMemset(d_posted_, 0, sizeof(unsigned long long) * kMaxContexts));
     EPX_CUDA_CHECK(cudaMalloc(&d_devcomms_, sizeof(ncclDevComm) * K));
     EPX_CUDA_CHECK(
         cudaMemcpy(d_devcomms_, devcomms_.data(), sizeof(ncclDevComm) * K, cudaMemcpyHostToDevice));
@@ -185,6 +188,8 @@ class NcclGin final : public Backend {
     d_devcomms_ = nullptr;
     if (d_failed_) cudaFree(d_failed_);
     d_failed_ = nullptr;
+    if (d_posted_) cudaFree(d_posted_);
+    d_posted_ = nullptr;
     for (ncclComm_t c : comms_) ncclCommDestroy(c);
     comms_.clear();
   }
@@ -273,6 +278,7 @@ class NcclGin final : public Backend {
       t.base[i] = i < static_cast<int>(lsa_index_.size()) ? wins->base[i] : nullptr;
     t.local = static_cast<char*>(r.local);
     t.comms = d_devcomms_;
+    t.posted = d_posted_;
     for (std::size_t k = 0; k < comms_.size(); ++k) t.win[k] = wins->w[k];
     return t;
   }
@@ -346,8 +352,9 @@ class NcclGin final : public Backend {
   std::vector<ncclDevComm> devcomms_;
   std::vector<bool> devcomm_made_;
   ncclDevComm* d_devcomms_ = nullptr;
-  int* d_failed_ = nullptr;    ///< the quiesce's deadline flag
-  uint64_t drain_rounds_ = 0;  ///< quiesce rounds since the signals were reset
+  int* d_failed_ = nullptr;                 ///< the quiesce's deadline flag
+  unsigned long long* d_posted_ = nullptr;  ///< [kMaxContexts] puts posted (the quiet's target)
+  uint64_t drain_rounds_ = 0;               ///< quiesce rounds since the signals were reset
   std::vector<int> lsa_index_;
 };
 
