@@ -1171,5 +1171,50 @@ EPX_GPU_TEST(Internode, KilledRankIsNamed) {
   std::_Exit(named ? 0 : 1);
 }
 
+/// A network that stops completing puts (the loopback GIN plugin's
+/// EPX_GIN_LOOP_STALL_AFTER_S, nccl backend, one process per rank; run on its
+/// own by the device script): ops go on until the stall, then the next op's
+/// quiet must raise within its deadline naming the stalled context, where
+/// NCCL's flush would hang. Prints "STALL-TEST rank N: PASS|FAIL ..." and
+/// leaves at once (tearing down waits for the network too).
+EPX_GPU_TEST(Internode, StalledNetworkIsNamed) {
+  auto& w = world();
+  const char* stall = std::getenv("EPX_GIN_LOOP_STALL_AFTER_S");
+  if (stall == nullptr || w.comm->in_process())
+    GTEST_SKIP() << "set EPX_GIN_LOOP_STALL_AFTER_S (nccl backend through the loopback "
+                    "plugin), one process per rank (it ends the run)";
+  using clock = std::chrono::steady_clock;
+  const double limit_s = std::atof(stall) + 60.0;
+  const HtCase c{64, 256, 4, 8 * w.num_ranks, false, 0.1, true, 1, false};
+  NetFirstDispatch f(c, 3.0, 324);
+  const auto t0 = clock::now();
+  auto last_ok = t0;
+  std::string msg = "no error within the limit";
+  ErrorCode code = ErrorCode::kInternal;
+  long pairs = 0;
+  while (std::chrono::duration<double>(clock::now() - t0).count() < limit_s) {
+    try {
+      f.cached();
+      f.combine(true);
+      cudaStreamSynchronize(w.stream);
+      f.b->check();
+      ++pairs;
+      last_ok = clock::now();
+    } catch (const Error& e) {
+      msg = e.what();
+      code = e.code();
+      break;
+    }
+  }
+  const double secs = std::chrono::duration<double>(clock::now() - last_ok).count();
+  const bool quiet = msg.find("network quiet") != std::string::npos;
+  const bool named = quiet || msg.find("for rank ") != std::string::npos;
+  std::printf("STALL-TEST rank %d: %s after %.1f s (%ld pairs before; %s): %s\n", w.rank,
+              named && code == ErrorCode::kTimeout && secs < 30 ? "PASS" : "FAIL", secs, pairs,
+              quiet ? "its quiet" : "a wait", msg.c_str());
+  std::fflush(stdout);
+  std::_Exit(named ? 0 : 1);
+}
+
 }  // namespace
 }  // namespace epx::test

@@ -601,6 +601,37 @@ TEST(GinLoopback, BadArgumentsAreNamed) {
   }
 }
 
+// EPX_GIN_LOOP_STALL_AFTER_S: from that many seconds after connecting no
+// request is reported done again (a network that stopped completing; the
+// bytes still land): what the nccl backend's quiet must name within its
+// deadline (Network.StalledNetworkIsNamed on a GPU).
+TEST(GinLoopback, StallAfterStopsCompletions) {
+  ASSERT_NE(plugin().gin, nullptr);
+  setenv("EPX_GIN_LOOP_STALL_AFTER_S", "0.5", 1);  // read by init
+  OneRank o;
+  unsetenv("EPX_GIN_LOOP_STALL_AFTER_S");
+  auto put_and_test = [&](uint64_t value, int64_t for_ms) {
+    o.local[0] = value;
+    void* req = nullptr;
+    EXPECT_EQ(o.g.iput(o.coll, 0, o.mh, 8, 256, o.mh, 0, &req), gl::ncclSuccess);
+    int done = 0;
+    const auto t0 = std::chrono::steady_clock::now();
+    while (!done && std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(for_ms))
+      EXPECT_EQ(o.g.test(o.coll, req, &done), gl::ncclSuccess);
+    return done;
+  };
+  EXPECT_EQ(put_and_test(0x11, 200), 1) << "before the stall a put completes";
+  EXPECT_EQ(o.local[32], 0x11u);
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  EXPECT_EQ(put_and_test(0x22, 200), 0) << "after the stall no put is reported done";
+  EXPECT_EQ(o.local[32], 0x22u) << "the bytes still land";
+  setenv("EPX_GIN_LOOP_STALL_AFTER_S", "-1", 1);
+  void* ctx = nullptr;
+  EXPECT_EQ(o.g.init(&ctx, 7, capture_log), gl::ncclInvalidArgument);
+  EXPECT_TRUE(logged("EPX_GIN_LOOP_STALL_AFTER_S='-1'")) << all_logs();
+  unsetenv("EPX_GIN_LOOP_STALL_AFTER_S");
+}
+
 TEST(GinLoopback, ConnectNamesTheMissingRank) {
   // Rank 0 of 2 connects but rank 1 never does: the deadline names it.
   ASSERT_NE(plugin().gin, nullptr);

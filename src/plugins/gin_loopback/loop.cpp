@@ -48,6 +48,14 @@ Config read_config() {
                                                  "': must be a power of two in [32, 65536]");
     c.depth = static_cast<int>(v);
   }
+  if (const char* s = std::getenv("EPX_GIN_LOOP_STALL_AFTER_S")) {
+    char* end = nullptr;
+    const double v = std::strtod(s, &end);
+    if (!*s || *end || !(v >= 0))
+      throw PluginError(ncclInvalidArgument, std::string("EPX_GIN_LOOP_STALL_AFTER_S='") + s +
+                                                 "': must be a number of seconds >= 0");
+    c.stall_after_s = v;
+  }
   for (const char* name : {"EPX_GIN_LOOP_TIMEOUT_S", "EPX_TIMEOUT_S"}) {
     const char* s = std::getenv(name);
     if (!s) continue;
@@ -419,6 +427,10 @@ bool Comm::test(void* request) {
     fail(ncclInvalidArgument, "test: request " + num(seq_low) + " to rank " + num(peer) +
                                   " is not live (already reported done, or never issued)");
   pump(static_cast<int>(peer));
+  if (config_.stall_after_s >= 0 &&
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - connected_).count() >=
+          config_.stall_after_s)
+    return false;  // a network that stopped completing (EPX_GIN_LOOP_STALL_AFTER_S)
   if (memops_->completed(static_cast<int>(peer)) < slot.seq) return false;
   if (slot.signalled && p.posted < slot.seq) return false;
   slot.busy = false;

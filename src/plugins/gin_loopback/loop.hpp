@@ -8,6 +8,7 @@
 // state, and the mesh collectives run outside it.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -36,6 +37,11 @@ class PluginError : public std::runtime_error {
 struct Config {
   int depth = 512;        ///< EPX_GIN_LOOP_DEPTH: requests per (collComm, peer), power of 2
   double timeout_s = 60;  ///< EPX_GIN_LOOP_TIMEOUT_S, else EPX_TIMEOUT_S: every wait
+  /// EPX_GIN_LOOP_STALL_AFTER_S (tests; < 0: never): seconds after a
+  /// communicator connects from which `test` reports no request done again,
+  /// as a network that stopped completing (the bytes still move): what a
+  /// quiet with a deadline must name instead of hanging.
+  double stall_after_s = -1;
 };
 /// Reads the environment; throws PluginError(ncclInvalidArgument) naming a bad variable.
 Config read_config();
@@ -147,6 +153,7 @@ class Comm {
   std::vector<Peer> peers_;
   std::unordered_set<Registration*> regs_;
   uint64_t next_reg_id_ = 1;
+  std::chrono::steady_clock::time_point connected_ = std::chrono::steady_clock::now();
   uint64_t registering_ = 0;  ///< id of a registration in its collective (0: none)
   ncclResult_t sticky_ = ncclSuccess;
   std::string sticky_what_;
