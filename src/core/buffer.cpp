@@ -298,22 +298,26 @@ void Buffer::Impl::raise_if_failed(const char* op) {
   std::ostringstream os;
   const auto code = static_cast<DiagCode>(g->code);
   const auto what = static_cast<OpId>(g->op);
+  // What the branches that clear the report before building their message
+  // (they call into the backend, which may raise first) read of it.
+  const int32_t g_rank = g->rank, g_channel = g->channel;
+  const uint32_t g_expected = g->expected, g_seen = g->seen;
   if (code == DiagCode::kProxyStopped ||
       (code == DiagCode::kTimeout && (what == OpId::kProxyPost || what == OpId::kProxyQuiet))) {
     std::memset(const_cast<DeviceDiag*>(diag_host), 0, sizeof(DeviceDiag));
     backend->check_health();  // names the channel, the command and the cause when it died
-    os << op_name(what) << ": rank " << g->rank << "'s proxy channel " << g->channel
+    os << op_name(what) << ": rank " << g_rank << "'s proxy channel " << g_channel
        << (code == DiagCode::kProxyStopped ? " stopped" : " made no progress within the deadline")
-       << " (slot/command " << g->expected << ", channel at " << g->seen
+       << " (slot/command " << g_expected << ", channel at " << g_seen
        << "); the proxy thread is stalled or dead";
     throw Error(ErrorCode::kTimeout, std::string(op) + ": " + os.str());
   }
   if (code == DiagCode::kTimeout && what == OpId::kNetQuiet) {
     std::memset(const_cast<DeviceDiag*>(diag_host), 0, sizeof(DeviceDiag));
     backend->check_health();  // names a failed communicator, if one failed
-    os << op_name(what) << ": rank " << g->rank << "'s puts on network context " << g->channel
-       << " did not all leave within " << timeout_s << " s (" << g->expected << " posted, "
-       << g->seen << " done); the network, or the backend's engine for it (NCCL's GIN proxy), "
+    os << op_name(what) << ": rank " << g_rank << "'s puts on network context " << g_channel
+       << " did not all leave within " << timeout_s << " s (" << g_expected << " posted, " << g_seen
+       << " done); the network, or the backend's engine for it (NCCL's GIN proxy), "
        << "is stalled, or a peer cannot be reached";
     throw Error(ErrorCode::kTimeout, std::string(op) + ": " + os.str());
   }
