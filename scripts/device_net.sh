@@ -11,7 +11,8 @@
 #   kill     4 processes as 2x2, rank 3 SIGKILLs itself (on 2 GPUs: 2 as 2x1,
 #            rank 1): the others must raise naming it (Network.KilledRankIsNamed
 #            for the low-latency ops, Internode.KilledRankIsNamed for dispatch
-#            and combine across nodes; EPX_KILL_TESTS; they print KILL-TEST lines)
+#            and combine across nodes, Internode.KilledRankInCountExchange for
+#            the host count exchange; EPX_KILL_TESTS; they print KILL-TEST lines)
 #   soak     Network.Soak with EPX_SOAK pairs (default 100000) over 2x2
 #            (processes where there are 4 GPUs, else in-process;
 #            EPX_SOAK_LINEUP=1: the ranks meet before each pair)
@@ -98,10 +99,11 @@ kill_test() {
   [ "$GPUS" -ge 4 ] || { kn=2; krpn=1; }
   local victim=$((kn - 1)) test
   # The low-latency ops, then dispatch and combine across nodes (EPX_KILL_TESTS)
-  for test in ${EPX_KILL_TESTS:-Network.KilledRankIsNamed Internode.KilledRankIsNamed}; do
-    local tlog="${log%.log}-${test%%.*}.log"
+  for test in ${EPX_KILL_TESTS:-Network.KilledRankIsNamed Internode.KilledRankIsNamed Internode.KilledRankInCountExchange}; do
+    local tlog="${log%.log}-${test//./-}.log"
     echo "== a killed process$label, $test ($kn processes, nodes of $krpn, rank $victim SIGKILLs itself)"
-    timeout ${EPX_KILL_TIMEOUT:-120} env "$@" EPX_RANKS_PER_NODE=$krpn EPX_TEST_KILL_RANK=$victim \
+    # (EPX_TIMEOUT_S: the communicator's collectives, which the tests' buffers do not set)
+    timeout ${EPX_KILL_TIMEOUT:-120} env EPX_TIMEOUT_S=5 "$@" EPX_RANKS_PER_NODE=$krpn EPX_TEST_KILL_RANK=$victim \
       "$D/launch.sh" $kn "$D/epx_gpu_tests" --gtest_filter="$test" > "$tlog" 2>&1
     echo "rc=$?"
     grep "KILL-TEST" "$tlog"

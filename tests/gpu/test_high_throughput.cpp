@@ -1132,12 +1132,15 @@ EPX_GPU_TEST(Internode, ShapeMismatchIsNamed) {
   }
 }
 
-/// A killed process (one rank per process; EPX_TEST_KILL_RANK=r, run on its
-/// own by the device script, as Network.KilledRankIsNamed): after a dispatch
-/// and a combine across nodes, rank r SIGKILLs itself; every other rank's
-/// cached dispatch and combine must raise within the deadline, naming it.
-/// The survivors print "KILL-TEST rank N: PASS ..." and leave at once.
-EPX_GPU_TEST(Internode, KilledRankIsNamed) {
+/// Runs a killed-process test (EPX_TEST_KILL_RANK=r, one process per rank;
+/// run on its own by the device script): a dispatch and a combine across
+/// nodes, then rank r SIGKILLs itself and every other rank runs `after` (ops
+/// that need the dead rank), which must raise a timeout within 30 s, naming
+/// it where `names_rank` (a collective of the communicator cannot tell who
+/// did not come). The survivors print "KILL-TEST rank N: PASS ..." and leave
+/// at once (their collectives would wait for the dead rank), so the device
+/// script reads the lines.
+void killed_rank_test(const std::function<void(NetFirstDispatch&)>& after, bool names_rank) {
   auto& w = world();
   const char* kill = std::getenv("EPX_TEST_KILL_RANK");
   if (kill == nullptr || w.comm->in_process())
@@ -1154,8 +1157,7 @@ EPX_GPU_TEST(Internode, KilledRankIsNamed) {
   std::string msg = "no error";
   ErrorCode code = ErrorCode::kInternal;
   try {
-    f.cached();
-    f.combine(true);
+    after(f);
     cudaStreamSynchronize(w.stream);
     f.b->check();
   } catch (const Error& e) {
@@ -1164,11 +1166,28 @@ EPX_GPU_TEST(Internode, KilledRankIsNamed) {
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const bool named = msg.find("rank " + std::to_string(victim)) != std::string::npos;
-  std::printf("KILL-TEST rank %d: %s after %.1f s: %s\n", w.rank,
-              named && code == ErrorCode::kTimeout && secs < 30 ? "PASS" : "FAIL", secs,
-              msg.c_str());
+  const bool pass = (named || !names_rank) && code == ErrorCode::kTimeout && secs < 30;
+  std::printf("KILL-TEST rank %d: %s after %.1f s%s: %s\n", w.rank, pass ? "PASS" : "FAIL", secs,
+              named ? "" : " (not named)", msg.c_str());
   std::fflush(stdout);
-  std::_Exit(named ? 0 : 1);
+  std::_Exit(pass ? 0 : 1);
+}
+
+/// After the kill, a cached dispatch and a combine (the kernels' waits).
+EPX_GPU_TEST(Internode, KilledRankIsNamed) {
+  killed_rank_test(
+      [](NetFirstDispatch& f) {
+        f.cached();
+        f.combine(true);
+      },
+      true);
+}
+
+/// After the kill, a dispatch with its host count exchange: the
+/// communicator's allgather must give up at its deadline (EPX_TIMEOUT_S;
+/// with NCCL it aborts the communicator), which cannot say who is missing.
+EPX_GPU_TEST(Internode, KilledRankInCountExchange) {
+  killed_rank_test([](NetFirstDispatch& f) { f.b->dispatch(f.a); }, false);
 }
 
 /// A network that stops completing puts (the loopback GIN plugin's
