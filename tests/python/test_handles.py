@@ -353,3 +353,19 @@ def test_internode_recorded_elements_match_the_reference(R, L, C, sizes, p, back
                                      src_tokens, C, L)
         np.testing.assert_array_equal(_np(got9), want[9])
         assert str(got9.dtype).endswith("int32") and tuple(got9.shape) == want[9].shape
+
+
+def test_internode_handle_refuses_a_handle_within_one_node_and_is_taken_back():
+    """InternodeDispatchHandle wraps only a dispatch across nodes (ranks_per_node > 0);
+    dispatch and combine take either handle tuple back (their .core), and refuse a
+    tuple rebuilt from the elements by name."""
+    from epx import _core
+
+    core = _core.DispatchHandle._for_validation(4, 8, 5, 128)  # within one node
+    assert core.ranks_per_node == 0 and core.net_worst == 0
+    with pytest.raises(ValueError, match="across nodes"):
+        handles.InternodeDispatchHandle(core, 0, 4, lambda t: t)
+    intra = handles.DispatchHandle(core, 0, 4, lambda t: t)
+    assert handles.core_dispatch_handle("combine", intra) is core
+    with pytest.raises(TypeError, match="combine: handle: .*rebuilt"):
+        handles.core_dispatch_handle("combine", tuple(range(10)))

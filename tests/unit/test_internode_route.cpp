@@ -343,3 +343,55 @@ TEST(InternodeShape, MismatchMessageNamesArgumentAndRanks) {
   has(epx::internode_shape_message(F + 6, 0, 3, 0, 1),
       {"num_tokens_per_rank", "rank 3", "is_token_in_rank"});
 }
+
+// num_worst_tokens: the areas are fixed by the buffer. The slots take the
+// most rows that let both the dispatch (stage of `worst` rows, the count
+// rows after it) and its combine fit; every area in bounds and aligned; a
+// buffer too small for one row per slot gives 0 rows (the host refuses it).
+TEST(InternodeRoute, FixedRegionsFitTheBuffer) {
+  using epx::plan::HtNetRegion;
+  struct Case {
+    int R, L, worst, hidden, topk;
+    std::size_t capacity;
+  };
+  for (const Case c : {Case{4, 2, 512, 512, 4, std::size_t{8} << 20},
+                       Case{16, 4, 4096, 7168, 8, std::size_t{1} << 30},
+                       Case{8, 8, 1024, 2048, 8, std::size_t{64} << 20},
+                       Case{32, 8, 128 * 32, 7168, 8, std::size_t{2} << 30}}) {
+    const epx::Topology t{c.R, c.L};
+    const int N = c.R / c.L;
+    const std::size_t rec = epx::plan::ht_net_record_bytes(2u * c.hidden, 0, c.topk, c.L);
+    const std::size_t row = epx::plan::ht_combine_row_bytes(c.hidden, c.topk);
+    const int S = HtNetRegion::fixed_slot_rows(t, c.worst, rec, row, c.capacity);
+    ASSERT_GT(S, 0) << c.R << "x" << c.L;
+    const HtNetRegion d = HtNetRegion::fixed_dispatch(t, c.worst, rec, S);
+    const HtNetRegion k = HtNetRegion::fixed_combine(t, S, row);
+    EXPECT_LE(d.total, c.capacity);
+    EXPECT_LE(k.total, c.capacity);
+    EXPECT_EQ(d.slot_rows, S);
+    EXPECT_EQ(d.stage_rows, c.worst);
+    EXPECT_EQ(d.recv, HtNetRegion::body(c.R));
+    EXPECT_GE(d.send, d.recv + static_cast<std::size_t>(N) * d.slot_bytes());
+    EXPECT_GE(d.stage, d.send + static_cast<std::size_t>(N) * d.slot_bytes());
+    EXPECT_GE(d.count_rows, d.stage + rec * c.worst);
+    EXPECT_EQ(d.count_ints, HtNetRegion::count_row_ints(c.R, N));
+    EXPECT_GE(d.total, d.count_rows + 4u * d.count_ints * (c.R + 1u));
+    for (std::size_t off :
+         {d.recv, d.send, d.stage, d.count_rows, d.total, k.stage, k.send, k.recv, k.total})
+      EXPECT_EQ(off % 128, 0u);
+    // One more row per slot would not fit one of the two.
+    const HtNetRegion d1 = HtNetRegion::fixed_dispatch(t, c.worst, rec, S + 1);
+    const HtNetRegion k1 = HtNetRegion::fixed_combine(t, S + 1, row);
+    EXPECT_TRUE(d1.total + 4 * 128 > c.capacity || k1.total + 4 * 128 > c.capacity)
+        << "slots could hold more rows: " << S;
+    // A cached dispatch with smaller rows keeps the slots and fits too.
+    const std::size_t small = epx::plan::ht_net_record_bytes(2u * c.hidden, 0, 0, c.L);
+    EXPECT_LE(HtNetRegion::fixed_dispatch(t, c.worst, small, S).total, c.capacity);
+  }
+  const epx::Topology t{4, 2};
+  const std::size_t rec = epx::plan::ht_net_record_bytes(14336, 0, 8, 2);
+  EXPECT_EQ(HtNetRegion::fixed_slot_rows(t, 4096, rec, epx::plan::ht_combine_row_bytes(7168, 8),
+                                         std::size_t{1} << 20),
+            0)
+      << "a stage of 4096 rows of 14 KB does not fit 1 MiB";
+}
