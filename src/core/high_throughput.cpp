@@ -3,6 +3,7 @@
 
 #include "common/plan.hpp"
 #include "core/buffer_impl.hpp"
+#include "core/dispatch_rows.hpp"
 #include "core/validate.hpp"
 #include "kernels/kernels.hpp"
 
@@ -221,15 +222,7 @@ DispatchResult Buffer::dispatch(const DispatchArgs& a) {
   p.op_counter = d.ht_op_counter;
   p.done_blocks = d.ht_done_blocks;
   p.own_barrier = a.handle != nullptr;
-  p.x = static_cast<const uint8_t*>(a.x.data);
-  p.x_row_bytes = a.x.strides[0] * static_cast<int64_t>(element_size(a.x.dtype));
-  if (scaled) {
-    p.x_scales = static_cast<const float*>(a.x_scales->data);
-    p.scale_stride_token = a.x_scales->strides[0];
-    p.scale_stride_channel = a.x_scales->strides[1];
-  }
-  p.topk_idx = a.handle ? nullptr : (a.topk_idx ? a.topk_idx->ptr<int64_t>() : nullptr);
-  p.topk_weights = a.handle ? nullptr : (a.topk_weights ? a.topk_weights->ptr<float>() : nullptr);
+  set_dispatch_rows(p, a);
   p.num_tokens = T;
   p.hidden_bytes = hidden_bytes;
   p.num_scales = num_scales;

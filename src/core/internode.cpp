@@ -11,6 +11,7 @@
 
 #include "common/internode_route.hpp"
 #include "core/buffer_impl.hpp"
+#include "core/dispatch_rows.hpp"
 #include "core/stream_wait.hpp"
 #include "kernels/kernels.hpp"
 
@@ -303,15 +304,7 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   kernels::HtNetDispatchArgs p{};
   p.off = offsets_of(region);
   p.table = handle->net_table.ptr<int>();
-  p.x = static_cast<const uint8_t*>(a.x.data);
-  p.x_row_bytes = a.x.strides[0] * static_cast<int64_t>(element_size(a.x.dtype));
-  if (scaled) {
-    p.x_scales = static_cast<const float*>(a.x_scales->data);
-    p.scale_stride_token = a.x_scales->strides[0];
-    p.scale_stride_channel = a.x_scales->strides[1];
-  }
-  p.topk_idx = K > 0 ? a.topk_idx->ptr<int64_t>() : nullptr;
-  p.topk_weights = K > 0 && a.topk_weights ? a.topk_weights->ptr<float>() : nullptr;
+  set_dispatch_rows(p, a);
   p.send_pos = handle->net_send_pos.ptr<int>();
   p.rank_pos = handle->net_rank_pos.ptr<int>();
   p.num_tokens = T;

@@ -105,6 +105,17 @@ struct HtNotifyParams : HtNotifyArgs {
 };
 void launch_ht_notify(const dev::AnyTransport& t, const HtNotifyArgs& a, cudaStream_t stream);
 
+/// What a high-throughput dispatch reads of the caller's tokens (within a
+/// node and across nodes alike); core/dispatch_rows.hpp fills it.
+struct DispatchRowArgs {
+  const uint8_t* x;  ///< rows of hidden_bytes
+  int64_t x_row_bytes;
+  const float* x_scales;  ///< nullable
+  int64_t scale_stride_token, scale_stride_channel;
+  const int64_t* topk_idx;    ///< [T, K] nullable
+  const float* topk_weights;  ///< [T, K] nullable
+};
+
 /// How a high-throughput main kernel gets its epoch (`op_counter`,
 /// `done_blocks`, `own_barrier` in both params structs). After a notify
 /// kernel (own_barrier false) the counter already holds it. Without one
@@ -112,17 +123,11 @@ void launch_ht_notify(const dev::AnyTransport& t, const HtNotifyArgs& a, cudaStr
 /// plan::next_epoch(counter), block 0 tells every rank that this rank has reached the op,
 /// each sender warp waits until every peer has before its first store into
 /// the peer's staging, and the last block to finish stores the counter.
-struct HtDispatchArgs {
+struct HtDispatchArgs : DispatchRowArgs {
   HtOffsets off;
   uint32_t* op_counter;
   uint32_t* done_blocks;  ///< own_barrier: blocks finished (the last one resets it)
   bool own_barrier;
-  const uint8_t* x;  ///< rows of hidden_bytes
-  int64_t x_row_bytes;
-  const float* x_scales;  ///< nullable
-  int64_t scale_stride_token, scale_stride_channel;
-  const int64_t* topk_idx;    ///< [T, K] nullable
-  const float* topk_weights;  ///< [T, K] nullable
   int num_tokens, hidden_bytes, num_scales, num_topk, num_experts;
   const int* send_list;     ///< [R, T]
   const int* send_slot;     ///< [T, R]: place of token t in send_list[r], -1 if not sent
@@ -245,17 +250,11 @@ struct HtNetRouteArgs {
 };
 void launch_ht_net_route(const HtNetRouteArgs& a, cudaStream_t stream);
 
-struct HtNetDispatchArgs {
+struct HtNetDispatchArgs : DispatchRowArgs {
   HtNetOffsets off;
-  const int* table;  ///< HtNetTable layout
-  const uint8_t* x;  ///< rows of hidden_bytes
-  int64_t x_row_bytes;
-  const float* x_scales;  ///< nullable
-  int64_t scale_stride_token, scale_stride_channel;
-  const int64_t* topk_idx;    ///< [T, K] nullable
-  const float* topk_weights;  ///< [T, K] nullable
-  const int* send_pos;        ///< [T, N]
-  const int* rank_pos;        ///< [T, R]
+  const int* table;     ///< HtNetTable layout
+  const int* send_pos;  ///< [T, N]
+  const int* rank_pos;  ///< [T, R]
   int num_tokens, hidden_bytes, num_scales, num_topk, num_experts;
   int* fwd_mask;   ///< [N, slot_rows]: local ranks each forwarded record reached
   int* fwd_token;  ///< [N, slot_rows]: each forwarded record's token index at its source
