@@ -78,6 +78,42 @@ __device__ __forceinline__ void put_node(const T& t, int r, std::size_t dst, std
   __syncthreads();
 }
 
+/// One thread: `ints` words of this rank's region at `src` (already written
+/// and fenced) to rank r's at `dst`, then 1 added to signal `s` there on
+/// every context, after the words: over NVLink stores, a fence, the signals;
+/// over the network a put with context 0's signal, then the others'. For the
+/// barrier's shape and the count exchange's row.
+template <class T>
+__device__ __forceinline__ void put_words_signal(const T& t, int r, std::size_t dst,
+                                                 std::size_t src, int ints, int s) {
+  if (void* q = t.lsa_ptr(r, dst)) {
+    const auto* w = reinterpret_cast<const volatile int*>(t.local_ptr(src));
+    for (int i = 0; i < ints; ++i) static_cast<volatile int*>(q)[i] = w[i];
+    __threadfence_system();
+    signal_all_contexts(t, r, s);
+    return;
+  }
+  t.template put_signal<dev::Thread>(0, r, dst, src, 4u * ints, s, 1);
+  for (int c = 1; c < t.num_contexts; ++c) t.template signal_add<dev::Thread>(c, r, s, 1);
+}
+
+/// Block-wide: waits for signal `kind` of peer(i) for i in [0, count) (a
+/// negative peer is skipped) to reach `ops`; true when every wait did
+/// (a failed one is reported by the transport).
+template <class T, class Peer>
+__device__ __forceinline__ bool wait_peers(const T& t, HtNetSignal kind, int count, Peer peer,
+                                           uint64_t ops, OpId op) {
+  __shared__ int ok;
+  if (threadIdx.x == 0) ok = 1;
+  __syncthreads();
+  for (int i = threadIdx.x; i < count; i += blockDim.x) {
+    const int r = peer(i);
+    if (r >= 0 && !t.wait_signal(plan::ht_net_signal(t.num_ranks, kind, r), ops, op, r)) ok = 0;
+  }
+  __syncthreads();
+  return ok != 0;
+}
+
 /// Warp-wide: dst[v] = BF16 of the float32 sum, in order, of src(i)[v] for
 /// i in [0, n) (src gives nullptr for a row not summed), then of bias0[v]
 /// and bias1[v] where given, for the nv 16-byte vectors of a row. Each lane
@@ -157,25 +193,6 @@ static __device__ __noinline__ void report_bad_shape(DeviceDiag* diag, int rank,
               static_cast<uint32_t>(mine), static_cast<uint32_t>(theirs));
 }
 
-/// Sends this rank's arrival (with its shape for this op) to rank r: over
-/// NVLink a store, then the signals; over the network a put of the shape
-/// with context 0's signal, then the other contexts' signals.
-template <class T>
-__device__ __forceinline__ void arrive_at(const T& t, const HtNetOffsets& o, int r, int parity,
-                                          const HtNetShape& shape) {
-  const int s = plan::ht_net_signal(t.num_ranks, HtNetSignal::kBarrier, t.rank);
-  const std::size_t dst = shape_at(o, t.num_ranks, parity, t.rank);
-  if (void* p = t.lsa_ptr(r, dst)) {
-    store_shape(p, shape);
-    __threadfence_system();
-    signal_all_contexts(t, r, s);
-    return;
-  }
-  t.template put_signal<dev::Thread>(0, r, dst, shape_at(o, t.num_ranks, parity, t.num_ranks),
-                                     plan::HtNetRegion::kShapeBytes, s, 1);
-  for (int c = 1; c < t.num_contexts; ++c) t.template signal_add<dev::Thread>(c, r, s, 1);
-}
-
 /// One block: counts the op, waits until the puts of earlier ops left this
 /// rank, tells every rank it arrived (with this op's shape), waits for every
 /// rank's arrival and compares its shape with this rank's. After it every
@@ -222,8 +239,12 @@ __global__ void __launch_bounds__(kThreads) barrier_kernel(BarrierParams<T> p) {
     }
   }
   __syncthreads();
+  // Every rank's arrival, with this op's shape
   for (int r = threadIdx.x; r < t.num_ranks; r += blockDim.x)
-    if (r != t.rank) arrive_at(t, p.off, r, parity, shape);
+    if (r != t.rank)
+      put_words_signal(t, r, shape_at(p.off, t.num_ranks, parity, t.rank),
+                       shape_at(p.off, t.num_ranks, parity, t.num_ranks), kHtNetShapeFields,
+                       sig(t, HtNetSignal::kBarrier, t.rank));
   for (int r = threadIdx.x; r < t.num_ranks; r += blockDim.x) {
     if (r == t.rank) continue;
     if (!t.wait_signal(sig(t, HtNetSignal::kBarrier, r), ops, OpId::kBarrier, r)) {
@@ -325,23 +346,17 @@ __global__ void __launch_bounds__(kThreads) exchange_kernel(DispatchParams<T> p)
     own[i] = i == 0 ? p.num_tokens : (i == 1 ? bad : p.route_counts[i - 2]);
   __threadfence_system();  // before any put of it
   __syncthreads();
-  const std::size_t dst = p.off.count_rows + 4u * ci * static_cast<std::size_t>(me);
-  const int s = sig(t, HtNetSignal::kCounts, me);
-  for (int r = threadIdx.x; r < R; r += blockDim.x) {
-    if (r == me) continue;
-    if (void* q = t.lsa_ptr(r, dst)) {
-      for (int i = 0; i < ci; ++i) static_cast<volatile int*>(q)[i] = own[i];
-      __threadfence_system();
-      signal_all_contexts(t, r, s);
-    } else {
-      t.template put_signal<dev::Thread>(0, r, dst, p.off.count_rows + 4u * ci * R, 4u * ci, s, 1);
-      for (int c = 1; c < t.num_contexts; ++c) t.template signal_add<dev::Thread>(c, r, s, 1);
-    }
-  }
+  for (int r = threadIdx.x; r < R; r += blockDim.x)
+    if (r != me)
+      put_words_signal(t, r, p.off.count_rows + 4u * ci * static_cast<std::size_t>(me),
+                       p.off.count_rows + 4u * ci * static_cast<std::size_t>(R), ci,
+                       sig(t, HtNetSignal::kCounts, me));
   for (int i = threadIdx.x; i < ci; i += blockDim.x)
     rows[static_cast<std::size_t>(me) * ci + i] = own[i];
-  for (int r = threadIdx.x; r < R; r += blockDim.x)
-    if (r != me && !t.wait_signal(sig(t, HtNetSignal::kCounts, r), seq, OpId::kDispatch, r)) ok = 0;
+  if (!wait_peers(
+          t, HtNetSignal::kCounts, R, [&](int r) { return r == me ? -1 : r; }, seq,
+          OpId::kDispatch))
+    ok = 0;
   __syncthreads();
   auto row = [&](int src, int i) {
     return static_cast<const volatile int*>(rows)[static_cast<std::size_t>(src) * ci + i];
@@ -458,17 +473,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_forward_kernel(DispatchPara
   const int n = t.rank / L, l = t.rank % L, lane = threadIdx.x % 32;
   const HtNetTable tab = HtNetTable::make(N, L);
   const RecordFields f(p.hidden_bytes, p.num_scales, p.num_topk);
-  __shared__ int ok;
-  if (threadIdx.x == 0) ok = 1;
-  __syncthreads();
-  for (int m = threadIdx.x; m < N; m += blockDim.x) {
-    if (m == n) continue;
-    const int src = m * L + l;
-    if (!t.wait_signal(sig(t, HtNetSignal::kDispatchNet, src), op_counts(t, p.off)[1],
-                       OpId::kDispatch, src))
-      ok = 0;
-  }
-  __syncthreads();
+  // The sources of this rank's local index in the other nodes
+  const bool ok = wait_peers(
+      t, HtNetSignal::kDispatchNet, N, [&](int m) { return m == n ? -1 : m * L + l; },
+      op_counts(t, p.off)[1], OpId::kDispatch);
   const int gw = blockIdx.x * kWarps + threadIdx.x / 32, nw = gridDim.x * kWarps;
   int first = 0;  // records of the nodes before m
   for (int m = 0; ok && m < N; ++m) {
@@ -499,7 +507,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_forward_kernel(DispatchPara
     }
     first += rows;
   }
-  if (!last_block_ok(t, p.off, kDoneForward, ok != 0)) return;
+  if (!last_block_ok(t, p.off, kDoneForward, ok)) return;
   for (int d = threadIdx.x; d < L; d += blockDim.x)
     signal_all_contexts(t, n * L + d, sig(t, HtNetSignal::kDispatchNvl, t.rank));
 }
@@ -513,17 +521,11 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(DispatchParams<
   const int lane = threadIdx.x % 32;
   const int S = p.num_scales, K = p.num_topk;
   const RecordFields f(p.hidden_bytes, S, K);
-  __shared__ int ok;
-  if (threadIdx.x == 0) ok = 1;
-  __syncthreads();
-  if (threadIdx.x < L) {
-    const int fwd = n * L + threadIdx.x;
-    if (!t.wait_signal(sig(t, HtNetSignal::kDispatchNvl, fwd), op_counts(t, p.off)[1],
-                       OpId::kDispatch, fwd))
-      ok = 0;
-  }
-  __syncthreads();
-  if (!ok) return;
+  // The node's forwarders
+  if (!wait_peers(
+          t, HtNetSignal::kDispatchNvl, L, [&](int d) { return n * L + d; }, op_counts(t, p.off)[1],
+          OpId::kDispatch))
+    return;
   const int epr = p.num_experts / t.num_ranks, lo = t.rank * epr;
   const uint8_t* stage = reinterpret_cast<const uint8_t*>(t.local_ptr(p.off.stage));
   const HtNetTable tab = HtNetTable::make(p.off.num_nodes, L);
@@ -629,16 +631,10 @@ __global__ void __launch_bounds__(kThreads) combine_node_sum_kernel(CombineParam
   const int lane = threadIdx.x % 32, H = p.hidden, K = p.num_topk;
   const HtNetTable tab = HtNetTable::make(N, L);
   const int slot_rows = p.off.slot_rows;
-  __shared__ int ok;
-  if (threadIdx.x == 0) ok = 1;
-  __syncthreads();
-  if (threadIdx.x < L) {
-    const int d = n * L + threadIdx.x;
-    if (!t.wait_signal(sig(t, HtNetSignal::kCombineReturn, d), op_counts(t, p.off)[2],
-                       OpId::kCombine, d))
-      ok = 0;
-  }
-  __syncthreads();
+  // The node's ranks
+  const bool ok = wait_peers(
+      t, HtNetSignal::kCombineReturn, L, [&](int d) { return n * L + d; }, op_counts(t, p.off)[2],
+      OpId::kCombine);
   const uint8_t* stage = reinterpret_cast<const uint8_t*>(t.local_ptr(p.off.stage));
   int first = 0;  // rows of the nodes before m
   const int gw = blockIdx.x * kWarps + threadIdx.x / 32, nw = gridDim.x * kWarps;
@@ -672,7 +668,7 @@ __global__ void __launch_bounds__(kThreads) combine_node_sum_kernel(CombineParam
     }
     first += rows;
   }
-  if (!last_block_ok(t, p.off, kDoneNodeSum, ok != 0)) return;
+  if (!last_block_ok(t, p.off, kDoneNodeSum, ok)) return;
   for (int m = 0; m < N; ++m)
     if (m != n)
       put_node(t, m * L + l, p.off.recv + n * p.off.slot_bytes, p.off.send + m * p.off.slot_bytes,
@@ -689,18 +685,11 @@ __global__ void __launch_bounds__(kThreads) combine_finish_kernel(CombineParams<
   const int L = p.off.ranks_per_node, N = p.off.num_nodes;
   const int n = t.rank / L, l = t.rank % L;
   const int lane = threadIdx.x % 32, H = p.hidden, K = p.num_topk;
-  __shared__ int ok;
-  if (threadIdx.x == 0) ok = 1;
-  __syncthreads();
-  for (int m = threadIdx.x; m < N; m += blockDim.x) {
-    if (m == n) continue;
-    const int fwd = m * L + l;
-    if (!t.wait_signal(sig(t, HtNetSignal::kCombineNet, fwd), op_counts(t, p.off)[2],
-                       OpId::kCombine, fwd))
-      ok = 0;
-  }
-  __syncthreads();
-  if (!ok) return;
+  // The forwarders of this rank's local index in the other nodes
+  if (!wait_peers(
+          t, HtNetSignal::kCombineNet, N, [&](int m) { return m == n ? -1 : m * L + l; },
+          op_counts(t, p.off)[2], OpId::kCombine))
+    return;
   const uint8_t* recv = reinterpret_cast<const uint8_t*>(t.local_ptr(p.off.recv));
   for (int tok = blockIdx.x * kWarps + threadIdx.x / 32; tok < p.num_tokens;
        tok += gridDim.x * kWarps) {
