@@ -7,7 +7,7 @@ EPX's calls take the tuple back unchanged (or EPX's core handle, as before).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Sequence, Tuple, Union
 
 from . import _core
 from .utils import _torch
@@ -493,14 +493,21 @@ class InternodeDispatchHandle(_LazyHandle):
         N, local = core.num_ranks // L, rank % L
 
         def elements(self: "InternodeDispatchHandle") -> Dict[int, Callable[[], Any]]:
-            def fwd_rows() -> Any:  # records of each node's source (s, l)
+            forwarded: List[List[int]] = []  # elements 3, 4 and 9 read it: made once
+
+            def fwd_rows() -> List[int]:  # records of each node's source (s, l)
+                if forwarded:
+                    return forwarded[0]
                 if core.net_worst == 0:  # from the host count exchange
                     to_node = core.net_tokens_to_node
-                    return [to_node[(s * L + local) * N + rank // L] for s in range(N)]
-                # num_worst_tokens: the route table's first N ints, made on the GPU
-                # (copied on the current stream: .tolist() of a device tensor stalled
-                # in-process ranks, as a legacy-stream copy would)
-                return [int(v) for v in self._tensor("net_table")[:N].cpu().tolist()]
+                    rows = [to_node[(s * L + local) * N + rank // L] for s in range(N)]
+                else:
+                    # num_worst_tokens: the route table's first N ints, made on the GPU
+                    # (copied on the current stream: .tolist() of a device tensor
+                    # stalled in-process ranks, as a legacy-stream copy would)
+                    rows = [int(v) for v in self._tensor("net_table")[:N].cpu().tolist()]
+                forwarded.append(rows)
+                return rows
 
             def source_tokens() -> Any:  # the token counts of those sources
                 return self._tensor("source_num_tokens")[local::L]

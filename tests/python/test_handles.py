@@ -263,13 +263,19 @@ def test_internode_handle_on_a_small_case():
         ref.deepep_internode_handle([m0, m1, m2, m3], 1, 1, 3)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("R,L,C,sizes,p", [
+# Routings for the internode handle's elements: (R, L, C, tokens per rank, p)
+INTERNODE_CASES = [
     (4, 2, 3, [37, 0, 64, 5], 0.3),
     (8, 4, 12, [200, 3, 129, 77, 1, 0, 50, 96], 0.2),
     (6, 3, 16, [5, 9, 2, 0, 4, 7], 0.5),  # fewer tokens than channels
     (4, 2, 5, [40, 41, 42, 43], 0.0),  # nothing sent
-])
+    (8, 2, 4, [30, 31, 32, 33, 34, 35, 36, 37], 1.0),  # everything everywhere
+    (3, 1, 2, [9, 0, 4], 0.6),  # nodes of one rank
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("R,L,C,sizes,p", INTERNODE_CASES)
 def test_internode_derivable_elements_match_the_reference(R, L, C, sizes, p, backend):
     rng = np.random.default_rng(R * 7 + L * 3 + C)
     masks = _masks(rng, R, sizes, p)
@@ -321,14 +327,7 @@ def _forwarder_state(masks, rank, L, pad):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("R,L,C,sizes,p", [
-    (4, 2, 3, [37, 0, 64, 5], 0.3),
-    (8, 4, 12, [200, 3, 129, 77, 1, 0, 50, 96], 0.2),
-    (6, 3, 16, [5, 9, 2, 0, 4, 7], 0.5),  # fewer tokens than channels
-    (4, 2, 5, [40, 41, 42, 43], 0.0),  # nothing sent
-    (8, 2, 4, [30, 31, 32, 33, 34, 35, 36, 37], 1.0),  # everything everywhere
-    (3, 1, 2, [9, 0, 4], 0.6),  # nodes of one rank
-])
+@pytest.mark.parametrize("R,L,C,sizes,p", INTERNODE_CASES)
 def test_internode_recorded_elements_match_the_reference(R, L, C, sizes, p, backend):
     """Elements 3, 4, 7 and 9 from what the kernels record (modelled here from the
     routing) against the reference's definitions."""
