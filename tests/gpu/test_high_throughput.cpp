@@ -1014,6 +1014,7 @@ struct NetFirstDispatch {
   DeviceArray<int64_t> topk;
   DeviceArray<uint16_t> x;
   DeviceArray<float> w;
+  Layout layout;  // a's layout views point into it; it must outlive them
   DispatchArgs a;
   DispatchResult res;
   int T = 0;
@@ -1036,7 +1037,7 @@ struct NetFirstDispatch {
     w = to_device(mine.topk_weights);
     StreamArgs s;
     s.stream = w_.stream;
-    auto layout =
+    layout =
         b->get_dispatch_layout(view(topk.get(), DType::kI64, {T, c.num_topk}), c.num_experts, s);
     a.x = view(x.get(), DType::kBF16, {T, c.hidden});
     a.topk_idx = view(topk.get(), DType::kI64, {T, c.num_topk});
