@@ -100,6 +100,11 @@ bool ht_pull() {
   return zero_or_one("EPX_HT_PULL");
 }
 
+std::optional<bool> net_split_puts() {
+  if (!get("EPX_NET_SPLIT_PUTS")) return std::nullopt;
+  return zero_or_one("EPX_NET_SPLIT_PUTS");
+}
+
 bool ll_arrival_order() {
   return zero_or_one("EPX_LL_ARRIVAL_ORDER");
 }

@@ -43,6 +43,12 @@ std::optional<ProxyStop> debug_proxy_stop();
 /// the pull dispatch (Config::pull_dispatch).
 bool ht_pull();
 
+/// EPX_NET_SPLIT_PUTS (0 or 1; unset: the backend decides, see
+/// Backend::puts_copy_on_sms): whether the high-throughput kernels across
+/// nodes share each node slot's put among the blocks of a kernel of its own
+/// (1) or leave it to the last block of the kernel that filled the slots (0).
+std::optional<bool> net_split_puts();
+
 /// EPX_LL_ARRIVAL_ORDER (0 or 1, default 0; experimental): the low-latency
 /// dispatch packs each local expert's rows by source in the order the
 /// sources' token masks arrive (as DeepEP) instead of in rank order, so no

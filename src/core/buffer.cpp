@@ -154,6 +154,7 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
   d.ht_done_blocks = d.ht_op_counter + 2;
   d.ll_seq = reinterpret_cast<uint64_t*>(d.ht_op_counter + 4);
   d.ll_arrival_order = env::ll_arrival_order();
+  d.net_split_puts = env::net_split_puts();
   if (dispatch_stop && dispatch_stop->rank == d.comm->rank()) {
     d.ll_dispatch_stop_tokens = dispatch_stop->tokens;
     std::fprintf(stderr,
@@ -319,6 +320,17 @@ void Buffer::Impl::raise_if_failed(const char* op) {
        << " did not all leave within " << timeout_s << " s (" << g_expected << " posted, " << g_seen
        << " done); the network, or the backend's engine for it (NCCL's GIN proxy), "
        << "is stalled, or a peer cannot be reached";
+    throw Error(ErrorCode::kTimeout, std::string(op) + ": " + os.str());
+  }
+  if (code == DiagCode::kTimeout && what == OpId::kNetCredit) {
+    const int32_t g_peer = g->peer;
+    std::memset(const_cast<DeviceDiag*>(diag_host), 0, sizeof(DeviceDiag));
+    backend->check_health();  // names a failed communicator, if one failed
+    os << op_name(what) << ": rank " << g_rank << "'s queue to rank " << g_peer
+       << " on network context " << g_channel << " had no free slot within " << timeout_s
+       << " s (descriptor " << g_expected << ", " << g_seen
+       << " consumed); the network, or the backend's engine for it (NCCL's GIN proxy), "
+       << "is stalled, or rank " << g_peer << " cannot be reached";
     throw Error(ErrorCode::kTimeout, std::string(op) + ": " + os.str());
   }
   if (code == DiagCode::kTimeout && g->channel >= kDiagSignalChannel) {

@@ -51,6 +51,9 @@ struct Buffer::Impl {
   int* ll_mask = nullptr;  ///< enable_shrink: int32 [plan::kLlMaxRanks], 1 = rank left out (LL ops)
   /// EPX_LL_ARRIVAL_ORDER=1 when the buffer was made (LlDispatchRecvParams::arrival_order).
   bool ll_arrival_order = false;
+  /// EPX_NET_SPLIT_PUTS when the buffer was made (unset: the backend's
+  /// puts_copy_on_sms decides at each op).
+  std::optional<bool> net_split_puts;
   /// EPX_DEBUG_LL_DISPATCH_STOP naming this rank when the buffer was made: its
   /// LL dispatch sends the rows of this many tokens only (a rank dying mid-op).
   int ll_dispatch_stop_tokens = std::numeric_limits<int>::max();
@@ -93,6 +96,8 @@ struct Buffer::Impl {
   }
   /// Whether the backend reaches some peers over the network (not by load/store).
   bool networked() const { return !topology.single_node(); }
+  /// HtNetDispatchArgs::split_puts
+  bool split_puts() const { return net_split_puts.value_or(backend->puts_copy_on_sms()); }
   uint64_t timeout_ns() const {
     return static_cast<uint64_t>(detail::capped_wait_seconds(timeout_s) * 1e9);
   }

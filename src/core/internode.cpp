@@ -322,6 +322,7 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   p.recv_src_idx = recv_src_idx.ptr<int>();
   p.recv_meta = handle->net_recv_meta.ptr<int>();
   p.num_blocks = blocks;
+  p.split_puts = split_puts();
   p.num_worst = worst;
   if (!a.handle && worst > 0) {
     p.route_counts = route_counts.ptr<int>();
@@ -383,6 +384,7 @@ CombineResult Buffer::Impl::net_combine(const CombineArgs& a) {
   p.combined_topk_weights =
       res.combined_topk_weights ? res.combined_topk_weights->ptr<float>() : nullptr;
   p.num_blocks = blocks;
+  p.split_puts = split_puts();
   p.num_worst = h.net_worst;
   kernels::launch_ht_net_combine(transport(ht, plan::HtNetRegion::kSignals), p, x);
   res.event = ll_leave(a.streams, x);

@@ -21,7 +21,17 @@ constexpr int kWarps = kThreads / 32;
 /// kFailed: a block whose wait failed (reported) sets it; the last block
 /// then sends nothing, so that the peers time out naming this rank instead
 /// of taking rows that never came, and clears it.
-enum DoneWord : int { kDoneSend = 0, kDoneForward, kDoneReturn, kDoneNodeSum, kFailed = 8 };
+/// kDoneNodePut and kNodePutGo: node_put_kernel's count, and the word the
+/// kernel before it sets when the node slots may be put (split puts).
+enum DoneWord : int {
+  kDoneSend = 0,
+  kDoneForward,
+  kDoneReturn,
+  kDoneNodeSum,
+  kDoneNodePut,
+  kNodePutGo,
+  kFailed = 8
+};
 
 using plan::HtNetSignal;
 
@@ -76,6 +86,73 @@ __device__ __forceinline__ void put_node(const T& t, int r, std::size_t dst, std
   if (threadIdx.x == 0)
     for (int c = 1; c < t.num_contexts; ++c) t.template signal_add<dev::Thread>(c, r, s, 1);
   __syncthreads();
+}
+
+/// The end of a kernel whose last block puts each other node's slot (send
+/// slot m to rank m * L + l's receive slot n, `rows[m]` rows, signal `kind`).
+/// With split puts the last block only sets kNodePutGo, and node_put_kernel
+/// (launched next) shares the puts among its blocks.
+template <class T>
+__device__ __forceinline__ void put_node_slots(const T& t, const HtNetOffsets& o, const int* rows,
+                                               HtNetSignal kind, bool split) {
+  const int L = o.ranks_per_node, N = o.num_nodes, n = t.rank / L, l = t.rank % L;
+  if (split) {
+    if (threadIdx.x == 0) *done_word(t, o, kNodePutGo) = 1u;
+    return;
+  }
+  for (int m = 0; m < N; ++m)
+    if (m != n)
+      put_node(t, m * L + l, o.recv + n * o.slot_bytes, o.send + m * o.slot_bytes,
+               static_cast<std::size_t>(rows[m]) * o.row_bytes, sig(t, kind, t.rank));
+}
+
+template <class T>
+struct NodePutParams {
+  HtNetOffsets off;
+  const int* rows;  ///< [N]: rows of each node's send slot
+  HtNetSignal kind;
+  T t;
+};
+
+/// Split puts (where the SMs that call a put copy its bytes themselves, as
+/// NVSHMEM over P2P does, one block per slot of megabytes was the dispatch's
+/// and the combine's whole time): block b puts part b of every other node's
+/// slot, waits until its puts are complete (quiet), and the last block
+/// signals each of those ranks, so every part landed before the signal.
+/// Nothing moves unless the kernel before set kNodePutGo (an op that failed
+/// before sends nothing: the peers time out naming this rank).
+template <class T>
+__global__ void __launch_bounds__(kThreads) node_put_kernel(NodePutParams<T> p) {
+  const auto& t = p.t;
+  const HtNetOffsets& o = p.off;
+  const int L = o.ranks_per_node, N = o.num_nodes, n = t.rank / L, l = t.rank % L;
+  uint32_t* go = done_word(t, o, kNodePutGo);
+  if (*static_cast<volatile uint32_t*>(go) == 0u) return;  // every block alike
+  for (int m = 0; m < N; ++m) {
+    if (m == n) continue;
+    const std::size_t bytes = static_cast<std::size_t>(p.rows[m]) * o.row_bytes;
+    const std::size_t part = (bytes / gridDim.x + 16) & ~static_cast<std::size_t>(15);
+    const std::size_t b0 = min(bytes, blockIdx.x * part), len = min(part, bytes - b0);
+    if (len > 0)
+      t.template put<dev::Block>(0, m * L + l, o.recv + n * o.slot_bytes + b0,
+                                 o.send + m * o.slot_bytes + b0, len);
+  }
+  __shared__ int ok;
+  __syncthreads();
+  if (threadIdx.x == 0) ok = t.quiet(0) ? 1 : 0;
+  __syncthreads();
+  if (!last_block_ok(t, o, kDoneNodePut, ok != 0)) return;
+  if (threadIdx.x == 0) *go = 0u;
+  for (int m = 0; m < N; ++m)
+    if (m != n) put_node(t, m * L + l, 0, 0, 0, sig(t, p.kind, t.rank));
+}
+
+template <class T>
+inline void launch_node_put(const T& t, const HtNetOffsets& off, const int* rows, HtNetSignal kind,
+                            int blocks, cudaStream_t stream) {
+  NodePutParams<T> p{off, rows, kind, t};
+  node_put_kernel<T><<<blocks, kThreads, 0, stream>>>(p);
+  EPX_CUDA_CHECK(cudaGetLastError());
 }
 
 /// One thread: `ints` words of this rank's region at `src` (already written
@@ -450,13 +527,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DispatchParams<
     }
   }
   if (!last_block_ok(t, p.off, kDoneSend, true)) return;
-  const int n = t.rank / L, l = t.rank % L;
-  const int* node_rows = p.table + HtNetTable::make(N, L).node_rows;
-  for (int m = 0; m < N; ++m)
-    if (m != n)
-      put_node(t, m * L + l, p.off.recv + n * p.off.slot_bytes, p.off.send + m * p.off.slot_bytes,
-               static_cast<std::size_t>(node_rows[m]) * p.off.row_bytes,
-               sig(t, HtNetSignal::kDispatchNet, t.rank));
+  put_node_slots(t, p.off, p.table + HtNetTable::make(N, L).node_rows, HtNetSignal::kDispatchNet,
+                 p.split_puts);
 }
 
 /// The records of each node's source with this rank's local index (from the
@@ -569,6 +641,10 @@ void dispatch_for(const T& t, const HtNetDispatchArgs& a, cudaStream_t stream) {
   }
   dispatch_send_kernel<T><<<a.num_blocks, kThreads, 0, stream>>>(p);
   EPX_CUDA_CHECK(cudaGetLastError());
+  if (a.split_puts)
+    launch_node_put(t, a.off,
+                    a.table + HtNetTable::make(a.off.num_nodes, a.off.ranks_per_node).node_rows,
+                    HtNetSignal::kDispatchNet, a.num_blocks, stream);
   dispatch_forward_kernel<T><<<a.num_blocks, kThreads, 0, stream>>>(p);
   EPX_CUDA_CHECK(cudaGetLastError());
   dispatch_recv_kernel<T><<<a.num_blocks, kThreads, 0, stream>>>(p);
@@ -669,11 +745,7 @@ __global__ void __launch_bounds__(kThreads) combine_node_sum_kernel(CombineParam
     first += rows;
   }
   if (!last_block_ok(t, p.off, kDoneNodeSum, ok)) return;
-  for (int m = 0; m < N; ++m)
-    if (m != n)
-      put_node(t, m * L + l, p.off.recv + n * p.off.slot_bytes, p.off.send + m * p.off.slot_bytes,
-               static_cast<std::size_t>(p.table[tab.fwd_rows + m]) * p.off.row_bytes,
-               sig(t, HtNetSignal::kCombineNet, t.rank));
+  put_node_slots(t, p.off, p.table + tab.fwd_rows, HtNetSignal::kCombineNet, p.split_puts);
 }
 
 /// Waits for every other node's sums, then adds, per token, the rows of the
@@ -736,6 +808,10 @@ void combine_for(const T& t, const HtNetCombineArgs& a, cudaStream_t stream) {
   EPX_CUDA_CHECK(cudaGetLastError());
   combine_node_sum_kernel<T><<<a.num_blocks, kThreads, 0, stream>>>(p);
   EPX_CUDA_CHECK(cudaGetLastError());
+  if (a.split_puts)
+    launch_node_put(t, a.off,
+                    a.table + HtNetTable::make(a.off.num_nodes, a.off.ranks_per_node).fwd_rows,
+                    HtNetSignal::kCombineNet, a.num_blocks, stream);
   combine_finish_kernel<T><<<a.num_blocks, kThreads, 0, stream>>>(p);
   EPX_CUDA_CHECK(cudaGetLastError());
 }
@@ -767,6 +843,7 @@ void preload_ht_net_kernels_of() {
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, combine_return_kernel<T>));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, combine_node_sum_kernel<T>));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, combine_finish_kernel<T>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, node_put_kernel<T>));
 }
 
 }  // namespace epx::kernels

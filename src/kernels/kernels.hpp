@@ -266,6 +266,9 @@ struct HtNetDispatchArgs : DispatchRowArgs {
   int* recv_src_idx;
   int* recv_meta;  ///< [N_recv, 3]: source rank, record index, local ranks the token reached
   int num_blocks;  ///< of the send and receive kernels
+  /// The node slots' puts shared by the blocks of a kernel of their own
+  /// instead of made by one (Backend::puts_copy_on_sms).
+  bool split_puts;
   /// num_worst_tokens (0: none): the table and the handle's counts are made
   /// on the GPU by a count exchange (no host wait), from these:
   int num_worst;
@@ -295,6 +298,7 @@ struct HtNetCombineArgs {
   uint16_t* combined_x;
   float* combined_topk_weights;
   int num_blocks;
+  bool split_puts;  ///< as HtNetDispatchArgs::split_puts
 };
 /// The barrier, then return, node sum and finish.
 void launch_ht_net_combine(const dev::AnyTransport& t, const HtNetCombineArgs& a,

@@ -66,6 +66,12 @@ class Backend {
   /// After the caller zeroed `region`'s signal words on every rank (collective,
   /// no op in flight): a backend that keeps state about them resets it.
   virtual void region_cleared(const SymmetricRegion& region) { (void)region; }
+  /// Whether the SMs that call a put to a peer in another node copy its bytes
+  /// themselves (NVSHMEM's P2P transport between virtual nodes of one host)
+  /// rather than an engine (copy engines, a NIC): the high-throughput kernels
+  /// then share a slot's put among many blocks instead of leaving it to one.
+  /// EPX_NET_SPLIT_PUTS overrides it.
+  virtual bool puts_copy_on_sms() const { return false; }
   /// Throws epx::Error describing a part of the backend that failed (a proxy
   /// thread that died), naming it; nothing when all is well.
   virtual void check_health() const {}

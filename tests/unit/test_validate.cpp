@@ -336,6 +336,25 @@ TEST(Env, LlArrivalOrderIsZeroOrOne) {
     unsetenv("EPX_LL_ARRIVAL_ORDER");
 }
 
+TEST(Env, NetSplitPutsIsUnsetZeroOrOne) {
+  const char* saved = std::getenv("EPX_NET_SPLIT_PUTS");
+  const std::string keep = saved ? saved : "";
+  unsetenv("EPX_NET_SPLIT_PUTS");
+  EXPECT_FALSE(env::net_split_puts().has_value());
+  setenv("EPX_NET_SPLIT_PUTS", "1", 1);
+  EXPECT_EQ(env::net_split_puts(), std::optional<bool>(true));
+  setenv("EPX_NET_SPLIT_PUTS", "0", 1);
+  EXPECT_EQ(env::net_split_puts(), std::optional<bool>(false));
+  setenv("EPX_NET_SPLIT_PUTS", "yes", 1);
+  expect_error([] { env::net_split_puts(); }, {"EPX_NET_SPLIT_PUTS"});
+  setenv("EPX_NET_SPLIT_PUTS", "3", 1);
+  expect_error([] { env::net_split_puts(); }, {"EPX_NET_SPLIT_PUTS", "0 or 1"});
+  if (saved)
+    setenv("EPX_NET_SPLIT_PUTS", keep.c_str(), 1);
+  else
+    unsetenv("EPX_NET_SPLIT_PUTS");
+}
+
 TEST(Env, LlSmsIsAPositiveCount) {
   const char* saved = std::getenv("EPX_LL_SMS");
   const std::string keep = saved ? saved : "";

@@ -16,8 +16,9 @@
 
 namespace epx::nvshmem_module {
 
-inline constexpr int kAbiVersion =
-    3;  // 2: the table has the HT launchers; 3: their args record the forwarded tokens
+// 2: the table has the HT launchers; 3: their args record the forwarded
+// tokens; 4: and say whether the node slots' puts are split
+inline constexpr int kAbiVersion = 4;
 
 /// What the core lends the module for its bootstrap.
 struct Host {

@@ -182,6 +182,11 @@ class NvshmemBackend final : public Backend {
                         ") but NVSHMEM cannot map its memory here (nvshmem_ptr is null): a node "
                         "must be ranks that NVLink or P2P reaches");
     }
+    // A rank of another node that NVSHMEM maps here is reached over P2P:
+    // its puts are copies by the calling threads.
+    for (int pe = 0; pe < comm_.num_ranks() && !sms_copy_; ++pe)
+      if (!topo_.same_node(pe, comm_.rank()) && api_.peer_ptr(r.local, pe) != nullptr)
+        sms_copy_ = true;
     return r;
   }
 
@@ -216,6 +221,8 @@ class NvshmemBackend final : public Backend {
     return t;
   }
 
+  bool puts_copy_on_sms() const override { return sms_copy_; }
+
   /// Every put this rank issued has landed, then all ranks meet.
   void quiesce() override {
     comm_.barrier();
@@ -227,6 +234,7 @@ class NvshmemBackend final : public Backend {
   Communicator& comm_;
   Topology topo_;
   const Api& api_;
+  bool sms_copy_ = false;  ///< some rank of another node is reached over P2P
 };
 
 }  // namespace
