@@ -173,17 +173,21 @@ if has nccl && [ "$GPUS" -ge 2 ]; then
   # (NCCL's device code has no deadline of its own: a hang here is a finding.)
   kill_test " over nccl" "$OUT/nccl-kill.log" "${gin[@]:1}" EPX_BACKEND=nccl
   # A network that stops completing puts 20 s after connecting (the plugin's
-  # EPX_GIN_LOOP_STALL_AFTER_S): each rank's quiet must raise within the
-  # deadline (EPX_NCCL_STALL=0 skips it)
+  # EPX_GIN_LOOP_STALL_AFTER_S): each rank must raise within the deadline,
+  # for the HT ops across nodes and for the LL ops, whose dispatch overfills
+  # NCCL's GIN proxy queue (EPX_NCCL_STALL_TESTS; EPX_NCCL_STALL=0 skips it)
   if [ "${EPX_NCCL_STALL:-1}" = 1 ]; then
-    echo "== a stalled network over nccl (2 processes, nodes of 1)"
-    timeout ${EPX_KILL_TIMEOUT:-150} "${gin[@]}" EPX_BACKEND=nccl EPX_RANKS_PER_NODE=1 \
-      EPX_GIN_LOOP_STALL_AFTER_S=${EPX_NCCL_STALL_S:-20} "$D/launch.sh" 2 "$D/epx_gpu_tests" \
-      --gtest_filter=Internode.StalledNetworkIsNamed > "$OUT/nccl-stall.log" 2>&1
-    echo "rc=$?"
-    grep "STALL-TEST" "$OUT/nccl-stall.log"
-    pass=$(grep -c "STALL-TEST rank [0-9]*: PASS" "$OUT/nccl-stall.log")
-    summary+=("stalled network over nccl: $pass of 2 ranks raised within the deadline$([ "$pass" = 2 ] && echo ' (PASS)' || echo ' (FAIL)')")
+    for t in ${EPX_NCCL_STALL_TESTS:-Internode.StalledNetworkIsNamed Network.StalledNetworkIsNamed}; do
+      echo "== a stalled network over nccl, $t (2 processes, nodes of 1)"
+      log="$OUT/nccl-stall-${t//./-}.log"
+      timeout ${EPX_KILL_TIMEOUT:-150} "${gin[@]}" EPX_BACKEND=nccl EPX_RANKS_PER_NODE=1 \
+        EPX_GIN_LOOP_STALL_AFTER_S=${EPX_NCCL_STALL_S:-20} "$D/launch.sh" 2 "$D/epx_gpu_tests" \
+        --gtest_filter="$t" > "$log" 2>&1
+      echo "rc=$?"
+      grep "STALL-TEST" "$log"
+      pass=$(grep -c "STALL-TEST rank [0-9]*: PASS" "$log")
+      summary+=("stalled network over nccl, $t: $pass of 2 ranks raised within the deadline$([ "$pass" = 2 ] && echo ' (PASS)' || echo ' (FAIL)')")
+    done
   fi
   if [ "$GPUS" -ge 4 ]; then
     # The LL bench over NCCL's GIN path (GIN_PROXY through the loopback plugin:

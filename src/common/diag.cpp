@@ -40,6 +40,8 @@ const char* op_name(OpId op) {
       return "proxy quiet (waiting for a channel's commands to complete)";
     case OpId::kNetQuiet:
       return "network quiet (waiting for this rank's puts to leave)";
+    case OpId::kNetCredit:
+      return "network post (waiting for a free slot in the queue to a peer)";
   }
   return "?";
 }

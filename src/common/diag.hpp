@@ -25,6 +25,8 @@ enum class OpId : uint32_t {
   kProxyPost = 13,     ///< a GPU thread waiting for a free slot in a proxy channel's ring
   kProxyQuiet = 14,    ///< a GPU thread waiting for a proxy channel's commands to complete
   kNetQuiet = 15,      ///< a GPU thread waiting for its network puts to leave (channel: context)
+  kNetCredit = 16,     ///< a GPU thread waiting for a free slot in a network queue to a peer
+                       ///< (channel: context)
 };
 
 enum class DiagCode : uint32_t {

@@ -1593,6 +1593,53 @@ EPX_GPU_TEST(Network, KilledRankIsNamed) {
   std::_Exit(named ? 0 : 1);
 }
 
+/// A network that stops completing puts (the loopback GIN plugin's
+/// EPX_GIN_LOOP_STALL_AFTER_S, nccl backend, one process per rank; run on
+/// its own by the device script), for the low-latency ops: a dispatch of 128
+/// tokens posts more descriptors to a peer than NCCL's GIN proxy queue holds,
+/// so after the stall a post finds the queue full. The ranks must raise
+/// within their deadline (the post's credit wait, a quiet or a signal wait,
+/// whichever comes first), where NCCL's own wait for a queue slot would
+/// hang. Prints "STALL-TEST rank N: PASS|FAIL ..." and leaves at once.
+EPX_GPU_TEST(Network, StalledNetworkIsNamed) {
+  auto& w = world();
+  const char* stall = std::getenv("EPX_GIN_LOOP_STALL_AFTER_S");
+  if (stall == nullptr || w.comm->in_process())
+    GTEST_SKIP() << "set EPX_GIN_LOOP_STALL_AFTER_S (nccl backend through the loopback "
+                    "plugin), one process per rank (it ends the run)";
+  using clock = std::chrono::steady_clock;
+  const double limit_s = std::atof(stall) + 60.0;
+  LlCase c;
+  c.max_tokens = 128;
+  c.hidden = 2048;
+  c.num_experts = 8 * w.num_ranks;
+  Buffer b(w.comm, hint_sized_options(c, w.num_ranks, 3.0, poisoning_allocator()));
+  const auto in = make_inputs(c, w.num_ranks, 903);
+  const auto t0 = clock::now();
+  auto last_ok = t0;
+  std::string msg = "no error within the limit";
+  ErrorCode code = ErrorCode::kInternal;
+  long pairs = 0;
+  while (std::chrono::duration<double>(clock::now() - t0).count() < limit_s) {
+    const std::string e = ll_pair_error(b, c, in, code);
+    if (!e.empty()) {
+      msg = e;
+      break;
+    }
+    ++pairs;
+    last_ok = clock::now();
+  }
+  const double secs = std::chrono::duration<double>(clock::now() - last_ok).count();
+  const bool credit = msg.find("no free slot") != std::string::npos;
+  const bool named = credit || msg.find("network quiet") != std::string::npos ||
+                     msg.find("for rank ") != std::string::npos;
+  std::printf("STALL-TEST rank %d: %s after %.1f s (%ld pairs before; %s): %s\n", w.rank,
+              named && code == ErrorCode::kTimeout && secs < 30 ? "PASS" : "FAIL", secs, pairs,
+              credit ? "a queue credit" : "a wait", msg.c_str());
+  std::fflush(stdout);
+  std::_Exit(named ? 0 : 1);
+}
+
 /// EPX_TEST_SOAK=N: N low-latency dispatch + combine pairs with routing that
 /// changes every call (16 sets, seeded), no error, the received counts right
 /// every 500 pairs, and neither device nor host memory growing after the

@@ -38,6 +38,33 @@ inline constexpr int kGinContextsPerComm = 4;
 /// Communicators a transport spreads its contexts over.
 inline constexpr int kMaxGinComms = (kMaxContexts + kGinContextsPerComm - 1) / kGinContextsPerComm;
 
+#if defined(__CUDACC__)
+/// NCCL's GIN proxy (the CPU-driven GIN type, the loopback plugin's) has a
+/// queue of descriptors per (context, peer); a GPU thread that posts to a
+/// full queue spins inside NCCL until the proxy frees a slot, with no
+/// deadline, so a stalled network would hang it there. EPX posts nothing on
+/// its GIN contexts but through this gate: every descriptor to `peer` first
+/// takes a ticket k from `tickets[peer]`, then waits, with EPX's deadline,
+/// until the proxy consumed all but queueSize - 1 of the descriptors before
+/// it. Whatever order the gated threads then claim NCCL's slots in, none
+/// finds the queue full (a thread holding the highest ticket passed so far
+/// saw the consumed index past it minus queueSize). False after reporting
+/// kNetCredit (peer, context `ctx_id`, ticket, consumed index); true at once
+/// for other GIN types (GDAKI's queues are the NIC's) or without tickets.
+__device__ __forceinline__ bool gin_credit(const ncclDevComm& dc, int context, unsigned* tickets,
+                                           int peer, uint64_t timeout_ns, DeviceDiag* diag,
+                                           int rank, int ctx_id) {
+  if (tickets == nullptr || dc.ginTypes[context] != NCCL_NET_DEVICE_GIN_PROXY) return true;
+  const auto* q = static_cast<const ncclGinProxyGpuCtx_t*>(dc.ginHandles[context]);
+  const uint32_t size = q->queueSize;
+  const volatile uint32_t* ci = q->cis + peer;
+  const uint32_t k = atomicAdd(tickets + peer, 1u);
+  return spin_until([&] { return static_cast<uint32_t>(*ci); },
+                    [&](uint32_t c) { return k - c < size; }, [](uint32_t c) { return c; }, k,
+                    timeout_ns, diag, OpId::kNetCredit, rank, peer, ctx_id);
+}
+#endif
+
 struct NcclGinTransport : NetworkTransportBase, LsaWords<NcclGinTransport> {
   static constexpr TransportCaps kCaps{/*network=*/true, /*peer_loads=*/true, kMaxContexts,
                                        kMaxRanks};
@@ -47,6 +74,10 @@ struct NcclGinTransport : NetworkTransportBase, LsaWords<NcclGinTransport> {
   /// shared by its regions); NCCL's counter of the context counts those whose
   /// source was read (quiet waits for the one to reach the other).
   unsigned long long* posted;
+  /// [kMaxContexts][kMaxRanks]: descriptors posted to each peer on each
+  /// context (gin_credit's tickets); nullptr: no credit gate (an NCCL other
+  /// than the one EPX was built against, whose proxy queue may differ).
+  unsigned* tickets;
 
 #if defined(__CUDACC__)
   template <class Coop>
@@ -73,11 +104,29 @@ struct NcclGinTransport : NetworkTransportBase, LsaWords<NcclGinTransport> {
   static __device__ __forceinline__ ncclGinCounter_t counter_of(int ctx) {
     return static_cast<ncclGinCounter_t>(ctx % kGinContextsPerComm);
   }
+  /// Whether the group may post one descriptor to peer r on context ctx
+  /// (gin_credit by its leader; the group learns the answer).
+  template <class Coop>
+  __device__ __forceinline__ bool group_credit(int ctx, int r) const {
+    const bool ok =
+        !coop_leader<Coop>() ||
+        gin_credit(comm_of(ctx), ctx % kGinContextsPerComm,
+                   tickets ? tickets + ctx * kMaxRanks : nullptr, r, timeout_ns, diag, rank, ctx);
+    if constexpr (std::is_same_v<Coop, Thread>) {
+      return ok;
+    } else if constexpr (std::is_same_v<Coop, Warp>) {
+      return __all_sync(0xffffffffu, ok);
+    } else {
+      return __syncthreads_and(ok) != 0;
+    }
+  }
   /// Counted in `posted` before it is posted, so that a quiet that reads
-  /// `posted` after this put was issued waits for it.
+  /// `posted` after this put was issued waits for it. Not posted when the
+  /// queue had no slot within the deadline (reported).
   template <class Coop, class Action>
   __device__ __forceinline__ void gin_put(int ctx, int r, std::size_t dst_off, std::size_t src_off,
                                           std::size_t bytes, Action action) const {
+    if (!group_credit<Coop>(ctx, r)) return;
     const ncclWindow_t w = win[ctx / kGinContextsPerComm];
     if (coop_leader<Coop>()) atomicAdd(posted + ctx, 1ull);
     gin(ctx).put(ncclTeamWorld(comm_of(ctx)), r, w, dst_off, w, src_off, bytes, action,
@@ -102,6 +151,7 @@ struct NcclGinTransport : NetworkTransportBase, LsaWords<NcclGinTransport> {
       if (coop_leader<Coop>()) lsa_signal_add(ctx, r, sig, add);
       return;
     }
+    if (!group_credit<Coop>(ctx, r)) return;
     gin(ctx).signal(ncclTeamWorld(comm_of(ctx)), r, signal_of(sig, add), nccl_coop<Coop>());
   }
   template <class Coop>

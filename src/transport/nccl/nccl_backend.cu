@@ -4,6 +4,7 @@
 #include <nccl_device.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -36,23 +37,29 @@ __global__ void gin_reset_signals(const ncclDevComm* comms, int num_contexts, in
 }
 
 /// One round of the quiesce: on every context, a signal add of 1 to every
-/// rank of another node on signal `drain`, then a wait until this rank's own
-/// word of it reached `expected` (every such rank's add of this round came,
-/// and a context's signal comes after its earlier signals and puts to this
-/// rank). *failed = 1 at the deadline.
-__global__ void gin_drain(const ncclDevComm* comms, int num_contexts, int num_ranks,
-                          int ranks_per_node, int me, int drain, uint64_t expected,
+/// rank of another node on signal `drain` (through the credit gate), then a
+/// wait until this rank's own word of it reached `expected` (every such
+/// rank's add of this round came, and a context's signal comes after its
+/// earlier signals and puts to this rank). *failed = 1 at the deadline.
+__global__ void gin_drain(const ncclDevComm* comms, unsigned* tickets, int num_contexts,
+                          int num_ranks, int ranks_per_node, int me, int drain, uint64_t expected,
                           uint64_t timeout_ns, int* failed) {
   const int ctx = blockIdx.x;
   if (ctx >= num_contexts || threadIdx.x != 0) return;
   const ncclDevComm& dc = comms[ctx / dev::kGinContextsPerComm];
   ncclGin g(dc, ctx % dev::kGinContextsPerComm);
   const int node = me / ranks_per_node;
-  for (int r = 0; r < num_ranks; ++r)
-    if (r / ranks_per_node != node)
-      g.signal(ncclTeamWorld(dc), r, ncclGin_SignalAdd{static_cast<ncclGinSignal_t>(drain), 1},
-               ncclCoopThread{});
-  g.flush(ncclCoopThread{});
+  for (int r = 0; r < num_ranks; ++r) {
+    if (r / ranks_per_node == node) continue;
+    if (!dev::gin_credit(dc, ctx % dev::kGinContextsPerComm,
+                         tickets ? tickets + ctx * kMaxRanks : nullptr, r, timeout_ns, nullptr, me,
+                         ctx)) {
+      atomicExch(failed, 1);
+      return;
+    }
+    g.signal(ncclTeamWorld(dc), r, ncclGin_SignalAdd{static_cast<ncclGinSignal_t>(drain), 1},
+             ncclCoopThread{});
+  }
   const uint64_t t0 = dev::globaltimer_ns();
   while (g.readSignal(static_cast<ncclGinSignal_t>(drain)) < expected) {
     if (dev::globaltimer_ns() - t0 > timeout_ns) {
@@ -62,11 +69,23 @@ __global__ void gin_drain(const ncclDevComm* comms, int num_contexts, int num_ra
   }
 }
 
-__global__ void gin_flush_all(const ncclDevComm* comms, int num_contexts) {
+/// Every put posted on every context has read its source (NCCL's counter of
+/// the context reached EPX's count of posted puts): no descriptor names a
+/// window any more. NCCL's flush waits for the same with no deadline; here
+/// *failed = 1 at the deadline.
+__global__ void gin_flush_all(const ncclDevComm* comms, const unsigned long long* posted,
+                              int num_contexts, uint64_t timeout_ns, int* failed) {
   const int ctx = blockIdx.x;
   if (ctx >= num_contexts || threadIdx.x != 0) return;
   ncclGin g(comms[ctx / dev::kGinContextsPerComm], ctx % dev::kGinContextsPerComm);
-  g.flush(ncclCoopThread{});
+  const uint64_t target = posted[ctx];
+  const uint64_t t0 = dev::globaltimer_ns();
+  while (g.readCounter(dev::NcclGinTransport::counter_of(ctx)) < target) {
+    if (dev::globaltimer_ns() - t0 > timeout_ns) {
+      atomicExch(failed, 1);
+      return;
+    }
+  }
 }
 
 std::string result_name(ncclResult_t r) {
@@ -160,6 +179,19 @@ class NcclGin final : public Backend {
     EPX_CUDA_CHECK(cudaMalloc(&d_failed_, sizeof(int)));
     EPX_CUDA_CHECK(cudaMalloc(&d_posted_, sizeof(unsigned long long) * kMaxContexts));
     EPX_CUDA_CHECK(cudaMemset(d_posted_, 0, sizeof(unsigned long long) * kMaxContexts));
+    const std::size_t ticket_bytes = sizeof(unsigned) * kMaxContexts * kMaxRanks;
+    EPX_CUDA_CHECK(cudaMalloc(&d_tickets_, ticket_bytes));
+    EPX_CUDA_CHECK(cudaMemset(d_tickets_, 0, ticket_bytes));
+    // The gate reads NCCL's proxy queue as this build's NCCL headers lay it
+    // out: only with that very NCCL at run time.
+    int code = 0;
+    EPX_NCCL_CHECK(ncclGetVersion(&code));
+    credit_gate_ = code == NCCL_VERSION_CODE;
+    if (!credit_gate_ && comm.rank() == 0)
+      std::fprintf(stderr,
+                   "epx: nccl backend: NCCL %d loaded, EPX was built against %d: posts to a "
+                   "full GIN proxy queue wait in NCCL, without EPX's deadline\n",
+                   code, NCCL_VERSION_CODE);
     EPX_CUDA_CHECK(cudaMalloc(&d_devcomms_, sizeof(ncclDevComm) * K));
     EPX_CUDA_CHECK(
         cudaMemcpy(d_devcomms_, devcomms_.data(), sizeof(ncclDevComm) * K, cudaMemcpyHostToDevice));
@@ -190,6 +222,8 @@ class NcclGin final : public Backend {
     d_failed_ = nullptr;
     if (d_posted_) cudaFree(d_posted_);
     d_posted_ = nullptr;
+    if (d_tickets_) cudaFree(d_tickets_);
+    d_tickets_ = nullptr;
     for (ncclComm_t c : comms_) ncclCommDestroy(c);
     comms_.clear();
   }
@@ -243,11 +277,31 @@ class NcclGin final : public Backend {
     } catch (const Error&) {
       healthy = false;
     }
+    int failed = 0;
     if (healthy) {
-      gin_flush_all<<<num_contexts_, 32>>>(d_devcomms_, num_contexts_);
+      EPX_CUDA_CHECK(cudaMemset(d_failed_, 0, sizeof(int)));
+      gin_flush_all<<<num_contexts_, 32>>>(d_devcomms_, d_posted_, num_contexts_,
+                                           static_cast<uint64_t>(env::timeout_seconds() * 1e9),
+                                           d_failed_);
       EPX_LAUNCH_CHECK();
+      EPX_CUDA_CHECK(cudaMemcpy(&failed, d_failed_, sizeof(int), cudaMemcpyDeviceToHost));
     }
     EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    if (!healthy || failed != 0) {
+      // Puts that may still read the memory: it stays registered and
+      // allocated (leaked) rather than freed under them, and no rank is
+      // waited for.
+      std::fprintf(stderr,
+                   "epx: nccl backend: rank %d: %s; the region's %zu bytes stay registered "
+                   "(not freed)\n",
+                   comm_.rank(),
+                   healthy ? "puts still in flight at the deadline when freeing a region"
+                           : "a communicator failed",
+                   r.bytes);
+      delete wins;
+      r = SymmetricRegion{};
+      return;
+    }
     barrier();
     for (std::size_t k = 0; k < comms_.size(); ++k)
       EPX_NCCL_CHECK(ncclCommWindowDeregister(comms_[k], wins->w[k]));
@@ -279,6 +333,7 @@ class NcclGin final : public Backend {
     t.local = static_cast<char*>(r.local);
     t.comms = d_devcomms_;
     t.posted = d_posted_;
+    t.tickets = tickets();
     for (std::size_t k = 0; k < comms_.size(); ++k) t.win[k] = wins->w[k];
     return t;
   }
@@ -295,8 +350,8 @@ class NcclGin final : public Backend {
     ++drain_rounds_;
     EPX_CUDA_CHECK(cudaMemset(d_failed_, 0, sizeof(int)));
     gin_drain<<<num_contexts_, 32>>>(
-        d_devcomms_, num_contexts_, comm_.num_ranks(), topo_.ranks_per_node, comm_.rank(),
-        num_signals_, drain_rounds_ * static_cast<uint64_t>(remote),
+        d_devcomms_, tickets(), num_contexts_, comm_.num_ranks(), topo_.ranks_per_node,
+        comm_.rank(), num_signals_, drain_rounds_ * static_cast<uint64_t>(remote),
         static_cast<uint64_t>(env::timeout_seconds() * 1e9), d_failed_);
     EPX_LAUNCH_CHECK();
     EPX_CUDA_CHECK(cudaDeviceSynchronize());
@@ -354,7 +409,10 @@ class NcclGin final : public Backend {
   ncclDevComm* d_devcomms_ = nullptr;
   int* d_failed_ = nullptr;                 ///< the quiesce's deadline flag
   unsigned long long* d_posted_ = nullptr;  ///< [kMaxContexts] puts posted (the quiet's target)
-  uint64_t drain_rounds_ = 0;               ///< quiesce rounds since the signals were reset
+  unsigned* d_tickets_ = nullptr;  ///< [kMaxContexts][kMaxRanks] descriptors (dev::gin_credit)
+  bool credit_gate_ = false;       ///< the NCCL loaded is the one built against
+  unsigned* tickets() const { return credit_gate_ ? d_tickets_ : nullptr; }
+  uint64_t drain_rounds_ = 0;  ///< quiesce rounds since the signals were reset
   std::vector<int> lsa_index_;
 };
 
