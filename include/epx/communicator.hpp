@@ -74,8 +74,9 @@ class Communicator {
   /// with the deadline of create() / create_in_process().
   void barrier();
   /// All-gather of `bytes` bytes from every rank (host memory in and out),
-  /// with the same deadline.
-  std::vector<uint8_t> allgather(const void* data, std::size_t bytes);
+  /// with the same deadline, or `timeout_s` seconds where given (> 0: a
+  /// Buffer's count exchange waits its own deadline, not the communicator's).
+  std::vector<uint8_t> allgather(const void* data, std::size_t bytes, double timeout_s = 0.0);
   /// Whether a collective passed its deadline (or NCCL reported an
   /// asynchronous error) and the NCCL communicator was aborted; nccl_comm()
   /// is then nullptr.
@@ -87,7 +88,7 @@ class Communicator {
   Communicator() = default;
   /// Waits for this rank's part of an NCCL collective on stream_ until the
   /// deadline; past it (or on an asynchronous NCCL error) aborts and throws.
-  void wait_collective(const char* what);
+  void wait_collective(const char* what, double timeout_s);
   void throw_if_aborted(const char* what) const;
   void* comm_ = nullptr;
   double timeout_s_ = 300.0;

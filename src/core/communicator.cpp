@@ -189,7 +189,7 @@ void Communicator::throw_if_aborted(const char* what) const {
                                          "); make a new one");
 }
 
-void Communicator::wait_collective(const char* what) {
+void Communicator::wait_collective(const char* what, double timeout_s) {
   auto* nc = static_cast<ncclComm_t>(comm_);
   auto abort = [&](std::string reason) {
     // ncclCommAbort's own result is not checked: the caller throws either way.
@@ -207,11 +207,11 @@ void Communicator::wait_collective(const char* what) {
                                         abort_reason_ + "; the NCCL communicator is aborted");
     }
   };
-  if (detail::wait_stream_for(stream_, timeout_s_, async_error)) return;
-  abort(std::string(what) + " passed its " + std::to_string(timeout_s_) + " s deadline");
+  if (detail::wait_stream_for(stream_, timeout_s, async_error)) return;
+  abort(std::string(what) + " passed its " + std::to_string(timeout_s) + " s deadline");
   throw Error(ErrorCode::kTimeout,
               std::string(what) + ": rank " + std::to_string(rank_) + " waited " +
-                  std::to_string(timeout_s_) +
+                  std::to_string(timeout_s) +
                   " s for the other ranks (one died, hangs, or did not make this call); the "
                   "NCCL communicator is aborted: make a new one");
 }
@@ -221,10 +221,11 @@ void Communicator::barrier() {
   throw_if_aborted("barrier");
   auto* nc = static_cast<ncclComm_t>(comm_);
   EPX_NCCL_CHECK(ncclAllReduce(scratch_, scratch_, 1, ncclInt32, ncclSum, nc, stream_));
-  wait_collective("barrier");
+  wait_collective("barrier", timeout_s_);
 }
 
-std::vector<uint8_t> Communicator::allgather(const void* data, std::size_t bytes) {
+std::vector<uint8_t> Communicator::allgather(const void* data, std::size_t bytes,
+                                             double timeout_s) {
   if (group_) return group_->allgather(rank_, data, bytes);
   throw_if_aborted("allgather");
   auto* nc = static_cast<ncclComm_t>(comm_);
@@ -234,7 +235,7 @@ std::vector<uint8_t> Communicator::allgather(const void* data, std::size_t bytes
   EPX_CUDA_CHECK(cudaMemcpyAsync(mine, data, bytes, cudaMemcpyHostToDevice, stream_));
   EPX_NCCL_CHECK(ncclAllGather(mine, d, bytes, ncclUint8, nc, stream_));
   try {
-    wait_collective("allgather");
+    wait_collective("allgather", timeout_s > 0.0 ? timeout_s : timeout_s_);
   } catch (...) {
     cudaFreeAsync(d, stream_);  // after the aborted collective; its result does not matter here
     throw;

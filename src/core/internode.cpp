@@ -203,7 +203,8 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
     row[3] = S;
     row[4] = K;
     std::memcpy(row.data() + kHead, host, sizeof(int) * (R + N + E));
-    const auto all = comm->allgather(row.data(), row.size() * sizeof(int));
+    // The buffer's deadline (a dead rank: the communicator is aborted).
+    const auto all = comm->allgather(row.data(), row.size() * sizeof(int), timeout_s);
     auto at = [&](int s, int i) {
       int v;
       std::memcpy(&v, all.data() + (static_cast<std::size_t>(s) * row.size() + i) * sizeof(int),
