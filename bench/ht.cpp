@@ -127,6 +127,27 @@ void run_ht_internode(World& w, const Options& o, nlohmann::json& result,
       "net_cross: other nodes only; nvl: received rows x H x 2 (FP8: H + 4 H / 128 per row)";
   result["timing"] =
       "median of iters per rank (L2 flushed, ranks aligned by an all-reduce), mean over ranks";
+  // SMs: the cached BF16 dispatch and the combine at other block counts (the
+  // kernels' one knob across nodes so far), for the default configs.
+  nlohmann::json sweep = nlohmann::json::array();
+  if (o.sweep) {
+    int gpu_sms = 0;
+    EPX_CUDA_CHECK(
+        cudaDeviceGetAttribute(&gpu_sms, cudaDevAttrMultiProcessorCount, w.comm->device()));
+    for (int sms : {4, 8, 12, 16, 24, 32, 48}) {
+      if (sms > gpu_sms / w.comm->ranks_on_device()) continue;
+      Config c = cfg;
+      c.num_sms = sms;
+      const double td = mean_over_ranks(w, time_us(
+                                               w, [&] { calls.cached(c, false); }, 2, 10));
+      const double tc = mean_over_ranks(w, time_us(
+                                               w, [&] { calls.combine(c); }, 2, 10));
+      sweep.push_back({{"num_sms", sms}, {"dispatch_bf16_us", td}, {"combine_us", tc}});
+      if (w.rank == 0)
+        std::printf("sweep sms=%d: dispatch BF16 (cached) %.1f us, combine %.1f us\n", sms, td, tc);
+    }
+  }
+  result["sweep"] = sweep;
   if (w.rank == 0) {
     std::printf(
         "\nEPX high-throughput across nodes, %d ranks%s, %d tokens, hidden %d, top-%d, %d experts, "
