@@ -1335,7 +1335,9 @@ __device__ __forceinline__ void time_first_weight(const LlCombineSendParams<T>& 
 // (source, token, chunk) items of the tokens it received (kLlCombineSendChunk
 // columns, kLlCombineSendChunkLogFmt with LogFMT). An item
 // with several local experts loads their rows before it waits for their
-// weights, and sums them in ascending expert id.
+// weights, and sums them in ascending expert id. With LogFMT what crosses is
+// coded (logfmt.cuh's wire form, 168 bytes per 128 values instead of 256): a
+// raw row, or the float32 sum (coded once, not rounded to BF16 first).
 // ============================================================================
 template <bool kLogFmt, bool kWaitStats, class T>
 __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendParams<T> p) {
@@ -1354,6 +1356,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
   const int H8 = H / 8, E_local = E / R;
   constexpr int kCombineChunk = kLogFmt ? kLlCombineSendChunkLogFmt : kLlCombineSendChunk;
   constexpr int kCombineSteps = kCombineChunk / 256;
+  static_assert(!kLogFmt || kCombineChunk == 256, "LogFMT: one 128-column group per half-warp");
   constexpr int kRowsAtOnce = kLlCombineSendRowsAtOnce;
   bool send_ok = true;  // false: this block must not touch its send areas
   if constexpr (kNet<T>) send_ok = quiet_send_areas(p.t);
@@ -1485,10 +1488,17 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
         uint32_t* done = reinterpret_cast<uint32_t*>(p.t.local_ptr(p.off.row_done)) +
                          static_cast<std::size_t>(s) * plan::kLlMaxTokens + t;
         if (remote_s && last_part(done, C) && send && !__any_sync(kFull, p.t.masked(s)))
-          p.t.template put<dev::Warp>(t % p.t.num_contexts, s, at_s, here, 2u * H);
+          p.t.template put<dev::Warp>(t % p.t.num_contexts, s, at_s, here,
+                                      kLogFmt ? logfmt_wire_bytes(H) : 2u * H);
       }
     };
     const int col0 = c * (kCombineChunk / 8) + lane;
+
+    // LogFMT: this lane's group on the wire (lanes 0-15 and 16-31 code one
+    // 128-column group each of the item's 256 columns).
+    [[maybe_unused]] uint8_t* group =
+        reinterpret_cast<uint8_t*>(dst) +
+        static_cast<std::size_t>(2 * c + lane / 16) * kLogFmtGroupBytes;
 
     if (n == 1) {
       // One expert here: its raw row; the source weights it.
@@ -1498,9 +1508,15 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
 #pragma unroll
       for (int st = 0; st < kCombineSteps; ++st)
         v[st] = col0 + 32 * st < H8 ? dev::ld_nc(src + col0 + 32 * st) : make_int4(0, 0, 0, 0);
+      if constexpr (kLogFmt) {
+        float f[8];
+        unpack_bf16x8(v[0], f);
+        logfmt_store(f, group, lane % 16, col0 < H8);
+      } else {
 #pragma unroll
-      for (int st = 0; st < kCombineSteps; ++st)
-        if (col0 + 32 * st < H8) dev::st_na(dst + col0 + 32 * st, v[st]);
+        for (int st = 0; st < kCombineSteps; ++st)
+          if (col0 + 32 * st < H8) dev::st_na(dst + col0 + 32 * st, v[st]);
+      }
       chunk_written(true);
       continue;
     }
@@ -1548,7 +1564,6 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
         for (int st = 0; st < kCombineSteps; ++st) {
           float f[8];
           unpack_bf16x8(v[jj][st], f);
-          if constexpr (kLogFmt) logfmt_roundtrip(f);
 #pragma unroll
           for (int i = 0; i < 8; ++i) acc[st][i] = fmaf(wj, f[i], acc[st][i]);
         }
@@ -1562,39 +1577,78 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
       failed = true;
       break;
     }
+    if constexpr (kLogFmt) {
+      logfmt_store(acc[0], group, lane % 16, col0 < H8);  // the float32 sum, coded once
+    } else {
 #pragma unroll
-    for (int st = 0; st < kCombineSteps; ++st)
-      if (col0 + 32 * st < H8) dev::st_na(dst + col0 + 32 * st, pack_bf16x8(acc[st]));
+      for (int st = 0; st < kCombineSteps; ++st)
+        if (col0 + 32 * st < H8) dev::st_na(dst + col0 + 32 * st, pack_bf16x8(acc[st]));
+    }
     chunk_written(true);
   }
   finish_combine_send(p.t, p.off, half, p.op_counter, epoch, p.seq + 1, seq, failed);
 }
 
-/// Adds one rank's row of a combine-receive item (`v`, kSteps vectors per
-/// lane) to `acc`: a raw row (the rank hosts a single expert of the token),
-/// weighted here by each of the picks naming it (`picks`: their lanes, `w`
-/// the lane's weight), in lane order; or a sum the rank already weighted
-/// (several experts there), as it is.
+/// A lane's part of one rank's row in a combine-receive item: kSteps BF16
+/// vectors, or with LogFMT its codes of one 128-value group (kSteps == 1).
 template <bool kLogFmt, int kSteps>
-__device__ __forceinline__ void add_rank_row(float (&acc)[kSteps][8], const int4 (&v)[kSteps],
-                                             uint32_t picks, bool raw, float w) {
-  if (raw) {
+struct RowPart {
+  int4 v[kSteps];
+};
+template <int kSteps>
+struct RowPart<true, kSteps> {
+  static_assert(kSteps == 1, "a LogFMT item is 256 columns: one group per half-warp");
+  LogFmtLane w;
+};
+
+/// Loads lane `lane`'s part of item chunk `c` of the row at `row` (a
+/// source's row of 2H bytes); `use` false (or columns past the row) gives a
+/// part of zeros.
+template <bool kLogFmt, int kSteps>
+__device__ __forceinline__ RowPart<kLogFmt, kSteps> load_row_part(const uint8_t* row, int c,
+                                                                  int lane, int H8, bool use) {
+  RowPart<kLogFmt, kSteps> part;
+  const int col0 = c * (kSteps * 256 / 8) + lane;
+  if constexpr (kLogFmt) {
+    if (use && col0 < H8) {
+      part.w = logfmt_load(row + static_cast<std::size_t>(2 * c + lane / 16) * kLogFmtGroupBytes,
+                           lane % 16);
+    } else {
+      part.w = LogFmtLane{0u, 0u, 0.0f, 0.0f};
+    }
+  } else {
 #pragma unroll
-    for (int st = 0; st < kSteps; ++st) {
-      float f[8];
-      unpack_bf16x8(v[st], f);
-      if constexpr (kLogFmt) logfmt_roundtrip(f);
+    for (int st = 0; st < kSteps; ++st)
+      part.v[st] = use && col0 + 32 * st < H8
+                       ? __ldcg(reinterpret_cast<const int4*>(row) + col0 + 32 * st)
+                       : make_int4(0, 0, 0, 0);
+  }
+  return part;
+}
+
+/// Adds one rank's row of a combine-receive item (`part`) to `acc`: a raw
+/// row (the rank hosts a single expert of the token), weighted here by each
+/// of the picks naming it (`picks`: their lanes, `w` the lane's weight), in
+/// lane order; or a sum the rank already weighted (several experts there),
+/// as it is. LogFMT rows are decoded first.
+template <bool kLogFmt, int kSteps>
+__device__ __forceinline__ void add_rank_row(float (&acc)[kSteps][8],
+                                             const RowPart<kLogFmt, kSteps>& part, uint32_t picks,
+                                             bool raw, float w) {
+#pragma unroll
+  for (int st = 0; st < kSteps; ++st) {
+    float f[8];
+    if constexpr (kLogFmt)
+      logfmt_decode(part.w, f);
+    else
+      unpack_bf16x8(part.v[st], f);
+    if (raw) {
       for (uint32_t m = picks; m != 0u; m &= m - 1u) {
         const float wk = __shfl_sync(kFull, w, __ffs(m) - 1);
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[st][i] = fmaf(wk, f[i], acc[st][i]);
       }
-    }
-  } else {
-#pragma unroll
-    for (int st = 0; st < kSteps; ++st) {
-      float f[8];
-      unpack_bf16x8(v[st], f);
+    } else {
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[st][i] += f[i];
     }
@@ -1652,9 +1706,9 @@ __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
     for (bool first_item = true; item < items; item += gridDim.x * kWarps, first_item = false) {
       const int t = item / C, c = item % C;
       const int col0 = c * (kCombineChunk / 8) + lane;
-      const int4* rows = reinterpret_cast<const int4*>(
+      const uint8_t* rows = reinterpret_cast<const uint8_t*>(
           p.t.local_ptr(half + p.off.comb_rows + static_cast<std::size_t>(t) * 2u * H));
-      const std::size_t rank_stride = static_cast<std::size_t>(p.max_tokens) * H8;  // in int4
+      const std::size_t rank_stride = static_cast<std::size_t>(p.max_tokens) * 2u * H;  // bytes
       if (!first_item) pick_of(item, e, w);
       int rank_of = (e >= 0 && e < E) ? static_cast<int>(e / E_local) : -1;
       if (rank_of >= 0 && p.t.masked(rank_of)) rank_of = -1;  // a masked rank's pick
@@ -1676,14 +1730,11 @@ __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[st][i] = 0.0f;
       for (int i0 = 0; i0 < n_ranks; i0 += kRanksAtOnce) {
-        int4 v[kRanksAtOnce][kCombineSteps];
+        RowPart<kLogFmt, kCombineSteps> v[kRanksAtOnce];
 #pragma unroll
         for (int rr = 0; rr < kRanksAtOnce; ++rr) {
           const int r = __shfl_sync(kFull, sorted, min(i0 + rr, n_ranks - 1));
-#pragma unroll
-          for (int st = 0; st < kCombineSteps; ++st)
-            v[rr][st] = col0 + 32 * st < H8 ? __ldcg(rows + r * rank_stride + col0 + 32 * st)
-                                            : make_int4(0, 0, 0, 0);
+          v[rr] = load_row_part<kLogFmt, kCombineSteps>(rows + r * rank_stride, c, lane, H8, true);
         }
 #pragma unroll
         for (int rr = 0; rr < kRanksAtOnce; ++rr) {
@@ -1703,23 +1754,20 @@ __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
     for (bool first_item = true; item < items; item += gridDim.x * kWarps, first_item = false) {
       const int t = item / C, c = item % C;
       const int col0 = c * (kCombineChunk / 8) + lane;
-      const int4* rows = reinterpret_cast<const int4*>(
+      const uint8_t* rows = reinterpret_cast<const uint8_t*>(
           p.t.local_ptr(half + p.off.comb_rows + static_cast<std::size_t>(t) * 2u * H));
-      const std::size_t rank_stride = static_cast<std::size_t>(p.max_tokens) * H8;  // in int4
+      const std::size_t rank_stride = static_cast<std::size_t>(p.max_tokens) * 2u * H;  // bytes
       float acc[kCombineSteps][8];
 #pragma unroll
       for (int st = 0; st < kCombineSteps; ++st)
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[st][i] = 0.0f;
-      int4 v[kRanksAtOnce][kCombineSteps];
+      RowPart<kLogFmt, kCombineSteps> v[kRanksAtOnce];
       auto load_rows = [&](int r0) {
 #pragma unroll
         for (int rr = 0; rr < kRanksAtOnce; ++rr)
-#pragma unroll
-          for (int st = 0; st < kCombineSteps; ++st)
-            v[rr][st] = r0 + rr < R && col0 + 32 * st < H8
-                            ? __ldcg(rows + (r0 + rr) * rank_stride + col0 + 32 * st)
-                            : make_int4(0, 0, 0, 0);
+          v[rr] = load_row_part<kLogFmt, kCombineSteps>(rows + (r0 + rr) * rank_stride, c, lane, H8,
+                                                        r0 + rr < R);
       };
       load_rows(0);  // before the routing: one memory latency, not two
       if (!first_item) pick_of(item, e, w);

@@ -174,7 +174,7 @@ std::vector<std::vector<uint16_t>> ll_combine(const std::vector<std::vector<uint
   std::vector<int> cursor(num_experts);
   std::vector<int64_t> picks(num_topk);
   std::vector<int> rows(num_topk);
-  std::vector<float> acc(hidden), row_f(hidden);
+  std::vector<float> acc(hidden), row_f(hidden), part(hidden);
   for (int s = 0; s < R; ++s) {
     const int T = num_tokens[s];
     outs[s].resize(sz(T, hidden));
@@ -184,16 +184,51 @@ std::vector<std::vector<uint16_t>> ll_combine(const std::vector<std::vector<uint
       const int n = distinct_experts(idx, num_topk, picks.data());
       for (int i = 0; i < n; ++i) rows[i] = p.begin[sz(picks[i], R) + s] + cursor[picks[i]]++;
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int k = 0; k < num_topk; ++k) {
-        const int64_t e = idx[k];
-        if (e < 0) continue;
+      auto expert_row = [&](int64_t e) {
         const int row = rows[std::find(picks.begin(), picks.begin() + n, e) - picks.begin()];
         const uint16_t* src = &expert_out[e / E_local][(sz(e % E_local, cap) + row) *
                                                        static_cast<std::size_t>(hidden)];
         for (int h = 0; h < hidden; ++h) row_f[h] = bf16_to_float(src[h]);
-        if (use_logfmt) row_f = logfmt_decode(logfmt_encode(row_f), hidden);
-        const float w = topk_weights[s][sz(t, num_topk) + k];
-        for (int h = 0; h < hidden; ++h) acc[h] = std::fma(w, row_f[h], acc[h]);
+      };
+      const float* w_t = &topk_weights[s][sz(t, num_topk)];
+      if (!use_logfmt) {
+        for (int k = 0; k < num_topk; ++k) {
+          if (idx[k] < 0) continue;
+          expert_row(idx[k]);
+          for (int h = 0; h < hidden; ++h) acc[h] = std::fma(w_t[k], row_f[h], acc[h]);
+        }
+      } else {
+        // What crosses from each rank r the token reached, in ascending r, is
+        // LogFMT-coded once: with one distinct expert there its raw row,
+        // weighted here by each pick naming r (in k order); with several the
+        // float32 sum, at r, of each expert's row times the sum of its picks'
+        // weights (in k order), in ascending expert id, added here as it is.
+        std::vector<int64_t> here;  // the token's distinct experts on r, ascending
+        for (int r = 0; r < R; ++r) {
+          here.clear();
+          for (int i = 0; i < n; ++i)
+            if (picks[i] / E_local == r) here.push_back(picks[i]);
+          std::sort(here.begin(), here.end());
+          if (here.empty()) continue;
+          if (here.size() == 1) {
+            expert_row(here[0]);
+            row_f = logfmt_decode(logfmt_encode(row_f), hidden);
+            for (int k = 0; k < num_topk; ++k)
+              if (idx[k] >= 0 && idx[k] / E_local == r)
+                for (int h = 0; h < hidden; ++h) acc[h] = std::fma(w_t[k], row_f[h], acc[h]);
+            continue;
+          }
+          std::fill(part.begin(), part.end(), 0.0f);
+          for (const int64_t e : here) {
+            float wsum = 0.0f;
+            for (int k = 0; k < num_topk; ++k)
+              if (idx[k] == e) wsum += w_t[k];
+            expert_row(e);
+            for (int h = 0; h < hidden; ++h) part[h] = std::fma(wsum, row_f[h], part[h]);
+          }
+          part = logfmt_decode(logfmt_encode(part), hidden);
+          for (int h = 0; h < hidden; ++h) acc[h] += part[h];
+        }
       }
       for (int h = 0; h < hidden; ++h) outs[s][sz(t, hidden) + h] = float_to_bf16(acc[h]);
     }

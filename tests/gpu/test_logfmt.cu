@@ -1,7 +1,7 @@
 // LogFMT on the GPU gives the same bits as the CPU reference: the arithmetic
 // (src/reference/logfmt_math.hpp) evaluated on the device, and the combine
-// kernels' own round trip (kernels::logfmt_roundtrip, src/kernels/logfmt.cuh)
-// against ref::logfmt_decode(ref::logfmt_encode(.)).
+// kernels' wire codec (kernels::logfmt_store / logfmt_load / logfmt_decode,
+// src/kernels/logfmt.cuh) against ref::logfmt_decode(ref::logfmt_encode(.)).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -28,18 +28,25 @@ __global__ void log2_exp2_kernel(const float* a, const float* x, float* log2_out
   }
 }
 
-// The kernels' round trip, laid out as the combine kernels hold a row: lane
-// l of a warp has the 8 values [8 l, 8 l + 8) of a 256-value stretch, so
-// lanes 0-15 and 16-31 each hold one 128-value group.
-__global__ void roundtrip_kernel(const float* in, float* out, int groups) {
-  const int lane = threadIdx.x % 32;
+// The combine kernels' wire codec, laid out as they hold a row: lane l of a
+// warp has the 8 values [8 l, 8 l + 8) of a 256-value stretch, so lanes 0-15
+// and 16-31 each hold one 128-value group. Each group is coded into its 168
+// wire bytes, then read back and decoded.
+__global__ void wire_kernel(const float* in, float* out, uint8_t* wire, int groups) {
+  const int lane = threadIdx.x % 32, li = lane % 16;
   const int warps = gridDim.x * blockDim.x / 32;
   for (int w = (blockIdx.x * blockDim.x + threadIdx.x) / 32; 2 * w < groups; w += warps) {
     const size_t base = static_cast<size_t>(w) * 2 * lm::kGroup + 8 * lane;
+    uint8_t* group =
+        wire + (static_cast<size_t>(w) * 2 + lane / 16) * epx::kernels::kLogFmtGroupBytes;
     float v[8];
     for (int i = 0; i < 8; ++i) v[i] = in[base + i];
-    epx::kernels::logfmt_roundtrip(v);
-    for (int i = 0; i < 8; ++i) out[base + i] = v[i];
+    epx::kernels::logfmt_store(v, group, li, true);
+    __syncwarp();
+    __threadfence_block();
+    float d[8];
+    epx::kernels::logfmt_decode(epx::kernels::logfmt_load(group, li), d);
+    for (int i = 0; i < 8; ++i) out[base + i] = d[i];
   }
 }
 
@@ -112,7 +119,11 @@ TEST(Logfmt, DeviceMatchesReferenceBitForBit) {
     }
   }
   const auto dv = to_device(v), dout = to_device(std::vector<float>(v.size(), NAN));
-  roundtrip_kernel<<<64, 256>>>(dv.get(), dout.get(), groups);
+  ASSERT_EQ(epx::kernels::logfmt_wire_bytes(static_cast<int>(v.size())),
+            epx::ref::logfmt_bytes(static_cast<int>(v.size())));
+  const auto dwire = to_device(std::vector<uint8_t>(
+      epx::kernels::logfmt_wire_bytes(static_cast<int>(v.size())), 0xAB));  // poisoned
+  wire_kernel<<<64, 256>>>(dv.get(), dout.get(), dwire.get(), groups);
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto got = to_host(dout);

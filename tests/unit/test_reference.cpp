@@ -1000,22 +1000,49 @@ void check_ll_combine(bool use_logfmt, uint64_t seed) {
       double worst = 0.0;
       for (int s = 0; s < c.R; ++s) {
         ASSERT_EQ(out[s].size(), sz(c.T[s], c.H));
-        for (int t = 0; t < c.T[s]; ++t)
+        for (int t = 0; t < c.T[s]; ++t) {
+          // LogFMT codes what crosses from each rank once: the raw row where the
+          // token has one distinct expert there, else the weighted sum of the
+          // rank's experts' rows (`part`, exact here), which may then flush
+          // values below 2^-16 of their group's largest.
+          const int64_t* idx = &in.idx[s][sz(t, c.K)];
+          std::vector<int> distinct(c.R, 0);
+          std::set<int64_t> seen;
+          for (int k = 0; k < c.K; ++k)
+            if (idx[k] >= 0 && seen.insert(idx[k]).second) ++distinct[idx[k] / El];
+          std::vector<std::vector<double>> part(c.R);
+          for (int r = 0; r < c.R; ++r) {
+            if (distinct[r] < 2) continue;
+            part[r].assign(c.H, 0.0);
+            for (int k = 0; k < c.K; ++k)
+              if (idx[k] >= 0 && idx[k] / El == r)
+                for (int h = 0; h < c.H; ++h)
+                  part[r][h] +=
+                      in.w[s][sz(t, c.K) + k] * ref::bf16_to_float(row.at({idx[k], s, t})[h]);
+          }
           for (int h = 0; h < c.H; ++h) {
             double exact = 0.0, mag = 0.0, flush = 0.0;
             for (int k = 0; k < c.K; ++k) {
-              const int64_t e = in.idx[s][sz(t, c.K) + k];
+              const int64_t e = idx[k];
               if (e < 0) continue;
               const double w = in.w[s][sz(t, c.K) + k];
               const uint16_t* er = row.at({e, s, t});
               const double v = ref::bf16_to_float(er[h]);
               exact += w * v;
               mag += std::fabs(w * v);
-              // LogFMT may flush values below 2^-16 of their group's largest.
+              if (distinct[e / El] >= 2) continue;  // coded in its rank's sum
               double amax = 0.0;
               for (int i = h / 128 * 128; i < h / 128 * 128 + 128; ++i)
                 amax = std::max(amax, std::fabs(double{ref::bf16_to_float(er[i])}));
               if (std::fabs(v) < amax * 0x1p-16) flush += std::fabs(w * v);
+            }
+            for (int r = 0; r < c.R; ++r) {
+              if (part[r].empty()) continue;
+              double amax = 0.0;
+              for (int i = h / 128 * 128; i < h / 128 * 128 + 128; ++i)
+                amax = std::max(amax, std::fabs(part[r][i]));
+              // 2^-15: the sum is float32 where it is coded, exact here
+              if (std::fabs(part[r][h]) < amax * 0x1p-15) flush += std::fabs(part[r][h]);
             }
             if (mode == 0) {
               // sum_k w_k * x with x the token's own row.
@@ -1032,6 +1059,7 @@ void check_ll_combine(bool use_logfmt, uint64_t seed) {
             ASSERT_LE(std::fabs(got - exact), tol) << "s=" << s << " t=" << t << " h=" << h;
             if (mag > 0) worst = std::max(worst, std::fabs(got - exact) / mag);
           }
+        }
       }
       // Logfmt really changes values (its error exceeds bf16's on some output).
       if (use_logfmt && std::accumulate(c.T.begin(), c.T.end(), 0) >= 20) {
