@@ -209,8 +209,9 @@ struct LowLatencyCombineArgs {
   TensorView topk_idx;      ///< [T, K] i64
   TensorView topk_weights;  ///< [T, K] f32
   std::shared_ptr<const LowLatencyHandle> handle;
-  /// Each expert row through EPX's LogFMT round trip (ref::logfmt_*) before it is
-  /// weighted: numerics only, the messages stay BF16.
+  /// What crosses from each rank in EPX's LogFMT (168 bytes per 128 values): a raw
+  /// expert row, or the rank's float32 weighted sum of several experts, coded
+  /// once (ref::ll_combine does the same).
   bool use_logfmt = false;
   bool zero_copy = false;  ///< x already lives in get_next_low_latency_combine_buffer()
   bool async_finish = false;

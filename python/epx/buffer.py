@@ -784,10 +784,11 @@ class Buffer:
             x: [E_local, R*maxT, H] bfloat16 expert outputs in the packed dispatch order.
             topk_idx: [T, K] int64 and topk_weights: [T, K] float32 of the dispatch.
             handle: the handle returned by ``low_latency_dispatch``.
-            use_logfmt: pass each expert row through EPX's LogFMT encode/decode round
-                trip (10-bit log-domain code in groups of 128, ``epx.reference``,
-                docs/reference.md) before it is weighted; not bit-compatible with
-                DeepEP's LogFMT (groups of 64, sent on the wire). The messages stay BF16.
+            use_logfmt: send what crosses from each rank in EPX's LogFMT (10-bit
+                log-domain codes in groups of 128, 168 bytes per group instead of 256,
+                ``epx.reference``, docs/reference.md): a raw expert row, or the rank's
+                float32 weighted sum of several experts, coded once; not bit-compatible
+                with DeepEP's LogFMT (groups of 64, each expert row coded).
             zero_copy: x was written into ``get_next_low_latency_combine_buffer(handle)``.
             out: [T, H] bfloat16 to write the result into.
             combine_wait_recv_cost_stats: [R] int64; entry s gets, once per call, the
