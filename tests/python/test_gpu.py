@@ -806,8 +806,9 @@ def _case_low_latency(rank, world, group):
             assert waits[slow] >= 10_000_000, (name, waits)
             assert (2 * np.delete(waits, slow) < waits[slow]).all(), (name, waits)
 
-    # LogFMT: the LogFMT reference within the plain tolerance (the kernels'
-    # round trip is the reference's, bit for bit), and not the BF16 result
+    # LogFMT: the LogFMT reference within the plain tolerance (the kernels code
+    # what crosses as the reference does, with its arithmetic), and not the
+    # BF16 result
     lf, _, _ = buf.low_latency_combine(recv, idx, w, handle, use_logfmt=True)
     want_lf = ref.bf16_to_float(ref.ll_combine([want[r]["recv_x"] for r in range(world)],
                                                all_idx, all_w, E, maxT, use_logfmt=True)[rank])
