@@ -48,10 +48,12 @@ __device__ __forceinline__ uint32_t* done_word(const T& t, const HtNetOffsets& o
   return reinterpret_cast<uint32_t*>(t.local_ptr(o.done)) + w;
 }
 /// Block-wide: counts the block in `w` (with `ok` false it marks the op
-/// failed); true for the last block when no block failed.
+/// failed); true for the last block when no block failed. The last block
+/// also clears `clear` (failed or not), a word every block read before it
+/// counted.
 template <class T>
 __device__ __forceinline__ bool last_block_ok(const T& t, const HtNetOffsets& o, DoneWord w,
-                                              bool ok) {
+                                              bool ok, uint32_t* clear = nullptr) {
   uint32_t* failed = done_word(t, o, kFailed);
   if (!ok && threadIdx.x == 0) atomicOr(failed, 1u);
   if (!dev::block_counted_last(done_word(t, o, w))) return false;
@@ -59,6 +61,7 @@ __device__ __forceinline__ bool last_block_ok(const T& t, const HtNetOffsets& o,
   if (threadIdx.x == 0) {
     any_failed = static_cast<int>(*static_cast<volatile uint32_t*>(failed));
     *failed = 0u;
+    if (clear != nullptr) *clear = 0u;
   }
   __syncthreads();
   return any_failed == 0;
@@ -141,8 +144,9 @@ __global__ void __launch_bounds__(kThreads) node_put_kernel(NodePutParams<T> p) 
   __syncthreads();
   if (threadIdx.x == 0) ok = t.quiet(0) ? 1 : 0;
   __syncthreads();
-  if (!last_block_ok(t, o, kDoneNodePut, ok != 0)) return;
-  if (threadIdx.x == 0) *go = 0u;
+  // kNodePutGo is cleared even when this op failed: a later op whose send
+  // fails (and so does not set it) must not put slots it never filled.
+  if (!last_block_ok(t, o, kDoneNodePut, ok != 0, go)) return;
   for (int m = 0; m < N; ++m)
     if (m != n) put_node(t, m * L + l, 0, 0, 0, sig(t, p.kind, t.rank));
 }
