@@ -49,19 +49,26 @@ inline constexpr int kMaxGinComms = (kMaxContexts + kGinContextsPerComm - 1) / k
 /// it. Whatever order the gated threads then claim NCCL's slots in, none
 /// finds the queue full (a thread holding the highest ticket passed so far
 /// saw the consumed index past it minus queueSize). False after reporting
-/// kNetCredit (peer, context `ctx_id`, ticket, consumed index); true at once
-/// for other GIN types (GDAKI's queues are the NIC's) or without tickets.
+/// kNetCredit (peer, context `ctx_id`, ticket, consumed index), or without a
+/// report when the wait gave up for another thread's report or the peer is
+/// masked (shrink, `peer_masked`); true at once for other GIN types (GDAKI's
+/// queues are the NIC's) or without tickets. A ticket whose wait failed
+/// posts nothing: the tickets then run ahead of NCCL's produced index until
+/// gin_sync_tickets sets them back (no op in flight).
 __device__ __forceinline__ bool gin_credit(const ncclDevComm& dc, int context, unsigned* tickets,
                                            int peer, uint64_t timeout_ns, DeviceDiag* diag,
-                                           int rank, int ctx_id) {
+                                           int rank, int ctx_id, int* peer_masked = nullptr) {
   if (tickets == nullptr || dc.ginTypes[context] != NCCL_NET_DEVICE_GIN_PROXY) return true;
   const auto* q = static_cast<const ncclGinProxyGpuCtx_t*>(dc.ginHandles[context]);
-  const uint32_t size = q->queueSize;
+  const int32_t size = static_cast<int32_t>(q->queueSize);
   const volatile uint32_t* ci = q->cis + peer;
   const uint32_t k = atomicAdd(tickets + peer, 1u);
+  // Rolling 32-bit indices: the distance is signed, so a consumed index past
+  // the ticket (it cannot be while every post is gated) passes, not wraps.
   return spin_until([&] { return static_cast<uint32_t>(*ci); },
-                    [&](uint32_t c) { return k - c < size; }, [](uint32_t c) { return c; }, k,
-                    timeout_ns, diag, OpId::kNetCredit, rank, peer, ctx_id);
+                    [&](uint32_t c) { return static_cast<int32_t>(k - c) < size; },
+                    [](uint32_t c) { return c; }, k, timeout_ns, diag, OpId::kNetCredit, rank, peer,
+                    ctx_id, peer_masked);
 }
 #endif
 
@@ -109,9 +116,9 @@ struct NcclGinTransport : NetworkTransportBase, LsaWords<NcclGinTransport> {
   template <class Coop>
   __device__ __forceinline__ bool group_credit(int ctx, int r) const {
     const bool ok =
-        !coop_leader<Coop>() ||
-        gin_credit(comm_of(ctx), ctx % kGinContextsPerComm,
-                   tickets ? tickets + ctx * kMaxRanks : nullptr, r, timeout_ns, diag, rank, ctx);
+        !coop_leader<Coop>() || gin_credit(comm_of(ctx), ctx % kGinContextsPerComm,
+                                           tickets ? tickets + ctx * kMaxRanks : nullptr, r,
+                                           timeout_ns, diag, rank, ctx, mask_word(r));
     if constexpr (std::is_same_v<Coop, Thread>) {
       return ok;
     } else if constexpr (std::is_same_v<Coop, Warp>) {

@@ -69,6 +69,21 @@ __global__ void gin_drain(const ncclDevComm* comms, unsigned* tickets, int num_c
   }
 }
 
+/// No op in flight: each gated context's tickets back to NCCL's produced
+/// index per peer (a ticket whose credit wait failed posted nothing, and
+/// the tickets ran ahead of it). One block per context, threads per peer.
+__global__ void gin_sync_tickets(const ncclDevComm* comms, unsigned* tickets, int num_contexts,
+                                 int num_ranks) {
+  const int ctx = blockIdx.x;
+  if (ctx >= num_contexts) return;
+  const ncclDevComm& dc = comms[ctx / dev::kGinContextsPerComm];
+  const int c = ctx % dev::kGinContextsPerComm;
+  if (dc.ginTypes[c] != NCCL_NET_DEVICE_GIN_PROXY) return;
+  const auto* q = static_cast<const ncclGinProxyGpuCtx_t*>(dc.ginHandles[c]);
+  for (int r = threadIdx.x; r < num_ranks; r += blockDim.x)
+    tickets[ctx * kMaxRanks + r] = *static_cast<const volatile uint32_t*>(q->pis + r);
+}
+
 /// Every put posted on every context has read its source (NCCL's counter of
 /// the context reached EPX's count of posted puts): no descriptor names a
 /// window any more. NCCL's flush waits for the same with no deadline; here
@@ -287,22 +302,38 @@ class NcclGin final : public Backend {
       EPX_CUDA_CHECK(cudaMemcpy(&failed, d_failed_, sizeof(int), cudaMemcpyDeviceToHost));
     }
     EPX_CUDA_CHECK(cudaDeviceSynchronize());
-    if (!healthy || failed != 0) {
-      // Puts that may still read the memory: it stays registered and
-      // allocated (leaked) rather than freed under them, and no rank is
-      // waited for.
+    // Deregistering is collective: every rank does it or none. The ranks
+    // agree first (an allgather with the deadline, which stands in for the
+    // barrier); a rank with puts still in flight, a failed communicator, or
+    // a rank that does not answer leaves the region registered and allocated
+    // (leaked) everywhere rather than freed under the puts or waited for.
+    const int mine = healthy && failed == 0 ? 1 : 0;
+    bool all = false;
+    try {
+      const auto got = comm_.allgather(&mine, sizeof(mine), env::timeout_seconds());
+      all = true;
+      for (int i = 0; i < comm_.num_ranks(); ++i) {
+        int v = 0;
+        std::memcpy(&v, got.data() + sizeof(int) * i, sizeof(int));
+        all = all && v == 1;
+      }
+    } catch (const Error&) {
+      all = false;
+    }
+    if (!all) {
       std::fprintf(stderr,
                    "epx: nccl backend: rank %d: %s; the region's %zu bytes stay registered "
                    "(not freed)\n",
                    comm_.rank(),
-                   healthy ? "puts still in flight at the deadline when freeing a region"
-                           : "a communicator failed",
+                   mine == 0 ? (healthy ? "puts still in flight at the deadline when freeing a "
+                                          "region"
+                                        : "a communicator failed")
+                             : "another rank could not free the region",
                    r.bytes);
       delete wins;
       r = SymmetricRegion{};
       return;
     }
-    barrier();
     for (std::size_t k = 0; k < comms_.size(); ++k)
       EPX_NCCL_CHECK(ncclCommWindowDeregister(comms_[k], wins->w[k]));
     EPX_NCCL_CHECK(ncclMemFree(r.local));
@@ -345,6 +376,7 @@ class NcclGin final : public Backend {
   void quiesce() override {
     DeviceGuard guard(comm_.device());
     check_health();
+    sync_tickets();
     int remote = 0;
     for (int r = 0; r < comm_.num_ranks(); ++r) remote += topo_.same_node(comm_.rank(), r) ? 0 : 1;
     ++drain_rounds_;
@@ -369,8 +401,19 @@ class NcclGin final : public Backend {
 
   /// Collective, no op in flight: every context's low-latency signals and
   /// the drain signal back to 0.
+  /// No op in flight on this rank: the credit gate's tickets back to NCCL's
+  /// produced indices (after an op whose credit waits failed).
+  void sync_tickets() {
+    if (tickets() == nullptr) return;
+    EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    gin_sync_tickets<<<num_contexts_, 128>>>(d_devcomms_, d_tickets_, num_contexts_,
+                                             comm_.num_ranks());
+    EPX_LAUNCH_CHECK();
+  }
+
   void reset_signals() {
     DeviceGuard guard(comm_.device());
+    sync_tickets();
     gin_reset_signals<<<num_contexts_, 256>>>(d_devcomms_, num_contexts_, num_cleared_signals_,
                                               num_signals_);
     EPX_LAUNCH_CHECK();
