@@ -75,7 +75,8 @@ class Communicator {
   void barrier();
   /// All-gather of `bytes` bytes from every rank (host memory in and out),
   /// with the same deadline, or `timeout_s` seconds where given (> 0: a
-  /// Buffer's count exchange waits its own deadline, not the communicator's).
+  /// Buffer's count exchange waits its own deadline, not the communicator's;
+  /// ranks from create_in_process() keep their group's deadline).
   std::vector<uint8_t> allgather(const void* data, std::size_t bytes, double timeout_s = 0.0);
   /// Whether a collective passed its deadline (or NCCL reported an
   /// asynchronous error) and the NCCL communicator was aborted; nccl_comm()
