@@ -36,10 +36,11 @@ constexpr int64_t kAny = validate::kAny;
 // Argument sets per op and run: more than 10,000 in all.
 constexpr int kLayoutSets = 1500, kDispatchSets = 4000, kCombineSets = 2500,
               kLowLatencyDispatchSets = 3000, kLowLatencyCombineSets = 2500, kSizeHintSets = 1500,
-              kMaskSets = 1000, kHostTopkSets = 1000, kConfigSets = 1500, kNumSmsSets = 500;
+              kMaskSets = 1000, kHostTopkSets = 1000, kConfigSets = 1500, kNumSmsSets = 500,
+              kInternodeHintSets = 1500;
 static_assert(kLayoutSets + kDispatchSets + kCombineSets + kLowLatencyDispatchSets +
                       kLowLatencyCombineSets + kSizeHintSets + kMaskSets + kHostTopkSets +
-                      kConfigSets + kNumSmsSets >=
+                      kConfigSets + kNumSmsSets + kInternodeHintSets >=
                   10000,
               "the fuzz must feed at least 10,000 argument sets per run");
 
@@ -640,6 +641,47 @@ TEST(ValidateFuzz, LowLatencySizesAndSizeHint) {
   }
   expect_coverage("get_low_latency_rdma_size_hint", t,
                   {"num_ranks", "num_max_dispatch_tokens_per_rank", "hidden", "num_experts"});
+}
+
+TEST(ValidateFuzz, InternodeSizeHint) {
+  // get_internode_nvl_size_hint: the whole-call worst case of the
+  // high-throughput ops across nodes (docs/api.md): tokens >= 0; hidden > 0,
+  // a multiple of 8 (16-byte BF16 rows); 1 to 160 ranks; 1 to 8 ranks per
+  // node, dividing the ranks; top-k 0 to 16.
+  Gen g(seed() ^ 11);
+  Tally t;
+  for (int i = 0; i < scaled(kInternodeHintSets); ++i) {
+    const double p = gen_badness(g);
+    const int R = static_cast<int>(g.chance(p) ? g.pick<int64_t>({0, -1, 3, 6, 160, 161, 1000})
+                                               : g.pick<int>({2, 4, 8, 16, 32, 64}));
+    const int L = static_cast<int>(g.chance(p) ? g.pick<int64_t>({0, -1, 3, 5, 9, 16})
+                                               : g.pick<int>({1, 2, 4, 8}));
+    const int T = static_cast<int>(good_or_wild(g, p, g.between(0, 4096)));
+    const int H = static_cast<int>(good_or_wild(g, p, 8 * g.between(1, 1024)));
+    const int K = static_cast<int>(good_or_wild(g, p, g.between(0, 16)));
+    Verdict v;
+    v.flag(T < 0, "num_max_tokens");
+    v.flag(H <= 0 || H % 8 != 0, "hidden");
+    v.flag(R < 1 || R > 160, "num_ranks");
+    v.flag(R >= 1 && R <= 160 && (L < 1 || L > 8 || R % L != 0), "ranks_per_node");
+    v.flag(K < 0 || K > 16, "num_topk");
+    std::size_t bytes = 0;
+    judge(
+        t, v, [&] { bytes = Buffer::get_internode_nvl_size_hint(T, H, R, L, K); },
+        [&] {
+          return "T=" + std::to_string(T) + " H=" + std::to_string(H) + " R=" + std::to_string(R) +
+                 " L=" + std::to_string(L) + " K=" + std::to_string(K);
+        });
+    if (v.broken.empty() && R / L > 1) {
+      // At least the other nodes' rows of one token-sized record each, and
+      // growing with the tokens.
+      EXPECT_GE(bytes, static_cast<std::size_t>(T) * 2u * H)
+          << T << " " << H << " " << R << " " << L;
+      EXPECT_GE(Buffer::get_internode_nvl_size_hint(T + 1, H, R, L, K), bytes);
+    }
+  }
+  expect_coverage("get_internode_nvl_size_hint", t,
+                  {"num_max_tokens", "hidden", "num_ranks", "ranks_per_node", "num_topk"});
 }
 
 TEST(ValidateFuzz, ShrinkMaskArguments) {
