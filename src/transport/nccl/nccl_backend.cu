@@ -225,6 +225,10 @@ class NcclGin final : public Backend {
                   std::to_string(lsa_size) + " ranks): a node must be ranks NVLink reaches");
       lsa_index_.push_back(idx);
     }
+    // Tickets start where NCCL's produced indices are (0 unless NCCL posted
+    // on these contexts while it set them up).
+    sync_tickets();
+    EPX_CUDA_CHECK(cudaDeviceSynchronize());
   }
 
   void release() noexcept {
@@ -399,10 +403,9 @@ class NcclGin final : public Backend {
     barrier();
   }
 
-  /// Collective, no op in flight: every context's low-latency signals and
-  /// the drain signal back to 0.
   /// No op in flight on this rank: the credit gate's tickets back to NCCL's
-  /// produced indices (after an op whose credit waits failed).
+  /// produced indices (at the start, and after an op whose credit waits
+  /// failed).
   void sync_tickets() {
     if (tickets() == nullptr) return;
     EPX_CUDA_CHECK(cudaDeviceSynchronize());
@@ -411,6 +414,8 @@ class NcclGin final : public Backend {
     EPX_LAUNCH_CHECK();
   }
 
+  /// Collective, no op in flight: every context's low-latency signals and
+  /// the drain signal back to 0.
   void reset_signals() {
     DeviceGuard guard(comm_.device());
     sync_tickets();
