@@ -1357,6 +1357,10 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
   constexpr int kCombineChunk = kLogFmt ? kLlCombineSendChunkLogFmt : kLlCombineSendChunk;
   constexpr int kCombineSteps = kCombineChunk / 256;
   static_assert(!kLogFmt || kCombineChunk == 256, "LogFMT: one 128-column group per half-warp");
+  // A row's bytes in the receive and send areas: BF16, or LogFMT's wire form
+  // packed row after row (so the puts of consecutive rows stay contiguous and
+  // a proxy can coalesce them).
+  const std::size_t row_bytes = kLogFmt ? logfmt_wire_bytes(H) : 2u * H;
   constexpr int kRowsAtOnce = kLlCombineSendRowsAtOnce;
   bool send_ok = true;  // false: this block must not touch its send areas
   if constexpr (kNet<T>) send_ok = quiet_send_areas(p.t);
@@ -1475,11 +1479,11 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
     // transports) it is written to the send area [s][t] first, and the warp
     // that writes its last chunk puts it to s.
     const std::size_t at_s =
-        half + p.off.comb_rows + (static_cast<std::size_t>(me) * maxT + t) * 2u * H;
+        half + p.off.comb_rows + (static_cast<std::size_t>(me) * maxT + t) * row_bytes;
     bool remote_s = false;
     if constexpr (kNet<T>) remote_s = !p.t.same_node(s);
     [[maybe_unused]] const std::size_t here =
-        net_rows + (static_cast<std::size_t>(s) * maxT + t) * 2u * H;
+        net_rows + (static_cast<std::size_t>(s) * maxT + t) * row_bytes;
     int4* dst = reinterpret_cast<int4*>(remote_s ? p.t.local_ptr(here) : p.t.lsa_ptr(s, at_s));
     // Every chunk of (s, t) counts in row_done, also one skipped because s
     // was masked meanwhile (`send` false): the count must reach C and reset.
@@ -1488,8 +1492,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
         uint32_t* done = reinterpret_cast<uint32_t*>(p.t.local_ptr(p.off.row_done)) +
                          static_cast<std::size_t>(s) * plan::kLlMaxTokens + t;
         if (remote_s && last_part(done, C) && send && !__any_sync(kFull, p.t.masked(s)))
-          p.t.template put<dev::Warp>(t % p.t.num_contexts, s, at_s, here,
-                                      kLogFmt ? logfmt_wire_bytes(H) : 2u * H);
+          p.t.template put<dev::Warp>(t % p.t.num_contexts, s, at_s, here, row_bytes);
       }
     };
     const int col0 = c * (kCombineChunk / 8) + lane;
@@ -1671,7 +1674,8 @@ __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
   const int H = p.hidden, K = p.num_topk, E = p.num_experts, E_local = E / R;
   const int H8 = H / 8;
   constexpr int kCombineChunk = kLlCombineRecvChunk, kCombineSteps = kCombineChunk / 256;
-  constexpr int kRanksAtOnce = kLogFmt ? 2 : kLlCombineRecvRanksAtOnce;  // LogFMT: registers
+  constexpr int kRanksAtOnce = kLogFmt ? 2 : kLlCombineRecvRanksAtOnce;   // LogFMT: registers
+  const std::size_t row_bytes = kLogFmt ? logfmt_wire_bytes(H) : 2u * H;  // as the send's
   const int C = ceil_div(H, kCombineChunk);
   const int items = p.num_tokens * C;
   int item = blockIdx.x * kWarps + warp;
@@ -1707,8 +1711,8 @@ __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
       const int t = item / C, c = item % C;
       const int col0 = c * (kCombineChunk / 8) + lane;
       const uint8_t* rows = reinterpret_cast<const uint8_t*>(
-          p.t.local_ptr(half + p.off.comb_rows + static_cast<std::size_t>(t) * 2u * H));
-      const std::size_t rank_stride = static_cast<std::size_t>(p.max_tokens) * 2u * H;  // bytes
+          p.t.local_ptr(half + p.off.comb_rows + static_cast<std::size_t>(t) * row_bytes));
+      const std::size_t rank_stride = static_cast<std::size_t>(p.max_tokens) * row_bytes;
       if (!first_item) pick_of(item, e, w);
       int rank_of = (e >= 0 && e < E) ? static_cast<int>(e / E_local) : -1;
       if (rank_of >= 0 && p.t.masked(rank_of)) rank_of = -1;  // a masked rank's pick
@@ -1755,8 +1759,8 @@ __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
       const int t = item / C, c = item % C;
       const int col0 = c * (kCombineChunk / 8) + lane;
       const uint8_t* rows = reinterpret_cast<const uint8_t*>(
-          p.t.local_ptr(half + p.off.comb_rows + static_cast<std::size_t>(t) * 2u * H));
-      const std::size_t rank_stride = static_cast<std::size_t>(p.max_tokens) * 2u * H;  // bytes
+          p.t.local_ptr(half + p.off.comb_rows + static_cast<std::size_t>(t) * row_bytes));
+      const std::size_t rank_stride = static_cast<std::size_t>(p.max_tokens) * row_bytes;
       float acc[kCombineSteps][8];
 #pragma unroll
       for (int st = 0; st < kCombineSteps; ++st)
