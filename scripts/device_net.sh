@@ -19,7 +19,8 @@
 #   bench    epx-bench ll over the proxy (2x2, EPX_BENCH_QPS channels: "1 4")
 #            and epx-bench fifo (2 ranks)
 #   nccl     (not in the default steps) the NCCL GIN backend through the
-#            loopback plugin (.device/libnccl-net-epxloop.so), one GPU per
+#            loopback plugin (.device/libnccl-net-epxloop.so; EPX_NCCL_QUEUE_SIZE:
+#            NCCL_GIN_PROXY_QUEUE_SIZE for every run of it), one GPU per
 #            rank: the plugin's own 2-process GPU test, the transport smoke
 #            test, then the Smoke and LowLatency suites with EPX_BACKEND=nccl
 #            as 2 processes of 1 node each and, with 4 GPUs, 4 as 2x2, a
@@ -158,6 +159,9 @@ fi
 if has nccl && [ "$GPUS" -ge 2 ]; then
   gin=(env NCCL_NET_PLUGIN="$D/libnccl-net-epxloop.so" NCCL_DEBUG=${EPX_NCCL_DEBUG:-WARN}
        NCCL_DEBUG_SUBSYS=INIT,NET)
+  # EPX_NCCL_QUEUE_SIZE: a smaller GIN proxy queue per (context, peer) (a power
+  # of two, e.g. 4), so that posts wait in EPX's credit gate all the time
+  [ -n "${EPX_NCCL_QUEUE_SIZE:-}" ] && gin+=(NCCL_GIN_PROXY_QUEUE_SIZE=$EPX_NCCL_QUEUE_SIZE)
   run_suite "loopback GIN plugin, 2 processes (its own test)" "$OUT/nccl-plugin.log" 120 \
     "${gin[@]}" "$D/epx_gin_loopback_gpu_tests"
   run_suite "NCCL GIN transport smoke, 2 processes as 2 nodes" "$OUT/nccl-smoke.log" 120 \
