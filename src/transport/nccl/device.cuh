@@ -25,6 +25,7 @@
 #include "common/device.cuh"
 #include "transport/concept.cuh"
 #include "transport/lsa.cuh"
+#include "transport/nccl/credit.hpp"
 
 #if !defined(__CUDACC__)
 struct ncclDevComm;
@@ -63,10 +64,8 @@ __device__ __forceinline__ bool gin_credit(const ncclDevComm& dc, int context, u
   const int32_t size = static_cast<int32_t>(q->queueSize);
   const volatile uint32_t* ci = q->cis + peer;
   const uint32_t k = atomicAdd(tickets + peer, 1u);
-  // Rolling 32-bit indices: the distance is signed, so a consumed index past
-  // the ticket (it cannot be while every post is gated) passes, not wraps.
   return spin_until([&] { return static_cast<uint32_t>(*ci); },
-                    [&](uint32_t c) { return static_cast<int32_t>(k - c) < size; },
+                    [&](uint32_t c) { return gin_credit::may_post(k, c, size); },
                     [](uint32_t c) { return c; }, k, timeout_ns, diag, OpId::kNetCredit, rank, peer,
                     ctx_id, peer_masked);
 }
