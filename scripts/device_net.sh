@@ -184,7 +184,10 @@ if has nccl && [ "$GPUS" -ge 2 ]; then
     for t in ${EPX_NCCL_STALL_TESTS:-Internode.StalledNetworkIsNamed Network.StalledNetworkIsNamed}; do
       echo "== a stalled network over nccl, $t (2 processes, nodes of 1)"
       log="$OUT/nccl-stall-${t//./-}.log"
+      # A queue of 32 descriptors per (context, peer) (the plugin's default
+      # depth gives 512): the LL dispatch's 128 tokens then overfill it.
       timeout ${EPX_KILL_TIMEOUT:-150} "${gin[@]}" EPX_BACKEND=nccl EPX_RANKS_PER_NODE=1 \
+        NCCL_GIN_PROXY_QUEUE_SIZE=${EPX_NCCL_STALL_QUEUE:-32} \
         EPX_GIN_LOOP_STALL_AFTER_S=${EPX_NCCL_STALL_S:-20} "$D/launch.sh" 2 "$D/epx_gpu_tests" \
         --gtest_filter="$t" > "$log" 2>&1
       echo "rc=$?"

@@ -1596,8 +1596,10 @@ EPX_GPU_TEST(Network, KilledRankIsNamed) {
 /// A network that stops completing puts (the loopback GIN plugin's
 /// EPX_GIN_LOOP_STALL_AFTER_S, nccl backend, one process per rank; run on
 /// its own by the device script), for the low-latency ops: a dispatch of 128
-/// tokens posts more descriptors to a peer than NCCL's GIN proxy queue holds,
-/// so after the stall a post finds the queue full. The ranks must raise
+/// tokens posts more descriptors to a peer than NCCL's GIN proxy queue holds
+/// when it is 32 deep (the device script sets NCCL_GIN_PROXY_QUEUE_SIZE=32;
+/// the loopback plugin's default depth gives 512), so after the stall a post
+/// finds the queue full. The ranks must raise
 /// within their deadline (the post's credit wait, a quiet or a signal wait,
 /// whichever comes first), where NCCL's own wait for a queue slot would
 /// hang. Prints "STALL-TEST rank N: PASS|FAIL ..." and leaves at once.
