@@ -7,13 +7,16 @@
 // rank the token reaches (the receiver); every ring has credits (a producer
 // waits for room, the consumer frees slots), with common/ring.hpp's
 // arithmetic, and rings far smaller than the traffic so that they lap.
-// Checked: every receiver gets exactly the (source, token) pairs routed to
-// it, each source's in token order, and no role waits past a deadline.
+// Senders put chunks of records (a chunk waits for room for all of it and
+// is written in pieces that do not wrap, as puts would be). Checked: every
+// receiver gets exactly the (source, token) pairs routed to it, each
+// source's in token order, and no role waits past a deadline.
 // The rule the model shows: a forwarder must serve whichever input ring has
 // a record (round robin); draining its inputs one after another deadlocks
 // (two forwarders each waiting for the sender the other holds up).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -54,6 +57,7 @@ struct Model {
   std::atomic<bool> stuck{false};
   clock_type::time_point deadline;
   Policy policy = Policy::kRoundRobin;
+  std::size_t chunk = 1;  ///< records per sender put
   /// kInOrder: forwarder f drains its inputs in this order of source nodes.
   std::vector<std::vector<int>> order;
 
@@ -91,6 +95,25 @@ struct Model {
     q.tail.store(t + 1, std::memory_order_release);
     return true;
   }
+  /// A sender's chunk: all of `rs` published at once, as one put with its
+  /// tail signal would, written in pieces that do not wrap past the ring's
+  /// end (one put each); it waits for room for the whole chunk.
+  bool push_chunk(Ring& q, const std::vector<Record>& rs) {
+    const uint32_t t = q.tail.load(std::memory_order_relaxed), n = static_cast<uint32_t>(rs.size());
+    if (n == 0) return true;
+    if (!wait([&] {
+          return epx::ring::room_for(t, q.head.load(std::memory_order_acquire), n, q.cap);
+        }))
+      return false;
+    for (uint32_t done = 0; done < n;) {
+      const uint32_t piece = epx::ring::contiguous(t + done, n - done, q.cap);
+      for (uint32_t i = 0; i < piece; ++i)
+        q.slots[epx::ring::slot(t + done, q.cap) + i] = rs[done + i];
+      done += piece;
+    }
+    q.tail.store(t + n, std::memory_order_release);
+    return true;
+  }
   static bool try_pop(Ring& q, Record& r) {
     const uint32_t h = q.head.load(std::memory_order_relaxed);
     if (epx::ring::used(q.tail.load(std::memory_order_acquire), h) == 0) return false;
@@ -99,14 +122,27 @@ struct Model {
     return true;
   }
 
+  /// Records go out in chunks of up to `chunk` per node (at most the
+  /// ring's size), the last chunk carrying the end mark.
   void sender(int s) {
+    std::vector<std::vector<Record>> out(N);
+    const std::size_t most = std::min<std::size_t>(chunk, net[0]->cap);
     for (int t = 0; t < T; ++t)
       for (int m = 0; m < N; ++m) {
         const uint32_t mask = (route[s][t] >> (m * L)) & ((1u << L) - 1u);
-        if (mask != 0 && !push(*net[s * N + m], {s, t, mask, false})) return;
+        if (mask == 0) continue;
+        out[m].push_back({s, t, mask, false});
+        if (out[m].size() == most) {
+          if (!push_chunk(*net[s * N + m], out[m])) return;
+          out[m].clear();
+        }
       }
-    for (int m = 0; m < N; ++m)
-      if (!push(*net[s * N + m], {s, -1, 0, true})) return;
+    for (int m = 0; m < N; ++m) {
+      if (out[m].size() == most && !push_chunk(*net[s * N + m], out[m])) return;
+      if (out[m].size() == most) out[m].clear();
+      out[m].push_back({s, -1, 0, true});
+      if (!push_chunk(*net[s * N + m], out[m])) return;
+    }
   }
 
   bool forward(int f, const Record& r) {
@@ -201,11 +237,15 @@ TEST(RingModel, RoundRobinForwardersDeliverEverythingThroughLappingRings) {
   struct Case {
     int N, L, T;
     uint32_t cap_net, cap_nvl;
+    std::size_t chunk;
   };
-  for (const Case& c : {Case{2, 1, 200, 1, 1}, Case{2, 2, 150, 2, 1}, Case{4, 2, 100, 3, 2},
-                        Case{2, 4, 100, 4, 1}, Case{3, 2, 120, 1, 3}}) {
-    SCOPED_TRACE("N=" + std::to_string(c.N) + " L=" + std::to_string(c.L));
+  for (const Case& c :
+       {Case{2, 1, 200, 1, 1, 1}, Case{2, 2, 150, 2, 1, 2}, Case{4, 2, 100, 3, 2, 2},
+        Case{2, 4, 100, 4, 1, 3}, Case{3, 2, 120, 5, 3, 4}}) {
+    SCOPED_TRACE("N=" + std::to_string(c.N) + " L=" + std::to_string(c.L) +
+                 " chunk=" + std::to_string(c.chunk));
     Model md(c.N, c.L, c.T, c.cap_net, c.cap_nvl);
+    md.chunk = c.chunk;
     std::mt19937 rng(static_cast<uint32_t>(c.N * 100 + c.L));
     for (int s = 0; s < md.R; ++s) {
       md.route[s].resize(c.T);
