@@ -48,6 +48,8 @@ struct World {
 Config ht_base_config(const Options& o, int num_ranks);
 /// What the tables print after the rank count: in-process ranks are a proxy.
 std::string ranks_note(const World& w);
+/// SMs this rank may use: the GPU's, split among the in-process ranks on it.
+int sm_share(const World& w);
 
 /// Lines the ranks up before a timed run: a one-int NCCL all-reduce on the
 /// stream (in-process ranks, which have no NCCL communicator: a host barrier

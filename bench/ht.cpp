@@ -131,11 +131,8 @@ void run_ht_internode(World& w, const Options& o, nlohmann::json& result,
   // kernels' one knob across nodes so far), for the default configs.
   nlohmann::json sweep = nlohmann::json::array();
   if (o.sweep) {
-    int gpu_sms = 0;
-    EPX_CUDA_CHECK(
-        cudaDeviceGetAttribute(&gpu_sms, cudaDevAttrMultiProcessorCount, w.comm->device()));
     for (int sms : {4, 8, 12, 16, 24, 32, 48}) {
-      if (sms > gpu_sms / w.comm->ranks_on_device()) continue;
+      if (sms > sm_share(w)) continue;
       Config c = cfg;
       c.num_sms = sms;
       const double td = mean_over_ranks(w, time_us(
@@ -229,11 +226,8 @@ void run_ht(World& w, const Options& o, nlohmann::json& result) {
       }
     }
     // Scaling beyond the SM budget, for the record (not the reported figure).
-    int gpu_sms = 0;
-    EPX_CUDA_CHECK(
-        cudaDeviceGetAttribute(&gpu_sms, cudaDevAttrMultiProcessorCount, w.comm->device()));
     for (int sms : {32, 48, 64}) {
-      if (sms > gpu_sms / w.comm->ranks_on_device()) continue;  // in-process ranks share a GPU
+      if (sms > sm_share(w)) continue;  // in-process ranks share a GPU
       Config c = best_d;
       c.num_sms = sms;
       c.num_send_sms = sms / 3;

@@ -29,6 +29,13 @@ Config ht_base_config(const Options& o, int num_ranks) {
   return c;
 }
 
+int sm_share(const World& w) {
+  int gpu_sms = 0;
+  EPX_CUDA_CHECK(
+      cudaDeviceGetAttribute(&gpu_sms, cudaDevAttrMultiProcessorCount, w.comm->device()));
+  return gpu_sms / w.comm->ranks_on_device();
+}
+
 std::string ranks_note(const World& w) {
   std::string note = w.comm->in_process() ? " (in-process on one GPU: no NVLink, a proxy)" : "";
   const std::string backend = w.buffer->backend_name();
