@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <thread>
@@ -239,6 +242,46 @@ bool all_ranks(bool ok) {
     if (!v) return false;
   }
   return true;
+}
+
+void kill_test_verdict(int victim, bool names_rank, const std::string& msg, ErrorCode code,
+                       double secs) {
+  const bool named = msg.find("rank " + std::to_string(victim)) != std::string::npos;
+  const bool pass = (named || !names_rank) && code == ErrorCode::kTimeout && secs < 30;
+  std::printf("KILL-TEST rank %d: %s after %.1f s%s: %s\n", world().rank, pass ? "PASS" : "FAIL",
+              secs, named ? "" : " (not named)", msg.c_str());
+  std::fflush(stdout);
+  std::_Exit(pass ? 0 : 1);
+}
+
+void run_stall_test(double stall_after_s, const std::function<std::string(ErrorCode&)>& pair,
+                    const std::vector<std::pair<std::string, std::string>>& kinds) {
+  using clock = std::chrono::steady_clock;
+  const double limit_s = stall_after_s + 60.0;
+  const auto t0 = clock::now();
+  auto last_ok = t0;
+  std::string msg = "no error within the limit";
+  ErrorCode code = ErrorCode::kInternal;
+  long pairs = 0;
+  while (std::chrono::duration<double>(clock::now() - t0).count() < limit_s) {
+    const std::string e = pair(code);
+    if (!e.empty()) {
+      msg = e;
+      break;
+    }
+    ++pairs;
+    last_ok = clock::now();
+  }
+  const double secs = std::chrono::duration<double>(clock::now() - last_ok).count();
+  const char* kind = nullptr;
+  for (const auto& [text, label] : kinds)
+    if (kind == nullptr && msg.find(text) != std::string::npos) kind = label.c_str();
+  const bool named = kind != nullptr;
+  std::printf("STALL-TEST rank %d: %s after %.1f s (%ld pairs before; %s): %s\n", world().rank,
+              named && code == ErrorCode::kTimeout && secs < 30 ? "PASS" : "FAIL", secs, pairs,
+              named ? kind : "a wait", msg.c_str());
+  std::fflush(stdout);
+  std::_Exit(named ? 0 : 1);
 }
 
 }  // namespace epx::test

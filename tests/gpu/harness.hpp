@@ -132,6 +132,27 @@ bool rank_failed();
 /// All ranks agree (logical AND over ranks).
 bool all_ranks(bool ok);
 
+// Tests that end the run (a killed process, a stalled network; the device
+// script runs each on its own, one process per rank): they print one verdict
+// line the script reads and leave at once, since tearing down would wait for
+// the dead or stalled peer.
+
+/// Prints "KILL-TEST rank N: PASS|FAIL after S s[ (not named)]: <msg>" and
+/// exits (0 on PASS). PASS: a kTimeout within 30 s whose message names rank
+/// `victim` (any message when !names_rank).
+[[noreturn]] void kill_test_verdict(int victim, bool names_rank, const std::string& msg,
+                                    ErrorCode code, double secs);
+
+/// Runs `pair` (one op pair: "" or the error it raised, with `code` set)
+/// until it fails or `stall_after_s` + 60 s pass, then prints "STALL-TEST rank
+/// N: PASS|FAIL after S s (P pairs before; KIND): <msg>" and exits (0 when
+/// named). Named: the message holds one of `kinds`' texts; KIND is the label
+/// of the first it holds ("a wait" when none). PASS: named, a kTimeout, and
+/// raised within 30 s of the last pair that went through.
+[[noreturn]] void run_stall_test(double stall_after_s,
+                                 const std::function<std::string(ErrorCode&)>& pair,
+                                 const std::vector<std::pair<std::string, std::string>>& kinds);
+
 /// Instantiates `graph` (auto-free on launch) and uploads it on `stream`, then
 /// waits until every rank has done so: with in-process ranks, instantiating
 /// or uploading a graph may wait for the work running on the shared GPU,

@@ -1165,13 +1165,8 @@ void killed_rank_test(const std::function<void(NetFirstDispatch&)>& after, bool 
     msg = e.what();
     code = e.code();
   }
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const bool named = msg.find("rank " + std::to_string(victim)) != std::string::npos;
-  const bool pass = (named || !names_rank) && code == ErrorCode::kTimeout && secs < 30;
-  std::printf("KILL-TEST rank %d: %s after %.1f s%s: %s\n", w.rank, pass ? "PASS" : "FAIL", secs,
-              named ? "" : " (not named)", msg.c_str());
-  std::fflush(stdout);
-  std::_Exit(pass ? 0 : 1);
+  kill_test_verdict(victim, names_rank, msg, code,
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
 
 /// After the kill, a cached dispatch and a combine (the kernels' waits).
@@ -1203,37 +1198,22 @@ EPX_GPU_TEST(Internode, StalledNetworkIsNamed) {
   if (stall == nullptr || w.comm->in_process())
     GTEST_SKIP() << "set EPX_GIN_LOOP_STALL_AFTER_S (nccl backend through the loopback "
                     "plugin), one process per rank (it ends the run)";
-  using clock = std::chrono::steady_clock;
-  const double limit_s = std::atof(stall) + 60.0;
   const HtCase c{64, 256, 4, 8 * w.num_ranks, false, 0.1, true, 1, false};
   NetFirstDispatch f(c, 3.0, 324);
-  const auto t0 = clock::now();
-  auto last_ok = t0;
-  std::string msg = "no error within the limit";
-  ErrorCode code = ErrorCode::kInternal;
-  long pairs = 0;
-  while (std::chrono::duration<double>(clock::now() - t0).count() < limit_s) {
-    try {
-      f.cached();
-      f.combine(true);
-      cudaStreamSynchronize(w.stream);
-      f.b->check();
-      ++pairs;
-      last_ok = clock::now();
-    } catch (const Error& e) {
-      msg = e.what();
-      code = e.code();
-      break;
-    }
-  }
-  const double secs = std::chrono::duration<double>(clock::now() - last_ok).count();
-  const bool quiet = msg.find("network quiet") != std::string::npos;
-  const bool named = quiet || msg.find("for rank ") != std::string::npos;
-  std::printf("STALL-TEST rank %d: %s after %.1f s (%ld pairs before; %s): %s\n", w.rank,
-              named && code == ErrorCode::kTimeout && secs < 30 ? "PASS" : "FAIL", secs, pairs,
-              quiet ? "its quiet" : "a wait", msg.c_str());
-  std::fflush(stdout);
-  std::_Exit(named ? 0 : 1);
+  run_stall_test(std::atof(stall),
+                 [&](ErrorCode& code) -> std::string {
+                   try {
+                     f.cached();
+                     f.combine(true);
+                     cudaStreamSynchronize(w.stream);
+                     f.b->check();
+                     return "";
+                   } catch (const Error& e) {
+                     code = e.code();
+                     return e.what();
+                   }
+                 },
+                 {{"network quiet", "its quiet"}, {"for rank ", "a wait"}});
 }
 
 }  // namespace

@@ -1584,13 +1584,8 @@ EPX_GPU_TEST(Network, KilledRankIsNamed) {
   if (w.rank == victim) ::raise(SIGKILL);
   const auto t0 = std::chrono::steady_clock::now();
   const std::string msg = ll_pair_error(b, c, in, code);
-  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const bool named = msg.find("rank " + std::to_string(victim)) != std::string::npos;
-  std::printf("KILL-TEST rank %d: %s after %.1f s: %s\n", w.rank,
-              named && code == ErrorCode::kTimeout && secs < 30 ? "PASS" : "FAIL", secs,
-              msg.c_str());
-  std::fflush(stdout);
-  std::_Exit(named ? 0 : 1);
+  kill_test_verdict(victim, true, msg, code,
+                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
 
 /// A network that stops completing puts (the loopback GIN plugin's
@@ -1609,37 +1604,15 @@ EPX_GPU_TEST(Network, StalledNetworkIsNamed) {
   if (stall == nullptr || w.comm->in_process())
     GTEST_SKIP() << "set EPX_GIN_LOOP_STALL_AFTER_S (nccl backend through the loopback "
                     "plugin), one process per rank (it ends the run)";
-  using clock = std::chrono::steady_clock;
-  const double limit_s = std::atof(stall) + 60.0;
   LlCase c;
   c.max_tokens = 128;
   c.hidden = 2048;
   c.num_experts = 8 * w.num_ranks;
   Buffer b(w.comm, hint_sized_options(c, w.num_ranks, 3.0, poisoning_allocator()));
   const auto in = make_inputs(c, w.num_ranks, 903);
-  const auto t0 = clock::now();
-  auto last_ok = t0;
-  std::string msg = "no error within the limit";
-  ErrorCode code = ErrorCode::kInternal;
-  long pairs = 0;
-  while (std::chrono::duration<double>(clock::now() - t0).count() < limit_s) {
-    const std::string e = ll_pair_error(b, c, in, code);
-    if (!e.empty()) {
-      msg = e;
-      break;
-    }
-    ++pairs;
-    last_ok = clock::now();
-  }
-  const double secs = std::chrono::duration<double>(clock::now() - last_ok).count();
-  const bool credit = msg.find("no free slot") != std::string::npos;
-  const bool named = credit || msg.find("network quiet") != std::string::npos ||
-                     msg.find("for rank ") != std::string::npos;
-  std::printf("STALL-TEST rank %d: %s after %.1f s (%ld pairs before; %s): %s\n", w.rank,
-              named && code == ErrorCode::kTimeout && secs < 30 ? "PASS" : "FAIL", secs, pairs,
-              credit ? "a queue credit" : "a wait", msg.c_str());
-  std::fflush(stdout);
-  std::_Exit(named ? 0 : 1);
+  run_stall_test(
+      std::atof(stall), [&](ErrorCode& code) { return ll_pair_error(b, c, in, code); },
+      {{"no free slot", "a queue credit"}, {"network quiet", "a wait"}, {"for rank ", "a wait"}});
 }
 
 /// EPX_TEST_SOAK=N: N low-latency dispatch + combine pairs with routing that
