@@ -308,6 +308,29 @@ TEST(Validate, AnyDeviceWildcard) {
   EXPECT_NO_THROW(validate::tensor("op", "t", h, DType::kI32, {4}, kCpu));
 }
 
+/// Puts an environment variable back as it was when the scope ends.
+class SavedEnv {
+ public:
+  explicit SavedEnv(const char* name) : name_(name) {
+    const char* v = std::getenv(name);
+    had_ = v != nullptr;
+    if (had_) value_ = v;
+  }
+  ~SavedEnv() {
+    if (had_)
+      setenv(name_, value_.c_str(), 1);
+    else
+      unsetenv(name_);
+  }
+  SavedEnv(const SavedEnv&) = delete;
+  SavedEnv& operator=(const SavedEnv&) = delete;
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string value_;
+};
+
 TEST(Env, HtPullSetsTheDispatchConfigs) {
   unsetenv("EPX_HT_PULL");
   EXPECT_FALSE(get_dispatch_config(4).pull_dispatch);
@@ -320,8 +343,7 @@ TEST(Env, HtPullSetsTheDispatchConfigs) {
 }
 
 TEST(Env, LlArrivalOrderIsZeroOrOne) {
-  const char* saved = std::getenv("EPX_LL_ARRIVAL_ORDER");
-  const std::string keep = saved ? saved : "";
+  const SavedEnv saved("EPX_LL_ARRIVAL_ORDER");
   unsetenv("EPX_LL_ARRIVAL_ORDER");
   EXPECT_FALSE(env::ll_arrival_order());
   setenv("EPX_LL_ARRIVAL_ORDER", "1", 1);
@@ -330,15 +352,10 @@ TEST(Env, LlArrivalOrderIsZeroOrOne) {
   EXPECT_FALSE(env::ll_arrival_order());
   setenv("EPX_LL_ARRIVAL_ORDER", "2", 1);
   expect_error([] { env::ll_arrival_order(); }, {"EPX_LL_ARRIVAL_ORDER", "0 or 1"});
-  if (saved)
-    setenv("EPX_LL_ARRIVAL_ORDER", keep.c_str(), 1);
-  else
-    unsetenv("EPX_LL_ARRIVAL_ORDER");
 }
 
 TEST(Env, NetSplitPutsIsUnsetZeroOrOne) {
-  const char* saved = std::getenv("EPX_NET_SPLIT_PUTS");
-  const std::string keep = saved ? saved : "";
+  const SavedEnv saved("EPX_NET_SPLIT_PUTS");
   unsetenv("EPX_NET_SPLIT_PUTS");
   EXPECT_FALSE(env::net_split_puts().has_value());
   setenv("EPX_NET_SPLIT_PUTS", "1", 1);
@@ -349,15 +366,10 @@ TEST(Env, NetSplitPutsIsUnsetZeroOrOne) {
   expect_error([] { env::net_split_puts(); }, {"EPX_NET_SPLIT_PUTS"});
   setenv("EPX_NET_SPLIT_PUTS", "3", 1);
   expect_error([] { env::net_split_puts(); }, {"EPX_NET_SPLIT_PUTS", "0 or 1"});
-  if (saved)
-    setenv("EPX_NET_SPLIT_PUTS", keep.c_str(), 1);
-  else
-    unsetenv("EPX_NET_SPLIT_PUTS");
 }
 
 TEST(Env, LlSmsIsAPositiveCount) {
-  const char* saved = std::getenv("EPX_LL_SMS");
-  const std::string keep = saved ? saved : "";
+  const SavedEnv saved("EPX_LL_SMS");
   unsetenv("EPX_LL_SMS");
   EXPECT_FALSE(env::ll_sms().has_value());
   setenv("EPX_LL_SMS", "100", 1);
@@ -366,10 +378,6 @@ TEST(Env, LlSmsIsAPositiveCount) {
   expect_error([] { env::ll_sms(); }, {"EPX_LL_SMS", ">= 1"});
   setenv("EPX_LL_SMS", "many", 1);
   expect_error([] { env::ll_sms(); }, {"EPX_LL_SMS"});
-  if (saved)
-    setenv("EPX_LL_SMS", keep.c_str(), 1);
-  else
-    unsetenv("EPX_LL_SMS");
 }
 
 TEST(Env, RankInfoFromTorchrunAndMpi) {
