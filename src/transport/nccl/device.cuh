@@ -56,11 +56,21 @@ inline constexpr int kMaxGinComms = (kMaxContexts + kGinContextsPerComm - 1) / k
 /// queues are the NIC's) or without tickets. A ticket whose wait failed
 /// posts nothing: the tickets then run ahead of NCCL's produced index until
 /// gin_sync_tickets sets them back (no op in flight).
+/// NCCL's GIN proxy queues of context `context` (their produced and consumed
+/// indices per peer), read as this build's NCCL headers lay them out; nullptr
+/// for other GIN types. The one place EPX reads NCCL's private proxy state.
+__device__ __forceinline__ const ncclGinProxyGpuCtx_t* gin_proxy_queues(const ncclDevComm& dc,
+                                                                        int context) {
+  return dc.ginTypes[context] == NCCL_NET_DEVICE_GIN_PROXY
+             ? static_cast<const ncclGinProxyGpuCtx_t*>(dc.ginHandles[context])
+             : nullptr;
+}
+
 __device__ __forceinline__ bool gin_credit(const ncclDevComm& dc, int context, unsigned* tickets,
                                            int peer, uint64_t timeout_ns, DeviceDiag* diag,
                                            int rank, int ctx_id, int* peer_masked = nullptr) {
-  if (tickets == nullptr || dc.ginTypes[context] != NCCL_NET_DEVICE_GIN_PROXY) return true;
-  const auto* q = static_cast<const ncclGinProxyGpuCtx_t*>(dc.ginHandles[context]);
+  const ncclGinProxyGpuCtx_t* q = gin_proxy_queues(dc, context);
+  if (tickets == nullptr || q == nullptr) return true;
   const int32_t size = static_cast<int32_t>(q->queueSize);
   const volatile uint32_t* ci = q->cis + peer;
   const uint32_t k = atomicAdd(tickets + peer, 1u);

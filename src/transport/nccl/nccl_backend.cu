@@ -76,10 +76,9 @@ __global__ void gin_sync_tickets(const ncclDevComm* comms, unsigned* tickets, in
                                  int num_ranks) {
   const int ctx = blockIdx.x;
   if (ctx >= num_contexts) return;
-  const ncclDevComm& dc = comms[ctx / dev::kGinContextsPerComm];
-  const int c = ctx % dev::kGinContextsPerComm;
-  if (dc.ginTypes[c] != NCCL_NET_DEVICE_GIN_PROXY) return;
-  const auto* q = static_cast<const ncclGinProxyGpuCtx_t*>(dc.ginHandles[c]);
+  const ncclGinProxyGpuCtx_t* q =
+      dev::gin_proxy_queues(comms[ctx / dev::kGinContextsPerComm], ctx % dev::kGinContextsPerComm);
+  if (q == nullptr) return;
   for (int r = threadIdx.x; r < num_ranks; r += blockDim.x)
     tickets[ctx * kMaxRanks + r] = *static_cast<const volatile uint32_t*>(q->pis + r);
 }
