@@ -7,8 +7,10 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "epx/error.hpp"
@@ -78,6 +80,15 @@ class Communicator {
   /// Buffer's count exchange waits its own deadline, not the communicator's;
   /// ranks from create_in_process() keep their group's deadline).
   std::vector<uint8_t> allgather(const void* data, std::size_t bytes, double timeout_s = 0.0);
+  /// allgather of one trivially copyable value: every rank's, by rank.
+  template <class T>
+  std::vector<T> allgather_value(const T& value, double timeout_s = 0.0) {
+    static_assert(std::is_trivially_copyable_v<T>);
+    const std::vector<uint8_t> bytes = allgather(&value, sizeof(T), timeout_s);
+    std::vector<T> out(bytes.size() / sizeof(T));
+    std::memcpy(out.data(), bytes.data(), out.size() * sizeof(T));
+    return out;
+  }
   /// Whether a collective passed its deadline (or NCCL reported an
   /// asynchronous error) and the NCCL communicator was aborted; nccl_comm()
   /// is then nullptr.

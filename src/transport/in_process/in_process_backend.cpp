@@ -3,7 +3,6 @@
 // ranks swap pointers through the communicator's all-gather, and every peer
 // reaches every other by load/store (one device, or peer access enabled
 // between devices). The kernels see the same device struct as over NVLink.
-#include <cstring>
 
 #include "common/check.hpp"
 #include "common/plan.hpp"
@@ -33,10 +32,7 @@ class InProcessBackend final : public Backend {
     EPX_CUDA_CHECK(cudaMemsetAsync(r.local, 0, r.bytes, stream_));
     EPX_CUDA_CHECK(cudaStreamSynchronize(stream_));
     // The all-gather is a barrier too: every rank's zero fill is done before anyone writes.
-    const auto all = comm_.allgather(&r.local, sizeof(void*));
-    r.peers.assign(comm_.num_ranks(), nullptr);
-    for (int w = 0; w < comm_.num_ranks(); ++w)
-      std::memcpy(&r.peers[w], all.data() + w * sizeof(void*), sizeof(void*));
+    r.peers = comm_.allgather_value(r.local);
     return r;
   }
 

@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -180,10 +179,9 @@ class NcclGin final : public Backend {
     if (K == 1) num_contexts_ = std::min(num_contexts_, contexts_per_comm_);
     // A receiver waits for every context's word of a signal: every rank must
     // use the same count.
-    const auto all = comm.allgather(&num_contexts_, sizeof(num_contexts_));
+    const std::vector<int> all = comm.allgather_value(num_contexts_);
     for (int r = 0; r < comm.num_ranks(); ++r) {
-      int theirs = 0;
-      std::memcpy(&theirs, all.data() + sizeof(int) * r, sizeof(int));
+      const int theirs = all[r];
       require(theirs == num_contexts_, "num_qps_per_rank",
               "nccl: rank " + std::to_string(r) + " uses " + std::to_string(theirs) +
                   " GIN contexts, rank " + std::to_string(comm.rank()) + " " +
@@ -313,13 +311,8 @@ class NcclGin final : public Backend {
     const int mine = healthy && failed == 0 ? 1 : 0;
     bool all = false;
     try {
-      const auto got = comm_.allgather(&mine, sizeof(mine), env::timeout_seconds());
-      all = true;
-      for (int i = 0; i < comm_.num_ranks(); ++i) {
-        int v = 0;
-        std::memcpy(&v, got.data() + sizeof(int) * i, sizeof(int));
-        all = all && v == 1;
-      }
+      const std::vector<int> got = comm_.allgather_value(mine, env::timeout_seconds());
+      all = std::all_of(got.begin(), got.end(), [](int v) { return v == 1; });
     } catch (const Error&) {
       all = false;
     }

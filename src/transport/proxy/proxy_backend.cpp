@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <memory>
 #include <string>
 
@@ -61,10 +60,9 @@ class ProxyBackend final : public Backend {
     options_ = po;
     // A receiver waits for one signal per context of the sender: every rank
     // must use the same count.
-    const auto all = comm.allgather(&num_channels_, sizeof(num_channels_));
+    const std::vector<int> all = comm.allgather_value(num_channels_);
     for (int r = 0; r < comm.num_ranks(); ++r) {
-      int theirs = 0;
-      std::memcpy(&theirs, all.data() + r * sizeof(int), sizeof(int));
+      const int theirs = all[r];
       if (theirs != num_channels_)
         throw Error(ErrorCode::kInvalidArgument,
                     "num_qps_per_rank / EPX_PROXY_CHANNELS: every rank must use the same number "
