@@ -1329,6 +1329,14 @@ __device__ __forceinline__ void time_first_weight(const LlCombineSendParams<T>& 
     p.wait_first[s] = dev::globaltimer_ns() - t0 + 1u;
 }
 
+/// A combine row's bytes in the receive and send areas: BF16, or LogFMT's
+/// wire form packed row after row (so the puts of consecutive rows stay
+/// contiguous and a proxy can coalesce them).
+template <bool kLogFmt>
+__device__ __forceinline__ std::size_t combine_row_bytes(int hidden) {
+  return kLogFmt ? logfmt_wire_bytes(hidden) : 2u * static_cast<std::size_t>(hidden);
+}
+
 // ============================================================================
 // combine: send. The first warps send this rank's weights (one tagged word per
 // (token, distinct expert) to the expert's rank); then each warp takes
@@ -1357,10 +1365,7 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
   constexpr int kCombineChunk = kLogFmt ? kLlCombineSendChunkLogFmt : kLlCombineSendChunk;
   constexpr int kCombineSteps = kCombineChunk / 256;
   static_assert(!kLogFmt || kCombineChunk == 256, "LogFMT: one 128-column group per half-warp");
-  // A row's bytes in the receive and send areas: BF16, or LogFMT's wire form
-  // packed row after row (so the puts of consecutive rows stay contiguous and
-  // a proxy can coalesce them).
-  const std::size_t row_bytes = kLogFmt ? logfmt_wire_bytes(H) : 2u * H;
+  const std::size_t row_bytes = combine_row_bytes<kLogFmt>(H);
   constexpr int kRowsAtOnce = kLlCombineSendRowsAtOnce;
   bool send_ok = true;  // false: this block must not touch its send areas
   if constexpr (kNet<T>) send_ok = quiet_send_areas(p.t);
@@ -1674,8 +1679,8 @@ __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
   const int H = p.hidden, K = p.num_topk, E = p.num_experts, E_local = E / R;
   const int H8 = H / 8;
   constexpr int kCombineChunk = kLlCombineRecvChunk, kCombineSteps = kCombineChunk / 256;
-  constexpr int kRanksAtOnce = kLogFmt ? 2 : kLlCombineRecvRanksAtOnce;   // LogFMT: registers
-  const std::size_t row_bytes = kLogFmt ? logfmt_wire_bytes(H) : 2u * H;  // as the send's
+  constexpr int kRanksAtOnce = kLogFmt ? 2 : kLlCombineRecvRanksAtOnce;  // LogFMT: registers
+  const std::size_t row_bytes = combine_row_bytes<kLogFmt>(H);
   const int C = ceil_div(H, kCombineChunk);
   const int items = p.num_tokens * C;
   int item = blockIdx.x * kWarps + warp;
