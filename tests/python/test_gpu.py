@@ -274,8 +274,8 @@ def _check_raises(exc, pattern, fn):
 # ---- high-throughput -----------------------------------------------------------------------------
 
 def _ht_inputs(rank, group, dev, rng, T, H, K, E):
-    """This rank's routing (host copy too), rows and weights on `dev`, every rank's
-    routing gathered, and the reference dispatch of all ranks."""
+    """This rank's routing and rows (host copies too), rows and weights on `dev`,
+    every rank's routing and rows gathered, and the reference dispatch of all ranks."""
     import torch
 
     from epx import reference as ref
@@ -288,7 +288,7 @@ def _ht_inputs(rank, group, dev, rng, T, H, K, E):
     w = torch.from_numpy(w_np).to(dev)
     all_idx, all_x, all_w = zip(*_gather(group, (idx_np, x_np, w_np)))
     want = ref.ht_dispatch(list(all_x), list(all_idx), E, topk_weights=list(all_w))
-    return idx_np, idx, x, w, all_idx, want
+    return idx_np, x_np, idx, x, w, all_idx, all_x, want
 
 
 def _check_dispatch(mine, recv_x, recv_idx, recv_w, counts):
@@ -335,7 +335,7 @@ def _case_high_throughput_across_nodes(rank, world, group):
     H, K, E = 512, 4, 8 * world
     rng = np.random.default_rng(300 + rank)
     T = 80 + 13 * rank
-    _, idx, x, w, all_idx, want = _ht_inputs(rank, group, dev, rng, T, H, K, E)
+    _, _, idx, x, w, all_idx, _, want = _ht_inputs(rank, group, dev, rng, T, H, K, E)
     mine = want[rank]
 
     nvl = epx.Buffer.get_internode_nvl_size_hint(128, H, world, rpn, K)
@@ -409,7 +409,7 @@ def _case_high_throughput(rank, world, group):
     H, K, E = 256, 4, 8 * world
     rng = np.random.default_rng(100 + rank)
     T = 64 + 17 * rank
-    idx_np, idx, x, w, all_idx, want = _ht_inputs(rank, group, dev, rng, T, H, K, E)
+    idx_np, x_np, idx, x, w, all_idx, all_x, want = _ht_inputs(rank, group, dev, rng, T, H, K, E)
     mine = want[rank]
 
     hidden_bytes = H * 2
