@@ -848,6 +848,86 @@ EPX_GPU_TEST(Internode, ExpertAlignmentAndMaskedRows) {
 EPX_GPU_TEST(Internode, Stress200Calls) {
   stress_calls(200, std::nullopt);
 }
+/// DeepEP users' calls as the Python suite makes them, with no host wait
+/// between the ops (run_case waits after each): dispatch, cached dispatch,
+/// then three combines of the dispatched rows (identity experts) on the same
+/// handle: with weights and two biases, plain, with weights only; every
+/// output against the reference, for three fresh sets of routing and rows.
+/// The Python suite's 4 processes as 2x2 got a plain combine after a
+/// weighted one wrong on one pair of ranks (4x H200, proxy).
+EPX_GPU_TEST(Internode, OpSequenceWithoutHostWaits) {
+  auto& w = world();
+  const int R = w.num_ranks, me = w.rank, rpn = w.buffer->num_nvl_ranks();
+  if (rpn == R) GTEST_SKIP() << "needs ranks in several nodes";
+  const int H = 512, K = 4, E = 8 * R;
+  StreamArgs s;
+  s.stream = w.stream;
+  for (int rep = 0; rep < 3; ++rep) {
+    const HtCase c{80 + 13 * rep, H, K, E, false, 0.1, true, 1, false};
+    const auto in = make_inputs(c, R, 400 + rep);
+    const auto ro = ref::ht_dispatch(in, H, K, E, 1);
+    const auto& mine = in[me];
+    const int T = mine.num_tokens;
+    auto d_topk = to_device(mine.topk_idx);
+    auto d_x = to_device(mine.x_bf16);
+    auto d_w = to_device(mine.topk_weights);
+    auto layout = w.buffer->get_dispatch_layout(view(d_topk.get(), DType::kI64, {T, K}), E, s);
+    DispatchArgs a;
+    a.x = view(d_x.get(), DType::kBF16, {T, H});
+    a.topk_idx = view(d_topk.get(), DType::kI64, {T, K});
+    a.topk_weights = view(d_w.get(), DType::kF32, {T, K});
+    a.set_layout(layout);
+    a.streams = s;
+    auto res = w.buffer->dispatch(a);
+    DispatchArgs cached;
+    cached.x = a.x;
+    cached.handle = res.handle;
+    cached.streams = s;
+    auto again = w.buffer->dispatch(cached);
+
+    // The combines' inputs on every rank: [0] weights and biases, [1] plain, [2] weights.
+    std::vector<ref::HtCombineInput> cin[3];
+    for (auto& v : cin) v.resize(R);
+    for_each_rank(R, [&](int r) {
+      for (auto& v : cin) v[r].x = ro[r].recv_x_bf16;
+      cin[0][r].topk_weights = cin[2][r].topk_weights = ro[r].recv_topk_weights;
+      const auto n = static_cast<std::size_t>(in[r].num_tokens) * H;
+      cin[0][r].bias_0 = random_bf16(n, 500 + rep * 16 + r);
+      cin[0][r].bias_1 = random_bf16(n, 600 + rep * 16 + r);
+    });
+    auto d_b0 = to_device(cin[0][me].bias_0);
+    auto d_b1 = to_device(cin[0][me].bias_1);
+    std::vector<CombineResult> out;
+    for (int k = 0; k < 3; ++k) {
+      CombineArgs ca;
+      ca.x = res.recv_x.view;
+      ca.handle = res.handle;
+      if (k != 1) ca.topk_weights = res.recv_topk_weights->view;
+      if (k == 0) {
+        ca.bias_0 = view(d_b0.get(), DType::kBF16, {T, H});
+        ca.bias_1 = view(d_b1.get(), DType::kBF16, {T, H});
+      }
+      ca.streams = s;
+      out.push_back(w.buffer->combine(ca));
+    }
+    ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+    const std::string at = "set " + std::to_string(rep);
+    EXPECT_EQ(to_host<uint16_t>(res.recv_x), ro[me].recv_x_bf16) << at << ": dispatch";
+    EXPECT_EQ(to_host<uint16_t>(again.recv_x), ro[me].recv_x_bf16) << at << ": cached dispatch";
+    static constexpr const char* kNames[] = {"weights and biases", "plain", "weights"};
+    for (int k = 0; k < 3; ++k) {
+      const auto want = ref::ht_combine(in, cin[k], H, K, E, rpn)[me];
+      EXPECT_EQ(to_host<uint16_t>(out[k].combined_x), want.combined_x)
+          << at << ": combine with " << kNames[k] << " (combined_x not bit-exact)";
+      if (k == 1) continue;
+      const auto gw = to_host<float>(*out[k].combined_topk_weights);
+      ASSERT_EQ(gw.size(), want.combined_topk_weights.size());
+      for (std::size_t i = 0; i < gw.size(); ++i)
+        ASSERT_NEAR(gw[i], want.combined_topk_weights[i], 1e-5f) << at << " weight " << i;
+    }
+    ASSERT_TRUE(all_ranks(!rank_failed())) << "another rank failed, " << at;
+  }
+}
 /// A call whose whole-call areas do not fit num_nvl_bytes raises
 /// kBufferTooSmall naming it on every rank, before any kernel; num_worst_tokens
 /// (no host count exchange yet across nodes) is refused by name; the buffer
