@@ -16,7 +16,8 @@
 #   .device/wheel/ (pytest -m gpu, then python -m epx.bench), EPX_PY_TIMEOUT (300 s) each.
 #   EPX_RUN="pybuild python": the wheel built here by `pip wheel .` on this Python instead.
 #   EPX_PY_BENCH=0 skips python -m epx.bench, EPX_PY_TESTS=0 the Python tests;
-#   EPX_PY_K: only the tests pytest -k selects.
+#   EPX_PY_K: only the tests pytest -k selects; EPX_PY_MAXFAIL (5): pytest stops after that
+#   many failures (one failing case no longer hides the ones after it).
 set -uo pipefail
 D=$(cd "$(dirname "$0")" && pwd)
 source "$D/device_env.sh"  # OUT, SITE, GPUS, the environment
@@ -173,7 +174,7 @@ if [[ " $RUN " == *" python "* ]]; then
         # timeout ends pytest.
         EPX_TEST_STACKS_AFTER_S=${EPX_TEST_STACKS_AFTER_S:-60} EPX_TEST_STACKS_DIR="$OUT/py-stacks" \
           timeout ${EPX_PY_TIMEOUT:-300} \
-          python3 -m pytest -x -q -ra --capture=sys tests/python -m gpu ${EPX_PY_K:+-k "$EPX_PY_K"} \
+          python3 -m pytest --maxfail=${EPX_PY_MAXFAIL:-5} -q -ra --capture=sys tests/python -m gpu ${EPX_PY_K:+-k "$EPX_PY_K"} \
           > "$OUT/py-tests.log" 2>&1
         rc=$?
         tail -15 "$OUT/py-tests.log"
