@@ -29,7 +29,7 @@ if [ ${#need_apt[@]} -gt 0 ]; then
 fi
 epx_use_python
 PIP=("$EPX_PY" -m pip install -q --disable-pip-version-check)
-"${PIP[@]}" "cmake>=3.28,<4" "nanobind>=2.4" scikit-build-core pytest numpy hypothesis
+"${PIP[@]}" "cmake>=3.28,<4" "nanobind>=2.4" scikit-build-core pytest numpy hypothesis ruff
 command -v nvcc >/dev/null || { [ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH; }
 command -v nvcc >/dev/null || { echo "install_deps.sh: nvcc (CUDA 13) not found; install the CUDA toolkit" >&2; exit 1; }
 nccl_ok=0

@@ -12,6 +12,8 @@ epx_use_python
 command -v nvcc >/dev/null || export PATH=/usr/local/cuda/bin:$PATH
 echo "== format check"
 git ls-files '*.cpp' '*.hpp' '*.cu' '*.cuh' | xargs clang-format --dry-run --Werror
+echo "== python lint (undefined and unused names: pyflakes' rules through ruff)"
+"$EPX_PY" -m ruff check --no-cache --select F python tests/python bench scripts
 echo "== build"
 cmake --preset default
 cmake --build --preset default -j"$(nproc)"
