@@ -300,10 +300,13 @@ def _check_dispatch(mine, recv_x, recv_idx, recv_w, counts):
 
 
 def _check_combine_with_biases(combine, rank, group, dev, rng, T, H, E, all_idx, want, recv_x,
-                               handle, recv_w, ranks_per_node=0):
+                               handle, recv_w, ranks_per_node=0, check=None):
     """combine(recv_x, handle, ...) of identity experts with weights and a pair of fresh
     biases against the reference (bit for bit; weights to 1e-6); every rank's received
-    rows, for the caller's further checks."""
+    rows, for the caller's further checks. check: the buffer's check, called once the
+    combine finished (a failed wait raises its own error before the rows are compared)."""
+    import torch
+
     from epx import reference as ref
 
     b0_np = ref.bf16_from_float(rng.standard_normal((T, H)).astype(np.float32))
@@ -315,6 +318,9 @@ def _check_combine_with_biases(combine, rank, group, dev, rng, T, H, E, all_idx,
                             bias=all_bias, ranks_per_node=ranks_per_node)[rank]
     cx, cw, _ = combine(recv_x, handle, topk_weights=recv_w,
                         bias=(_bf16(b0_np, dev), _bf16(b1_np, dev)))
+    if check is not None:
+        torch.cuda.synchronize()
+        check()
     np.testing.assert_array_equal(_bits(cx), expect[0])
     np.testing.assert_allclose(cw.cpu().numpy(), expect[1], rtol=1e-6)
     return all_recv_x
@@ -370,7 +376,14 @@ def _case_high_throughput_across_nodes(rank, world, group):
 
     all_recv_x = _check_combine_with_biases(buf.internode_combine, rank, group, dev, rng, T, H,
                                             E, all_idx, want, recv_x, handle, recv_w,
-                                            ranks_per_node=rpn)
+                                            ranks_per_node=rpn, check=buf.check)
+    # A plain combine on the same handle right after the weighted one (4 processes as
+    # 2x2 on 4x H200 once got this one wrong on a cross-node pair: docs/benchmarks.md)
+    cx, _, _ = buf.combine(recv_x, handle)
+    torch.cuda.synchronize()
+    buf.check()
+    np.testing.assert_array_equal(
+        _bits(cx), ref.ht_combine(list(all_idx), all_recv_x, E, ranks_per_node=rpn)[rank][0])
 
     # num_worst_tokens: no host wait (the counts are exchanged on the GPU); the outputs
     # have that many rows, the first ones as above, the tail's top-k -1; DeepEP returns
