@@ -115,6 +115,15 @@ std::vector<int64_t> random_topk(int T, int K, int E, double masked, uint64_t se
 std::vector<uint16_t> random_bf16(std::size_t n, uint64_t seed, float scale = 1.0f);
 std::vector<float> random_f32(std::size_t n, uint64_t seed);
 
+/// Seeded draws for the fuzzed valid sets: ranks that seed it alike draw the
+/// same sets.
+struct Draws {
+  std::mt19937_64 rng;
+  explicit Draws(uint64_t seed) : rng(seed) {}
+  int between(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); }
+  bool chance(double p) { return std::uniform_real_distribution<double>(0.0, 1.0)(rng) < p; }
+};
+
 /// Runs f(0) .. f(n-1) on n threads and waits for all of them. Every rank
 /// builds every rank's inputs, so at EP8 one thread per rank keeps the CPU
 /// side of a test from growing with the square of the rank count. The

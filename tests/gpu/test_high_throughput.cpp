@@ -477,6 +477,59 @@ EPX_GPU_TEST(HighThroughput, Stress200CallsLapping) {
   stress_calls(200, cfg);
 }
 
+/// Seeded random valid sets, run for real against the reference (the CPU fuzz
+/// feeds the validation 10,000+ sets a run, valid and not; these are a share
+/// of the valid kind on a GPU): 0, 1 or up to 256 tokens, hidden any multiple
+/// of 8 up to 4096 (FP8: of 128), 1-8 experts per rank, top-1 to top-9, -1
+/// slots, weights or not, expert alignment 1-128, and three times in four a
+/// random Config that Config::validate accepts (within a node: SMs, ring rows
+/// and chunks, sender SMs, the pull dispatch; across nodes only the SMs count).
+void fuzzed_valid_sets(int sets, uint64_t seed, bool across) {
+  auto& w = world();
+  const int R = w.num_ranks;
+  Draws d(seed);
+  for (int i = 0; i < sets; ++i) {
+    HtCase c{};
+    c.fp8 = d.chance(0.3);
+    c.hidden = c.fp8 ? 128 * d.between(1, 32) : 8 * d.between(1, 512);
+    c.num_experts = R * d.between(1, 8);
+    c.num_topk = d.between(1, std::min(9, c.num_experts));
+    c.num_tokens = d.chance(0.2) ? d.between(0, 1) : d.between(2, 256);
+    c.masked = d.chance(0.5) ? 0.0 : 0.3;
+    c.with_weights = d.chance(0.5);
+    c.expert_alignment = 1 << (d.between(0, 3) * 7 / 3);  // 1, 4, 16 or 128
+    std::optional<Config> cfg;
+    if (d.chance(0.75)) {
+      Config k = shared_gpu_config();
+      k.num_sms = 2 * d.between(1, std::max(1, sm_budget() / 2));
+      if (!across) {
+        k.num_max_recv_tokens = d.between(1, 512);
+        k.num_max_send_tokens = d.between(1, 64);
+        k.num_send_sms = d.chance(0.5) ? 0 : d.between(1, k.num_sms);
+        k.pull_dispatch = d.chance(0.2);
+      }
+      try {
+        k.validate(R, sm_budget());
+        cfg = k;
+      } catch (const Error&) {  // an invalid draw: the default config instead
+      }
+    }
+    SCOPED_TRACE("set " + std::to_string(i) + ": " + c.name() + (c.with_weights ? "_weights" : "") +
+                 "_masked" + std::to_string(c.masked) +
+                 (cfg ? " config(" + std::to_string(cfg->num_sms) + ", " +
+                            std::to_string(cfg->num_max_send_tokens) + ", " +
+                            std::to_string(cfg->num_max_recv_tokens) + ", " +
+                            std::to_string(cfg->num_send_sms) +
+                            (cfg->pull_dispatch ? ", pull)" : ")")
+                      : " default config"));
+    run_case(c, 1, seed + 100 + i, cfg);
+    if (rank_failed()) return;
+  }
+}
+EPX_GPU_TEST(HighThroughput, FuzzedValidSets) {
+  fuzzed_valid_sets(16, 20261127, false);
+}
+
 /// num_worst_tokens: no host sync; outputs sized to the worst case, then
 /// captured in a CUDA graph and replayed with the routing unchanged.
 // The num_worst_tokens tests: 200 tokens (201 on odd ranks), hidden 2048,
@@ -847,6 +900,10 @@ EPX_GPU_TEST(Internode, ExpertAlignmentAndMaskedRows) {
 }
 EPX_GPU_TEST(Internode, Stress200Calls) {
   stress_calls(200, std::nullopt);
+}
+/// The fuzzed valid sets across nodes (fuzzed_valid_sets).
+EPX_GPU_TEST(Internode, FuzzedValidSets) {
+  fuzzed_valid_sets(12, 20261128, true);
 }
 /// DeepEP users' calls as the Python suite makes them, with no host wait
 /// between the ops (run_case waits after each): dispatch, cached dispatch,

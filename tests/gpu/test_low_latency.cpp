@@ -693,6 +693,35 @@ EPX_GPU_TEST(LowLatency, HiddenSizes) {
     run_case(c, 20 + h, false);
   }
 }
+/// Seeded random valid sets, run for real against the reference (the CPU fuzz
+/// feeds the validation 10,000+ sets a run; these are a share of the valid
+/// kind on a GPU): 1-128 tokens per rank, hidden any multiple of 128 up to
+/// 7168, 1-16 experts per rank, top-1 to top-9, BF16 or FP8 (rounded scales,
+/// UE8M0), -1 slots, LogFMT combine or not; sets whose buffer would not fit the
+/// suite's are drawn again.
+EPX_GPU_TEST(LowLatency, FuzzedValidSets) {
+  const int R = world().num_ranks;
+  Draws d(20261129);
+  for (int i = 0, drawn = 0; i < 16 && drawn < 64; ++drawn) {
+    LlCase c;
+    c.max_tokens = d.between(1, 128);
+    c.hidden = 128 * d.between(1, 56);
+    c.num_experts = R * d.between(1, 16);
+    c.num_topk = d.between(1, std::min(9, c.num_experts));
+    c.fp8 = d.chance(0.5);
+    c.round_scale = c.fp8 && d.chance(0.5);
+    c.ue8m0 = c.round_scale && d.chance(0.5);
+    c.masked = d.chance(0.5) ? 0.0 : 0.2;
+    c.logfmt = d.chance(0.3);
+    if (Buffer::get_low_latency_rdma_size_hint(c.max_tokens, c.hidden, R, c.num_experts) >
+        ll_buffer_bytes())
+      continue;  // (every rank draws alike, so every rank skips it)
+    SCOPED_TRACE("set " + std::to_string(i) + ": " + c.name());
+    run_case(c, 900 + i);
+    if (rank_failed()) return;
+    ++i;
+  }
+}
 EPX_GPU_TEST(LowLatency, HiddenNotMultipleOf128Throws) {
   auto& w = world();
   LlCase c;
