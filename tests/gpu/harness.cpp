@@ -254,6 +254,12 @@ void kill_test_verdict(int victim, bool names_rank, const std::string& msg, Erro
   std::_Exit(pass ? 0 : 1);
 }
 
+std::optional<double> stall_after_s() {
+  const char* v = std::getenv("EPX_GIN_LOOP_STALL_AFTER_S");
+  if (v == nullptr || world().comm->in_process()) return std::nullopt;
+  return std::atof(v);
+}
+
 void run_stall_test(double stall_after_s, const std::function<std::string(ErrorCode&)>& pair,
                     const std::vector<std::pair<std::string, std::string>>& kinds) {
   using clock = std::chrono::steady_clock;

@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -151,6 +152,14 @@ bool all_ranks(bool ok);
 /// `victim` (any message when !names_rank).
 [[noreturn]] void kill_test_verdict(int victim, bool names_rank, const std::string& msg,
                                     ErrorCode code, double secs);
+
+/// EPX_GIN_LOOP_STALL_AFTER_S (when the loopback GIN plugin stops completing
+/// puts) for a stalled-network test, or nullopt where one cannot run: unset,
+/// or ranks in one process (the test ends the run); kStallTestSkip says so.
+std::optional<double> stall_after_s();
+inline constexpr const char* kStallTestSkip =
+    "set EPX_GIN_LOOP_STALL_AFTER_S (nccl backend through the loopback plugin), one process "
+    "per rank (it ends the run)";
 
 /// Runs `pair` (one op pair: "" or the error it raised, with `code` set)
 /// until it fails or `stall_after_s` + 60 s pass, then prints "STALL-TEST rank

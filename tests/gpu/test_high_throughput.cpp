@@ -96,6 +96,32 @@ float bf(uint16_t v) {
   return ref::bf16_to_float(v);
 }
 
+/// One rank's BF16 dispatch input on the device (rows, top-k ids, weights),
+/// its layout from `buf`, and DispatchArgs over them (x, top-k, weights, the
+/// layout, the streams); the arrays and the layout live as long as it does.
+struct DeviceInput {
+  int T;
+  DeviceArray<int64_t> topk;
+  DeviceArray<uint16_t> x;
+  DeviceArray<float> w;
+  Layout layout;
+  DispatchArgs a;
+  DeviceInput(Buffer& buf, const ref::HtInput& in, int hidden, int num_topk, int num_experts,
+              const StreamArgs& s)
+      : T(in.num_tokens),
+        topk(to_device(in.topk_idx)),
+        x(to_device(in.x_bf16)),
+        w(to_device(in.topk_weights)),
+        layout(
+            buf.get_dispatch_layout(view(topk.get(), DType::kI64, {T, num_topk}), num_experts, s)) {
+    a.x = view(x.get(), DType::kBF16, {T, hidden});
+    a.topk_idx = view(topk.get(), DType::kI64, {T, num_topk});
+    a.topk_weights = view(w.get(), DType::kF32, {T, num_topk});
+    a.set_layout(layout);
+    a.streams = s;
+  }
+};
+
 /// The default dispatch config within this rank's SM share (in-process ranks
 /// split a GPU), with `rows` ring rows per peer (0: the default).
 Config shared_gpu_config(int rows = 0) {
@@ -425,22 +451,12 @@ void stress_calls(int calls, const std::optional<Config>& config) {
   const auto& mine = in[me];
   StreamArgs s;
   s.stream = w.stream;
-  auto d_topk = to_device(mine.topk_idx);
-  auto d_x = to_device(mine.x_bf16);
-  auto d_w = to_device(mine.topk_weights);
-  auto layout =
-      w.buffer->get_dispatch_layout(view(d_topk.get(), DType::kI64, {mine.num_tokens, K}), E, s);
+  DeviceInput d(*w.buffer, mine, H, K, E, s);
+  d.a.config = config;
   const auto rl = ref::get_dispatch_layout(mine.topk_idx, mine.num_tokens, K, E, R);
   int bad_calls = 0;
   for (int i = 0; i < calls; ++i) {
-    DispatchArgs a;
-    a.x = view(d_x.get(), DType::kBF16, {mine.num_tokens, H});
-    a.topk_idx = view(d_topk.get(), DType::kI64, {mine.num_tokens, K});
-    a.topk_weights = view(d_w.get(), DType::kF32, {mine.num_tokens, K});
-    a.set_layout(layout);
-    a.streams = s;
-    a.config = config;
-    auto res = w.buffer->dispatch(a);
+    auto res = w.buffer->dispatch(d.a);
     CombineArgs ca;
     ca.x = res.recv_x.view;
     ca.handle = res.handle;
@@ -539,12 +555,7 @@ constexpr int kWorstTokens = 200, kWorstHidden = 2048, kWorstTopK = 8, kWorstExp
 struct WorstTokenSetup {
   std::vector<ref::HtInput> in;           ///< every rank's inputs
   std::vector<ref::HtDispatchOutput> ro;  ///< the reference dispatch, every rank
-  DeviceArray<int64_t> d_topk;
-  DeviceArray<uint16_t> d_x;
-  DeviceArray<float> d_w;
-  Layout layout;
-  DispatchArgs a;
-  int T = 0;
+  DeviceInput dev;                        ///< this rank's, with `worst` output rows
 };
 
 WorstTokenSetup worst_token_setup(uint64_t seed, int worst) {
@@ -552,25 +563,12 @@ WorstTokenSetup worst_token_setup(uint64_t seed, int worst) {
   const int R = w.num_ranks, H = kWorstHidden, K = kWorstTopK, E = kWorstExperts;
   HtCase c{kWorstTokens, H, K, E, false, 0.1, true, 1, false};
   auto in = make_inputs(c, R, seed);
-  WorstTokenSetup st;
-  st.ro = ref::ht_dispatch(in, H, K, E, 1);
-  st.in = in;
-  const auto& mine = in[w.rank];
-  const int T = st.T = mine.num_tokens;
-  st.d_topk = to_device(mine.topk_idx);
-  st.d_x = to_device(mine.x_bf16);
-  st.d_w = to_device(mine.topk_weights);
   StreamArgs s;
   s.stream = w.stream;
-  st.layout = w.buffer->get_dispatch_layout(view(st.d_topk.get(), DType::kI64, {T, K}), E, s);
-  DispatchArgs& a = st.a;
-  a.x = view(st.d_x.get(), DType::kBF16, {T, H});
-  a.topk_idx = view(st.d_topk.get(), DType::kI64, {T, K});
-  a.topk_weights = view(st.d_w.get(), DType::kF32, {T, K});
-  a.set_layout(st.layout);
-  a.num_worst_tokens = worst;
-  a.streams = s;
-  return st;
+  DeviceInput dev(*w.buffer, in[w.rank], H, K, E, s);
+  dev.a.num_worst_tokens = worst;
+  auto ro = ref::ht_dispatch(in, H, K, E, 1);
+  return WorstTokenSetup{std::move(in), std::move(ro), std::move(dev)};
 }
 
 EPX_GPU_TEST(HighThroughput, WorstTokensAndGraphReplay) {
@@ -579,8 +577,8 @@ EPX_GPU_TEST(HighThroughput, WorstTokensAndGraphReplay) {
   const int worst = (kWorstTokens + 1) * R;
   auto st = worst_token_setup(77, worst);
   const auto& ro = st.ro;
-  const auto& a = st.a;
-  const StreamArgs& s = st.a.streams;
+  const auto& a = st.dev.a;
+  const StreamArgs& s = st.dev.a.streams;
   auto res = w.buffer->dispatch(a);
   cudaStreamSynchronize(w.stream);
   ASSERT_EQ(res.recv_x.size(0), worst);
@@ -635,10 +633,10 @@ EPX_GPU_TEST(HighThroughput, TruncatedWorstTokensStayInBounds) {
   const int me = w.rank, K = kWorstTopK, E = kWorstExperts, worst = 16;
   auto st = worst_token_setup(91, worst);
   ASSERT_GT(st.ro[me].num_recv_tokens, worst);
-  const int T = st.T;
-  const auto& a = st.a;
-  const StreamArgs& s = st.a.streams;
-  const DeviceArray<int64_t>& d_topk = st.d_topk;
+  const int T = st.dev.T;
+  const auto& a = st.dev.a;
+  const StreamArgs& s = st.dev.a.streams;
+  const DeviceArray<int64_t>& d_topk = st.dev.topk;
 
   cudaGraph_t graph;
   ASSERT_EQ(cudaStreamBeginCapture(w.stream, cudaStreamCaptureModeRelaxed), cudaSuccess);
@@ -927,21 +925,11 @@ EPX_GPU_TEST(Internode, OpSequenceWithoutHostWaits) {
     const HtCase c{80 + 13 * (rep % 3), H, K, E, false, 0.1, true, 1, false};
     const auto in = make_inputs(c, R, 400 + rep % 3);
     const auto ro = ref::ht_dispatch(in, H, K, E, 1);
-    const auto& mine = in[me];
-    const int T = mine.num_tokens;
-    auto d_topk = to_device(mine.topk_idx);
-    auto d_x = to_device(mine.x_bf16);
-    auto d_w = to_device(mine.topk_weights);
-    auto layout = w.buffer->get_dispatch_layout(view(d_topk.get(), DType::kI64, {T, K}), E, s);
-    DispatchArgs a;
-    a.x = view(d_x.get(), DType::kBF16, {T, H});
-    a.topk_idx = view(d_topk.get(), DType::kI64, {T, K});
-    a.topk_weights = view(d_w.get(), DType::kF32, {T, K});
-    a.set_layout(layout);
-    a.streams = s;
-    auto res = w.buffer->dispatch(a);
+    DeviceInput d(*w.buffer, in[me], H, K, E, s);
+    const int T = d.T;
+    auto res = w.buffer->dispatch(d.a);
     DispatchArgs cached;
-    cached.x = a.x;
+    cached.x = d.a.x;
     cached.handle = res.handle;
     cached.streams = s;
     auto again = w.buffer->dispatch(cached);
@@ -1064,17 +1052,9 @@ EPX_GPU_TEST(Internode, WorstTokensAndGraphReplay) {
   Buffer b(w.comm, o);
   StreamArgs s;
   s.stream = w.stream;
-  auto d_topk = to_device(ins[0][me].topk_idx);
-  auto d_x = to_device(ins[0][me].x_bf16);
-  auto d_w = to_device(ins[0][me].topk_weights);
-  auto layout = b.get_dispatch_layout(view(d_topk.get(), DType::kI64, {T, K}), E, s);
-  DispatchArgs a;
-  a.x = view(d_x.get(), DType::kBF16, {T, H});
-  a.topk_idx = view(d_topk.get(), DType::kI64, {T, K});
-  a.topk_weights = view(d_w.get(), DType::kF32, {T, K});
-  a.set_layout(layout);
+  DeviceInput d(b, ins[0][me], H, K, E, s);
+  DispatchArgs& a = d.a;
   a.num_worst_tokens = worst;
-  a.streams = s;
   a.config = shared_gpu_config();
   // Checks set i's outputs: the first N rows (and the tail's top-k), the combine.
   auto check = [&](int i, const Tensor& recv_x, const Tensor& recv_idx, const Tensor& combined,
@@ -1126,13 +1106,13 @@ EPX_GPU_TEST(Internode, WorstTokensAndGraphReplay) {
     auto cp = [&](void* dst, const void* src, std::size_t bytes) {
       ASSERT_EQ(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, w.stream), cudaSuccess);
     };
-    cp(d_x.get(), mine.x_bf16.data(), mine.x_bf16.size() * 2);
-    cp(d_topk.get(), mine.topk_idx.data(), mine.topk_idx.size() * 8);
-    cp(d_w.get(), mine.topk_weights.data(), mine.topk_weights.size() * 4);
+    cp(d.x.get(), mine.x_bf16.data(), mine.x_bf16.size() * 2);
+    cp(d.topk.get(), mine.topk_idx.data(), mine.topk_idx.size() * 8);
+    cp(d.w.get(), mine.topk_weights.data(), mine.topk_weights.size() * 4);
     auto rl = ref::get_dispatch_layout(mine.topk_idx, T, K, E, R);
-    cp(layout.num_tokens_per_rank.view.data, rl.num_tokens_per_rank.data(), R * 4);
-    cp(layout.num_tokens_per_expert.view.data, rl.num_tokens_per_expert.data(), E * 4);
-    cp(layout.is_token_in_rank.view.data, rl.is_token_in_rank.data(), rl.is_token_in_rank.size());
+    cp(d.layout.num_tokens_per_rank.view.data, rl.num_tokens_per_rank.data(), R * 4);
+    cp(d.layout.num_tokens_per_expert.view.data, rl.num_tokens_per_expert.data(), E * 4);
+    cp(d.layout.is_token_in_rank.view.data, rl.is_token_in_rank.data(), rl.is_token_in_rank.size());
     // Poison the graph's outputs (fixed addresses across launches; graph-owned
     // memory exists once the graph has run, and the allocator poisoned it then).
     if (rep > 0)
@@ -1153,50 +1133,34 @@ EPX_GPU_TEST(Internode, WorstTokensAndGraphReplay) {
 /// inputs on the device, and a first dispatch with weights, synchronized.
 struct NetFirstDispatch {
   std::unique_ptr<Buffer> b;
-  DeviceArray<int64_t> topk;
-  DeviceArray<uint16_t> x;
-  DeviceArray<float> w;
-  Layout layout;  // a's layout views point into it; it must outlive them
-  DispatchArgs a;
+  std::optional<DeviceInput> in;  ///< this rank's input and DispatchArgs over it
   DispatchResult res;
-  int T = 0;
   NetFirstDispatch(const HtCase& c, double timeout_s, uint64_t seed) {
     auto& w_ = world();
     const int R = w_.num_ranks;
-    const auto in = make_inputs(c, R, seed);
-    const auto& mine = in[w_.rank];
-    T = mine.num_tokens;
+    const auto all = make_inputs(c, R, seed);
     int most = 0;  // every rank sizes its buffer alike
-    for (const auto& r : in) most = std::max(most, r.num_tokens);
+    for (const auto& r : all) most = std::max(most, r.num_tokens);
     BufferOptions o;
     o.num_nvl_bytes = static_cast<int64_t>(Buffer::get_internode_nvl_size_hint(
         most, c.hidden, R, w_.buffer->num_nvl_ranks(), c.num_topk));
     o.timeout_s = timeout_s;
     o.allocator = poisoning_allocator(w_.comm->in_process());
     b = std::make_unique<Buffer>(w_.comm, o);
-    topk = to_device(mine.topk_idx);
-    x = to_device(mine.x_bf16);
-    w = to_device(mine.topk_weights);
     StreamArgs s;
     s.stream = w_.stream;
-    layout =
-        b->get_dispatch_layout(view(topk.get(), DType::kI64, {T, c.num_topk}), c.num_experts, s);
-    a.x = view(x.get(), DType::kBF16, {T, c.hidden});
-    a.topk_idx = view(topk.get(), DType::kI64, {T, c.num_topk});
-    a.topk_weights = view(w.get(), DType::kF32, {T, c.num_topk});
-    a.set_layout(layout);
-    a.streams = s;
-    a.config = shared_gpu_config();
-    res = b->dispatch(a);
+    in.emplace(*b, all[w_.rank], c.hidden, c.num_topk, c.num_experts, s);
+    in->a.config = shared_gpu_config();
+    res = b->dispatch(in->a);
     EXPECT_EQ(cudaStreamSynchronize(w_.stream), cudaSuccess);
   }
   /// A cached dispatch of `x` (the first dispatch's rows by default).
   DispatchResult cached(std::optional<TensorView> rows = std::nullopt) {
     DispatchArgs d;
-    d.x = rows.value_or(a.x);
+    d.x = rows.value_or(in->a.x);
     d.handle = res.handle;
-    d.streams = a.streams;
-    d.config = a.config;
+    d.streams = in->a.streams;
+    d.config = in->a.config;
     return b->dispatch(d);
   }
   /// A combine of the received rows, with their weights or without.
@@ -1205,8 +1169,8 @@ struct NetFirstDispatch {
     ca.x = res.recv_x.view;
     ca.handle = res.handle;
     if (weights) ca.topk_weights = res.recv_topk_weights->view;
-    ca.streams = a.streams;
-    ca.config = a.config;
+    ca.streams = in->a.streams;
+    ca.config = in->a.config;
     return b->combine(ca);
   }
 };
@@ -1249,13 +1213,14 @@ EPX_GPU_TEST(Internode, ShapeMismatchIsNamed) {
   const HtCase c{64, 256, 4, 8 * w.num_ranks, false, 0.1, true, 1, false};
   for (const bool combine : {false, true}) {
     NetFirstDispatch f(c, 5.0, 322);
-    auto half = to_device(std::vector<uint16_t>(static_cast<std::size_t>(f.T) * c.hidden / 2, 0));
+    auto half =
+        to_device(std::vector<uint16_t>(static_cast<std::size_t>(f.in->T) * c.hidden / 2, 0));
     const char* field = combine ? "topk_weights (top-k)" : "x (hidden bytes)";
     try {
       if (combine)
         f.combine(me != odd);
       else  // rows half as wide on the last rank
-        f.cached(me == odd ? view(half.get(), DType::kBF16, {f.T, c.hidden / 2}) : f.a.x);
+        f.cached(me == odd ? view(half.get(), DType::kBF16, {f.in->T, c.hidden / 2}) : f.in->a.x);
       ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
       f.b->check();
       ADD_FAILURE() << field << ": expected an error";
@@ -1325,7 +1290,7 @@ EPX_GPU_TEST(Internode, KilledRankIsNamed) {
 /// communicator's allgather must give up at its deadline (EPX_TIMEOUT_S;
 /// with NCCL it aborts the communicator), which cannot say who is missing.
 EPX_GPU_TEST(Internode, KilledRankInCountExchange) {
-  killed_rank_test([](NetFirstDispatch& f) { f.b->dispatch(f.a); }, false);
+  killed_rank_test([](NetFirstDispatch& f) { f.b->dispatch(f.in->a); }, false);
 }
 
 /// A network that stops completing puts (the loopback GIN plugin's
@@ -1336,13 +1301,11 @@ EPX_GPU_TEST(Internode, KilledRankInCountExchange) {
 /// leaves at once (tearing down waits for the network too).
 EPX_GPU_TEST(Internode, StalledNetworkIsNamed) {
   auto& w = world();
-  const char* stall = std::getenv("EPX_GIN_LOOP_STALL_AFTER_S");
-  if (stall == nullptr || w.comm->in_process())
-    GTEST_SKIP() << "set EPX_GIN_LOOP_STALL_AFTER_S (nccl backend through the loopback "
-                    "plugin), one process per rank (it ends the run)";
+  const auto stall = stall_after_s();
+  if (!stall) GTEST_SKIP() << kStallTestSkip;
   const HtCase c{64, 256, 4, 8 * w.num_ranks, false, 0.1, true, 1, false};
   NetFirstDispatch f(c, 3.0, 324);
-  run_stall_test(std::atof(stall),
+  run_stall_test(*stall,
                  [&](ErrorCode& code) -> std::string {
                    try {
                      f.cached();

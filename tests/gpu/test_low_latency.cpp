@@ -1629,10 +1629,8 @@ EPX_GPU_TEST(Network, KilledRankIsNamed) {
 /// hang. Prints "STALL-TEST rank N: PASS|FAIL ..." and leaves at once.
 EPX_GPU_TEST(Network, StalledNetworkIsNamed) {
   auto& w = world();
-  const char* stall = std::getenv("EPX_GIN_LOOP_STALL_AFTER_S");
-  if (stall == nullptr || w.comm->in_process())
-    GTEST_SKIP() << "set EPX_GIN_LOOP_STALL_AFTER_S (nccl backend through the loopback "
-                    "plugin), one process per rank (it ends the run)";
+  const auto stall = stall_after_s();
+  if (!stall) GTEST_SKIP() << kStallTestSkip;
   LlCase c;
   c.max_tokens = 128;
   c.hidden = 2048;
@@ -1640,7 +1638,7 @@ EPX_GPU_TEST(Network, StalledNetworkIsNamed) {
   Buffer b(w.comm, hint_sized_options(c, w.num_ranks, 3.0, poisoning_allocator()));
   const auto in = make_inputs(c, w.num_ranks, 903);
   run_stall_test(
-      std::atof(stall), [&](ErrorCode& code) { return ll_pair_error(b, c, in, code); },
+      *stall, [&](ErrorCode& code) { return ll_pair_error(b, c, in, code); },
       {{"no free slot", "a queue credit"}, {"network quiet", "a wait"}, {"for rank ", "a wait"}});
 }
 
