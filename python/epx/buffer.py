@@ -33,11 +33,11 @@ class _TorchGlue:
     _instance: Optional["_TorchGlue"] = None
 
     def __init__(self) -> None:
-        import importlib
-
         torch = _torch()
+        from torch.utils import dlpack
+
         self.torch = torch
-        self.to_dlpack = importlib.import_module("torch.utils.dlpack").to_dlpack
+        self.to_dlpack = dlpack.to_dlpack
         self.fp8 = torch.float8_e4m3fn
         try:  # older PyTorch cannot export float8 through DLPack: move the bits as uint8
             self.to_dlpack(torch.empty(1, dtype=self.fp8))
