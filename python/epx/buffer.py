@@ -353,8 +353,15 @@ class Buffer:
         return self._rt().get_local_device_id()
 
     def get_num_rdma_ranks(self) -> int:
-        """1: EPX's ranks share one NVLink domain (DeepEP counts nodes here)."""
+        """The number of (virtual) nodes, as DeepEP counts them: 1 within one NVLink
+        domain, more when ``ranks_per_node`` splits the ranks."""
         return self._rt().get_num_rdma_ranks()
+
+    @property
+    def backend(self) -> str:
+        """The transport this buffer runs on: "nvlink", "proxy", "nccl", "nvshmem" or
+        "in_process" (what ``backend="auto"`` and ``EPX_BACKEND`` resolved to)."""
+        return self._rt().backend_name
 
     def get_rdma_rank(self) -> int:
         """0: the index of this rank's node among the RDMA ranks (one)."""

@@ -130,6 +130,18 @@ def test_high_throughput_across_nodes(world, ranks):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("ranks", list(_RANKS))
+@pytest.mark.parametrize("case", ["low_latency", "low_latency_cuda_graph"])
+def test_low_latency_across_nodes(case, world, ranks, monkeypatch):
+    """The low-latency cases on ranks split into 2 virtual nodes (EPX_RANKS_PER_NODE,
+    which the spawned ranks inherit): peers in the other node over the backend's
+    network path (EPX_BACKEND: proxy, nccl or nvshmem), as DeepEP's internode
+    low-latency kernels reach them over RDMA."""
+    monkeypatch.setenv("EPX_RANKS_PER_NODE", str(max(1, world // 2)))
+    _RANKS[ranks](f"_case_{case}", world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_moe_layer_example(world):
     """examples/moe_layer.py (deep_ep code, only the import changed) against a dense
     single-process computation of the same layer."""
@@ -246,12 +258,19 @@ def _device(rank, group):
 
 
 def _buffer(group, *args, **kwargs):
-    """epx.Buffer over a process group, or over an in-process rank (comm=)."""
+    """epx.Buffer over a process group, or over an in-process rank (comm=). Across
+    (virtual) nodes with a process per rank the buffer must be on the backend that
+    EPX_BACKEND names ("proxy" when unset): a run meant for nccl or nvshmem that
+    resolved to another transport would pass without testing it."""
     import epx
 
     if isinstance(group, epx.InProcessComm):
         return epx.Buffer(None, *args, comm=group, **kwargs)
-    return epx.Buffer(group, *args, **kwargs)
+    buf = epx.Buffer(group, *args, **kwargs)
+    if buf.get_num_rdma_ranks() > 1:
+        want = os.environ.get("EPX_BACKEND", "auto")
+        assert buf.backend == ("proxy" if want == "auto" else want), (buf.backend, want)
+    return buf
 
 
 def _routing(rng, T, K, E, drop=0.1):
