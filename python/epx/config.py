@@ -15,8 +15,10 @@ class Config:
     sender moves between two progress signals (``num_max_send_tokens``) and
     ``num_max_nvl_chunked_recv_tokens`` the rows of the receive ring per peer
     rank (``num_max_recv_tokens``; calls may send more tokens: the ring laps).
-    The RDMA values are kept for compatibility and not used (EPX runs within one
-    NVLink domain); values other than DeepEP's defaults warn once.
+    The RDMA values are kept for compatibility and not used: across nodes EPX's
+    kernels size their network areas for the whole call from the count exchange
+    (no network ring yet, docs/internode_ht.md); values other than DeepEP's
+    defaults warn once.
     """
 
     def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
@@ -35,8 +37,8 @@ class Config:
         for name, default in (("num_max_rdma_chunked_send_tokens", 6),
                               ("num_max_rdma_chunked_recv_tokens", 256)):
             _compat.ignored_unless_default("Config", name, getattr(self, name), default,
-                                           "kept, but has no effect: EPX has no RDMA "
-                                           "(internode) kernels")
+                                           "kept, but has no effect: EPX's kernels across "
+                                           "nodes size their network areas per call")
 
     @classmethod
     def _wrap(cls, cfg: _core.Config) -> "Config":

@@ -788,11 +788,13 @@ def _case_low_latency(rank, world, group):
     buf = _buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=El,
                   explicitly_destroy=True)
     buf.clean_low_latency_buffer(maxT, H, E)
-    # DeepEP's topology queries: one NVLink domain, on this rank's device
+    # DeepEP's topology queries, on this rank's device: one NVLink domain, or the
+    # virtual nodes of EPX_RANKS_PER_NODE (test_low_latency_across_nodes)
+    rpn = int(os.environ.get("EPX_RANKS_PER_NODE", "0") or 0) or world
     for obj in (buf, buf.runtime):
         assert obj.get_local_device_id() == dev.index
-        assert (obj.get_num_rdma_ranks(), obj.get_rdma_rank()) == (1, 0)
-        assert (obj.get_root_rdma_rank(True), obj.get_root_rdma_rank(False)) == (rank, 0)
+        assert (obj.get_num_rdma_ranks(), obj.get_rdma_rank()) == (world // rpn, rank // rpn)
+        assert (obj.get_root_rdma_rank(True), obj.get_root_rdma_rank(False)) == (rank % rpn, 0)
 
     # BF16 dispatch
     stats = torch.zeros(El, dtype=torch.int32, device=dev)
