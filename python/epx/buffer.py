@@ -195,9 +195,11 @@ class Buffer:
             num_rdma_bytes: low-latency buffer bytes (``get_low_latency_rdma_size_hint``).
             low_latency_mode: whether low-latency kernels will be used.
             num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl, use_fabric:
-                DeepEP's RDMA and memory settings; EPX's transports have no use for
-                them, and a value other than DeepEP's default warns once
-                (``EPXIgnoredArgumentWarning``). num_qps_per_rank must be >= 1.
+                DeepEP's RDMA and memory settings; a value other than DeepEP's default
+                warns once (``EPXIgnoredArgumentWarning``). num_qps_per_rank must be
+                >= 1; across nodes it sets the network contexts per peer (proxy
+                channels, NCCL GIN contexts; capped by EPX_PROXY_CHANNELS and
+                EPX_GIN_CONTEXTS, 4 unless set), within one NVLink domain nothing.
             explicitly_destroy: ``destroy()`` must be called to free the buffers; otherwise
                 they are freed when the Buffer is garbage collected.
             enable_shrink: low-latency ops leave out the ranks this rank masks
@@ -220,7 +222,10 @@ class Buffer:
         """
         op = "Buffer"
         _compat.ignored_unless_default(op, "num_qps_per_rank", num_qps_per_rank, 24,
-                                       "has no effect: EPX's transports use no RDMA queue pairs")
+                                       "within one NVLink domain it has no effect; across nodes it "
+                                       "sets the network contexts per peer (proxy channels, NCCL "
+                                       "GIN contexts), at most EPX_PROXY_CHANNELS / "
+                                       "EPX_GIN_CONTEXTS (4 unless set)")
         _compat.ignored_unless_default(
             op, "allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode, True,
             "has no effect: EPX's low-latency kernels reach the ranks of an NVLink domain "

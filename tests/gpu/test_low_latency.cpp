@@ -1190,6 +1190,32 @@ EPX_GPU_TEST(LowLatency, TimeoutIsReportedAndCleanRecovers) {
   b.destroy();
 }
 
+/// DeepEP's call order on a fresh buffer with 4 contexts (channels, queue
+/// pairs) per peer: clean_low_latency_buffer first, then BF16 and FP8
+/// dispatch + combine with the expert statistics, every output against the
+/// reference. The Python suite's LL case makes these calls; over the proxy
+/// and NCCL GIN at 2x2 its combine came back all zeros on one rank (4x H200,
+/// tenth session), where this suite (one context per peer, no clean first)
+/// passes.
+EPX_GPU_TEST(LowLatency, CleanOnAFreshBufferThenOps) {
+  auto& w = world();
+  LlCase c;
+  c.max_tokens = 32;
+  c.hidden = 512;
+  c.num_topk = 4;
+  c.num_experts = 4 * w.num_ranks;
+  c.stats = true;
+  BufferOptions o = hint_sized_options(c, w.num_ranks, 20, poisoning_allocator());
+  o.num_qps_per_rank = 4;
+  Buffer b(w.comm, o);
+  b.clean_low_latency_buffer(c.max_tokens, c.hidden, c.num_experts);
+  run_case(c, 91, true, &b);
+  c.fp8 = true;
+  run_case(c, 92, true, &b);
+  EXPECT_TRUE(all_ranks(!rank_failed()));
+  b.destroy();
+}
+
 /// An allocator that aligns int32 outputs to 4 bytes only: the handle's
 /// parts (int64 and int2 among them, carved from one int32 allocation) and
 /// recv_count still work, with FP8 (UE8M0: int32 scales) and BF16, hooks too.

@@ -815,6 +815,8 @@ def _case_low_latency(rank, world, group):
                             maxT)[rank]
     combined, ev, hook = buf.low_latency_combine(recv, idx, w, handle)
     assert hook is None
+    torch.cuda.synchronize(dev)
+    buf.check()  # a failed wait raises its own error here, before the rows are compared
     got = ref.bf16_to_float(_bits(combined))
     np.testing.assert_allclose(got, ref.bf16_to_float(expect), rtol=1e-2, atol=1e-2)
 
