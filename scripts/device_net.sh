@@ -157,7 +157,7 @@ if has bench; then
   summary+=("bench fifo: rc=$rc")
 fi
 if has nccl && [ "$GPUS" -ge 2 ]; then
-  gin=(env NCCL_NET_PLUGIN="$D/libnccl-net-epxloop.so" NCCL_DEBUG=${EPX_NCCL_DEBUG:-WARN}
+  gin=(env "${GIN_ENV[0]}" NCCL_DEBUG=${EPX_NCCL_DEBUG:-WARN}
        NCCL_DEBUG_SUBSYS=INIT,NET)
   # EPX_NCCL_QUEUE_SIZE: a smaller GIN proxy queue per (context, peer) (a power
   # of two, e.g. 4), so that posts wait in EPX's credit gate all the time
@@ -214,11 +214,8 @@ fi
 # (with a message every EPX_TIMEOUT_S while one has not returned) say where a
 # start stops. On one host NVSHMEM moves the bytes by P2P; the kernels still
 # take the put/signal path for peers of another virtual node.
-nvs_lib=$(python3 -c "import nvidia.nvshmem, os; print(os.path.join(list(nvidia.nvshmem.__path__)[0], 'lib'))" 2>/dev/null)
-nvs=(env LD_LIBRARY_PATH="$nvs_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-     NVSHMEM_REMOTE_TRANSPORT=none NVSHMEM_DISABLE_NVLS=1 EPX_BACKEND=nvshmem
-     NVSHMEM_BOOTSTRAP_UID_SOCK_IFNAME=${EPX_NVSHMEM_IFNAME:-lo}
-     NVSHMEM_DEBUG=${EPX_NVSHMEM_DEBUG:-INFO} EPX_NVSHMEM_TRACE=1 EPX_TIMEOUT_S=${EPX_TIMEOUT_S:-30})
+nvs=(env "${NVS_ENV[@]}" NVSHMEM_DEBUG=${EPX_NVSHMEM_DEBUG:-INFO} EPX_NVSHMEM_TRACE=1
+     EPX_TIMEOUT_S=${EPX_TIMEOUT_S:-30})
 if has xbench; then
   # On one host the network is CUDA IPC copies (proxy), the loopback GIN
   # plugin (nccl) or NVSHMEM's P2P: these times do not predict a cluster

@@ -17,7 +17,8 @@
 #   EPX_RUN="pybuild python": the wheel built here by `pip wheel .` on this Python instead.
 #   EPX_PY_BENCH=0 skips python -m epx.bench, EPX_PY_TESTS=0 the Python tests;
 #   EPX_PY_K: only the tests pytest -k selects; EPX_PY_MAXFAIL (5): pytest stops after that
-#   many failures (one failing case no longer hides the ones after it).
+#   many failures (one failing case no longer hides the ones after it). Then the
+#   across-nodes cases (processes) again over each of EPX_PY_BACKENDS ("nccl nvshmem").
 set -uo pipefail
 D=$(cd "$(dirname "$0")" && pwd)
 source "$D/device_env.sh"  # OUT, SITE, GPUS, the environment
@@ -172,13 +173,37 @@ if [[ " $RUN " == *" python "* ]]; then
         # --capture=sys: the ranks' stderr (and the stacks EPX_TEST_STACKS_AFTER_S
         # dumps from a case that runs too long) reach the log even when the
         # timeout ends pytest.
-        EPX_TEST_STACKS_AFTER_S=${EPX_TEST_STACKS_AFTER_S:-60} EPX_TEST_STACKS_DIR="$OUT/py-stacks" \
-          timeout ${EPX_PY_TIMEOUT:-300} \
-          python3 -m pytest --maxfail=${EPX_PY_MAXFAIL:-5} -q -ra --capture=sys tests/python -m gpu ${EPX_PY_K:+-k "$EPX_PY_K"} \
-          > "$OUT/py-tests.log" 2>&1
-        rc=$?
-        tail -15 "$OUT/py-tests.log"
-        summary+=("python tests: rc=$rc")
+        # Unbuffered and verbose: a run the timeout ends still says which tests passed.
+        pytest_gpu() {  # LOG LIMIT K [VAR=VALUE...]
+          local log=$1 limit=$2 k=$3
+          shift 3
+          EPX_TEST_STACKS_AFTER_S=${EPX_TEST_STACKS_AFTER_S:-60} EPX_TEST_STACKS_DIR="$OUT/py-stacks" \
+            timeout "$limit" env "$@" python3 -u -m pytest --maxfail=${EPX_PY_MAXFAIL:-5} -v -ra \
+            --durations=10 --capture=sys tests/python -m gpu ${k:+-k "$k"} > "$log" 2>&1
+          local rc=$?
+          grep -E "::.*(PASSED|FAILED|ERROR|SKIPPED)" "$log" | sed 's/^.*:://' | cut -c1-110
+          grep -E "^(FAILED|ERROR) |^E  .*(Error|assert)" "$log" | head -20
+          tail -2 "$log"
+          return $rc
+        }
+        pytest_gpu "$OUT/py-tests.log" ${EPX_PY_TIMEOUT:-300} "${EPX_PY_K:-}"
+        summary+=("python tests: rc=$?")
+        # The across-nodes cases again over the other network backends
+        # (EPX_PY_BACKENDS, default "nccl nvshmem"; the run above used the proxy):
+        # the cases assert that the buffer is on the backend EPX_BACKEND names.
+        if [ "$GPUS" -ge 2 ]; then
+          for b in ${EPX_PY_BACKENDS:-nccl nvshmem}; do
+            case $b in
+              nccl) benv=("${GIN_ENV[@]}") ;;
+              nvshmem) benv=("${NVS_ENV[@]}" LD_LIBRARY_PATH="$NVS_LIB:$LD_LIBRARY_PATH") ;;
+              *) benv=(EPX_BACKEND="$b") ;;
+            esac
+            echo "== python GPU tests across nodes over $b"
+            pytest_gpu "$OUT/py-tests-$b.log" ${EPX_PY_TIMEOUT:-300} \
+              "across_nodes and processes${EPX_PY_K:+ and ($EPX_PY_K)}" "${benv[@]}"
+            summary+=("python tests across nodes over $b: rc=$?")
+          done
+        fi
       fi
       py_plot=(--plot "$OUT/py-bench.png")
       if ! python3 -c "import matplotlib" 2>/dev/null; then
