@@ -6,8 +6,9 @@
 #   inproc   the GPU suite (Smoke, LowLatency, Network) with in-process ranks
 #            as virtual nodes on GPU 0: EPX_VNODES_INPROC="R:RPN[:QPS] ..."
 #            (default "4:2 16:4 4:2:4": 2x2, 4x4, and 2x2 with 4 proxy channels)
-#   procs    the same with one process per GPU: EPX_VNODES_PROCS (default "4:2 2:1"
-#            where there are that many GPUs)
+#   procs    the same with one process per GPU: EPX_VNODES_PROCS, R:RPN[:QPS]
+#            (default "4:2 4:2:4 2:1" where there are that many GPUs; QPS:
+#            contexts per peer, 1 unless given; also EPX_NCCL_PROCS)
 #   kill     4 processes as 2x2, rank 3 SIGKILLs itself (on 2 GPUs: 2 as 2x1,
 #            rank 1): the others must raise naming it (Network.KilledRankIsNamed
 #            for the low-latency ops, Internode.KilledRankIsNamed for dispatch
@@ -72,6 +73,23 @@ run_suite() {  # LABEL LOG TIMEOUT COMMAND... (line-buffered: a killed run keeps
   [ $rc -eq 0 ] || tail -40 "$log"
   summary+=("$label: rc=$rc ($(( $(date +%s) - t0 )) s)")
 }
+# Process runs of the GPU suite: procs_suites BACKEND SPECS FILTER [VAR=VALUE...]
+# (the backend's environment); SPECS "R:RPN[:QPS] ...": R processes as nodes of
+# RPN with QPS contexts per peer (EPX_TEST_QPS: proxy channels, GIN contexts;
+# NVSHMEM uses one), where this host has R GPUs.
+procs_suites() {
+  local backend=$1 specs=$2 filter=$3 spec r rpn qps
+  shift 3
+  for spec in $specs; do
+    IFS=: read -r r rpn qps <<< "$spec"
+    qps=${qps:-1}
+    [ "$GPUS" -ge "$r" ] || continue
+    run_suite "$r processes, nodes of $rpn, $qps contexts ($backend)" \
+      "$OUT/$backend-procs$r-rpn$rpn-qps$qps.log" ${EPX_TEST_TIMEOUT:-420} \
+      env "$@" EPX_RANKS_PER_NODE=$rpn EPX_TEST_QPS=$qps "$D/launch.sh" "$r" "$D/epx_gpu_tests" \
+      --gtest_filter="$filter"
+  done
+}
 if has inproc; then
   for spec in ${EPX_VNODES_INPROC:-4:2 16:4 4:2:4}; do  # R:RPN[:QPS]
     IFS=: read -r r rpn qps <<< "$spec"
@@ -83,13 +101,7 @@ if has inproc; then
   done
 fi
 if has procs; then
-  for spec in ${EPX_VNODES_PROCS:-4:2 2:1}; do
-    r=${spec%%:*} rpn=${spec##*:}
-    [ "$GPUS" -ge "$r" ] || continue
-    run_suite "$r processes, nodes of $rpn (proxy)" "$OUT/net-procs$r-rpn$rpn.log" \
-      ${EPX_TEST_TIMEOUT:-420} env EPX_RANKS_PER_NODE=$rpn "$D/launch.sh" "$r" "$D/epx_gpu_tests" \
-      --gtest_filter="$FILTER"
-  done
+  procs_suites proxy "${EPX_VNODES_PROCS:-4:2 4:2:4 2:1}" "$FILTER"
 fi
 # A killed process: 4 processes as 2x2 (rank 3 dies), or on 2 GPUs 2 as 2x1
 # (rank 1 dies); the survivors must raise naming it. kill_test LABEL LOG
@@ -167,13 +179,8 @@ if has nccl && [ "$GPUS" -ge 2 ]; then
   run_suite "NCCL GIN transport smoke, 2 processes as 2 nodes" "$OUT/nccl-smoke.log" 120 \
     "${gin[@]}" EPX_TEST_NCCL_GIN=1 EPX_RANKS_PER_NODE=1 "$D/launch.sh" 2 "$D/epx_gpu_tests" \
     --gtest_filter=Smoke.TransportPutSignalNcclGin
-  for spec in ${EPX_NCCL_PROCS:-2:1 4:2}; do
-    r=${spec%%:*} rpn=${spec##*:}
-    [ "$GPUS" -ge "$r" ] || continue
-    run_suite "$r processes, nodes of $rpn (nccl)" "$OUT/nccl-procs$r-rpn$rpn.log" \
-      ${EPX_TEST_TIMEOUT:-420} "${gin[@]}" EPX_BACKEND=nccl EPX_RANKS_PER_NODE=$rpn \
-      "$D/launch.sh" "$r" "$D/epx_gpu_tests" --gtest_filter="${EPX_NCCL_FILTER:-Smoke.*:LowLatency.*}"
-  done
+  procs_suites nccl "${EPX_NCCL_PROCS:-2:1 4:2 4:2:4}" "${EPX_NCCL_FILTER:-Smoke.*:LowLatency.*}" \
+    "${gin[@]:1}" EPX_BACKEND=nccl
   # (NCCL's device code has no deadline of its own: a hang here is a finding.)
   kill_test " over nccl" "$OUT/nccl-kill.log" "${gin[@]:1}" EPX_BACKEND=nccl
   # A network that stops completing puts 20 s after connecting (the plugin's
@@ -252,13 +259,8 @@ if has nvshmem && [ "$GPUS" -ge 2 ]; then
   # The NVSHMEM backend (.device/libepx_nvshmem.so, found beside the test
   # binary).
   # (NVSHMEM's environment: nvs, above.)
-  for spec in ${EPX_NVSHMEM_PROCS:-2:1 4:2}; do
-    r=${spec%%:*} rpn=${spec##*:}
-    [ "$GPUS" -ge "$r" ] || continue
-    run_suite "$r processes, nodes of $rpn (nvshmem)" "$OUT/nvshmem-procs$r-rpn$rpn.log" \
-      ${EPX_TEST_TIMEOUT:-420} "${nvs[@]}" EPX_RANKS_PER_NODE=$rpn \
-      "$D/launch.sh" "$r" "$D/epx_gpu_tests" --gtest_filter="${EPX_NVSHMEM_FILTER:-Smoke.*:LowLatency.*}"
-  done
+  procs_suites nvshmem "${EPX_NVSHMEM_PROCS:-2:1 4:2}" "${EPX_NVSHMEM_FILTER:-Smoke.*:LowLatency.*}" \
+    "${nvs[@]:1}"
   # A killed process over NVSHMEM (EPX_NVSHMEM_KILL=0 skips it)
   [ "${EPX_NVSHMEM_KILL:-1}" = 1 ] && \
     kill_test " over nvshmem" "$OUT/nvshmem-kill.log" "${nvs[@]:1}" NVSHMEM_DEBUG=WARN \
