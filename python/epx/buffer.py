@@ -222,7 +222,7 @@ class Buffer:
         """
         op = "Buffer"
         _compat.ignored_unless_default(op, "num_qps_per_rank", num_qps_per_rank, 24,
-                                       "within one NVLink domain it has no effect; across nodes it "
+                                       "has no effect within one NVLink domain; across nodes it "
                                        "sets the network contexts per peer (proxy channels, NCCL "
                                        "GIN contexts), at most EPX_PROXY_CHANNELS / "
                                        "EPX_GIN_CONTEXTS (4 unless set)")
