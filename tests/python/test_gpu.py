@@ -671,10 +671,17 @@ def _case_low_latency_cuda_graph(rank, world, group):
         w.copy_(torch.from_numpy(w_np))
         return [list(a) for a in zip(*_gather(group, (idx_np, x_np, w_np)))]
 
-    fill(0)
+    all_idx, all_x, all_w = fill(0)
+    # eager first (lazy set-up stays out of the capture), checked like the replays
     recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, maxT, E, use_fp8=False)
-    buf.low_latency_combine(recv, idx, w, handle)  # eager first: lazy set-up stays out
+    out, _, _ = buf.low_latency_combine(recv, idx, w, handle)
     torch.cuda.synchronize(dev)
+    buf.check()
+    want = ref.ll_dispatch(all_x, all_idx, E, maxT)
+    expect = ref.ll_combine([want[r]["recv_x"] for r in range(world)], all_idx, all_w, E,
+                            maxT)[rank]
+    np.testing.assert_allclose(ref.bf16_to_float(_bits(out)), ref.bf16_to_float(expect),
+                               rtol=1e-2, atol=1e-2, err_msg="eager combine")
     _gather(group, 0)
     graph = torch.cuda.CUDAGraph()
     # Each rank its own capture stream (torch.cuda.graph's default one is shared by
