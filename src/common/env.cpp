@@ -105,6 +105,10 @@ std::optional<bool> net_split_puts() {
   return zero_or_one("EPX_NET_SPLIT_PUTS");
 }
 
+bool proxy_row_copies() {
+  return zero_or_one("EPX_PROXY_ROW_COPIES");
+}
+
 bool ll_arrival_order() {
   return zero_or_one("EPX_LL_ARRIVAL_ORDER");
 }

@@ -49,6 +49,13 @@ bool ht_pull();
 /// (1) or leave it to the last block of the kernel that filled the slots (0).
 std::optional<bool> net_split_puts();
 
+/// EPX_PROXY_ROW_COPIES (0 or 1, default 0): the proxy's CUDA IPC engine
+/// copies a strided put row by row (one 1-D copy per row) with a process per
+/// rank too, instead of one pitched copy (in-process ranks always copy rows).
+/// A diagnostic switch: whether a pitched peer copy queues behind kernels
+/// that hold every SM. Read when the engine is made.
+bool proxy_row_copies();
+
 /// EPX_LL_ARRIVAL_ORDER (0 or 1, default 0; experimental): the low-latency
 /// dispatch packs each local expert's rows by source in the order the
 /// sources' token masks arrive (as DeepEP) instead of in rank order, so no

@@ -354,6 +354,18 @@ TEST(Env, LlArrivalOrderIsZeroOrOne) {
   expect_error([] { env::ll_arrival_order(); }, {"EPX_LL_ARRIVAL_ORDER", "0 or 1"});
 }
 
+TEST(Env, ProxyRowCopiesIsZeroOrOne) {
+  const SavedEnv saved("EPX_PROXY_ROW_COPIES");
+  unsetenv("EPX_PROXY_ROW_COPIES");
+  EXPECT_FALSE(env::proxy_row_copies());
+  setenv("EPX_PROXY_ROW_COPIES", "1", 1);
+  EXPECT_TRUE(env::proxy_row_copies());
+  setenv("EPX_PROXY_ROW_COPIES", "0", 1);
+  EXPECT_FALSE(env::proxy_row_copies());
+  setenv("EPX_PROXY_ROW_COPIES", "rows", 1);
+  expect_error([] { env::proxy_row_copies(); }, {"EPX_PROXY_ROW_COPIES"});
+}
+
 TEST(Env, NetSplitPutsIsUnsetZeroOrOne) {
   const SavedEnv saved("EPX_NET_SPLIT_PUTS");
   unsetenv("EPX_NET_SPLIT_PUTS");

@@ -128,6 +128,7 @@ class CudaIpcEngine final : public Engine {
         num_ranks_(comm.num_ranks()),
         num_channels_(num_channels),
         timeout_s_(env::timeout_seconds()),
+        row_copies_(comm.in_process() || env::proxy_row_copies()),
         hostname_(hostname()),
         boot_id_(boot_id()),
         hosts_(static_cast<std::size_t>(num_ranks_)),
@@ -237,11 +238,12 @@ class CudaIpcEngine final : public Engine {
     cudaStream_t s = stream(ch, peer);
     char* dst = static_cast<char*>(reg.peer_base[peer]) + dst_off;
     const char* src = static_cast<const char*>(reg.local) + src_off;
-    if (comm_.in_process()) {
+    if (row_copies_) {
       // Ranks of one process share one GPU: row copies, as in the in-process
       // suites that passed. (The one failure seen with a pitched copy here,
       // a combine left unwritten, matches what hardware queues shared with
       // the ranks' streams did later; a pitched copy is untested since.)
+      // With a process per rank only under EPX_PROXY_ROW_COPIES=1.
       for (uint64_t i = 0; i < rows; ++i)
         EPX_CUDA_CHECK(cudaMemcpyAsync(dst + i * dst_pitch, src + i * src_pitch, width,
                                        cudaMemcpyDeviceToDevice, s));
@@ -445,6 +447,7 @@ class CudaIpcEngine final : public Engine {
   Communicator& comm_;
   const int device_, rank_, num_ranks_, num_channels_;
   const double timeout_s_;  ///< how long deregistration waits for this rank's copies
+  const bool row_copies_;   ///< strided puts as one copy per row (EPX_PROXY_ROW_COPIES)
   const std::string hostname_, boot_id_;
   std::vector<std::string> hosts_;      ///< per rank: its hostname (known after a registration)
   std::vector<char> reach_;             ///< per rank: same host (CUDA IPC works)
