@@ -7,8 +7,9 @@
 #            as virtual nodes on GPU 0: EPX_VNODES_INPROC="R:RPN[:QPS] ..."
 #            (default "4:2 16:4 4:2:4": 2x2, 4x4, and 2x2 with 4 proxy channels)
 #   procs    the same with one process per GPU: EPX_VNODES_PROCS, R:RPN[:QPS]
-#            (default "4:2 4:2:4 2:1" where there are that many GPUs; QPS:
-#            contexts per peer, 1 unless given; also EPX_NCCL_PROCS)
+#            (default "8:4 8:2 4:2 4:2:4 2:1", those that fit this host's
+#            GPUs; QPS: contexts per peer, 1 unless given; also
+#            EPX_NCCL_PROCS, EPX_NVSHMEM_PROCS)
 #   kill     4 processes as 2x2, rank 3 SIGKILLs itself (on 2 GPUs: 2 as 2x1,
 #            rank 1): the others must raise naming it (Network.KilledRankIsNamed
 #            for the low-latency ops, Internode.KilledRankIsNamed for dispatch
@@ -40,7 +41,8 @@
 #            EPX_B2B_INPROC_ENV: VAR=VALUE for the in-process run
 #   xbench   (not in the default steps) epx-bench ht across virtual nodes on
 #            4 in-process ranks as 2x2 (proxy), then epx-bench ll and ht with
-#            one process per GPU (4 as 2x2, or 2 as 2x1) over each backend of
+#            one process per GPU (EPX_XBENCH_LAYOUTS, R:RPN; default 8 as 2x4
+#            and 4x2, else 4 as 2x2, else 2 as 2x1) over each backend of
 #            EPX_XBENCH_BACKENDS (default "proxy nccl nvshmem"), in this one
 #            call (EPX_XBENCH_ARGS: more epx-bench arguments, e.g. --tokens;
 #            EPX_XBENCH_FAMS: the families, default "ll ht")
@@ -101,7 +103,7 @@ if has inproc; then
   done
 fi
 if has procs; then
-  procs_suites proxy "${EPX_VNODES_PROCS:-4:2 4:2:4 2:1}" "$FILTER"
+  procs_suites proxy "${EPX_VNODES_PROCS:-8:4 8:2 4:2 4:2:4 2:1}" "$FILTER"
 fi
 # A killed process: 4 processes as 2x2 (rank 3 dies), or on 2 GPUs 2 as 2x1
 # (rank 1 dies); the survivors must raise naming it. kill_test LABEL LOG
@@ -179,7 +181,7 @@ if has nccl && [ "$GPUS" -ge 2 ]; then
   run_suite "NCCL GIN transport smoke, 2 processes as 2 nodes" "$OUT/nccl-smoke.log" 120 \
     "${gin[@]}" EPX_TEST_NCCL_GIN=1 EPX_RANKS_PER_NODE=1 "$D/launch.sh" 2 "$D/epx_gpu_tests" \
     --gtest_filter=Smoke.TransportPutSignalNcclGin
-  procs_suites nccl "${EPX_NCCL_PROCS:-2:1 4:2 4:2:4}" "${EPX_NCCL_FILTER:-Smoke.*:LowLatency.*}" \
+  procs_suites nccl "${EPX_NCCL_PROCS:-2:1 4:2 4:2:4 8:4 8:2}" "${EPX_NCCL_FILTER:-Smoke.*:LowLatency.*}" \
     "${gin[@]:1}" EPX_BACKEND=nccl
   # (NCCL's device code has no deadline of its own: a hang here is a finding.)
   kill_test " over nccl" "$OUT/nccl-kill.log" "${gin[@]:1}" EPX_BACKEND=nccl
@@ -239,12 +241,16 @@ if has xbench; then
   }
   xb ht "4 in-process as 2x2 (proxy)" "${model}x1-inproc4-ht-proxy-rpn2" \
     "$D/epx-bench" ht --in-process 4 --ranks-per-node 2 --backend proxy
-  if [ "$GPUS" -ge 2 ]; then
-    hn=2 hrpn=1
-    [ "$GPUS" -ge 4 ] && { hn=4; hrpn=2; }
+  # Layouts R:RPN (EPX_XBENCH_LAYOUTS): 8 GPUs as 2x4 and 4x2, else 4 as 2x2, else 2 as 2x1.
+  layouts="2:1"
+  [ "$GPUS" -ge 4 ] && layouts="4:2"
+  [ "$GPUS" -ge 8 ] && layouts="8:4 8:2"
+  for lay in ${EPX_XBENCH_LAYOUTS:-$( [ "$GPUS" -ge 2 ] && echo "$layouts")}; do
+    IFS=: read -r hn hrpn <<< "$lay"
+    [ "$GPUS" -ge "$hn" ] || continue
     for be in ${EPX_XBENCH_BACKENDS:-proxy nccl nvshmem}; do
       case $be in
-        nccl) pre=(env NCCL_NET_PLUGIN="$D/libnccl-net-epxloop.so") ;;
+        nccl) pre=(env "${GIN_ENV[0]}") ;;
         nvshmem) pre=("${nvs[@]}" NVSHMEM_DEBUG=WARN EPX_NVSHMEM_TRACE=0) ;;
         *) pre=(env) ;;
       esac
@@ -253,13 +259,13 @@ if has xbench; then
           "${pre[@]}" "$D/launch.sh" $hn "$D/epx-bench" $fam --ranks-per-node $hrpn --backend $be
       done
     done
-  fi
+  done
 fi
 if has nvshmem && [ "$GPUS" -ge 2 ]; then
   # The NVSHMEM backend (.device/libepx_nvshmem.so, found beside the test
   # binary).
   # (NVSHMEM's environment: nvs, above.)
-  procs_suites nvshmem "${EPX_NVSHMEM_PROCS:-2:1 4:2}" "${EPX_NVSHMEM_FILTER:-Smoke.*:LowLatency.*}" \
+  procs_suites nvshmem "${EPX_NVSHMEM_PROCS:-2:1 4:2 8:4 8:2}" "${EPX_NVSHMEM_FILTER:-Smoke.*:LowLatency.*}" \
     "${nvs[@]:1}"
   # A killed process over NVSHMEM (EPX_NVSHMEM_KILL=0 skips it)
   [ "${EPX_NVSHMEM_KILL:-1}" = 1 ] && \

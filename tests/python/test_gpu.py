@@ -122,6 +122,13 @@ def test_case(case, world, ranks):
     _RANKS[ranks](f"_case_{case}", world)
 
 
+@pytest.mark.parametrize("case", _CASES + ["high_throughput_across_nodes", "moe_layer_example"])
+def test_eight_processes(case):
+    """Each case as 8 processes on an 8-GPU host (the across-nodes one as 2 nodes of 4);
+    skipped with fewer GPUs."""
+    _spawn(f"_case_{case}", 8)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("ranks", list(_RANKS))
 def test_high_throughput_across_nodes(world, ranks):
