@@ -19,7 +19,7 @@
 #   EPX_PY_K: only the tests pytest -k selects; EPX_PY_MAXFAIL (5): pytest stops after that
 #   many failures (one failing case no longer hides the ones after it). Then the
 #   across-nodes cases (processes) again over each of EPX_PY_BACKENDS ("nccl nvshmem"),
-#   EPX_PY_BACKEND_TIMEOUT (100 s) each. On 4 GPUs the suite takes about 240 s without
+#   EPX_PY_BACKEND_TIMEOUT (150 s) each. On 4 GPUs the suite takes about 240 s without
 #   test_bench (EPX_PY_K="not test_bench") and test_bench[4] alone 110 s or more.
 set -uo pipefail
 D=$(cd "$(dirname "$0")" && pwd)
@@ -201,7 +201,7 @@ if [[ " $RUN " == *" python "* ]]; then
               *) benv=(EPX_BACKEND="$b") ;;
             esac
             echo "== python GPU tests across nodes over $b"
-            pytest_gpu "$OUT/py-tests-$b.log" ${EPX_PY_BACKEND_TIMEOUT:-100} \
+            pytest_gpu "$OUT/py-tests-$b.log" ${EPX_PY_BACKEND_TIMEOUT:-150} \
               "across_nodes and processes${EPX_PY_K:+ and ($EPX_PY_K)}" "${benv[@]}"
             summary+=("python tests across nodes over $b: rc=$?")
           done
