@@ -1,0 +1,342 @@
+// A host model of the ring protocol docs/internode_ht.md plans in "The
+// rings, concretely", one step past test_ring_model.cpp:
+// - channels: each source's tokens split into C contiguous ranges, each
+//   with its own rings end to end (no ring has two producers);
+// - counts instead of end marks: every role knows from the routing (what
+//   the count exchange would hand it) how many records it produces or
+//   consumes per ring in an op, and stops there;
+// - counters that run on across ops: several ops back to back on the same
+//   rings, never reset, each rank's roles in step per op (one kernel launch
+//   per op in stream order) while other ranks may be an op ahead;
+// - credits returned in batches: the forwarder frees network slots when a
+//   batch is full or when nothing more is waiting in that ring.
+// Every role is a thread (a block of the cooperative kernel on the GPU) and
+// every wait has a deadline. Checked: each receiver gets exactly the
+// (source, token) pairs routed to it in each op, each (channel, source)'s in
+// token order; and that freeing credits only in full batches deadlocks when
+// the batch exceeds what the ring can hold.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/ring.hpp"
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+
+struct Record {
+  int op = -1, src = -1, token = -1;
+  uint32_t mask = 0;  ///< local ranks of the ring's node that the token reaches
+};
+
+/// One producer, one consumer. The consumer reads ahead of what it frees:
+/// `read` is its own, `head` (the credits) is what the producer sees.
+struct Ring {
+  explicit Ring(uint32_t c) : slots(c), cap(c) {}
+  std::vector<Record> slots;
+  uint32_t cap;
+  std::atomic<uint32_t> tail{0}, head{0};
+  uint32_t read = 0;  ///< consumer-private
+};
+
+struct ChannelModel {
+  int N, L, R, C, ops;
+  uint32_t chunk = 1;          ///< records per sender put (at most the ring's size)
+  uint32_t credit_batch = 1;   ///< slots a forwarder frees at once
+  bool free_when_idle = true;  ///< also free a partial batch when the ring has nothing waiting
+  /// [op][rank]: the bits of the ranks each token reaches (bit r: rank r).
+  std::vector<std::vector<std::vector<uint32_t>>> route;
+  std::vector<std::unique_ptr<Ring>> net;  ///< [(c * R + s) * N + m]: channel c of s to node m
+  std::vector<std::unique_ptr<Ring>> nvl;  ///< [(c * R + f) * L + d]: channel c of f to local d
+  std::vector<std::vector<std::vector<Record>>> got;        ///< [op][receiver], arrival order
+  std::vector<std::unique_ptr<std::atomic<int>>> finished;  ///< [rank * ops + op]: roles done
+  std::atomic<bool> stuck{false};
+  clock_type::time_point deadline;
+
+  ChannelModel(int n, int l, int c, int num_ops, uint32_t cap_net, uint32_t cap_nvl)
+      : N(n), L(l), R(n * l), C(c), ops(num_ops), route(num_ops) {
+    for (int i = 0; i < C * R * N; ++i) net.push_back(std::make_unique<Ring>(cap_net));
+    for (int i = 0; i < C * R * L; ++i) nvl.push_back(std::make_unique<Ring>(cap_nvl));
+    got.assign(ops, std::vector<std::vector<Record>>(R));
+    for (int i = 0; i < R * ops; ++i) finished.push_back(std::make_unique<std::atomic<int>>(0));
+  }
+
+  int tokens(int op, int s) const { return static_cast<int>(route[op][s].size()); }
+  /// Channel c's tokens of source s in op `op`: [first, last).
+  std::pair<int, int> range(int op, int s, int c) const {
+    const int T = tokens(op, s), q = (T + C - 1) / C;
+    return {std::min(T, c * q), std::min(T, (c + 1) * q)};
+  }
+  uint32_t node_mask(uint32_t bits, int m) const { return (bits >> (m * L)) & ((1u << L) - 1u); }
+  /// Records of channel c of source s for node m (what the forwarder expects).
+  uint32_t net_count(int op, int s, int c, int m) const {
+    uint32_t n = 0;
+    const auto [a, b] = range(op, s, c);
+    for (int t = a; t < b; ++t) n += node_mask(route[op][s][t], m) != 0;
+    return n;
+  }
+  /// Records forwarder f passes on channel c to its node's local rank d.
+  uint32_t nvl_count(int op, int f, int c, int d) const {
+    const int m = f / L, l = f % L;
+    uint32_t n = 0;
+    for (int src_node = 0; src_node < N; ++src_node) {
+      const int s = src_node * L + l;
+      const auto [a, b] = range(op, s, c);
+      for (int t = a; t < b; ++t) n += (node_mask(route[op][s][t], m) >> d) & 1u;
+    }
+    return n;
+  }
+
+  bool idle() {
+    if (stuck.load()) return false;
+    if (clock_type::now() > deadline) {
+      stuck = true;
+      return false;
+    }
+    std::this_thread::yield();
+    return true;
+  }
+  template <class Ready>
+  bool wait(Ready ready) {
+    while (!ready())
+      if (!idle()) return false;
+    return true;
+  }
+
+  /// Publishes `rs` at once (one put with its tail signal), written in pieces
+  /// that do not wrap; waits for room for all of them.
+  bool push(Ring& q, const std::vector<Record>& rs) {
+    const uint32_t t = q.tail.load(std::memory_order_relaxed), n = static_cast<uint32_t>(rs.size());
+    if (n == 0) return true;
+    if (!wait([&] {
+          return epx::ring::room_for(t, q.head.load(std::memory_order_acquire), n, q.cap);
+        }))
+      return false;
+    for (uint32_t done = 0; done < n;) {
+      const uint32_t piece = epx::ring::contiguous(t + done, n - done, q.cap);
+      for (uint32_t i = 0; i < piece; ++i)
+        q.slots[epx::ring::slot(t + done, q.cap) + i] = rs[done + i];
+      done += piece;
+    }
+    q.tail.store(t + n, std::memory_order_release);
+    return true;
+  }
+  static bool try_read(Ring& q, Record& r) {
+    if (epx::ring::used(q.tail.load(std::memory_order_acquire), q.read) == 0) return false;
+    r = q.slots[epx::ring::slot(q.read, q.cap)];
+    ++q.read;
+    return true;
+  }
+  static bool waiting(const Ring& q) {
+    return epx::ring::used(q.tail.load(std::memory_order_acquire), q.read) != 0;
+  }
+  static void free_read(Ring& q) { q.head.store(q.read, std::memory_order_release); }
+
+  /// The end of this role's op on `rank`; then the rank's next op may start
+  /// once all its 3 C roles got here (the next kernel in stream order).
+  bool end_op(int rank, int op) {
+    std::atomic<int>& f = *finished[rank * ops + op];
+    f.fetch_add(1);
+    return wait([&] { return f.load() == 3 * C; });
+  }
+
+  void sender(int s, int c) {
+    for (int op = 0; op < ops; ++op) {
+      const auto [a, b] = range(op, s, c);
+      std::vector<std::vector<Record>> out(N);
+      const uint32_t most = std::min(chunk, net[0]->cap);
+      for (int t = a; t < b; ++t)
+        for (int m = 0; m < N; ++m) {
+          const uint32_t mask = node_mask(route[op][s][t], m);
+          if (mask == 0) continue;
+          out[m].push_back({op, s, t, mask});
+          if (out[m].size() == most) {
+            if (!push(*net[(c * R + s) * N + m], out[m])) return;
+            out[m].clear();
+          }
+        }
+      for (int m = 0; m < N; ++m)
+        if (!push(*net[(c * R + s) * N + m], out[m])) return;
+      if (!end_op(s, op)) return;
+    }
+  }
+
+  void forwarder(int f, int c) {
+    const int m = f / L, l = f % L;
+    for (int op = 0; op < ops; ++op) {
+      std::vector<uint32_t> left(N), unfreed(N, 0);
+      uint32_t total = 0;
+      for (int src_node = 0; src_node < N; ++src_node)
+        total += left[src_node] = net_count(op, src_node * L + l, c, m);
+      auto input = [&](int src_node) -> Ring& { return *net[(c * R + src_node * L + l) * N + m]; };
+      while (total > 0) {
+        bool any = false;
+        for (int src_node = 0; src_node < N; ++src_node) {  // whichever input has a record
+          Ring& in = input(src_node);
+          Record r;
+          if (left[src_node] == 0 || !try_read(in, r)) continue;
+          any = true;
+          if (r.op != op) {  // a record of another op would mean the counts are off
+            ADD_FAILURE() << "forwarder " << f << " channel " << c << " read op " << r.op
+                          << " in op " << op;
+            stuck = true;
+            return;
+          }
+          for (int d = 0; d < L; ++d)
+            if (((r.mask >> d) & 1u) && !push(*nvl[(c * R + f) * L + d], {r})) return;
+          --left[src_node];
+          --total;
+          if (++unfreed[src_node] >= credit_batch || left[src_node] == 0 ||
+              (free_when_idle && !waiting(in))) {
+            free_read(in);
+            unfreed[src_node] = 0;
+          }
+        }
+        if (!any && !idle()) return;
+      }
+      if (!end_op(f, op)) return;
+    }
+  }
+
+  bool run(std::chrono::milliseconds limit) {
+    deadline = clock_type::now() + limit;
+    // The C receivers of a rank each write their own list (per_channel); merged below.
+    std::vector<std::thread> th;
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) {
+        th.emplace_back([this, r, c] { sender(r, c); });
+        th.emplace_back([this, r, c] { forwarder(r, c); });
+        th.emplace_back([this, r, c] { receiver_into(r, c); });
+      }
+    for (auto& t : th) t.join();
+    for (int op = 0; op < ops; ++op)
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c)
+          for (const Record& rec : per_channel[(op * R + r) * C + c]) got[op][r].push_back(rec);
+    return !stuck.load();
+  }
+
+  /// The receiver of channel c, keeping its records apart from the other
+  /// channels' (one writer per list); run() merges them.
+  std::vector<std::vector<Record>> per_channel;
+  void receiver_into(int r, int c) {
+    const int m = r / L, d = r % L;
+    for (int op = 0; op < ops; ++op) {
+      std::vector<uint32_t> left(L);
+      uint32_t total = 0;
+      for (int l = 0; l < L; ++l) total += left[l] = nvl_count(op, m * L + l, c, d);
+      auto& mine = per_channel[(op * R + r) * C + c];
+      while (total > 0) {
+        bool any = false;
+        for (int l = 0; l < L; ++l) {
+          Ring& in = *nvl[(c * R + m * L + l) * L + d];
+          Record rec;
+          if (left[l] == 0 || !try_read(in, rec)) continue;
+          free_read(in);
+          any = true;
+          --left[l];
+          --total;
+          mine.push_back(rec);
+        }
+        if (!any && !idle()) return;
+      }
+      if (!end_op(r, op)) return;
+    }
+  }
+};
+
+/// Random routing: per op and rank 0 to `max_tokens` tokens, each reaching
+/// 0 to 4 ranks.
+void random_routing(ChannelModel& md, int max_tokens, uint32_t seed) {
+  std::mt19937 rng(seed);
+  for (int op = 0; op < md.ops; ++op) {
+    md.route[op].resize(md.R);
+    for (int s = 0; s < md.R; ++s) {
+      md.route[op][s].resize(rng() % (max_tokens + 1));
+      for (auto& bits : md.route[op][s]) {
+        bits = 0;
+        for (int k = static_cast<int>(rng() % 5); k > 0; --k) bits |= 1u << (rng() % md.R);
+      }
+    }
+  }
+  md.per_channel.assign(static_cast<std::size_t>(md.ops) * md.R * md.C, {});
+}
+
+/// Each receiver got exactly its (source, token) pairs in each op, and each
+/// (channel, source)'s in token order (a ring keeps its producer's order).
+void check_delivery(const ChannelModel& md) {
+  for (int op = 0; op < md.ops; ++op)
+    for (int r = 0; r < md.R; ++r) {
+      for (int c = 0; c < md.C; ++c) {
+        std::vector<int> last(md.R, -1);
+        for (const Record& rec : md.per_channel[(op * md.R + r) * md.C + c]) {
+          EXPECT_GT(rec.token, last[rec.src]) << "op " << op << " receiver " << r << " channel "
+                                              << c << " source " << rec.src << ": out of order";
+          last[rec.src] = rec.token;
+        }
+      }
+      std::vector<std::vector<int>> per_src(md.R);
+      for (const Record& rec : md.got[op][r]) {
+        EXPECT_EQ(rec.op, op);
+        per_src[rec.src].push_back(rec.token);
+      }
+      for (int s = 0; s < md.R; ++s) {
+        std::sort(per_src[s].begin(), per_src[s].end());
+        std::vector<int> want;
+        for (int t = 0; t < md.tokens(op, s); ++t)
+          if ((md.route[op][s][t] >> r) & 1u) want.push_back(t);
+        EXPECT_EQ(per_src[s], want) << "op " << op << ", receiver " << r << ", source " << s;
+      }
+    }
+}
+
+TEST(RingChannelsModel, ChannelsCountsAndRunningCountersOverSeveralOps) {
+  struct Case {
+    int N, L, C, ops, max_tokens;
+    uint32_t cap_net, cap_nvl, chunk, batch;
+  };
+  for (const Case& c : {Case{2, 1, 3, 4, 40, 1, 1, 1, 1}, Case{2, 2, 2, 3, 60, 3, 2, 2, 2},
+                        Case{3, 2, 2, 3, 40, 4, 1, 3, 4}, Case{2, 2, 1, 5, 30, 2, 2, 2, 1},
+                        Case{4, 1, 2, 3, 30, 5, 3, 4, 3}}) {
+    SCOPED_TRACE("N=" + std::to_string(c.N) + " L=" + std::to_string(c.L) +
+                 " C=" + std::to_string(c.C) + " chunk=" + std::to_string(c.chunk) +
+                 " batch=" + std::to_string(c.batch));
+    ChannelModel md(c.N, c.L, c.C, c.ops, c.cap_net, c.cap_nvl);
+    md.chunk = c.chunk;
+    md.credit_batch = c.batch;
+    random_routing(md, c.max_tokens, static_cast<uint32_t>(c.N * 1000 + c.L * 100 + c.C));
+    ASSERT_TRUE(md.run(std::chrono::seconds(30))) << "a role waited past the deadline";
+    check_delivery(md);
+  }
+}
+
+TEST(RingChannelsModel, CreditsFreedOnlyInFullBatchesLargerThanTheRingDeadlock) {
+  // 2 nodes of 1, one channel, every token to both ranks; network rings of 2
+  // slots and credits freed only per 3 records: the sender waits for room
+  // the forwarder never frees (it waits for a third record first).
+  auto make = [](bool free_when_idle) {
+    auto md = std::make_unique<ChannelModel>(2, 1, 1, 1, 2, 4);
+    md->route[0].assign(2, std::vector<uint32_t>(6, 0b11u));
+    md->per_channel.assign(2, {});
+    md->chunk = 1;
+    md->credit_batch = 3;
+    md->free_when_idle = free_when_idle;
+    return md;
+  };
+  EXPECT_FALSE(make(false)->run(std::chrono::milliseconds(500)));
+  // Freeing what was read whenever the ring has nothing more waiting goes through.
+  auto ok = make(true);
+  ASSERT_TRUE(ok->run(std::chrono::seconds(20)));
+  check_delivery(*ok);
+}
+
+}  // namespace
