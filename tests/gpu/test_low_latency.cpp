@@ -44,6 +44,9 @@ struct LlCase {
   bool duplicate_picks = false;  ///< token 1 of every rank picks one expert twice
   bool hook = false, async = false, logfmt = false, zero_copy = false, use_out = false;
   bool stats = false;
+  /// The ops on cudaStreamLegacy (where PyTorch's current stream sends them
+  /// by default) instead of the test's stream; a process per rank only.
+  bool legacy_stream = false;
   /// The last rank starts each op this many ms after the others, and the ops
   /// get dispatch/combine_wait_recv_cost_stats (checked by check_waits).
   int late_ms = 0;
@@ -419,6 +422,10 @@ void check_combine(const LlCase& c, const LlInputs& in,
                      << " values of " << bad_tokens.size() << " tokens:" << tokens;
 }
 
+cudaStream_t case_stream(const LlCase& c) {
+  return c.legacy_stream ? cudaStreamLegacy : world().stream;
+}
+
 LowLatencyDispatchArgs dispatch_args(const LlCase& c, void* x, void* topk, int T) {
   LowLatencyDispatchArgs a;
   a.x = view(x, DType::kBF16, {T, c.hidden});
@@ -430,13 +437,13 @@ LowLatencyDispatchArgs dispatch_args(const LlCase& c, void* x, void* topk, int T
   a.use_ue8m0 = c.ue8m0;
   a.async_finish = c.async;
   a.return_recv_hook = c.hook;
-  a.stream = world().stream;
+  a.stream = case_stream(c);
   return a;
 }
 
-void finish(const std::optional<Event>& ev) {
+void finish(const std::optional<Event>& ev, cudaStream_t stream = world().stream) {
   if (ev) ev->synchronize();
-  ASSERT_EQ(cudaStreamSynchronize(world().stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
 }
 
 /// Wait statistics of one op, [R] i64 on the device, starting non-zero (they
@@ -555,7 +562,7 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
   EXPECT_EQ(static_cast<bool>(res.hook), c.hook);
   EXPECT_EQ(res.event.has_value(), c.async);
   if (dies_mid && me == c.dead_rank) {  // no hook, no check, no combine; the collectives only
-    finish(res.event);
+    finish(res.event, case_stream(c));
     ASSERT_TRUE(all_ranks(true));
     if (with_combine) {
       line_up(c);
@@ -564,7 +571,7 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
     return;
   }
   if (res.hook) res.hook();
-  finish(res.event);
+  finish(res.event, case_stream(c));
   if (dies_mid && same_node(me, c.dead_rank)) {
     auto want = ro[me];
     zero_rows_from(want, c.dead_rank, c.dead_mid_dispatch, E_local, RT, H, c.fp8);
@@ -627,13 +634,13 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
   ca.async_finish = c.async;
   ca.return_recv_hook = c.hook;
   if (c.use_out) ca.out = view(d_out.get(), DType::kBF16, {T, H});
-  ca.stream = w.stream;
+  ca.stream = case_stream(c);
   if (c.late_ms) ca.combine_wait_recv_cost_stats = cwait.view();
   line_up(c);
   auto cres = buf->low_latency_combine(ca);
   EXPECT_EQ(static_cast<bool>(cres.hook), c.hook);
   if (cres.hook) cres.hook();
-  finish(cres.event);
+  finish(cres.event, case_stream(c));
   if (c.late_ms) check_waits(c, c.hook ? "combine (hook)" : "combine", cwait, 1);
   if (c.use_out) EXPECT_EQ(cres.combined_x.view.data, static_cast<void*>(d_out.get()));
   const auto rc = shared_reference<std::vector<std::vector<uint16_t>>>("ll_combine " + key, [&] {
@@ -1196,7 +1203,7 @@ EPX_GPU_TEST(LowLatency, TimeoutIsReportedAndCleanRecovers) {
 /// reference. The Python suite's LL case makes these calls; over the proxy
 /// and NCCL GIN at 2x2 its combine came back all zeros on one rank (4x H200,
 /// tenth session), where this suite (one context per peer, no clean first)
-/// passes.
+/// passes. With a process per rank, the same again on the legacy stream.
 EPX_GPU_TEST(LowLatency, CleanOnAFreshBufferThenOps) {
   auto& w = world();
   LlCase c;
@@ -1212,6 +1219,16 @@ EPX_GPU_TEST(LowLatency, CleanOnAFreshBufferThenOps) {
   run_case(c, 91, true, &b);
   c.fp8 = true;
   run_case(c, 92, true, &b);
+  // Again on the legacy default stream, as from PyTorch (in-process ranks may
+  // not share it: Buffer refuses that), after another clean.
+  if (in_process_worlds().empty()) {
+    b.clean_low_latency_buffer(c.max_tokens, c.hidden, c.num_experts);
+    c.legacy_stream = true;
+    c.fp8 = false;
+    run_case(c, 93, true, &b);
+    c.fp8 = true;
+    run_case(c, 94, true, &b);
+  }
   EXPECT_TRUE(all_ranks(!rank_failed()));
   b.destroy();
 }
