@@ -109,6 +109,10 @@ bool proxy_row_copies() {
   return zero_or_one("EPX_PROXY_ROW_COPIES");
 }
 
+bool ll_context_ranges() {
+  return zero_or_one("EPX_LL_CONTEXT_RANGES");
+}
+
 bool ll_arrival_order() {
   return zero_or_one("EPX_LL_ARRIVAL_ORDER");
 }

@@ -56,6 +56,13 @@ std::optional<bool> net_split_puts();
 /// that hold every SM. Read when the engine is made.
 bool proxy_row_copies();
 
+/// EPX_LL_CONTEXT_RANGES (0 or 1, default 0): across nodes, the low-latency
+/// ops put token t's rows on context min(t / ceil(maxT / contexts),
+/// contexts - 1) (each context a contiguous range of tokens, so a proxy
+/// channel's puts to a peer merge into plain copies) instead of on context
+/// t % contexts (strided). Read when a Buffer is made.
+bool ll_context_ranges();
+
 /// EPX_LL_ARRIVAL_ORDER (0 or 1, default 0; experimental): the low-latency
 /// dispatch packs each local expert's rows by source in the order the
 /// sources' token masks arrive (as DeepEP) instead of in rank order, so no

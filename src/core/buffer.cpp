@@ -154,6 +154,7 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
   d.ht_done_blocks = d.ht_op_counter + 2;
   d.ll_seq = reinterpret_cast<uint64_t*>(d.ht_op_counter + 4);
   d.ll_arrival_order = env::ll_arrival_order();
+  d.ll_context_ranges = env::ll_context_ranges();
   d.net_split_puts = env::net_split_puts();
   if (dispatch_stop && dispatch_stop->rank == d.comm->rank()) {
     d.ll_dispatch_stop_tokens = dispatch_stop->tokens;

@@ -51,6 +51,14 @@ struct Buffer::Impl {
   int* ll_mask = nullptr;  ///< enable_shrink: int32 [plan::kLlMaxRanks], 1 = rank left out (LL ops)
   /// EPX_LL_ARRIVAL_ORDER=1 when the buffer was made (LlDispatchRecvParams::arrival_order).
   bool ll_arrival_order = false;
+  /// EPX_LL_CONTEXT_RANGES=1 when the buffer was made (the send kernels' ctx_tokens).
+  bool ll_context_ranges = false;
+  /// The LL send kernels' ctx_tokens for `max_tokens` per rank: 0 (token t on
+  /// context t % contexts) unless ll_context_ranges, then ceil(max_tokens / contexts).
+  int ll_ctx_tokens(int max_tokens) const {
+    const int contexts = backend->num_contexts();
+    return ll_context_ranges && contexts > 1 ? (max_tokens + contexts - 1) / contexts : 0;
+  }
   /// EPX_NET_SPLIT_PUTS when the buffer was made (unset: the backend's
   /// puts_copy_on_sms decides at each op).
   std::optional<bool> net_split_puts;

@@ -178,6 +178,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   sp.num_topk = K;
   sp.num_experts = E;
   sp.max_tokens = maxT;
+  sp.ctx_tokens = d.ll_ctx_tokens(maxT);
   sp.row_bytes = row_bytes;
   sp.fp8 = a.use_fp8;
   sp.round_scale = a.round_scale;
@@ -308,6 +309,7 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   sp.num_topk = K;
   sp.num_experts = E;
   sp.max_tokens = maxT;
+  sp.ctx_tokens = d.ll_ctx_tokens(maxT);
   sp.logfmt = a.use_logfmt;
   sp.wait_first = send_wait_first;
   sp.timeout_ns = d.timeout_ns();

@@ -379,6 +379,10 @@ struct LlDispatchSendArgs {
   /// check (the dying rank makes no later call that would read them).
   int row_tokens;
   int row_bytes;  ///< dispatch row stride in the receive slots
+  /// Network puts: 0, token t's on context t % contexts; n > 0, on context
+  /// min(t / n, contexts - 1) (EPX_LL_CONTEXT_RANGES). Any context is right:
+  /// every context is signalled after all the op's puts.
+  int ctx_tokens;
   bool fp8, round_scale;
   DeviceDiag* diag;
 };
@@ -443,6 +447,7 @@ struct LlCombineSendArgs {
   /// [R] nullable, zeroed: 1 + the ns block 0 waited for source s's first weight word
   unsigned long long* wait_first;
   int num_tokens, hidden, num_topk, num_experts, max_tokens;
+  int ctx_tokens;  ///< as LlDispatchSendArgs::ctx_tokens, for the row puts
   bool logfmt;
   uint64_t timeout_ns;
   DeviceDiag* diag;

@@ -189,6 +189,11 @@ __device__ __forceinline__ uint32_t* net_failed_word(const T& t, const LlOffsets
   return reinterpret_cast<uint32_t*>(t.local_ptr(o.net_done)) + which;
 }
 
+/// Network transports: the context of token t's puts (the send args' ctx_tokens).
+__device__ __forceinline__ int put_context(int ctx_tokens, int t, int contexts) {
+  return ctx_tokens > 0 ? min(t / ctx_tokens, contexts - 1) : t % contexts;
+}
+
 /// Network transports: adds 1 to signal `sig` at rank `r` on contexts
 /// [first, num_contexts), each after that context's earlier puts to r (a
 /// receiver waits until every context's word counts the op).
@@ -528,7 +533,7 @@ __device__ __forceinline__ void net_send_chunk(const LlDispatchSendParams<T>& p,
   if (remotes == 0u) return;
   const int C = ceil_div(H, kDispatchChunk);
   if (!last_part(reinterpret_cast<uint32_t*>(p.t.local_ptr(p.off.tok_done)) + t, C)) return;
-  const int ctx = t % p.t.num_contexts;
+  const int ctx = put_context(p.ctx_tokens, t, p.t.num_contexts);
   const uint32_t to_put = __ballot_sync(kFull, remote && !p.t.masked(r_k));  // mask at put time
   for (uint32_t m = to_put; m != 0u; m &= m - 1u)
     p.t.template put<dev::Warp>(ctx, __shfl_sync(kFull, r_k, __ffs(m) - 1), slot, slot,
@@ -1497,7 +1502,8 @@ __global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendPara
         uint32_t* done = reinterpret_cast<uint32_t*>(p.t.local_ptr(p.off.row_done)) +
                          static_cast<std::size_t>(s) * plan::kLlMaxTokens + t;
         if (remote_s && last_part(done, C) && send && !__any_sync(kFull, p.t.masked(s)))
-          p.t.template put<dev::Warp>(t % p.t.num_contexts, s, at_s, here, row_bytes);
+          p.t.template put<dev::Warp>(put_context(p.ctx_tokens, t, p.t.num_contexts), s, at_s, here,
+                                      row_bytes);
       }
     };
     const int col0 = c * (kCombineChunk / 8) + lane;

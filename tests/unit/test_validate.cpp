@@ -354,6 +354,16 @@ TEST(Env, LlArrivalOrderIsZeroOrOne) {
   expect_error([] { env::ll_arrival_order(); }, {"EPX_LL_ARRIVAL_ORDER", "0 or 1"});
 }
 
+TEST(Env, LlContextRangesIsZeroOrOne) {
+  const SavedEnv saved("EPX_LL_CONTEXT_RANGES");
+  unsetenv("EPX_LL_CONTEXT_RANGES");
+  EXPECT_FALSE(env::ll_context_ranges());
+  setenv("EPX_LL_CONTEXT_RANGES", "1", 1);
+  EXPECT_TRUE(env::ll_context_ranges());
+  setenv("EPX_LL_CONTEXT_RANGES", "2", 1);
+  expect_error([] { env::ll_context_ranges(); }, {"EPX_LL_CONTEXT_RANGES", "0 or 1"});
+}
+
 TEST(Env, ProxyRowCopiesIsZeroOrOne) {
   const SavedEnv saved("EPX_PROXY_ROW_COPIES");
   unsetenv("EPX_PROXY_ROW_COPIES");
