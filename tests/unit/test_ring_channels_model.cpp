@@ -28,27 +28,21 @@
 #include <vector>
 
 #include "common/ring.hpp"
+#include "unit/ring_model.hpp"
 
 namespace {
 
-using clock_type = std::chrono::steady_clock;
+using epx::test_ring::clock_type;
 
 struct Record {
   int op = -1, src = -1, token = -1;
   uint32_t mask = 0;  ///< local ranks of the ring's node that the token reaches
 };
 
-/// One producer, one consumer. The consumer reads ahead of what it frees:
-/// `read` is its own, `head` (the credits) is what the producer sees.
-struct Ring {
-  explicit Ring(uint32_t c) : slots(c), cap(c) {}
-  std::vector<Record> slots;
-  uint32_t cap;
-  std::atomic<uint32_t> tail{0}, head{0};
-  uint32_t read = 0;  ///< consumer-private
-};
+/// The forwarders read ahead of what they free (Ring::read, then head).
+using Ring = epx::test_ring::Ring<Record>;
 
-struct ChannelModel {
+struct ChannelModel : epx::test_ring::Deadline {
   int N, L, R, C, ops;
   uint32_t chunk = 1;          ///< records per sender put (at most the ring's size)
   uint32_t credit_batch = 1;   ///< slots a forwarder frees at once
@@ -59,8 +53,6 @@ struct ChannelModel {
   std::vector<std::unique_ptr<Ring>> nvl;  ///< [(c * R + f) * L + d]: channel c of f to local d
   std::vector<std::vector<std::vector<Record>>> got;        ///< [op][receiver], arrival order
   std::vector<std::unique_ptr<std::atomic<int>>> finished;  ///< [rank * ops + op]: roles done
-  std::atomic<bool> stuck{false};
-  clock_type::time_point deadline;
 
   ChannelModel(int n, int l, int c, int num_ops, uint32_t cap_net, uint32_t cap_nvl)
       : N(n), L(l), R(n * l), C(c), ops(num_ops), route(num_ops) {
@@ -96,40 +88,6 @@ struct ChannelModel {
     return n;
   }
 
-  bool idle() {
-    if (stuck.load()) return false;
-    if (clock_type::now() > deadline) {
-      stuck = true;
-      return false;
-    }
-    std::this_thread::yield();
-    return true;
-  }
-  template <class Ready>
-  bool wait(Ready ready) {
-    while (!ready())
-      if (!idle()) return false;
-    return true;
-  }
-
-  /// Publishes `rs` at once (one put with its tail signal), written in pieces
-  /// that do not wrap; waits for room for all of them.
-  bool push(Ring& q, const std::vector<Record>& rs) {
-    const uint32_t t = q.tail.load(std::memory_order_relaxed), n = static_cast<uint32_t>(rs.size());
-    if (n == 0) return true;
-    if (!wait([&] {
-          return epx::ring::room_for(t, q.head.load(std::memory_order_acquire), n, q.cap);
-        }))
-      return false;
-    for (uint32_t done = 0; done < n;) {
-      const uint32_t piece = epx::ring::contiguous(t + done, n - done, q.cap);
-      for (uint32_t i = 0; i < piece; ++i)
-        q.slots[epx::ring::slot(t + done, q.cap) + i] = rs[done + i];
-      done += piece;
-    }
-    q.tail.store(t + n, std::memory_order_release);
-    return true;
-  }
   static bool try_read(Ring& q, Record& r) {
     if (epx::ring::used(q.tail.load(std::memory_order_acquire), q.read) == 0) return false;
     r = q.slots[epx::ring::slot(q.read, q.cap)];
@@ -160,12 +118,12 @@ struct ChannelModel {
           if (mask == 0) continue;
           out[m].push_back({op, s, t, mask});
           if (out[m].size() == most) {
-            if (!push(*net[(c * R + s) * N + m], out[m])) return;
+            if (!push_chunk(*net[(c * R + s) * N + m], out[m])) return;
             out[m].clear();
           }
         }
       for (int m = 0; m < N; ++m)
-        if (!push(*net[(c * R + s) * N + m], out[m])) return;
+        if (!push_chunk(*net[(c * R + s) * N + m], out[m])) return;
       if (!end_op(s, op)) return;
     }
   }
@@ -192,7 +150,7 @@ struct ChannelModel {
             return;
           }
           for (int d = 0; d < L; ++d)
-            if (((r.mask >> d) & 1u) && !push(*nvl[(c * R + f) * L + d], {r})) return;
+            if (((r.mask >> d) & 1u) && !push_chunk(*nvl[(c * R + f) * L + d], {r})) return;
           --left[src_node];
           --total;
           if (++unfreed[src_node] >= credit_batch || left[src_node] == 0 ||

@@ -27,10 +27,11 @@
 #include <vector>
 
 #include "common/ring.hpp"
+#include "unit/ring_model.hpp"
 
 namespace {
 
-using clock_type = std::chrono::steady_clock;
+using epx::test_ring::clock_type;
 
 struct Record {
   int src = -1, token = -1;
@@ -38,24 +39,16 @@ struct Record {
   bool end = false;   ///< the producer's last record
 };
 
-/// One producer, one consumer.
-struct Ring {
-  explicit Ring(uint32_t c) : slots(c), cap(c) {}
-  std::vector<Record> slots;
-  uint32_t cap;
-  std::atomic<uint32_t> tail{0}, head{0};
-};
+using Ring = epx::test_ring::Ring<Record>;
 
 enum class Policy { kRoundRobin, kInOrder };
 
-struct Model {
+struct Model : epx::test_ring::Deadline {
   int N, L, R, T;
   std::vector<std::vector<uint32_t>> route;  ///< [rank][token]: bit r = rank r gets it
   std::vector<std::unique_ptr<Ring>> net;    ///< [s * N + m]: sender s to node m's forwarder
   std::vector<std::unique_ptr<Ring>> nvl;    ///< [f * L + d]: forwarder f to local rank d
   std::vector<std::vector<Record>> got;      ///< per receiver, in arrival order
-  std::atomic<bool> stuck{false};
-  clock_type::time_point deadline;
   Policy policy = Policy::kRoundRobin;
   std::size_t chunk = 1;  ///< records per sender put
   /// kInOrder: forwarder f drains its inputs in this order of source nodes.
@@ -67,53 +60,7 @@ struct Model {
     for (int i = 0; i < R * L; ++i) nvl.push_back(std::make_unique<Ring>(cap_nvl));
   }
 
-  /// One idle pass of a role: false once the model is stuck or past the
-  /// deadline (which marks it stuck), else a yield.
-  bool idle() {
-    if (stuck.load()) return false;
-    if (clock_type::now() > deadline) {
-      stuck = true;
-      return false;
-    }
-    std::this_thread::yield();
-    return true;
-  }
-  /// Spins until `ready`, or false at the deadline.
-  template <class Ready>
-  bool wait(Ready ready) {
-    while (!ready())
-      if (!idle()) return false;
-    return true;
-  }
-  bool push(Ring& q, const Record& r) {
-    const uint32_t t = q.tail.load(std::memory_order_relaxed);
-    if (!wait([&] {
-          return epx::ring::room_for(t, q.head.load(std::memory_order_acquire), 1, q.cap);
-        }))
-      return false;
-    q.slots[epx::ring::slot(t, q.cap)] = r;
-    q.tail.store(t + 1, std::memory_order_release);
-    return true;
-  }
-  /// A sender's chunk: all of `rs` published at once, as one put with its
-  /// tail signal would, written in pieces that do not wrap past the ring's
-  /// end (one put each); it waits for room for the whole chunk.
-  bool push_chunk(Ring& q, const std::vector<Record>& rs) {
-    const uint32_t t = q.tail.load(std::memory_order_relaxed), n = static_cast<uint32_t>(rs.size());
-    if (n == 0) return true;
-    if (!wait([&] {
-          return epx::ring::room_for(t, q.head.load(std::memory_order_acquire), n, q.cap);
-        }))
-      return false;
-    for (uint32_t done = 0; done < n;) {
-      const uint32_t piece = epx::ring::contiguous(t + done, n - done, q.cap);
-      for (uint32_t i = 0; i < piece; ++i)
-        q.slots[epx::ring::slot(t + done, q.cap) + i] = rs[done + i];
-      done += piece;
-    }
-    q.tail.store(t + n, std::memory_order_release);
-    return true;
-  }
+  bool push(Ring& q, const Record& r) { return push_chunk(q, {r}); }
   static bool try_pop(Ring& q, Record& r) {
     const uint32_t h = q.head.load(std::memory_order_relaxed);
     if (epx::ring::used(q.tail.load(std::memory_order_acquire), h) == 0) return false;
