@@ -342,38 +342,33 @@ TEST(Env, HtPullSetsTheDispatchConfigs) {
   unsetenv("EPX_HT_PULL");
 }
 
+/// A 0-or-1 switch `name` read by `get`: unset and "0" are off, "1" on;
+/// another number or a word is an error naming the variable and the rule.
+void expect_zero_or_one_switch(const char* name, bool (*get)()) {
+  SCOPED_TRACE(name);
+  const SavedEnv saved(name);
+  unsetenv(name);
+  EXPECT_FALSE(get());
+  setenv(name, "1", 1);
+  EXPECT_TRUE(get());
+  setenv(name, "0", 1);
+  EXPECT_FALSE(get());
+  setenv(name, "2", 1);
+  expect_error([&] { get(); }, {name, "0 or 1"});
+  setenv(name, "rows", 1);
+  expect_error([&] { get(); }, {name, "integer"});
+}
+
 TEST(Env, LlArrivalOrderIsZeroOrOne) {
-  const SavedEnv saved("EPX_LL_ARRIVAL_ORDER");
-  unsetenv("EPX_LL_ARRIVAL_ORDER");
-  EXPECT_FALSE(env::ll_arrival_order());
-  setenv("EPX_LL_ARRIVAL_ORDER", "1", 1);
-  EXPECT_TRUE(env::ll_arrival_order());
-  setenv("EPX_LL_ARRIVAL_ORDER", "0", 1);
-  EXPECT_FALSE(env::ll_arrival_order());
-  setenv("EPX_LL_ARRIVAL_ORDER", "2", 1);
-  expect_error([] { env::ll_arrival_order(); }, {"EPX_LL_ARRIVAL_ORDER", "0 or 1"});
+  expect_zero_or_one_switch("EPX_LL_ARRIVAL_ORDER", env::ll_arrival_order);
 }
 
 TEST(Env, LlContextRangesIsZeroOrOne) {
-  const SavedEnv saved("EPX_LL_CONTEXT_RANGES");
-  unsetenv("EPX_LL_CONTEXT_RANGES");
-  EXPECT_FALSE(env::ll_context_ranges());
-  setenv("EPX_LL_CONTEXT_RANGES", "1", 1);
-  EXPECT_TRUE(env::ll_context_ranges());
-  setenv("EPX_LL_CONTEXT_RANGES", "2", 1);
-  expect_error([] { env::ll_context_ranges(); }, {"EPX_LL_CONTEXT_RANGES", "0 or 1"});
+  expect_zero_or_one_switch("EPX_LL_CONTEXT_RANGES", env::ll_context_ranges);
 }
 
 TEST(Env, ProxyRowCopiesIsZeroOrOne) {
-  const SavedEnv saved("EPX_PROXY_ROW_COPIES");
-  unsetenv("EPX_PROXY_ROW_COPIES");
-  EXPECT_FALSE(env::proxy_row_copies());
-  setenv("EPX_PROXY_ROW_COPIES", "1", 1);
-  EXPECT_TRUE(env::proxy_row_copies());
-  setenv("EPX_PROXY_ROW_COPIES", "0", 1);
-  EXPECT_FALSE(env::proxy_row_copies());
-  setenv("EPX_PROXY_ROW_COPIES", "rows", 1);
-  expect_error([] { env::proxy_row_copies(); }, {"EPX_PROXY_ROW_COPIES"});
+  expect_zero_or_one_switch("EPX_PROXY_ROW_COPIES", env::proxy_row_copies);
 }
 
 TEST(Env, NetSplitPutsIsUnsetZeroOrOne) {
