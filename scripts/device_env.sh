@@ -2,7 +2,7 @@
 # device_extra.sh; $D: the folder of the binaries): where results go, the
 # variables that must stay set on the lent machines, the pip NCCL/NVSHMEM
 # first in LD_LIBRARY_PATH, the number of local GPUs, and what the network
-# backends need on one host (GIN_ENV, NVS_ENV: VAR=VALUE lists for env).
+# backends need on one host (GIN_PLUGIN, GIN_ENV, NVS_ENV: VAR=VALUE for env).
 OUT=${OUT:-/tmp/epx-out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -13,7 +13,8 @@ done
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 GPUS=$(nvidia-smi -L | grep -c '^GPU' || true)
 # nccl: NCCL's GIN path through the loopback plugin built beside the binaries.
-GIN_ENV=(NCCL_NET_PLUGIN="${D:-.}/libnccl-net-epxloop.so" EPX_BACKEND=nccl)
+GIN_PLUGIN=NCCL_NET_PLUGIN="${D:-.}/libnccl-net-epxloop.so"
+GIN_ENV=("$GIN_PLUGIN" EPX_BACKEND=nccl)
 # nvshmem: this machine's pip wheel, P2P within the host (no remote transport),
 # the unique-id bootstrap over loopback (its default skips lo).
 NVS_LIB=$(python3 -c "import nvidia.nvshmem, os; print(os.path.join(list(nvidia.nvshmem.__path__)[0], 'lib'))" 2>/dev/null)

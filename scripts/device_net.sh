@@ -171,7 +171,7 @@ if has bench; then
   summary+=("bench fifo: rc=$rc")
 fi
 if has nccl && [ "$GPUS" -ge 2 ]; then
-  gin=(env "${GIN_ENV[0]}" NCCL_DEBUG=${EPX_NCCL_DEBUG:-WARN}
+  gin=(env "$GIN_PLUGIN" NCCL_DEBUG=${EPX_NCCL_DEBUG:-WARN}
        NCCL_DEBUG_SUBSYS=INIT,NET)
   # EPX_NCCL_QUEUE_SIZE: a smaller GIN proxy queue per (context, peer) (a power
   # of two, e.g. 4), so that posts wait in EPX's credit gate all the time
@@ -250,7 +250,7 @@ if has xbench; then
     [ "$GPUS" -ge "$hn" ] || continue
     for be in ${EPX_XBENCH_BACKENDS:-proxy nccl nvshmem}; do
       case $be in
-        nccl) pre=(env "${GIN_ENV[0]}") ;;
+        nccl) pre=(env "$GIN_PLUGIN") ;;
         nvshmem) pre=("${nvs[@]}" NVSHMEM_DEBUG=WARN EPX_NVSHMEM_TRACE=0) ;;
         *) pre=(env) ;;
       esac
