@@ -1229,6 +1229,11 @@ EPX_GPU_TEST(LowLatency, CleanOnAFreshBufferThenOps) {
     c.fp8 = true;
     run_case(c, 94, true, &b);
   }
+  // Then, as the Python case goes on: BF16 with the wait statistics, the last
+  // rank 50 ms late.
+  c.fp8 = false;
+  c.late_ms = 50;
+  run_case(c, 95, true, &b);
   EXPECT_TRUE(all_ranks(!rank_failed()));
   b.destroy();
 }

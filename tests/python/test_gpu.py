@@ -846,8 +846,12 @@ def _case_low_latency(rank, world, group):
     _gather(group, 0)
     if rank == slow:
         time.sleep(0.05)
+    torch.cuda.synchronize(dev)
+    buf.check()
     combined_w, _, _ = buf.low_latency_combine(recv_w, idx, w, handle_w,
                                                combine_wait_recv_cost_stats=cwait)
+    torch.cuda.synchronize(dev)
+    buf.check()
     np.testing.assert_array_equal(_bits(combined_w), _bits(combined))
     for name, t in (("dispatch", dwait), ("combine", cwait)):
         waits = t.cpu().numpy()
