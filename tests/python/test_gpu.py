@@ -280,6 +280,25 @@ def _buffer(group, *args, **kwargs):
     return buf
 
 
+def _diagnosed(buf):
+    """A failed comparison asks the buffer first: a wait that failed leaves its output
+    unwritten, and the buffer's diagnostic names the op, the peer and the word."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def guard():
+        try:
+            yield
+        except AssertionError:
+            import torch
+
+            torch.cuda.synchronize()
+            buf.check()
+            raise
+
+    return guard()
+
+
 def _routing(rng, T, K, E, drop=0.1):
     idx = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int64)
     idx[rng.random(idx.shape) < drop] = -1
@@ -802,124 +821,121 @@ def _case_low_latency(rank, world, group):
     buf = _buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=El,
                   explicitly_destroy=True)
     buf.clean_low_latency_buffer(maxT, H, E)
-    # DeepEP's topology queries, on this rank's device: one NVLink domain, or the
-    # virtual nodes of EPX_RANKS_PER_NODE (test_low_latency_across_nodes)
-    rpn = int(os.environ.get("EPX_RANKS_PER_NODE", "0") or 0) or world
-    for obj in (buf, buf.runtime):
-        assert obj.get_local_device_id() == dev.index
-        assert (obj.get_num_rdma_ranks(), obj.get_rdma_rank()) == (world // rpn, rank // rpn)
-        assert (obj.get_root_rdma_rank(True), obj.get_root_rdma_rank(False)) == (rank % rpn, 0)
+    with _diagnosed(buf):
+        # DeepEP's topology queries, on this rank's device: one NVLink domain, or the
+        # virtual nodes of EPX_RANKS_PER_NODE (test_low_latency_across_nodes)
+        rpn = int(os.environ.get("EPX_RANKS_PER_NODE", "0") or 0) or world
+        for obj in (buf, buf.runtime):
+            assert obj.get_local_device_id() == dev.index
+            assert (obj.get_num_rdma_ranks(), obj.get_rdma_rank()) == (world // rpn, rank // rpn)
+            assert (obj.get_root_rdma_rank(True), obj.get_root_rdma_rank(False)) == (rank % rpn, 0)
 
-    # BF16 dispatch
-    stats = torch.zeros(El, dtype=torch.int32, device=dev)
-    recv, count, handle, ev, hook = buf.low_latency_dispatch(
-        x, idx, maxT, E, cumulative_local_expert_recv_stats=stats, use_fp8=False)
-    assert hook is None and recv.shape == (El, world * maxT, H)
-    np.testing.assert_array_equal(count.cpu().numpy(), want[rank]["recv_count"])
-    np.testing.assert_array_equal(stats.cpu().numpy(), want[rank]["recv_count"])
-    recv_np = _bits(recv)
+        # BF16 dispatch
+        stats = torch.zeros(El, dtype=torch.int32, device=dev)
+        recv, count, handle, ev, hook = buf.low_latency_dispatch(
+            x, idx, maxT, E, cumulative_local_expert_recv_stats=stats, use_fp8=False)
+        assert hook is None and recv.shape == (El, world * maxT, H)
+        np.testing.assert_array_equal(count.cpu().numpy(), want[rank]["recv_count"])
+        np.testing.assert_array_equal(stats.cpu().numpy(), want[rank]["recv_count"])
+        recv_np = _bits(recv)
 
-    def same_bf16(r, le, row, src_row):
-        np.testing.assert_array_equal(r[le, row], src_row)
+        def same_bf16(r, le, row, src_row):
+            np.testing.assert_array_equal(r[le, row], src_row)
 
-    _check_ll_rows(recv_np, count.cpu().numpy(), handle, all_x, world, same_bf16)
+        _check_ll_rows(recv_np, count.cpu().numpy(), handle, all_x, world, same_bf16)
 
-    # combine with identity experts: the expected result does not depend on the row order
-    expect = ref.ll_combine([want[r]["recv_x"] for r in range(world)], all_idx, all_w, E,
-                            maxT)[rank]
-    combined, ev, hook = buf.low_latency_combine(recv, idx, w, handle)
-    assert hook is None
-    torch.cuda.synchronize(dev)
-    buf.check()  # a failed wait raises its own error here, before the rows are compared
-    got = ref.bf16_to_float(_bits(combined))
-    np.testing.assert_allclose(got, ref.bf16_to_float(expect), rtol=1e-2, atol=1e-2)
+        # combine with identity experts: the expected result does not depend on the row order
+        expect = ref.ll_combine([want[r]["recv_x"] for r in range(world)], all_idx, all_w, E,
+                                maxT)[rank]
+        combined, ev, hook = buf.low_latency_combine(recv, idx, w, handle)
+        assert hook is None
+        torch.cuda.synchronize(dev)
+        buf.check()  # a failed wait raises its own error here, before the rows are compared
+        got = ref.bf16_to_float(_bits(combined))
+        np.testing.assert_allclose(got, ref.bf16_to_float(expect), rtol=1e-2, atol=1e-2)
 
-    # wait statistics: the last rank starts 50 ms late, the others' stats name it
-    slow = world - 1
-    dwait = torch.zeros(world, dtype=torch.int64, device=dev)
-    cwait = torch.zeros(world, dtype=torch.int64, device=dev)
-    _gather(group, 0)
-    if rank == slow:
-        time.sleep(0.05)
-    recv_w, _, handle_w, _, _ = buf.low_latency_dispatch(
-        x, idx, maxT, E, dispatch_wait_recv_cost_stats=dwait, use_fp8=False)
-    _gather(group, 0)
-    if rank == slow:
-        time.sleep(0.05)
-    torch.cuda.synchronize(dev)
-    buf.check()
-    combined_w, _, _ = buf.low_latency_combine(recv_w, idx, w, handle_w,
-                                               combine_wait_recv_cost_stats=cwait)
-    torch.cuda.synchronize(dev)
-    buf.check()
-    np.testing.assert_array_equal(_bits(combined_w), _bits(combined))
-    for name, t in (("dispatch", dwait), ("combine", cwait)):
-        waits = t.cpu().numpy()
-        assert (waits >= 0).all(), (name, waits)
-        if rank != slow:
-            assert waits[slow] >= 10_000_000, (name, waits)
-            assert (2 * np.delete(waits, slow) < waits[slow]).all(), (name, waits)
+        # wait statistics: the last rank starts 50 ms late, the others' stats name it
+        slow = world - 1
+        dwait = torch.zeros(world, dtype=torch.int64, device=dev)
+        cwait = torch.zeros(world, dtype=torch.int64, device=dev)
+        _gather(group, 0)
+        if rank == slow:
+            time.sleep(0.05)
+        recv_w, _, handle_w, _, _ = buf.low_latency_dispatch(
+            x, idx, maxT, E, dispatch_wait_recv_cost_stats=dwait, use_fp8=False)
+        _gather(group, 0)
+        if rank == slow:
+            time.sleep(0.05)
+        combined_w, _, _ = buf.low_latency_combine(recv_w, idx, w, handle_w,
+                                                   combine_wait_recv_cost_stats=cwait)
+        np.testing.assert_array_equal(_bits(combined_w), _bits(combined))
+        for name, t in (("dispatch", dwait), ("combine", cwait)):
+            waits = t.cpu().numpy()
+            assert (waits >= 0).all(), (name, waits)
+            if rank != slow:
+                assert waits[slow] >= 10_000_000, (name, waits)
+                assert (2 * np.delete(waits, slow) < waits[slow]).all(), (name, waits)
 
-    # LogFMT: the LogFMT reference within the plain tolerance (the kernels code
-    # what crosses as the reference does, with its arithmetic), and not the
-    # BF16 result
-    lf, _, _ = buf.low_latency_combine(recv, idx, w, handle, use_logfmt=True)
-    want_lf = ref.bf16_to_float(ref.ll_combine([want[r]["recv_x"] for r in range(world)],
-                                               all_idx, all_w, E, maxT, use_logfmt=True)[rank])
-    got_lf = ref.bf16_to_float(_bits(lf))
-    mag = np.abs(ref.bf16_to_float(x_np)) * (np.abs(w_np) * (idx_np >= 0)).sum(1, keepdims=True)
-    tol = 1e-2 * np.abs(want_lf) + 1e-2 + 2.0**-8 * mag
-    assert (np.abs(got_lf - want_lf) <= tol).all()
-    assert (_bits(lf) != _bits(combined)).mean() > 0.1
+        # LogFMT: the LogFMT reference within the plain tolerance (the kernels code
+        # what crosses as the reference does, with its arithmetic), and not the
+        # BF16 result
+        lf, _, _ = buf.low_latency_combine(recv, idx, w, handle, use_logfmt=True)
+        want_lf = ref.bf16_to_float(ref.ll_combine([want[r]["recv_x"] for r in range(world)],
+                                                   all_idx, all_w, E, maxT, use_logfmt=True)[rank])
+        got_lf = ref.bf16_to_float(_bits(lf))
+        mag = np.abs(ref.bf16_to_float(x_np)) * (np.abs(w_np) * (idx_np >= 0)).sum(1, keepdims=True)
+        tol = 1e-2 * np.abs(want_lf) + 1e-2 + 2.0**-8 * mag
+        assert (np.abs(got_lf - want_lf) <= tol).all()
+        assert (_bits(lf) != _bits(combined)).mean() > 0.1
 
-    # hooks, zero copy, out=, async
-    recv2, _, h2, _, hook = buf.low_latency_dispatch(x, idx, maxT, E, use_fp8=False,
-                                                     return_recv_hook=True)
-    assert callable(hook)
-    hook()
-    # rows past recv_count are unspecified: compare the valid rows of each expert
-    cnt = count.cpu().numpy()
-    bits2 = _bits(recv2)
-    for le in range(El):
-        np.testing.assert_array_equal(bits2[le, :cnt[le]], recv_np[le, :cnt[le]])
-    zbuf = buf.get_next_low_latency_combine_buffer(h2)
-    assert zbuf.shape == (El, world * maxT, H) and zbuf.dtype == torch.bfloat16
-    zbuf.copy_(recv2)
-    out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
-    c2, ev, hook = buf.low_latency_combine(zbuf, idx, w, h2, zero_copy=True, out=out,
-                                           async_finish=True, return_recv_hook=True)
-    assert c2 is out
-    hook()
-    ev.current_stream_wait()
-    np.testing.assert_allclose(ref.bf16_to_float(_bits(out)), ref.bf16_to_float(expect),
-                               rtol=1e-2, atol=1e-2)
+        # hooks, zero copy, out=, async
+        recv2, _, h2, _, hook = buf.low_latency_dispatch(x, idx, maxT, E, use_fp8=False,
+                                                         return_recv_hook=True)
+        assert callable(hook)
+        hook()
+        # rows past recv_count are unspecified: compare the valid rows of each expert
+        cnt = count.cpu().numpy()
+        bits2 = _bits(recv2)
+        for le in range(El):
+            np.testing.assert_array_equal(bits2[le, :cnt[le]], recv_np[le, :cnt[le]])
+        zbuf = buf.get_next_low_latency_combine_buffer(h2)
+        assert zbuf.shape == (El, world * maxT, H) and zbuf.dtype == torch.bfloat16
+        zbuf.copy_(recv2)
+        out = torch.empty(T, H, dtype=torch.bfloat16, device=dev)
+        c2, ev, hook = buf.low_latency_combine(zbuf, idx, w, h2, zero_copy=True, out=out,
+                                               async_finish=True, return_recv_hook=True)
+        assert c2 is out
+        hook()
+        ev.current_stream_wait()
+        np.testing.assert_allclose(ref.bf16_to_float(_bits(out)), ref.bf16_to_float(expect),
+                                   rtol=1e-2, atol=1e-2)
 
-    # FP8 dispatch: rows are the quantized source rows, scales column-major
-    for round_scale, ue8m0 in ((False, False), (True, False), (True, True)):
-        (q, s), count8, h8, _, _ = buf.low_latency_dispatch(
-            x, idx, maxT, E, use_fp8=True, round_scale=round_scale, use_ue8m0=ue8m0)
-        assert q.dtype == torch.float8_e4m3fn
-        if ue8m0:
-            assert s.dtype == torch.int32 and s.shape == (El, world * maxT, H // 512)
-        else:
-            assert s.dtype == torch.float32 and s.shape == (El, world * maxT, H // 128)
-        assert s.stride(1) == 1  # column-major in the last two dims
-        q_np, s_np = _bits(q), s.contiguous().cpu().numpy()
-        quant = [ref.quantize_fp8(ref.bf16_to_float(a), round_scale) for a in all_x]
-
-        def same_fp8(r, le, row, src, s_np=s_np, ue8m0=ue8m0):
-            qs, ss = src
-            np.testing.assert_array_equal(r[le, row], qs)
+        # FP8 dispatch: rows are the quantized source rows, scales column-major
+        for round_scale, ue8m0 in ((False, False), (True, False), (True, True)):
+            (q, s), count8, h8, _, _ = buf.low_latency_dispatch(
+                x, idx, maxT, E, use_fp8=True, round_scale=round_scale, use_ue8m0=ue8m0)
+            assert q.dtype == torch.float8_e4m3fn
             if ue8m0:
-                exps = s_np[le, row].view(np.uint8)[: H // 128]
-                want_e = [_core_ue8m0(v) for v in ss]
-                np.testing.assert_array_equal(exps, want_e)
+                assert s.dtype == torch.int32 and s.shape == (El, world * maxT, H // 512)
             else:
-                np.testing.assert_array_equal(s_np[le, row], ss)
+                assert s.dtype == torch.float32 and s.shape == (El, world * maxT, H // 128)
+            assert s.stride(1) == 1  # column-major in the last two dims
+            q_np, s_np = _bits(q), s.contiguous().cpu().numpy()
+            quant = [ref.quantize_fp8(ref.bf16_to_float(a), round_scale) for a in all_x]
 
-        src = [[(quant[r][0][t], quant[r][1][t]) for t in range(all_x[r].shape[0])]
-               for r in range(world)]
-        _check_ll_rows(q_np, count8.cpu().numpy(), h8, src, world, same_fp8)
+            def same_fp8(r, le, row, src, s_np=s_np, ue8m0=ue8m0):
+                qs, ss = src
+                np.testing.assert_array_equal(r[le, row], qs)
+                if ue8m0:
+                    exps = s_np[le, row].view(np.uint8)[: H // 128]
+                    want_e = [_core_ue8m0(v) for v in ss]
+                    np.testing.assert_array_equal(exps, want_e)
+                else:
+                    np.testing.assert_array_equal(s_np[le, row], ss)
+
+            src = [[(quant[r][0][t], quant[r][1][t]) for t in range(all_x[r].shape[0])]
+                   for r in range(world)]
+            _check_ll_rows(q_np, count8.cpu().numpy(), h8, src, world, same_fp8)
 
     # errors
     _check_raises(epx.EPXValueError, r"low_latency_dispatch: x: has \d+ tokens, more than",
