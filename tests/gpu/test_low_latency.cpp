@@ -50,6 +50,9 @@ struct LlCase {
   /// The last rank starts each op this many ms after the others, and the ops
   /// get dispatch/combine_wait_recv_cost_stats (checked by check_waits).
   int late_ms = 0;
+  /// Tokens of rank r: tokens_base + tokens_step * r (at most max_tokens);
+  /// 0: max_tokens - r % 3.
+  int tokens_base = 0, tokens_step = 0;
   /// Shrink mode: this rank makes no call (the others mask it, or find it
   /// gone at their deadline); the reference is the ops without it.
   int dead_rank = -1;
@@ -81,7 +84,8 @@ struct LlCase {
   /// name() and what else shapes the inputs: equal keys, equal reference data.
   std::string key() const {
     return name() + "_m" + std::to_string(masked) + (empty_token ? "_empty" : "") +
-           (rank1_no_tokens ? "_rank1none" : "") + (duplicate_picks ? "_dup" : "");
+           (rank1_no_tokens ? "_rank1none" : "") + (duplicate_picks ? "_dup" : "") + "_T" +
+           std::to_string(tokens_base) + "+" + std::to_string(tokens_step);
   }
 };
 
@@ -99,7 +103,8 @@ LlInputs make_inputs(const LlCase& c, int R, uint64_t seed) {
   in.topk.resize(R);
   in.weights.resize(R);
   for_each_rank(R, [&](int r) {
-    int T = c.max_tokens - (r % 3);  // ranks differ in token count
+    int T = c.tokens_base > 0 ? std::min(c.tokens_base + c.tokens_step * r, c.max_tokens)
+                              : c.max_tokens - (r % 3);  // ranks differ in token count
     if (T < 1) T = c.max_tokens;
     if (c.rank1_no_tokens && r == 1) T = 0;
     in.num_tokens[r] = T;
@@ -1234,6 +1239,36 @@ EPX_GPU_TEST(LowLatency, CleanOnAFreshBufferThenOps) {
   c.fp8 = false;
   c.late_ms = 50;
   run_case(c, 95, true, &b);
+  EXPECT_TRUE(all_ranks(!rank_failed()));
+  b.destroy();
+}
+
+/// The Python LL case's shapes and routing in C++: far fewer tokens than
+/// max_tokens, the later ranks with more (20 + 3 r of 32), 15% of the picks
+/// -1, 4 contexts, clean first, then pairs back to back. Over the proxy and
+/// NCCL GIN that Python case loses one rank's second op (eleventh session).
+EPX_GPU_TEST(LowLatency, PythonCaseShapesPairAfterPair) {
+  auto& w = world();
+  LlCase c;
+  c.max_tokens = 32;
+  c.hidden = 512;
+  c.num_topk = 4;
+  c.num_experts = 4 * w.num_ranks;
+  c.masked = 0.15;
+  c.tokens_base = 20;
+  c.tokens_step = 3;
+  c.stats = true;
+  c.legacy_stream = in_process_worlds().empty();
+  BufferOptions o = hint_sized_options(c, w.num_ranks, 20, poisoning_allocator());
+  o.num_qps_per_rank = 4;
+  Buffer b(w.comm, o);
+  b.clean_low_latency_buffer(c.max_tokens, c.hidden, c.num_experts);
+  for (int i = 0; i < 4; ++i) run_case(c, 300 + i, true, &b);
+  c.late_ms = 50;
+  run_case(c, 310, true, &b);
+  c.late_ms = 0;
+  c.fp8 = true;
+  run_case(c, 311, true, &b);
   EXPECT_TRUE(all_ranks(!rank_failed()));
   b.destroy();
 }
