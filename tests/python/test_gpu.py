@@ -75,9 +75,45 @@ def _worker(rank, world, init, case):
         globals()[case](rank, world, dist.group.WORLD)
         torch.cuda.synchronize()
         dist.barrier()
+    except BaseException:
+        _report_and_linger(init, rank, world)
+        raise
     finally:
         disarm()
         dist.destroy_process_group()
+
+
+def _errors_dir(init):
+    """The rendezvous directory (file:// init method): where each rank's error goes."""
+    return os.path.dirname(init[len("file://"):])
+
+
+def _report_and_linger(init, rank, world):
+    """A failing rank writes its traceback beside the rendezvous, then waits (at most
+    EPX_TEST_ERROR_GRACE_S, 10 s unless set) for every other rank's: torch.multiprocessing
+    ends the others at the first failure, and a peer's own diagnostic (its side of a lost
+    op, reached at its own deadline) is often what names the cause."""
+    import traceback
+
+    where = _errors_dir(init)
+    with open(os.path.join(where, f"error-rank{rank}.txt"), "w") as f:
+        f.write(traceback.format_exc())
+    deadline = time.monotonic() + float(os.environ.get("EPX_TEST_ERROR_GRACE_S", "10"))
+    while time.monotonic() < deadline:
+        if all(os.path.exists(os.path.join(where, f"error-rank{r}.txt")) for r in range(world)):
+            break
+        time.sleep(0.2)
+
+
+def _other_ranks_errors(init, world, first):
+    """The tracebacks the other ranks wrote (_report_and_linger), as text."""
+    out = []
+    for r in range(world):
+        path = os.path.join(_errors_dir(init), f"error-rank{r}.txt")
+        if r != first and os.path.exists(path):
+            with open(path) as f:
+                out.append(f"-- rank {r} failed too:\n{f.read()}")
+    return "\n".join(out)
 
 
 def _spawn(case, world):
@@ -85,11 +121,15 @@ def _spawn(case, world):
         pytest.skip(f"needs {world} GPUs and PyTorch")
     import torch.multiprocessing as mp
 
+    init = _rendezvous()
     try:
-        mp.spawn(_worker, args=(world, _rendezvous(), case), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, init, case), nprocs=world, join=True)
     except Exception as e:  # a rank raised: its traceback is in the message
         if "EPXUnsupportedError" in str(e) and "not implemented" in str(e):
             pytest.skip(f"not implemented in this build: {str(e).splitlines()[-1]}")
+        others = _other_ranks_errors(init, world, getattr(e, "error_index", -1))
+        if others:
+            raise AssertionError(f"{e}\n{others}") from e
         raise
 
 
