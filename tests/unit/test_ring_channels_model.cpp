@@ -2,9 +2,9 @@
 // rings, concretely", one step past test_ring_model.cpp:
 // - channels: each source's tokens split into C contiguous ranges, each
 //   with its own rings end to end (no ring has two producers);
-// - counts instead of end marks: every role knows from the routing (what
-//   the count exchange would hand it) how many records it produces or
-//   consumes per ring in an op, and stops there;
+// - counts instead of end marks: every role knows how many records it
+//   produces or consumes per ring in an op (plan::ChannelRoute, from the
+//   per-channel counts the exchange will hand it), and stops there;
 // - counters that run on across ops: several ops back to back on the same
 //   rings, never reset, each rank's roles in step per op (one kernel launch
 //   per op in stream order) while other ranks may be an op ahead;
@@ -27,6 +27,8 @@
 #include <thread>
 #include <vector>
 
+#include "common/internode_channels.hpp"
+#include "common/internode_route.hpp"
 #include "common/ring.hpp"
 #include "unit/ring_model.hpp"
 
@@ -62,30 +64,54 @@ struct ChannelModel : epx::test_ring::Deadline {
     for (int i = 0; i < R * ops; ++i) finished.push_back(std::make_unique<std::atomic<int>>(0));
   }
 
+  /// [op]: the counts every role reads, as the kernel will: plan::ChannelRoute
+  /// from the per-channel counts of the op's routing (prepare()).
+  std::vector<std::unique_ptr<epx::plan::InternodeRoute>> whole;
+  std::vector<std::unique_ptr<epx::plan::ChannelRoute>> channel_route;
+
+  /// Builds each op's channel route from `route`; call once the routing is set.
+  void prepare() {
+    const epx::Topology topo{R, L};
+    whole.clear();
+    channel_route.clear();
+    for (int op = 0; op < ops; ++op) {
+      epx::plan::InternodeCounts w;
+      w.topology = topo;
+      w.tokens_to_rank.assign(static_cast<std::size_t>(R) * R, 0);
+      w.tokens_to_node.assign(static_cast<std::size_t>(R) * N, 0);
+      epx::plan::ChannelCounts cc;
+      cc.channels = C;
+      for (int s = 0; s < R; ++s) {
+        std::vector<uint64_t> masks(route[op][s].begin(), route[op][s].end());
+        for (uint64_t bits : masks) {
+          for (int d = 0; d < R; ++d)
+            w.tokens_to_rank[static_cast<std::size_t>(s) * R + d] += (bits >> d) & 1u;
+          for (int m = 0; m < N; ++m)
+            w.tokens_to_node[static_cast<std::size_t>(s) * N + m] +=
+                node_mask(static_cast<uint32_t>(bits), m) != 0;
+        }
+        epx::plan::append_channel_counts(topo, masks, cc);
+      }
+      whole.push_back(std::make_unique<epx::plan::InternodeRoute>(std::move(w)));
+      channel_route.push_back(
+          std::make_unique<epx::plan::ChannelRoute>(*whole.back(), std::move(cc)));
+    }
+  }
+
   int tokens(int op, int s) const { return static_cast<int>(route[op][s].size()); }
   /// Channel c's tokens of source s in op `op`: [first, last).
   std::pair<int, int> range(int op, int s, int c) const {
-    const int T = tokens(op, s), q = (T + C - 1) / C;
-    return {std::min(T, c * q), std::min(T, (c + 1) * q)};
+    const epx::plan::ChannelSplit split{tokens(op, s), C};
+    return {split.first(c), split.end(c)};
   }
   uint32_t node_mask(uint32_t bits, int m) const { return (bits >> (m * L)) & ((1u << L) - 1u); }
   /// Records of channel c of source s for node m (what the forwarder expects).
   uint32_t net_count(int op, int s, int c, int m) const {
-    uint32_t n = 0;
-    const auto [a, b] = range(op, s, c);
-    for (int t = a; t < b; ++t) n += node_mask(route[op][s][t], m) != 0;
-    return n;
+    return static_cast<uint32_t>(channel_route[op]->node_records(s, c, m));
   }
   /// Records forwarder f passes on channel c to its node's local rank d.
   uint32_t nvl_count(int op, int f, int c, int d) const {
-    const int m = f / L, l = f % L;
-    uint32_t n = 0;
-    for (int src_node = 0; src_node < N; ++src_node) {
-      const int s = src_node * L + l;
-      const auto [a, b] = range(op, s, c);
-      for (int t = a; t < b; ++t) n += (node_mask(route[op][s][t], m) >> d) & 1u;
-    }
-    return n;
+    return static_cast<uint32_t>(channel_route[op]->forwarded_records(f, c, d));
   }
 
   static bool try_read(Ring& q, Record& r) {
@@ -227,6 +253,7 @@ void random_routing(ChannelModel& md, int max_tokens, uint32_t seed) {
     }
   }
   md.per_channel.assign(static_cast<std::size_t>(md.ops) * md.R * md.C, {});
+  md.prepare();
 }
 
 /// Each receiver got exactly its (source, token) pairs in each op, and each
@@ -285,6 +312,7 @@ TEST(RingChannelsModel, CreditsFreedOnlyInFullBatchesLargerThanTheRingDeadlock) 
     auto md = std::make_unique<ChannelModel>(2, 1, 1, 1, 2, 4);
     md->route[0].assign(2, std::vector<uint32_t>(6, 0b11u));
     md->per_channel.assign(2, {});
+    md->prepare();
     md->chunk = 1;
     md->credit_batch = 3;
     md->free_when_idle = free_when_idle;
