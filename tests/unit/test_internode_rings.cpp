@@ -1,0 +1,149 @@
+// The ring dispatch's region and signals (common/internode_rings.hpp): every
+// area and slot inside the region, none overlapping; every ring signal id
+// distinct, after the other families' ids and inside the pool (and the
+// region's signal words); slots that stay continuous where a 32-bit index
+// would wrap; bad geometry named by its Config field. No GPU.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common/internode_rings.hpp"
+#include "epx/error.hpp"
+
+namespace {
+
+using epx::Topology;
+using epx::plan::HtRingBase;
+using epx::plan::HtRingGeometry;
+using epx::plan::HtRingRegion;
+using epx::plan::HtRingSignal;
+
+struct Span {
+  std::size_t begin, end;
+  std::string what;
+};
+
+/// Every word and slot of `r` as spans; checked pairwise for overlap and
+/// against the region's size.
+std::vector<Span> spans_of(const HtRingRegion& r) {
+  const int C = r.geometry.channels, N = r.topology.num_nodes(), L = r.topology.ranks_per_node;
+  std::vector<Span> s;
+  const std::size_t sig_words =
+      static_cast<std::size_t>(epx::plan::ht_ring_signal_count(r.topology.num_ranks, C)) *
+      epx::kMaxContexts;
+  s.push_back({r.signals, r.signals + 8u * sig_words, "signals"});
+  s.push_back({r.shapes,
+               r.shapes + epx::plan::HtNetRegion::kShapeBytes * (2u * r.topology.num_ranks + 2u),
+               "shapes"});
+  for (int k = 0; k < static_cast<int>(HtRingBase::kKinds); ++k)
+    for (int c = 0; c < C; ++c)
+      for (int i = 0; i < std::max(N, L); ++i) {
+        const std::size_t w = r.base_word(static_cast<HtRingBase>(k), c, i);
+        s.push_back({w, w + 8, "base " + std::to_string(k)});
+      }
+  for (int c = 0; c < C; ++c)
+    for (int l = 0; l < L; ++l) {
+      s.push_back({r.nvl_tail(c, l), r.nvl_tail(c, l) + 8, "nvl tail"});
+      s.push_back({r.nvl_head(c, l), r.nvl_head(c, l) + 8, "nvl head"});
+      for (int i = 0; i < r.geometry.nvl_slots; ++i) {
+        const std::size_t a = r.nvl_slot(c, l, static_cast<uint64_t>(i));
+        s.push_back({a, a + r.record_bytes, "nvl slot"});
+      }
+    }
+  for (int c = 0; c < C; ++c)
+    for (int m = 0; m < N; ++m)
+      for (int i = 0; i < r.geometry.net_slots; ++i) {
+        const std::size_t a = r.net_slot(c, m, static_cast<uint64_t>(i));
+        const std::size_t b = r.net_send_slot(c, m, static_cast<uint64_t>(i));
+        s.push_back({a, a + r.record_bytes, "net slot"});
+        s.push_back({b, b + r.record_bytes, "net send slot"});
+      }
+  return s;
+}
+
+TEST(InternodeRings, AreasAndSlotsAreDisjointAndInside) {
+  struct Case {
+    int R, L;
+    HtRingGeometry g;
+    std::size_t record;
+  };
+  for (const Case& k : {Case{2, 1, {1, 4, 2, 3, 1}, 64}, Case{4, 2, {2, 5, 3, 4, 4}, 128},
+                        Case{8, 4, {3, 7, 7, 2, 1}, 7200}, Case{16, 2, {4, 3, 1, 5, 2}, 48},
+                        Case{16, 8, {2, 2, 2, 3, 3}, 16}}) {
+    const HtRingRegion r = HtRingRegion::make(Topology{k.R, k.L}, k.g, k.record);
+    auto s = spans_of(r);
+    std::sort(s.begin(), s.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+    ASSERT_GE(s.front().begin, epx::plan::HtNetRegion::kSignals) << "the header's counts and done "
+                                                                    "words come first";
+    for (std::size_t i = 0; i < s.size(); ++i) {
+      ASSERT_LE(s[i].end, r.total) << s[i].what << " R" << k.R;
+      if (i > 0)
+        ASSERT_LE(s[i - 1].end, s[i].begin)
+            << s[i - 1].what << " overlaps " << s[i].what << " R" << k.R << " L" << k.L;
+    }
+    // The areas after the header start aligned.
+    for (std::size_t a : {r.shapes, r.bases, r.nvl_tails, r.nvl_heads, r.net_rings, r.net_send,
+                          r.nvl_rings, r.total})
+      EXPECT_EQ(a % epx::plan::kAlign, 0u);
+  }
+}
+
+TEST(InternodeRings, SignalIdsAreDistinctAndInsideThePool) {
+  for (int R : {2, 4, 16, 64})
+    for (int C : {1, 3, 24, 44}) {  // 44: 132 SMs (H100 / H200), a third each role
+      std::set<int> ids;
+      for (int k = 0; k < static_cast<int>(HtRingSignal::kKinds); ++k)
+        for (int c = 0; c < C; ++c)
+          for (int p = 0; p < R; ++p) {
+            const int id = epx::plan::ht_ring_signal(R, C, static_cast<HtRingSignal>(k), c, p);
+            ASSERT_GE(id, epx::plan::kSignalKindsAll * R) << "collides with the other families";
+            ASSERT_LT(id, epx::plan::ht_ring_signal_count(R, C));
+            ASSERT_TRUE(ids.insert(id).second) << "id " << id << " twice";
+          }
+      // NCCL GIN's signal pool per communicator holds 65536 ids (num_signals).
+      EXPECT_LE(epx::plan::ht_ring_signal_count(R, C) + 1, 65536) << "R " << R << " C " << C;
+    }
+}
+
+TEST(InternodeRings, SlotsStayContinuousPastA32BitIndex) {
+  const HtRingRegion r = HtRingRegion::make(Topology{4, 2}, HtRingGeometry{2, 6, 3, 5, 2}, 32);
+  const uint64_t starts[] = {0, (uint64_t{1} << 32) - 7, (uint64_t{1} << 40) + 3};
+  for (uint64_t i0 : starts)
+    for (uint64_t i = i0; i < i0 + 20; ++i) {
+      const std::size_t a = r.net_slot(1, 1, i), b = r.net_slot(1, 1, i + 1);
+      if ((i + 1) % 6 != 0) ASSERT_EQ(b, a + r.record_bytes) << "index " << i;
+      if ((i + 1) % 6 == 0) ASSERT_EQ(b, r.net_slot(1, 1, 0)) << "index " << i;
+      const std::size_t x = r.nvl_slot(1, 0, i), y = r.nvl_slot(1, 0, i + 1);
+      if ((i + 1) % 5 != 0) ASSERT_EQ(y, x + r.record_bytes) << "index " << i;
+      if ((i + 1) % 5 == 0) ASSERT_EQ(y, r.nvl_slot(1, 0, 0)) << "index " << i;
+    }
+}
+
+TEST(InternodeRings, BadGeometryIsNamed) {
+  auto expect_named = [](HtRingGeometry g, std::size_t record, const std::string& field) {
+    try {
+      (void)HtRingRegion::make(Topology{4, 2}, g, record);
+      ADD_FAILURE() << "no error for " << field;
+    } catch (const epx::Error& e) {
+      EXPECT_EQ(e.code(), epx::ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
+    }
+  };
+  expect_named({0, 4, 2, 4, 2}, 64, "num_sms");
+  expect_named({1, 0, 1, 4, 2}, 64, "num_max_rdma_chunked_recv_tokens");
+  expect_named({1, 4, 5, 4, 2}, 64, "num_max_rdma_chunked_send_tokens");
+  expect_named({1, 4, 0, 4, 2}, 64, "num_max_rdma_chunked_send_tokens");
+  expect_named({1, 4, 2, 0, 1}, 64, "num_max_nvl_chunked_recv_tokens");
+  expect_named({1, 4, 2, 4, 5}, 64, "num_max_nvl_chunked_send_tokens");
+  expect_named({1, 4, 2, 4, 2}, 40, "record_bytes");
+  EXPECT_EQ(HtRingGeometry::channels_for_sms(2), 1);
+  EXPECT_EQ(HtRingGeometry::channels_for_sms(24), 8);
+  EXPECT_EQ(HtRingGeometry::channels_for_sms(132), 44);
+}
+
+}  // namespace
