@@ -4,8 +4,9 @@
 # nodes, C++ and Python, each run under several environments in one call, to
 # pin down a failure that depends on the environment.
 #   EPX_LL_CXX   "BACKEND:R:RPN:QPS:FILTER ..." C++ GPU-suite runs (BACKEND proxy
-#                or nccl; QPS: contexts per peer). Default: the two clean-first
-#                tests at 2:1:4 and 4:2:4 over the proxy and nccl.
+#                or nccl; QPS: contexts per peer). Default: the clean-first
+#                tests and the legacy-stream back-to-back one with copies, at
+#                2:1:4 and 4:2:4 over the proxy and nccl.
 #   EPX_LL_PY    "VAR=VALUE ...;VAR=VALUE ...;..." one Python run per ';'-part,
 #                with that environment (EPX_BACKEND=nccl gets the loopback
 #                plugin added). Default: the Python LL case over nccl and the
@@ -24,7 +25,7 @@ export EPX_TIMEOUT_S=${EPX_LL_TIMEOUT_S:-5}
 LOGS="$OUT/ll"
 mkdir -p "$LOGS"
 summary=()
-tests="LowLatency.CleanOnAFreshBufferThenOps:LowLatency.PythonCaseShapesPairAfterPair"
+tests="LowLatency.CleanOnAFreshBufferThenOps:LowLatency.PythonCaseShapesPairAfterPair:LowLatency.BackToBackOnTheLegacyStreamWithCopies"
 IFS=';' read -ra envs <<< "${EPX_LL_ENVS:-CUDA_DEVICE_MAX_CONNECTIONS=8;CUDA_DEVICE_MAX_CONNECTIONS=32}"
 for spec in ${EPX_LL_CXX:-proxy:2:1:4:$tests nccl:2:1:4:$tests proxy:4:2:4:$tests nccl:4:2:4:$tests}; do
   IFS=: read -r backend r rpn qps filter <<< "$spec"

@@ -828,11 +828,15 @@ EPX_GPU_TEST(LowLatency, CumulativeStats) {
 
 // ---- repeated calls, overlap, graphs ------------------------------------------
 
-/// 50 dispatch+combine pairs issued back to back (no host sync in between),
-/// each with fresh routing; every result is checked afterwards.
-EPX_GPU_TEST(LowLatency, BackToBack50) {
+/// `pairs` dispatch+combine pairs issued back to back on `stream` (no host
+/// sync in between), each with fresh routing; every result is checked
+/// afterwards. With `copy_each`, each combine's output is copied to pageable
+/// host memory right after the call, with no wait first (PyTorch's
+/// `.cpu()`): the copy queues behind the ops while they still wait for
+/// their peers.
+void back_to_back(int pairs, cudaStream_t stream, bool copy_each) {
   auto& w = world();
-  const int R = w.num_ranks, me = w.rank, N = 50;
+  const int R = w.num_ranks, me = w.rank, N = pairs;
   LlCase c;
   c.max_tokens = 32;
   c.hidden = 1024;
@@ -846,6 +850,7 @@ EPX_GPU_TEST(LowLatency, BackToBack50) {
   std::vector<DeviceArray<uint8_t>> keep;
   std::vector<LowLatencyDispatchResult> ds;
   std::vector<LowLatencyCombineResult> cs;
+  std::vector<std::vector<uint16_t>> copies(N);
   for (int i = 0; i < N; ++i) {
     LlCase ci = c;
     ci.fp8 = (i % 3) == 1;
@@ -869,16 +874,24 @@ EPX_GPU_TEST(LowLatency, BackToBack50) {
     void* dt = keep[4 * i + 1].get();
     void* dw = keep[4 * i + 2].get();
     void* de = keep[4 * i + 3].get();
-    ds.push_back(w.buffer->low_latency_dispatch(dispatch_args(ci, dx, dt, T)));
+    auto da = dispatch_args(ci, dx, dt, T);
+    da.stream = stream;
+    ds.push_back(w.buffer->low_latency_dispatch(da));
     LowLatencyCombineArgs ca;
     ca.x = view(de, DType::kBF16, {E_local, RT, H});
     ca.topk_idx = view(dt, DType::kI64, {T, K});
     ca.topk_weights = view(dw, DType::kF32, {T, K});
     ca.handle = ds.back().handle;
-    ca.stream = w.stream;
+    ca.stream = stream;
     cs.push_back(w.buffer->low_latency_combine(ca));
+    if (copy_each) {
+      copies[i].resize(static_cast<std::size_t>(T) * H);
+      ASSERT_EQ(cudaMemcpyAsync(copies[i].data(), cs.back().combined_x.view.data,
+                                copies[i].size() * 2, cudaMemcpyDeviceToHost, stream),
+                cudaSuccess);
+    }
   }
-  ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   // A wait that failed in the last ops is raised by no later call: ask.
   ASSERT_NO_THROW(w.buffer->check());
   for (int i = 0; i < N && !rank_failed(); ++i) {
@@ -891,9 +904,26 @@ EPX_GPU_TEST(LowLatency, BackToBack50) {
     if (arrival_order()) continue;
     auto rc = ref::ll_combine(eos[i], ins[i].topk, ins[i].weights, ins[i].num_tokens, H, K,
                               c.num_experts, c.max_tokens, false);
-    check_combine(ci, ins[i], ros[i], eos[i], to_host<uint16_t>(cs[i].combined_x), rc[me]);
+    const auto got = to_host<uint16_t>(cs[i].combined_x);
+    check_combine(ci, ins[i], ros[i], eos[i], got, rc[me]);
+    if (copy_each) EXPECT_EQ(copies[i], got) << "the copy made right after the call";
   }
   EXPECT_TRUE(all_ranks(!rank_failed()));
+}
+
+EPX_GPU_TEST(LowLatency, BackToBack50) {
+  back_to_back(50, world().stream, false);
+}
+
+/// The Python LL case's pattern (over the proxy and NCCL GIN across nodes it
+/// lost ops, eleventh session): ops on the legacy default stream, where
+/// PyTorch puts them, and a pageable copy of each combine's output issued
+/// right after the call, as `.cpu()` does, while the ops may still wait for
+/// their peers. A process per rank only (in-process ranks may not share the
+/// legacy stream).
+EPX_GPU_TEST(LowLatency, BackToBackOnTheLegacyStreamWithCopies) {
+  if (!in_process_worlds().empty()) GTEST_SKIP() << "in-process ranks cannot share it";
+  back_to_back(20, cudaStreamLegacy, true);
 }
 
 /// DeepEP's two-micro-batch overlap: two dispatches in flight (hooks), then
