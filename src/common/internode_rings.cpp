@@ -49,7 +49,11 @@ HtRingRegion HtRingRegion::make(const Topology& topology, const HtRingGeometry& 
                                        static_cast<std::size_t>(r.width()),
                          kAlign);
   r.nvl_heads = align_up(r.nvl_tails + 8u * C * L, kAlign);
-  r.net_rings = align_up(r.nvl_heads + 8u * C * L, kAlign);
+  const std::size_t header_bytes = 8u * C * N * (1u + L);
+  r.net_headers = align_up(r.nvl_heads + 8u * C * L, kAlign);
+  r.nvl_headers = align_up(r.net_headers + header_bytes, kAlign);
+  r.header_send = align_up(r.nvl_headers + 8u * C * L, kAlign);
+  r.net_rings = align_up(r.header_send + header_bytes, kAlign);
   const std::size_t net_bytes = C * N * static_cast<std::size_t>(geometry.net_slots) * record_bytes;
   r.net_send = align_up(r.net_rings + net_bytes, kAlign);
   r.nvl_rings = align_up(r.net_send + net_bytes, kAlign);
@@ -72,6 +76,21 @@ std::size_t HtRingRegion::nvl_tail(int channel, int forwarder_local) const {
 std::size_t HtRingRegion::nvl_head(int channel, int receiver_local) const {
   return nvl_heads +
          8u * (static_cast<std::size_t>(channel) * topology.ranks_per_node + receiver_local);
+}
+
+std::size_t HtRingRegion::net_header(int channel, int node, int word) const {
+  const std::size_t L = static_cast<std::size_t>(topology.ranks_per_node);
+  return net_headers +
+         8u * ((static_cast<std::size_t>(channel) * topology.num_nodes() + node) * (1u + L) + word);
+}
+
+std::size_t HtRingRegion::header_send_word(int channel, int node, int word) const {
+  return net_header(channel, node, word) - net_headers + header_send;
+}
+
+std::size_t HtRingRegion::nvl_header(int channel, int forwarder_local) const {
+  return nvl_headers +
+         8u * (static_cast<std::size_t>(channel) * topology.ranks_per_node + forwarder_local);
 }
 
 std::size_t HtRingRegion::net_slot(int channel, int node, uint64_t index) const {

@@ -36,8 +36,10 @@ struct HtRingGeometry {
 /// Signals of the rings, after every other id (kSignalKindsAll per rank):
 /// per (kind, channel, peer). kNetTail: at a forwarder, the records channel
 /// c of source `peer` has put into its ring here; kNetCredit: at a source,
-/// the records forwarder `peer` has taken from channel c's ring there.
-enum class HtRingSignal : int { kNetTail = 0, kNetCredit, kKinds };
+/// the records forwarder `peer` has taken from channel c's ring there;
+/// kHeader: at a forwarder, the ops whose header channel c of source `peer`
+/// has put here (its record counts, before any record).
+enum class HtRingSignal : int { kNetTail = 0, kNetCredit, kHeader, kKinds };
 constexpr int ht_ring_signal(int num_ranks, int channels, HtRingSignal kind, int channel,
                              int peer) {
   return (kSignalKindsAll + static_cast<int>(kind) * channels + channel) * num_ranks + peer;
@@ -63,6 +65,12 @@ enum class HtRingBase : int { kNetSent = 0, kNetCredited, kNetTaken, kNvlSent, k
 ///                           forwarder l of its node
 ///   [nvl heads u64 [C][L]]  at a forwarder, the records receiver d took
 ///                           from ring (c, this forwarder), stored by d
+///   [net headers u64 [C][N][1 + L]]  at a forwarder, from the source of its
+///                           local index in node m: the op's record count,
+///                           then its rows per local rank (a put with kHeader)
+///   [nvl headers u64 [C][L]]  at a receiver, forwarder l's record total for
+///                           it in channel c, tagged with the op count
+///   [header sends u64 [C][N][1 + L]]  what sender c's header puts read
 ///   [net rings [C][N] x net_slots records]  ring (c, m): from the source
 ///                           of this rank's local index in node m (its own
 ///                           node's: this rank's own sender c, by stores)
@@ -75,6 +83,7 @@ struct HtRingRegion {
   std::size_t record_bytes = 0;
   std::size_t signals = 0, shapes = 0;
   std::size_t bases = 0, nvl_tails = 0, nvl_heads = 0;
+  std::size_t net_headers = 0, nvl_headers = 0, header_send = 0;
   std::size_t net_rings = 0, net_send = 0, nvl_rings = 0, total = 0;
 
   /// Throws epx::Error naming the field for bad geometry or record size.
@@ -85,6 +94,12 @@ struct HtRingRegion {
   std::size_t base_word(HtRingBase kind, int channel, int index) const;
   std::size_t nvl_tail(int channel, int forwarder_local) const;
   std::size_t nvl_head(int channel, int receiver_local) const;
+  /// Word i (0: the record count, 1 + d: rows for local rank d) of the
+  /// header from node `node`'s source, channel c; and of sender c's copy of
+  /// its header for node `node` (what the put reads).
+  std::size_t net_header(int channel, int node, int word) const;
+  std::size_t header_send_word(int channel, int node, int word) const;
+  std::size_t nvl_header(int channel, int forwarder_local) const;
   std::size_t net_slot(int channel, int node, uint64_t index) const;
   std::size_t net_send_slot(int channel, int node, uint64_t index) const;
   std::size_t nvl_slot(int channel, int forwarder_local, uint64_t index) const;

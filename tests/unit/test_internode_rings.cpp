@@ -55,6 +55,15 @@ std::vector<Span> spans_of(const HtRingRegion& r) {
         s.push_back({a, a + r.record_bytes, "nvl slot"});
       }
     }
+  for (int c = 0; c < C; ++c) {
+    for (int l = 0; l < L; ++l)
+      s.push_back({r.nvl_header(c, l), r.nvl_header(c, l) + 8, "nvl header"});
+    for (int m = 0; m < N; ++m)
+      for (int w = 0; w <= L; ++w) {
+        s.push_back({r.net_header(c, m, w), r.net_header(c, m, w) + 8, "net header"});
+        s.push_back({r.header_send_word(c, m, w), r.header_send_word(c, m, w) + 8, "header send"});
+      }
+  }
   for (int c = 0; c < C; ++c)
     for (int m = 0; m < N; ++m)
       for (int i = 0; i < r.geometry.net_slots; ++i) {
@@ -87,8 +96,8 @@ TEST(InternodeRings, AreasAndSlotsAreDisjointAndInside) {
             << s[i - 1].what << " overlaps " << s[i].what << " R" << k.R << " L" << k.L;
     }
     // The areas after the header start aligned.
-    for (std::size_t a : {r.shapes, r.bases, r.nvl_tails, r.nvl_heads, r.net_rings, r.net_send,
-                          r.nvl_rings, r.total})
+    for (std::size_t a : {r.shapes, r.bases, r.nvl_tails, r.nvl_heads, r.net_headers, r.nvl_headers,
+                          r.header_send, r.net_rings, r.net_send, r.nvl_rings, r.total})
       EXPECT_EQ(a % epx::plan::kAlign, 0u);
   }
 }
