@@ -10,7 +10,8 @@
 #   EPX_LL_PY    "VAR=VALUE ...;VAR=VALUE ...;..." one Python run per ';'-part,
 #                with that environment (EPX_BACKEND=nccl gets the loopback
 #                plugin added). Default: the Python LL case over nccl and the
-#                proxy with 8 and with 32 hardware queues.
+#                proxy with 8 and with 32 hardware queues, then over nccl with
+#                a device-wide wait after each op (EPX_TEST_SYNC_AFTER_OPS=1).
 #   EPX_LL_ENVS  "VAR=VALUE ...;..." each C++ run again under each part (default:
 #                CUDA_DEVICE_MAX_CONNECTIONS=8, then =32; the Python tests set 32).
 #   EPX_LL_K     pytest -k of the Python runs (default: the LL case at 2 processes)
@@ -49,7 +50,8 @@ done
 # The Python runs: device_run.sh's python step, one per environment.
 gin="$GIN_PLUGIN EPX_BACKEND=nccl"
 default_py="EPX_BACKEND=nccl CUDA_DEVICE_MAX_CONNECTIONS=8;EPX_BACKEND=nccl CUDA_DEVICE_MAX_CONNECTIONS=32;\
-EPX_BACKEND=proxy CUDA_DEVICE_MAX_CONNECTIONS=8;EPX_BACKEND=proxy CUDA_DEVICE_MAX_CONNECTIONS=32"
+EPX_BACKEND=proxy CUDA_DEVICE_MAX_CONNECTIONS=8;EPX_BACKEND=proxy CUDA_DEVICE_MAX_CONNECTIONS=32;\
+EPX_BACKEND=nccl EPX_TEST_SYNC_AFTER_OPS=1"
 IFS=';' read -ra pys <<< "${EPX_LL_PY-$default_py}"
 i=0
 for v in "${pys[@]}"; do

@@ -339,6 +339,40 @@ def _diagnosed(buf):
     return guard()
 
 
+class _SyncAfterOps:
+    """The buffer, with a device-wide wait after each low-latency op (and hook): with
+    EPX_TEST_SYNC_AFTER_OPS=1 the LL case runs its ops one at a time, so that a failure
+    that needs host work (a copy, a launch) while an op still waits for its peers shows
+    by passing then."""
+
+    _OPS = ("low_latency_dispatch", "low_latency_combine")
+
+    def __init__(self, buf):
+        self._buf = buf
+
+    def __getattr__(self, name):
+        import torch
+
+        attr = getattr(self._buf, name)
+        if name not in self._OPS:
+            return attr
+
+        def call(*args, **kwargs):
+            out = list(attr(*args, **kwargs))
+            torch.cuda.synchronize()
+            if callable(out[-1]):  # the hook: its receive too
+                hook = out[-1]
+
+                def hook_then_wait():
+                    hook()
+                    torch.cuda.synchronize()
+
+                out[-1] = hook_then_wait
+            return tuple(out)
+
+        return call
+
+
 def _routing(rng, T, K, E, drop=0.1):
     idx = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int64)
     idx[rng.random(idx.shape) < drop] = -1
@@ -860,6 +894,8 @@ def _case_low_latency(rank, world, group):
     rdma = epx.Buffer.get_low_latency_rdma_size_hint(maxT, H, world, E)
     buf = _buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=El,
                   explicitly_destroy=True)
+    if os.environ.get("EPX_TEST_SYNC_AFTER_OPS") == "1":
+        buf = _SyncAfterOps(buf)
     buf.clean_low_latency_buffer(maxT, H, E)
     with _diagnosed(buf):
         # DeepEP's topology queries, on this rank's device: one NVLink domain, or the
