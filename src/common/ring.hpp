@@ -19,14 +19,24 @@ EPX_HD inline uint32_t used(uint32_t tail, uint32_t head) {
 EPX_HD inline bool room_for(uint32_t tail, uint32_t head, uint32_t n, uint32_t capacity) {
   return used(tail, head) <= capacity && n <= capacity - used(tail, head);
 }
-/// The slot of the index-th element.
+/// The slot of the index-th element. A 32-bit index is continuous across
+/// its wrap only for a power-of-two capacity (2^32 % capacity == 0);
+/// counters that run over a buffer's life pass 2^32 records within minutes
+/// of training, so those take slot64 / contiguous64.
 EPX_HD inline uint32_t slot(uint32_t index, uint32_t capacity) {
   return index % capacity;
+}
+EPX_HD inline uint32_t slot64(uint64_t index, uint32_t capacity) {
+  return static_cast<uint32_t>(index % capacity);
 }
 /// How many of `n` elements from `index` on lie contiguously before the
 /// ring's end (what one put can carry).
 EPX_HD inline uint32_t contiguous(uint32_t index, uint32_t n, uint32_t capacity) {
   const uint32_t left = capacity - slot(index, capacity);
+  return n < left ? n : left;
+}
+EPX_HD inline uint32_t contiguous64(uint64_t index, uint32_t n, uint32_t capacity) {
+  const uint32_t left = capacity - slot64(index, capacity);
   return n < left ? n : left;
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/internode_rings.hpp"
+#include "common/ring.hpp"
 #include "epx/error.hpp"
 
 namespace {
@@ -131,6 +132,24 @@ TEST(InternodeRings, SlotsStayContinuousPastA32BitIndex) {
       if ((i + 1) % 5 != 0) ASSERT_EQ(y, x + r.record_bytes) << "index " << i;
       if ((i + 1) % 5 == 0) ASSERT_EQ(y, r.nvl_slot(1, 0, 0)) << "index " << i;
     }
+}
+
+TEST(InternodeRings, RingArithmeticWithLifetimeIndexes) {
+  // A ring of 6 slots: the 32-bit index jumps at its wrap (2^32 % 6 = 4),
+  // the 64-bit one does not.
+  const uint32_t cap = 6;
+  const uint32_t last32 = 0xffffffffu;
+  EXPECT_NE((epx::ring::slot(last32, cap) + 1) % cap, epx::ring::slot(last32 + 1u, cap))
+      << "the 32-bit wrap is expected to jump for a capacity that is not a power of two";
+  const uint64_t last = 0xffffffffull;
+  EXPECT_EQ((epx::ring::slot64(last, cap) + 1) % cap, epx::ring::slot64(last + 1, cap));
+  for (uint64_t i = last - 20; i < last + 20; ++i) {
+    const uint32_t s = epx::ring::slot64(i, cap);
+    ASSERT_LT(s, cap);
+    ASSERT_EQ(s, static_cast<uint32_t>(i % cap));
+    ASSERT_EQ(epx::ring::contiguous64(i, 100u, cap), cap - s);
+    ASSERT_EQ(epx::ring::contiguous64(i, 1u, cap), 1u);
+  }
 }
 
 TEST(InternodeRings, BadGeometryIsNamed) {
