@@ -22,7 +22,7 @@ EPX_HD inline bool room_for(uint32_t tail, uint32_t head, uint32_t n, uint32_t c
 /// The slot of the index-th element. A 32-bit index is continuous across
 /// its wrap only for a power-of-two capacity (2^32 % capacity == 0);
 /// a ring's counter that runs over a buffer's life passes 2^32 records
-/// within about a day of training (some 10^4 to 10^5 records a second), so
+/// in half a day to a few days of training (10^4 to 10^5 records a second), so
 /// those take slot64 / contiguous64.
 EPX_HD inline uint32_t slot(uint32_t index, uint32_t capacity) {
   return index % capacity;
