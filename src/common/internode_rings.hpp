@@ -1,18 +1,22 @@
 // common/internode_rings.hpp - the ring dispatch's region and signals across
 // nodes (docs/internode_ht.md, "The rings, concretely"): fixed-size rings
-// per channel, so that any token count fits one buffer. Host arithmetic
-// only (no kernel uses it yet); the CPU tests check that the areas do not
-// overlap, that every signal id is distinct and inside the pool a backend
-// is made with, and that bad geometry is named.
+// per channel, so that any token count fits one buffer. The offsets are
+// host and device code (the ring kernel reads them from here); the CPU tests
+// check that the areas do not overlap, that every signal id is distinct and
+// inside the pool a backend is made with, and that bad geometry is named.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
+#include "common/device.cuh"
 #include "common/internode_route.hpp"
 #include "common/topology.hpp"
 
 namespace epx::plan {
+
+/// Channels the signal ids make room for (a third of 192 SMs).
+inline constexpr int kMaxRingChannels = 64;
 
 /// The rings' shape, from Config's four DeepEP fields and the SM count:
 /// `channels` contiguous token ranges per source (three blocks each: send,
@@ -27,26 +31,31 @@ struct HtRingGeometry {
   int nvl_slots = 256, nvl_chunk = 8;
 
   /// The channels `num_sms` SMs give (a third each role, at least 1).
-  static int channels_for_sms(int num_sms) { return num_sms / 3 >= 1 ? num_sms / 3 : 1; }
+  static int channels_for_sms(int num_sms) {
+    const int c = num_sms / 3;
+    return c < 1 ? 1 : (c > kMaxRingChannels ? kMaxRingChannels : c);
+  }
   /// Throws epx::Error(kInvalidArgument) naming the Config field whose value
-  /// is out of range: channels >= 1; slots >= 1; 1 <= chunk <= slots.
+  /// is out of range: 1 <= channels <= kMaxRingChannels; slots >= 1;
+  /// 1 <= chunk <= slots.
   void validate() const;
 };
 
 /// Signals of the rings, after every other id (kSignalKindsAll per rank):
-/// per (kind, channel, peer). kNetTail: at a forwarder, the records channel
+/// per (kind, channel, peer), channels strided by kMaxRingChannels so that an
+/// id does not depend on an op's channel count (the counts run over the
+/// buffer's life). kNetTail: at a forwarder, the records channel
 /// c of source `peer` has put into its ring here; kNetCredit: at a source,
 /// the records forwarder `peer` has taken from channel c's ring there;
 /// kHeader: at a forwarder, the ops whose header channel c of source `peer`
 /// has put here (its record counts, before any record).
 enum class HtRingSignal : int { kNetTail = 0, kNetCredit, kHeader, kKinds };
-constexpr int ht_ring_signal(int num_ranks, int channels, HtRingSignal kind, int channel,
-                             int peer) {
-  return (kSignalKindsAll + static_cast<int>(kind) * channels + channel) * num_ranks + peer;
+EPX_HD constexpr int ht_ring_signal(int num_ranks, HtRingSignal kind, int channel, int peer) {
+  return (kSignalKindsAll + static_cast<int>(kind) * kMaxRingChannels + channel) * num_ranks + peer;
 }
-/// Signal ids a backend's pool must hold with rings of `channels` channels.
-constexpr int ht_ring_signal_count(int num_ranks, int channels) {
-  return (kSignalKindsAll + static_cast<int>(HtRingSignal::kKinds) * channels) * num_ranks;
+/// Signal ids a backend's pool must hold for the rings too.
+constexpr int ht_ring_signal_count(int num_ranks) {
+  return (kSignalKindsAll + static_cast<int>(HtRingSignal::kKinds) * kMaxRingChannels) * num_ranks;
 }
 
 /// Local running totals of the rings (u64 each, never reset while the
@@ -78,36 +87,64 @@ enum class HtRingBase : int { kNetSent = 0, kNetCredited, kNetTaken, kNvlSent, k
 ///                           node m read (its own node's unused)
 ///   [nvl rings [C][L] x nvl_slots records]  ring (c, l): from forwarder l
 struct HtRingRegion {
-  Topology topology;
+  int num_ranks = 1, ranks_per_node = 1;
   HtRingGeometry geometry;
   std::size_t record_bytes = 0;
-  std::size_t signals = 0, shapes = 0;
+  /// The ring kernel's transport signal base: ring id `i`'s words lie at
+  /// signals + 8 (i kMaxContexts + ctx), inside this region's ring signal
+  /// area (ids below kSignalKindsAll R, the other families', never used there).
+  std::size_t signals = 0, ring_signals = 0;
   std::size_t bases = 0, nvl_tails = 0, nvl_heads = 0;
   std::size_t net_headers = 0, nvl_headers = 0, header_send = 0;
   std::size_t net_rings = 0, net_send = 0, nvl_rings = 0, total = 0;
 
-  /// Throws epx::Error naming the field for bad geometry or record size.
+  /// The rings after `header_bytes` (the whole-call region's header, which
+  /// the barrier kernel uses for both ops). Throws epx::Error naming the field
+  /// for bad geometry or record size.
   static HtRingRegion make(const Topology& topology, const HtRingGeometry& geometry,
-                           std::size_t record_bytes);
+                           std::size_t record_bytes, std::size_t header_bytes);
 
+  EPX_HD int num_nodes() const { return num_ranks / ranks_per_node; }
+  EPX_HD int width() const { return num_nodes() > ranks_per_node ? num_nodes() : ranks_per_node; }
   /// Offsets of a ring's slot / counter words.
-  std::size_t base_word(HtRingBase kind, int channel, int index) const;
-  std::size_t nvl_tail(int channel, int forwarder_local) const;
-  std::size_t nvl_head(int channel, int receiver_local) const;
+  EPX_HD std::size_t base_word(HtRingBase kind, int channel, int index) const {
+    return bases + 8u * ((static_cast<std::size_t>(kind) * geometry.channels + channel) *
+                             static_cast<std::size_t>(width()) +
+                         index);
+  }
+  EPX_HD std::size_t nvl_tail(int channel, int forwarder_local) const {
+    return nvl_tails + 8u * (static_cast<std::size_t>(channel) * ranks_per_node + forwarder_local);
+  }
+  EPX_HD std::size_t nvl_head(int channel, int receiver_local) const {
+    return nvl_heads + 8u * (static_cast<std::size_t>(channel) * ranks_per_node + receiver_local);
+  }
   /// Word i (0: the record count, 1 + d: rows for local rank d) of the
   /// header from node `node`'s source, channel c; and of sender c's copy of
   /// its header for node `node` (what the put reads).
-  std::size_t net_header(int channel, int node, int word) const;
-  std::size_t header_send_word(int channel, int node, int word) const;
-  std::size_t nvl_header(int channel, int forwarder_local) const;
-  std::size_t net_slot(int channel, int node, uint64_t index) const;
-  std::size_t net_send_slot(int channel, int node, uint64_t index) const;
-  std::size_t nvl_slot(int channel, int forwarder_local, uint64_t index) const;
-
- private:
-  int width() const {
-    const int n = topology.num_nodes();
-    return n > topology.ranks_per_node ? n : topology.ranks_per_node;
+  EPX_HD std::size_t net_header(int channel, int node, int word) const {
+    return net_headers +
+           8u * ((static_cast<std::size_t>(channel) * num_nodes() + node) * (1u + ranks_per_node) +
+                 word);
+  }
+  EPX_HD std::size_t header_send_word(int channel, int node, int word) const {
+    return net_header(channel, node, word) - net_headers + header_send;
+  }
+  EPX_HD std::size_t nvl_header(int channel, int forwarder_local) const {
+    return nvl_headers +
+           8u * (static_cast<std::size_t>(channel) * ranks_per_node + forwarder_local);
+  }
+  EPX_HD std::size_t net_slot(int channel, int node, uint64_t index) const {
+    const std::size_t ring = static_cast<std::size_t>(channel) * num_nodes() + node;
+    const std::size_t slots = static_cast<std::size_t>(geometry.net_slots);
+    return net_rings + (ring * slots + index % slots) * record_bytes;
+  }
+  EPX_HD std::size_t net_send_slot(int channel, int node, uint64_t index) const {
+    return net_slot(channel, node, index) - net_rings + net_send;
+  }
+  EPX_HD std::size_t nvl_slot(int channel, int forwarder_local, uint64_t index) const {
+    const std::size_t ring = static_cast<std::size_t>(channel) * ranks_per_node + forwarder_local;
+    const std::size_t slots = static_cast<std::size_t>(geometry.nvl_slots);
+    return nvl_rings + (ring * slots + index % slots) * record_bytes;
   }
 };
 

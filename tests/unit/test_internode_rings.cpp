@@ -32,15 +32,18 @@ struct Span {
 /// Every word and slot of `r` as spans; checked pairwise for overlap and
 /// against the region's size.
 std::vector<Span> spans_of(const HtRingRegion& r) {
-  const int C = r.geometry.channels, N = r.topology.num_nodes(), L = r.topology.ranks_per_node;
+  const int C = r.geometry.channels, N = r.num_nodes(), L = r.ranks_per_node, R = r.num_ranks;
   std::vector<Span> s;
-  const std::size_t sig_words =
-      static_cast<std::size_t>(epx::plan::ht_ring_signal_count(r.topology.num_ranks, C)) *
-      epx::kMaxContexts;
-  s.push_back({r.signals, r.signals + 8u * sig_words, "signals"});
-  s.push_back({r.shapes,
-               r.shapes + epx::plan::HtNetRegion::kShapeBytes * (2u * r.topology.num_ranks + 2u),
-               "shapes"});
+  // The whole-call header the rings follow (the barrier's counts, signals, shapes).
+  s.push_back({0, epx::plan::HtNetRegion::body(R), "header"});
+  // Every ring signal id's words, through the ring kernel's signal base.
+  for (int k = 0; k < static_cast<int>(HtRingSignal::kKinds); ++k)
+    for (int c = 0; c < C; ++c)
+      for (int p = 0; p < R; ++p) {
+        const int id = epx::plan::ht_ring_signal(R, static_cast<HtRingSignal>(k), c, p);
+        const std::size_t w = r.signals + 8u * static_cast<std::size_t>(id) * epx::kMaxContexts;
+        s.push_back({w, w + 8u * epx::kMaxContexts, "ring signal"});
+      }
   for (int k = 0; k < static_cast<int>(HtRingBase::kKinds); ++k)
     for (int c = 0; c < C; ++c)
       for (int i = 0; i < std::max(N, L); ++i) {
@@ -85,11 +88,10 @@ TEST(InternodeRings, AreasAndSlotsAreDisjointAndInside) {
   for (const Case& k : {Case{2, 1, {1, 4, 2, 3, 1}, 64}, Case{4, 2, {2, 5, 3, 4, 4}, 128},
                         Case{8, 4, {3, 7, 7, 2, 1}, 7200}, Case{16, 2, {4, 3, 1, 5, 2}, 48},
                         Case{16, 8, {2, 2, 2, 3, 3}, 16}}) {
-    const HtRingRegion r = HtRingRegion::make(Topology{k.R, k.L}, k.g, k.record);
+    const HtRingRegion r =
+        HtRingRegion::make(Topology{k.R, k.L}, k.g, k.record, epx::plan::HtNetRegion::body(k.R));
     auto s = spans_of(r);
     std::sort(s.begin(), s.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
-    ASSERT_GE(s.front().begin, epx::plan::HtNetRegion::kSignals) << "the header's counts and done "
-                                                                    "words come first";
     for (std::size_t i = 0; i < s.size(); ++i) {
       ASSERT_LE(s[i].end, r.total) << s[i].what << " R" << k.R;
       if (i > 0)
@@ -97,31 +99,32 @@ TEST(InternodeRings, AreasAndSlotsAreDisjointAndInside) {
             << s[i - 1].what << " overlaps " << s[i].what << " R" << k.R << " L" << k.L;
     }
     // The areas after the header start aligned.
-    for (std::size_t a : {r.shapes, r.bases, r.nvl_tails, r.nvl_heads, r.net_headers, r.nvl_headers,
-                          r.header_send, r.net_rings, r.net_send, r.nvl_rings, r.total})
+    for (std::size_t a :
+         {r.ring_signals, r.bases, r.nvl_tails, r.nvl_heads, r.net_headers, r.nvl_headers,
+          r.header_send, r.net_rings, r.net_send, r.nvl_rings, r.total})
       EXPECT_EQ(a % epx::plan::kAlign, 0u);
   }
 }
 
 TEST(InternodeRings, SignalIdsAreDistinctAndInsideThePool) {
-  for (int R : {2, 4, 16, 64})
-    for (int C : {1, 3, 24, 44}) {  // 44: 132 SMs (H100 / H200), a third each role
-      std::set<int> ids;
-      for (int k = 0; k < static_cast<int>(HtRingSignal::kKinds); ++k)
-        for (int c = 0; c < C; ++c)
-          for (int p = 0; p < R; ++p) {
-            const int id = epx::plan::ht_ring_signal(R, C, static_cast<HtRingSignal>(k), c, p);
-            ASSERT_GE(id, epx::plan::kSignalKindsAll * R) << "collides with the other families";
-            ASSERT_LT(id, epx::plan::ht_ring_signal_count(R, C));
-            ASSERT_TRUE(ids.insert(id).second) << "id " << id << " twice";
-          }
-      // NCCL GIN's signal pool per communicator holds 65536 ids (num_signals).
-      EXPECT_LE(epx::plan::ht_ring_signal_count(R, C) + 1, 65536) << "R " << R << " C " << C;
-    }
+  for (int R : {2, 4, 16, 64, epx::kMaxRanks}) {
+    std::set<int> ids;
+    for (int k = 0; k < static_cast<int>(HtRingSignal::kKinds); ++k)
+      for (int c = 0; c < epx::plan::kMaxRingChannels; ++c)
+        for (int p = 0; p < R; ++p) {
+          const int id = epx::plan::ht_ring_signal(R, static_cast<HtRingSignal>(k), c, p);
+          ASSERT_GE(id, epx::plan::kSignalKindsAll * R) << "collides with the other families";
+          ASSERT_LT(id, epx::plan::ht_ring_signal_count(R));
+          ASSERT_TRUE(ids.insert(id).second) << "id " << id << " twice";
+        }
+    // NCCL GIN's signal pool per communicator holds 65536 ids (num_signals), one kept.
+    EXPECT_LE(epx::plan::ht_ring_signal_count(R) + 1, 65536) << "R " << R;
+  }
 }
 
 TEST(InternodeRings, SlotsStayContinuousPastA32BitIndex) {
-  const HtRingRegion r = HtRingRegion::make(Topology{4, 2}, HtRingGeometry{2, 6, 3, 5, 2}, 32);
+  const HtRingRegion r = HtRingRegion::make(Topology{4, 2}, HtRingGeometry{2, 6, 3, 5, 2}, 32,
+                                            epx::plan::HtNetRegion::body(4));
   const uint64_t starts[] = {0, (uint64_t{1} << 32) - 7, (uint64_t{1} << 40) + 3};
   for (uint64_t i0 : starts)
     for (uint64_t i = i0; i < i0 + 20; ++i) {
@@ -155,7 +158,7 @@ TEST(InternodeRings, RingArithmeticWithLifetimeIndexes) {
 TEST(InternodeRings, BadGeometryIsNamed) {
   auto expect_named = [](HtRingGeometry g, std::size_t record, const std::string& field) {
     try {
-      (void)HtRingRegion::make(Topology{4, 2}, g, record);
+      (void)HtRingRegion::make(Topology{4, 2}, g, record, epx::plan::HtNetRegion::body(4));
       ADD_FAILURE() << "no error for " << field;
     } catch (const epx::Error& e) {
       EXPECT_EQ(e.code(), epx::ErrorCode::kInvalidArgument);
@@ -172,6 +175,8 @@ TEST(InternodeRings, BadGeometryIsNamed) {
   EXPECT_EQ(HtRingGeometry::channels_for_sms(2), 1);
   EXPECT_EQ(HtRingGeometry::channels_for_sms(24), 8);
   EXPECT_EQ(HtRingGeometry::channels_for_sms(132), 44);
+  EXPECT_EQ(HtRingGeometry::channels_for_sms(1000), epx::plan::kMaxRingChannels);
+  expect_named({epx::plan::kMaxRingChannels + 1, 4, 2, 4, 2}, 64, "num_sms");
 }
 
 }  // namespace
