@@ -46,10 +46,9 @@ struct HtRingGeometry {
 /// id does not depend on an op's channel count (the counts run over the
 /// buffer's life). kNetTail: at a forwarder, the records channel
 /// c of source `peer` has put into its ring here; kNetCredit: at a source,
-/// the records forwarder `peer` has taken from channel c's ring there;
-/// kHeader: at a forwarder, the ops whose header channel c of source `peer`
-/// has put here (its record counts, before any record).
-enum class HtRingSignal : int { kNetTail = 0, kNetCredit, kHeader, kKinds };
+/// the records forwarder `peer` has taken from channel c's ring there. (The
+/// headers need none: their words carry the op count, as tagged words do.)
+enum class HtRingSignal : int { kNetTail = 0, kNetCredit, kKinds };
 EPX_HD constexpr int ht_ring_signal(int num_ranks, HtRingSignal kind, int channel, int peer) {
   return (kSignalKindsAll + static_cast<int>(kind) * kMaxRingChannels + channel) * num_ranks + peer;
 }
@@ -63,20 +62,31 @@ constexpr int ht_ring_signal_count(int num_ranks) {
 /// channel, index): kNetSent (sender, index = node), kNetCredited (sender:
 /// credits seen from the node's forwarder), kNetTaken (forwarder: records
 /// taken from source node's ring), kNvlSent (forwarder, index = local
-/// receiver), kNvlTaken (receiver, index = local forwarder).
-enum class HtRingBase : int { kNetSent = 0, kNetCredited, kNetTaken, kNvlSent, kNvlTaken, kKinds };
+/// receiver), kNvlTaken (receiver, index = local forwarder), kOps (the ring
+/// ops so far, index = role: 0 send, 1 forward, 2 receive; the headers' tag).
+enum class HtRingBase : int {
+  kNetSent = 0,
+  kNetCredited,
+  kNetTaken,
+  kNvlSent,
+  kNvlTaken,
+  kOps,
+  kKinds
+};
 
 /// The dispatch rings of one rank's region (the buffer's num_nvl_bytes):
-///   [header: HtNetRegion's op counts and done words; signals u64
-///    [ht_ring_signal_count][kMaxContexts]; shapes as HtNetRegion]
-///   [bases u64 [HtRingBase::kKinds][C][max(N, L)]]      local
+///   [header: the whole-call region's (HtNetRegion::body): op counts, done
+///    words, its signals, shapes]
+///   [ring signals u64 [ids past the whole-call ones][kMaxContexts]]
+///   [bases u64 [HtRingBase::kKinds][C][max(N, L, 3)]]      local
 ///   [nvl tails u64 [C][L]]  at a receiver, ring (c, l)'s records, stored by
 ///                           forwarder l of its node
 ///   [nvl heads u64 [C][L]]  at a forwarder, the records receiver d took
 ///                           from ring (c, this forwarder), stored by d
 ///   [net headers u64 [C][N][1 + L]]  at a forwarder, from the source of its
 ///                           local index in node m: the op's record count,
-///                           then its rows per local rank (a put with kHeader)
+///                           then its rows per local rank, each {value, op
+///                           count << 32} (a put)
 ///   [nvl headers u64 [C][L]]  at a receiver, forwarder l's record total for
 ///                           it in channel c, tagged with the op count
 ///   [header sends u64 [C][N][1 + L]]  what sender c's header puts read

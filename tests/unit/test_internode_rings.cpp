@@ -46,7 +46,7 @@ std::vector<Span> spans_of(const HtRingRegion& r) {
       }
   for (int k = 0; k < static_cast<int>(HtRingBase::kKinds); ++k)
     for (int c = 0; c < C; ++c)
-      for (int i = 0; i < std::max(N, L); ++i) {
+      for (int i = 0; i < r.width(); ++i) {
         const std::size_t w = r.base_word(static_cast<HtRingBase>(k), c, i);
         s.push_back({w, w + 8, "base " + std::to_string(k)});
       }
