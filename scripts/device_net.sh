@@ -46,6 +46,11 @@
 #            EPX_XBENCH_BACKENDS (default "proxy nccl nvshmem"), in this one
 #            call (EPX_XBENCH_ARGS: more epx-bench arguments, e.g. --tokens;
 #            EPX_XBENCH_FAMS: the families, default "ll ht")
+#   rings    (not in the default steps) the Internode suite through the ring
+#            dispatch (EPX_HT_RINGS=$EPX_RINGS, default 4 records per ring)
+#            with a process per GPU over the proxy, nccl and nvshmem
+#            (EPX_RINGS_PROCS, default "2:1 4:2"; EPX_RINGS_FILTER), then 4
+#            in-process ranks as 2x2
 #   compare  NVLink before/after on all GPUs: .device/base/epx-bench (the
 #            baseline build) and .device/epx-bench, ht (24 SMs) and ll,
 #            EPX_COMPARE_ROUNDS times (default 2; base first in odd rounds,
@@ -280,6 +285,21 @@ if has nvshmem && [ "$GPUS" -ge 2 ]; then
     tail -8 "$OUT/bench-ll-nvshmem.log"
     summary+=("bench ll nvshmem 2x2: rc=$rc")
   fi
+fi
+if has rings; then
+  # The Internode suite through the ring dispatch (EPX_HT_RINGS; EPX_RINGS:
+  # its value, default 4: rings of 4 records, so every op wraps and waits
+  # for credits): processes over each backend, then in-process ranks.
+  rr=${EPX_RINGS:-4}
+  rf=${EPX_RINGS_FILTER:-Internode.*}
+  procs_suites proxy-rings "${EPX_RINGS_PROCS:-2:1 4:2}" "$rf" EPX_HT_RINGS=$rr
+  procs_suites nccl-rings "${EPX_RINGS_PROCS:-2:1 4:2}" "$rf" "$GIN_PLUGIN" EPX_BACKEND=nccl \
+    EPX_HT_RINGS=$rr
+  [ -n "${NVS_LIB:-}" ] && [ -f "$D/libepx_nvshmem.so" ] && \
+    procs_suites nvshmem-rings "${EPX_RINGS_PROCS:-2:1 4:2}" "$rf" "${NVS_ENV[@]}" EPX_HT_RINGS=$rr
+  run_suite "in-process 4 ranks, nodes of 2, rings of $rr (proxy)" "$OUT/rings-inproc4.log" \
+    ${EPX_TEST_TIMEOUT:-420} env EPX_RANKS_PER_NODE=2 EPX_HT_RINGS=$rr "$D/epx_gpu_tests" \
+    --in-process=4 --gtest_filter="$rf"
 fi
 if has b2b; then
   # Why ops back to back over the proxy are slow: the same bench three ways

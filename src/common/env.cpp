@@ -109,6 +109,15 @@ bool proxy_row_copies() {
   return zero_or_one("EPX_PROXY_ROW_COPIES");
 }
 
+int ht_rings() {
+  const auto v = get_int("EPX_HT_RINGS");
+  if (!v) return 0;
+  require(*v >= 0 && *v <= (1 << 20), "EPX_HT_RINGS",
+          "must be 0 (off), 1 (default ring sizes) or ring records in [2, 2^20], got " +
+              std::to_string(*v));
+  return static_cast<int>(*v);
+}
+
 bool ll_context_ranges() {
   return zero_or_one("EPX_LL_CONTEXT_RANGES");
 }

@@ -23,8 +23,45 @@ void HtRingGeometry::validate() const {
               "], got " + std::to_string(nvl_chunk));
 }
 
+void HtRingRegion::place_state(std::size_t start) {
+  const std::size_t R = static_cast<std::size_t>(num_ranks);
+  const std::size_t N = static_cast<std::size_t>(num_nodes());
+  const std::size_t L = static_cast<std::size_t>(ranks_per_node);
+  const std::size_t C = static_cast<std::size_t>(kMaxRingChannels);
+  const std::size_t word_set = 8u * kMaxContexts;  // one signal id's words
+  const std::size_t first_id = static_cast<std::size_t>(kSignalKindsAll) * R;
+  ring_signals = start;
+  signals = ring_signals - first_id * word_set;  // the words of ids below first_id: never used
+  bases = align_up(
+      ring_signals +
+          (static_cast<std::size_t>(ht_ring_signal_count(num_ranks)) - first_id) * word_set,
+      kAlign);
+  nvl_tails = align_up(bases + 8u * static_cast<std::size_t>(HtRingBase::kKinds) * C *
+                                   static_cast<std::size_t>(width()),
+                       kAlign);
+  nvl_heads = align_up(nvl_tails + 8u * C * L, kAlign);
+  const std::size_t header_words = 8u * C * N * (1u + L);
+  net_headers = align_up(nvl_heads + 8u * C * L, kAlign);
+  nvl_headers = align_up(net_headers + header_words, kAlign);
+  header_send = align_up(nvl_headers + 8u * C * L, kAlign);
+  total = align_up(header_send + header_words, kAlign);
+}
+
+std::size_t HtRingRegion::state_bytes(const Topology& topology) {
+  HtRingRegion r;
+  r.num_ranks = topology.num_ranks;
+  r.ranks_per_node = topology.ranks_per_node;
+  // Placed at an offset as large as any header, so that `signals` (below
+  // ring_signals) stays non-negative; the size is what follows it.
+  const std::size_t start = align_up(
+      8u * kMaxContexts * static_cast<std::size_t>(kSignalKindsAll) * topology.num_ranks, kAlign);
+  r.place_state(start);
+  return r.total - start;
+}
+
 HtRingRegion HtRingRegion::make(const Topology& topology, const HtRingGeometry& geometry,
-                                std::size_t record_bytes, std::size_t header_bytes) {
+                                std::size_t record_bytes, std::size_t header_bytes,
+                                std::size_t region_bytes) {
   geometry.validate();
   require(topology.num_ranks >= 1 && topology.ranks_per_node >= 1 &&
               topology.num_ranks % topology.ranks_per_node == 0,
@@ -36,33 +73,27 @@ HtRingRegion HtRingRegion::make(const Topology& topology, const HtRingGeometry& 
   r.ranks_per_node = topology.ranks_per_node;
   r.geometry = geometry;
   r.record_bytes = record_bytes;
-  const std::size_t R = static_cast<std::size_t>(topology.num_ranks);
   const std::size_t N = static_cast<std::size_t>(topology.num_nodes());
   const std::size_t L = static_cast<std::size_t>(topology.ranks_per_node);
   const std::size_t C = static_cast<std::size_t>(geometry.channels);
-  const std::size_t word_set = 8u * kMaxContexts;  // one signal id's words
-  const std::size_t first_id = static_cast<std::size_t>(kSignalKindsAll) * R;
-  r.ring_signals = align_up(header_bytes, kAlign);
-  r.signals = r.ring_signals - first_id * word_set;  // ids below first_id are never used here
-  r.bases =
-      align_up(r.ring_signals +
-                   (static_cast<std::size_t>(ht_ring_signal_count(topology.num_ranks)) - first_id) *
-                       word_set,
-               kAlign);
-  r.nvl_tails = align_up(r.bases + 8u * static_cast<std::size_t>(HtRingBase::kKinds) * C *
-                                       static_cast<std::size_t>(r.width()),
-                         kAlign);
-  r.nvl_heads = align_up(r.nvl_tails + 8u * C * L, kAlign);
-  const std::size_t header_words = 8u * C * N * (1u + L);
-  r.net_headers = align_up(r.nvl_heads + 8u * C * L, kAlign);
-  r.nvl_headers = align_up(r.net_headers + header_words, kAlign);
-  r.header_send = align_up(r.nvl_headers + 8u * C * L, kAlign);
-  r.net_rings = align_up(r.header_send + header_words, kAlign);
+  r.net_rings = align_up(header_bytes, kAlign);
   const std::size_t net_bytes = C * N * static_cast<std::size_t>(geometry.net_slots) * record_bytes;
   r.net_send = align_up(r.net_rings + net_bytes, kAlign);
   r.nvl_rings = align_up(r.net_send + net_bytes, kAlign);
-  r.total = align_up(
+  r.rings_end = align_up(
       r.nvl_rings + C * L * static_cast<std::size_t>(geometry.nvl_slots) * record_bytes, kAlign);
+  const std::size_t state = state_bytes(topology);
+  if (region_bytes < state || (region_bytes - state) / kAlign * kAlign < r.rings_end)
+    throw Error(ErrorCode::kBufferTooSmall,
+                "dispatch: num_nvl_bytes: the rings need " + std::to_string(r.rings_end + state) +
+                    " bytes (" + std::to_string(geometry.channels) +
+                    " channels, network rings of " + std::to_string(geometry.net_slots) +
+                    " and NVLink rings of " + std::to_string(geometry.nvl_slots) + " records of " +
+                    std::to_string(record_bytes) + " B, and " + std::to_string(state) +
+                    " B of ring state) but the buffer has " + std::to_string(region_bytes) +
+                    "; raise num_nvl_bytes or use smaller rings");
+  r.state = (region_bytes - state) / kAlign * kAlign;
+  r.place_state(r.state);
   return r;
 }
 

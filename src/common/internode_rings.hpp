@@ -74,51 +74,65 @@ enum class HtRingBase : int {
   kKinds
 };
 
-/// The dispatch rings of one rank's region (the buffer's num_nvl_bytes):
-///   [header: the whole-call region's (HtNetRegion::body): op counts, done
-///    words, its signals, shapes]
-///   [ring signals u64 [ids past the whole-call ones][kMaxContexts]]
-///   [bases u64 [HtRingBase::kKinds][C][max(N, L, 3)]]      local
-///   [nvl tails u64 [C][L]]  at a receiver, ring (c, l)'s records, stored by
-///                           forwarder l of its node
-///   [nvl heads u64 [C][L]]  at a forwarder, the records receiver d took
-///                           from ring (c, this forwarder), stored by d
-///   [net headers u64 [C][N][1 + L]]  at a forwarder, from the source of its
-///                           local index in node m: the op's record count,
-///                           then its rows per local rank, each {value, op
-///                           count << 32} (a put)
-///   [nvl headers u64 [C][L]]  at a receiver, forwarder l's record total for
-///                           it in channel c, tagged with the op count
-///   [header sends u64 [C][N][1 + L]]  what sender c's header puts read
-///   [net rings [C][N] x net_slots records]  ring (c, m): from the source
-///                           of this rank's local index in node m (its own
-///                           node's: this rank's own sender c, by stores)
+/// The dispatch rings of one rank's region (the buffer's num_nvl_bytes).
+/// The rings' slots are an op's own and lie after the whole-call header,
+/// where the whole-call combine's areas also lie; the words that run over
+/// the buffer's life lie in a state block at the region's end, which the
+/// whole-call ops then leave alone (their capacity is the region less it):
+///   [header: the whole-call region's (HtNetRegion::body)]
+///   [net rings [C][N] x net_slots records]  ring (c, m): from the source of
+///                           this rank's local index in node m (its own
+///                           node's: its own sender c, through LSA stores)
 ///   [net send rings [C][N] x net_slots records]  what channel c's puts to
-///                           node m read (its own node's unused)
+///                           node m read
 ///   [nvl rings [C][L] x nvl_slots records]  ring (c, l): from forwarder l
+///   ... free ...
+///   [state, sized for kMaxRingChannels channels, so its offsets do not move
+///    with an op's channel count:
+///    ring signals u64 [ids past the whole-call ones][kMaxContexts];
+///    bases u64 [HtRingBase::kKinds][kMaxRingChannels][max(N, L, 3)], local;
+///    nvl tails u64 [C][L]  at a receiver, ring (c, l)'s records, stored by
+///                          forwarder l of its node;
+///    nvl heads u64 [C][L]  at a forwarder, the records receiver d took from
+///                          ring (c, this forwarder), stored by d;
+///    net headers u64 [C][N][1 + L]  at a forwarder, from the source of its
+///                          local index in node m: the op's record count,
+///                          then its rows per local rank, each {value, op
+///                          count << 32} (a put);
+///    nvl headers u64 [C][L]  at a receiver, forwarder l's record total for
+///                          it in channel c, tagged with the op count;
+///    header sends u64 [C][N][1 + L]  what sender c's header puts read]
 struct HtRingRegion {
   int num_ranks = 1, ranks_per_node = 1;
   HtRingGeometry geometry;
   std::size_t record_bytes = 0;
   /// The ring kernel's transport signal base: ring id `i`'s words lie at
-  /// signals + 8 (i kMaxContexts + ctx), inside this region's ring signal
-  /// area (ids below kSignalKindsAll R, the other families', never used there).
+  /// signals + 8 (i kMaxContexts + ctx), inside the state block (ids below
+  /// kSignalKindsAll R, the other families', are never used there).
   std::size_t signals = 0, ring_signals = 0;
   std::size_t bases = 0, nvl_tails = 0, nvl_heads = 0;
   std::size_t net_headers = 0, nvl_headers = 0, header_send = 0;
-  std::size_t net_rings = 0, net_send = 0, nvl_rings = 0, total = 0;
+  std::size_t net_rings = 0, net_send = 0, nvl_rings = 0, rings_end = 0, state = 0, total = 0;
 
-  /// The rings after `header_bytes` (the whole-call region's header, which
-  /// the barrier kernel uses for both ops). Throws epx::Error naming the field
-  /// for bad geometry or record size.
+  /// Bytes of the state block for a topology (what the whole-call ops leave
+  /// at the region's end while the rings are on).
+  static std::size_t state_bytes(const Topology& topology);
+  /// The rings of `geometry` in a region of `region_bytes` whose whole-call
+  /// header takes `header_bytes`. Throws epx::Error naming the field for bad
+  /// geometry or record size, kBufferTooSmall naming num_nvl_bytes when the
+  /// rings and the state do not fit.
   static HtRingRegion make(const Topology& topology, const HtRingGeometry& geometry,
-                           std::size_t record_bytes, std::size_t header_bytes);
+                           std::size_t record_bytes, std::size_t header_bytes,
+                           std::size_t region_bytes);
 
   EPX_HD int num_nodes() const { return num_ranks / ranks_per_node; }
-  EPX_HD int width() const { return num_nodes() > ranks_per_node ? num_nodes() : ranks_per_node; }
+  EPX_HD int width() const {  ///< of the bases: nodes, local ranks, or kOps's 3 roles
+    const int w = num_nodes() > ranks_per_node ? num_nodes() : ranks_per_node;
+    return w > 3 ? w : 3;
+  }
   /// Offsets of a ring's slot / counter words.
   EPX_HD std::size_t base_word(HtRingBase kind, int channel, int index) const {
-    return bases + 8u * ((static_cast<std::size_t>(kind) * geometry.channels + channel) *
+    return bases + 8u * ((static_cast<std::size_t>(kind) * kMaxRingChannels + channel) *
                              static_cast<std::size_t>(width()) +
                          index);
   }
@@ -156,6 +170,10 @@ struct HtRingRegion {
     const std::size_t slots = static_cast<std::size_t>(geometry.nvl_slots);
     return nvl_rings + (ring * slots + index % slots) * record_bytes;
   }
+
+ private:
+  /// The state block's offsets from `start` (placed by make and state_bytes alike).
+  void place_state(std::size_t start);
 };
 
 }  // namespace epx::plan

@@ -156,6 +156,7 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
   d.ll_arrival_order = env::ll_arrival_order();
   d.ll_context_ranges = env::ll_context_ranges();
   d.net_split_puts = env::net_split_puts();
+  d.ht_rings = env::ht_rings();
   if (dispatch_stop && dispatch_stop->rank == d.comm->rank()) {
     d.ll_dispatch_stop_tokens = dispatch_stop->tokens;
     std::fprintf(stderr,

@@ -62,6 +62,7 @@ struct Buffer::Impl {
   /// EPX_NET_SPLIT_PUTS when the buffer was made (unset: the backend's
   /// puts_copy_on_sms decides at each op).
   std::optional<bool> net_split_puts;
+  int ht_rings = 0;  ///< env::ht_rings(): 0 off, 1 default ring sizes, N records per ring
   /// EPX_DEBUG_LL_DISPATCH_STOP naming this rank when the buffer was made: its
   /// LL dispatch sends the rows of this many tokens only (a rank dying mid-op).
   int ll_dispatch_stop_tokens = std::numeric_limits<int>::max();
@@ -106,6 +107,9 @@ struct Buffer::Impl {
   bool networked() const { return !topology.single_node(); }
   /// HtNetDispatchArgs::split_puts
   bool split_puts() const { return net_split_puts.value_or(backend->puts_copy_on_sms()); }
+  /// Bytes of the internode region the whole-call ops may use: all of it, or
+  /// with the rings on all but their state block at its end.
+  std::size_t ht_capacity() const;
   uint64_t timeout_ns() const {
     return static_cast<uint64_t>(detail::capped_wait_seconds(timeout_s) * 1e9);
   }

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "common/internode_rings.hpp"
 #include "common/internode_route.hpp"
 #include "core/buffer_impl.hpp"
 #include "core/dispatch_rows.hpp"
@@ -37,26 +38,36 @@ kernels::HtNetOffsets offsets_of(const plan::HtNetRegion& r) {
   return o;
 }
 
+}  // namespace
+
+std::size_t Buffer::Impl::ht_capacity() const {
+  if (ht_rings == 0) return ht.bytes;
+  const std::size_t state = plan::HtRingRegion::state_bytes(topology);
+  return ht.bytes > state ? ht.bytes - state : 0;
+}
+
+namespace {
+
 /// Every rank computes the same region from the same counts, so all of them
 /// raise here together when it does not fit.
-void check_fits(const char* op, const plan::HtNetRegion& r, const transport::SymmetricRegion& ht,
-                int worst) {
-  if (worst > 0 && (r.slot_rows < 1 || r.total > ht.bytes))
+void check_fits(const char* op, const plan::HtNetRegion& r, std::size_t capacity, int worst) {
+  if (worst > 0 && (r.slot_rows < 1 || r.total > capacity))
     throw Error(ErrorCode::kBufferTooSmall,
                 std::string(op) + ": num_nvl_bytes: with num_worst_tokens (" +
                     std::to_string(worst) +
                     ") the areas are fixed by the buffer: a stage of that many rows of " +
                     std::to_string(r.row_bytes) +
                     " B and at least one row per node's slot, but the buffer has " +
-                    std::to_string(ht.bytes) + " bytes; raise num_nvl_bytes");
-  if (r.total <= ht.bytes) return;
+                    std::to_string(capacity) + " bytes for them; raise num_nvl_bytes");
+  if (r.total <= capacity) return;
   throw Error(ErrorCode::kBufferTooSmall,
               std::string(op) + ": num_nvl_bytes: the call needs " + std::to_string(r.total) +
                   " bytes (across nodes the first version sizes its areas for the whole call: " +
                   std::to_string(r.num_nodes) + " slots of " + std::to_string(r.slot_rows) +
                   " rows of " + std::to_string(r.row_bytes) +
                   " B each way, and the rows this rank receives) but the buffer has " +
-                  std::to_string(ht.bytes) + "; raise num_nvl_bytes or send fewer tokens");
+                  std::to_string(capacity) +
+                  " bytes for them; raise num_nvl_bytes or send fewer tokens");
 }
 
 /// The SMs of the send, receive and sum kernels: the config's; without a
@@ -175,7 +186,7 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
     handle->num_recv_tokens = worst;
     handle->net_worst = worst;
     handle->net_slot_rows = plan::HtNetRegion::fixed_slot_rows(
-        topology, worst, record, plan::ht_combine_row_bytes(H, K), ht.bytes);
+        topology, worst, record, plan::ht_combine_row_bytes(H, K), ht_capacity());
   } else if (!a.handle) {
     const Tensor& counts = route_counts;
     // The counts to the host: the route's, the caller's per expert and per rank.
@@ -259,7 +270,22 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   const plan::HtNetRegion region =
       worst > 0 ? plan::HtNetRegion::fixed_dispatch(topology, worst, record, handle->net_slot_rows)
                 : plan::HtNetRegion::dispatch(*route, record);
-  check_fits(op, region, ht, worst);
+  // The rings (EPX_HT_RINGS; not with num_worst_tokens, whose counts the
+  // host never sees): fixed rings instead of the whole-call areas.
+  const bool rings = ht_rings > 0 && worst == 0;
+  std::optional<plan::HtRingRegion> ring;
+  if (rings) {
+    plan::HtRingGeometry g;
+    g.channels = plan::HtRingGeometry::channels_for_sms(blocks);
+    if (ht_rings > 1) {
+      g.net_slots = g.nvl_slots = ht_rings;
+      g.net_chunk = std::min(g.net_chunk, ht_rings);
+      g.nvl_chunk = std::min(g.nvl_chunk, ht_rings);
+    }
+    ring = plan::HtRingRegion::make(topology, g, record, plan::HtNetRegion::body(R), ht.bytes);
+  } else {
+    check_fits(op, region, ht_capacity(), worst);
+  }
   const int Nr = worst > 0 ? worst : route->recv_rows(me);
   if (!a.handle) {
     handle->num_recv_tokens = Nr;
@@ -332,6 +358,11 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
     p.rank_prefix_matrix = handle->rank_prefix_matrix.ptr<int>();
     p.source_num_tokens = handle->source_num_tokens.ptr<int>();
   }
+  p.use_rings = rings;
+  if (rings) {
+    p.ring = *ring;
+    p.ring_rpm = handle->rank_prefix_matrix.ptr<int>();
+  }
   const std::size_t signals = plan::HtNetRegion::kSignals;
   kernels::launch_ht_net_dispatch(transport(ht, signals), p, x);
   if (!a.handle) handle->recv_src_idx = recv_src_idx;
@@ -359,7 +390,7 @@ CombineResult Buffer::Impl::net_combine(const CombineArgs& a) {
   const plan::HtNetRegion region =
       h.net_worst > 0 ? plan::HtNetRegion::fixed_combine(topology, h.net_slot_rows, row)
                       : plan::HtNetRegion::combine(route_of(h, topology), row);
-  check_fits(op, region, ht, h.net_worst);
+  check_fits(op, region, ht_capacity(), h.net_worst);
 
   const cudaStream_t x = ll_enter(a.streams);  // as dispatch
   CombineResult res;

@@ -7,7 +7,9 @@
 #pragma once
 
 #include "common/check.hpp"
+#include "common/internode_rings.hpp"
 #include "common/internode_route.hpp"
+#include "common/ring.hpp"
 #include "kernels/bf16.cuh"
 #include "kernels/copy.cuh"
 #include "kernels/kernels.hpp"
@@ -630,6 +632,487 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(DispatchParams<
   }
 }
 
+// ---- ring dispatch (docs/internode_ht.md, "A first ring kernel") -------------
+//
+// One cooperative launch of 3 C blocks: block b < C sends channel b (its
+// contiguous token range), C <= b < 2 C forwards channel b - C, the rest
+// receive. Rings of fixed size (plan::HtRingRegion) carry the records, so any
+// token count fits: a network ring per (channel, source node) at each
+// forwarder (put by the source's sender, its tail a signal, its credits a
+// signal back), an NVLink ring per (channel, forwarder) at each local
+// receiver (stored by the forwarder, tail and head as plain words). Each
+// role moves one record at a time with the whole block copying it. Counts
+// come in-band: a sender first puts, per node, its record count and its rows
+// per local rank there as words tagged with the rings' op count; a forwarder
+// tells each receiver its total the same way. Counters run over the
+// buffer's life (the bases area), indexes are 64-bit. The handle state the
+// whole-call combine reads comes out as from the whole-call kernels.
+
+using plan::HtRingBase;
+using plan::HtRingSignal;
+
+/// Block-wide copy of `bytes` (a multiple of 16).
+template <bool kCoherent>
+__device__ __forceinline__ void block_copy(uint8_t* dst, const uint8_t* src, std::size_t bytes) {
+  auto* d = reinterpret_cast<int4*>(dst);
+  const auto* q = reinterpret_cast<const int4*>(src);
+  for (std::size_t i = threadIdx.x; i < bytes / 16; i += blockDim.x)
+    dev::st_na(d + i, load16<kCoherent>(q + i));
+}
+
+template <class T>
+__device__ __forceinline__ int ring_sig(const T& t, HtRingSignal kind, int channel, int peer) {
+  return plan::ht_ring_signal(t.num_ranks, kind, channel, peer);
+}
+template <class T>
+__device__ __forceinline__ uint64_t* ring_base(const T& t, const plan::HtRingRegion& g,
+                                               HtRingBase kind, int channel, int index) {
+  return reinterpret_cast<uint64_t*>(t.local_ptr(g.base_word(kind, channel, index)));
+}
+__device__ __forceinline__ uint64_t ring_tag(uint32_t value, uint64_t op) {
+  return (static_cast<uint64_t>(static_cast<uint32_t>(op)) << 32) | value;
+}
+
+/// One thread: `add` to ring signal `sig` at r on every context, context 0's
+/// after the put of [src, src + bytes) to r's `dst` (bytes 0: no put). The
+/// caller fenced what the put reads.
+template <class T>
+__device__ __forceinline__ void ring_put_signal(const T& t, int r, std::size_t dst, std::size_t src,
+                                                std::size_t bytes, int sig, uint64_t add) {
+  if (bytes > 0)
+    t.template put_signal<dev::Thread>(0, r, dst, src, bytes, sig, add);
+  else
+    t.template signal_add<dev::Thread>(0, r, sig, add);
+  if (add > 0)
+    for (int c = 1; c < t.num_contexts; ++c) t.template signal_add<dev::Thread>(c, r, sig, add);
+}
+
+/// Thread 0 of a polling role: false (after reporting kTimeout naming
+/// `peer`) once nothing moved for the transport's deadline, or when another
+/// wait of this launch already failed.
+template <class T>
+__device__ __forceinline__ bool ring_idle_ok(const T& t, uint64_t since, int peer, int channel,
+                                             uint32_t expected, uint32_t seen) {
+  if (t.diag != nullptr) {
+    const uint32_t code = *static_cast<volatile uint32_t*>(&t.diag->code);
+    if (code == static_cast<uint32_t>(DiagCode::kTimeout) ||
+        code == static_cast<uint32_t>(DiagCode::kBadConfig) ||
+        code == static_cast<uint32_t>(DiagCode::kProxyStopped))
+      return false;
+  }
+  if (dev::globaltimer_ns() - since <= t.timeout_ns) return true;
+  dev::report(t.diag, DiagCode::kTimeout, OpId::kDispatch, t.rank, peer, channel, expected, seen);
+  return false;
+}
+
+/// Sender of channel c: header words for every node, then each record of the
+/// channel's tokens for node m into the send ring (after a credit from
+/// forwarder(me, m)), put to the forwarder's ring every net_chunk records
+/// (split where the ring wraps) with a tail add.
+template <class T>
+__device__ bool ring_send(const DispatchParams<T>& p, const T& t, int c, uint64_t op) {
+  const plan::HtRingRegion& g = p.ring;
+  const int L = g.ranks_per_node, N = g.num_nodes(), R = t.num_ranks, me = t.rank;
+  const int n = me / L, l = me % L, S = p.num_scales, K = p.num_topk;
+  const int C = g.geometry.channels, q = (p.num_tokens + C - 1) / C;
+  const int first = min(p.num_tokens, c * q), end = min(p.num_tokens, (c + 1) * q);
+  const RecordFields f(p.hidden_bytes, S, K);
+  const uint32_t slots = static_cast<uint32_t>(g.geometry.net_slots);
+  __shared__ int cnt_node[kMaxRanks], cnt_rank[kMaxRanks];
+  __shared__ int ok, s_mask;
+  __shared__ uint64_t sent, pending;
+  for (int i = threadIdx.x; i < R; i += blockDim.x) cnt_node[i] = cnt_rank[i] = 0;
+  if (threadIdx.x == 0) ok = 1;
+  __syncthreads();
+  for (int tok = first + threadIdx.x; tok < end; tok += blockDim.x) {
+    for (int m = 0; m < N; ++m)
+      if (p.send_pos[static_cast<int64_t>(tok) * N + m] >= 0) atomicAdd(&cnt_node[m], 1);
+    for (int d = 0; d < R; ++d)
+      if (p.rank_pos[static_cast<int64_t>(tok) * R + d] >= 0) atomicAdd(&cnt_rank[d], 1);
+  }
+  __syncthreads();
+  // Headers (tagged words; the put rides context 0 ahead of the records' tails)
+  for (int m = threadIdx.x; m < N; m += blockDim.x) {
+    auto* h = reinterpret_cast<uint64_t*>(t.local_ptr(g.header_send_word(c, m, 0)));
+    h[0] = ring_tag(cnt_node[m], op);
+    for (int d = 0; d < L; ++d) h[1 + d] = ring_tag(cnt_rank[m * L + d], op);
+    __threadfence_system();
+    ring_put_signal(t, m * L + l, g.net_header(c, n, 0), g.header_send_word(c, m, 0), 8u * (1u + L),
+                    ring_sig(t, HtRingSignal::kNetTail, c, me), 0);
+  }
+  __syncthreads();
+  for (int m = 0; m < N; ++m) {
+    const int fwd = m * L + l;
+    if (threadIdx.x == 0) sent = pending = *ring_base(t, g, HtRingBase::kNetSent, c, m);
+    __syncthreads();
+    auto flush = [&] {  // thread 0: the records since `pending`, piece by piece
+      __threadfence_system();
+      for (uint64_t from = pending; from < sent;) {
+        const uint32_t k = ring::contiguous64(from, static_cast<uint32_t>(sent - from), slots);
+        ring_put_signal(t, fwd, g.net_slot(c, n, from), g.net_send_slot(c, m, from),
+                        k * g.record_bytes, ring_sig(t, HtRingSignal::kNetTail, c, me), k);
+        from += k;
+      }
+      pending = sent;
+    };
+    for (int tok = first; ok && tok < end; ++tok) {
+      const int j = p.send_pos[static_cast<int64_t>(tok) * N + m];
+      if (j < 0) continue;
+      if (threadIdx.x == 0 && sent >= slots) {
+        // A full ring: what is written but not yet put goes first (the
+        // forwarder frees slots only for records it got), then wait.
+        const uint64_t need = sent + 1 - slots;
+        const int credit = ring_sig(t, HtRingSignal::kNetCredit, c, fwd);
+        if (t.read_signal(credit, fwd) < need) {
+          if (sent > pending) flush();
+          if (!t.wait_signal(credit, need, OpId::kDispatch, fwd)) ok = 0;
+        }
+      }
+      __syncthreads();
+      if (!ok) break;
+      uint8_t* rec = reinterpret_cast<uint8_t*>(t.local_ptr(g.net_send_slot(c, m, sent)));
+      block_copy<false>(rec, p.x + static_cast<int64_t>(tok) * p.x_row_bytes, p.hidden_bytes);
+      for (int i = threadIdx.x; i < S + 2 * K; i += blockDim.x) {
+        int v;
+        if (i < S) {
+          v = __float_as_int(p.x_scales[tok * p.scale_stride_token + i * p.scale_stride_channel]);
+        } else if (i < S + K) {
+          v = static_cast<int>(p.topk_idx[static_cast<int64_t>(tok) * K + (i - S)]);
+        } else {
+          v = p.topk_weights
+                  ? __float_as_int(p.topk_weights[static_cast<int64_t>(tok) * K + (i - S - K)])
+                  : 0;
+        }
+        word_at(rec, f.scales + 4 * i)[0] = v;
+      }
+      if (threadIdx.x == 0) s_mask = 0;
+      __syncthreads();
+      if (static_cast<int>(threadIdx.x) < L) {
+        const int k = p.rank_pos[static_cast<int64_t>(tok) * R + m * L + threadIdx.x];
+        word_at(rec, f.pos)[threadIdx.x] = k;
+        if (k >= 0) atomicOr(&s_mask, 1 << threadIdx.x);
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        *word_at(rec, f.token) = tok;
+        *word_at(rec, f.mask) = s_mask;
+        *word_at(rec, f.index) = j;
+        *word_at(rec, f.src) = me;
+        ++sent;
+        if (sent - pending >= static_cast<uint64_t>(g.geometry.net_chunk)) flush();
+      }
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+      if (ok && sent > pending) flush();
+      *ring_base(t, g, HtRingBase::kNetSent, c, m) = sent;
+    }
+    __syncthreads();
+    if (!ok) return false;
+  }
+  return true;
+}
+
+/// Forwarder of channel c: the headers of every source node's sender c, each
+/// local receiver told its total, then records from whichever input ring has
+/// some, each stored into the NVLink ring (c, this rank) of every local rank
+/// in its mask (after room there), its credits returned to the source every
+/// net_chunk records and whenever that input has nothing more waiting.
+template <class T>
+__device__ bool ring_forward(const DispatchParams<T>& p, const T& t, int c, uint64_t op) {
+  const plan::HtRingRegion& g = p.ring;
+  const int L = g.ranks_per_node, N = g.num_nodes(), me = t.rank, n = me / L, l = me % L;
+  const RecordFields f(p.hidden_bytes, p.num_scales, p.num_topk);
+  const uint32_t nvl_slots = static_cast<uint32_t>(g.geometry.nvl_slots);
+  __shared__ int ok, left[kMaxRanks], tot[kMaxRanksPerNode];
+  __shared__ uint64_t taken[kMaxRanks], freed[kMaxRanks], nvl_sent[kMaxRanksPerNode],
+      nvl_pub[kMaxRanksPerNode];
+  __shared__ int total, avail, s_mask, s_index, s_token;
+  __shared__ uint64_t idle_since;
+  if (threadIdx.x == 0) ok = 1;
+  if (static_cast<int>(threadIdx.x) < L) tot[threadIdx.x] = 0;
+  __syncthreads();
+  for (int m = threadIdx.x; m < N; m += blockDim.x) {
+    uint32_t v = 0;
+    const int src = m * L + l;
+    if (!t.wait_tagged(g.net_header(c, m, 0), static_cast<uint32_t>(op), v, t.timeout_ns, t.diag,
+                       OpId::kDispatch, src, c)) {
+      ok = 0;
+      left[m] = 0;
+      continue;
+    }
+    left[m] = static_cast<int>(v);
+    for (int d = 0; d < L; ++d) {
+      if (!t.wait_tagged(g.net_header(c, m, 1 + d), static_cast<uint32_t>(op), v, t.timeout_ns,
+                         t.diag, OpId::kDispatch, src, c)) {
+        ok = 0;
+        break;
+      }
+      atomicAdd(&tot[d], static_cast<int>(v));
+    }
+  }
+  __syncthreads();
+  if (!ok) return false;
+  if (threadIdx.x == 0) {
+    total = 0;
+    for (int m = 0; m < N; ++m) {
+      taken[m] = freed[m] = *ring_base(t, g, HtRingBase::kNetTaken, c, m);
+      total += left[m];
+    }
+    for (int d = 0; d < L; ++d)
+      nvl_sent[d] = nvl_pub[d] = *ring_base(t, g, HtRingBase::kNvlSent, c, d);
+    idle_since = dev::globaltimer_ns();
+  }
+  if (static_cast<int>(threadIdx.x) < L)
+    t.lsa_tagged_release(n * L + threadIdx.x, g.nvl_header(c, l), tot[threadIdx.x],
+                         static_cast<uint32_t>(op));
+  __syncthreads();
+  auto free_credits = [&](int m) {  // thread 0
+    if (taken[m] == freed[m]) return;
+    ring_put_signal(t, m * L + l, 0, 0, 0, ring_sig(t, HtRingSignal::kNetCredit, c, me),
+                    taken[m] - freed[m]);
+    freed[m] = taken[m];
+  };
+  auto publish = [&](int d) {  // thread 0: the NVLink tail at local rank d
+    if (nvl_sent[d] == nvl_pub[d]) return;
+    __threadfence_system();
+    dev::st_release_sys_u64(reinterpret_cast<uint64_t*>(t.lsa_ptr(n * L + d, g.nvl_tail(c, l))),
+                            nvl_sent[d]);
+    nvl_pub[d] = nvl_sent[d];
+  };
+  while (ok && total > 0) {
+    bool moved = false;
+    for (int m = 0; ok && m < N; ++m) {
+      if (left[m] == 0) continue;
+      if (threadIdx.x == 0) {
+        const uint64_t tail =
+            t.read_signal(ring_sig(t, HtRingSignal::kNetTail, c, m * L + l), m * L + l);
+        avail = static_cast<int>(min(tail - taken[m], static_cast<uint64_t>(left[m])));
+      }
+      __syncthreads();
+      const int k_avail = avail;
+      for (int k = 0; ok && k < k_avail; ++k) {
+        const uint8_t* rec =
+            reinterpret_cast<const uint8_t*>(t.local_ptr(g.net_slot(c, m, taken[m])));
+        if (threadIdx.x == 0) {
+          s_mask = ld_int(rec + f.mask);
+          s_index = ld_int(rec + f.index);
+          s_token = ld_int(rec + f.token);
+          const int64_t at = static_cast<int64_t>(m) * p.off.slot_rows + s_index;
+          p.fwd_mask[at] = s_mask;
+          p.fwd_token[at] = s_token;
+        }
+        __syncthreads();
+        for (int d = 0; d < L; ++d) {
+          if (!((s_mask >> d) & 1)) continue;
+          if (threadIdx.x == 0) {
+            // A full ring: publish what is stored (the receiver frees slots
+            // only for records it sees), then wait for room.
+            const auto* head = reinterpret_cast<const uint64_t*>(t.local_ptr(g.nvl_head(c, d)));
+            const uint64_t need = nvl_sent[d] + 1;
+            if (need > nvl_slots && dev::ld_acquire_sys_u64(head) + nvl_slots < need) publish(d);
+            if (need > nvl_slots &&
+                !dev::spin_until([&] { return dev::ld_acquire_sys_u64(head); },
+                                 [&](uint64_t h) { return h + nvl_slots >= need; },
+                                 [](uint64_t h) { return static_cast<uint32_t>(h); },
+                                 static_cast<uint32_t>(need - nvl_slots), t.timeout_ns, t.diag,
+                                 OpId::kDispatch, me, n * L + d, c))
+              ok = 0;
+          }
+          __syncthreads();
+          if (!ok) break;
+          block_copy<true>(
+              reinterpret_cast<uint8_t*>(t.lsa_ptr(n * L + d, g.nvl_slot(c, l, nvl_sent[d]))), rec,
+              g.record_bytes);
+          __syncthreads();
+          if (threadIdx.x == 0) {
+            ++nvl_sent[d];
+            if (nvl_sent[d] - nvl_pub[d] >= static_cast<uint64_t>(g.geometry.nvl_chunk)) publish(d);
+          }
+        }
+        if (threadIdx.x == 0) {
+          ++taken[m];
+          --left[m];
+          --total;
+          if (taken[m] - freed[m] >= static_cast<uint64_t>(g.geometry.net_chunk)) free_credits(m);
+        }
+        __syncthreads();
+      }
+      if (k_avail > 0) moved = true;
+      if (threadIdx.x == 0) {
+        free_credits(m);  // nothing more waiting in this input now
+        for (int d = 0; d < L; ++d) publish(d);
+      }
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+      if (moved) {
+        idle_since = dev::globaltimer_ns();
+      } else {
+        int peer = -1;
+        for (int m = 0; m < N && peer < 0; ++m)
+          if (left[m] > 0) peer = m * L + l;
+        if (!ring_idle_ok(t, idle_since, peer, c, 0, 0)) ok = 0;
+      }
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    for (int d = 0; d < L; ++d) publish(d);
+    for (int m = 0; m < N; ++m) {
+      free_credits(m);
+      *ring_base(t, g, HtRingBase::kNetTaken, c, m) = taken[m];
+    }
+    for (int d = 0; d < L; ++d) *ring_base(t, g, HtRingBase::kNvlSent, c, d) = nvl_sent[d];
+  }
+  __syncthreads();
+  return ok != 0;
+}
+
+/// Receiver of channel c: the local forwarders' totals, then records from
+/// whichever NVLink ring has some, each unpacked to its final row (the
+/// source's first row here plus the record's row among its rows), the head
+/// returned to the forwarder after each batch.
+template <class T>
+__device__ bool ring_receive(const DispatchParams<T>& p, const T& t, int c, uint64_t op) {
+  const plan::HtRingRegion& g = p.ring;
+  const int L = g.ranks_per_node, me = t.rank, n = me / L, l = me % L, R = t.num_ranks;
+  const int S = p.num_scales, K = p.num_topk;
+  const RecordFields f(p.hidden_bytes, S, K);
+  const int epr = p.num_experts / R, lo = me * epr;
+  __shared__ int ok, left[kMaxRanksPerNode], total, avail, s_row;
+  __shared__ uint64_t taken[kMaxRanksPerNode], idle_since;
+  if (threadIdx.x == 0) ok = 1;
+  __syncthreads();
+  if (static_cast<int>(threadIdx.x) < L) {
+    uint32_t v = 0;
+    if (!t.wait_tagged(g.nvl_header(c, threadIdx.x), static_cast<uint32_t>(op), v, t.timeout_ns,
+                       t.diag, OpId::kDispatch, n * L + threadIdx.x, c))
+      ok = 0;
+    left[threadIdx.x] = static_cast<int>(v);
+  }
+  __syncthreads();
+  if (!ok) return false;
+  if (threadIdx.x == 0) {
+    total = 0;
+    for (int fl = 0; fl < L; ++fl) {
+      taken[fl] = *ring_base(t, g, HtRingBase::kNvlTaken, c, fl);
+      total += left[fl];
+    }
+    idle_since = dev::globaltimer_ns();
+  }
+  __syncthreads();
+  while (ok && total > 0) {
+    bool moved = false;
+    for (int fl = 0; ok && fl < L; ++fl) {
+      if (left[fl] == 0) continue;
+      if (threadIdx.x == 0) {
+        const uint64_t tail = dev::ld_acquire_sys_u64(
+            reinterpret_cast<const uint64_t*>(t.local_ptr(g.nvl_tail(c, fl))));
+        avail = static_cast<int>(min(tail - taken[fl], static_cast<uint64_t>(left[fl])));
+      }
+      __syncthreads();
+      const int k_avail = avail;
+      for (int k = 0; k < k_avail; ++k) {
+        const uint8_t* rec =
+            reinterpret_cast<const uint8_t*>(t.local_ptr(g.nvl_slot(c, fl, taken[fl])));
+        if (threadIdx.x == 0) {
+          const int src = ld_int(rec + f.src), pos = ld_int(rec + f.pos + 4 * l);
+          const int row =
+              (src > 0 ? p.ring_rpm[static_cast<std::size_t>(src - 1) * R + me] : 0) + pos;
+          s_row = row;
+          if (row < 0 || row >= p.num_recv_rows || pos < 0) {
+            dev::report(t.diag, DiagCode::kBadConfig, OpId::kDispatch, me, src, c,
+                        static_cast<uint32_t>(p.num_recv_rows), static_cast<uint32_t>(row));
+            s_row = -1;
+          }
+        }
+        __syncthreads();
+        const int row = s_row;
+        if (row >= 0) {
+          block_copy<true>(p.recv_x + static_cast<int64_t>(row) * p.hidden_bytes, rec,
+                           p.hidden_bytes);
+          for (int i = threadIdx.x; i < S; i += blockDim.x)
+            p.recv_scales[static_cast<int64_t>(row) * S + i] =
+                ld_float(reinterpret_cast<const float*>(rec + f.scales) + i);
+          for (int i = threadIdx.x; i < K; i += blockDim.x) {
+            const int e = ld_int(reinterpret_cast<const int*>(rec + f.ids) + i);
+            const bool mine = e >= lo && e < lo + epr;
+            if (p.recv_topk_idx)
+              p.recv_topk_idx[static_cast<int64_t>(row) * K + i] = mine ? e - lo : -1;
+            if (p.recv_topk_weights)
+              p.recv_topk_weights[static_cast<int64_t>(row) * K + i] =
+                  mine ? ld_float(reinterpret_cast<const float*>(rec + f.weights) + i) : 0.0f;
+          }
+          if (threadIdx.x == 0) {
+            p.recv_src_idx[row] = ld_int(rec + f.token);
+            p.recv_meta[3 * row] = ld_int(rec + f.src);
+            p.recv_meta[3 * row + 1] = ld_int(rec + f.index);
+            p.recv_meta[3 * row + 2] = ld_int(rec + f.mask);
+          }
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          ++taken[fl];
+          --left[fl];
+          --total;
+          if (row < 0) ok = 0;
+        }
+        __syncthreads();
+      }
+      if (threadIdx.x == 0 && k_avail > 0) {
+        moved = true;
+        // every row read: the forwarder may reuse the slots
+        __threadfence_system();
+        dev::st_release_sys_u64(
+            reinterpret_cast<uint64_t*>(t.lsa_ptr(n * L + fl, g.nvl_head(c, l))), taken[fl]);
+      }
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) {
+      if (moved) {
+        idle_since = dev::globaltimer_ns();
+      } else {
+        int peer = -1;
+        for (int fl = 0; fl < L && peer < 0; ++fl)
+          if (left[fl] > 0) peer = n * L + fl;
+        if (!ring_idle_ok(t, idle_since, peer, c, 0, 0)) ok = 0;
+      }
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0)
+    for (int fl = 0; fl < L; ++fl) *ring_base(t, g, HtRingBase::kNvlTaken, c, fl) = taken[fl];
+  __syncthreads();
+  return ok != 0;
+}
+
+template <class T>
+__global__ void __launch_bounds__(kThreads) ring_dispatch_kernel(DispatchParams<T> p) {
+  const plan::HtRingRegion& g = p.ring;
+  T t = p.t;
+  t.signals = g.signals;  // the ring ids' words (ids stay global: NCCL's pool)
+  const int C = g.geometry.channels, role = blockIdx.x / C, c = blockIdx.x % C;
+  __shared__ int ok;
+  __shared__ uint64_t op;
+  if (threadIdx.x == 0) {
+    ok = barrier_failed(p.t, p.off) ? 0 : 1;
+    op = ++*ring_base(t, g, HtRingBase::kOps, c, role);  // the rings' own count
+  }
+  __syncthreads();
+  bool done = ok != 0;
+  if (done) {
+    if (role == 0)
+      done = ring_send(p, t, c, op);
+    else if (role == 1)
+      done = ring_forward(p, t, c, op);
+    else
+      done = ring_receive(p, t, c, op);
+  }
+  // Every block counts; the last clears the barrier's failure word.
+  last_block_ok(p.t, p.off, kDoneSend, done);
+}
+
 template <class T>
 void dispatch_for(const T& t, const HtNetDispatchArgs& a, cudaStream_t stream) {
   DispatchParams<T> p{};
@@ -642,6 +1125,21 @@ void dispatch_for(const T& t, const HtNetDispatchArgs& a, cudaStream_t stream) {
   if (a.route_counts) {
     exchange_kernel<T><<<1, kThreads, 0, stream>>>(p);
     EPX_CUDA_CHECK(cudaGetLastError());
+  }
+  if (a.use_rings) {
+    // Every block resident (roles wait on each other across ranks), or the
+    // launch fails naming the SM count.
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned>(3 * a.ring.geometry.channels));
+    cfg.blockDim = dim3(kThreads);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeCooperative;
+    attr.val.cooperative = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    EPX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, ring_dispatch_kernel<T>, p));
+    return;
   }
   dispatch_send_kernel<T><<<a.num_blocks, kThreads, 0, stream>>>(p);
   EPX_CUDA_CHECK(cudaGetLastError());
@@ -844,6 +1342,7 @@ void preload_ht_net_kernels_of() {
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, dispatch_send_kernel<T>));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, dispatch_forward_kernel<T>));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, dispatch_recv_kernel<T>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, ring_dispatch_kernel<T>));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, combine_return_kernel<T>));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, combine_node_sum_kernel<T>));
   EPX_CUDA_CHECK(cudaFuncGetAttributes(&attr, combine_finish_kernel<T>));

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "common/diag.hpp"
+#include "common/internode_rings.hpp"
 #include "common/plan.hpp"
 #include "epx/error.hpp"
 #include "transport/any.hpp"
@@ -277,6 +278,13 @@ struct HtNetDispatchArgs : DispatchRowArgs {
   int* table_out;                 ///< = table, written by the exchange
   int* rank_prefix_matrix;        ///< [R, R]
   int* source_num_tokens;         ///< [R]
+  /// The ring dispatch (EPX_HT_RINGS; docs/internode_ht.md "A first ring
+  /// kernel") instead of send, forward and receive: one cooperative launch of
+  /// 3 ring.geometry.channels blocks over the rings of `ring`; `ring_rpm`
+  /// ([R, R] rank_prefix_matrix) gives each source's first row here.
+  bool use_rings;
+  plan::HtRingRegion ring;
+  const int* ring_rpm;
 };
 /// The barrier, then send, forward and receive.
 void launch_ht_net_dispatch(const dev::AnyTransport& t, const HtNetDispatchArgs& a,

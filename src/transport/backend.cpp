@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "common/env.hpp"
+#include "common/internode_rings.hpp"
 #include "common/internode_route.hpp"
 #include "epx/communicator.hpp"
 #include "epx/error.hpp"
@@ -33,9 +34,13 @@ std::unique_ptr<Backend> make_backend(const std::string& requested, Communicator
     const int contexts = static_cast<int>(std::clamp<long>(options.num_contexts, 1, cap));
     // Signal ids: the low-latency ops' (a source's dispatch, combine weights and
     // combine rows), then the high-throughput ones' across nodes
-    // (plan::ht_net_signal); clearing the low-latency region resets the first.
-    return make_nccl_gin_backend(comm, topology, contexts, plan::kSignalKindsAll * comm.num_ranks(),
-                                 plan::LlRegion::kNetSignalKinds * comm.num_ranks());
+    // (plan::ht_net_signal), then with EPX_HT_RINGS the rings'
+    // (plan::ht_ring_signal); clearing the low-latency region resets the first.
+    const int R = comm.num_ranks();
+    const int signals =
+        env::ht_rings() > 0 ? plan::ht_ring_signal_count(R) : plan::kSignalKindsAll * R;
+    return make_nccl_gin_backend(comm, topology, contexts, signals,
+                                 plan::LlRegion::kNetSignalKinds * R);
   }
   if (name == "auto") {
     if (!topology.single_node()) return make_proxy_backend(comm, topology, options);

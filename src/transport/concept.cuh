@@ -21,6 +21,10 @@
 //   wait_signal(sig, value, ...)  spin until every context's word of this
 //                       rank's signal `sig` is >= value, with a deadline and a
 //                       diagnostic; false on timeout
+//   read_signal(sig, peer)  the least of those words now, without waiting
+//                       (acquire: what the senders' signals published up to
+//                       it is visible after); for a consumer that serves
+//                       whichever of several inputs has something
 //   fence(ctx)          puts and signals of ctx to a peer before it land before
 //                       those to that peer after it (no order across peers)
 //   quiet(ctx)          every put of ctx issued so far is complete at the source
@@ -176,6 +180,16 @@ __device__ __forceinline__ bool wait_signal_words(const TransportBase& t, const 
       t.timeout_ns, t.diag, op, t.rank, peer, kDiagSignalChannel + sig, t.mask_word(peer));
   if (ok) fence_acq_rel_sys();  // acquire: what the sender's signal published
   return ok;
+}
+/// The least of every context's word of signal `sig` of this rank, now
+/// (read_signal of the transports whose signals are region words).
+__device__ __forceinline__ uint64_t read_signal_words(const TransportBase& t, const char* local,
+                                                      int sig) {
+  const uint64_t* w = reinterpret_cast<const uint64_t*>(local + t.signal_word(sig, 0));
+  uint64_t m = ~0ull;
+  for (int c = 0; c < t.num_contexts; ++c) m = min(m, ld_relaxed_sys_u64(w + c));
+  fence_acq_rel_sys();  // acquire: what the senders' signals published up to it
+  return m;
 }
 #endif  // __CUDACC__
 

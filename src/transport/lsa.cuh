@@ -163,6 +163,9 @@ struct LsaTransport : TransportBase, LsaWords<LsaTransport> {
   __device__ __forceinline__ bool wait_signal(int sig, uint64_t value, OpId op, int peer) const {
     return wait_signal_words(*this, local_ptr(0), sig, value, op, peer);
   }
+  __device__ __forceinline__ uint64_t read_signal(int sig, int) const {
+    return read_signal_words(*this, local_ptr(0), sig);
+  }
   __device__ __forceinline__ void fence(int) const {
     __threadfence_system();
   }

@@ -88,8 +88,13 @@ TEST(InternodeRings, AreasAndSlotsAreDisjointAndInside) {
   for (const Case& k : {Case{2, 1, {1, 4, 2, 3, 1}, 64}, Case{4, 2, {2, 5, 3, 4, 4}, 128},
                         Case{8, 4, {3, 7, 7, 2, 1}, 7200}, Case{16, 2, {4, 3, 1, 5, 2}, 48},
                         Case{16, 8, {2, 2, 2, 3, 3}, 16}}) {
-    const HtRingRegion r =
-        HtRingRegion::make(Topology{k.R, k.L}, k.g, k.record, epx::plan::HtNetRegion::body(k.R));
+    const std::size_t region = std::size_t{64} << 20;
+    const HtRingRegion r = HtRingRegion::make(Topology{k.R, k.L}, k.g, k.record,
+                                              epx::plan::HtNetRegion::body(k.R), region);
+    EXPECT_LE(r.total, region);
+    EXPECT_EQ(r.total - r.state, HtRingRegion::state_bytes(Topology{k.R, k.L}))
+        << "the state block's size is the same wherever it lies";
+    EXPECT_GE(r.state, r.rings_end);
     auto s = spans_of(r);
     std::sort(s.begin(), s.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
     for (std::size_t i = 0; i < s.size(); ++i) {
@@ -124,7 +129,7 @@ TEST(InternodeRings, SignalIdsAreDistinctAndInsideThePool) {
 
 TEST(InternodeRings, SlotsStayContinuousPastA32BitIndex) {
   const HtRingRegion r = HtRingRegion::make(Topology{4, 2}, HtRingGeometry{2, 6, 3, 5, 2}, 32,
-                                            epx::plan::HtNetRegion::body(4));
+                                            epx::plan::HtNetRegion::body(4), std::size_t{8} << 20);
   const uint64_t starts[] = {0, (uint64_t{1} << 32) - 7, (uint64_t{1} << 40) + 3};
   for (uint64_t i0 : starts)
     for (uint64_t i = i0; i < i0 + 20; ++i) {
@@ -158,7 +163,8 @@ TEST(InternodeRings, RingArithmeticWithLifetimeIndexes) {
 TEST(InternodeRings, BadGeometryIsNamed) {
   auto expect_named = [](HtRingGeometry g, std::size_t record, const std::string& field) {
     try {
-      (void)HtRingRegion::make(Topology{4, 2}, g, record, epx::plan::HtNetRegion::body(4));
+      (void)HtRingRegion::make(Topology{4, 2}, g, record, epx::plan::HtNetRegion::body(4),
+                               std::size_t{8} << 20);
       ADD_FAILURE() << "no error for " << field;
     } catch (const epx::Error& e) {
       EXPECT_EQ(e.code(), epx::ErrorCode::kInvalidArgument);
@@ -172,6 +178,15 @@ TEST(InternodeRings, BadGeometryIsNamed) {
   expect_named({1, 4, 2, 0, 1}, 64, "num_max_nvl_chunked_recv_tokens");
   expect_named({1, 4, 2, 4, 5}, 64, "num_max_nvl_chunked_send_tokens");
   expect_named({1, 4, 2, 4, 2}, 40, "record_bytes");
+  // A region without room for the rings and their state: named, kBufferTooSmall.
+  try {
+    (void)HtRingRegion::make(Topology{4, 2}, HtRingGeometry{4, 256, 6, 256, 8}, 7200,
+                             epx::plan::HtNetRegion::body(4), std::size_t{4} << 20);
+    ADD_FAILURE() << "no error for a region too small";
+  } catch (const epx::Error& e) {
+    EXPECT_EQ(e.code(), epx::ErrorCode::kBufferTooSmall);
+    EXPECT_NE(std::string(e.what()).find("num_nvl_bytes"), std::string::npos) << e.what();
+  }
   EXPECT_EQ(HtRingGeometry::channels_for_sms(2), 1);
   EXPECT_EQ(HtRingGeometry::channels_for_sms(24), 8);
   EXPECT_EQ(HtRingGeometry::channels_for_sms(132), 44);

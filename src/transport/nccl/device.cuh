@@ -184,20 +184,28 @@ struct NcclGinTransport : NetworkTransportBase, LsaWords<NcclGinTransport> {
   /// Every context's word of signal `sig` >= value: NCCL's words for a peer
   /// in another node, the region's words for a same-node one; EPX's deadline
   /// and diagnostic either way (NCCL's own waits have none).
+  __device__ __forceinline__ uint64_t gin_lowest_signal(int sig) const {
+    uint64_t m = ~0ull;
+    for (int c = 0; c < num_contexts; ++c)
+      m = min(m, static_cast<uint64_t>(gin(c).readSignal(static_cast<ncclGinSignal_t>(sig))));
+    return m;
+  }
   __device__ __forceinline__ bool wait_signal(int sig, uint64_t value, OpId op, int peer) const {
     if (peer >= 0 && same_node(peer)) return wait_signal_words(*this, local, sig, value, op, peer);
-    auto lowest = [&] {
-      uint64_t m = ~0ull;
-      for (int c = 0; c < num_contexts; ++c)
-        m = min(m, static_cast<uint64_t>(gin(c).readSignal(static_cast<ncclGinSignal_t>(sig))));
-      return m;
-    };
+    auto lowest = [&] { return gin_lowest_signal(sig); };
     const bool ok = spin_until(
         lowest, [&](uint64_t v) { return v >= value; },
         [](uint64_t v) { return static_cast<uint32_t>(v); }, static_cast<uint32_t>(value),
         timeout_ns, diag, op, rank, peer, kDiagSignalChannel + sig, mask_word(peer));
     if (ok) fence_acq_rel_sys();  // acquire: what the peer's signal published, as for words
     return ok;
+  }
+  /// wait_signal's least word now, without waiting.
+  __device__ __forceinline__ uint64_t read_signal(int sig, int peer) const {
+    if (peer >= 0 && same_node(peer)) return read_signal_words(*this, local, sig);
+    const uint64_t m = gin_lowest_signal(sig);
+    fence_acq_rel_sys();
+    return m;
   }
   /// Only this thread's stores are ordered before what follows. GIN makes a
   /// signal visible after the context's earlier puts to the peer, but does not

@@ -94,6 +94,9 @@ struct NvshmemTransport : NetworkTransportBase, LsaWords<NvshmemTransport> {
   __device__ __forceinline__ bool wait_signal(int sig, uint64_t value, OpId op, int peer) const {
     return wait_signal_words(*this, local, sig, value, op, peer);
   }
+  __device__ __forceinline__ uint64_t read_signal(int sig, int) const {
+    return read_signal_words(*this, local, sig);
+  }
   __device__ __forceinline__ void fence(int) const {
     nvshmem_fence();
   }

@@ -134,6 +134,9 @@ struct ProxyTransport : NetworkTransportBase, LsaWords<ProxyTransport> {
   __device__ __forceinline__ bool wait_signal(int sig, uint64_t value, OpId op, int peer) const {
     return wait_signal_words(*this, local, sig, value, op, peer);
   }
+  __device__ __forceinline__ uint64_t read_signal(int sig, int) const {
+    return read_signal_words(*this, local, sig);
+  }
   /// Orders this thread's earlier stores (to a send area, to same-node peers)
   /// before what follows, and posts a fence command: the proxy issues the
   /// channel's puts taken before it ahead of those after it (per peer), where
