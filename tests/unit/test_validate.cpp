@@ -367,6 +367,22 @@ TEST(Env, LlContextRangesIsZeroOrOne) {
   expect_zero_or_one_switch("EPX_LL_CONTEXT_RANGES", env::ll_context_ranges);
 }
 
+TEST(Env, HtRingsIsOffOneOrARingSize) {
+  const SavedEnv saved("EPX_HT_RINGS");
+  unsetenv("EPX_HT_RINGS");
+  EXPECT_EQ(env::ht_rings(), 0);
+  setenv("EPX_HT_RINGS", "0", 1);
+  EXPECT_EQ(env::ht_rings(), 0);
+  setenv("EPX_HT_RINGS", "1", 1);
+  EXPECT_EQ(env::ht_rings(), 1);
+  setenv("EPX_HT_RINGS", "4", 1);
+  EXPECT_EQ(env::ht_rings(), 4);
+  setenv("EPX_HT_RINGS", "-1", 1);
+  expect_error([] { env::ht_rings(); }, {"EPX_HT_RINGS", "ring records"});
+  setenv("EPX_HT_RINGS", "rings", 1);
+  expect_error([] { env::ht_rings(); }, {"EPX_HT_RINGS", "integer"});
+}
+
 TEST(Env, ProxyRowCopiesIsZeroOrOne) {
   expect_zero_or_one_switch("EPX_PROXY_ROW_COPIES", env::proxy_row_copies);
 }
