@@ -45,24 +45,28 @@ ChannelRoute::ChannelRoute(const InternodeRoute& route, ChannelCounts counts)
               " counts, got " + std::to_string(c_.to_node.size()));
   node_first_.assign(c_.to_node.size(), 0);
   rank_first_.assign(c_.to_rank.size(), 0);
-  for (int s = 0; s < R_; ++s) {
-    // Running starts: channel c's first index is what channels 0..c-1 hold.
-    for (int m = 0; m < N_; ++m) {
-      int at = 0;
-      for (int c = 0; c < C_; ++c) {
-        const int v = node(s, c, m);
-        require(v >= 0, "to_node", "counts must be >= 0");
-        node_first_[(static_cast<std::size_t>(s) * C_ + c) * N_ + m] = at;
-        at += v;
-      }
-      require(at == route.tokens_to_node(s, m), "to_node",
-              "rank " + std::to_string(s) + "'s channels hold " + std::to_string(at) +
-                  " tokens for node " + std::to_string(m) + ", its whole-call count is " +
-                  std::to_string(route.tokens_to_node(s, m)));
+  // Running starts: channel c's first index is what channels 0..c-1 hold; the
+  // channels must add up to the whole-call count.
+  auto starts = [&](const char* field, const char* what, int s, int target, int width,
+                    const std::vector<int>& counts, std::vector<int>& firsts, int whole) {
+    int at = 0;
+    for (int c = 0; c < C_; ++c) {
+      const std::size_t i = (static_cast<std::size_t>(s) * C_ + c) * width + target;
+      require(counts[i] >= 0, field, "counts must be >= 0");
+      firsts[i] = at;
+      at += counts[i];
     }
+    require(at == whole, field,
+            "rank " + std::to_string(s) + "'s channels hold " + std::to_string(at) +
+                " tokens for " + what + " " + std::to_string(target) +
+                ", its whole-call count is " + std::to_string(whole));
+  };
+  const int L = topology_.ranks_per_node;
+  for (int s = 0; s < R_; ++s) {
+    for (int m = 0; m < N_; ++m)
+      starts("to_node", "node", s, m, N_, c_.to_node, node_first_, route.tokens_to_node(s, m));
     // Per channel, as InternodeRoute checks the whole call: a token with an
     // expert in node m reaches at least one and at most all of its ranks.
-    const int L = topology_.ranks_per_node;
     for (int c = 0; c < C_; ++c)
       for (int m = 0; m < N_; ++m) {
         int most = 0, sum = 0;
@@ -76,19 +80,8 @@ ChannelRoute::ChannelRoute(const InternodeRoute& route, ChannelCounts counts)
                     ") must lie between its largest count for one rank of that node (" +
                     std::to_string(most) + ") and their sum (" + std::to_string(sum) + ")");
       }
-    for (int d = 0; d < R_; ++d) {
-      int at = 0;
-      for (int c = 0; c < C_; ++c) {
-        const int v = rank(s, c, d);
-        require(v >= 0, "to_rank", "counts must be >= 0");
-        rank_first_[(static_cast<std::size_t>(s) * C_ + c) * R_ + d] = at;
-        at += v;
-      }
-      require(at == route.tokens_to_rank(s, d), "to_rank",
-              "rank " + std::to_string(s) + "'s channels hold " + std::to_string(at) +
-                  " tokens for rank " + std::to_string(d) + ", its whole-call count is " +
-                  std::to_string(route.tokens_to_rank(s, d)));
-    }
+    for (int d = 0; d < R_; ++d)
+      starts("to_rank", "rank", s, d, R_, c_.to_rank, rank_first_, route.tokens_to_rank(s, d));
   }
 }
 

@@ -6,13 +6,15 @@
 // numbering that InternodeRoute's handle state uses (a record's index in its
 // source's stream to a node, its row among its source's rows at a rank). With
 // these every role of the ring kernel knows how much it produces or
-// consumes, so no ring needs an end mark. Host arithmetic only; the kernels
-// and the CPU tests take their numbers from here.
+// consumes, so no ring needs an end mark. ChannelSplit is host and device
+// code (the ring kernel's senders take their ranges from it); the rest is
+// host arithmetic the CPU tests check the protocol with.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
+#include "common/device.cuh"
 #include "common/internode_route.hpp"
 
 namespace epx::plan {
@@ -23,14 +25,14 @@ namespace epx::plan {
 struct ChannelSplit {
   int tokens = 0, channels = 1;
 
-  int per_channel() const { return channels > 0 ? (tokens + channels - 1) / channels : 0; }
-  int first(int c) const { return clamp_token(c * per_channel()); }
-  int end(int c) const { return clamp_token((c + 1) * per_channel()); }
+  EPX_HD int per_channel() const { return channels > 0 ? (tokens + channels - 1) / channels : 0; }
+  EPX_HD int first(int c) const { return clamp_token(c * per_channel()); }
+  EPX_HD int end(int c) const { return clamp_token((c + 1) * per_channel()); }
   /// The channel of token t (0 <= t < tokens).
-  int channel_of(int t) const { return per_channel() > 0 ? t / per_channel() : 0; }
+  EPX_HD int channel_of(int t) const { return per_channel() > 0 ? t / per_channel() : 0; }
 
  private:
-  int clamp_token(int t) const { return t < tokens ? t : tokens; }
+  EPX_HD int clamp_token(int t) const { return t < tokens ? t : tokens; }
 };
 
 /// Each source's tokens per channel: [R][C][R] with an expert on each rank,

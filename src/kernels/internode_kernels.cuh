@@ -7,6 +7,7 @@
 #pragma once
 
 #include "common/check.hpp"
+#include "common/internode_channels.hpp"
 #include "common/internode_rings.hpp"
 #include "common/internode_route.hpp"
 #include "common/ring.hpp"
@@ -687,12 +688,18 @@ __device__ __forceinline__ void ring_put_signal(const T& t, int r, std::size_t d
     for (int c = 1; c < t.num_contexts; ++c) t.template signal_add<dev::Thread>(c, r, sig, add);
 }
 
-/// Thread 0 of a polling role: false (after reporting kTimeout naming
-/// `peer`) once nothing moved for the transport's deadline, or when another
-/// wait of this launch already failed.
-template <class T>
-__device__ __forceinline__ bool ring_idle_ok(const T& t, uint64_t since, int peer, int channel,
-                                             uint32_t expected, uint32_t seen) {
+/// Thread 0 of a polling role, after a pass over its `inputs` (left[i]
+/// records still to come from input i, peer(i) its rank): a pass that moved
+/// something restarts the idle clock; otherwise false (after reporting
+/// kTimeout naming the first input still owed) once nothing moved for the
+/// transport's deadline, or when another wait of this launch already failed.
+template <class T, class Peer>
+__device__ __forceinline__ bool ring_pass_ok(const T& t, bool moved, uint64_t& idle_since,
+                                             const int* left, int inputs, Peer peer, int channel) {
+  if (moved) {
+    idle_since = dev::globaltimer_ns();
+    return true;
+  }
   if (t.diag != nullptr) {
     const uint32_t code = *static_cast<volatile uint32_t*>(&t.diag->code);
     if (code == static_cast<uint32_t>(DiagCode::kTimeout) ||
@@ -700,8 +707,11 @@ __device__ __forceinline__ bool ring_idle_ok(const T& t, uint64_t since, int pee
         code == static_cast<uint32_t>(DiagCode::kProxyStopped))
       return false;
   }
-  if (dev::globaltimer_ns() - since <= t.timeout_ns) return true;
-  dev::report(t.diag, DiagCode::kTimeout, OpId::kDispatch, t.rank, peer, channel, expected, seen);
+  if (dev::globaltimer_ns() - idle_since <= t.timeout_ns) return true;
+  int owed = -1;
+  for (int i = 0; i < inputs && owed < 0; ++i)
+    if (left[i] > 0) owed = peer(i);
+  dev::report(t.diag, DiagCode::kTimeout, OpId::kDispatch, t.rank, owed, channel, 0, 0);
   return false;
 }
 
@@ -714,8 +724,8 @@ __device__ bool ring_send(const DispatchParams<T>& p, const T& t, int c, uint64_
   const plan::HtRingRegion& g = p.ring;
   const int L = g.ranks_per_node, N = g.num_nodes(), R = t.num_ranks, me = t.rank;
   const int n = me / L, l = me % L, S = p.num_scales, K = p.num_topk;
-  const int C = g.geometry.channels, q = (p.num_tokens + C - 1) / C;
-  const int first = min(p.num_tokens, c * q), end = min(p.num_tokens, (c + 1) * q);
+  const plan::ChannelSplit split{p.num_tokens, g.geometry.channels};
+  const int first = split.first(c), end = split.end(c);
   const RecordFields f(p.hidden_bytes, S, K);
   const uint32_t slots = static_cast<uint32_t>(g.geometry.net_slots);
   __shared__ int cnt_node[kMaxRanks], cnt_rank[kMaxRanks];
@@ -945,16 +955,9 @@ __device__ bool ring_forward(const DispatchParams<T>& p, const T& t, int c, uint
       }
       __syncthreads();
     }
-    if (threadIdx.x == 0) {
-      if (moved) {
-        idle_since = dev::globaltimer_ns();
-      } else {
-        int peer = -1;
-        for (int m = 0; m < N && peer < 0; ++m)
-          if (left[m] > 0) peer = m * L + l;
-        if (!ring_idle_ok(t, idle_since, peer, c, 0, 0)) ok = 0;
-      }
-    }
+    if (threadIdx.x == 0 && !ring_pass_ok(
+                                t, moved, idle_since, left, N, [&](int m) { return m * L + l; }, c))
+      ok = 0;
     __syncthreads();
   }
   if (threadIdx.x == 0) {
@@ -1069,16 +1072,10 @@ __device__ bool ring_receive(const DispatchParams<T>& p, const T& t, int c, uint
       }
       __syncthreads();
     }
-    if (threadIdx.x == 0) {
-      if (moved) {
-        idle_since = dev::globaltimer_ns();
-      } else {
-        int peer = -1;
-        for (int fl = 0; fl < L && peer < 0; ++fl)
-          if (left[fl] > 0) peer = n * L + fl;
-        if (!ring_idle_ok(t, idle_since, peer, c, 0, 0)) ok = 0;
-      }
-    }
+    if (threadIdx.x == 0 &&
+        !ring_pass_ok(
+            t, moved, idle_since, left, L, [&](int fl) { return n * L + fl; }, c))
+      ok = 0;
     __syncthreads();
   }
   if (threadIdx.x == 0)

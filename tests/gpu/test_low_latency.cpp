@@ -1239,18 +1239,32 @@ EPX_GPU_TEST(LowLatency, TimeoutIsReportedAndCleanRecovers) {
 /// and NCCL GIN at 2x2 its combine came back all zeros on one rank (4x H200,
 /// tenth session), where this suite (one context per peer, no clean first)
 /// passes. With a process per rank, the same again on the legacy stream.
-EPX_GPU_TEST(LowLatency, CleanOnAFreshBufferThenOps) {
-  auto& w = world();
+/// The Python LL case's sizes: 32 tokens at most, hidden 512, top-4, 4
+/// experts per rank, the expert statistics.
+LlCase python_case_sizes() {
   LlCase c;
   c.max_tokens = 32;
   c.hidden = 512;
   c.num_topk = 4;
-  c.num_experts = 4 * w.num_ranks;
+  c.num_experts = 4 * world().num_ranks;
   c.stats = true;
-  BufferOptions o = hint_sized_options(c, w.num_ranks, 20, poisoning_allocator());
+  return c;
+}
+
+/// A buffer of c's size hint with 4 contexts per peer, cleaned first as
+/// DeepEP's tests do.
+std::unique_ptr<Buffer> cleaned_buffer_of_4_contexts(const LlCase& c) {
+  BufferOptions o = hint_sized_options(c, world().num_ranks, 20, poisoning_allocator());
   o.num_qps_per_rank = 4;
-  Buffer b(w.comm, o);
-  b.clean_low_latency_buffer(c.max_tokens, c.hidden, c.num_experts);
+  auto b = std::make_unique<Buffer>(world().comm, o);
+  b->clean_low_latency_buffer(c.max_tokens, c.hidden, c.num_experts);
+  return b;
+}
+
+EPX_GPU_TEST(LowLatency, CleanOnAFreshBufferThenOps) {
+  LlCase c = python_case_sizes();
+  const auto buffer = cleaned_buffer_of_4_contexts(c);
+  Buffer& b = *buffer;
   run_case(c, 91, true, &b);
   c.fp8 = true;
   run_case(c, 92, true, &b);
@@ -1278,21 +1292,13 @@ EPX_GPU_TEST(LowLatency, CleanOnAFreshBufferThenOps) {
 /// -1, 4 contexts, clean first, then pairs back to back. Over the proxy and
 /// NCCL GIN that Python case loses one rank's second op (eleventh session).
 EPX_GPU_TEST(LowLatency, PythonCaseShapesPairAfterPair) {
-  auto& w = world();
-  LlCase c;
-  c.max_tokens = 32;
-  c.hidden = 512;
-  c.num_topk = 4;
-  c.num_experts = 4 * w.num_ranks;
+  LlCase c = python_case_sizes();
   c.masked = 0.15;
   c.tokens_base = 20;
   c.tokens_step = 3;
-  c.stats = true;
   c.legacy_stream = in_process_worlds().empty();
-  BufferOptions o = hint_sized_options(c, w.num_ranks, 20, poisoning_allocator());
-  o.num_qps_per_rank = 4;
-  Buffer b(w.comm, o);
-  b.clean_low_latency_buffer(c.max_tokens, c.hidden, c.num_experts);
+  const auto buffer = cleaned_buffer_of_4_contexts(c);
+  Buffer& b = *buffer;
   for (int i = 0; i < 4; ++i) run_case(c, 300 + i, true, &b);
   c.late_ms = 50;
   run_case(c, 310, true, &b);

@@ -93,28 +93,29 @@ void check_against_replay(const Topology& t, const std::vector<std::vector<uint6
         if ((m >> d) & 1u) rank_seen[at3(s, C, c, R, d)].push_back(rank_pos[d]++);
     }
   }
+  // The replayed indexes of one ring must be exactly [first, first + count).
+  auto expect_range = [](const std::vector<int>& seen, int count, int first,
+                         const std::string& where) {
+    ASSERT_EQ(count, static_cast<int>(seen.size())) << where;
+    for (std::size_t i = 0; i < seen.size(); ++i)
+      ASSERT_EQ(seen[i], first + static_cast<int>(i)) << where;
+  };
   int most_net = 0, most_fwd = 0;
   for (int s = 0; s < R; ++s)
     for (int c = 0; c < C; ++c) {
+      const std::string at =
+          what + ": source " + std::to_string(s) + " channel " + std::to_string(c);
       for (int n = 0; n < N; ++n) {
         const auto& seen = send_seen[at3(s, C, c, N, n)];
-        const std::string where = what + ": source " + std::to_string(s) + " channel " +
-                                  std::to_string(c) + " node " + std::to_string(n);
-        ASSERT_EQ(route.node_records(s, c, n), static_cast<int>(seen.size())) << where;
-        for (std::size_t i = 0; i < seen.size(); ++i)
-          ASSERT_EQ(seen[i], route.node_first(s, c, n) + static_cast<int>(i)) << where;
+        const std::string where = at + " node " + std::to_string(n);
+        expect_range(seen, route.node_records(s, c, n), route.node_first(s, c, n), where);
         const int net = route.network_records(s, c, n);
         EXPECT_EQ(net, n == t.node_of(s) ? 0 : static_cast<int>(seen.size())) << where;
         most_net = std::max(most_net, net);
       }
-      for (int d = 0; d < R; ++d) {
-        const auto& seen = rank_seen[at3(s, C, c, R, d)];
-        const std::string where = what + ": source " + std::to_string(s) + " channel " +
-                                  std::to_string(c) + " rank " + std::to_string(d);
-        ASSERT_EQ(route.rank_rows(s, c, d), static_cast<int>(seen.size())) << where;
-        for (std::size_t i = 0; i < seen.size(); ++i)
-          ASSERT_EQ(seen[i], route.rank_first(s, c, d) + static_cast<int>(i)) << where;
-      }
+      for (int d = 0; d < R; ++d)
+        expect_range(rank_seen[at3(s, C, c, R, d)], route.rank_rows(s, c, d),
+                     route.rank_first(s, c, d), at + " rank " + std::to_string(d));
     }
   // Forwarder f's NVLink ring (c, f) at local rank d: the rows for d of
   // channel c of every source with f's local index.
