@@ -59,20 +59,12 @@ constexpr int ht_ring_signal_count(int num_ranks) {
 
 /// Local running totals of the rings (u64 each, never reset while the
 /// buffer lives; an op's targets are base + its records), per (kind,
-/// channel, index): kNetSent (sender, index = node), kNetCredited (sender:
-/// credits seen from the node's forwarder), kNetTaken (forwarder: records
+/// channel, index): kNetSent (sender, index = node; its credits are the
+/// kNetCredit signal itself), kNetTaken (forwarder: records
 /// taken from source node's ring), kNvlSent (forwarder, index = local
 /// receiver), kNvlTaken (receiver, index = local forwarder), kOps (the ring
 /// ops so far, index = role: 0 send, 1 forward, 2 receive; the headers' tag).
-enum class HtRingBase : int {
-  kNetSent = 0,
-  kNetCredited,
-  kNetTaken,
-  kNvlSent,
-  kNvlTaken,
-  kOps,
-  kKinds
-};
+enum class HtRingBase : int { kNetSent = 0, kNetTaken, kNvlSent, kNvlTaken, kOps, kKinds };
 
 /// The dispatch rings of one rank's region (the buffer's num_nvl_bytes).
 /// The rings' slots are an op's own and lie after the whole-call header,

@@ -123,9 +123,11 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
   require(options.num_qps_per_rank <= dev::kMaxContexts, "num_qps_per_rank",
           "must be <= " + std::to_string(dev::kMaxContexts) + ", got " +
               std::to_string(options.num_qps_per_rank));
+  d.ht_rings = env::ht_rings();
   transport::BackendOptions bo;
   bo.num_contexts = options.num_qps_per_rank;
   bo.heap_bytes = static_cast<std::size_t>(options.num_nvl_bytes + options.num_rdma_bytes);
+  bo.ht_rings = d.ht_rings > 0;
   d.backend = transport::make_backend(options.backend, *d.comm, d.topology, bo);
   if (options.num_nvl_bytes > 0)
     d.ht = d.backend->alloc(static_cast<std::size_t>(options.num_nvl_bytes));
@@ -156,7 +158,6 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
   d.ll_arrival_order = env::ll_arrival_order();
   d.ll_context_ranges = env::ll_context_ranges();
   d.net_split_puts = env::net_split_puts();
-  d.ht_rings = env::ht_rings();
   if (dispatch_stop && dispatch_stop->rank == d.comm->rank()) {
     d.ll_dispatch_stop_tokens = dispatch_stop->tokens;
     std::fprintf(stderr,

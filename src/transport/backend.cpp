@@ -38,7 +38,7 @@ std::unique_ptr<Backend> make_backend(const std::string& requested, Communicator
     // (plan::ht_ring_signal); clearing the low-latency region resets the first.
     const int R = comm.num_ranks();
     const int signals =
-        env::ht_rings() > 0 ? plan::ht_ring_signal_count(R) : plan::kSignalKindsAll * R;
+        options.ht_rings ? plan::ht_ring_signal_count(R) : plan::kSignalKindsAll * R;
     return make_nccl_gin_backend(comm, topology, contexts, signals,
                                  plan::LlRegion::kNetSignalKinds * R);
   }

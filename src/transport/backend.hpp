@@ -35,6 +35,9 @@ struct BackendOptions {
   /// The bytes the Buffer will allocate (a backend whose memory is fixed at
   /// start, NVSHMEM's heap, sizes it from this).
   std::size_t heap_bytes = 0;
+  /// The ring dispatch across nodes is on (EPX_HT_RINGS): a backend whose
+  /// signals are a pool (NCCL GIN) makes room for the rings' ids too.
+  bool ht_rings = false;
 };
 
 class Backend {
