@@ -4,6 +4,10 @@
 # first in LD_LIBRARY_PATH, the number of local GPUs, and what the network
 # backends need on one host (GIN_PLUGIN, GIN_ENV, NVS_ENV: VAR=VALUE for env).
 OUT=${OUT:-/tmp/epx-out}
+# device_pack.sh ships the binaries gzipped.
+if [ -f "${D:-.}/bins.tgz" ] && { [ ! -f "${D:-.}/epx_gpu_tests" ] || [ "${D:-.}/bins.tgz" -nt "${D:-.}/epx_gpu_tests" ]; }; then
+  tar -C "${D:-.}" -xmzf "${D:-.}/bins.tgz" || exit 1  # -m: newer than the archive
+fi
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 SITE=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' 2>/dev/null || echo /nonexistent)

@@ -32,5 +32,11 @@ if [ -n "${EPX_WHEEL_PYTHON:-}" ]; then
     ${nvs_inc:+--config-settings=cmake.define.EPX_NVSHMEM_ROOT=$(dirname "$nvs_inc")}
   cp /tmp/epx-pack-wheel/*.whl .device/wheel/
 fi
+# The binaries travel gzipped (their device code compresses about 3:1, and the
+# carry limit is 64 MiB with the working tree); device_env.sh unpacks them.
+bins=$(cd .device && ls epx_gpu_tests epx-bench epx-nvlink-probe epx_gin_loopback_gpu_tests \
+  libnccl-net-epxloop.so libepx_nvshmem.so 2>/dev/null)
+# shellcheck disable=SC2086  # bins: plain file names
+tar -C .device -czf .device/bins.tgz $bins && (cd .device && rm -f $bins)
 git rev-parse --short=12 HEAD > .device/COMMIT 2>/dev/null || echo unknown > .device/COMMIT
 du -sh .device
