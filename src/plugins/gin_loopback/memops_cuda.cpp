@@ -21,10 +21,10 @@
 // Driver functions are looked up through the CUDA runtime (linked statically)
 // at the first GPU registration, so the plugin loads without libcuda (CPU CI)
 // and makes no CUDA call before that. Every entry point that calls CUDA first
-// makes the device's primary context current (NCCL's progress thread has no
-// context); those of the user thread (classify, import, release) put the
-// caller's context back. Every call is checked; a failure throws MemOpsError
-// naming the call and the peer, which the plugin makes sticky.
+// makes the plugin's own context of the device current (NCCL's progress thread
+// has none; init says why not the primary one); those of the user thread
+// (classify, import, release) put the caller's context back. Every call is checked; a failure
+// throws MemOpsError naming the call and the peer, which the plugin makes sticky.
 #include <cuda.h>
 #include <cuda_runtime_api.h>
 
@@ -52,8 +52,8 @@ namespace {
   X(cuGetErrorString) \
   X(cuDeviceGet) \
   X(cuDeviceGetAttribute) \
-  X(cuDevicePrimaryCtxRetain) \
-  X(cuDevicePrimaryCtxRelease) \
+  X(cuCtxCreate) \
+  X(cuCtxDestroy) \
   X(cuCtxGetCurrent) \
   X(cuCtxSetCurrent) \
   X(cuCtxGetStreamPriorityRange) \
@@ -338,7 +338,7 @@ class CudaMemOps final : public MemOps {
   }
 
  private:
-  /// Makes the primary context current; with `restore`, the caller's again on exit.
+  /// Makes the plugin's context current; with `restore`, the caller's again on exit.
   class Current {
    public:
     Current(const CudaMemOps& m, bool restore, const std::string& where) {
@@ -392,7 +392,17 @@ class CudaMemOps final : public MemOps {
       throw MemOpsError(where + ": device " + std::to_string(ordinal) +
                         " cannot write 64-bit values from a stream (cuStreamWriteValue64), which "
                         "completion marks and signals need");
-    EPX_CU(where, cuDevicePrimaryCtxRetain, &ctx_, dev);
+    // The plugin's own context, not the device's primary one: while a thread
+    // of the process waits in a blocking call of the primary context (a
+    // pageable copy behind a kernel, as PyTorch's .cpu() right after an op),
+    // the driver holds every other primary-context call, and the copies that
+    // kernel waits for would never be issued. Calls in another context go on
+    // (measured on H200: 0.2 ms against 2.4 s). NCCL's windows and signal
+    // buffers are cuMem allocations, which every context of the device reaches.
+    CUcontext previous = nullptr;
+    EPX_CU(where, cuCtxGetCurrent, &previous);
+    EPX_CU(where, cuCtxCreate, &ctx_, nullptr, 0, dev);
+    EPX_CU(where, cuCtxSetCurrent, previous);  // cuCtxCreate made it current
     dev_ = dev;
     device_ = ordinal;
     Current cur(*this, true, where);
@@ -434,8 +444,8 @@ class CudaMemOps final : public MemOps {
     marks_ = nullptr;
     if (staging_) d.p_cuMemFreeHost(staging_);
     staging_ = nullptr;
-    d.p_cuCtxSetCurrent(previous);  // the runtime's own reference keeps a primary context alive
-    d.p_cuDevicePrimaryCtxRelease(dev_);
+    d.p_cuCtxSetCurrent(previous == ctx_ ? nullptr : previous);
+    d.p_cuCtxDestroy(ctx_);
     ctx_ = nullptr;
   }
 
