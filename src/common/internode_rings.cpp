@@ -40,11 +40,11 @@ void HtRingRegion::place_state(std::size_t start) {
                                    static_cast<std::size_t>(width()),
                        kAlign);
   nvl_heads = align_up(nvl_tails + 8u * C * L, kAlign);
-  const std::size_t header_words = 8u * C * N * (1u + L);
+  const std::size_t header_bytes = C * N * net_header_bytes();
   net_headers = align_up(nvl_heads + 8u * C * L, kAlign);
-  nvl_headers = align_up(net_headers + header_words, kAlign);
+  nvl_headers = align_up(net_headers + header_bytes, kAlign);
   header_send = align_up(nvl_headers + 8u * C * L, kAlign);
-  total = align_up(header_send + header_words, kAlign);
+  total = align_up(header_send + header_bytes, kAlign);
 }
 
 std::size_t HtRingRegion::state_bytes(const Topology& topology) {

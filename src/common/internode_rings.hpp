@@ -87,13 +87,15 @@ enum class HtRingBase : int { kNetSent = 0, kNetTaken, kNvlSent, kNvlTaken, kOps
 ///                          forwarder l of its node;
 ///    nvl heads u64 [C][L]  at a forwarder, the records receiver d took from
 ///                          ring (c, this forwarder), stored by d;
-///    net headers u64 [C][N][1 + L]  at a forwarder, from the source of its
-///                          local index in node m: the op's record count,
-///                          then its rows per local rank, each {value, op
-///                          count << 32} (a put);
+///    net headers u64 [C][N][net_header_words()]  at a forwarder, from the
+///                          source of its local index in node m: the op's
+///                          record count, then its rows per local rank, each
+///                          {value, op count << 32} (a put), then a pad word
+///                          where 1 + L is odd;
 ///    nvl headers u64 [C][L]  at a receiver, forwarder l's record total for
 ///                          it in channel c, tagged with the op count;
-///    header sends u64 [C][N][1 + L]  what sender c's header puts read]
+///    header sends u64 [C][N][net_header_words()]  what sender c's header
+///                          puts read]
 struct HtRingRegion {
   int num_ranks = 1, ranks_per_node = 1;
   HtRingGeometry geometry;
@@ -134,13 +136,22 @@ struct HtRingRegion {
   EPX_HD std::size_t nvl_head(int channel, int receiver_local) const {
     return nvl_heads + 8u * (static_cast<std::size_t>(channel) * ranks_per_node + receiver_local);
   }
+  /// Words of one network header: 1 + L rounded up to even, so that each
+  /// header and the put that carries it (net_header_bytes) are whole 16-byte
+  /// units. A put between same-node ranks (a sender's to its own node) is a
+  /// 16-byte vector copy (lsa_copy): with 1 + L words (24 B at L = 2) every
+  /// other header started 8 B off 16 and the copy dropped the last word.
+  EPX_HD int net_header_words() const { return (ranks_per_node + 2) & ~1; }
+  EPX_HD std::size_t net_header_bytes() const {
+    return 8u * static_cast<std::size_t>(net_header_words());
+  }
   /// Word i (0: the record count, 1 + d: rows for local rank d) of the
   /// header from node `node`'s source, channel c; and of sender c's copy of
   /// its header for node `node` (what the put reads).
   EPX_HD std::size_t net_header(int channel, int node, int word) const {
     return net_headers +
-           8u * ((static_cast<std::size_t>(channel) * num_nodes() + node) * (1u + ranks_per_node) +
-                 word);
+           (static_cast<std::size_t>(channel) * num_nodes() + node) * net_header_bytes() +
+           8u * static_cast<std::size_t>(word);
   }
   EPX_HD std::size_t header_send_word(int channel, int node, int word) const {
     return net_header(channel, node, word) - net_headers + header_send;

@@ -747,8 +747,8 @@ __device__ bool ring_send(const DispatchParams<T>& p, const T& t, int c, uint64_
     h[0] = ring_tag(cnt_node[m], op);
     for (int d = 0; d < L; ++d) h[1 + d] = ring_tag(cnt_rank[m * L + d], op);
     __threadfence_system();
-    ring_put_signal(t, m * L + l, g.net_header(c, n, 0), g.header_send_word(c, m, 0), 8u * (1u + L),
-                    ring_sig(t, HtRingSignal::kNetTail, c, me), 0);
+    ring_put_signal(t, m * L + l, g.net_header(c, n, 0), g.header_send_word(c, m, 0),
+                    g.net_header_bytes(), ring_sig(t, HtRingSignal::kNetTail, c, me), 0);
   }
   __syncthreads();
   for (int m = 0; m < N; ++m) {

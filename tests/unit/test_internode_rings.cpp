@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <set>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -62,11 +63,12 @@ std::vector<Span> spans_of(const HtRingRegion& r) {
   for (int c = 0; c < C; ++c) {
     for (int l = 0; l < L; ++l)
       s.push_back({r.nvl_header(c, l), r.nvl_header(c, l) + 8, "nvl header"});
-    for (int m = 0; m < N; ++m)
-      for (int w = 0; w <= L; ++w) {
-        s.push_back({r.net_header(c, m, w), r.net_header(c, m, w) + 8, "net header"});
-        s.push_back({r.header_send_word(c, m, w), r.header_send_word(c, m, w) + 8, "header send"});
-      }
+    // A header as its put writes and reads it (pad word included).
+    for (int m = 0; m < N; ++m) {
+      const std::size_t a = r.net_header(c, m, 0), b = r.header_send_word(c, m, 0);
+      s.push_back({a, a + r.net_header_bytes(), "net header"});
+      s.push_back({b, b + r.net_header_bytes(), "header send"});
+    }
   }
   for (int c = 0; c < C; ++c)
     for (int m = 0; m < N; ++m)
@@ -108,6 +110,91 @@ TEST(InternodeRings, AreasAndSlotsAreDisjointAndInside) {
          {r.ring_signals, r.bases, r.nvl_tails, r.nvl_heads, r.net_headers, r.nvl_headers,
           r.header_send, r.net_rings, r.net_send, r.nvl_rings, r.total})
       EXPECT_EQ(a % epx::plan::kAlign, 0u);
+  }
+}
+
+/// Every offset the ring kernel accesses with a vector or 64-bit word is a
+/// multiple of its width, as GPUs require (cudaErrorMisalignedAddress
+/// otherwise): records and the header puts are 16-byte copies between
+/// same-node ranks (lsa_copy: int4 loads and stores of bytes / 16 units, so
+/// the size is a multiple of 16 too), counters, tails, heads and tagged
+/// header words are u64. Swept over topologies (2 nodes of 2 ranks: the
+/// in-process GPU run whose every header put at node 1 started 8 B off 16),
+/// channel counts, ring sizes, the suites' record shapes and region sizes
+/// that are not multiples of 16 (the state block is placed from the end).
+TEST(InternodeRings, VectorAndWordAccessesAreAligned) {
+  struct Topo {
+    int R, L;
+  };
+  auto at = [](const char* what, std::size_t off, std::size_t width) {
+    if (off % width == 0) return ::testing::AssertionSuccess();
+    return ::testing::AssertionFailure() << what << " at " << off << " (" << off % width
+                                         << " past a multiple of " << width << ")";
+  };
+  for (const Topo tp : {Topo{2, 1}, Topo{4, 1}, Topo{4, 2}, Topo{4, 4}, Topo{6, 3}, Topo{8, 2},
+                        Topo{8, 4}, Topo{16, 8}, Topo{24, 6}, Topo{10, 5}}) {
+    const Topology topology{tp.R, tp.L};
+    // The Internode suites' rows: BF16 256..8192 and 7168, FP8 7168 with
+    // its 56 scales, top-k 0, 4, 6 and 8.
+    for (const auto& [hidden_bytes, S, K] : {std::tuple<int, int, int>{512, 0, 8},
+                                             {5760, 0, 8},
+                                             {14336, 0, 8},
+                                             {7168, 56, 8},
+                                             {4096, 16, 6},
+                                             {8192, 0, 4},
+                                             {512, 0, 0}}) {
+      const std::size_t record =
+          epx::plan::ht_net_record_bytes(static_cast<std::size_t>(hidden_bytes), S, K, tp.L);
+      for (const int C : {1, 3, 6, 44})
+        for (const int slots : {1, 4, 5}) {
+          const HtRingGeometry g{C, slots, std::min(slots, 2), slots, std::min(slots, 3)};
+          for (const std::size_t extra : {std::size_t{0}, std::size_t{4}, std::size_t{8},
+                                          std::size_t{24}, std::size_t{4100}}) {
+            const std::size_t region = (std::size_t{512} << 20) + extra;
+            const HtRingRegion r =
+                HtRingRegion::make(topology, g, record, epx::plan::HtNetRegion::body(tp.R), region);
+            const int N = r.num_nodes(), L = r.ranks_per_node;
+            SCOPED_TRACE("R" + std::to_string(tp.R) + " L" + std::to_string(tp.L) + " C" +
+                         std::to_string(C) + " record " + std::to_string(record) + " region " +
+                         std::to_string(region));
+            ASSERT_TRUE(at("record_bytes", r.record_bytes, 16));
+            ASSERT_TRUE(at("state", r.state, 16));
+            ASSERT_TRUE(at("header put bytes", r.net_header_bytes(), 16));
+            ASSERT_GE(r.net_header_bytes(), 8u * (1u + L)) << "the put must carry every word";
+            for (int k = 0; k < static_cast<int>(HtRingBase::kKinds); ++k)
+              for (int i = 0; i < r.width(); ++i)
+                ASSERT_TRUE(at("base", r.base_word(static_cast<HtRingBase>(k), C - 1, i), 8));
+            for (int k = 0; k < static_cast<int>(HtRingSignal::kKinds); ++k) {
+              const int id =
+                  epx::plan::ht_ring_signal(tp.R, static_cast<HtRingSignal>(k), C - 1, tp.R - 1);
+              ASSERT_TRUE(at("signal word",
+                             r.signals + 8u * static_cast<std::size_t>(id) * epx::kMaxContexts, 8));
+            }
+            for (int c = 0; c < C; ++c) {
+              for (int l = 0; l < L; ++l) {
+                ASSERT_TRUE(at("nvl tail", r.nvl_tail(c, l), 8));
+                ASSERT_TRUE(at("nvl head", r.nvl_head(c, l), 8));
+                ASSERT_TRUE(at("nvl header", r.nvl_header(c, l), 8));
+                for (int i = 0; i < slots; ++i)
+                  ASSERT_TRUE(at("nvl slot", r.nvl_slot(c, l, static_cast<uint64_t>(i)), 16));
+              }
+              for (int m = 0; m < N; ++m) {
+                ASSERT_TRUE(at("net header put (to)", r.net_header(c, m, 0), 16));
+                ASSERT_TRUE(at("net header put (from)", r.header_send_word(c, m, 0), 16));
+                for (int w = 0; w <= L; ++w) {
+                  ASSERT_TRUE(at("net header word", r.net_header(c, m, w), 8));
+                  ASSERT_LT(r.net_header(c, m, w), r.net_header(c, m, 0) + r.net_header_bytes());
+                }
+                for (int i = 0; i < slots; ++i) {
+                  ASSERT_TRUE(at("net slot", r.net_slot(c, m, static_cast<uint64_t>(i)), 16));
+                  ASSERT_TRUE(
+                      at("net send slot", r.net_send_slot(c, m, static_cast<uint64_t>(i)), 16));
+                }
+              }
+            }
+          }
+        }
+    }
   }
 }
 
