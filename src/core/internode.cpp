@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "common/env.hpp"
 #include "common/internode_rings.hpp"
 #include "common/internode_route.hpp"
 #include "core/buffer_impl.hpp"
@@ -440,8 +441,11 @@ std::size_t Buffer::get_internode_nvl_size_hint(int num_max_tokens, int hidden, 
           "must be in [0, 16], got " + std::to_string(num_topk));
   const std::size_t record = plan::ht_net_record_bytes(2u * hidden, 0, num_topk, ranks_per_node);
   const std::size_t row = plan::ht_combine_row_bytes(hidden, num_topk);
-  return plan::HtNetRegion::worst_case(Topology{num_ranks, ranks_per_node}, num_max_tokens, record,
-                                       row);
+  const Topology topology{num_ranks, ranks_per_node};
+  const std::size_t bytes = plan::HtNetRegion::worst_case(topology, num_max_tokens, record, row);
+  // With the ring dispatch on (EPX_HT_RINGS, read as the Buffer reads it), its
+  // state block sits at the region's end, past what the whole-call ops use.
+  return env::ht_rings() == 0 ? bytes : bytes + plan::HtRingRegion::state_bytes(topology);
 }
 
 }  // namespace epx
