@@ -37,7 +37,7 @@ struct Driver {
   PFN_cuGetErrorName_v6000 get_error_name = nullptr;
   PFN_cuDeviceGet_v2000 device_get = nullptr;
   PFN_cuDeviceGetAttribute_v2000 device_get_attribute = nullptr;
-  PFN_cuCtxCreate_v3020 ctx_create = nullptr;
+  PFN_cuCtxCreate_v11040 ctx_create = nullptr;  // the 12.0 flavour: with affinity parameters
   PFN_cuCtxDestroy_v4000 ctx_destroy = nullptr;
   PFN_cuCtxGetCurrent_v4000 ctx_get_current = nullptr;
   PFN_cuCtxSetCurrent_v4000 ctx_set_current = nullptr;
@@ -66,7 +66,7 @@ const Driver& driver() {
     x.device_get = reinterpret_cast<PFN_cuDeviceGet_v2000>(driver_entry_point("cuDeviceGet"));
     x.device_get_attribute = reinterpret_cast<PFN_cuDeviceGetAttribute_v2000>(
         driver_entry_point("cuDeviceGetAttribute"));
-    x.ctx_create = reinterpret_cast<PFN_cuCtxCreate_v3020>(driver_entry_point("cuCtxCreate"));
+    x.ctx_create = reinterpret_cast<PFN_cuCtxCreate_v11040>(driver_entry_point("cuCtxCreate"));
     x.ctx_destroy = reinterpret_cast<PFN_cuCtxDestroy_v4000>(driver_entry_point("cuCtxDestroy"));
     x.ctx_get_current =
         reinterpret_cast<PFN_cuCtxGetCurrent_v4000>(driver_entry_point("cuCtxGetCurrent"));
@@ -198,7 +198,7 @@ class CudaIpcEngine final : public Engine {
       // would cost every rank device memory.
       CUcontext previous = nullptr;
       EPX_CU_CHECK(driver().ctx_get_current(&previous));
-      EPX_CU_CHECK(driver().ctx_create(&ctx_, 0, dev));
+      EPX_CU_CHECK(driver().ctx_create(&ctx_, nullptr, 0, 0, dev));
       EPX_CU_CHECK(driver().ctx_set_current(previous));  // ctx_create made it current
     }
     // Until the first registration tells the hosts apart: in-process ranks
