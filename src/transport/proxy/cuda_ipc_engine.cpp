@@ -1,9 +1,7 @@
 // CUDA IPC engine (engine.hpp): the peers of one host map each other's
 // regions; a put is a cudaMemcpyAsync on the endpoint's own stream and a
 // signal a stream-ordered cuStreamWriteValue64 behind it. Completion is
-// tracked by events recorded at each mark. With a process per rank, the
-// streams, the events and every call of the proxy threads live in a CUDA
-// context of the engine's own (see Context).
+// tracked by events recorded at each mark.
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <unistd.h>
@@ -37,10 +35,6 @@ struct Driver {
   PFN_cuGetErrorName_v6000 get_error_name = nullptr;
   PFN_cuDeviceGet_v2000 device_get = nullptr;
   PFN_cuDeviceGetAttribute_v2000 device_get_attribute = nullptr;
-  PFN_cuCtxCreate_v11040 ctx_create = nullptr;  // the 12.0 flavour: with affinity parameters
-  PFN_cuCtxDestroy_v4000 ctx_destroy = nullptr;
-  PFN_cuCtxGetCurrent_v4000 ctx_get_current = nullptr;
-  PFN_cuCtxSetCurrent_v4000 ctx_set_current = nullptr;
 };
 
 void* driver_entry_point(const char* symbol) {
@@ -66,12 +60,6 @@ const Driver& driver() {
     x.device_get = reinterpret_cast<PFN_cuDeviceGet_v2000>(driver_entry_point("cuDeviceGet"));
     x.device_get_attribute = reinterpret_cast<PFN_cuDeviceGetAttribute_v2000>(
         driver_entry_point("cuDeviceGetAttribute"));
-    x.ctx_create = reinterpret_cast<PFN_cuCtxCreate_v11040>(driver_entry_point("cuCtxCreate"));
-    x.ctx_destroy = reinterpret_cast<PFN_cuCtxDestroy_v4000>(driver_entry_point("cuCtxDestroy"));
-    x.ctx_get_current =
-        reinterpret_cast<PFN_cuCtxGetCurrent_v4000>(driver_entry_point("cuCtxGetCurrent"));
-    x.ctx_set_current =
-        reinterpret_cast<PFN_cuCtxSetCurrent_v4000>(driver_entry_point("cuCtxSetCurrent"));
     return x;
   }();
   return d;
@@ -86,28 +74,6 @@ void check_cu(CUresult r, const char* expr, const char* file, int line) {
                                     file + ":" + std::to_string(line));
 }
 #define EPX_CU_CHECK(expr) check_cu((expr), #expr, __FILE__, __LINE__)
-
-/// Makes `ctx` current on this thread (nothing when it is null); with
-/// `restore`, the thread's previous context again at the end of the scope.
-class ContextScope {
- public:
-  ContextScope(CUcontext ctx, bool restore) {
-    if (!ctx) return;
-    EPX_CU_CHECK(driver().ctx_get_current(&previous_));
-    if (previous_ == ctx) return;
-    EPX_CU_CHECK(driver().ctx_set_current(ctx));
-    restore_ = restore;
-  }
-  ~ContextScope() {
-    if (restore_) driver().ctx_set_current(previous_);
-  }
-  ContextScope(const ContextScope&) = delete;
-  ContextScope& operator=(const ContextScope&) = delete;
-
- private:
-  CUcontext previous_ = nullptr;
-  bool restore_ = false;
-};
 
 /// Waits for `stream` until `timeout_s`; false when its work is still queued.
 bool drain(cudaStream_t stream, double timeout_s) {
@@ -184,23 +150,6 @@ class CudaIpcEngine final : public Engine {
                   "cuda_ipc engine: device " + std::to_string(device_) +
                       " cannot write 64-bit values from a stream (cuStreamWriteValue64), which "
                       "its signals need");
-    if (!comm_.in_process()) {
-      // The engine's own context. While a thread of this process waits in a
-      // blocking call of the primary context, e.g. a copy to pageable memory
-      // behind a kernel (PyTorch's .cpu() right after an op), the driver
-      // holds every other thread's primary-context call; the proxy's copies
-      // would wait for that kernel, which waits for them (and for the
-      // peers', whose kernels wait for this one's). Calls of another context
-      // go on: measured on H200, a copy took 0.2 ms there against 2.4 s in
-      // the primary context. Its copies and signal writes reach the primary
-      // context's memory and mappings. In-process ranks stay in the primary
-      // context: they cannot share the legacy stream, and a context each
-      // would cost every rank device memory.
-      CUcontext previous = nullptr;
-      EPX_CU_CHECK(driver().ctx_get_current(&previous));
-      EPX_CU_CHECK(driver().ctx_create(&ctx_, nullptr, 0, 0, dev));
-      EPX_CU_CHECK(driver().ctx_set_current(previous));  // ctx_create made it current
-    }
     // Until the first registration tells the hosts apart: in-process ranks
     // reach each other, other processes are unknown (not reached).
     for (int r = 0; r < num_ranks_; ++r) reach_[r] = comm_.in_process() || r == rank_ ? 1 : 0;
@@ -218,29 +167,25 @@ class CudaIpcEngine final : public Engine {
     if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
     cudaSetDevice(device_);
     bool drained = true;
-    try {
-      ContextScope own(ctx_, true);
-      for (auto& ch : channels_)
-        for (cudaStream_t s : ch.streams)
-          if (s) drained = drain(s, timeout_s_) && drained;
-    } catch (...) {
-      drained = false;
-    }
+    for (auto& ch : channels_)
+      for (cudaStream_t s : ch.streams) {
+        if (!s) continue;
+        try {
+          drained = drain(s, timeout_s_) && drained;
+        } catch (...) {
+          drained = false;
+        }
+      }
     // A mapping that a copy may still use stays open (leaked) rather than pulled.
     if (drained)
       for (auto& reg : regions_)
         for (std::size_t r = 0; r < reg.opened.size(); ++r)
           if (reg.opened[r]) cudaIpcCloseMemHandle(reg.opened[r]);
-    try {
-      ContextScope own(ctx_, true);
-      for (auto& ch : channels_) {
-        for (cudaStream_t s : ch.streams)
-          if (s) cudaStreamDestroy(s);
-        for (cudaEvent_t e : ch.all_events) cudaEventDestroy(e);
-      }
-    } catch (...) {
+    for (auto& ch : channels_) {
+      for (cudaStream_t s : ch.streams)
+        if (s) cudaStreamDestroy(s);
+      for (cudaEvent_t e : ch.all_events) cudaEventDestroy(e);
     }
-    if (ctx_) driver().ctx_destroy(ctx_);
     if (previous >= 0) cudaSetDevice(previous);
   }
 
@@ -264,7 +209,6 @@ class CudaIpcEngine final : public Engine {
 
   void put(int channel, int peer, int region, uint64_t dst_off, uint64_t src_off,
            uint64_t bytes) override {
-    bind();
     Channel& ch = channel_of(channel);
     const Region& reg = target(peer, region, "put");
     check_range("put", "destination", peer, region, dst_off, bytes, reg.bytes);
@@ -284,7 +228,6 @@ class CudaIpcEngine final : public Engine {
                   "cuda_ipc engine: put_strided to rank " + std::to_string(peer) + ": pitches (" +
                       std::to_string(dst_pitch) + ", " + std::to_string(src_pitch) +
                       ") must be >= the width " + std::to_string(width));
-    bind();
     Channel& ch = channel_of(channel);
     const Region& reg = target(peer, region, "put_strided");
     // The span from the first row's start to the last row's end, each side.
@@ -312,7 +255,6 @@ class CudaIpcEngine final : public Engine {
   }
 
   void signal_add(int channel, int peer, int region, uint64_t sig_off, uint64_t add) override {
-    bind();
     Channel& ch = channel_of(channel);
     const Region& reg = target(peer, region, "signal_add");
     check_range("signal_add", "signal word", peer, region, sig_off, 8, reg.bytes);
@@ -350,7 +292,6 @@ class CudaIpcEngine final : public Engine {
   }
 
   void mark(int channel, uint64_t token) override {
-    bind();
     Channel& ch = channel_of(channel);
     Mark m{token, {}, 0};
     bool shared_done = false;  // in-process: one stream, one event
@@ -371,7 +312,6 @@ class CudaIpcEngine final : public Engine {
   }
 
   uint64_t completed(int channel) override {
-    bind();
     Channel& ch = channel_of(channel);
     while (!ch.marks.empty()) {
       Mark& m = ch.marks.front();
@@ -424,11 +364,6 @@ class CudaIpcEngine final : public Engine {
     std::vector<void*> peer_base;  ///< per rank: where its region is mapped here (nullptr: not)
     std::vector<void*> opened;     ///< per rank: what cudaIpcOpenMemHandle returned (to close)
   };
-
-  /// put, put_strided, signal_add, mark and completed run on the proxy's
-  /// channel threads, which make no other CUDA call: each thread stays in the
-  /// engine's context from its first call on.
-  void bind() const { ContextScope scope(ctx_, false); }
 
   Channel& channel_of(int c) {
     require(c >= 0 && c < num_channels_, "channel",
@@ -483,9 +418,7 @@ class CudaIpcEngine final : public Engine {
   cudaStream_t stream(Channel& ch, int peer) {
     cudaStream_t& s = ch.streams[comm_.in_process() ? 0 : peer];
     if (!s) {
-      // The proxy thread's device already; with an own context, the caller's
-      // scope made it current.
-      if (!ctx_) EPX_CUDA_CHECK(cudaSetDevice(device_));
+      EPX_CUDA_CHECK(cudaSetDevice(device_));  // the proxy thread's device already
       int least = 0, greatest = 0;
       EPX_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
       EPX_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, greatest));
@@ -513,9 +446,8 @@ class CudaIpcEngine final : public Engine {
 
   Communicator& comm_;
   const int device_, rank_, num_ranks_, num_channels_;
-  CUcontext ctx_ = nullptr;  ///< the engine's own context (null: the primary one)
-  const double timeout_s_;   ///< how long deregistration waits for this rank's copies
-  const bool row_copies_;    ///< strided puts as one copy per row (EPX_PROXY_ROW_COPIES)
+  const double timeout_s_;  ///< how long deregistration waits for this rank's copies
+  const bool row_copies_;   ///< strided puts as one copy per row (EPX_PROXY_ROW_COPIES)
   const std::string hostname_, boot_id_;
   std::vector<std::string> hosts_;      ///< per rank: its hostname (known after a registration)
   std::vector<char> reach_;             ///< per rank: same host (CUDA IPC works)
@@ -631,8 +563,7 @@ void CudaIpcEngine::register_region(int id, void* base, std::size_t bytes) {
   // Every endpoint's stream and some events now, on the registering thread:
   // the proxy threads then make no CUDA object while ops run. (Ranks that
   // share a GPU must not make one there: it may wait for the kernels running,
-  // which may wait for this rank.) In the engine's own context, if any.
-  ContextScope own(ctx_, true);
+  // which may wait for this rank.)
   for (auto& ch : channels_) {
     for (int p = 0; p < num_ranks_; ++p)
       if (reach_[p] && is_target(p)) stream(ch, p);  // fewer streams, fewer shared queues
@@ -653,16 +584,13 @@ void CudaIpcEngine::deregister_region(int id) {
   // This rank's copies into the peers' regions are done, then (barrier)
   // everyone's are: no peer still writes this rank's region, nobody reads
   // through the mappings that close now.
-  {
-    ContextScope own(ctx_, true);
-    for (auto& ch : channels_)
-      for (int p = 0; p < num_ranks_; ++p)
-        if (ch.streams[p] && !drain(ch.streams[p], timeout_s_))
-          throw Error(ErrorCode::kTimeout,
-                      "cuda_ipc engine: deregister_region(" + std::to_string(id) + "): rank " +
-                          std::to_string(rank_) + "'s copies to rank " + std::to_string(p) +
-                          " did not finish within " + std::to_string(timeout_s_) + " s");
-  }
+  for (auto& ch : channels_)
+    for (int p = 0; p < num_ranks_; ++p)
+      if (ch.streams[p] && !drain(ch.streams[p], timeout_s_))
+        throw Error(ErrorCode::kTimeout,
+                    "cuda_ipc engine: deregister_region(" + std::to_string(id) + "): rank " +
+                        std::to_string(rank_) + "'s copies to rank " + std::to_string(p) +
+                        " did not finish within " + std::to_string(timeout_s_) + " s");
   comm_.barrier();
   Region& reg = regions_[id];
   for (int r = 0; r < num_ranks_; ++r)
