@@ -6,14 +6,14 @@
 #   EPX_LL_CXX   "BACKEND:R:RPN:QPS:FILTER ..." C++ GPU-suite runs (BACKEND proxy
 #                or nccl; QPS: contexts per peer). Default: the clean-first
 #                tests and the legacy-stream back-to-back one with copies, at
-#                2:1:4 and 4:2:4 over the proxy and nccl.
+#                2:1:4 and 4:2:4 over the proxy, then the LowLatency,
+#                Internode and Network suites at 2:1 over the proxy.
 #   EPX_LL_PY    "VAR=VALUE ...;VAR=VALUE ...;..." one Python run per ';'-part,
 #                with that environment (EPX_BACKEND=nccl gets the loopback
-#                plugin added). Default: the Python LL case over nccl and the
-#                proxy with 8 and with 32 hardware queues, then over nccl with
-#                a device-wide wait after each op (EPX_TEST_SYNC_AFTER_OPS=1).
+#                plugin added). Default: the Python LL case over the proxy
+#                with EPX_PROXY_CUMEM=1, then over nccl.
 #   EPX_LL_ENVS  "VAR=VALUE ...;..." each C++ run again under each part (default:
-#                CUDA_DEVICE_MAX_CONNECTIONS=8, then =32; the Python tests set 32).
+#                EPX_PROXY_CUMEM=1, the proxy's cuMem regions and own context).
 #   EPX_LL_K     pytest -k of the Python runs (default: the LL case at 2 processes)
 #   EPX_LL_TIMEOUT_S  EPX_TIMEOUT_S of every run (5: a lost op fails in seconds)
 # Every rank's error comes back (tests/python/test_gpu.py waits for them); logs
@@ -27,8 +27,8 @@ LOGS="$OUT/ll"
 mkdir -p "$LOGS"
 summary=()
 tests="LowLatency.CleanOnAFreshBufferThenOps:LowLatency.PythonCaseShapesPairAfterPair:LowLatency.BackToBackOnTheLegacyStreamWithCopies"
-IFS=';' read -ra envs <<< "${EPX_LL_ENVS:-CUDA_DEVICE_MAX_CONNECTIONS=8;CUDA_DEVICE_MAX_CONNECTIONS=32}"
-for spec in ${EPX_LL_CXX:-proxy:2:1:4:$tests nccl:2:1:4:$tests proxy:4:2:4:$tests nccl:4:2:4:$tests}; do
+IFS=';' read -ra envs <<< "${EPX_LL_ENVS:-EPX_PROXY_CUMEM=1}"
+for spec in ${EPX_LL_CXX:-proxy:2:1:4:$tests proxy:4:2:4:$tests proxy:2:1:1:LowLatency.*:Internode.*:Network.*}; do
   IFS=: read -r backend r rpn qps filter <<< "$spec"
   [ "$GPUS" -ge "$r" ] || continue
   benv=(EPX_BACKEND="$backend")
@@ -49,9 +49,7 @@ $(grep -c '^\[       OK' "$LOGS/cxx-$tag.log") ok, $(grep -c '^\[  FAILED  \] [A
 done
 # The Python runs: device_run.sh's python step, one per environment.
 gin="$GIN_PLUGIN EPX_BACKEND=nccl"
-default_py="EPX_BACKEND=nccl CUDA_DEVICE_MAX_CONNECTIONS=8;EPX_BACKEND=nccl CUDA_DEVICE_MAX_CONNECTIONS=32;\
-EPX_BACKEND=proxy CUDA_DEVICE_MAX_CONNECTIONS=8;EPX_BACKEND=proxy CUDA_DEVICE_MAX_CONNECTIONS=32;\
-EPX_BACKEND=nccl EPX_TEST_SYNC_AFTER_OPS=1"
+default_py="EPX_BACKEND=proxy EPX_PROXY_CUMEM=1;EPX_BACKEND=nccl"
 IFS=';' read -ra pys <<< "${EPX_LL_PY-$default_py}"
 i=0
 for v in "${pys[@]}"; do

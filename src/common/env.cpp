@@ -109,6 +109,10 @@ bool proxy_row_copies() {
   return zero_or_one("EPX_PROXY_ROW_COPIES");
 }
 
+bool proxy_cumem() {
+  return zero_or_one("EPX_PROXY_CUMEM");
+}
+
 int ht_rings() {
   const auto v = get_int("EPX_HT_RINGS");
   if (!v) return 0;

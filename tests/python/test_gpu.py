@@ -896,8 +896,10 @@ def _case_low_latency(rank, world, group):
                   explicitly_destroy=True)
     # Over the proxy across nodes the ops run one at a time: its one-host engine issues
     # its copies as CUDA calls that the driver holds while this thread waits in a
-    # pageable .cpu() copy behind an op (docs/limitations.md, known-failing otherwise).
-    proxy_across = buf.backend == "proxy" and buf.get_num_rdma_ranks() > 1
+    # pageable .cpu() copy behind an op (docs/limitations.md, known-failing otherwise),
+    # unless EPX_PROXY_CUMEM=1 moves them to a context of its own.
+    proxy_across = (buf.backend == "proxy" and buf.get_num_rdma_ranks() > 1
+                    and os.environ.get("EPX_PROXY_CUMEM") != "1")
     if os.environ.get("EPX_TEST_SYNC_AFTER_OPS") == "1" or proxy_across:
         buf = _SyncAfterOps(buf)
     buf.clean_low_latency_buffer(maxT, H, E)

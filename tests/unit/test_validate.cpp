@@ -387,6 +387,10 @@ TEST(Env, ProxyRowCopiesIsZeroOrOne) {
   expect_zero_or_one_switch("EPX_PROXY_ROW_COPIES", env::proxy_row_copies);
 }
 
+TEST(Env, ProxyCumemIsZeroOrOne) {
+  expect_zero_or_one_switch("EPX_PROXY_CUMEM", env::proxy_cumem);
+}
+
 TEST(Env, NetSplitPutsIsUnsetZeroOrOne) {
   const SavedEnv saved("EPX_NET_SPLIT_PUTS");
   unsetenv("EPX_NET_SPLIT_PUTS");

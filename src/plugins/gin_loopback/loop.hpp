@@ -19,12 +19,17 @@
 #include <unordered_set>
 #include <vector>
 
+#include "common/host_mesh.hpp"
 #include "plugins/gin_loopback/abi.hpp"
 #include "plugins/gin_loopback/inbox.hpp"
 #include "plugins/gin_loopback/memops.hpp"
-#include "plugins/gin_loopback/mesh.hpp"
 
 namespace epx::gin_loop {
+
+using host_mesh::Mesh;
+using host_mesh::MeshError;
+using host_mesh::MeshHandle;
+using host_mesh::MeshListener;
 
 /// An error for NCCL: the result code and the sentence logged with it.
 class PluginError : public std::runtime_error {

@@ -1,7 +1,12 @@
 // CUDA IPC engine (engine.hpp): the peers of one host map each other's
 // regions; a put is a cudaMemcpyAsync on the endpoint's own stream and a
 // signal a stream-ordered cuStreamWriteValue64 behind it. Completion is
-// tracked by events recorded at each mark.
+// tracked by events recorded at each mark. With EPX_PROXY_CUMEM=1 and a
+// process per rank, regions are cuMem allocations whose POSIX file
+// descriptors travel over a host mesh (common/host_mesh.hpp) instead of
+// legacy IPC handles, and the streams, the events and every call of the
+// proxy threads live in a CUDA context of the engine's own (the constructor
+// says why).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <unistd.h>
@@ -19,6 +24,7 @@
 
 #include "common/check.hpp"
 #include "common/env.hpp"
+#include "common/host_mesh.hpp"
 #include "common/topology.hpp"
 #include "epx/communicator.hpp"
 #include "transport/proxy/command.hpp"
@@ -35,6 +41,22 @@ struct Driver {
   PFN_cuGetErrorName_v6000 get_error_name = nullptr;
   PFN_cuDeviceGet_v2000 device_get = nullptr;
   PFN_cuDeviceGetAttribute_v2000 device_get_attribute = nullptr;
+  PFN_cuCtxCreate_v11040 ctx_create = nullptr;  // the 12.0 flavour: with affinity parameters
+  PFN_cuCtxDestroy_v4000 ctx_destroy = nullptr;
+  PFN_cuCtxGetCurrent_v4000 ctx_get_current = nullptr;
+  PFN_cuCtxSetCurrent_v4000 ctx_set_current = nullptr;
+  // cuMem regions (EPX_PROXY_CUMEM)
+  PFN_cuMemCreate_v10020 mem_create = nullptr;
+  PFN_cuMemGetAllocationGranularity_v10020 mem_granularity = nullptr;
+  PFN_cuMemAddressReserve_v10020 mem_reserve = nullptr;
+  PFN_cuMemAddressFree_v10020 mem_address_free = nullptr;
+  PFN_cuMemMap_v10020 mem_map = nullptr;
+  PFN_cuMemUnmap_v10020 mem_unmap = nullptr;
+  PFN_cuMemSetAccess_v10020 mem_set_access = nullptr;
+  PFN_cuMemRelease_v10020 mem_release = nullptr;
+  PFN_cuMemRetainAllocationHandle_v11000 mem_retain = nullptr;
+  PFN_cuMemExportToShareableHandle_v10020 mem_export = nullptr;
+  PFN_cuMemImportFromShareableHandle_v10020 mem_import = nullptr;
 };
 
 void* driver_entry_point(const char* symbol) {
@@ -60,6 +82,29 @@ const Driver& driver() {
     x.device_get = reinterpret_cast<PFN_cuDeviceGet_v2000>(driver_entry_point("cuDeviceGet"));
     x.device_get_attribute = reinterpret_cast<PFN_cuDeviceGetAttribute_v2000>(
         driver_entry_point("cuDeviceGetAttribute"));
+    x.ctx_create = reinterpret_cast<PFN_cuCtxCreate_v11040>(driver_entry_point("cuCtxCreate"));
+    x.ctx_destroy = reinterpret_cast<PFN_cuCtxDestroy_v4000>(driver_entry_point("cuCtxDestroy"));
+    x.ctx_get_current =
+        reinterpret_cast<PFN_cuCtxGetCurrent_v4000>(driver_entry_point("cuCtxGetCurrent"));
+    x.ctx_set_current =
+        reinterpret_cast<PFN_cuCtxSetCurrent_v4000>(driver_entry_point("cuCtxSetCurrent"));
+#define EPX_CU_ENTRY(member, type, symbol) \
+  x.member = reinterpret_cast<type>(driver_entry_point(symbol))
+    EPX_CU_ENTRY(mem_create, PFN_cuMemCreate_v10020, "cuMemCreate");
+    EPX_CU_ENTRY(mem_granularity, PFN_cuMemGetAllocationGranularity_v10020,
+                 "cuMemGetAllocationGranularity");
+    EPX_CU_ENTRY(mem_reserve, PFN_cuMemAddressReserve_v10020, "cuMemAddressReserve");
+    EPX_CU_ENTRY(mem_address_free, PFN_cuMemAddressFree_v10020, "cuMemAddressFree");
+    EPX_CU_ENTRY(mem_map, PFN_cuMemMap_v10020, "cuMemMap");
+    EPX_CU_ENTRY(mem_unmap, PFN_cuMemUnmap_v10020, "cuMemUnmap");
+    EPX_CU_ENTRY(mem_set_access, PFN_cuMemSetAccess_v10020, "cuMemSetAccess");
+    EPX_CU_ENTRY(mem_release, PFN_cuMemRelease_v10020, "cuMemRelease");
+    EPX_CU_ENTRY(mem_retain, PFN_cuMemRetainAllocationHandle_v11000, "cuMemRetainAllocationHandle");
+    EPX_CU_ENTRY(mem_export, PFN_cuMemExportToShareableHandle_v10020,
+                 "cuMemExportToShareableHandle");
+    EPX_CU_ENTRY(mem_import, PFN_cuMemImportFromShareableHandle_v10020,
+                 "cuMemImportFromShareableHandle");
+#undef EPX_CU_ENTRY
     return x;
   }();
   return d;
@@ -74,6 +119,69 @@ void check_cu(CUresult r, const char* expr, const char* file, int line) {
                                     file + ":" + std::to_string(line));
 }
 #define EPX_CU_CHECK(expr) check_cu((expr), #expr, __FILE__, __LINE__)
+
+/// Makes `ctx` current on this thread (nothing when it is null); with
+/// `restore`, the thread's previous context again at the end of the scope.
+class ContextScope {
+ public:
+  ContextScope(CUcontext ctx, bool restore) {
+    if (!ctx) return;
+    EPX_CU_CHECK(driver().ctx_get_current(&previous_));
+    if (previous_ == ctx) return;
+    EPX_CU_CHECK(driver().ctx_set_current(ctx));
+    restore_ = restore;
+  }
+  ~ContextScope() {
+    if (restore_) driver().ctx_set_current(previous_);
+  }
+  ContextScope(const ContextScope&) = delete;
+  ContextScope& operator=(const ContextScope&) = delete;
+
+ private:
+  CUcontext previous_ = nullptr;
+  bool restore_ = false;
+};
+
+/// Read-write access to [va, va + bytes) for `device`.
+void grant_access(CUdeviceptr va, std::size_t bytes, int device) {
+  CUmemAccessDesc access{};
+  access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  access.location.id = device;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  EPX_CU_CHECK(driver().mem_set_access(va, bytes, &access, 1));
+}
+
+/// Maps the cuMem allocation behind `fd` (a peer's export, `bytes` long) for
+/// `device`; the mapping keeps the allocation alive. Returns its address.
+CUdeviceptr import_cumem(int fd, std::size_t bytes, int device) {
+  const Driver& d = driver();
+  CUmemGenericAllocationHandle handle = 0;
+  EPX_CU_CHECK(d.mem_import(&handle, reinterpret_cast<void*>(static_cast<intptr_t>(fd)),
+                            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+  CUdeviceptr va = 0;
+  bool mapped = false;
+  try {
+    EPX_CU_CHECK(d.mem_reserve(&va, bytes, 0, 0, 0));
+    EPX_CU_CHECK(d.mem_map(va, bytes, 0, handle, 0));
+    mapped = true;
+    grant_access(va, bytes, device);
+  } catch (...) {
+    if (mapped) d.mem_unmap(va, bytes);
+    if (va) d.mem_address_free(va, bytes);
+    d.mem_release(handle);
+    throw;
+  }
+  EPX_CU_CHECK(d.mem_release(handle));
+  return va;
+}
+
+/// Closes a file descriptor at the end of its scope (-1: none).
+struct FdCloser {
+  int fd = -1;
+  ~FdCloser() {
+    if (fd >= 0) ::close(fd);
+  }
+};
 
 /// Waits for `stream` until `timeout_s`; false when its work is still queued.
 bool drain(cudaStream_t stream, double timeout_s) {
@@ -102,9 +210,11 @@ struct Record {
   char host[72];     ///< hostname
   char boot_id[40];  ///< /proc/sys/kernel/random/boot_id: tells apart hosts of one name
   int64_t pid;
-  uint64_t base;    ///< the region's address in its process
-  uint64_t bytes;   ///< the region's size
-  uint64_t offset;  ///< base minus the start of its allocation (what the IPC handle maps)
+  uint64_t base;         ///< the region's address in its process
+  uint64_t bytes;        ///< the region's size
+  uint64_t offset;       ///< base minus the start of its allocation (what the IPC handle maps)
+  uint64_t alloc_bytes;  ///< the allocation's size (a cuMem export maps all of it)
+  int32_t cumem;         ///< 1: exported as a cuMem file descriptor (EPX_PROXY_CUMEM)
   cudaIpcMemHandle_t handle;
   int32_t failed;  ///< 1: the export failed (error says why)
   char error[300];
@@ -129,6 +239,7 @@ class CudaIpcEngine final : public Engine {
         num_channels_(num_channels),
         timeout_s_(env::timeout_seconds()),
         row_copies_(comm.in_process() || env::proxy_row_copies()),
+        cumem_(!comm.in_process() && env::proxy_cumem()),
         hostname_(hostname()),
         boot_id_(boot_id()),
         hosts_(static_cast<std::size_t>(num_ranks_)),
@@ -150,6 +261,26 @@ class CudaIpcEngine final : public Engine {
                   "cuda_ipc engine: device " + std::to_string(device_) +
                       " cannot write 64-bit values from a stream (cuStreamWriteValue64), which "
                       "its signals need");
+    if (cumem_) {
+      // The engine's own context. While a thread of this process waits in a
+      // blocking call of the primary context, e.g. a copy to pageable memory
+      // behind a kernel (PyTorch's .cpu() right after an op), the driver
+      // holds every other thread's primary-context call; the proxy's copies
+      // would wait for that kernel, which waits for them (and for the
+      // peers', whose kernels wait for this one's). Calls of another context
+      // go on: measured on H200, a copy took 0.2 ms there against 2.4 s in
+      // the primary context. It needs cuMem regions: from an own context,
+      // copies between cudaMalloc memory and legacy IPC mappings of the
+      // primary context never landed while an op's kernel ran (twelfth
+      // session), while the loopback GIN plugin's, between cuMem mappings,
+      // did. In-process ranks stay in the primary context: they cannot share
+      // the legacy stream, and a context each would cost every rank device
+      // memory.
+      CUcontext previous = nullptr;
+      EPX_CU_CHECK(driver().ctx_get_current(&previous));
+      EPX_CU_CHECK(driver().ctx_create(&ctx_, nullptr, 0, 0, dev));
+      EPX_CU_CHECK(driver().ctx_set_current(previous));  // ctx_create made it current
+    }
     // Until the first registration tells the hosts apart: in-process ranks
     // reach each other, other processes are unknown (not reached).
     for (int r = 0; r < num_ranks_; ++r) reach_[r] = comm_.in_process() || r == rank_ ? 1 : 0;
@@ -167,25 +298,28 @@ class CudaIpcEngine final : public Engine {
     if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
     cudaSetDevice(device_);
     bool drained = true;
-    for (auto& ch : channels_)
-      for (cudaStream_t s : ch.streams) {
-        if (!s) continue;
-        try {
-          drained = drain(s, timeout_s_) && drained;
-        } catch (...) {
-          drained = false;
-        }
-      }
+    try {
+      ContextScope own(ctx_, true);
+      for (auto& ch : channels_)
+        for (cudaStream_t s : ch.streams)
+          if (s) drained = drain(s, timeout_s_) && drained;
+    } catch (...) {
+      drained = false;
+    }
     // A mapping that a copy may still use stays open (leaked) rather than pulled.
     if (drained)
       for (auto& reg : regions_)
-        for (std::size_t r = 0; r < reg.opened.size(); ++r)
-          if (reg.opened[r]) cudaIpcCloseMemHandle(reg.opened[r]);
-    for (auto& ch : channels_) {
-      for (cudaStream_t s : ch.streams)
-        if (s) cudaStreamDestroy(s);
-      for (cudaEvent_t e : ch.all_events) cudaEventDestroy(e);
+        for (int r = 0; r < static_cast<int>(reg.opened.size()); ++r) unmap_peer(reg, r);
+    try {
+      ContextScope own(ctx_, true);
+      for (auto& ch : channels_) {
+        for (cudaStream_t s : ch.streams)
+          if (s) cudaStreamDestroy(s);
+        for (cudaEvent_t e : ch.all_events) cudaEventDestroy(e);
+      }
+    } catch (...) {
     }
+    if (ctx_) driver().ctx_destroy(ctx_);
     if (previous >= 0) cudaSetDevice(previous);
   }
 
@@ -209,6 +343,7 @@ class CudaIpcEngine final : public Engine {
 
   void put(int channel, int peer, int region, uint64_t dst_off, uint64_t src_off,
            uint64_t bytes) override {
+    bind();
     Channel& ch = channel_of(channel);
     const Region& reg = target(peer, region, "put");
     check_range("put", "destination", peer, region, dst_off, bytes, reg.bytes);
@@ -228,6 +363,7 @@ class CudaIpcEngine final : public Engine {
                   "cuda_ipc engine: put_strided to rank " + std::to_string(peer) + ": pitches (" +
                       std::to_string(dst_pitch) + ", " + std::to_string(src_pitch) +
                       ") must be >= the width " + std::to_string(width));
+    bind();
     Channel& ch = channel_of(channel);
     const Region& reg = target(peer, region, "put_strided");
     // The span from the first row's start to the last row's end, each side.
@@ -255,6 +391,7 @@ class CudaIpcEngine final : public Engine {
   }
 
   void signal_add(int channel, int peer, int region, uint64_t sig_off, uint64_t add) override {
+    bind();
     Channel& ch = channel_of(channel);
     const Region& reg = target(peer, region, "signal_add");
     check_range("signal_add", "signal word", peer, region, sig_off, 8, reg.bytes);
@@ -292,6 +429,7 @@ class CudaIpcEngine final : public Engine {
   }
 
   void mark(int channel, uint64_t token) override {
+    bind();
     Channel& ch = channel_of(channel);
     Mark m{token, {}, 0};
     bool shared_done = false;  // in-process: one stream, one event
@@ -312,6 +450,7 @@ class CudaIpcEngine final : public Engine {
   }
 
   uint64_t completed(int channel) override {
+    bind();
     Channel& ch = channel_of(channel);
     while (!ch.marks.empty()) {
       Mark& m = ch.marks.front();
@@ -362,8 +501,14 @@ class CudaIpcEngine final : public Engine {
     void* local = nullptr;
     std::size_t bytes = 0;
     std::vector<void*> peer_base;  ///< per rank: where its region is mapped here (nullptr: not)
-    std::vector<void*> opened;     ///< per rank: what cudaIpcOpenMemHandle returned (to close)
+    std::vector<void*> opened;     ///< per rank: what cudaIpcOpenMemHandle / import_cumem mapped
+    std::vector<std::size_t> mapped_bytes;  ///< per rank: a cuMem mapping's size (0: IPC)
   };
+
+  /// put, put_strided, signal_add, mark and completed run on the proxy's
+  /// channel threads, which make no other CUDA call: each thread stays in the
+  /// engine's context from its first call on.
+  void bind() const { ContextScope scope(ctx_, false); }
 
   Channel& channel_of(int c) {
     require(c >= 0 && c < num_channels_, "channel",
@@ -418,7 +563,9 @@ class CudaIpcEngine final : public Engine {
   cudaStream_t stream(Channel& ch, int peer) {
     cudaStream_t& s = ch.streams[comm_.in_process() ? 0 : peer];
     if (!s) {
-      EPX_CUDA_CHECK(cudaSetDevice(device_));  // the proxy thread's device already
+      // The proxy thread's device already; with an own context, the caller's
+      // scope made it current.
+      if (!ctx_) EPX_CUDA_CHECK(cudaSetDevice(device_));
       int least = 0, greatest = 0;
       EPX_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
       EPX_CUDA_CHECK(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, greatest));
@@ -438,6 +585,43 @@ class CudaIpcEngine final : public Engine {
     return e;
   }
 
+  /// Closes what register_region mapped of `peer`'s region; with `checked`,
+  /// a failure throws (else it is ignored: the caller raises its own error,
+  /// or tears down).
+  static void unmap_peer(Region& reg, int peer, bool checked = false) {
+    void* p = peer < static_cast<int>(reg.opened.size()) ? reg.opened[peer] : nullptr;
+    if (!p) return;
+    reg.opened[peer] = nullptr;
+    if (reg.mapped_bytes[peer] > 0) {
+      const auto va = reinterpret_cast<CUdeviceptr>(p);
+      const CUresult unmapped = driver().mem_unmap(va, reg.mapped_bytes[peer]);
+      const CUresult freed = driver().mem_address_free(va, reg.mapped_bytes[peer]);
+      if (checked) {
+        EPX_CU_CHECK(unmapped);
+        EPX_CU_CHECK(freed);
+      }
+    } else {
+      const cudaError_t e = cudaIpcCloseMemHandle(p);
+      if (checked) EPX_CUDA_CHECK(e);
+    }
+  }
+
+  /// The host mesh the cuMem exports travel over, made (collectively) at the
+  /// first registration that needs it.
+  host_mesh::Mesh& mesh() {
+    if (!mesh_) {
+      host_mesh::MeshHandle handle{};
+      listener_ = std::make_unique<host_mesh::MeshListener>(&handle);
+      const std::vector<uint8_t> all = comm_.allgather(&handle, sizeof(handle));
+      std::vector<host_mesh::MeshHandle> handles(static_cast<std::size_t>(num_ranks_));
+      std::memcpy(handles.data(), all.data(), sizeof(host_mesh::MeshHandle) * num_ranks_);
+      std::vector<const host_mesh::MeshHandle*> views;
+      for (const auto& h : handles) views.push_back(&h);
+      mesh_ = std::make_unique<host_mesh::Mesh>(views, rank_, *listener_, timeout_s_);
+    }
+    return *mesh_;
+  }
+
   void check_id(int id, const char* what) const {
     require(
         id >= 0 && id < kMaxRegions, what,
@@ -446,8 +630,12 @@ class CudaIpcEngine final : public Engine {
 
   Communicator& comm_;
   const int device_, rank_, num_ranks_, num_channels_;
-  const double timeout_s_;  ///< how long deregistration waits for this rank's copies
-  const bool row_copies_;   ///< strided puts as one copy per row (EPX_PROXY_ROW_COPIES)
+  const double timeout_s_;   ///< how long deregistration waits for this rank's copies
+  const bool row_copies_;    ///< strided puts as one copy per row (EPX_PROXY_ROW_COPIES)
+  const bool cumem_;         ///< cuMem regions and an own context (EPX_PROXY_CUMEM)
+  CUcontext ctx_ = nullptr;  ///< the engine's own context (null: the primary one)
+  std::unique_ptr<host_mesh::MeshListener> listener_;  ///< cuMem exports: made at first use
+  std::unique_ptr<host_mesh::Mesh> mesh_;
   const std::string hostname_, boot_id_;
   std::vector<std::string> hosts_;      ///< per rank: its hostname (known after a registration)
   std::vector<char> reach_;             ///< per rank: same host (CUDA IPC works)
@@ -473,6 +661,8 @@ void CudaIpcEngine::register_region(int id, void* base, std::size_t bytes) {
   mine.pid = static_cast<int64_t>(getpid());
   mine.base = reinterpret_cast<uint64_t>(base);
   mine.bytes = bytes;
+  mine.cumem = cumem_ ? 1 : 0;
+  FdCloser exported;  // this rank's cuMem export, once the peers have theirs
   if (!comm_.in_process()) {
     // An error here travels in the record, so that every rank raises it
     // instead of the others waiting in the all-gather for this one.
@@ -485,10 +675,26 @@ void CudaIpcEngine::register_region(int id, void* base, std::size_t bytes) {
       if (offset + bytes > size)
         throw Error(ErrorCode::kInvalidArgument,
                     where + ": [base, base + " + std::to_string(bytes) +
-                        ") runs past the end of its cudaMalloc allocation (" +
-                        std::to_string(size - offset) + " bytes from base)");
-      EPX_CUDA_CHECK(cudaIpcGetMemHandle(&mine.handle, base));
+                        ") runs past the end of its allocation (" + std::to_string(size - offset) +
+                        " bytes from base)");
+      if (cumem_) {
+        const Driver& d = driver();
+        CUmemGenericAllocationHandle handle = 0;
+        EPX_CU_CHECK(d.mem_retain(&handle, base));
+        const CUresult rc =
+            d.mem_export(&exported.fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+        d.mem_release(handle);  // the retain's reference
+        if (rc != CUDA_SUCCESS)
+          throw Error(ErrorCode::kCuda,
+                      where + ": cuMemExportToShareableHandle failed (CUresult " +
+                          std::to_string(static_cast<int>(rc)) +
+                          "): with EPX_PROXY_CUMEM=1 regions must be cuMem allocations with "
+                          "the POSIX file descriptor handle type (alloc_cumem_region)");
+      } else {
+        EPX_CUDA_CHECK(cudaIpcGetMemHandle(&mine.handle, base));
+      }
       mine.offset = offset;
+      mine.alloc_bytes = size;
     } catch (const std::exception& e) {
       mine.failed = 1;
       copy_string(mine.error, e.what());
@@ -508,12 +714,31 @@ void CudaIpcEngine::register_region(int id, void* base, std::size_t bytes) {
                   where + ": every rank must register the same size: rank 0 gives " +
                       std::to_string(all[0].bytes) + " bytes, rank " + std::to_string(r) + " " +
                       std::to_string(all[r].bytes));
+  for (int r = 0; r < num_ranks_; ++r)
+    if (all[r].cumem != mine.cumem)
+      throw Error(ErrorCode::kInvalidArgument,
+                  where + ": EPX_PROXY_CUMEM must be the same on every rank: rank " +
+                      std::to_string(r) + " has " + std::to_string(all[r].cumem) + ", rank " +
+                      std::to_string(rank_) + " " + std::to_string(mine.cumem));
+  // cuMem exports travel as file descriptors over the host mesh (one host:
+  // the mesh refuses ranks of another boot id, naming them).
+  std::vector<host_mesh::Mesh::Item> fds;
+  if (cumem_) {
+    try {
+      fds = mesh().allgather({}, exported.fd, "register_region (cuMem exports)");
+    } catch (const host_mesh::MeshError& e) {
+      throw Error(ErrorCode::kTimeout, where + ": " + e.what());
+    }
+  }
+  std::vector<FdCloser> received(fds.size());
+  for (std::size_t r = 0; r < fds.size(); ++r) received[r].fd = fds[r].fd;
 
   Region reg;
   reg.local = base;
   reg.bytes = bytes;
   reg.peer_base.assign(static_cast<std::size_t>(num_ranks_), nullptr);
   reg.opened.assign(static_cast<std::size_t>(num_ranks_), nullptr);
+  reg.mapped_bytes.assign(static_cast<std::size_t>(num_ranks_), 0);
   std::vector<char> reach(static_cast<std::size_t>(num_ranks_), 0);
   OpenStatus status;
   std::memset(&status, 0, sizeof(status));
@@ -526,6 +751,17 @@ void CudaIpcEngine::register_region(int id, void* base, std::size_t bytes) {
       reg.peer_base[r] = base;
     } else if (same_process) {
       reg.peer_base[r] = reinterpret_cast<void*>(all[r].base);
+    } else if (same_host && !status.failed && cumem_) {
+      try {
+        const CUdeviceptr va = import_cumem(received[r].fd, all[r].alloc_bytes, device_);
+        reg.opened[r] = reinterpret_cast<void*>(va);
+        reg.mapped_bytes[r] = all[r].alloc_bytes;
+        reg.peer_base[r] = reinterpret_cast<char*>(va) + all[r].offset;
+      } catch (const std::exception& e) {
+        status.failed = 1;
+        copy_string(status.error,
+                    "mapping rank " + std::to_string(r) + "'s cuMem region failed: " + e.what());
+      }
     } else if (same_host && !status.failed) {
       void* p = nullptr;
       const cudaError_t e = cudaIpcOpenMemHandle(&p, all[r].handle, cudaIpcMemLazyEnablePeerAccess);
@@ -548,8 +784,8 @@ void CudaIpcEngine::register_region(int id, void* base, std::size_t bytes) {
       OpenStatus s;
       std::memcpy(&s, opened.data() + sizeof(OpenStatus) * r, sizeof(s));
       if (!s.failed) continue;
-      for (void* p : reg.opened)
-        if (p) cudaIpcCloseMemHandle(p);  // nothing used it yet; the error below is the news
+      for (int p = 0; p < num_ranks_; ++p)
+        unmap_peer(reg, p);  // nothing used it yet; the error below is the news
       throw Error(ErrorCode::kCuda, where + ": rank " + std::to_string(r) + ": " + s.error);
     }
   }
@@ -563,7 +799,8 @@ void CudaIpcEngine::register_region(int id, void* base, std::size_t bytes) {
   // Every endpoint's stream and some events now, on the registering thread:
   // the proxy threads then make no CUDA object while ops run. (Ranks that
   // share a GPU must not make one there: it may wait for the kernels running,
-  // which may wait for this rank.)
+  // which may wait for this rank.) In the engine's own context, if any.
+  ContextScope own(ctx_, true);
   for (auto& ch : channels_) {
     for (int p = 0; p < num_ranks_; ++p)
       if (reach_[p] && is_target(p)) stream(ch, p);  // fewer streams, fewer shared queues
@@ -584,21 +821,19 @@ void CudaIpcEngine::deregister_region(int id) {
   // This rank's copies into the peers' regions are done, then (barrier)
   // everyone's are: no peer still writes this rank's region, nobody reads
   // through the mappings that close now.
-  for (auto& ch : channels_)
-    for (int p = 0; p < num_ranks_; ++p)
-      if (ch.streams[p] && !drain(ch.streams[p], timeout_s_))
-        throw Error(ErrorCode::kTimeout,
-                    "cuda_ipc engine: deregister_region(" + std::to_string(id) + "): rank " +
-                        std::to_string(rank_) + "'s copies to rank " + std::to_string(p) +
-                        " did not finish within " + std::to_string(timeout_s_) + " s");
+  {
+    ContextScope own(ctx_, true);
+    for (auto& ch : channels_)
+      for (int p = 0; p < num_ranks_; ++p)
+        if (ch.streams[p] && !drain(ch.streams[p], timeout_s_))
+          throw Error(ErrorCode::kTimeout,
+                      "cuda_ipc engine: deregister_region(" + std::to_string(id) + "): rank " +
+                          std::to_string(rank_) + "'s copies to rank " + std::to_string(p) +
+                          " did not finish within " + std::to_string(timeout_s_) + " s");
+  }
   comm_.barrier();
   Region& reg = regions_[id];
-  for (int r = 0; r < num_ranks_; ++r)
-    if (reg.opened[r]) {
-      void* p = reg.opened[r];
-      reg.opened[r] = nullptr;
-      EPX_CUDA_CHECK(cudaIpcCloseMemHandle(p));
-    }
+  for (int r = 0; r < num_ranks_; ++r) unmap_peer(reg, r, true);
   regions_[id] = Region{};
 }
 
@@ -607,6 +842,46 @@ void CudaIpcEngine::deregister_region(int id) {
 std::unique_ptr<Engine> make_cuda_ipc_engine(Communicator& comm, int num_channels,
                                              std::vector<uint8_t> targets) {
   return std::make_unique<CudaIpcEngine>(comm, num_channels, std::move(targets));
+}
+
+bool cumem_regions(const Communicator& comm) {
+  return !comm.in_process() && env::proxy_cumem();
+}
+
+void* alloc_cumem_region(int device, std::size_t& bytes) {
+  const Driver& d = driver();
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  std::size_t granularity = 0;
+  EPX_CU_CHECK(d.mem_granularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED));
+  bytes = (bytes + granularity - 1) / granularity * granularity;
+  CUmemGenericAllocationHandle handle = 0;
+  EPX_CU_CHECK(d.mem_create(&handle, bytes, &prop, 0));
+  CUdeviceptr va = 0;
+  bool mapped = false;
+  try {
+    EPX_CU_CHECK(d.mem_reserve(&va, bytes, granularity, 0, 0));
+    EPX_CU_CHECK(d.mem_map(va, bytes, 0, handle, 0));
+    mapped = true;
+    grant_access(va, bytes, device);
+  } catch (...) {
+    if (mapped) d.mem_unmap(va, bytes);
+    if (va) d.mem_address_free(va, bytes);
+    d.mem_release(handle);
+    throw;
+  }
+  EPX_CU_CHECK(d.mem_release(handle));  // the mapping keeps the allocation
+  return reinterpret_cast<void*>(va);
+}
+
+void free_cumem_region(void* p, std::size_t bytes) {
+  if (!p) return;
+  const auto va = reinterpret_cast<CUdeviceptr>(p);
+  EPX_CU_CHECK(driver().mem_unmap(va, bytes));
+  EPX_CU_CHECK(driver().mem_address_free(va, bytes));
 }
 
 }  // namespace epx::proxy

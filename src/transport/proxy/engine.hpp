@@ -78,10 +78,21 @@ class Engine {
 /// other rank of the host; a put is a cudaMemcpyAsync on the endpoint's own
 /// stream, a signal a stream-ordered write (cuStreamWriteValue64) of the
 /// signal word's running total after it. Refuses, naming them, peers on
-/// another host. Regions must be cudaMalloc'd device memory. `targets`
+/// another host. Regions must be cudaMalloc'd device memory (cuMem ones from
+/// alloc_cumem_region with EPX_PROXY_CUMEM=1). `targets`
 /// (empty: every rank; else one entry per rank): the peers commands may name,
 /// the only ones that get a stream per channel (others are refused).
 std::unique_ptr<Engine> make_cuda_ipc_engine(Communicator& comm, int num_channels,
                                              std::vector<uint8_t> targets = {});
+
+/// Whether the CUDA IPC engine of `comm`'s rank wants cuMem regions
+/// (EPX_PROXY_CUMEM=1 with a process per rank): the backend then allocates
+/// them with alloc_cumem_region instead of cudaMalloc.
+bool cumem_regions(const Communicator& comm);
+/// Device memory on `device` that the engine exports as a POSIX file
+/// descriptor: `bytes` is rounded up to the allocation granularity (the size
+/// to register and to free).
+void* alloc_cumem_region(int device, std::size_t& bytes);
+void free_cumem_region(void* p, std::size_t bytes);
 
 }  // namespace epx::proxy

@@ -1,4 +1,5 @@
-// The CPU-proxy backend: symmetric memory from cudaMalloc; peers in this
+// The CPU-proxy backend: symmetric memory from cudaMalloc (cuMem with
+// EPX_PROXY_CUMEM=1 and a process per rank); peers in this
 // rank's (possibly virtual) node reached by load/store through the engine's
 // mappings; the others through commands the GPU posts into per-channel rings
 // that proxy threads hand to the engine (CUDA IPC on one host today).
@@ -32,7 +33,7 @@ void read_stop_knob(int rank, proxy::ProxyOptions& o) {
 class ProxyBackend final : public Backend {
  public:
   ProxyBackend(Communicator& comm, const Topology& topology, const BackendOptions& options)
-      : comm_(comm), topo_(topology) {
+      : comm_(comm), topo_(topology), cumem_(proxy::cumem_regions(comm)) {
     // One thread per channel: num_qps_per_rank (DeepEP's default is 24) is
     // capped at EPX_PROXY_CHANNELS (default 4) channels per rank.
     const long cap = env::get_int("EPX_PROXY_CHANNELS").value_or(4);
@@ -87,7 +88,10 @@ class ProxyBackend final : public Backend {
     r.id = next_id_++;
     if (r.id >= proxy::kMaxRegions)
       throw Error(ErrorCode::kInternal, "proxy backend: too many regions");
-    EPX_CUDA_CHECK(cudaMalloc(&r.local, r.bytes));
+    if (cumem_)
+      r.local = proxy::alloc_cumem_region(comm_.device(), r.bytes);
+    else
+      EPX_CUDA_CHECK(cudaMalloc(&r.local, r.bytes));
     EPX_CUDA_CHECK(cudaMemset(r.local, 0, r.bytes));
     EPX_CUDA_CHECK(cudaDeviceSynchronize());
     // Collective: every rank's region is registered (and zeroed) before any
@@ -117,7 +121,10 @@ class ProxyBackend final : public Backend {
       proxy_.reset();
     }
     engine_->deregister_region(r.id);
-    EPX_CUDA_CHECK(cudaFree(r.local));
+    if (cumem_)
+      proxy::free_cumem_region(r.local, r.bytes);
+    else
+      EPX_CUDA_CHECK(cudaFree(r.local));
     barrier();
     r = SymmetricRegion{};
   }
@@ -160,6 +167,7 @@ class ProxyBackend final : public Backend {
  private:
   Communicator& comm_;
   Topology topo_;
+  const bool cumem_;  ///< regions from alloc_cumem_region (EPX_PROXY_CUMEM)
   int num_channels_ = 1;
   int next_id_ = 0;
   std::unique_ptr<proxy::Engine> engine_;

@@ -1,5 +1,5 @@
-// plugins/gin_loopback/mesh.cpp - the star of abstract Unix sockets.
-#include "plugins/gin_loopback/mesh.hpp"
+// common/host_mesh.cpp - the star of abstract Unix sockets.
+#include "common/host_mesh.hpp"
 
 #include <poll.h>
 #include <sys/socket.h>
@@ -14,7 +14,7 @@
 #include <cstring>
 #include <fstream>
 
-namespace epx::gin_loop {
+namespace epx::host_mesh {
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -335,4 +335,4 @@ std::vector<Mesh::Item> Mesh::allgather(const std::string& bytes, int fd, const 
   return items;
 }
 
-}  // namespace epx::gin_loop
+}  // namespace epx::host_mesh

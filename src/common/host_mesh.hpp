@@ -1,9 +1,11 @@
-// plugins/gin_loopback/mesh.hpp - how the ranks of one GIN collComm reach each
-// other on one host: listen() binds an abstract Unix socket (SOCK_SEQPACKET)
-// and describes it in the 128-byte handle NCCL allgathers; connect() builds a
-// star around rank 0 (every other rank connects to rank 0's socket), which
-// carries the plugin's own collectives: allgather of a few bytes and at most
-// one file descriptor per rank (SCM_RIGHTS; memfds of windows and inboxes).
+// common/host_mesh.hpp - how the ranks of one host reach each other for
+// setup (the loopback GIN plugin's collComms, the CUDA IPC engine's cuMem
+// regions): MeshListener binds an abstract Unix socket (SOCK_SEQPACKET) and
+// describes it in a 128-byte handle the ranks allgather (through NCCL, or
+// EPX's Communicator); Mesh builds a star around rank 0 (every other rank
+// connects to rank 0's socket), which carries the owners' own collectives:
+// allgather of a few bytes and at most one file descriptor per rank
+// (SCM_RIGHTS; memfds of windows and inboxes, cuMem allocations).
 // A star needs n - 1 connections instead of n(n-1)/2 and is enough for the
 // few collectives of setup and registration; data never crosses it.
 //
@@ -17,7 +19,7 @@
 #include <string>
 #include <vector>
 
-namespace epx::gin_loop {
+namespace epx::host_mesh {
 
 class MeshError : public std::runtime_error {
  public:
@@ -85,4 +87,4 @@ class Mesh {
 /// This host's boot id (/proc/sys/kernel/random/boot_id), "" if unreadable.
 std::string boot_id();
 
-}  // namespace epx::gin_loop
+}  // namespace epx::host_mesh
