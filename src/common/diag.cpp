@@ -69,6 +69,11 @@ std::string internode_shape_message(int channel, int rank, int peer, int mine, i
     os << op_of(op) << " across nodes: num_tokens_per_rank: rank " << peer
        << "'s disagrees with its is_token_in_rank (pass the tensors of one get_dispatch_layout "
           "call; nothing was sent)";
+  } else if (field == 7) {
+    os << op_of(op) << " across nodes: the rings (EPX_HT_RINGS): rank " << peer
+       << "'s ring layout differs from rank " << rank
+       << "'s; every rank must run with the same EPX_HT_RINGS, config.num_sms (the ring "
+          "channels) and num_nvl_bytes (nothing was sent)";
   } else {
     const char* name = field == 4  ? "num_worst_tokens"
                        : field < 4 ? (op == 1 ? dispatch_fields[field] : combine_fields[field])

@@ -57,7 +57,7 @@ const char* op_name(OpId op);
 /// fit or its layout disagrees. `channel`: kInternodeShapeFields * this
 /// rank's op (1 dispatch, 2 combine) + the field (kernels::HtNetShape: 0 the
 /// op, 1-3 the op's row fields, 4 num_worst_tokens, 5 whether the rows fit,
-/// 6 the caller's layout).
+/// 6 the caller's layout, 7 the rings' layout).
 inline constexpr int kInternodeShapeFields = 8;
 std::string internode_shape_message(int channel, int rank, int peer, int mine, int theirs);
 

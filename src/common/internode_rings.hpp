@@ -118,6 +118,31 @@ struct HtRingRegion {
   static HtRingRegion make(const Topology& topology, const HtRingGeometry& geometry,
                            std::size_t record_bytes, std::size_t header_bytes,
                            std::size_t region_bytes);
+  /// What the ranks' rings must agree on to meet: the geometry, the record
+  /// size and where the areas lie (which the region's size moves), folded
+  /// into a positive int, never 0 (0: no rings). The dispatch barrier
+  /// compares it (kernels::HtNetShape's last field), so ranks whose channel
+  /// counts, EPX_HT_RINGS or num_nvl_bytes differ are refused by name
+  /// before anything moves, instead of storing into each other's wrong rows.
+  /// (Inline: the NVSHMEM module's kernels use it without this file's .cpp.)
+  int layout_word() const {
+    const uint64_t v[] = {static_cast<uint64_t>(geometry.channels),
+                          static_cast<uint64_t>(geometry.net_slots),
+                          static_cast<uint64_t>(geometry.net_chunk),
+                          static_cast<uint64_t>(geometry.nvl_slots),
+                          static_cast<uint64_t>(geometry.nvl_chunk),
+                          record_bytes,
+                          nvl_rings,
+                          state,
+                          total};
+    uint32_t h = 2166136261u;  // FNV-1a over the values' bytes
+    for (uint64_t x : v)
+      for (int b = 0; b < 8; ++b) {
+        h ^= static_cast<uint32_t>((x >> (8 * b)) & 0xff);
+        h *= 16777619u;
+      }
+    return static_cast<int>((h & 0x7fffffffu) | 1u);
+  }
 
   EPX_HD int num_nodes() const { return num_ranks / ranks_per_node; }
   EPX_HD int width() const {  ///< of the bases: nodes, local ranks, or kOps's 3 roles

@@ -1117,7 +1117,7 @@ void dispatch_for(const T& t, const HtNetDispatchArgs& a, cudaStream_t stream) {
   p.t = t;
   launch_barrier(t, a.off, HtNetOp::kDispatch,
                  {static_cast<int>(HtNetOp::kDispatch), a.hidden_bytes, a.num_scales, a.num_topk,
-                  a.num_worst, 1, 0, 0},
+                  a.num_worst, 1, 0, a.use_rings ? a.ring.layout_word() : 0},
                  a.route_counts ? a.route_counts + t.num_ranks : nullptr, stream);
   if (a.route_counts) {
     exchange_kernel<T><<<1, kThreads, 0, stream>>>(p);

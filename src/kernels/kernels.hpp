@@ -232,11 +232,13 @@ enum class HtNetOp : int { kDispatch = 1, kCombine = 2 };
 /// bytes, scales per token and top-k, for a combine the hidden size and the
 /// top-k of topk_weights (0 without them); then num_worst_tokens (0: the
 /// host count exchange sized the areas), and whether this rank's rows for
-/// every node fit a slot (set by the barrier from the route's counts). A
+/// every node fit a slot (set by the barrier from the route's counts), the
+/// caller's layout (set by the barrier), and for a ring dispatch the rings'
+/// layout (HtRingRegion::layout_word; 0 without rings). A
 /// mismatch is reported as kBadConfig of OpId::kBarrier, channel =
 /// kHtNetShapeFields * op + the first field that differs.
 struct HtNetShape {
-  int op, a, b, c, worst, fits, unused0, unused1;
+  int op, a, b, c, worst, fits, layout, rings;
 };
 inline constexpr int kHtNetShapeFields = kInternodeShapeFields;
 

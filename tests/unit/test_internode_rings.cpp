@@ -113,6 +113,35 @@ TEST(InternodeRings, AreasAndSlotsAreDisjointAndInside) {
   }
 }
 
+/// The layout word the dispatch barrier compares: positive (0 means no
+/// rings), the same for the same rings, and different when anything that
+/// moves a ring differs between ranks: the channel count (config.num_sms),
+/// a ring or chunk size (EPX_HT_RINGS), the record size, the region's size
+/// (num_nvl_bytes: the state block and the NVLink rings move).
+TEST(InternodeRings, LayoutWordTellsApartWhatMovesARing) {
+  const Topology topo{4, 2};
+  const std::size_t record = 7200, region = std::size_t{64} << 20;
+  const std::size_t header = epx::plan::HtNetRegion::body(4);
+  const HtRingGeometry g{3, 8, 4, 6, 2};
+  auto word = [&](const HtRingGeometry& geo, std::size_t rec, std::size_t bytes) {
+    return HtRingRegion::make(topo, geo, rec, header, bytes).layout_word();
+  };
+  const int base = word(g, record, region);
+  EXPECT_GT(base, 0);
+  EXPECT_EQ(word(g, record, region), base) << "the same rings, the same word";
+  std::vector<int> others;
+  for (HtRingGeometry h :
+       {HtRingGeometry{4, 8, 4, 6, 2}, HtRingGeometry{3, 9, 4, 6, 2}, HtRingGeometry{3, 8, 3, 6, 2},
+        HtRingGeometry{3, 8, 4, 7, 2}, HtRingGeometry{3, 8, 4, 6, 1}})
+    others.push_back(word(h, record, region));
+  others.push_back(word(g, record + 16, region));
+  others.push_back(word(g, record, region + 4096));
+  for (std::size_t i = 0; i < others.size(); ++i) {
+    EXPECT_GT(others[i], 0) << i;
+    EXPECT_NE(others[i], base) << "variant " << i << " would meet the base rings unnoticed";
+  }
+}
+
 /// Every offset the ring kernel accesses with a vector or 64-bit word is a
 /// multiple of its width, as GPUs require (cudaErrorMisalignedAddress
 /// otherwise): records and the header puts are 16-byte copies between

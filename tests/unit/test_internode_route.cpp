@@ -342,6 +342,8 @@ TEST(InternodeShape, MismatchMessageNamesArgumentAndRanks) {
   has(epx::internode_shape_message(F + 5, 0, 3, 1, 0), {"num_nvl_bytes", "rank 3"});
   has(epx::internode_shape_message(F + 6, 0, 3, 0, 1),
       {"num_tokens_per_rank", "rank 3", "is_token_in_rank"});
+  has(epx::internode_shape_message(F + 7, 0, 2, 12345, 678),
+      {"dispatch", "EPX_HT_RINGS", "rank 2", "rank 0", "config.num_sms", "num_nvl_bytes"});
 }
 
 // num_worst_tokens: the areas are fixed by the buffer. The slots take the
