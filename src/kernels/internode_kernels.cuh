@@ -963,7 +963,9 @@ __device__ bool ring_forward(const DispatchParams<T>& p, const T& t, int c, uint
   if (threadIdx.x == 0) {
     for (int d = 0; d < L; ++d) publish(d);
     for (int m = 0; m < N; ++m) {
-      free_credits(m);
+      // After a failure no more posts: each could wait out its own deadline
+      // on a stalled proxy, and the buffer is unusable now anyway.
+      if (ok) free_credits(m);
       *ring_base(t, g, HtRingBase::kNetTaken, c, m) = taken[m];
     }
     for (int d = 0; d < L; ++d) *ring_base(t, g, HtRingBase::kNvlSent, c, d) = nvl_sent[d];
