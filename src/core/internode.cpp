@@ -83,6 +83,20 @@ int net_blocks(const char* op, const std::optional<Config>& given, const Config&
   return cfg.num_sms;
 }
 
+/// The rings' geometry for EPX_HT_RINGS = `ht_rings` (>= 1) and `blocks` SMs:
+/// a channel per three SMs; 1 keeps the default sizes, N >= 2 rings of N
+/// records.
+plan::HtRingGeometry ring_geometry(int ht_rings, int blocks) {
+  plan::HtRingGeometry g;
+  g.channels = plan::HtRingGeometry::channels_for_sms(blocks);
+  if (ht_rings > 1) {
+    g.net_slots = g.nvl_slots = ht_rings;
+    g.net_chunk = std::min(g.net_chunk, ht_rings);
+    g.nvl_chunk = std::min(g.nvl_chunk, ht_rings);
+  }
+  return g;
+}
+
 plan::InternodeRoute route_of(const DispatchHandle& h, const Topology& topology) {
   plan::InternodeCounts c;
   c.topology = topology;
@@ -276,14 +290,8 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   const bool rings = ht_rings > 0 && worst == 0;
   std::optional<plan::HtRingRegion> ring;
   if (rings) {
-    plan::HtRingGeometry g;
-    g.channels = plan::HtRingGeometry::channels_for_sms(blocks);
-    if (ht_rings > 1) {
-      g.net_slots = g.nvl_slots = ht_rings;
-      g.net_chunk = std::min(g.net_chunk, ht_rings);
-      g.nvl_chunk = std::min(g.nvl_chunk, ht_rings);
-    }
-    ring = plan::HtRingRegion::make(topology, g, record, plan::HtNetRegion::body(R), ht.bytes);
+    ring = plan::HtRingRegion::make(topology, ring_geometry(ht_rings, blocks), record,
+                                    plan::HtNetRegion::body(R), ht.bytes);
   } else {
     check_fits(op, region, ht_capacity(), worst);
   }
@@ -443,9 +451,17 @@ std::size_t Buffer::get_internode_nvl_size_hint(int num_max_tokens, int hidden, 
   const std::size_t row = plan::ht_combine_row_bytes(hidden, num_topk);
   const Topology topology{num_ranks, ranks_per_node};
   const std::size_t bytes = plan::HtNetRegion::worst_case(topology, num_max_tokens, record, row);
-  // With the ring dispatch on (EPX_HT_RINGS, read as the Buffer reads it), its
-  // state block sits at the region's end, past what the whole-call ops use.
-  return env::ht_rings() == 0 ? bytes : bytes + plan::HtRingRegion::state_bytes(topology);
+  const int ht_rings = env::ht_rings();  // read as the Buffer reads it
+  if (ht_rings == 0) return bytes;
+  // With the ring dispatch on, the rings share the area after the header
+  // with the whole-call ops (the combine), sized here for the default
+  // config's SMs (more SMs, more channels), and the state block sits at the
+  // region's end, past both.
+  const int blocks = get_dispatch_config(num_ranks).num_sms;
+  const plan::HtRingRegion rings =
+      plan::HtRingRegion::make(topology, ring_geometry(ht_rings, blocks), record,
+                               plan::HtNetRegion::body(num_ranks), std::size_t{1} << 46);
+  return std::max(bytes, rings.rings_end) + plan::HtRingRegion::state_bytes(topology);
 }
 
 }  // namespace epx

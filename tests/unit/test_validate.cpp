@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/env.hpp"
+#include "common/internode_rings.hpp"
 #include "core/validate.hpp"
 #include "epx/buffer.hpp"
 
@@ -385,6 +386,33 @@ TEST(Env, HtRingsIsOffOneOrARingSize) {
 
 TEST(Env, ProxyRowCopiesIsZeroOrOne) {
   expect_zero_or_one_switch("EPX_PROXY_ROW_COPIES", env::proxy_row_copies);
+}
+
+/// With the ring dispatch on, the internode size hint also holds the rings
+/// (of the default config's channels: a channel per three SMs) and their
+/// state block: a buffer of the hint's size takes them; with it off the hint
+/// is the whole-call worst case alone.
+TEST(Env, InternodeSizeHintHoldsTheRings) {
+  const SavedEnv saved("EPX_HT_RINGS");
+  const int R = 4, L = 2, H = 7168, K = 8, T = 128;
+  unsetenv("EPX_HT_RINGS");
+  const std::size_t off = Buffer::get_internode_nvl_size_hint(T, H, R, L, K);
+  const std::size_t record = epx::plan::ht_net_record_bytes(2 * H, 0, K, L);
+  for (const int records : {1, 4}) {
+    setenv("EPX_HT_RINGS", std::to_string(records).c_str(), 1);
+    const std::size_t on = Buffer::get_internode_nvl_size_hint(T, H, R, L, K);
+    EXPECT_GT(on, off) << records;
+    epx::plan::HtRingGeometry g;  // 1: the default sizes
+    g.channels = (epx::get_dispatch_config(R).num_sms) / 3;
+    if (records > 1) {
+      g.net_slots = g.nvl_slots = records;
+      g.net_chunk = std::min(g.net_chunk, records);
+      g.nvl_chunk = std::min(g.nvl_chunk, records);
+    }
+    EXPECT_NO_THROW(epx::plan::HtRingRegion::make(epx::Topology{R, L}, g, record,
+                                                  epx::plan::HtNetRegion::body(R), on))
+        << "EPX_HT_RINGS=" << records << ": " << on << " bytes";
+  }
 }
 
 TEST(Env, ProxyCumemIsZeroOrOne) {
