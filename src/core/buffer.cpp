@@ -314,6 +314,8 @@ void Buffer::Impl::raise_if_failed(const char* op) {
        << (code == DiagCode::kProxyStopped ? " stopped" : " made no progress within the deadline")
        << " (slot/command " << g_expected << ", channel at " << g_seen
        << "); the proxy thread is stalled or dead";
+    const std::string note = backend->stall_note();
+    if (!note.empty()) os << "; " << note;
     throw Error(ErrorCode::kTimeout, std::string(op) + ": " + os.str());
   }
   if (code == DiagCode::kTimeout && what == OpId::kNetQuiet) {
@@ -391,6 +393,12 @@ void Buffer::Impl::raise_if_failed(const char* op) {
        << g->channel << " holds " << static_cast<int32_t>(g->seen);
   }
   std::memset(const_cast<DeviceDiag*>(diag_host), 0, sizeof(DeviceDiag));
+  if (code == DiagCode::kTimeout) {
+    // What held this rank's side, if the backend saw it (a proxy step held
+    // for seconds): the peer named above may be waiting for this rank.
+    const std::string note = backend->stall_note();
+    if (!note.empty()) os << "; " << note;
+  }
   throw Error(code == DiagCode::kTimeout ? ErrorCode::kTimeout : ErrorCode::kInvalidArgument,
               std::string(op) + ": " + os.str());
 }

@@ -78,6 +78,10 @@ class Backend {
   /// Throws epx::Error describing a part of the backend that failed (a proxy
   /// thread that died), naming it; nothing when all is well.
   virtual void check_health() const {}
+  /// What a timeout's message should add about this rank's side (a proxy
+  /// step that was held for seconds, and what holds it), or "". Reading it
+  /// forgets what it reported.
+  virtual std::string stall_note() const { return {}; }
 };
 
 /// The LsaTransport of `region` for a group that is one node (every peer

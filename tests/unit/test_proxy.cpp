@@ -470,6 +470,31 @@ TEST(Proxy, DrainWaitsForEveryReservedCommand) {
   for (int c = 0; c < 2; ++c) EXPECT_EQ(load(proxy.view(c).host->completed), 5u) << c;
 }
 
+// A step the engine holds for seconds (the CUDA IPC engine's calls behind a
+// blocking primary-context call elsewhere in the process) is kept for the
+// timeout messages: its length and kind, on its channel only, reported once.
+TEST(Proxy, AStepHeldInTheEngineIsReportedOnce) {
+  Ranks ranks(2, 2, 8192);
+  GatedEngine gated(*ranks.engines[0], 1);
+  ProxyOptions opt;
+  opt.num_channels = 2;
+  opt.capacity = 16;
+  Proxy proxy(gated, opt);
+  for (int c = 0; c < 2; ++c)
+    post_from_host(proxy.view(c), put_cmd(1, 4096 + c * 64, 0, 64), Op::kPut, 0, 10.0, c);
+  const double held = Proxy::kSlowEngineCallS + 0.3;
+  std::this_thread::sleep_for(std::chrono::duration<double>(held));
+  gated.open();
+  proxy.drain(10.0);
+  const Proxy::SlowCall slow = proxy.take_slow_call(1);
+  EXPECT_GE(slow.seconds, held - 0.05);
+  EXPECT_LT(slow.seconds, held + 5.0);
+  EXPECT_NE(std::string(slow.what), "");
+  EXPECT_EQ(proxy.take_slow_call(1).seconds, 0.0) << "reported once";
+  EXPECT_EQ(proxy.take_slow_call(0).seconds, 0.0) << "channel 0 was never held";
+  EXPECT_THROW(proxy.take_slow_call(2), Error);
+}
+
 TEST(Proxy, CompletionFollowsTheEngineAndIsPolledWhileIdle) {
   constexpr uint64_t kPosts = 600, kMarkEvery = 256;
   Ranks ranks(2, 1, 4096);

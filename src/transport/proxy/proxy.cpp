@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <deque>
 #include <exception>
 #include <mutex>
@@ -218,7 +219,29 @@ struct Proxy::Impl {
     ChannelHealth::State state = ChannelHealth::State::kRunning;
     std::string message;
     ErrorCode code = ErrorCode::kInternal;
+    /// The longest engine step of at least kSlowEngineCallS not yet taken
+    /// (ns; 0: none) and which kind it was (kSlowStepNames).
+    mutable std::atomic<uint64_t> slow_ns{0};
+    mutable std::atomic<int> slow_what{0};
   };
+  static constexpr const char* kSlowStepNames[] = {"a command's puts and signal", "a mark",
+                                                   "a completion poll"};
+  /// A coarse monotonic clock (a few ns to read; ms resolution is plenty for
+  /// steps of a second).
+  static uint64_t coarse_ns() {
+    timespec ts{};
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+    return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+  }
+  /// Keeps a step of channel c that took `ns` if it is slow and the longest.
+  void note_step(int c, uint64_t ns, int what) const {
+    if (ns < static_cast<uint64_t>(kSlowEngineCallS * 1e9)) return;
+    Channel& ch = channels[c];
+    uint64_t prev = ch.slow_ns.load(std::memory_order_relaxed);
+    while (ns > prev && !ch.slow_ns.compare_exchange_weak(prev, ns, std::memory_order_relaxed)) {
+    }
+    if (ns >= prev) ch.slow_what.store(what, std::memory_order_relaxed);
+  }
 
   Engine& engine;
   const ProxyOptions options;
@@ -418,8 +441,10 @@ void Proxy::Impl::run(int c) {
     try {
       if (mark_now) {
         const auto t0 = Clock::now();
+        const uint64_t s0 = coarse_ns();
         queue.flush_all();
         engine.mark(c, tail);
+        note_step(c, coarse_ns() - s0, 1);
         if (stats) {
           stats->call(t0);
           stats->marked(tail);
@@ -431,7 +456,9 @@ void Proxy::Impl::run(int c) {
                        engine.rank(), c, trace_us(), static_cast<unsigned long long>(tail));
       }
       if (completed < marked) {
+        const uint64_t s0 = coarse_ns();
         const uint64_t done = engine.completed(c);
+        note_step(c, coarse_ns() - s0, 2);
         if (stats) stats->completed(done);
         if (done > completed) {
           completed = done;
@@ -505,6 +532,7 @@ void Proxy::Impl::run(int c) {
                    trace_us(), describe(tail, header, cmd).c_str());
     try {
       const auto t0 = Clock::now();
+      const uint64_t s0 = coarse_ns();
       const int peer = static_cast<int>(cmd.peer);
       if (op == Op::kFence) {
         queue.flush_all();  // what came before goes to the engine before what follows
@@ -516,6 +544,7 @@ void Proxy::Impl::run(int c) {
         engine.signal_add(c, peer, region, cmd.sig_off, cmd.add);
       }
       if (stats && op != Op::kPut) stats->call(t0);
+      note_step(c, coarse_ns() - s0, 0);
     } catch (...) {
       fail_with("command at " + describe(tail, header, cmd) +
                     (queue.queued() > 0 || op != Op::kPut
@@ -588,6 +617,16 @@ ChannelHealth Proxy::health(int c) const {
   h.consumed = load_acquire(impl_->host_host[c].consumed);
   h.completed = load_acquire(impl_->host_host[c].completed);
   return h;
+}
+
+Proxy::SlowCall Proxy::take_slow_call(int c) const {
+  require(c >= 0 && c < impl_->num_channels, "channel",
+          "must be in [0, " + std::to_string(impl_->num_channels) + "), got " + std::to_string(c));
+  auto& ch = impl_->channels[c];
+  const uint64_t ns = ch.slow_ns.exchange(0, std::memory_order_relaxed);
+  if (ns == 0) return {};
+  const int what = ch.slow_what.load(std::memory_order_relaxed);
+  return {static_cast<double>(ns) * 1e-9, Impl::kSlowStepNames[what >= 0 && what < 3 ? what : 0]};
 }
 
 void Proxy::check() const {

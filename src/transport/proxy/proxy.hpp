@@ -50,6 +50,18 @@ class Proxy {
   /// device == -1): what the device transport holds.
   const ChannelView* views_device() const;
   ChannelHealth health(int c) const;
+  /// The longest single step of channel `c`'s thread in its engine (a
+  /// command's puts and signal, a mark, a completion poll) that took at least
+  /// kSlowEngineCallS since the last call of this, then forgets it. A step
+  /// that long is the engine held, not working: the CUDA IPC engine's CUDA
+  /// calls wait while another thread of the process is blocked in a
+  /// primary-context call (docs/limitations.md).
+  struct SlowCall {
+    double seconds = 0;  ///< 0: none
+    const char* what = "";
+  };
+  SlowCall take_slow_call(int c) const;
+  static constexpr double kSlowEngineCallS = 1.0;
   /// Throws epx::Error naming the first channel that failed or stopped
   /// (its ChannelHealth::message).
   void check() const;

@@ -164,6 +164,29 @@ class ProxyBackend final : public Backend {
     if (proxy_) proxy_->check();
   }
 
+  std::string stall_note() const override {
+    if (!proxy_) return {};
+    proxy::Proxy::SlowCall worst;
+    int at = -1;
+    for (int c = 0; c < proxy_->num_channels(); ++c) {
+      const auto s = proxy_->take_slow_call(c);
+      if (s.seconds > worst.seconds) worst = s, at = c;
+    }
+    if (at < 0) return {};
+    char secs[32];
+    std::snprintf(secs, sizeof secs, "%.1f", worst.seconds);
+    std::string note = "rank " + std::to_string(comm_.rank()) + "'s proxy channel " +
+                       std::to_string(at) + " spent " + secs + " s in one step of its engine (" +
+                       worst.what + ")";
+    if (std::string(engine_->name()) == "cuda_ipc" && !cumem_)
+      note +=
+          ": its copies are CUDA calls of the primary context, which the driver holds while "
+          "another thread of this process waits in a blocking primary-context call, such as a "
+          "copy to pageable memory (.cpu()) right after an op; wait for the op first, or set "
+          "EPX_PROXY_CUMEM=1 (docs/limitations.md)";
+    return note;
+  }
+
  private:
   Communicator& comm_;
   Topology topo_;
