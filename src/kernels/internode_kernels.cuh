@@ -385,6 +385,19 @@ struct RecordFields {
   }
 };
 
+/// Word `i` after a record's payload (RecordFields::scales on): token
+/// `tok`'s S scales, then its K expert ids, then its K weights (0 without
+/// topk_weights), as int bits.
+__device__ __forceinline__ int record_extra(const HtNetDispatchArgs& p, int tok, int i, int S,
+                                            int K) {
+  if (i < S)
+    return __float_as_int(p.x_scales[tok * p.scale_stride_token + i * p.scale_stride_channel]);
+  if (i < S + K) return static_cast<int>(p.topk_idx[static_cast<int64_t>(tok) * K + (i - S)]);
+  return p.topk_weights
+             ? __float_as_int(p.topk_weights[static_cast<int64_t>(tok) * K + (i - S - K)])
+             : 0;
+}
+
 /// A word peers or the network wrote during this kernel (past L1).
 __device__ __forceinline__ int ld_int(const void* p) {
   return *static_cast<const volatile int*>(p);
@@ -507,19 +520,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DispatchParams<
                      static_cast<std::size_t>(j) * p.off.row_bytes;
       warp_copy<false, 4>(rec, p.x + static_cast<int64_t>(tok) * p.x_row_bytes, p.hidden_bytes,
                           lane);
-      for (int i = lane; i < extras; i += 32) {
-        int v;
-        if (i < S) {
-          v = __float_as_int(p.x_scales[tok * p.scale_stride_token + i * p.scale_stride_channel]);
-        } else if (i < S + K) {
-          v = static_cast<int>(p.topk_idx[static_cast<int64_t>(tok) * K + (i - S)]);
-        } else {
-          v = p.topk_weights
-                  ? __float_as_int(p.topk_weights[static_cast<int64_t>(tok) * K + (i - S - K)])
-                  : 0;
-        }
-        word_at(rec, f.scales + 4 * i)[0] = v;
-      }
+      for (int i = lane; i < extras; i += 32)
+        word_at(rec, f.scales + 4 * i)[0] = record_extra(p, tok, i, S, K);
       if (lane < L) {
         const int k = p.rank_pos[static_cast<int64_t>(tok) * R + m * L + lane];
         word_at(rec, f.pos)[lane] = k;
@@ -782,19 +784,8 @@ __device__ bool ring_send(const DispatchParams<T>& p, const T& t, int c, uint64_
       if (!ok) break;
       uint8_t* rec = reinterpret_cast<uint8_t*>(t.local_ptr(g.net_send_slot(c, m, sent)));
       block_copy<false>(rec, p.x + static_cast<int64_t>(tok) * p.x_row_bytes, p.hidden_bytes);
-      for (int i = threadIdx.x; i < S + 2 * K; i += blockDim.x) {
-        int v;
-        if (i < S) {
-          v = __float_as_int(p.x_scales[tok * p.scale_stride_token + i * p.scale_stride_channel]);
-        } else if (i < S + K) {
-          v = static_cast<int>(p.topk_idx[static_cast<int64_t>(tok) * K + (i - S)]);
-        } else {
-          v = p.topk_weights
-                  ? __float_as_int(p.topk_weights[static_cast<int64_t>(tok) * K + (i - S - K)])
-                  : 0;
-        }
-        word_at(rec, f.scales + 4 * i)[0] = v;
-      }
+      for (int i = threadIdx.x; i < S + 2 * K; i += blockDim.x)
+        word_at(rec, f.scales + 4 * i)[0] = record_extra(p, tok, i, S, K);
       if (threadIdx.x == 0) s_mask = 0;
       __syncthreads();
       if (static_cast<int>(threadIdx.x) < L) {
