@@ -151,17 +151,17 @@ void grant_access(CUdeviceptr va, std::size_t bytes, int device) {
   EPX_CU_CHECK(driver().mem_set_access(va, bytes, &access, 1));
 }
 
-/// Maps the cuMem allocation behind `fd` (a peer's export, `bytes` long) for
-/// `device`; the mapping keeps the allocation alive. Returns its address.
-CUdeviceptr import_cumem(int fd, std::size_t bytes, int device) {
+/// Maps all `bytes` of the cuMem allocation `handle` at an address aligned
+/// to `alignment` (0: the granularity) for `device`, then releases the
+/// handle: the mapping keeps the allocation alive. On failure nothing is
+/// left mapped or reserved and the handle is released too.
+CUdeviceptr map_allocation(CUmemGenericAllocationHandle handle, std::size_t bytes,
+                           std::size_t alignment, int device) {
   const Driver& d = driver();
-  CUmemGenericAllocationHandle handle = 0;
-  EPX_CU_CHECK(d.mem_import(&handle, reinterpret_cast<void*>(static_cast<intptr_t>(fd)),
-                            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
   CUdeviceptr va = 0;
   bool mapped = false;
   try {
-    EPX_CU_CHECK(d.mem_reserve(&va, bytes, 0, 0, 0));
+    EPX_CU_CHECK(d.mem_reserve(&va, bytes, alignment, 0, 0));
     EPX_CU_CHECK(d.mem_map(va, bytes, 0, handle, 0));
     mapped = true;
     grant_access(va, bytes, device);
@@ -173,6 +173,15 @@ CUdeviceptr import_cumem(int fd, std::size_t bytes, int device) {
   }
   EPX_CU_CHECK(d.mem_release(handle));
   return va;
+}
+
+/// Maps the cuMem allocation behind `fd` (a peer's export, `bytes` long) for
+/// `device`. Returns its address.
+CUdeviceptr import_cumem(int fd, std::size_t bytes, int device) {
+  CUmemGenericAllocationHandle handle = 0;
+  EPX_CU_CHECK(driver().mem_import(&handle, reinterpret_cast<void*>(static_cast<intptr_t>(fd)),
+                                   CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+  return map_allocation(handle, bytes, 0, device);
 }
 
 /// Closes a file descriptor at the end of its scope (-1: none).
@@ -239,7 +248,7 @@ class CudaIpcEngine final : public Engine {
         num_channels_(num_channels),
         timeout_s_(env::timeout_seconds()),
         row_copies_(comm.in_process() || env::proxy_row_copies()),
-        cumem_(!comm.in_process() && env::proxy_cumem()),
+        cumem_(cumem_regions(comm)),
         hostname_(hostname()),
         boot_id_(boot_id()),
         hosts_(static_cast<std::size_t>(num_ranks_)),
@@ -860,21 +869,7 @@ void* alloc_cumem_region(int device, std::size_t& bytes) {
   bytes = (bytes + granularity - 1) / granularity * granularity;
   CUmemGenericAllocationHandle handle = 0;
   EPX_CU_CHECK(d.mem_create(&handle, bytes, &prop, 0));
-  CUdeviceptr va = 0;
-  bool mapped = false;
-  try {
-    EPX_CU_CHECK(d.mem_reserve(&va, bytes, granularity, 0, 0));
-    EPX_CU_CHECK(d.mem_map(va, bytes, 0, handle, 0));
-    mapped = true;
-    grant_access(va, bytes, device);
-  } catch (...) {
-    if (mapped) d.mem_unmap(va, bytes);
-    if (va) d.mem_address_free(va, bytes);
-    d.mem_release(handle);
-    throw;
-  }
-  EPX_CU_CHECK(d.mem_release(handle));  // the mapping keeps the allocation
-  return reinterpret_cast<void*>(va);
+  return reinterpret_cast<void*>(map_allocation(handle, bytes, granularity, device));
 }
 
 void free_cumem_region(void* p, std::size_t bytes) {
