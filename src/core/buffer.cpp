@@ -300,6 +300,12 @@ void Buffer::Impl::raise_if_failed(const char* op) {
     return;
   }
   std::ostringstream os;
+  // What held this rank's side of a timeout, if the backend saw it (a proxy
+  // step held for seconds): the peer a wait names may be waiting for it.
+  auto add_stall_note = [&] {
+    const std::string note = backend->stall_note();
+    if (!note.empty()) os << "; " << note;
+  };
   const auto code = static_cast<DiagCode>(g->code);
   const auto what = static_cast<OpId>(g->op);
   // What the branches that clear the report before building their message
@@ -314,8 +320,7 @@ void Buffer::Impl::raise_if_failed(const char* op) {
        << (code == DiagCode::kProxyStopped ? " stopped" : " made no progress within the deadline")
        << " (slot/command " << g_expected << ", channel at " << g_seen
        << "); the proxy thread is stalled or dead";
-    const std::string note = backend->stall_note();
-    if (!note.empty()) os << "; " << note;
+    add_stall_note();
     throw Error(ErrorCode::kTimeout, std::string(op) + ": " + os.str());
   }
   if (code == DiagCode::kTimeout && what == OpId::kNetQuiet) {
@@ -393,12 +398,7 @@ void Buffer::Impl::raise_if_failed(const char* op) {
        << g->channel << " holds " << static_cast<int32_t>(g->seen);
   }
   std::memset(const_cast<DeviceDiag*>(diag_host), 0, sizeof(DeviceDiag));
-  if (code == DiagCode::kTimeout) {
-    // What held this rank's side, if the backend saw it (a proxy step held
-    // for seconds): the peer named above may be waiting for this rank.
-    const std::string note = backend->stall_note();
-    if (!note.empty()) os << "; " << note;
-  }
+  if (code == DiagCode::kTimeout) add_stall_note();
   throw Error(code == DiagCode::kTimeout ? ErrorCode::kTimeout : ErrorCode::kInvalidArgument,
               std::string(op) + ": " + os.str());
 }

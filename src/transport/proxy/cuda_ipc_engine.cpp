@@ -333,6 +333,13 @@ class CudaIpcEngine final : public Engine {
   }
 
   const char* name() const override { return "cuda_ipc"; }
+  std::string held_call_cause() const override {
+    if (cumem_) return {};
+    return "its copies are CUDA calls of the primary context, which the driver holds while "
+           "another thread of this process waits in a blocking primary-context call, such as a "
+           "copy to pageable memory (.cpu()) right after an op; wait for the op first, or set "
+           "EPX_PROXY_CUMEM=1 (docs/limitations.md)";
+  }
   int rank() const override { return rank_; }
   int num_ranks() const override { return num_ranks_; }
   int num_channels() const override { return num_channels_; }

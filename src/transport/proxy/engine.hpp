@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace epx {
@@ -71,6 +72,9 @@ class Engine {
   /// The largest token whose marked commands have all completed (0: none).
   /// Non-blocking.
   virtual uint64_t completed(int channel) = 0;
+  /// What most likely held one of this engine's calls for seconds, and what
+  /// to do about it (a timeout's message adds it), or "".
+  virtual std::string held_call_cause() const { return {}; }
 };
 
 /// CUDA IPC (one host): each region is exported (cudaIpcGetMemHandle; ranks

@@ -178,12 +178,8 @@ class ProxyBackend final : public Backend {
     std::string note = "rank " + std::to_string(comm_.rank()) + "'s proxy channel " +
                        std::to_string(at) + " spent " + secs + " s in one step of its engine (" +
                        worst.what + ")";
-    if (std::string(engine_->name()) == "cuda_ipc" && !cumem_)
-      note +=
-          ": its copies are CUDA calls of the primary context, which the driver holds while "
-          "another thread of this process waits in a blocking primary-context call, such as a "
-          "copy to pageable memory (.cpu()) right after an op; wait for the op first, or set "
-          "EPX_PROXY_CUMEM=1 (docs/limitations.md)";
+    const std::string cause = engine_->held_call_cause();
+    if (!cause.empty()) note += ": " + cause;
     return note;
   }
 
