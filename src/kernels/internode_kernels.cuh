@@ -676,18 +676,18 @@ __device__ __forceinline__ uint64_t ring_tag(uint32_t value, uint64_t op) {
   return (static_cast<uint64_t>(static_cast<uint32_t>(op)) << 32) | value;
 }
 
-/// One thread: `add` to ring signal `sig` at r on every context, context 0's
-/// after the put of [src, src + bytes) to r's `dst` (bytes 0: no put). The
-/// caller fenced what the put reads.
-template <class T>
+/// `add` to ring signal `sig` at r on every context, context 0's after the
+/// put of [src, src + bytes) to r's `dst` (bytes 0: no put); every member of
+/// the Coop group calls it. The caller fenced what the put reads.
+template <class Coop = dev::Thread, class T>
 __device__ __forceinline__ void ring_put_signal(const T& t, int r, std::size_t dst, std::size_t src,
                                                 std::size_t bytes, int sig, uint64_t add) {
   if (bytes > 0)
-    t.template put_signal<dev::Thread>(0, r, dst, src, bytes, sig, add);
+    t.template put_signal<Coop>(0, r, dst, src, bytes, sig, add);
   else
-    t.template signal_add<dev::Thread>(0, r, sig, add);
+    t.template signal_add<Coop>(0, r, sig, add);
   if (add > 0)
-    for (int c = 1; c < t.num_contexts; ++c) t.template signal_add<dev::Thread>(c, r, sig, add);
+    for (int c = 1; c < t.num_contexts; ++c) t.template signal_add<Coop>(c, r, sig, add);
 }
 
 /// Thread 0 of a polling role, after a pass over its `inputs` (left[i]
@@ -731,7 +731,7 @@ __device__ bool ring_send(const DispatchParams<T>& p, const T& t, int c, uint64_
   const RecordFields f(p.hidden_bytes, S, K);
   const uint32_t slots = static_cast<uint32_t>(g.geometry.net_slots);
   __shared__ int cnt_node[kMaxRanks], cnt_rank[kMaxRanks];
-  __shared__ int ok, s_mask;
+  __shared__ int ok, s_mask, s_wait;
   __shared__ uint64_t sent, pending;
   for (int i = threadIdx.x; i < R; i += blockDim.x) cnt_node[i] = cnt_rank[i] = 0;
   if (threadIdx.x == 0) ok = 1;
@@ -757,31 +757,49 @@ __device__ bool ring_send(const DispatchParams<T>& p, const T& t, int c, uint64_
     const int fwd = m * L + l;
     if (threadIdx.x == 0) sent = pending = *ring_base(t, g, HtRingBase::kNetSent, c, m);
     __syncthreads();
-    auto flush = [&] {  // thread 0: the records since `pending`, piece by piece
-      __threadfence_system();
-      for (uint64_t from = pending; from < sent;) {
-        const uint32_t k = ring::contiguous64(from, static_cast<uint32_t>(sent - from), slots);
-        ring_put_signal(t, fwd, g.net_slot(c, n, from), g.net_send_slot(c, m, from),
-                        k * g.record_bytes, ring_sig(t, HtRingSignal::kNetTail, c, me), k);
+    const uint64_t base = sent;
+    // The whole block puts the records since `pending`, piece by piece (split
+    // where the ring wraps): to a forwarder in this node the put is the
+    // block's own copy, which one thread would do at a hundredth of the speed.
+    auto flush = [&] {
+      const uint64_t from0 = pending, to = sent;  // block-uniform (shared)
+      if (from0 == to) return;
+      if (threadIdx.x == 0) __threadfence_system();  // the block's record stores, before the put
+      __syncthreads();
+      for (uint64_t from = from0; from < to;) {
+        const uint32_t k = ring::contiguous64(from, static_cast<uint32_t>(to - from), slots);
+        ring_put_signal<dev::Block>(t, fwd, g.net_slot(c, n, from), g.net_send_slot(c, m, from),
+                                    k * g.record_bytes, ring_sig(t, HtRingSignal::kNetTail, c, me),
+                                    k);
         from += k;
       }
-      pending = sent;
+      __syncthreads();
+      if (threadIdx.x == 0) pending = to;
+      __syncthreads();
     };
     for (int tok = first; ok && tok < end; ++tok) {
       const int j = p.send_pos[static_cast<int64_t>(tok) * N + m];
       if (j < 0) continue;
-      if (threadIdx.x == 0 && sent >= slots) {
-        // A full ring: what is written but not yet put goes first (the
-        // forwarder frees slots only for records it got), then wait.
-        const uint64_t need = sent + 1 - slots;
-        const int credit = ring_sig(t, HtRingSignal::kNetCredit, c, fwd);
-        if (t.read_signal(credit, fwd) < need) {
-          if (sent > pending) flush();
-          if (!t.wait_signal(credit, need, OpId::kDispatch, fwd)) ok = 0;
-        }
-      }
+      if (threadIdx.x == 0)
+        s_wait = sent >= slots && t.read_signal(ring_sig(t, HtRingSignal::kNetCredit, c, fwd),
+                                                fwd) < sent + 1 - slots;
       __syncthreads();
-      if (!ok) break;
+      if (s_wait) {
+        // A full ring: what is written but not yet put goes first (the
+        // forwarder frees slots only for records it got), then wait for room
+        // for a whole put (or the rest), not for one slot: freeing one slot
+        // at a time would turn every later put into a put of one record.
+        flush();
+        if (threadIdx.x == 0) {
+          const uint64_t rest = static_cast<uint64_t>(cnt_node[m]) - (sent - base);
+          const uint64_t room = min(rest, static_cast<uint64_t>(g.geometry.net_chunk));
+          if (!t.wait_signal(ring_sig(t, HtRingSignal::kNetCredit, c, fwd), sent + room - slots,
+                             OpId::kDispatch, fwd))
+            ok = 0;
+        }
+        __syncthreads();
+        if (!ok) break;
+      }
       uint8_t* rec = reinterpret_cast<uint8_t*>(t.local_ptr(g.net_send_slot(c, m, sent)));
       block_copy<false>(rec, p.x + static_cast<int64_t>(tok) * p.x_row_bytes, p.hidden_bytes);
       for (int i = threadIdx.x; i < S + 2 * K; i += blockDim.x)
@@ -800,14 +818,12 @@ __device__ bool ring_send(const DispatchParams<T>& p, const T& t, int c, uint64_
         *word_at(rec, f.index) = j;
         *word_at(rec, f.src) = me;
         ++sent;
-        if (sent - pending >= static_cast<uint64_t>(g.geometry.net_chunk)) flush();
       }
       __syncthreads();
+      if (sent - pending >= static_cast<uint64_t>(g.geometry.net_chunk)) flush();
     }
-    if (threadIdx.x == 0) {
-      if (ok && sent > pending) flush();
-      *ring_base(t, g, HtRingBase::kNetSent, c, m) = sent;
-    }
+    if (ok) flush();
+    if (threadIdx.x == 0) *ring_base(t, g, HtRingBase::kNetSent, c, m) = sent;
     __syncthreads();
     if (!ok) return false;
   }
