@@ -89,10 +89,10 @@ std::optional<ProxyStop> debug_proxy_stop() {
 
 namespace {
 /// A switch variable: unset or 0 is off, 1 is on, anything else an error naming it.
-bool zero_or_one(const char* name) {
+bool zero_or_one(const char* name, bool unset = false) {
   const auto v = get_int(name);
   require(!v || *v == 0 || *v == 1, name, "must be 0 or 1, got " + std::to_string(*v));
-  return v.value_or(0) == 1;
+  return v ? *v == 1 : unset;
 }
 }  // namespace
 
@@ -110,7 +110,7 @@ bool proxy_row_copies() {
 }
 
 bool proxy_cumem() {
-  return zero_or_one("EPX_PROXY_CUMEM");
+  return zero_or_one("EPX_PROXY_CUMEM", true);
 }
 
 int ht_rings() {

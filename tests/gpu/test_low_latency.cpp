@@ -923,17 +923,18 @@ EPX_GPU_TEST(LowLatency, BackToBack50) {
 /// legacy stream).
 EPX_GPU_TEST(LowLatency, BackToBackOnTheLegacyStreamWithCopies) {
   if (!in_process_worlds().empty()) GTEST_SKIP() << "in-process ranks cannot share it";
-  // Known to fail (docs/limitations.md): the proxy's one-host engine issues
-  // its copies as primary-context CUDA calls, which the driver holds while
-  // this thread waits in the pageable copy, so the op never completes. The
-  // loopback GIN plugin moved to its own context and passes; the engine
-  // does with EPX_PROXY_CUMEM=1 (cuMem regions, its own context).
+  // Known to fail with EPX_PROXY_CUMEM=0 (docs/limitations.md): the proxy's
+  // one-host engine then issues its copies as primary-context CUDA calls,
+  // which the driver holds while this thread waits in the pageable copy, so
+  // the op never completes. By default the engine has cuMem regions and a
+  // context of its own (as the loopback GIN plugin does) and this passes.
   const Buffer& b = *world().buffer;
   const char* cumem = std::getenv("EPX_PROXY_CUMEM");
-  if (b.num_rdma_ranks() > 1 && std::string(b.backend_name()) == "proxy" &&
-      !(cumem && std::string(cumem) == "1"))
-    GTEST_SKIP() << "proxy backend across nodes: a blocking pageable copy while an op is in "
-                    "flight holds the cuda_ipc engine's copies (docs/limitations.md)";
+  if (b.num_rdma_ranks() > 1 && std::string(b.backend_name()) == "proxy" && cumem &&
+      std::string(cumem) == "0")
+    GTEST_SKIP() << "proxy backend across nodes with EPX_PROXY_CUMEM=0: a blocking pageable "
+                    "copy while an op is in flight holds the cuda_ipc engine's copies "
+                    "(docs/limitations.md)";
   back_to_back(20, cudaStreamLegacy, true);
 }
 

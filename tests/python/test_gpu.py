@@ -894,12 +894,13 @@ def _case_low_latency(rank, world, group):
     rdma = epx.Buffer.get_low_latency_rdma_size_hint(maxT, H, world, E)
     buf = _buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=El,
                   explicitly_destroy=True)
-    # Over the proxy across nodes the ops run one at a time: its one-host engine issues
-    # its copies as CUDA calls that the driver holds while this thread waits in a
-    # pageable .cpu() copy behind an op (docs/limitations.md, known-failing otherwise),
-    # unless EPX_PROXY_CUMEM=1 moves them to a context of its own.
+    # With EPX_PROXY_CUMEM=0 the ops over the proxy across nodes run one at a time:
+    # its one-host engine then issues its copies as primary-context CUDA calls that
+    # the driver holds while this thread waits in a pageable .cpu() copy behind an op
+    # (docs/limitations.md, known-failing otherwise). By default they run in a
+    # context of the engine's own and the ops overlap as in DeepEP's tests.
     proxy_across = (buf.backend == "proxy" and buf.get_num_rdma_ranks() > 1
-                    and os.environ.get("EPX_PROXY_CUMEM") != "1")
+                    and os.environ.get("EPX_PROXY_CUMEM") == "0")
     if os.environ.get("EPX_TEST_SYNC_AFTER_OPS") == "1" or proxy_across:
         buf = _SyncAfterOps(buf)
     buf.clean_low_latency_buffer(maxT, H, E)

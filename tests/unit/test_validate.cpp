@@ -345,11 +345,11 @@ TEST(Env, HtPullSetsTheDispatchConfigs) {
 
 /// A 0-or-1 switch `name` read by `get`: unset and "0" are off, "1" on;
 /// another number or a word is an error naming the variable and the rule.
-void expect_zero_or_one_switch(const char* name, bool (*get)()) {
+void expect_zero_or_one_switch(const char* name, bool (*get)(), bool unset = false) {
   SCOPED_TRACE(name);
   const SavedEnv saved(name);
   unsetenv(name);
-  EXPECT_FALSE(get());
+  EXPECT_EQ(get(), unset);
   setenv(name, "1", 1);
   EXPECT_TRUE(get());
   setenv(name, "0", 1);
@@ -415,8 +415,8 @@ TEST(Env, InternodeSizeHintHoldsTheRings) {
   }
 }
 
-TEST(Env, ProxyCumemIsZeroOrOne) {
-  expect_zero_or_one_switch("EPX_PROXY_CUMEM", env::proxy_cumem);
+TEST(Env, ProxyCumemIsZeroOrOneAndOnUnlessSet) {
+  expect_zero_or_one_switch("EPX_PROXY_CUMEM", env::proxy_cumem, /*unset=*/true);
 }
 
 TEST(Env, NetSplitPutsIsUnsetZeroOrOne) {

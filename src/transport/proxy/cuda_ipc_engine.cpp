@@ -337,8 +337,8 @@ class CudaIpcEngine final : public Engine {
     if (cumem_) return {};
     return "its copies are CUDA calls of the primary context, which the driver holds while "
            "another thread of this process waits in a blocking primary-context call, such as a "
-           "copy to pageable memory (.cpu()) right after an op; wait for the op first, or set "
-           "EPX_PROXY_CUMEM=1 (docs/limitations.md)";
+           "copy to pageable memory (.cpu()) right after an op; wait for the op first, or leave "
+           "EPX_PROXY_CUMEM unset or 1 (with a process per rank; docs/limitations.md)";
   }
   int rank() const override { return rank_; }
   int num_ranks() const override { return num_ranks_; }
