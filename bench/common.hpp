@@ -19,7 +19,8 @@ struct Options {
   int tokens = 0, hidden = 7168, topk = 8, experts = 256;
   int num_sms = 24;
   int recv_tokens = 0;  ///< ht: ring rows per peer (0: the default config's)
-  int in_process = 0;   ///< > 0: that many ranks as threads on one GPU (no NVLink: a proxy)
+  int rdma_send_tokens = 0, rdma_recv_tokens = 0;  ///< ht across nodes, the ring dispatch's
+  int in_process = 0;  ///< > 0: that many ranks as threads on one GPU (no NVLink: a proxy)
   std::string backend = "auto";  ///< BufferOptions::backend
   int ranks_per_node = 0;  ///< BufferOptions::ranks_per_node (0: EPX_RANKS_PER_NODE or the host)
   int qps = 1;             ///< BufferOptions::num_qps_per_rank (proxy channels)

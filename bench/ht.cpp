@@ -1,6 +1,7 @@
 // epx-bench ht: high-throughput dispatch (BF16, FP8) and combine, counted like
 // DeepEP's tests: bytes = recv_x.numel() * element size (+ FP8 scales).
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <utility>
@@ -145,6 +146,26 @@ void run_ht_internode(World& w, const Options& o, nlohmann::json& result,
     }
   }
   result["sweep"] = sweep;
+  // With the ring dispatch on (EPX_HT_RINGS), its records per network put:
+  // the one-host engines pay per put, a NIC much less.
+  nlohmann::json chunks = nlohmann::json::array();
+  const char* rings = std::getenv("EPX_HT_RINGS");
+  if (o.sweep && rings != nullptr && std::atoi(rings) > 0) {
+    const int slots = cfg.num_max_rdma_recv_tokens > 0 ? cfg.num_max_rdma_recv_tokens
+                      : std::atoi(rings) > 1           ? std::atoi(rings)
+                                                       : 256;
+    for (int chunk : {6, 12, 24, 48, 96}) {
+      if (chunk > slots) continue;
+      Config c = cfg;
+      c.num_max_rdma_send_tokens = chunk;
+      const double td = mean_over_ranks(w, time_us(
+                                               w, [&] { calls.cached(c, false); }, 2, 10));
+      chunks.push_back({{"rdma_send_tokens", chunk}, {"dispatch_bf16_us", td}});
+      if (w.rank == 0)
+        std::printf("sweep rdma_send_tokens=%d: dispatch BF16 (cached) %.1f us\n", chunk, td);
+    }
+  }
+  result["rdma_chunk_sweep"] = chunks;
   if (w.rank == 0) {
     std::printf(
         "\nEPX high-throughput across nodes, %d ranks%s, %d tokens, hidden %d, top-%d, %d experts, "

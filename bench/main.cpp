@@ -25,6 +25,8 @@ Config ht_base_config(const Options& o, int num_ranks) {
   Config c = get_dispatch_config(num_ranks);
   c.num_sms = o.num_sms;
   if (o.recv_tokens > 0) c.num_max_recv_tokens = o.recv_tokens;
+  c.num_max_rdma_send_tokens = o.rdma_send_tokens;
+  c.num_max_rdma_recv_tokens = o.rdma_recv_tokens;
   c.pull_dispatch = false;  // the push rows; the pull rows set it (EPX_HT_PULL aside)
   return c;
 }
@@ -264,6 +266,14 @@ int main(int argc, char** argv) {
   ht->add_option("--recv-tokens", o.recv_tokens,
                  "ring rows per peer rank (config.num_max_recv_tokens; default: the default "
                  "config's; fewer than a pair's rows makes the ring lap)")
+      ->check(CLI::PositiveNumber);
+  ht->add_option("--rdma-send-tokens", o.rdma_send_tokens,
+                 "across nodes with EPX_HT_RINGS: records per network put "
+                 "(config.num_max_rdma_send_tokens; default EPX's)")
+      ->check(CLI::PositiveNumber);
+  ht->add_option("--rdma-recv-tokens", o.rdma_recv_tokens,
+                 "across nodes with EPX_HT_RINGS: records per network ring "
+                 "(config.num_max_rdma_recv_tokens; default EPX's)")
       ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   // In-process ranks share one CUDA context and its hardware queues (8 by

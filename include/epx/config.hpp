@@ -27,12 +27,20 @@ namespace epx {
 ///   it into every taker's ring and the taker copying it out. The buffer
 ///   holds (R - 1) * num_max_recv_tokens rows of a rank's tokens at once
 ///   (more tokens reuse it as a ring). Its default send share is a sixth.
+/// `num_max_rdma_send_tokens` / `num_max_rdma_recv_tokens` (DeepEP's
+///   num_max_rdma_chunked_send_tokens / _recv_tokens): across nodes, the
+///   ring dispatch's (EPX_HT_RINGS) records per network put and records per
+///   network ring (per channel and source node); 0 keeps EPX's defaults (6 and
+///   256, or EPX_HT_RINGS's ring size). The whole-call kernels (the default)
+///   size their network areas per call and do not read them.
 struct Config {
   int num_sms = 24;
   int num_max_send_tokens = 8;
   int num_max_recv_tokens = 4096;
   int num_send_sms = 0;  ///< 0 = max(1, num_sms / 3), pull_dispatch: max(1, num_sms / 6)
   bool pull_dispatch = false;
+  int num_max_rdma_send_tokens = 0;
+  int num_max_rdma_recv_tokens = 0;
 
   Config() = default;
   Config(int sms, int send_tokens, int recv_tokens, int send_sms = 0)
@@ -66,6 +74,8 @@ struct Config {
   /// validate's rules for the fields alone (no rank count: across nodes the
   /// count has its own rules).
   void validate_fields(int device_sm_count) const;
+  /// The network fields' rules alone (the ops across nodes check these).
+  void validate_rdma_fields() const;
 };
 
 /// Default configs per rank count (tuned on H200, see docs/benchmarks.md).

@@ -15,10 +15,10 @@ class Config:
     sender moves between two progress signals (``num_max_send_tokens``) and
     ``num_max_nvl_chunked_recv_tokens`` the rows of the receive ring per peer
     rank (``num_max_recv_tokens``; calls may send more tokens: the ring laps).
-    The RDMA values are kept for compatibility and not used: across nodes EPX's
-    kernels size their network areas for the whole call from the count exchange
-    (no network ring yet, docs/internode_ht.md); values other than DeepEP's
-    defaults warn once.
+    The RDMA values are the ring dispatch's across nodes (``EPX_HT_RINGS``, off by
+    default): records per network put and per network ring (docs/internode_ht.md).
+    The default whole-call kernels size their network areas per call and do not read
+    them, so values other than DeepEP's defaults warn once.
     """
 
     def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
@@ -30,22 +30,21 @@ class Config:
                                       num_max_nvl_chunked_send_tokens),
                                  _int("num_max_nvl_chunked_recv_tokens",
                                       num_max_nvl_chunked_recv_tokens))
-        self.num_max_rdma_chunked_send_tokens = _int("num_max_rdma_chunked_send_tokens",
-                                                     num_max_rdma_chunked_send_tokens)
-        self.num_max_rdma_chunked_recv_tokens = _int("num_max_rdma_chunked_recv_tokens",
-                                                     num_max_rdma_chunked_recv_tokens)
+        self._cfg.num_max_rdma_send_tokens = _int("num_max_rdma_chunked_send_tokens",
+                                                  num_max_rdma_chunked_send_tokens)
+        self._cfg.num_max_rdma_recv_tokens = _int("num_max_rdma_chunked_recv_tokens",
+                                                  num_max_rdma_chunked_recv_tokens)
         for name, default in (("num_max_rdma_chunked_send_tokens", 6),
                               ("num_max_rdma_chunked_recv_tokens", 256)):
             _compat.ignored_unless_default("Config", name, getattr(self, name), default,
-                                           "kept, but has no effect: EPX's kernels across "
-                                           "nodes size their network areas per call")
+                                           "used only by the ring dispatch across nodes "
+                                           "(EPX_HT_RINGS); EPX's default kernels size their "
+                                           "network areas per call")
 
     @classmethod
     def _wrap(cls, cfg: _core.Config) -> "Config":
         self = cls.__new__(cls)
         self._cfg = cfg
-        self.num_max_rdma_chunked_send_tokens = 6
-        self.num_max_rdma_chunked_recv_tokens = 256
         return self
 
     @property
@@ -72,6 +71,24 @@ class Config:
     @num_max_nvl_chunked_recv_tokens.setter
     def num_max_nvl_chunked_recv_tokens(self, value: int) -> None:
         self._cfg.num_max_recv_tokens = _int("num_max_nvl_chunked_recv_tokens", value)
+
+    @property
+    def num_max_rdma_chunked_send_tokens(self) -> int:
+        """Records per network put of the ring dispatch (0 in the C++ config: 6)."""
+        return self._cfg.num_max_rdma_send_tokens or 6
+
+    @num_max_rdma_chunked_send_tokens.setter
+    def num_max_rdma_chunked_send_tokens(self, value: int) -> None:
+        self._cfg.num_max_rdma_send_tokens = _int("num_max_rdma_chunked_send_tokens", value)
+
+    @property
+    def num_max_rdma_chunked_recv_tokens(self) -> int:
+        """Records per network ring of the ring dispatch (0 in the C++ config: 256)."""
+        return self._cfg.num_max_rdma_recv_tokens or 256
+
+    @num_max_rdma_chunked_recv_tokens.setter
+    def num_max_rdma_chunked_recv_tokens(self, value: int) -> None:
+        self._cfg.num_max_rdma_recv_tokens = _int("num_max_rdma_chunked_recv_tokens", value)
 
     @property
     def pull_dispatch(self) -> bool:

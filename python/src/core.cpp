@@ -683,6 +683,8 @@ NB_MODULE(_core, m) {
       .def_rw("num_max_recv_tokens", &epx::Config::num_max_recv_tokens)
       .def_rw("num_send_sms", &epx::Config::num_send_sms)
       .def_rw("pull_dispatch", &epx::Config::pull_dispatch)
+      .def_rw("num_max_rdma_send_tokens", &epx::Config::num_max_rdma_send_tokens)
+      .def_rw("num_max_rdma_recv_tokens", &epx::Config::num_max_rdma_recv_tokens)
       .def("send_sms", &epx::Config::send_sms)
       .def("recv_sms", &epx::Config::recv_sms)
       .def("get_nvl_buffer_size_hint", &epx::Config::get_nvl_buffer_size_hint, "hidden_bytes"_a,
@@ -695,6 +697,8 @@ NB_MODULE(_core, m) {
                ", num_max_send_tokens=" + std::to_string(c.num_max_send_tokens) +
                ", num_max_recv_tokens=" + std::to_string(c.num_max_recv_tokens) +
                ", num_send_sms=" + std::to_string(c.num_send_sms) +
+               ", num_max_rdma_send_tokens=" + std::to_string(c.num_max_rdma_send_tokens) +
+               ", num_max_rdma_recv_tokens=" + std::to_string(c.num_max_rdma_recv_tokens) +
                (c.pull_dispatch ? ", pull_dispatch=True" : "") + ")";
       });
   m.def(

@@ -80,6 +80,22 @@ void Config::validate_fields(int device_sm_count) const {
   require(num_max_recv_tokens >= num_max_send_tokens, "config.num_max_recv_tokens",
           "must be >= num_max_send_tokens (" + std::to_string(num_max_send_tokens) + "), got " +
               std::to_string(num_max_recv_tokens));
+  validate_rdma_fields();
+}
+
+void Config::validate_rdma_fields() const {
+  constexpr int kMaxRing = 1 << 20;
+  require(
+      num_max_rdma_recv_tokens >= 0 && num_max_rdma_recv_tokens <= kMaxRing,
+      "config.num_max_rdma_recv_tokens",
+      "must be 0 (the default) or in [1, 2^20], got " + std::to_string(num_max_rdma_recv_tokens));
+  require(
+      num_max_rdma_send_tokens >= 0 && num_max_rdma_send_tokens <= kMaxRing &&
+          (num_max_rdma_recv_tokens == 0 || num_max_rdma_send_tokens <= num_max_rdma_recv_tokens),
+      "config.num_max_rdma_send_tokens",
+      "must be 0 (the default) or in [1, num_max_rdma_recv_tokens = " +
+          std::to_string(num_max_rdma_recv_tokens) + "], got " +
+          std::to_string(num_max_rdma_send_tokens));
 }
 
 // Chunk sizes from epx-bench's sweep at 24 SMs (8 sending): EP2 (nvidia-h200-x2,

@@ -77,16 +77,21 @@ void check_fits(const char* op, const plan::HtNetRegion& r, std::size_t capacity
 int net_blocks(const char* op, const std::optional<Config>& given, const Config& cfg,
                int sms_device) {
   if (!given) return std::max(1, std::min(cfg.num_sms, sms_device));
+  cfg.validate_rdma_fields();
   require(cfg.num_sms >= 1 && cfg.num_sms <= sms_device, "config.num_sms",
           std::string(op) + ": must be in [1, " + std::to_string(sms_device) +
               "] (the SMs this rank may use), got " + std::to_string(cfg.num_sms));
   return cfg.num_sms;
 }
 
-/// The rings' geometry for EPX_HT_RINGS = `ht_rings` (>= 1) and `blocks` SMs:
-/// a channel per three SMs; 1 keeps the default sizes, N >= 2 rings of N
-/// records.
-plan::HtRingGeometry ring_geometry(int ht_rings, int blocks) {
+/// The rings' geometry for EPX_HT_RINGS = `ht_rings` (>= 1), `blocks` SMs
+/// and the config's network fields: a channel per three SMs; EPX_HT_RINGS 1
+/// keeps the default sizes, N >= 2 rings of N records; then
+/// num_max_rdma_recv_tokens / _send_tokens, where set, the network ring's
+/// records and the records per put (a chunk larger than a ring that only
+/// EPX_HT_RINGS made smaller is cut to it; HtRingGeometry::validate names the
+/// rest).
+plan::HtRingGeometry ring_geometry(int ht_rings, int blocks, const Config& cfg) {
   plan::HtRingGeometry g;
   g.channels = plan::HtRingGeometry::channels_for_sms(blocks);
   if (ht_rings > 1) {
@@ -94,6 +99,11 @@ plan::HtRingGeometry ring_geometry(int ht_rings, int blocks) {
     g.net_chunk = std::min(g.net_chunk, ht_rings);
     g.nvl_chunk = std::min(g.nvl_chunk, ht_rings);
   }
+  if (cfg.num_max_rdma_recv_tokens > 0) g.net_slots = cfg.num_max_rdma_recv_tokens;
+  if (cfg.num_max_rdma_send_tokens > 0)
+    g.net_chunk = cfg.num_max_rdma_send_tokens;
+  else
+    g.net_chunk = std::min(g.net_chunk, g.net_slots);
   return g;
 }
 
@@ -290,7 +300,7 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   const bool rings = ht_rings > 0 && worst == 0;
   std::optional<plan::HtRingRegion> ring;
   if (rings) {
-    ring = plan::HtRingRegion::make(topology, ring_geometry(ht_rings, blocks), record,
+    ring = plan::HtRingRegion::make(topology, ring_geometry(ht_rings, blocks, cfg), record,
                                     plan::HtNetRegion::body(R), ht.bytes);
   } else {
     check_fits(op, region, ht_capacity(), worst);
@@ -457,9 +467,9 @@ std::size_t Buffer::get_internode_nvl_size_hint(int num_max_tokens, int hidden, 
   // with the whole-call ops (the combine), sized here for the default
   // config's SMs (more SMs, more channels), and the state block sits at the
   // region's end, past both.
-  const int blocks = get_dispatch_config(num_ranks).num_sms;
+  const Config cfg = get_dispatch_config(num_ranks);
   const plan::HtRingRegion rings =
-      plan::HtRingRegion::make(topology, ring_geometry(ht_rings, blocks), record,
+      plan::HtRingRegion::make(topology, ring_geometry(ht_rings, cfg.num_sms, cfg), record,
                                plan::HtNetRegion::body(num_ranks), std::size_t{1} << 46);
   return std::max(bytes, rings.rings_end) + plan::HtRingRegion::state_bytes(topology);
 }

@@ -28,6 +28,18 @@ TEST(Config, ValidateNamesTheField) {
   check(Config(24, 2000, 4096), "config.num_max_send_tokens");
   check(Config(24, 16, 8), "config.num_max_recv_tokens");
   check(Config(24, 8, 4096, 24), "config.num_send_sms");
+  auto rdma = [](int send, int recv) {
+    Config c(24, 8, 4096);
+    c.num_max_rdma_send_tokens = send;
+    c.num_max_rdma_recv_tokens = recv;
+    return c;
+  };
+  check(rdma(0, -1), "config.num_max_rdma_recv_tokens");
+  check(rdma(0, (1 << 20) + 1), "config.num_max_rdma_recv_tokens");
+  check(rdma(-1, 0), "config.num_max_rdma_send_tokens");
+  check(rdma(33, 32), "config.num_max_rdma_send_tokens");
+  EXPECT_NO_THROW(rdma(32, 32).validate(4, 132));
+  EXPECT_NO_THROW(rdma(64, 0).validate(4, 132));  // the ring's size stays EPX's
   EXPECT_NO_THROW(Config(24, 8, 4096).validate(4, 132));
   EXPECT_NO_THROW(Config(24, 8, 4096).validate(8, 132));
   try {
