@@ -30,10 +30,8 @@ class Config:
                                       num_max_nvl_chunked_send_tokens),
                                  _int("num_max_nvl_chunked_recv_tokens",
                                       num_max_nvl_chunked_recv_tokens))
-        self._cfg.num_max_rdma_send_tokens = _int("num_max_rdma_chunked_send_tokens",
-                                                  num_max_rdma_chunked_send_tokens)
-        self._cfg.num_max_rdma_recv_tokens = _int("num_max_rdma_chunked_recv_tokens",
-                                                  num_max_rdma_chunked_recv_tokens)
+        self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
+        self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
         for name, default in (("num_max_rdma_chunked_send_tokens", 6),
                               ("num_max_rdma_chunked_recv_tokens", 256)):
             _compat.ignored_unless_default("Config", name, getattr(self, name), default,
@@ -45,6 +43,8 @@ class Config:
     def _wrap(cls, cfg: _core.Config) -> "Config":
         self = cls.__new__(cls)
         self._cfg = cfg
+        self._rdma = {"num_max_rdma_chunked_send_tokens": cfg.num_max_rdma_send_tokens or 6,
+                      "num_max_rdma_chunked_recv_tokens": cfg.num_max_rdma_recv_tokens or 256}
         return self
 
     @property
@@ -72,23 +72,37 @@ class Config:
     def num_max_nvl_chunked_recv_tokens(self, value: int) -> None:
         self._cfg.num_max_recv_tokens = _int("num_max_nvl_chunked_recv_tokens", value)
 
+    # The RDMA fields as given; the C++ config holds 0 (EPX's own ring sizes, which
+    # suit its one-host engines and NICs alike, docs/internode_ht.md) for DeepEP's
+    # defaults, and the value otherwise.
+    _RDMA = {"num_max_rdma_chunked_send_tokens": ("num_max_rdma_send_tokens", 6),
+             "num_max_rdma_chunked_recv_tokens": ("num_max_rdma_recv_tokens", 256)}
+
+    def _set_rdma(self, name: str, value: int) -> None:
+        field, deep_ep_default = self._RDMA[name]
+        v = _int(name, value, (0, 1 << 20))
+        setattr(self._cfg, field, 0 if v == deep_ep_default else v)
+        if not hasattr(self, "_rdma"):
+            self._rdma = {}
+        self._rdma[name] = v
+
     @property
     def num_max_rdma_chunked_send_tokens(self) -> int:
-        """Records per network put of the ring dispatch (0 in the C++ config: 6)."""
-        return self._cfg.num_max_rdma_send_tokens or 6
+        """Records per network put of the ring dispatch across nodes (EPX_HT_RINGS)."""
+        return self._rdma["num_max_rdma_chunked_send_tokens"]
 
     @num_max_rdma_chunked_send_tokens.setter
     def num_max_rdma_chunked_send_tokens(self, value: int) -> None:
-        self._cfg.num_max_rdma_send_tokens = _int("num_max_rdma_chunked_send_tokens", value)
+        self._set_rdma("num_max_rdma_chunked_send_tokens", value)
 
     @property
     def num_max_rdma_chunked_recv_tokens(self) -> int:
-        """Records per network ring of the ring dispatch (0 in the C++ config: 256)."""
-        return self._cfg.num_max_rdma_recv_tokens or 256
+        """Records per network ring of the ring dispatch across nodes (EPX_HT_RINGS)."""
+        return self._rdma["num_max_rdma_chunked_recv_tokens"]
 
     @num_max_rdma_chunked_recv_tokens.setter
     def num_max_rdma_chunked_recv_tokens(self, value: int) -> None:
-        self._cfg.num_max_rdma_recv_tokens = _int("num_max_rdma_chunked_recv_tokens", value)
+        self._set_rdma("num_max_rdma_chunked_recv_tokens", value)
 
     @property
     def pull_dispatch(self) -> bool:

@@ -27,7 +27,10 @@ inline constexpr int kMaxRingChannels = 64;
 /// tail stores (num_max_nvl_chunked_send_tokens).
 struct HtRingGeometry {
   int channels = 1;
-  int net_slots = 256, net_chunk = 6;
+  // 48 records per put, not DeepEP's 6: the one-host engines pay per put
+  // (docs/internode_ht.md, "Ring dispatch, measured"), and a NIC is no worse
+  // for larger messages with five puts still in flight per ring.
+  int net_slots = 256, net_chunk = 48;
   int nvl_slots = 256, nvl_chunk = 8;
 
   /// The channels `num_sms` SMs give (a third each role, at least 1).

@@ -404,6 +404,30 @@ def test_per_call_arguments_without_effect_warn_once(fresh_warnings):
                 assert f"{op}: {arg}: " in str(got[0].message)
 
 
+def test_config_rdma_fields_reach_the_core_config(fresh_warnings):
+    """DeepEP's defaults leave EPX's ring sizes (0 in the core config); other values
+    go through; out of range is an error naming the DeepEP field."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", epx.EPXIgnoredArgumentWarning)
+        d = epx.Config(24, 6, 256, 6, 256)
+        assert (d._cfg.num_max_rdma_send_tokens, d._cfg.num_max_rdma_recv_tokens) == (0, 0)
+        assert (d.num_max_rdma_chunked_send_tokens, d.num_max_rdma_chunked_recv_tokens) == (6, 256)
+        c = epx.Config(24, 6, 256, 24, 128)
+        assert (c._cfg.num_max_rdma_send_tokens, c._cfg.num_max_rdma_recv_tokens) == (24, 128)
+        assert (c.num_max_rdma_chunked_send_tokens, c.num_max_rdma_chunked_recv_tokens) == (24, 128)
+        c.num_max_rdma_chunked_send_tokens = 6
+        assert c._cfg.num_max_rdma_send_tokens == 0 and c.num_max_rdma_chunked_send_tokens == 6
+        w = epx.Buffer.get_dispatch_config(16)
+        assert (w.num_max_rdma_chunked_send_tokens, w.num_max_rdma_chunked_recv_tokens) == (6, 256)
+        for bad in (-1, 2**20 + 1):
+            with pytest.raises(epx.EPXValueError, match="num_max_rdma_chunked_recv_tokens"):
+                epx.Config(24, 6, 256, 6, bad)
+            with pytest.raises(epx.EPXValueError, match="num_max_rdma_chunked_send_tokens"):
+                epx.Config(24, 6, 256, bad, 256)
+
+
 def test_config_rdma_fields_warn_once_unless_default(fresh_warnings):
     import warnings
 

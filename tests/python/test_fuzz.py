@@ -225,6 +225,8 @@ def rule_config(v, cfg, R, sms=ValidatingRuntime.SMS):
     v.flag(c.num_send_sms < 0 or send < 1 or c.num_sms - send < 1, "config.num_send_sms")
     v.flag(not 1 <= c.num_max_send_tokens <= 1024, "config.num_max_send_tokens")
     v.flag(c.num_max_recv_tokens < c.num_max_send_tokens, "config.num_max_recv_tokens")
+    v.flag(not 0 <= c.num_max_rdma_send_tokens <= 2**20, "config.num_max_rdma_send_tokens")
+    v.flag(not 0 <= c.num_max_rdma_recv_tokens <= 2**20, "config.num_max_rdma_recv_tokens")
 
 
 def ll_size_rules(v, max_tokens, hidden, experts, R):
@@ -889,7 +891,8 @@ def test_fuzz_small_ops():
 
 
 CONFIG_ARGS = ["num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
-               "num_max_rdma_chunked_send_tokens", "hidden_bytes", "num_ranks", "num_topk"]
+               "num_max_rdma_chunked_send_tokens",
+               "num_max_rdma_chunked_recv_tokens", "hidden_bytes", "num_ranks", "num_topk"]
 
 
 def test_fuzz_config():
@@ -904,17 +907,18 @@ def test_fuzz_config():
         send = data.draw(int_arg(st.integers(1, 64), pb("num_max_nvl_chunked_send_tokens")))
         recv = data.draw(int_arg(st.integers(64, 8192), pb("num_max_nvl_chunked_recv_tokens")))
         rdma = (data.draw(int_arg(st.just(6), pb("num_max_rdma_chunked_send_tokens"))),
-                data.draw(int_arg(st.just(256), pb("num_max_rdma_chunked_send_tokens"))))
+                data.draw(int_arg(st.just(256), pb("num_max_rdma_chunked_recv_tokens"))))
         hidden_bytes = data.draw(int_arg(st.integers(1, 8192).map(lambda k: 2 * k),
                                          pb("hidden_bytes")))
         R = data.draw(int_arg(ranks, pb("num_ranks")))
         K = data.draw(int_arg(st.integers(1, 16), pb("num_topk")))
         v = Verdict()
-        vals = [rule_int(v, val, name) for val, name in
+        ring = (0, 2**20)  # the ring dispatch's sizes (0: EPX's own)
+        vals = [rule_int(v, val, name, *bounds) for val, name, *bounds in
                 ((sms, "num_sms"), (send, "num_max_nvl_chunked_send_tokens"),
                  (recv, "num_max_nvl_chunked_recv_tokens"),
-                 (rdma[0], "num_max_rdma_chunked_send_tokens"),
-                 (rdma[1], "num_max_rdma_chunked_recv_tokens"))]
+                 (rdma[0], "num_max_rdma_chunked_send_tokens", ring),
+                 (rdma[1], "num_max_rdma_chunked_recv_tokens", ring))]
         hb = rule_int(v, hidden_bytes, "hidden_bytes", (0, 2**64 - 1))
         r = rule_int(v, R, "num_ranks")
         k = rule_int(v, K, "num_topk")
