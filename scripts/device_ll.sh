@@ -10,10 +10,11 @@
 #                Internode and Network suites at 2:1 over the proxy.
 #   EPX_LL_PY    "VAR=VALUE ...;VAR=VALUE ...;..." one Python run per ';'-part,
 #                with that environment (EPX_BACKEND=nccl gets the loopback
-#                plugin added). Default: the Python LL case over the proxy
-#                with EPX_PROXY_CUMEM=1, then over nccl.
+#                plugin added). Default: the Python LL case over the proxy,
+#                then over nccl.
 #   EPX_LL_ENVS  "VAR=VALUE ...;..." each C++ run again under each part (default:
-#                EPX_PROXY_CUMEM=1, the proxy's cuMem regions and own context).
+#                one run with the library's defaults; e.g. "EPX_PROXY_CUMEM=0" for
+#                the proxy's primary-context path, which fails the copy test).
 #   EPX_LL_K     pytest -k of the Python runs (default: the LL case at 2 processes)
 #   EPX_LL_TIMEOUT_S  EPX_TIMEOUT_S of every run (5: a lost op fails in seconds)
 # Every rank's error comes back (tests/python/test_gpu.py waits for them); logs
@@ -27,7 +28,7 @@ LOGS="$OUT/ll"
 mkdir -p "$LOGS"
 summary=()
 tests="LowLatency.CleanOnAFreshBufferThenOps:LowLatency.PythonCaseShapesPairAfterPair:LowLatency.BackToBackOnTheLegacyStreamWithCopies"
-IFS=';' read -ra envs <<< "${EPX_LL_ENVS:-EPX_PROXY_CUMEM=1}"
+IFS=';' read -ra envs <<< "${EPX_LL_ENVS:- }"
 for spec in ${EPX_LL_CXX:-proxy:2:1:4:$tests proxy:4:2:4:$tests proxy:2:1:1:LowLatency.*:Internode.*:Network.*}; do
   IFS=: read -r backend r rpn qps filter <<< "$spec"
   [ "$GPUS" -ge "$r" ] || continue
@@ -49,7 +50,7 @@ $(grep -c '^\[       OK' "$LOGS/cxx-$tag.log") ok, $(grep -c '^\[  FAILED  \] [A
 done
 # The Python runs: device_run.sh's python step, one per environment.
 gin="$GIN_PLUGIN EPX_BACKEND=nccl"
-default_py="EPX_BACKEND=proxy EPX_PROXY_CUMEM=1;EPX_BACKEND=nccl"
+default_py="EPX_BACKEND=proxy;EPX_BACKEND=nccl"
 IFS=';' read -ra pys <<< "${EPX_LL_PY-$default_py}"
 i=0
 for v in "${pys[@]}"; do
