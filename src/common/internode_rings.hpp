@@ -23,8 +23,10 @@ inline constexpr int kMaxRingChannels = 64;
 /// forward, receive), `net_slots` records per network ring
 /// (num_max_rdma_chunked_recv_tokens), at most `net_chunk` per put
 /// (num_max_rdma_chunked_send_tokens), `nvl_slots` per NVLink ring
-/// (num_max_nvl_chunked_recv_tokens) and `nvl_chunk` records between two
-/// tail stores (num_max_nvl_chunked_send_tokens).
+/// (num_max_nvl_chunked_recv_tokens) and a tail store once `nvl_chunk`
+/// records are stored (num_max_nvl_chunked_send_tokens; the forwarder
+/// stores a batch of up to one record per warp at once, so stores may lie
+/// further apart) and whenever an input has nothing more waiting.
 struct HtRingGeometry {
   int channels = 1;
   // 48 records per put, not DeepEP's 6: the one-host engines pay per put

@@ -644,7 +644,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(DispatchParams<
 // forwarder (put by the source's sender, its tail a signal, its credits a
 // signal back), an NVLink ring per (channel, forwarder) at each local
 // receiver (stored by the forwarder, tail and head as plain words). Each
-// role moves one record at a time with the whole block copying it. Counts
+// role moves records in batches of one per warp (kRingBatch). Counts
 // come in-band: a sender first puts, per node, its record count and its rows
 // per local rank there as words tagged with the rings' op count; a forwarder
 // tells each receiver its total the same way. Counters run over the
@@ -654,14 +654,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(DispatchParams<
 using plan::HtRingBase;
 using plan::HtRingSignal;
 
-/// Block-wide copy of `bytes` (a multiple of 16).
-template <bool kCoherent>
-__device__ __forceinline__ void block_copy(uint8_t* dst, const uint8_t* src, std::size_t bytes) {
-  auto* d = reinterpret_cast<int4*>(dst);
-  const auto* q = reinterpret_cast<const int4*>(src);
-  for (std::size_t i = threadIdx.x; i < bytes / 16; i += blockDim.x)
-    dev::st_na(d + i, load16<kCoherent>(q + i));
-}
+/// Records one batch of a role moves at once: one per warp (warp 0's lanes
+/// index a batch).
+constexpr int kRingBatch = kThreads / 32;
+static_assert(kThreads % 32 == 0 && kRingBatch <= 32, "a batch is indexed by one warp's lanes");
 
 template <class T>
 __device__ __forceinline__ int ring_sig(const T& t, HtRingSignal kind, int channel, int peer) {
@@ -717,10 +713,11 @@ __device__ __forceinline__ bool ring_pass_ok(const T& t, bool moved, uint64_t& i
   return false;
 }
 
-/// Sender of channel c: header words for every node, then each record of the
-/// channel's tokens for node m into the send ring (after a credit from
-/// forwarder(me, m)), put to the forwarder's ring every net_chunk records
-/// (split where the ring wraps) with a tail add.
+/// Sender of channel c: header words for every node, then the channel's
+/// tokens for node m in batches of up to one per warp (kRingBatch): the
+/// batch's room in the send ring (after credits from forwarder(me, m)), each
+/// warp writing one record, then a put to the forwarder's ring every
+/// net_chunk records (split where the ring wraps) with a tail add.
 template <class T>
 __device__ bool ring_send(const DispatchParams<T>& p, const T& t, int c, uint64_t op) {
   const plan::HtRingRegion& g = p.ring;
@@ -730,8 +727,10 @@ __device__ bool ring_send(const DispatchParams<T>& p, const T& t, int c, uint64_
   const int first = split.first(c), end = split.end(c);
   const RecordFields f(p.hidden_bytes, S, K);
   const uint32_t slots = static_cast<uint32_t>(g.geometry.net_slots);
+  const int batch_max = min(kRingBatch, g.geometry.net_slots);
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   __shared__ int cnt_node[kMaxRanks], cnt_rank[kMaxRanks];
-  __shared__ int ok, s_mask, s_wait;
+  __shared__ int ok, s_wait, b_n, b_scan, b_tok[kRingBatch], b_j[kRingBatch];
   __shared__ uint64_t sent, pending;
   for (int i = threadIdx.x; i < R; i += blockDim.x) cnt_node[i] = cnt_rank[i] = 0;
   if (threadIdx.x == 0) ok = 1;
@@ -755,7 +754,11 @@ __device__ bool ring_send(const DispatchParams<T>& p, const T& t, int c, uint64_
   __syncthreads();
   for (int m = 0; m < N; ++m) {
     const int fwd = m * L + l;
-    if (threadIdx.x == 0) sent = pending = *ring_base(t, g, HtRingBase::kNetSent, c, m);
+    const int credit = ring_sig(t, HtRingSignal::kNetCredit, c, fwd);
+    if (threadIdx.x == 0) {
+      sent = pending = *ring_base(t, g, HtRingBase::kNetSent, c, m);
+      b_scan = first;
+    }
     __syncthreads();
     const uint64_t base = sent;
     // The whole block puts the records since `pending`, piece by piece (split
@@ -777,48 +780,74 @@ __device__ bool ring_send(const DispatchParams<T>& p, const T& t, int c, uint64_
       if (threadIdx.x == 0) pending = to;
       __syncthreads();
     };
-    for (int tok = first; ok && tok < end; ++tok) {
-      const int j = p.send_pos[static_cast<int64_t>(tok) * N + m];
-      if (j < 0) continue;
+    while (ok) {
+      // Warp 0 collects the next batch: the first tokens from b_scan on
+      // that go to node m, in token order, at most batch_max and no more
+      // than the current put has left (a put carries at most net_chunk;
+      // sent - pending < net_chunk here, the last batch's flush saw to it).
+      if (warp == 0) {
+        const int cap = min(batch_max, g.geometry.net_chunk - static_cast<int>(sent - pending));
+        int got = 0, pos = b_scan;
+        while (got < cap && pos < end) {
+          const int tok = pos + lane;
+          const int j = tok < end ? p.send_pos[static_cast<int64_t>(tok) * N + m] : -1;
+          const unsigned hits = __ballot_sync(0xffffffffu, j >= 0);
+          const int before = __popc(hits & ((1u << lane) - 1u));
+          const int take = min(__popc(hits), cap - got);
+          if (j >= 0 && before < take) {
+            b_tok[got + before] = tok;
+            b_j[got + before] = j;
+          }
+          // past the last token taken (all 32 when every hit fit)
+          const unsigned next = __ballot_sync(0xffffffffu, j >= 0 && before == take);
+          pos = next ? pos + __ffs(next) - 1 : pos + 32;
+          got += take;
+        }
+        if (lane == 0) {
+          b_n = got;
+          b_scan = min(pos, end);
+        }
+      }
+      __syncthreads();
+      const int k = b_n;
+      if (k == 0) break;
       if (threadIdx.x == 0)
-        s_wait = sent >= slots && t.read_signal(ring_sig(t, HtRingSignal::kNetCredit, c, fwd),
-                                                fwd) < sent + 1 - slots;
+        s_wait = sent + k > slots && t.read_signal(credit, fwd) < sent + k - slots;
       __syncthreads();
       if (s_wait) {
         // A full ring: what is written but not yet put goes first (the
         // forwarder frees slots only for records it got), then wait for room
-        // for a whole put (or the rest), not for one slot: freeing one slot
-        // at a time would turn every later put into a put of one record.
+        // for a whole put (or the rest), not just this batch: freeing a few
+        // slots at a time would make every later put a small one.
         flush();
         if (threadIdx.x == 0) {
           const uint64_t rest = static_cast<uint64_t>(cnt_node[m]) - (sent - base);
-          const uint64_t room = min(rest, static_cast<uint64_t>(g.geometry.net_chunk));
-          if (!t.wait_signal(ring_sig(t, HtRingSignal::kNetCredit, c, fwd), sent + room - slots,
-                             OpId::kDispatch, fwd))
-            ok = 0;
+          uint64_t room = min(rest, static_cast<uint64_t>(g.geometry.net_chunk));
+          room = min(max(room, static_cast<uint64_t>(k)), static_cast<uint64_t>(slots));
+          if (!t.wait_signal(credit, sent + room - slots, OpId::kDispatch, fwd)) ok = 0;
         }
         __syncthreads();
         if (!ok) break;
       }
-      uint8_t* rec = reinterpret_cast<uint8_t*>(t.local_ptr(g.net_send_slot(c, m, sent)));
-      block_copy<false>(rec, p.x + static_cast<int64_t>(tok) * p.x_row_bytes, p.hidden_bytes);
-      for (int i = threadIdx.x; i < S + 2 * K; i += blockDim.x)
-        word_at(rec, f.scales + 4 * i)[0] = record_extra(p, tok, i, S, K);
-      if (threadIdx.x == 0) s_mask = 0;
-      __syncthreads();
-      if (static_cast<int>(threadIdx.x) < L) {
-        const int k = p.rank_pos[static_cast<int64_t>(tok) * R + m * L + threadIdx.x];
-        word_at(rec, f.pos)[threadIdx.x] = k;
-        if (k >= 0) atomicOr(&s_mask, 1 << threadIdx.x);
+      if (warp < k) {
+        const int tok = b_tok[warp];
+        uint8_t* rec = reinterpret_cast<uint8_t*>(t.local_ptr(g.net_send_slot(c, m, sent + warp)));
+        warp_copy<false, 4>(rec, p.x + static_cast<int64_t>(tok) * p.x_row_bytes, p.hidden_bytes,
+                            lane);
+        for (int i = lane; i < S + 2 * K; i += 32)
+          word_at(rec, f.scales + 4 * i)[0] = record_extra(p, tok, i, S, K);
+        const int at = lane < L ? p.rank_pos[static_cast<int64_t>(tok) * R + m * L + lane] : -1;
+        if (lane < L) word_at(rec, f.pos)[lane] = at;
+        const unsigned mask = __ballot_sync(0xffffffffu, lane < L && at >= 0);
+        if (lane == 0) {
+          *word_at(rec, f.token) = tok;
+          *word_at(rec, f.mask) = static_cast<int>(mask);
+          *word_at(rec, f.index) = b_j[warp];
+          *word_at(rec, f.src) = me;
+        }
       }
       __syncthreads();
-      if (threadIdx.x == 0) {
-        *word_at(rec, f.token) = tok;
-        *word_at(rec, f.mask) = s_mask;
-        *word_at(rec, f.index) = j;
-        *word_at(rec, f.src) = me;
-        ++sent;
-      }
+      if (threadIdx.x == 0) sent += k;
       __syncthreads();
       if (sent - pending >= static_cast<uint64_t>(g.geometry.net_chunk)) flush();
     }
@@ -832,8 +861,9 @@ __device__ bool ring_send(const DispatchParams<T>& p, const T& t, int c, uint64_
 
 /// Forwarder of channel c: the headers of every source node's sender c, each
 /// local receiver told its total, then records from whichever input ring has
-/// some, each stored into the NVLink ring (c, this rank) of every local rank
-/// in its mask (after room there), its credits returned to the source every
+/// some, in batches of up to one per warp: the batch's room in the NVLink
+/// ring (c, this rank) of every local rank in the records' masks, each warp
+/// storing one record there; its credits returned to the source every
 /// net_chunk records and whenever that input has nothing more waiting.
 template <class T>
 __device__ bool ring_forward(const DispatchParams<T>& p, const T& t, int c, uint64_t op) {
@@ -841,10 +871,13 @@ __device__ bool ring_forward(const DispatchParams<T>& p, const T& t, int c, uint
   const int L = g.ranks_per_node, N = g.num_nodes(), me = t.rank, n = me / L, l = me % L;
   const RecordFields f(p.hidden_bytes, p.num_scales, p.num_topk);
   const uint32_t nvl_slots = static_cast<uint32_t>(g.geometry.nvl_slots);
+  const int batch_max = min(kRingBatch, g.geometry.nvl_slots);
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   __shared__ int ok, left[kMaxRanks], tot[kMaxRanksPerNode];
   __shared__ uint64_t taken[kMaxRanks], freed[kMaxRanks], nvl_sent[kMaxRanksPerNode],
       nvl_pub[kMaxRanksPerNode];
-  __shared__ int total, avail, s_mask, s_index, s_token;
+  __shared__ int total, avail, b_cnt[kMaxRanksPerNode];
+  __shared__ int b_mask[kRingBatch], b_off[kRingBatch][kMaxRanksPerNode];
   __shared__ uint64_t idle_since;
   if (threadIdx.x == 0) ok = 1;
   if (static_cast<int>(threadIdx.x) < L) tot[threadIdx.x] = 0;
@@ -907,56 +940,73 @@ __device__ bool ring_forward(const DispatchParams<T>& p, const T& t, int c, uint
         avail = static_cast<int>(min(tail - taken[m], static_cast<uint64_t>(left[m])));
       }
       __syncthreads();
-      const int k_avail = avail;
-      for (int k = 0; ok && k < k_avail; ++k) {
-        const uint8_t* rec =
-            reinterpret_cast<const uint8_t*>(t.local_ptr(g.net_slot(c, m, taken[m])));
-        if (threadIdx.x == 0) {
-          s_mask = ld_int(rec + f.mask);
-          s_index = ld_int(rec + f.index);
-          s_token = ld_int(rec + f.token);
-          const int64_t at = static_cast<int64_t>(m) * p.off.slot_rows + s_index;
-          p.fwd_mask[at] = s_mask;
-          p.fwd_token[at] = s_token;
+      const int m_avail = avail;
+      for (int done = 0; ok && done < m_avail;) {
+        const int k = min(batch_max, m_avail - done);
+        // Warp 0: lane i reads record i's mask, and each record's slot in
+        // each local rank's ring (its rank among the batch's records for it)
+        if (warp == 0) {
+          int mask = 0;
+          if (lane < k) {
+            const uint8_t* rec =
+                reinterpret_cast<const uint8_t*>(t.local_ptr(g.net_slot(c, m, taken[m] + lane)));
+            mask = ld_int(rec + f.mask);
+            const int64_t at = static_cast<int64_t>(m) * p.off.slot_rows + ld_int(rec + f.index);
+            p.fwd_mask[at] = mask;
+            p.fwd_token[at] = ld_int(rec + f.token);
+            b_mask[lane] = mask;
+          }
+          for (int d = 0; d < L; ++d) {
+            const unsigned to_d = __ballot_sync(0xffffffffu, lane < k && ((mask >> d) & 1));
+            if (lane < k) b_off[lane][d] = __popc(to_d & ((1u << lane) - 1u));
+            if (lane == 0) b_cnt[d] = __popc(to_d);
+          }
         }
         __syncthreads();
-        for (int d = 0; d < L; ++d) {
-          if (!((s_mask >> d) & 1)) continue;
-          if (threadIdx.x == 0) {
-            // A full ring: publish what is stored (the receiver frees slots
-            // only for records it sees), then wait for room.
+        if (threadIdx.x == 0) {
+          // Room for the batch in each ring it goes to: publish what is
+          // stored first (the receiver frees slots only for records it sees)
+          for (int d = 0; ok && d < L; ++d) {
+            const uint64_t need = nvl_sent[d] + b_cnt[d];
+            if (b_cnt[d] == 0 || need <= nvl_slots) continue;
             const auto* head = reinterpret_cast<const uint64_t*>(t.local_ptr(g.nvl_head(c, d)));
-            const uint64_t need = nvl_sent[d] + 1;
-            if (need > nvl_slots && dev::ld_acquire_sys_u64(head) + nvl_slots < need) publish(d);
-            if (need > nvl_slots &&
-                !dev::spin_until([&] { return dev::ld_acquire_sys_u64(head); },
+            if (dev::ld_acquire_sys_u64(head) + nvl_slots < need) publish(d);
+            if (!dev::spin_until([&] { return dev::ld_acquire_sys_u64(head); },
                                  [&](uint64_t h) { return h + nvl_slots >= need; },
                                  [](uint64_t h) { return static_cast<uint32_t>(h); },
                                  static_cast<uint32_t>(need - nvl_slots), t.timeout_ns, t.diag,
                                  OpId::kDispatch, me, n * L + d, c))
               ok = 0;
           }
-          __syncthreads();
-          if (!ok) break;
-          block_copy<true>(
-              reinterpret_cast<uint8_t*>(t.lsa_ptr(n * L + d, g.nvl_slot(c, l, nvl_sent[d]))), rec,
-              g.record_bytes);
-          __syncthreads();
-          if (threadIdx.x == 0) {
-            ++nvl_sent[d];
+        }
+        __syncthreads();
+        if (!ok) break;
+        if (warp < k) {
+          const uint8_t* rec =
+              reinterpret_cast<const uint8_t*>(t.local_ptr(g.net_slot(c, m, taken[m] + warp)));
+          const int mask = b_mask[warp];
+          for (int d = 0; d < L; ++d)
+            if ((mask >> d) & 1)
+              warp_copy<true, 4>(reinterpret_cast<uint8_t*>(t.lsa_ptr(
+                                     n * L + d, g.nvl_slot(c, l, nvl_sent[d] + b_off[warp][d]))),
+                                 rec, static_cast<int>(g.record_bytes), lane);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          for (int d = 0; d < L; ++d) {
+            nvl_sent[d] += b_cnt[d];
             if (nvl_sent[d] - nvl_pub[d] >= static_cast<uint64_t>(g.geometry.nvl_chunk)) publish(d);
           }
-        }
-        if (threadIdx.x == 0) {
-          ++taken[m];
-          --left[m];
-          --total;
+          taken[m] += k;
+          left[m] -= k;
+          total -= k;
           if (taken[m] - freed[m] >= static_cast<uint64_t>(g.geometry.net_chunk)) free_credits(m);
         }
         __syncthreads();
+        done += k;
       }
-      if (k_avail > 0) moved = true;
-      if (threadIdx.x == 0) {
+      if (m_avail > 0) moved = true;
+      if (threadIdx.x == 0 && ok) {
         free_credits(m);  // nothing more waiting in this input now
         for (int d = 0; d < L; ++d) publish(d);
       }
@@ -982,9 +1032,10 @@ __device__ bool ring_forward(const DispatchParams<T>& p, const T& t, int c, uint
 }
 
 /// Receiver of channel c: the local forwarders' totals, then records from
-/// whichever NVLink ring has some, each unpacked to its final row (the
-/// source's first row here plus the record's row among its rows), the head
-/// returned to the forwarder after each batch.
+/// whichever NVLink ring has some, in batches of up to one per warp, each
+/// warp unpacking one record to its final row (the source's first row here
+/// plus the record's row among its rows), the head returned to the
+/// forwarder after each pass over its ring.
 template <class T>
 __device__ bool ring_receive(const DispatchParams<T>& p, const T& t, int c, uint64_t op) {
   const plan::HtRingRegion& g = p.ring;
@@ -992,9 +1043,13 @@ __device__ bool ring_receive(const DispatchParams<T>& p, const T& t, int c, uint
   const int S = p.num_scales, K = p.num_topk;
   const RecordFields f(p.hidden_bytes, S, K);
   const int epr = p.num_experts / R, lo = me * epr;
-  __shared__ int ok, left[kMaxRanksPerNode], total, avail, s_row;
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  __shared__ int ok, bad, left[kMaxRanksPerNode], total, avail;
   __shared__ uint64_t taken[kMaxRanksPerNode], idle_since;
-  if (threadIdx.x == 0) ok = 1;
+  if (threadIdx.x == 0) {
+    ok = 1;
+    bad = 0;
+  }
   __syncthreads();
   if (static_cast<int>(threadIdx.x) < L) {
     uint32_t v = 0;
@@ -1024,55 +1079,58 @@ __device__ bool ring_receive(const DispatchParams<T>& p, const T& t, int c, uint
         avail = static_cast<int>(min(tail - taken[fl], static_cast<uint64_t>(left[fl])));
       }
       __syncthreads();
-      const int k_avail = avail;
-      for (int k = 0; k < k_avail; ++k) {
-        const uint8_t* rec =
-            reinterpret_cast<const uint8_t*>(t.local_ptr(g.nvl_slot(c, fl, taken[fl])));
+      const int f_avail = avail;
+      for (int done = 0; done < f_avail;) {
+        const int k = min(kRingBatch, f_avail - done);
+        if (warp < k) {
+          const uint8_t* rec =
+              reinterpret_cast<const uint8_t*>(t.local_ptr(g.nvl_slot(c, fl, taken[fl] + warp)));
+          int row = 0;
+          if (lane == 0) {
+            const int src = ld_int(rec + f.src), pos = ld_int(rec + f.pos + 4 * l);
+            row = (src > 0 ? p.ring_rpm[static_cast<std::size_t>(src - 1) * R + me] : 0) + pos;
+            if (row < 0 || row >= p.num_recv_rows || pos < 0) {
+              dev::report(t.diag, DiagCode::kBadConfig, OpId::kDispatch, me, src, c,
+                          static_cast<uint32_t>(p.num_recv_rows), static_cast<uint32_t>(row));
+              row = -1;
+              bad = 1;
+            }
+          }
+          row = __shfl_sync(0xffffffffu, row, 0);
+          if (row >= 0) {
+            warp_copy<true, 4>(p.recv_x + static_cast<int64_t>(row) * p.hidden_bytes, rec,
+                               p.hidden_bytes, lane);
+            for (int i = lane; i < S; i += 32)
+              p.recv_scales[static_cast<int64_t>(row) * S + i] =
+                  ld_float(reinterpret_cast<const float*>(rec + f.scales) + i);
+            for (int i = lane; i < K; i += 32) {
+              const int e = ld_int(reinterpret_cast<const int*>(rec + f.ids) + i);
+              const bool mine = e >= lo && e < lo + epr;
+              if (p.recv_topk_idx)
+                p.recv_topk_idx[static_cast<int64_t>(row) * K + i] = mine ? e - lo : -1;
+              if (p.recv_topk_weights)
+                p.recv_topk_weights[static_cast<int64_t>(row) * K + i] =
+                    mine ? ld_float(reinterpret_cast<const float*>(rec + f.weights) + i) : 0.0f;
+            }
+            if (lane == 0) {
+              p.recv_src_idx[row] = ld_int(rec + f.token);
+              p.recv_meta[3 * row] = ld_int(rec + f.src);
+              p.recv_meta[3 * row + 1] = ld_int(rec + f.index);
+              p.recv_meta[3 * row + 2] = ld_int(rec + f.mask);
+            }
+          }
+        }
+        __syncthreads();
         if (threadIdx.x == 0) {
-          const int src = ld_int(rec + f.src), pos = ld_int(rec + f.pos + 4 * l);
-          const int row =
-              (src > 0 ? p.ring_rpm[static_cast<std::size_t>(src - 1) * R + me] : 0) + pos;
-          s_row = row;
-          if (row < 0 || row >= p.num_recv_rows || pos < 0) {
-            dev::report(t.diag, DiagCode::kBadConfig, OpId::kDispatch, me, src, c,
-                        static_cast<uint32_t>(p.num_recv_rows), static_cast<uint32_t>(row));
-            s_row = -1;
-          }
+          taken[fl] += k;
+          left[fl] -= k;
+          total -= k;
+          if (bad) ok = 0;
         }
         __syncthreads();
-        const int row = s_row;
-        if (row >= 0) {
-          block_copy<true>(p.recv_x + static_cast<int64_t>(row) * p.hidden_bytes, rec,
-                           p.hidden_bytes);
-          for (int i = threadIdx.x; i < S; i += blockDim.x)
-            p.recv_scales[static_cast<int64_t>(row) * S + i] =
-                ld_float(reinterpret_cast<const float*>(rec + f.scales) + i);
-          for (int i = threadIdx.x; i < K; i += blockDim.x) {
-            const int e = ld_int(reinterpret_cast<const int*>(rec + f.ids) + i);
-            const bool mine = e >= lo && e < lo + epr;
-            if (p.recv_topk_idx)
-              p.recv_topk_idx[static_cast<int64_t>(row) * K + i] = mine ? e - lo : -1;
-            if (p.recv_topk_weights)
-              p.recv_topk_weights[static_cast<int64_t>(row) * K + i] =
-                  mine ? ld_float(reinterpret_cast<const float*>(rec + f.weights) + i) : 0.0f;
-          }
-          if (threadIdx.x == 0) {
-            p.recv_src_idx[row] = ld_int(rec + f.token);
-            p.recv_meta[3 * row] = ld_int(rec + f.src);
-            p.recv_meta[3 * row + 1] = ld_int(rec + f.index);
-            p.recv_meta[3 * row + 2] = ld_int(rec + f.mask);
-          }
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-          ++taken[fl];
-          --left[fl];
-          --total;
-          if (row < 0) ok = 0;
-        }
-        __syncthreads();
+        done += k;
       }
-      if (threadIdx.x == 0 && k_avail > 0) {
+      if (threadIdx.x == 0 && f_avail > 0) {
         moved = true;
         // every row read: the forwarder may reuse the slots
         __threadfence_system();
