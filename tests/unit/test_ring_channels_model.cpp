@@ -10,6 +10,15 @@
 //   per op in stream order) while other ranks may be an op ahead;
 // - credits returned in batches: the forwarder frees network slots when a
 //   batch is full or when nothing more is waiting in that ring.
+// The batched mode follows the ring kernel as built (internode_kernels.cuh):
+// a sender goes node by node, writes batches of up to `batch` records (one
+// per warp) capped by what the current put has left, puts every `chunk`
+// records, and when the ring is full puts what it wrote and waits for room
+// for a whole put; a forwarder takes batches of up to `batch` records from
+// an input, waits once per local ring for the batch's records there
+// (publishing that ring's tail first), publishes a ring's tail every
+// `nvl_chunk` records, and frees credits every `chunk` records and after
+// each pass over an input.
 // Every role is a thread (a block of the cooperative kernel on the GPU) and
 // every wait has a deadline. Checked: each receiver gets exactly the
 // (source, token) pairs routed to it in each op, each (channel, source)'s in
@@ -49,6 +58,12 @@ struct ChannelModel : epx::test_ring::Deadline {
   uint32_t chunk = 1;          ///< records per sender put (at most the ring's size)
   uint32_t credit_batch = 1;   ///< slots a forwarder frees at once
   bool free_when_idle = true;  ///< also free a partial batch when the ring has nothing waiting
+  bool batched = false;        ///< the ring kernel's batches (sender_batched, forwarder_batched)
+  uint32_t batch = 16;         ///< batched: records per batch at most (a warp each)
+  uint32_t nvl_chunk = 8;      ///< batched: records between a forwarder's tail stores
+  /// batched: a forwarder's pause before each batch, so that senders find
+  /// their rings full (the waits the kernel's flush-then-wait rule is for)
+  std::chrono::microseconds forwarder_pause{0};
   /// [op][rank]: the bits of the ranks each token reaches (bit r: rank r).
   std::vector<std::vector<std::vector<uint32_t>>> route;
   std::vector<std::unique_ptr<Ring>> net;  ///< [(c * R + s) * N + m]: channel c of s to node m
@@ -154,6 +169,138 @@ struct ChannelModel : epx::test_ring::Deadline {
     }
   }
 
+  /// The ring kernel's sender (ring_send): node by node; the net ring's
+  /// tail is what was put (`pending`), records past it are written but not
+  /// yet put, its head the forwarder's credits.
+  void sender_batched(int s, int c) {
+    for (int op = 0; op < ops; ++op) {
+      const auto [a, b] = range(op, s, c);
+      for (int m = 0; m < N; ++m) {
+        Ring& q = *net[(c * R + s) * N + m];
+        std::vector<Record> recs;
+        for (int t = a; t < b; ++t)
+          if (const uint32_t mask = node_mask(route[op][s][t], m)) recs.push_back({op, s, t, mask});
+        uint32_t sent = q.tail.load(std::memory_order_relaxed), pending = sent;
+        const uint32_t batch_max = std::min(batch, q.cap);
+        auto flush = [&] {
+          q.tail.store(sent, std::memory_order_release);
+          pending = sent;
+        };
+        std::size_t next = 0;
+        while (next < recs.size()) {
+          const uint32_t rest = static_cast<uint32_t>(recs.size() - next);
+          const uint32_t k = std::min({batch_max, chunk - (sent - pending), rest});
+          if (k == 0) {
+            ADD_FAILURE() << "sender " << s << ": an empty batch (sent - pending reached chunk)";
+            stuck = true;
+            return;
+          }
+          if (!epx::ring::room_for(sent, q.head.load(std::memory_order_acquire), k, q.cap)) {
+            flush();  // what is written goes first; then room for a whole put
+            const uint32_t room = std::min(std::max(std::min(rest, chunk), k), q.cap);
+            if (!wait([&] {
+                  return epx::ring::room_for(sent, q.head.load(std::memory_order_acquire), room,
+                                             q.cap);
+                }))
+              return;
+          }
+          for (uint32_t i = 0; i < k; ++i)
+            q.slots[epx::ring::slot(sent + i, q.cap)] = recs[next + i];
+          sent += k;
+          next += k;
+          if (sent - pending >= chunk) flush();
+        }
+        flush();
+      }
+      if (!end_op(s, op)) return;
+    }
+  }
+
+  /// The ring kernel's forwarder (ring_forward).
+  void forwarder_batched(int f, int c) {
+    const int m = f / L, l = f % L;
+    std::vector<uint32_t> nvl_sent(L), nvl_pub(L);
+    for (int d = 0; d < L; ++d)
+      nvl_sent[d] = nvl_pub[d] = nvl[(c * R + f) * L + d]->tail.load(std::memory_order_relaxed);
+    auto out = [&](int d) -> Ring& { return *nvl[(c * R + f) * L + d]; };
+    auto publish = [&](int d) {
+      out(d).tail.store(nvl_sent[d], std::memory_order_release);
+      nvl_pub[d] = nvl_sent[d];
+    };
+    for (int op = 0; op < ops; ++op) {
+      std::vector<uint32_t> left(N), freed(N);
+      uint32_t total = 0;
+      auto input = [&](int src_node) -> Ring& { return *net[(c * R + src_node * L + l) * N + m]; };
+      for (int src_node = 0; src_node < N; ++src_node) {
+        total += left[src_node] = net_count(op, src_node * L + l, c, m);
+        freed[src_node] = input(src_node).read;
+      }
+      auto free_credits = [&](int src_node) {
+        free_read(input(src_node));
+        freed[src_node] = input(src_node).read;
+      };
+      const uint32_t batch_max = std::min(batch, out(0).cap);
+      while (total > 0) {
+        bool any = false;
+        for (int src_node = 0; src_node < N; ++src_node) {
+          if (left[src_node] == 0) continue;
+          Ring& in = input(src_node);
+          const uint32_t avail = std::min(
+              epx::ring::used(in.tail.load(std::memory_order_acquire), in.read), left[src_node]);
+          for (uint32_t done = 0; done < avail;) {
+            const uint32_t k = std::min(batch_max, avail - done);
+            if (forwarder_pause.count() > 0) std::this_thread::sleep_for(forwarder_pause);
+            std::vector<Record> rs(k);
+            std::vector<uint32_t> cnt(L, 0);
+            for (uint32_t i = 0; i < k; ++i) {
+              rs[i] = in.slots[epx::ring::slot(in.read + i, in.cap)];
+              if (rs[i].op != op) {
+                ADD_FAILURE() << "forwarder " << f << " channel " << c << " read op " << rs[i].op
+                              << " in op " << op;
+                stuck = true;
+                return;
+              }
+              for (int d = 0; d < L; ++d) cnt[d] += (rs[i].mask >> d) & 1u;
+            }
+            for (int d = 0; d < L; ++d) {
+              if (cnt[d] == 0) continue;
+              Ring& q = out(d);
+              if (!epx::ring::room_for(nvl_sent[d], q.head.load(std::memory_order_acquire), cnt[d],
+                                       q.cap))
+                publish(d);
+              if (!wait([&] {
+                    return epx::ring::room_for(nvl_sent[d], q.head.load(std::memory_order_acquire),
+                                               cnt[d], q.cap);
+                  }))
+                return;
+            }
+            std::vector<uint32_t> off(L, 0);
+            for (uint32_t i = 0; i < k; ++i)
+              for (int d = 0; d < L; ++d)
+                if ((rs[i].mask >> d) & 1u)
+                  out(d).slots[epx::ring::slot(nvl_sent[d] + off[d]++, out(d).cap)] = rs[i];
+            for (int d = 0; d < L; ++d) {
+              nvl_sent[d] += cnt[d];
+              if (nvl_sent[d] - nvl_pub[d] >= nvl_chunk) publish(d);
+            }
+            in.read += k;
+            left[src_node] -= k;
+            total -= k;
+            if (in.read - freed[src_node] >= chunk) free_credits(src_node);
+            done += k;
+          }
+          if (avail > 0) any = true;
+          free_credits(src_node);  // nothing more waiting in this input now
+          for (int d = 0; d < L; ++d) publish(d);
+        }
+        if (!any && !idle()) return;
+      }
+      for (int d = 0; d < L; ++d) publish(d);
+      for (int src_node = 0; src_node < N; ++src_node) free_credits(src_node);
+      if (!end_op(f, op)) return;
+    }
+  }
+
   void forwarder(int f, int c) {
     const int m = f / L, l = f % L;
     for (int op = 0; op < ops; ++op) {
@@ -197,8 +344,8 @@ struct ChannelModel : epx::test_ring::Deadline {
     std::vector<std::thread> th;
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < C; ++c) {
-        th.emplace_back([this, r, c] { sender(r, c); });
-        th.emplace_back([this, r, c] { forwarder(r, c); });
+        th.emplace_back([this, r, c] { batched ? sender_batched(r, c) : sender(r, c); });
+        th.emplace_back([this, r, c] { batched ? forwarder_batched(r, c) : forwarder(r, c); });
         th.emplace_back([this, r, c] { receiver_into(r, c); });
       }
     for (auto& t : th) t.join();
@@ -323,6 +470,37 @@ TEST(RingChannelsModel, CreditsFreedOnlyInFullBatchesLargerThanTheRingDeadlock) 
   auto ok = make(true);
   ASSERT_TRUE(ok->run(std::chrono::seconds(20)));
   check_delivery(*ok);
+}
+
+/// The ring kernel's batched protocol: rings as small as the GPU suite's (4
+/// records, batches cut to 4), chunks that are not a multiple of the batch,
+/// NVLink rings smaller than a batch, and the default geometry's proportions
+/// (48 records per put in rings of 64, batches of 16), over several ops.
+TEST(RingChannelsModel, TheKernelsBatchedProtocol) {
+  struct Case {
+    int N, L, C, ops, max_tokens;
+    uint32_t cap_net, cap_nvl, chunk, batch, nvl_chunk;
+    int pause_us = 0;
+  };
+  for (const Case& c :
+       {Case{2, 1, 2, 4, 60, 4, 4, 4, 16, 4}, Case{2, 2, 2, 3, 80, 4, 4, 4, 16, 4},
+        Case{2, 2, 1, 3, 90, 8, 2, 5, 16, 8}, Case{3, 2, 2, 3, 70, 16, 8, 7, 4, 3},
+        Case{2, 2, 1, 3, 200, 64, 64, 48, 16, 8}, Case{4, 1, 2, 3, 60, 6, 5, 6, 3, 2},
+        Case{2, 1, 1, 4, 120, 6, 4, 6, 3, 2, 50}, Case{2, 1, 1, 4, 120, 9, 4, 9, 4, 2, 50}}) {
+    SCOPED_TRACE("N=" + std::to_string(c.N) + " L=" + std::to_string(c.L) +
+                 " C=" + std::to_string(c.C) + " net ring=" + std::to_string(c.cap_net) +
+                 " nvl ring=" + std::to_string(c.cap_nvl) + " chunk=" + std::to_string(c.chunk) +
+                 " batch=" + std::to_string(c.batch));
+    ChannelModel md(c.N, c.L, c.C, c.ops, c.cap_net, c.cap_nvl);
+    md.batched = true;
+    md.chunk = c.chunk;
+    md.batch = c.batch;
+    md.nvl_chunk = c.nvl_chunk;
+    md.forwarder_pause = std::chrono::microseconds(c.pause_us);
+    random_routing(md, c.max_tokens, static_cast<uint32_t>(c.N * 7919 + c.cap_net * 31 + c.chunk));
+    ASSERT_TRUE(md.run(std::chrono::seconds(30))) << "a role waited past the deadline";
+    check_delivery(md);
+  }
 }
 
 }  // namespace
