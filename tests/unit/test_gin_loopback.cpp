@@ -26,6 +26,7 @@
 
 #include "plugins/gin_loopback/abi.hpp"
 #include "plugins/gin_loopback/inbox.hpp"
+#include "plugins/gin_loopback/memops.hpp"
 
 namespace gl = epx::gin_loop;
 
@@ -665,6 +666,43 @@ TEST(GinLoopback, SignalRingWrapsAndRefusesWhenFull) {
   }
   EXPECT_EQ(applied, 20u);
   EXPECT_EQ(ring.in_flight(), 0u);
+}
+
+// ---- the target's adds, merged ------------------------------------------------------------
+
+/// One entry per word, its adds summed (wrapping at 2^64 as the word does),
+/// in the order the words were first seen; flags kept from the first entry.
+TEST(GinLoopback, MergedAddsSumPerWordInFirstSeenOrder) {
+  uint64_t w[3] = {0, 0, 0};
+  std::vector<gl::WordAdd> adds{{&w[1], 1, true}, {&w[0], 5, false},    {&w[1], 2, true},
+                                {&w[2], 7, true}, {&w[1], ~0ull, true}, {&w[0], 1, false}};
+  gl::merge_word_adds(adds);
+  ASSERT_EQ(adds.size(), 3u);
+  EXPECT_EQ(adds[0].word, &w[1]);
+  EXPECT_EQ(adds[0].add, 2u);  // 1 + 2 + (2^64 - 1)
+  EXPECT_TRUE(adds[0].device);
+  EXPECT_EQ(adds[1].word, &w[0]);
+  EXPECT_EQ(adds[1].add, 6u);
+  EXPECT_FALSE(adds[1].device);
+  EXPECT_EQ(adds[2].word, &w[2]);
+  EXPECT_EQ(adds[2].add, 7u);
+  std::vector<gl::WordAdd> none;
+  gl::merge_word_adds(none);
+  EXPECT_TRUE(none.empty());
+  // More adds than the scan takes: the map gives the same result
+  uint64_t many[10] = {};
+  std::vector<gl::WordAdd> big;
+  for (int i = 0; i < 500; ++i)
+    big.push_back({&many[(i * 7) % 10], static_cast<uint64_t>(i), true});
+  gl::merge_word_adds(big);
+  ASSERT_EQ(big.size(), 10u);
+  for (int k = 0; k < 10; ++k) {
+    EXPECT_EQ(big[static_cast<std::size_t>(k)].word, &many[(k * 7) % 10]);
+    uint64_t sum = 0;
+    for (int i = 0; i < 500; ++i)
+      if ((i * 7) % 10 == (k * 7) % 10) sum += static_cast<uint64_t>(i);
+    EXPECT_EQ(big[static_cast<std::size_t>(k)].add, sum);
+  }
 }
 
 }  // namespace

@@ -439,7 +439,12 @@ bool Comm::test(void* request) {
 
 // ---- signals at the target -------------------------------------------------------------
 
+// Every entry of the inbox is a put that completed at its source, so the
+// adds of one drain may land in any order: they are gathered from every
+// source first and applied together (memops merge the adds to one word and
+// read the GPU words back with one wait, instead of one per add).
 void Comm::drain_inbox() {
+  adds_.clear();
   for (int s = 0; s < nranks_; ++s) {
     from_[s].drain([&](const SignalEntry& e) {
       Registration* g = nullptr;
@@ -454,15 +459,16 @@ void Comm::drain_inbox() {
         fail(ncclInternalError, "a signal from rank " + num(s) + " names offset " + num(e.offset) +
                                     " of registration #" + num(e.reg_id) + " (" + num(g->size) +
                                     " bytes)");
-      auto* word = reinterpret_cast<uint64_t*>(g->local + e.offset);
-      try {
-        memops_->add_word(word, e.add, g->device);
-      } catch (const MemOpsError& err) {
-        fail(ncclSystemError,
-             std::string("applying a signal from rank ") + num(s) + ": " + err.what());
-      }
+      adds_.push_back({reinterpret_cast<uint64_t*>(g->local + e.offset), e.add, g->device});
       return true;
     });
+  }
+  if (adds_.empty()) return;
+  const std::size_t n = adds_.size();
+  try {
+    memops_->add_words(adds_);
+  } catch (const MemOpsError& err) {
+    fail(ncclSystemError, "applying " + num(n) + " signal add(s) from the inbox: " + err.what());
   }
 }
 

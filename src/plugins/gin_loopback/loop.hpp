@@ -153,6 +153,7 @@ class Comm {
   void* inbox_ = nullptr;            ///< this rank's inbox: nranks rings, one per source
   std::vector<void*> peer_inboxes_;  ///< every rank's inbox mapped here
   std::vector<SignalRing> from_;     ///< rings of this rank's inbox, by source
+  std::vector<WordAdd> adds_;        ///< drain_inbox's adds (kept for its capacity)
 
   mutable std::mutex m_;
   std::vector<Peer> peers_;

@@ -23,6 +23,8 @@
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <unordered_map>
+#include <vector>
 
 namespace epx::gin_loop {
 
@@ -47,6 +49,43 @@ struct Export {
   int fd = -1;               ///< kExportable: a descriptor for the allocation
   bool close_fd = false;     ///< the descriptor was made for this call: the caller closes it
 };
+
+/// One signal add at the target: *word += add (`device`: GPU memory).
+struct WordAdd {
+  uint64_t* word = nullptr;
+  uint64_t add = 0;
+  bool device = false;
+};
+
+/// Folds the adds to one word into its first entry's (the sum, wrapping as
+/// the word does), keeping the words' first-seen order. Every add a target
+/// applies at once has its put done, so the order they land in does not
+/// matter; what matters is one read-modify-write per word instead of one
+/// per add (an LL op adds to the same word once per row).
+inline void merge_word_adds(std::vector<WordAdd>& adds) {
+  std::size_t kept = 0;
+  if (adds.size() <= 64) {  // a scan beats a map at a drain's usual size
+    for (std::size_t i = 0; i < adds.size(); ++i) {
+      std::size_t j = 0;
+      while (j < kept && adds[j].word != adds[i].word) ++j;
+      if (j < kept)
+        adds[j].add += adds[i].add;
+      else
+        adds[kept++] = adds[i];
+    }
+  } else {
+    std::unordered_map<const uint64_t*, std::size_t> at;
+    at.reserve(adds.size());
+    for (std::size_t i = 0; i < adds.size(); ++i) {
+      const auto [it, fresh] = at.try_emplace(adds[i].word, kept);
+      if (fresh)
+        adds[kept++] = adds[i];
+      else
+        adds[it->second].add += adds[i].add;
+    }
+  }
+  adds.resize(kept);
+}
 
 class MemOps {
  public:
@@ -74,6 +113,11 @@ class MemOps {
   /// *word += add, for an 8-byte signal word of this process (`device`: GPU
   /// memory); the target's applier is the only remote writer of such words.
   virtual void add_word(uint64_t* word, uint64_t add, bool device) = 0;
+  /// Every add of `adds` (may reorder and merge them, and may change the
+  /// vector); the CUDA memops read all GPU words back with one wait.
+  virtual void add_words(std::vector<WordAdd>& adds) {
+    for (const WordAdd& a : adds) add_word(a.word, a.add, a.device);
+  }
   /// Throws the failure of an asynchronous operation, if any has been seen
   /// (rate-limited; called from the progress path).
   virtual void poll() {}

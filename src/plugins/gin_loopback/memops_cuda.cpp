@@ -137,7 +137,8 @@ std::string peer_text(int peer) {
   return "rank " + std::to_string(peer);
 }
 
-constexpr std::size_t kStageBytes = 64;  ///< host sources up to this size are staged
+constexpr std::size_t kStageBytes = 64;    ///< host sources up to this size are staged
+constexpr std::size_t kScratchWords = 64;  ///< GPU signal words read back per wait
 constexpr auto kPollEvery = std::chrono::milliseconds(10);
 
 class CudaMemOps final : public MemOps {
@@ -307,17 +308,41 @@ class CudaMemOps final : public MemOps {
   }
 
   void add_word(uint64_t* word, uint64_t add, bool device) override {
-    if (!device) return host_->add_word(word, add, device);
-    const std::string where = "applying a signal (add " + std::to_string(add) + ")";
+    std::vector<WordAdd> one{{word, add, device}};
+    add_words(one);
+  }
+
+  /// Host words through the host memops; GPU words merged (one per word),
+  /// then read back up to kScratchWords at a time with one wait, and each
+  /// written back with its sum added, on the applier stream (in order after
+  /// the reads, and before the next batch's reads).
+  void add_words(std::vector<WordAdd>& adds) override {
+    merge_word_adds(adds);
+    std::size_t gpu = 0;
+    for (const WordAdd& a : adds)
+      if (a.device)
+        adds[gpu++] = a;
+      else
+        host_->add_word(a.word, a.add, false);
+    if (gpu == 0) return;
+    const std::string where = "applying " + std::to_string(gpu) + " signal word(s)";
     need_ready(where);
     Current cur(*this, false, where);
     uint64_t* scratch = marks_ + nranks_;
     const CUdeviceptr scratch_dev = marks_dev_ + static_cast<CUdeviceptr>(nranks_) * 8;
-    const auto w = reinterpret_cast<CUdeviceptr>(word);
-    EPX_CU(where, cuMemcpyAsync, scratch_dev, w, 8, applier_);
-    EPX_CU(where, cuStreamSynchronize, applier_);
-    const uint64_t old = std::atomic_ref<uint64_t>(*scratch).load(std::memory_order_acquire);
-    EPX_CU(where, cuStreamWriteValue64, applier_, w, old + add, CU_STREAM_WRITE_VALUE_DEFAULT);
+    for (std::size_t first = 0; first < gpu; first += kScratchWords) {
+      const std::size_t n = std::min(kScratchWords, gpu - first);
+      for (std::size_t i = 0; i < n; ++i)
+        EPX_CU(where, cuMemcpyAsync, scratch_dev + static_cast<CUdeviceptr>(i) * 8,
+               reinterpret_cast<CUdeviceptr>(adds[first + i].word), 8, applier_);
+      EPX_CU(where, cuStreamSynchronize, applier_);
+      for (std::size_t i = 0; i < n; ++i) {
+        const uint64_t old = std::atomic_ref<uint64_t>(scratch[i]).load(std::memory_order_acquire);
+        EPX_CU(where, cuStreamWriteValue64, applier_,
+               reinterpret_cast<CUdeviceptr>(adds[first + i].word), old + adds[first + i].add,
+               CU_STREAM_WRITE_VALUE_DEFAULT);
+      }
+    }
   }
 
   void poll() override {
@@ -412,9 +437,9 @@ class CudaMemOps final : public MemOps {
     for (auto& s : streams_)
       EPX_CU(where, cuStreamCreateWithPriority, &s, CU_STREAM_NON_BLOCKING, greatest);
     EPX_CU(where, cuStreamCreateWithPriority, &applier_, CU_STREAM_NON_BLOCKING, greatest);
-    // Pinned words: one completion mark per peer, then the applier's scratch word.
+    // Pinned words: one completion mark per peer, then the applier's scratch words.
     void* p = nullptr;
-    const std::size_t mark_bytes = (static_cast<std::size_t>(nranks_) + 1) * 8;
+    const std::size_t mark_bytes = (static_cast<std::size_t>(nranks_) + kScratchWords) * 8;
     EPX_CU(where, cuMemHostAlloc, &p, mark_bytes,
            CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP);
     marks_ = static_cast<uint64_t*>(p);
@@ -460,7 +485,7 @@ class CudaMemOps final : public MemOps {
   CUcontext ctx_ = nullptr;
   std::vector<CUstream> streams_;  ///< per peer
   CUstream applier_ = nullptr;     ///< the target's signal read-modify-writes
-  uint64_t* marks_ = nullptr;      ///< pinned: nranks completion marks, then a scratch word
+  uint64_t* marks_ = nullptr;      ///< pinned: nranks completion marks, then kScratchWords scratch
   CUdeviceptr marks_dev_ = 0;
   char* staging_ = nullptr;  ///< pinned: depth slots of kStageBytes per peer
   CUdeviceptr staging_dev_ = 0;
