@@ -23,6 +23,22 @@ void HtRingGeometry::validate() const {
               "], got " + std::to_string(nvl_chunk));
 }
 
+HtRingGeometry HtRingGeometry::of(int ht_rings, int blocks, int rdma_send, int rdma_recv) {
+  HtRingGeometry g;
+  g.channels = channels_for_sms(blocks);
+  if (ht_rings > 1) {
+    g.net_slots = g.nvl_slots = ht_rings;
+    g.net_chunk = g.net_chunk < ht_rings ? g.net_chunk : ht_rings;
+    g.nvl_chunk = g.nvl_chunk < ht_rings ? g.nvl_chunk : ht_rings;
+  }
+  if (rdma_recv > 0) g.net_slots = rdma_recv;
+  if (rdma_send > 0)
+    g.net_chunk = rdma_send;
+  else if (g.net_chunk > g.net_slots)
+    g.net_chunk = g.net_slots;
+  return g;
+}
+
 void HtRingRegion::place_state(std::size_t start) {
   const std::size_t R = static_cast<std::size_t>(num_ranks);
   const std::size_t N = static_cast<std::size_t>(num_nodes());

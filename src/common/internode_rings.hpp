@@ -44,6 +44,13 @@ struct HtRingGeometry {
   /// is out of range: 1 <= channels <= kMaxRingChannels; slots >= 1;
   /// 1 <= chunk <= slots.
   void validate() const;
+  /// The geometry of an op: a channel per three of `blocks` SMs; EPX_HT_RINGS
+  /// = `ht_rings` 1 keeps the default sizes, N >= 2 rings of N records (and
+  /// chunks cut to N); then the config's num_max_rdma_recv_tokens /
+  /// _send_tokens (`rdma_recv` / `rdma_send`), where not 0, the network
+  /// ring's records and the records per put (a default chunk is cut to the
+  /// ring). Not validated (validate() names what is out of range).
+  static HtRingGeometry of(int ht_rings, int blocks, int rdma_send, int rdma_recv);
 };
 
 /// Signals of the rings, after every other id (kSignalKindsAll per rank):

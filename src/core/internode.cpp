@@ -84,27 +84,10 @@ int net_blocks(const char* op, const std::optional<Config>& given, const Config&
   return cfg.num_sms;
 }
 
-/// The rings' geometry for EPX_HT_RINGS = `ht_rings` (>= 1), `blocks` SMs
-/// and the config's network fields: a channel per three SMs; EPX_HT_RINGS 1
-/// keeps the default sizes, N >= 2 rings of N records; then
-/// num_max_rdma_recv_tokens / _send_tokens, where set, the network ring's
-/// records and the records per put (a chunk larger than a ring that only
-/// EPX_HT_RINGS made smaller is cut to it; HtRingGeometry::validate names the
-/// rest).
+/// The rings' geometry of an op (plan::HtRingGeometry::of).
 plan::HtRingGeometry ring_geometry(int ht_rings, int blocks, const Config& cfg) {
-  plan::HtRingGeometry g;
-  g.channels = plan::HtRingGeometry::channels_for_sms(blocks);
-  if (ht_rings > 1) {
-    g.net_slots = g.nvl_slots = ht_rings;
-    g.net_chunk = std::min(g.net_chunk, ht_rings);
-    g.nvl_chunk = std::min(g.nvl_chunk, ht_rings);
-  }
-  if (cfg.num_max_rdma_recv_tokens > 0) g.net_slots = cfg.num_max_rdma_recv_tokens;
-  if (cfg.num_max_rdma_send_tokens > 0)
-    g.net_chunk = cfg.num_max_rdma_send_tokens;
-  else
-    g.net_chunk = std::min(g.net_chunk, g.net_slots);
-  return g;
+  return plan::HtRingGeometry::of(ht_rings, blocks, cfg.num_max_rdma_send_tokens,
+                                  cfg.num_max_rdma_recv_tokens);
 }
 
 plan::InternodeRoute route_of(const DispatchHandle& h, const Topology& topology) {

@@ -276,6 +276,35 @@ TEST(InternodeRings, RingArithmeticWithLifetimeIndexes) {
   }
 }
 
+/// An op's geometry from EPX_HT_RINGS, the SMs and the config's RDMA fields.
+TEST(InternodeRings, GeometryFromTheSwitchSmsAndConfig) {
+  auto expect = [](const HtRingGeometry& g, int channels, int net_slots, int net_chunk,
+                   int nvl_slots, int nvl_chunk) {
+    EXPECT_EQ(g.channels, channels);
+    EXPECT_EQ(g.net_slots, net_slots);
+    EXPECT_EQ(g.net_chunk, net_chunk);
+    EXPECT_EQ(g.nvl_slots, nvl_slots);
+    EXPECT_EQ(g.nvl_chunk, nvl_chunk);
+  };
+  expect(HtRingGeometry::of(1, 24, 0, 0), 8, 256, 48, 256, 8);  // the defaults
+  expect(HtRingGeometry::of(1, 2, 0, 0), 1, 256, 48, 256, 8);   // at least one channel
+  expect(HtRingGeometry::of(1, 600, 0, 0), epx::plan::kMaxRingChannels, 256, 48, 256, 8);
+  expect(HtRingGeometry::of(4, 24, 0, 0), 8, 4, 4, 4, 4);          // rings of 4
+  expect(HtRingGeometry::of(1, 24, 24, 128), 8, 128, 24, 256, 8);  // DeepEP's fields
+  expect(HtRingGeometry::of(1, 24, 0, 32), 8, 32, 32, 256, 8);     // a default put cut to the ring
+  expect(HtRingGeometry::of(4, 24, 0, 128), 8, 128, 4, 4, 4);
+  // A put larger than the ring is kept, and named where the rings are made
+  const HtRingGeometry big = HtRingGeometry::of(1, 24, 300, 0);
+  EXPECT_EQ(big.net_chunk, 300);
+  try {
+    big.validate();
+    ADD_FAILURE() << "no error for a put larger than the ring";
+  } catch (const epx::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("num_max_rdma_chunked_send_tokens"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(InternodeRings, BadGeometryIsNamed) {
   auto expect_named = [](HtRingGeometry g, std::size_t record, const std::string& field) {
     try {
