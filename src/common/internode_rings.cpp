@@ -60,7 +60,10 @@ void HtRingRegion::place_state(std::size_t start) {
   net_headers = align_up(nvl_heads + 8u * C * L, kAlign);
   nvl_headers = align_up(net_headers + header_bytes, kAlign);
   header_send = align_up(nvl_headers + 8u * C * L, kAlign);
-  total = align_up(header_send + header_bytes, kAlign);
+  count_rows = align_up(header_send + header_bytes, kAlign);
+  const std::size_t count_ints =
+      static_cast<std::size_t>(HtNetRegion::count_row_ints(num_ranks, num_nodes()));
+  total = align_up(count_rows + 4u * count_ints * (R + 1u), kAlign);
 }
 
 std::size_t HtRingRegion::state_bytes(const Topology& topology) {

@@ -107,7 +107,13 @@ enum class HtRingBase : int { kNetSent = 0, kNetTaken, kNvlSent, kNvlTaken, kOps
 ///    nvl headers u64 [C][L]  at a receiver, forwarder l's record total for
 ///                          it in channel c, tagged with the op count;
 ///    header sends u64 [C][N][net_header_words()]  what sender c's header
-///                          puts read]
+///                          puts read;
+///    count rows i32 [R + 1][HtNetRegion::count_row_ints]  a num_worst_tokens
+///                          dispatch's count exchange (the whole-call region
+///                          puts them after its stage, inside the ring area,
+///                          where a peer that finished its exchange may
+///                          already put records while this rank still reads
+///                          them)]
 struct HtRingRegion {
   int num_ranks = 1, ranks_per_node = 1;
   HtRingGeometry geometry;
@@ -117,7 +123,7 @@ struct HtRingRegion {
   /// kSignalKindsAll R, the other families', are never used there).
   std::size_t signals = 0, ring_signals = 0;
   std::size_t bases = 0, nvl_tails = 0, nvl_heads = 0;
-  std::size_t net_headers = 0, nvl_headers = 0, header_send = 0;
+  std::size_t net_headers = 0, nvl_headers = 0, header_send = 0, count_rows = 0;
   std::size_t net_rings = 0, net_send = 0, nvl_rings = 0, rings_end = 0, state = 0, total = 0;
 
   /// Bytes of the state block for a topology (what the whole-call ops leave

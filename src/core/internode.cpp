@@ -278,16 +278,18 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   const plan::HtNetRegion region =
       worst > 0 ? plan::HtNetRegion::fixed_dispatch(topology, worst, record, handle->net_slot_rows)
                 : plan::HtNetRegion::dispatch(*route, record);
-  // The rings (EPX_HT_RINGS; not with num_worst_tokens, whose counts the
-  // host never sees): fixed rings instead of the whole-call areas.
-  const bool rings = ht_rings > 0 && worst == 0;
+  // The rings (EPX_HT_RINGS): fixed rings instead of the whole-call areas.
+  // They carry their counts in-band, so num_worst_tokens takes them too: the
+  // exchange kernel still runs first (the receivers' rank_prefix_matrix and
+  // the table the combine reads), with its count rows in the rings' state
+  // block, and the fixed slots still bound a rank's rows per node (the
+  // barrier refuses more) and size the combine.
+  const bool rings = ht_rings > 0;
   std::optional<plan::HtRingRegion> ring;
-  if (rings) {
+  if (rings)
     ring = plan::HtRingRegion::make(topology, ring_geometry(ht_rings, blocks, cfg), record,
                                     plan::HtNetRegion::body(R), ht.bytes);
-  } else {
-    check_fits(op, region, ht_capacity(), worst);
-  }
+  if (!rings || worst > 0) check_fits(op, region, ht_capacity(), worst);
   const int Nr = worst > 0 ? worst : route->recv_rows(me);
   if (!a.handle) {
     handle->num_recv_tokens = Nr;
@@ -364,6 +366,7 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   if (rings) {
     p.ring = *ring;
     p.ring_rpm = handle->rank_prefix_matrix.ptr<int>();
+    if (worst > 0) p.off.count_rows = ring->count_rows;
   }
   const std::size_t signals = plan::HtNetRegion::kSignals;
   kernels::launch_ht_net_dispatch(transport(ht, signals), p, x);

@@ -1089,7 +1089,9 @@ __device__ bool ring_receive(const DispatchParams<T>& p, const T& t, int c, uint
           if (lane == 0) {
             const int src = ld_int(rec + f.src), pos = ld_int(rec + f.pos + 4 * l);
             row = (src > 0 ? p.ring_rpm[static_cast<std::size_t>(src - 1) * R + me] : 0) + pos;
-            if (row < 0 || row >= p.num_recv_rows || pos < 0) {
+            if (p.num_worst > 0 && pos >= 0 && row >= p.num_recv_rows) {
+              row = -1;  // past num_worst_tokens: dropped (the exchange reported it)
+            } else if (row < 0 || row >= p.num_recv_rows || pos < 0) {
               dev::report(t.diag, DiagCode::kBadConfig, OpId::kDispatch, me, src, c,
                           static_cast<uint32_t>(p.num_recv_rows), static_cast<uint32_t>(row));
               row = -1;

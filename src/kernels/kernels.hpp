@@ -283,7 +283,9 @@ struct HtNetDispatchArgs : DispatchRowArgs {
   /// The ring dispatch (EPX_HT_RINGS; docs/internode_ht.md "A first ring
   /// kernel") instead of send, forward and receive: one cooperative launch of
   /// 3 ring.geometry.channels blocks over the rings of `ring`; `ring_rpm`
-  /// ([R, R] rank_prefix_matrix) gives each source's first row here.
+  /// ([R, R] rank_prefix_matrix) gives each source's first row here. With
+  /// num_worst_tokens the exchange kernel runs first (its count rows at
+  /// off.count_rows = ring.count_rows) and rows past num_worst are dropped.
   bool use_rings;
   plan::HtRingRegion ring;
   const int* ring_rpm;

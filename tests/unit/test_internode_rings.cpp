@@ -78,6 +78,10 @@ std::vector<Span> spans_of(const HtRingRegion& r) {
         s.push_back({a, a + r.record_bytes, "net slot"});
         s.push_back({b, b + r.record_bytes, "net send slot"});
       }
+  // A num_worst_tokens dispatch's count rows: R sources' and this rank's own
+  const std::size_t ci =
+      static_cast<std::size_t>(epx::plan::HtNetRegion::count_row_ints(R, N)) * 4u;
+  s.push_back({r.count_rows, r.count_rows + ci * (static_cast<std::size_t>(R) + 1), "count rows"});
   return s;
 }
 
@@ -108,7 +112,7 @@ TEST(InternodeRings, AreasAndSlotsAreDisjointAndInside) {
     // The areas after the header start aligned.
     for (std::size_t a :
          {r.ring_signals, r.bases, r.nvl_tails, r.nvl_heads, r.net_headers, r.nvl_headers,
-          r.header_send, r.net_rings, r.net_send, r.nvl_rings, r.total})
+          r.header_send, r.count_rows, r.net_rings, r.net_send, r.nvl_rings, r.total})
       EXPECT_EQ(a % epx::plan::kAlign, 0u);
   }
 }
