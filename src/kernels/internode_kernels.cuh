@@ -410,6 +410,58 @@ __device__ __forceinline__ int* word_at(uint8_t* rec, int off) {
   return reinterpret_cast<int*>(rec + off);
 }
 
+/// One warp (`lane` of 32, all calling) packs token `tok`'s record for node
+/// m into `rec`: the payload, the extra words, its row among the source's
+/// rows at each of node m's local ranks (-1 where it does not go), the mask
+/// of those ranks, the token, its index `j` in the source's stream to node m
+/// and the source rank.
+__device__ __forceinline__ void pack_record(const HtNetDispatchArgs& p, const RecordFields& f,
+                                            uint8_t* rec, int tok, int m, int j, int src,
+                                            int num_ranks, int ranks_per_node, int lane) {
+  const int L = ranks_per_node, S = p.num_scales, K = p.num_topk;
+  warp_copy<false, 4>(rec, p.x + static_cast<int64_t>(tok) * p.x_row_bytes, p.hidden_bytes, lane);
+  for (int i = lane; i < S + 2 * K; i += 32)
+    word_at(rec, f.scales + 4 * i)[0] = record_extra(p, tok, i, S, K);
+  const int at = lane < L ? p.rank_pos[static_cast<int64_t>(tok) * num_ranks + m * L + lane] : -1;
+  if (lane < L) word_at(rec, f.pos)[lane] = at;
+  const unsigned mask = __ballot_sync(0xffffffffu, lane < L && at >= 0);
+  if (lane == 0) {
+    *word_at(rec, f.token) = tok;
+    *word_at(rec, f.mask) = static_cast<int>(mask);
+    *word_at(rec, f.index) = j;
+    *word_at(rec, f.src) = src;
+  }
+}
+
+/// One warp (`lane` of 32, all calling) unpacks the record `rec` (written by
+/// peers or the network during this kernel) into output row `row`: the
+/// payload, the scales, the top-k ids rebased to this rank's experts [lo, lo
+/// + epr) (-1 and weight 0 elsewhere), recv_src_idx and recv_meta.
+__device__ __forceinline__ void unpack_record(const HtNetDispatchArgs& p, const RecordFields& f,
+                                              const uint8_t* rec, int row, int lo, int epr,
+                                              int lane) {
+  const int S = p.num_scales, K = p.num_topk;
+  warp_copy<true, 4>(p.recv_x + static_cast<int64_t>(row) * p.hidden_bytes, rec, p.hidden_bytes,
+                     lane);
+  for (int i = lane; i < S; i += 32)
+    p.recv_scales[static_cast<int64_t>(row) * S + i] =
+        ld_float(reinterpret_cast<const float*>(rec + f.scales) + i);
+  for (int i = lane; i < K; i += 32) {
+    const int e = ld_int(reinterpret_cast<const int*>(rec + f.ids) + i);
+    const bool mine = e >= lo && e < lo + epr;
+    if (p.recv_topk_idx) p.recv_topk_idx[static_cast<int64_t>(row) * K + i] = mine ? e - lo : -1;
+    if (p.recv_topk_weights)
+      p.recv_topk_weights[static_cast<int64_t>(row) * K + i] =
+          mine ? ld_float(reinterpret_cast<const float*>(rec + f.weights) + i) : 0.0f;
+  }
+  if (lane == 0) {
+    p.recv_src_idx[row] = ld_int(rec + f.token);
+    p.recv_meta[3 * row] = ld_int(rec + f.src);
+    p.recv_meta[3 * row + 1] = ld_int(rec + f.index);
+    p.recv_meta[3 * row + 2] = ld_int(rec + f.mask);
+  }
+}
+
 /// A num_worst_tokens dispatch's count exchange, on the GPU (no host wait):
 /// each rank puts its count row (tokens, whether the caller's
 /// num_tokens_per_rank disagrees with its routing, rows per rank, rows per
@@ -508,9 +560,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DispatchParams<
   const auto& t = p.t;
   const int lane = threadIdx.x % 32;
   const int L = p.off.ranks_per_node, N = p.off.num_nodes, R = t.num_ranks;
-  const int S = p.num_scales, K = p.num_topk;
-  const RecordFields f(p.hidden_bytes, S, K);
-  const int extras = S + 2 * K;
+  const RecordFields f(p.hidden_bytes, p.num_scales, p.num_topk);
   for (int tok = blockIdx.x * kWarps + threadIdx.x / 32; tok < p.num_tokens;
        tok += gridDim.x * kWarps) {
     for (int m = 0; m < N; ++m) {
@@ -518,21 +568,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_kernel(DispatchParams<
       if (j < 0) continue;
       uint8_t* rec = reinterpret_cast<uint8_t*>(t.local_ptr(p.off.send)) + m * p.off.slot_bytes +
                      static_cast<std::size_t>(j) * p.off.row_bytes;
-      warp_copy<false, 4>(rec, p.x + static_cast<int64_t>(tok) * p.x_row_bytes, p.hidden_bytes,
-                          lane);
-      for (int i = lane; i < extras; i += 32)
-        word_at(rec, f.scales + 4 * i)[0] = record_extra(p, tok, i, S, K);
-      if (lane < L) {
-        const int k = p.rank_pos[static_cast<int64_t>(tok) * R + m * L + lane];
-        word_at(rec, f.pos)[lane] = k;
-        const unsigned mask = __ballot_sync((1u << L) - 1u, k >= 0);
-        if (lane == 0) {
-          *word_at(rec, f.token) = tok;
-          *word_at(rec, f.mask) = static_cast<int>(mask);
-          *word_at(rec, f.index) = j;
-          *word_at(rec, f.src) = t.rank;
-        }
-      }
+      pack_record(p, f, rec, tok, m, j, t.rank, R, L, lane);
     }
   }
   if (!last_block_ok(t, p.off, kDoneSend, true)) return;
@@ -612,26 +648,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv_kernel(DispatchParams<
   const HtNetTable tab = HtNetTable::make(p.off.num_nodes, L);
   const int rows = min(p.num_recv_rows, p.table[tab.recv_rows]);  // num_worst_tokens: <= it
   for (int row = blockIdx.x * kWarps + threadIdx.x / 32; row < rows; row += gridDim.x * kWarps) {
-    const uint8_t* rec = stage + static_cast<std::size_t>(row) * p.off.row_bytes;
-    warp_copy<true, 4>(p.recv_x + static_cast<int64_t>(row) * p.hidden_bytes, rec, p.hidden_bytes,
-                       lane);
-    for (int i = lane; i < S; i += 32)
-      p.recv_scales[static_cast<int64_t>(row) * S + i] =
-          ld_float(reinterpret_cast<const float*>(rec + f.scales) + i);
-    for (int i = lane; i < K; i += 32) {
-      const int e = ld_int(reinterpret_cast<const int*>(rec + f.ids) + i);
-      const bool mine = e >= lo && e < lo + epr;
-      if (p.recv_topk_idx) p.recv_topk_idx[static_cast<int64_t>(row) * K + i] = mine ? e - lo : -1;
-      if (p.recv_topk_weights)
-        p.recv_topk_weights[static_cast<int64_t>(row) * K + i] =
-            mine ? ld_float(reinterpret_cast<const float*>(rec + f.weights) + i) : 0.0f;
-    }
-    if (lane == 0) {
-      p.recv_src_idx[row] = ld_int(reinterpret_cast<const int*>(rec + f.token));
-      p.recv_meta[3 * row] = ld_int(reinterpret_cast<const int*>(rec + f.src));
-      p.recv_meta[3 * row + 1] = ld_int(reinterpret_cast<const int*>(rec + f.index));
-      p.recv_meta[3 * row + 2] = ld_int(reinterpret_cast<const int*>(rec + f.mask));
-    }
+    unpack_record(p, f, stage + static_cast<std::size_t>(row) * p.off.row_bytes, row, lo, epr,
+                  lane);
   }
 }
 
@@ -832,19 +850,7 @@ __device__ bool ring_send(const DispatchParams<T>& p, const T& t, int c, uint64_
       if (warp < k) {
         const int tok = b_tok[warp];
         uint8_t* rec = reinterpret_cast<uint8_t*>(t.local_ptr(g.net_send_slot(c, m, sent + warp)));
-        warp_copy<false, 4>(rec, p.x + static_cast<int64_t>(tok) * p.x_row_bytes, p.hidden_bytes,
-                            lane);
-        for (int i = lane; i < S + 2 * K; i += 32)
-          word_at(rec, f.scales + 4 * i)[0] = record_extra(p, tok, i, S, K);
-        const int at = lane < L ? p.rank_pos[static_cast<int64_t>(tok) * R + m * L + lane] : -1;
-        if (lane < L) word_at(rec, f.pos)[lane] = at;
-        const unsigned mask = __ballot_sync(0xffffffffu, lane < L && at >= 0);
-        if (lane == 0) {
-          *word_at(rec, f.token) = tok;
-          *word_at(rec, f.mask) = static_cast<int>(mask);
-          *word_at(rec, f.index) = b_j[warp];
-          *word_at(rec, f.src) = me;
-        }
+        pack_record(p, f, rec, tok, m, b_j[warp], me, R, L, lane);
       }
       __syncthreads();
       if (threadIdx.x == 0) sent += k;
@@ -1099,28 +1105,7 @@ __device__ bool ring_receive(const DispatchParams<T>& p, const T& t, int c, uint
             }
           }
           row = __shfl_sync(0xffffffffu, row, 0);
-          if (row >= 0) {
-            warp_copy<true, 4>(p.recv_x + static_cast<int64_t>(row) * p.hidden_bytes, rec,
-                               p.hidden_bytes, lane);
-            for (int i = lane; i < S; i += 32)
-              p.recv_scales[static_cast<int64_t>(row) * S + i] =
-                  ld_float(reinterpret_cast<const float*>(rec + f.scales) + i);
-            for (int i = lane; i < K; i += 32) {
-              const int e = ld_int(reinterpret_cast<const int*>(rec + f.ids) + i);
-              const bool mine = e >= lo && e < lo + epr;
-              if (p.recv_topk_idx)
-                p.recv_topk_idx[static_cast<int64_t>(row) * K + i] = mine ? e - lo : -1;
-              if (p.recv_topk_weights)
-                p.recv_topk_weights[static_cast<int64_t>(row) * K + i] =
-                    mine ? ld_float(reinterpret_cast<const float*>(rec + f.weights) + i) : 0.0f;
-            }
-            if (lane == 0) {
-              p.recv_src_idx[row] = ld_int(rec + f.token);
-              p.recv_meta[3 * row] = ld_int(rec + f.src);
-              p.recv_meta[3 * row + 1] = ld_int(rec + f.index);
-              p.recv_meta[3 * row + 2] = ld_int(rec + f.mask);
-            }
-          }
+          if (row >= 0) unpack_record(p, f, rec, row, lo, epr, lane);
         }
         __syncthreads();
         if (threadIdx.x == 0) {
