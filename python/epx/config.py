@@ -30,11 +30,11 @@ class Config:
                                       num_max_nvl_chunked_send_tokens),
                                  _int("num_max_nvl_chunked_recv_tokens",
                                       num_max_nvl_chunked_recv_tokens))
-        self.num_max_rdma_chunked_send_tokens = num_max_rdma_chunked_send_tokens
-        self.num_max_rdma_chunked_recv_tokens = num_max_rdma_chunked_recv_tokens
-        for name, default in (("num_max_rdma_chunked_send_tokens", 6),
-                              ("num_max_rdma_chunked_recv_tokens", 256)):
-            _compat.ignored_unless_default("Config", name, getattr(self, name), default,
+        self._rdma = {}
+        for name, value in (("num_max_rdma_chunked_send_tokens", num_max_rdma_chunked_send_tokens),
+                            ("num_max_rdma_chunked_recv_tokens", num_max_rdma_chunked_recv_tokens)):
+            self._set_rdma(name, value)
+            _compat.ignored_unless_default("Config", name, self._rdma[name], self._RDMA[name][1],
                                            "used only by the ring dispatch across nodes "
                                            "(EPX_HT_RINGS); EPX's default kernels size their "
                                            "network areas per call")
@@ -43,8 +43,8 @@ class Config:
     def _wrap(cls, cfg: _core.Config) -> "Config":
         self = cls.__new__(cls)
         self._cfg = cfg
-        self._rdma = {"num_max_rdma_chunked_send_tokens": cfg.num_max_rdma_send_tokens or 6,
-                      "num_max_rdma_chunked_recv_tokens": cfg.num_max_rdma_recv_tokens or 256}
+        self._rdma = {name: getattr(cfg, field) or default
+                      for name, (field, default) in cls._RDMA.items()}
         return self
 
     @property
@@ -82,8 +82,6 @@ class Config:
         field, deep_ep_default = self._RDMA[name]
         v = _int(name, value, (0, 1 << 20))
         setattr(self._cfg, field, 0 if v == deep_ep_default else v)
-        if not hasattr(self, "_rdma"):
-            self._rdma = {}
         self._rdma[name] = v
 
     @property
