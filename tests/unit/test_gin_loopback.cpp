@@ -689,7 +689,7 @@ TEST(GinLoopback, MergedAddsSumPerWordInFirstSeenOrder) {
   std::vector<gl::WordAdd> none;
   gl::merge_word_adds(none);
   EXPECT_TRUE(none.empty());
-  // More adds than the scan takes: the map gives the same result
+  // Many adds over few words, each word's adds interleaved with the others'
   uint64_t many[10] = {};
   std::vector<gl::WordAdd> big;
   for (int i = 0; i < 500; ++i)

@@ -64,25 +64,14 @@ struct WordAdd {
 /// per add (an LL op adds to the same word once per row).
 inline void merge_word_adds(std::vector<WordAdd>& adds) {
   std::size_t kept = 0;
-  if (adds.size() <= 64) {  // a scan beats a map at a drain's usual size
-    for (std::size_t i = 0; i < adds.size(); ++i) {
-      std::size_t j = 0;
-      while (j < kept && adds[j].word != adds[i].word) ++j;
-      if (j < kept)
-        adds[j].add += adds[i].add;
-      else
-        adds[kept++] = adds[i];
-    }
-  } else {
-    std::unordered_map<const uint64_t*, std::size_t> at;
-    at.reserve(adds.size());
-    for (std::size_t i = 0; i < adds.size(); ++i) {
-      const auto [it, fresh] = at.try_emplace(adds[i].word, kept);
-      if (fresh)
-        adds[kept++] = adds[i];
-      else
-        adds[it->second].add += adds[i].add;
-    }
+  std::unordered_map<const uint64_t*, std::size_t> at;  // word -> its entry
+  at.reserve(adds.size());
+  for (std::size_t i = 0; i < adds.size(); ++i) {
+    const auto [it, fresh] = at.try_emplace(adds[i].word, kept);
+    if (fresh)
+      adds[kept++] = adds[i];
+    else
+      adds[it->second].add += adds[i].add;
   }
   adds.resize(kept);
 }
