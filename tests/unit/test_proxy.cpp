@@ -325,6 +325,25 @@ class GatedEngine final : public Engine {
   std::atomic<bool> open_{false};
 };
 
+/// Two ranks of `channels` channels and `bytes` each; rank 0's engine held
+/// on channel `gated_channel` (GatedEngine) and rank 0's proxy over it,
+/// `capacity` commands per channel.
+struct GatedProxy {
+  GatedProxy(int channels, uint32_t capacity, std::size_t bytes, int gated_channel)
+      : ranks(2, channels, bytes),
+        gated(*ranks.engines[0], gated_channel),
+        proxy(gated, options(channels, capacity)) {}
+  static ProxyOptions options(int channels, uint32_t capacity) {
+    ProxyOptions opt;
+    opt.num_channels = channels;
+    opt.capacity = capacity;
+    return opt;
+  }
+  Ranks ranks;
+  GatedEngine gated;
+  Proxy proxy;
+};
+
 // Channel 0's engine is held: its posters fill the ring and then wait (they
 // never overwrite a slot the proxy has not taken), while the other channels'
 // threads carry on; once the gate opens, channel 0 drains too.
@@ -333,12 +352,10 @@ TEST(Proxy, ChannelsRunInParallelAndAFullRingHoldsItsPosters) {
   constexpr uint32_t kCapacity = 16;
   constexpr uint64_t kPosts = 3 * kCapacity;  // puts per channel, each with a signal
   constexpr uint64_t kSigBase = 0, kDstBase = 4096, kBytes = kDstBase + C * kPosts * 64;
-  Ranks ranks(2, C, kBytes);
-  GatedEngine gated(*ranks.engines[0], 0);
-  ProxyOptions opt;
-  opt.num_channels = C;
-  opt.capacity = kCapacity;
-  Proxy proxy(gated, opt);
+  GatedProxy g(C, kCapacity, kBytes, 0);
+  Ranks& ranks = g.ranks;
+  GatedEngine& gated = g.gated;
+  Proxy& proxy = g.proxy;
   for (uint64_t k = 0; k < 4096; ++k) ranks.base(0)[k] = static_cast<char>(k % 127 + 1);
 
   std::vector<std::atomic<uint64_t>> posted(C);
@@ -446,13 +463,9 @@ class DeferredEngine final : public Engine {
 // drain() (what a clean waits for): it returns once every reserved command is
 // complete, and times out naming the channel while one is held in the engine.
 TEST(Proxy, DrainWaitsForEveryReservedCommand) {
-  constexpr uint64_t kBytes = 8192;
-  Ranks ranks(2, 2, kBytes);
-  GatedEngine gated(*ranks.engines[0], 1);
-  ProxyOptions opt;
-  opt.num_channels = 2;
-  opt.capacity = 16;
-  Proxy proxy(gated, opt);
+  GatedProxy g(2, 16, 8192, 1);
+  GatedEngine& gated = g.gated;
+  Proxy& proxy = g.proxy;
   for (int c = 0; c < 2; ++c)
     for (uint64_t i = 0; i < 5; ++i)
       post_from_host(proxy.view(c), put_cmd(1, 4096 + (c * 5 + i) * 64, i * 8, 64), Op::kPut, 0,
@@ -474,12 +487,9 @@ TEST(Proxy, DrainWaitsForEveryReservedCommand) {
 // blocking primary-context call elsewhere in the process) is kept for the
 // timeout messages: its length and kind, on its channel only, reported once.
 TEST(Proxy, AStepHeldInTheEngineIsReportedOnce) {
-  Ranks ranks(2, 2, 8192);
-  GatedEngine gated(*ranks.engines[0], 1);
-  ProxyOptions opt;
-  opt.num_channels = 2;
-  opt.capacity = 16;
-  Proxy proxy(gated, opt);
+  GatedProxy g(2, 16, 8192, 1);
+  GatedEngine& gated = g.gated;
+  Proxy& proxy = g.proxy;
   for (int c = 0; c < 2; ++c)
     post_from_host(proxy.view(c), put_cmd(1, 4096 + c * 64, 0, 64), Op::kPut, 0, 10.0, c);
   const double held = Proxy::kSlowEngineCallS + 0.3;
