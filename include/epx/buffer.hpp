@@ -250,6 +250,9 @@ class Buffer {
   int root_rdma_rank(bool global) const;
   cudaStream_t comm_stream() const;
   const char* backend_name() const;
+  /// Contexts per peer the network backend posts on (proxy channels, NCCL GIN
+  /// contexts across its communicators); 1 within one NVLink domain.
+  int num_network_contexts() const;
   /// Symmetric bytes this rank holds (both regions).
   std::size_t buffer_bytes() const;
 

@@ -248,6 +248,9 @@ cudaStream_t Buffer::comm_stream() const {
 const char* Buffer::backend_name() const {
   return impl_->backend->name();
 }
+int Buffer::num_network_contexts() const {
+  return impl_->backend->num_contexts();
+}
 std::size_t Buffer::buffer_bytes() const {
   return impl_->ht.bytes + impl_->ll.bytes;
 }

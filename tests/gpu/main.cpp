@@ -102,16 +102,19 @@ int main(int argc, char** argv) {
       }
       for (const auto& e : errors)
         if (!e.empty()) throw epx::Error(epx::ErrorCode::kInternal, e);
-      std::printf("epx_gpu_tests: %d in-process ranks on GPU %d (backend %s, %d nodes of %d)\n",
-                  in_process, worlds[0].comm->device(), worlds[0].buffer->backend_name(),
-                  worlds[0].buffer->num_rdma_ranks(), worlds[0].buffer->num_nvl_ranks());
+      std::printf(
+          "epx_gpu_tests: %d in-process ranks on GPU %d (backend %s, %d nodes of %d, %d contexts "
+          "per peer)\n",
+          in_process, worlds[0].comm->device(), worlds[0].buffer->backend_name(),
+          worlds[0].buffer->num_rdma_ranks(), worlds[0].buffer->num_nvl_ranks(),
+          worlds[0].buffer->num_network_contexts());
     } else {
       set_up(epx::test::world(), epx::Communicator::from_env());
       auto& w = epx::test::world();
       if (w.rank == 0)
-        std::printf("epx_gpu_tests: %d ranks (backend %s, %d nodes of %d)\n", w.num_ranks,
-                    w.buffer->backend_name(), w.buffer->num_rdma_ranks(),
-                    w.buffer->num_nvl_ranks());
+        std::printf("epx_gpu_tests: %d ranks (backend %s, %d nodes of %d, %d contexts per peer)\n",
+                    w.num_ranks, w.buffer->backend_name(), w.buffer->num_rdma_ranks(),
+                    w.buffer->num_nvl_ranks(), w.buffer->num_network_contexts());
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "epx_gpu_tests: setup failed: %s\n", e.what());
