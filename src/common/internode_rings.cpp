@@ -63,7 +63,12 @@ void HtRingRegion::place_state(std::size_t start) {
   count_rows = align_up(header_send + header_bytes, kAlign);
   const std::size_t count_ints =
       static_cast<std::size_t>(HtNetRegion::count_row_ints(num_ranks, num_nodes()));
-  total = align_up(count_rows + 4u * count_ints * (R + 1u), kAlign);
+  const std::size_t ret_bytes = 8u * C * L * N;
+  ret_tails = align_up(count_rows + 4u * count_ints * (R + 1u), kAlign);
+  ret_heads = align_up(ret_tails + ret_bytes, kAlign);
+  ret_sent = align_up(ret_heads + ret_bytes, kAlign);
+  ret_taken = align_up(ret_sent + ret_bytes, kAlign);
+  total = align_up(ret_taken + ret_bytes, kAlign);
 }
 
 std::size_t HtRingRegion::state_bytes(const Topology& topology) {
@@ -81,6 +86,18 @@ std::size_t HtRingRegion::state_bytes(const Topology& topology) {
 HtRingRegion HtRingRegion::make(const Topology& topology, const HtRingGeometry& geometry,
                                 std::size_t record_bytes, std::size_t header_bytes,
                                 std::size_t region_bytes) {
+  return build(topology, geometry, record_bytes, header_bytes, region_bytes, false);
+}
+
+HtRingRegion HtRingRegion::make_combine(const Topology& topology, const HtRingGeometry& geometry,
+                                        std::size_t record_bytes, std::size_t header_bytes,
+                                        std::size_t region_bytes) {
+  return build(topology, geometry, record_bytes, header_bytes, region_bytes, true);
+}
+
+HtRingRegion HtRingRegion::build(const Topology& topology, const HtRingGeometry& geometry,
+                                 std::size_t record_bytes, std::size_t header_bytes,
+                                 std::size_t region_bytes, bool combine) {
   geometry.validate();
   require(topology.num_ranks >= 1 && topology.ranks_per_node >= 1 &&
               topology.num_ranks % topology.ranks_per_node == 0,
@@ -92,6 +109,7 @@ HtRingRegion HtRingRegion::make(const Topology& topology, const HtRingGeometry& 
   r.ranks_per_node = topology.ranks_per_node;
   r.geometry = geometry;
   r.record_bytes = record_bytes;
+  r.combine = combine;
   const std::size_t N = static_cast<std::size_t>(topology.num_nodes());
   const std::size_t L = static_cast<std::size_t>(topology.ranks_per_node);
   const std::size_t C = static_cast<std::size_t>(geometry.channels);
@@ -99,15 +117,19 @@ HtRingRegion HtRingRegion::make(const Topology& topology, const HtRingGeometry& 
   const std::size_t net_bytes = C * N * static_cast<std::size_t>(geometry.net_slots) * record_bytes;
   r.net_send = align_up(r.net_rings + net_bytes, kAlign);
   r.nvl_rings = align_up(r.net_send + net_bytes, kAlign);
-  r.rings_end = align_up(
-      r.nvl_rings + C * L * static_cast<std::size_t>(geometry.nvl_slots) * record_bytes, kAlign);
+  // NVLink rings: per (channel, forwarder), or for the combine a return ring
+  // per (channel, local rank, node) of ret_slots() records.
+  const std::size_t nvl_records = combine ? L * N * static_cast<std::size_t>(r.ret_slots())
+                                          : L * static_cast<std::size_t>(geometry.nvl_slots);
+  r.rings_end = align_up(r.nvl_rings + C * nvl_records * record_bytes, kAlign);
   const std::size_t state = state_bytes(topology);
   if (region_bytes < state || (region_bytes - state) / kAlign * kAlign < r.rings_end)
     throw Error(ErrorCode::kBufferTooSmall,
-                "dispatch: num_nvl_bytes: the rings need " + std::to_string(r.rings_end + state) +
-                    " bytes (" + std::to_string(geometry.channels) +
-                    " channels, network rings of " + std::to_string(geometry.net_slots) +
-                    " and NVLink rings of " + std::to_string(geometry.nvl_slots) + " records of " +
+                std::string(combine ? "combine" : "dispatch") + ": num_nvl_bytes: the rings need " +
+                    std::to_string(r.rings_end + state) + " bytes (" +
+                    std::to_string(geometry.channels) + " channels, network rings of " +
+                    std::to_string(geometry.net_slots) + " and NVLink rings of " +
+                    std::to_string(geometry.nvl_slots) + " records of " +
                     std::to_string(record_bytes) + " B, and " + std::to_string(state) +
                     " B of ring state) but the buffer has " + std::to_string(region_bytes) +
                     "; raise num_nvl_bytes or use smaller rings");

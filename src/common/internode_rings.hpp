@@ -113,7 +113,23 @@ enum class HtRingBase : int { kNetSent = 0, kNetTaken, kNvlSent, kNvlTaken, kOps
 ///                          puts them after its stage, inside the ring area,
 ///                          where a peer that finished its exchange may
 ///                          already put records while this rank still reads
-///                          them)]
+///                          them);
+///    the combine's return rings' words, u64 [kMaxRingChannels][L][N] each
+///    (ret_word): ret tails  at a forwarder, (c, d, m): the rows local rank
+///                          d stored in return ring (c, d, m) here;
+///    ret heads  at a returner, (c, l, m): the rows forwarder l took from
+///               this rank's return ring (c, this rank, m) there;
+///    ret sent / ret taken  the local running totals of both]
+///
+/// The combine rings (make_combine) lie in the same places with combine
+/// records (a BF16 row and its weights): network ring (c, m) at a source
+/// from the forwarder of its local index in node m, its send copy at that
+/// forwarder; and in the NVLink area, a return ring per (channel, returning
+/// local rank d, source node m) at each forwarder, of ret_slots() records
+/// (the NVLink ring's records shared among the source nodes, so that each
+/// node's rows flow on their own: a forwarder never waits on one node's
+/// rows behind another's). The network words (signals, kNetSent /
+/// kNetTaken) are the dispatch's: the same (rank, peer) pairs, running on.
 struct HtRingRegion {
   int num_ranks = 1, ranks_per_node = 1;
   HtRingGeometry geometry;
@@ -125,6 +141,9 @@ struct HtRingRegion {
   std::size_t bases = 0, nvl_tails = 0, nvl_heads = 0;
   std::size_t net_headers = 0, nvl_headers = 0, header_send = 0, count_rows = 0;
   std::size_t net_rings = 0, net_send = 0, nvl_rings = 0, rings_end = 0, state = 0, total = 0;
+  /// The combine's rings (make_combine), and their words in the state block.
+  bool combine = false;
+  std::size_t ret_tails = 0, ret_heads = 0, ret_sent = 0, ret_taken = 0;
 
   /// Bytes of the state block for a topology (what the whole-call ops leave
   /// at the region's end while the rings are on).
@@ -136,6 +155,11 @@ struct HtRingRegion {
   static HtRingRegion make(const Topology& topology, const HtRingGeometry& geometry,
                            std::size_t record_bytes, std::size_t header_bytes,
                            std::size_t region_bytes);
+  /// The combine's rings (records of ht_combine_row_bytes), errors as make's
+  /// naming the combine.
+  static HtRingRegion make_combine(const Topology& topology, const HtRingGeometry& geometry,
+                                   std::size_t record_bytes, std::size_t header_bytes,
+                                   std::size_t region_bytes);
   /// What the ranks' rings must agree on to meet: the geometry, the record
   /// size and where the areas lie (which the region's size moves), folded
   /// into a positive int, never 0 (0: no rings). The dispatch barrier
@@ -150,6 +174,7 @@ struct HtRingRegion {
                           static_cast<uint64_t>(geometry.nvl_slots),
                           static_cast<uint64_t>(geometry.nvl_chunk),
                           record_bytes,
+                          static_cast<uint64_t>(combine),
                           nvl_rings,
                           state,
                           total};
@@ -211,6 +236,26 @@ struct HtRingRegion {
   EPX_HD std::size_t net_send_slot(int channel, int node, uint64_t index) const {
     return net_slot(channel, node, index) - net_rings + net_send;
   }
+  /// Records of a combine return ring: the NVLink ring's records shared
+  /// among the source nodes (at least 1).
+  EPX_HD int ret_slots() const {
+    const int s = geometry.nvl_slots / num_nodes();
+    return s < 1 ? 1 : s;
+  }
+  /// Word (c, local rank, node) of a return-ring word array (ret_tails,
+  /// ret_heads, ret_sent, ret_taken).
+  EPX_HD std::size_t ret_word(std::size_t area, int channel, int local, int node) const {
+    return area + 8u * ((static_cast<std::size_t>(channel) * ranks_per_node + local) *
+                            static_cast<std::size_t>(num_nodes()) +
+                        node);
+  }
+  /// Slot of return ring (c, returning local rank d, source node m) at a forwarder.
+  EPX_HD std::size_t ret_slot(int channel, int local, int node, uint64_t index) const {
+    const std::size_t ring =
+        (static_cast<std::size_t>(channel) * ranks_per_node + local) * num_nodes() + node;
+    const std::size_t slots = static_cast<std::size_t>(ret_slots());
+    return nvl_rings + (ring * slots + index % slots) * record_bytes;
+  }
   EPX_HD std::size_t nvl_slot(int channel, int forwarder_local, uint64_t index) const {
     const std::size_t ring = static_cast<std::size_t>(channel) * ranks_per_node + forwarder_local;
     const std::size_t slots = static_cast<std::size_t>(geometry.nvl_slots);
@@ -220,6 +265,9 @@ struct HtRingRegion {
  private:
   /// The state block's offsets from `start` (placed by make and state_bytes alike).
   void place_state(std::size_t start);
+  static HtRingRegion build(const Topology& topology, const HtRingGeometry& geometry,
+                            std::size_t record_bytes, std::size_t header_bytes,
+                            std::size_t region_bytes, bool combine);
 };
 
 }  // namespace epx::plan

@@ -395,7 +395,15 @@ CombineResult Buffer::Impl::net_combine(const CombineArgs& a) {
   const plan::HtNetRegion region =
       h.net_worst > 0 ? plan::HtNetRegion::fixed_combine(topology, h.net_slot_rows, row)
                       : plan::HtNetRegion::combine(route_of(h, topology), row);
-  check_fits(op, region, ht_capacity(), h.net_worst);
+  // The rings (EPX_HT_RINGS): fixed rings instead of the whole-call areas
+  // (whose header, the barrier's words, both share).
+  const bool rings = ht_rings > 0;
+  std::optional<plan::HtRingRegion> ring;
+  if (rings)
+    ring = plan::HtRingRegion::make_combine(topology, ring_geometry(ht_rings, blocks, cfg), row,
+                                            plan::HtNetRegion::body(comm->num_ranks()), ht.bytes);
+  else
+    check_fits(op, region, ht_capacity(), h.net_worst);
 
   const cudaStream_t x = ll_enter(a.streams);  // as dispatch
   CombineResult res;
@@ -423,6 +431,14 @@ CombineResult Buffer::Impl::net_combine(const CombineArgs& a) {
   p.num_blocks = blocks;
   p.split_puts = split_puts();
   p.num_worst = h.net_worst;
+  p.use_rings = rings;
+  if (rings) {
+    p.ring = *ring;
+    p.fwd_token = h.net_fwd_token.ptr<int>();
+    p.recv_src_idx = h.recv_src_idx.ptr<int>();
+    p.rank_prefix_matrix = h.rank_prefix_matrix.ptr<int>();
+    p.source_num_tokens = h.source_num_tokens.ptr<int>();
+  }
   kernels::launch_ht_net_combine(transport(ht, plan::HtNetRegion::kSignals), p, x);
   res.event = ll_leave(a.streams, x);
   return res;
@@ -457,7 +473,12 @@ std::size_t Buffer::get_internode_nvl_size_hint(int num_max_tokens, int hidden, 
   const plan::HtRingRegion rings =
       plan::HtRingRegion::make(topology, ring_geometry(ht_rings, cfg.num_sms, cfg), record,
                                plan::HtNetRegion::body(num_ranks), std::size_t{1} << 46);
-  return std::max(bytes, rings.rings_end) + plan::HtRingRegion::state_bytes(topology);
+  const plan::HtRingRegion combine_rings =
+      plan::HtRingRegion::make_combine(topology, ring_geometry(ht_rings, cfg.num_sms, cfg),
+                                       plan::ht_combine_row_bytes(hidden, num_topk),
+                                       plan::HtNetRegion::body(num_ranks), std::size_t{1} << 46);
+  return std::max({bytes, rings.rings_end, combine_rings.rings_end}) +
+         plan::HtRingRegion::state_bytes(topology);
 }
 
 }  // namespace epx

@@ -311,6 +311,16 @@ struct HtNetCombineArgs {
   float* combined_topk_weights;
   int num_blocks;
   bool split_puts;  ///< as HtNetDispatchArgs::split_puts
+  /// The combine rings (EPX_HT_RINGS; docs/internode_ht.md "Combine rings")
+  /// instead of return, node sum and finish: one cooperative launch of 3
+  /// ring.geometry.channels blocks; the handle's arrays give each role its
+  /// records.
+  bool use_rings;
+  plan::HtRingRegion ring;
+  const int* fwd_token;           ///< [N, slot_rows]
+  const int* recv_src_idx;        ///< [N_recv]
+  const int* rank_prefix_matrix;  ///< [R, R]
+  const int* source_num_tokens;   ///< [R]
 };
 /// The barrier, then return, node sum and finish.
 void launch_ht_net_combine(const dev::AnyTransport& t, const HtNetCombineArgs& a,

@@ -55,11 +55,29 @@ std::vector<Span> spans_of(const HtRingRegion& r) {
     for (int l = 0; l < L; ++l) {
       s.push_back({r.nvl_tail(c, l), r.nvl_tail(c, l) + 8, "nvl tail"});
       s.push_back({r.nvl_head(c, l), r.nvl_head(c, l) + 8, "nvl head"});
-      for (int i = 0; i < r.geometry.nvl_slots; ++i) {
-        const std::size_t a = r.nvl_slot(c, l, static_cast<uint64_t>(i));
-        s.push_back({a, a + r.record_bytes, "nvl slot"});
+      // The NVLink area: the dispatch's rings per forwarder, or the
+      // combine's return rings per (local rank, node)
+      if (!r.combine) {
+        for (int i = 0; i < r.geometry.nvl_slots; ++i) {
+          const std::size_t a = r.nvl_slot(c, l, static_cast<uint64_t>(i));
+          s.push_back({a, a + r.record_bytes, "nvl slot"});
+        }
+      } else {
+        for (int m = 0; m < N; ++m)
+          for (int i = 0; i < r.ret_slots(); ++i) {
+            const std::size_t a = r.ret_slot(c, l, m, static_cast<uint64_t>(i));
+            s.push_back({a, a + r.record_bytes, "return slot"});
+          }
       }
     }
+  // The return rings' words, for every channel the state block holds
+  for (int c = 0; c < epx::plan::kMaxRingChannels; ++c)
+    for (int l = 0; l < L; ++l)
+      for (int m = 0; m < N; ++m)
+        for (std::size_t area : {r.ret_tails, r.ret_heads, r.ret_sent, r.ret_taken}) {
+          const std::size_t w = r.ret_word(area, c, l, m);
+          s.push_back({w, w + 8, "return word"});
+        }
   for (int c = 0; c < C; ++c) {
     for (int l = 0; l < L; ++l)
       s.push_back({r.nvl_header(c, l), r.nvl_header(c, l) + 8, "nvl header"});
@@ -95,25 +113,33 @@ TEST(InternodeRings, AreasAndSlotsAreDisjointAndInside) {
                         Case{8, 4, {3, 7, 7, 2, 1}, 7200}, Case{16, 2, {4, 3, 1, 5, 2}, 48},
                         Case{16, 8, {2, 2, 2, 3, 3}, 16}}) {
     const std::size_t region = std::size_t{64} << 20;
-    const HtRingRegion r = HtRingRegion::make(Topology{k.R, k.L}, k.g, k.record,
-                                              epx::plan::HtNetRegion::body(k.R), region);
-    EXPECT_LE(r.total, region);
-    EXPECT_EQ(r.total - r.state, HtRingRegion::state_bytes(Topology{k.R, k.L}))
-        << "the state block's size is the same wherever it lies";
-    EXPECT_GE(r.state, r.rings_end);
-    auto s = spans_of(r);
-    std::sort(s.begin(), s.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
-    for (std::size_t i = 0; i < s.size(); ++i) {
-      ASSERT_LE(s[i].end, r.total) << s[i].what << " R" << k.R;
-      if (i > 0)
-        ASSERT_LE(s[i - 1].end, s[i].begin)
-            << s[i - 1].what << " overlaps " << s[i].what << " R" << k.R << " L" << k.L;
+    for (const bool combine : {false, true}) {
+      const HtRingRegion r =
+          combine ? HtRingRegion::make_combine(Topology{k.R, k.L}, k.g, k.record,
+                                               epx::plan::HtNetRegion::body(k.R), region)
+                  : HtRingRegion::make(Topology{k.R, k.L}, k.g, k.record,
+                                       epx::plan::HtNetRegion::body(k.R), region);
+      EXPECT_EQ(r.combine, combine);
+      EXPECT_GE(r.ret_slots(), 1);
+      EXPECT_LE(r.total, region);
+      EXPECT_EQ(r.total - r.state, HtRingRegion::state_bytes(Topology{k.R, k.L}))
+          << "the state block's size is the same wherever it lies";
+      EXPECT_GE(r.state, r.rings_end);
+      auto s = spans_of(r);
+      std::sort(s.begin(), s.end(), [](const Span& a, const Span& b) { return a.begin < b.begin; });
+      for (std::size_t i = 0; i < s.size(); ++i) {
+        ASSERT_LE(s[i].end, r.total) << s[i].what << " R" << k.R;
+        if (i > 0)
+          ASSERT_LE(s[i - 1].end, s[i].begin)
+              << s[i - 1].what << " overlaps " << s[i].what << " R" << k.R << " L" << k.L;
+      }
+      // The areas after the header start aligned.
+      for (std::size_t a :
+           {r.ring_signals, r.bases, r.nvl_tails, r.nvl_heads, r.net_headers, r.nvl_headers,
+            r.header_send, r.count_rows, r.net_rings, r.net_send, r.nvl_rings, r.ret_tails,
+            r.ret_heads, r.ret_sent, r.ret_taken, r.total})
+        EXPECT_EQ(a % epx::plan::kAlign, 0u);
     }
-    // The areas after the header start aligned.
-    for (std::size_t a :
-         {r.ring_signals, r.bases, r.nvl_tails, r.nvl_heads, r.net_headers, r.nvl_headers,
-          r.header_send, r.count_rows, r.net_rings, r.net_send, r.nvl_rings, r.total})
-      EXPECT_EQ(a % epx::plan::kAlign, 0u);
   }
 }
 
@@ -140,9 +166,34 @@ TEST(InternodeRings, LayoutWordTellsApartWhatMovesARing) {
     others.push_back(word(h, record, region));
   others.push_back(word(g, record + 16, region));
   others.push_back(word(g, record, region + 4096));
+  // the combine's rings (other NVLink rings) against the dispatch's
+  others.push_back(HtRingRegion::make_combine(topo, g, record, header, region).layout_word());
   for (std::size_t i = 0; i < others.size(); ++i) {
     EXPECT_GT(others[i], 0) << i;
     EXPECT_NE(others[i], base) << "variant " << i << " would meet the base rings unnoticed";
+  }
+}
+
+/// The combine's return rings share the NVLink ring's records among the
+/// nodes (at least one each), and rings that do not fit are named as the
+/// combine's, with the field to raise.
+TEST(InternodeRings, CombineRingsShareTheNvlinkRecordsAndNameTheCombine) {
+  const std::size_t header = epx::plan::HtNetRegion::body(8);
+  const HtRingGeometry g{2, 8, 4, 12, 2};
+  const HtRingRegion r =
+      HtRingRegion::make_combine(Topology{8, 2}, g, 14368, header, std::size_t{64} << 20);
+  EXPECT_EQ(r.ret_slots(), 3);  // 12 records over 4 nodes
+  const HtRingRegion one = HtRingRegion::make_combine(Topology{8, 2}, HtRingGeometry{2, 8, 4, 2, 1},
+                                                      14368, header, std::size_t{64} << 20);
+  EXPECT_EQ(one.ret_slots(), 1);
+  try {
+    HtRingRegion::make_combine(Topology{8, 2}, g, 14368, header, std::size_t{1} << 20);
+    FAIL() << "rings of 1 MiB and more fitted 1 MiB";
+  } catch (const epx::Error& e) {
+    EXPECT_EQ(e.code(), epx::ErrorCode::kBufferTooSmall);
+    const std::string what = e.what();
+    EXPECT_NE(what.find("combine"), std::string::npos) << what;
+    EXPECT_NE(what.find("num_nvl_bytes"), std::string::npos) << what;
   }
 }
 
