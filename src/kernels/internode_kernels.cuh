@@ -414,12 +414,13 @@ __device__ __forceinline__ int* word_at(uint8_t* rec, int off) {
 /// m into `rec`: the payload, the extra words, its row among the source's
 /// rows at each of node m's local ranks (-1 where it does not go), the mask
 /// of those ranks, the token, its index `j` in the source's stream to node m
-/// and the source rank.
+/// and the source rank. kU: the payload copy's 16-byte loads in flight per lane.
+template <int kU = 4>
 __device__ __forceinline__ void pack_record(const HtNetDispatchArgs& p, const RecordFields& f,
                                             uint8_t* rec, int tok, int m, int j, int src,
                                             int num_ranks, int ranks_per_node, int lane) {
   const int L = ranks_per_node, S = p.num_scales, K = p.num_topk;
-  warp_copy<false, 4>(rec, p.x + static_cast<int64_t>(tok) * p.x_row_bytes, p.hidden_bytes, lane);
+  warp_copy<false, kU>(rec, p.x + static_cast<int64_t>(tok) * p.x_row_bytes, p.hidden_bytes, lane);
   for (int i = lane; i < S + 2 * K; i += 32)
     word_at(rec, f.scales + 4 * i)[0] = record_extra(p, tok, i, S, K);
   const int at = lane < L ? p.rank_pos[static_cast<int64_t>(tok) * num_ranks + m * L + lane] : -1;
@@ -436,13 +437,15 @@ __device__ __forceinline__ void pack_record(const HtNetDispatchArgs& p, const Re
 /// One warp (`lane` of 32, all calling) unpacks the record `rec` (written by
 /// peers or the network during this kernel) into output row `row`: the
 /// payload, the scales, the top-k ids rebased to this rank's experts [lo, lo
-/// + epr) (-1 and weight 0 elsewhere), recv_src_idx and recv_meta.
+/// + epr) (-1 and weight 0 elsewhere), recv_src_idx and recv_meta. kU as
+/// pack_record's.
+template <int kU = 4>
 __device__ __forceinline__ void unpack_record(const HtNetDispatchArgs& p, const RecordFields& f,
                                               const uint8_t* rec, int row, int lo, int epr,
                                               int lane) {
   const int S = p.num_scales, K = p.num_topk;
-  warp_copy<true, 4>(p.recv_x + static_cast<int64_t>(row) * p.hidden_bytes, rec, p.hidden_bytes,
-                     lane);
+  warp_copy<true, kU>(p.recv_x + static_cast<int64_t>(row) * p.hidden_bytes, rec, p.hidden_bytes,
+                      lane);
   for (int i = lane; i < S; i += 32)
     p.recv_scales[static_cast<int64_t>(row) * S + i] =
         ld_float(reinterpret_cast<const float*>(rec + f.scales) + i);
@@ -675,6 +678,10 @@ using plan::HtRingSignal;
 /// Records one batch of a role moves at once: one per warp (warp 0's lanes
 /// index a batch).
 constexpr int kRingBatch = kThreads / 32;
+/// The ring roles' copies: 16-byte loads in flight per lane (a warp moves a
+/// whole record alone, 14 KB at hidden 7168: 8 keep 4 KB in flight where the
+/// whole-call kernels' 4 keep 2 KB).
+constexpr int kRingCopy = 8;
 static_assert(kThreads % 32 == 0 && kRingBatch <= 32, "a batch is indexed by one warp's lanes");
 
 template <class T>
@@ -788,11 +795,14 @@ __device__ bool ring_send(const DispatchParams<T>& p, const T& t, int c, uint64_
       if (from0 == to) return;
       if (threadIdx.x == 0) __threadfence_system();  // the block's record stores, before the put
       __syncthreads();
+      // This node's records are in its ring already: the tail alone
       for (uint64_t from = from0; from < to;) {
-        const uint32_t k = ring::contiguous64(from, static_cast<uint32_t>(to - from), slots);
+        const uint32_t k = m == n
+                               ? static_cast<uint32_t>(to - from)
+                               : ring::contiguous64(from, static_cast<uint32_t>(to - from), slots);
         ring_put_signal<dev::Block>(t, fwd, g.net_slot(c, n, from), g.net_send_slot(c, m, from),
-                                    k * g.record_bytes, ring_sig(t, HtRingSignal::kNetTail, c, me),
-                                    k);
+                                    m == n ? 0 : k * g.record_bytes,
+                                    ring_sig(t, HtRingSignal::kNetTail, c, me), k);
         from += k;
       }
       __syncthreads();
@@ -850,8 +860,10 @@ __device__ bool ring_send(const DispatchParams<T>& p, const T& t, int c, uint64_
       }
       if (warp < k) {
         const int tok = b_tok[warp];
-        uint8_t* rec = reinterpret_cast<uint8_t*>(t.local_ptr(g.net_send_slot(c, m, sent + warp)));
-        pack_record(p, f, rec, tok, m, b_j[warp], me, R, L, lane);
+        // (this node's records straight into its own ring: no copy to put)
+        uint8_t* rec = reinterpret_cast<uint8_t*>(t.local_ptr(
+            m == n ? g.net_slot(c, n, sent + warp) : g.net_send_slot(c, m, sent + warp)));
+        pack_record<kRingCopy>(p, f, rec, tok, m, b_j[warp], me, R, L, lane);
       }
       __syncthreads();
       if (threadIdx.x == 0) sent += k;
@@ -994,9 +1006,10 @@ __device__ bool ring_forward(const DispatchParams<T>& p, const T& t, int c, uint
           const int mask = b_mask[warp];
           for (int d = 0; d < L; ++d)
             if ((mask >> d) & 1)
-              warp_copy<true, 4>(reinterpret_cast<uint8_t*>(t.lsa_ptr(
-                                     n * L + d, g.nvl_slot(c, l, nvl_sent[d] + b_off[warp][d]))),
-                                 rec, static_cast<int>(g.record_bytes), lane);
+              warp_copy<true, kRingCopy>(
+                  reinterpret_cast<uint8_t*>(
+                      t.lsa_ptr(n * L + d, g.nvl_slot(c, l, nvl_sent[d] + b_off[warp][d]))),
+                  rec, static_cast<int>(g.record_bytes), lane);
         }
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -1106,7 +1119,7 @@ __device__ bool ring_receive(const DispatchParams<T>& p, const T& t, int c, uint
             }
           }
           row = __shfl_sync(0xffffffffu, row, 0);
-          if (row >= 0) unpack_record(p, f, rec, row, lo, epr, lane);
+          if (row >= 0) unpack_record<kRingCopy>(p, f, rec, row, lo, epr, lane);
         }
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -1418,7 +1431,7 @@ __device__ bool ring_return(const CombineParams<T>& p, const T& t, int c) {
           auto* dst =
               reinterpret_cast<uint8_t*>(t.lsa_ptr(fwd, g.ret_slot(c, dl, m, sent[s] + warp)));
           if (row < p.num_x_rows) {
-            warp_copy<false, 4>(
+            warp_copy<false, kRingCopy>(
                 dst, reinterpret_cast<const uint8_t*>(p.x + static_cast<int64_t>(row) * H), 2 * H,
                 lane);
           } else {
@@ -1507,11 +1520,13 @@ __device__ bool ring_combine_forward(const CombineParams<T>& p, const T& t, int 
     if (from0 == to) return;
     if (threadIdx.x == 0) __threadfence_system();  // the block's sums, before the put
     __syncthreads();
+    // This rank's own sums are in its ring already: the tail alone
     for (uint64_t from = from0; from < to;) {
-      const uint32_t k = ring::contiguous64(from, static_cast<uint32_t>(to - from), slots);
+      const uint32_t k = m == n ? static_cast<uint32_t>(to - from)
+                                : ring::contiguous64(from, static_cast<uint32_t>(to - from), slots);
       ring_put_signal<dev::Block>(t, m * L + l, g.net_slot(c, n, from), g.net_send_slot(c, m, from),
-                                  k * g.record_bytes, ring_sig(t, HtRingSignal::kNetTail, c, me),
-                                  k);
+                                  m == n ? 0 : k * g.record_bytes,
+                                  ring_sig(t, HtRingSignal::kNetTail, c, me), k);
       from += k;
     }
     __syncthreads();
@@ -1565,8 +1580,9 @@ __device__ bool ring_combine_forward(const CombineParams<T>& p, const T& t, int 
       if (k > 0) {
         if (warp < k) {
           const int mask = b_mask[warp];
-          uint8_t* out =
-              reinterpret_cast<uint8_t*>(t.local_ptr(g.net_send_slot(c, m, sent[m] + warp)));
+          // (this rank's own sums straight into its own ring: no copy to put)
+          uint8_t* out = reinterpret_cast<uint8_t*>(t.local_ptr(
+              m == n ? g.net_slot(c, n, sent[m] + warp) : g.net_send_slot(c, m, sent[m] + warp)));
           auto row = [&](int d) -> const uint8_t* {
             return reinterpret_cast<const uint8_t*>(
                 t.local_ptr(g.ret_slot(c, d, m, taken[d * N + m] + b_off[warp][d])));
