@@ -1014,8 +1014,25 @@ __device__ bool ring_forward(const DispatchParams<T>& p, const T& t, int c, uint
             const uint8_t* rec =
                 reinterpret_cast<const uint8_t*>(t.local_ptr(g.net_slot(c, m, taken[m] + lane)));
             mask = ld_int(rec + f.mask);
+            // For the combine, the ranks that keep the row: with
+            // num_worst_tokens a receiver drops rows past it (and its
+            // returner sends none back), so the combine's forwarder must
+            // not wait for them. The route still takes the full mask.
+            int keep = mask;
+            if (p.num_worst > 0) {
+              const int src = ld_int(rec + f.src);
+              for (int d = 0; d < L; ++d)
+                if ((mask >> d) & 1) {
+                  const int row =
+                      (src > 0
+                           ? p.ring_rpm[static_cast<std::size_t>(src - 1) * t.num_ranks + n * L + d]
+                           : 0) +
+                      ld_int(rec + f.pos + 4 * d);
+                  if (row >= p.num_recv_rows) keep &= ~(1 << d);
+                }
+            }
             const int64_t at = static_cast<int64_t>(m) * p.off.slot_rows + ld_int(rec + f.index);
-            p.fwd_mask[at] = mask;
+            p.fwd_mask[at] = keep;
             p.fwd_token[at] = ld_int(rec + f.token);
             b_mask[lane] = mask;
           }
@@ -1623,7 +1640,10 @@ __device__ bool ring_combine_forward(const CombineParams<T>& p, const T& t, int 
         if (lane == 0) {
           // Room in the source's ring, and no put past net_chunk records
           const uint64_t credit = t.read_signal(ring_sig(t, HtRingSignal::kNetCredit, c, src), src);
-          const uint64_t room = slots - (sent[m] - credit);
+          // (a late credit of an op with larger rings may leave more
+          // outstanding than this op's ring holds: no room then)
+          const uint64_t used = sent[m] - credit;
+          const uint64_t room = used >= slots ? 0 : slots - used;
           k = static_cast<int>(min(static_cast<uint64_t>(k), room));
           k = min(k, chunk - static_cast<int>(sent[m] - pending[m]));
         }

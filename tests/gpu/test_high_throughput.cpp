@@ -1134,6 +1134,58 @@ EPX_GPU_TEST(Internode, WorstTokensAndGraphReplay) {
   b.destroy();
 }
 
+/// num_worst_tokens below what a rank receives: the rows past it are dropped
+/// and reported (Buffer::check names num_worst_tokens), the combine after it
+/// still finishes, through the rings too (their combine must not wait for the
+/// dropped rows' returns), and the buffer's next pair with a large enough
+/// num_worst_tokens matches the reference bit for bit (the rings' running
+/// counts stayed in step).
+EPX_GPU_TEST(Internode, WorstTokensOverflowIsNamedAndCombineFinishes) {
+  auto& w = world();
+  const int R = w.num_ranks, me = w.rank, L = w.buffer->num_nvl_ranks();
+  const HtCase c{96, 512, 4, 8 * R, false, 0.1, true, 1, false};
+  const int H = c.hidden, K = c.num_topk, E = c.num_experts;
+  const auto in = make_inputs(c, R, 333);
+  const auto ro = ref::ht_dispatch(in, H, K, E, 1);
+  std::vector<ref::HtCombineInput> cin(R);
+  for (int r = 0; r < R; ++r) cin[r].x = ro[r].recv_x_bf16;
+  const auto rc = ref::ht_combine(in, cin, H, K, E, L);
+  BufferOptions o;
+  o.num_nvl_bytes =
+      static_cast<int64_t>(Buffer::get_internode_nvl_size_hint(c.num_tokens + 16, H, R, L, K));
+  o.timeout_s = 20.0;
+  o.allocator = poisoning_allocator(w.comm->in_process());
+  Buffer b(w.comm, o);
+  StreamArgs s;
+  s.stream = w.stream;
+  DeviceInput d(b, in[me], H, K, E, s);
+  d.a.config = shared_gpu_config();
+  auto pair = [&](int worst) {
+    d.a.num_worst_tokens = worst;
+    auto r1 = b.dispatch(d.a);
+    CombineArgs ca;
+    ca.x = r1.recv_x.view;
+    ca.handle = r1.handle;
+    ca.streams = s;
+    ca.config = d.a.config;
+    auto r2 = b.combine(ca);
+    EXPECT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+    return r2.combined_x;
+  };
+  const int small = 4;  // every rank receives far more rows than this
+  ASSERT_GT(ro[me].num_recv_tokens, small);
+  pair(small);
+  expect_error(
+      "check after num_worst_tokens overflowed", [&] { b.check(); }, {"num_worst_tokens"},
+      ErrorCode::kInvalidArgument);
+  ASSERT_TRUE(all_ranks(!rank_failed())) << "the overflow was not reported on every rank";
+  const Tensor combined = pair((c.num_tokens + 1) * R);
+  b.check();
+  EXPECT_EQ(to_host<uint16_t>(combined), rc[me].combined_x)
+      << "the pair after the overflow differs from the reference";
+  EXPECT_TRUE(all_ranks(!rank_failed()));
+}
+
 /// A buffer across nodes for case c (its deadline `timeout_s`), this rank's
 /// inputs on the device, and a first dispatch with weights, synchronized.
 struct NetFirstDispatch {
