@@ -201,9 +201,9 @@ __device__ __forceinline__ bool wait_peers(const T& t, HtNetSignal kind, int cou
 /// Warp-wide: dst[v] = BF16 of the float32 sum, in order, of src(i)[v] for
 /// i in [0, n) (src gives nullptr for a row not summed), then of bias0[v]
 /// and bias1[v] where given, for the nv 16-byte vectors of a row. Each lane
-/// keeps kSumVectors vectors' loads in flight.
+/// keeps kSumVectors vectors' loads of two rows in flight.
 constexpr int kSumVectors = 4;
-template <class Src>
+template <bool kPairs = true, class Src>
 __device__ __forceinline__ void sum_rows(int4* dst, int nv, int n, Src src, const int4* bias0,
                                          const int4* bias1, int lane) {
   constexpr int kU = kSumVectors;
@@ -222,8 +222,30 @@ __device__ __forceinline__ void sum_rows(int4* dst, int nv, int n, Src src, cons
       for (int u = 0; u < kU; ++u)
         if (v0 + 32 * u < nv) accumulate_bf16x8(acc[u], x[u]);
     };
-    for (int i = 0; i < n; ++i)
-      if (const int4* row = src(i)) add(row, true);
+    // Two rows at a time: both rows' loads in flight before either is added
+    // (the adds stay in row order, so the sum is the same).
+    for (int i = 0; i < n; i += kPairs ? 2 : 1) {
+      const int4* r0 = src(i);
+      const int4* r1 = kPairs && i + 1 < n ? src(i + 1) : nullptr;
+      if (r0 == nullptr || r1 == nullptr) {
+        if (r0) add(r0, true);
+        if (r1) add(r1, true);
+        continue;
+      }
+      int4 x0[kU], x1[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (v0 + 32 * u < nv) {
+          x0[u] = dev::ld_l2(r0 + v0 + 32 * u);
+          x1[u] = dev::ld_l2(r1 + v0 + 32 * u);
+        }
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+        if (v0 + 32 * u < nv) {
+          accumulate_bf16x8(acc[u], x0[u]);
+          accumulate_bf16x8(acc[u], x1[u]);
+        }
+    }
     if (bias0) add(bias0, false);
     if (bias1) add(bias1, false);
 #pragma unroll
