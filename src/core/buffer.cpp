@@ -124,7 +124,6 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
           "must be <= " + std::to_string(dev::kMaxContexts) + ", got " +
               std::to_string(options.num_qps_per_rank));
   d.ht_rings = env::ht_rings();
-  d.ring_trace = static_cast<int>(env::get_int("EPX_RING_TRACE").value_or(0));
   transport::BackendOptions bo;
   bo.num_contexts = options.num_qps_per_rank;
   bo.heap_bytes = static_cast<std::size_t>(options.num_nvl_bytes + options.num_rdma_bytes);

@@ -63,8 +63,6 @@ struct Buffer::Impl {
   /// puts_copy_on_sms decides at each op).
   std::optional<bool> net_split_puts;
   int ht_rings = 0;  ///< env::ht_rings(): 0 off, 1 default ring sizes, N records per ring
-  /// EPX_RING_TRACE (0 unless set): the ring op whose blocks print their time split.
-  int ring_trace = 0;
   /// EPX_DEBUG_LL_DISPATCH_STOP naming this rank when the buffer was made: its
   /// LL dispatch sends the rows of this many tokens only (a rank dying mid-op).
   int ll_dispatch_stop_tokens = std::numeric_limits<int>::max();

@@ -366,7 +366,6 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   if (rings) {
     p.ring = *ring;
     p.ring_rpm = handle->rank_prefix_matrix.ptr<int>();
-    p.ring_trace = ring_trace;
     if (worst > 0) p.off.count_rows = ring->count_rows;
   }
   const std::size_t signals = plan::HtNetRegion::kSignals;
@@ -439,7 +438,6 @@ CombineResult Buffer::Impl::net_combine(const CombineArgs& a) {
     p.recv_src_idx = h.recv_src_idx.ptr<int>();
     p.rank_prefix_matrix = h.rank_prefix_matrix.ptr<int>();
     p.source_num_tokens = h.source_num_tokens.ptr<int>();
-    p.ring_trace = ring_trace;
   }
   kernels::launch_ht_net_combine(transport(ht, plan::HtNetRegion::kSignals), p, x);
   res.event = ll_leave(a.streams, x);

@@ -704,44 +704,6 @@ constexpr int kRingBatch = kThreads / 32;
 /// whole record alone, 14 KB at hidden 7168: 8 keep 4 KB in flight where the
 /// whole-call kernels' 4 keep 2 KB).
 constexpr int kRingCopy = 8;
-
-/// Where a ring role's time goes (EPX_RING_TRACE): thread 0 adds up the
-/// time of its block's copies (records moved, or summed) and of its puts;
-/// the rest of the op is waiting (for records, room, credits) and the
-/// bookkeeping between batches.
-struct RingClock {
-  uint64_t start, copy, put;
-  int records;
-  __device__ __forceinline__ void begin() {
-    if (threadIdx.x == 0) {
-      start = dev::globaltimer_ns();
-      copy = put = 0;
-      records = 0;
-    }
-  }
-  static __device__ __forceinline__ uint64_t mark() {
-    return threadIdx.x == 0 ? dev::globaltimer_ns() : 0;
-  }
-  __device__ __forceinline__ void add_copy(uint64_t from, int n) {
-    if (threadIdx.x == 0) {
-      copy += dev::globaltimer_ns() - from;
-      records += n;
-    }
-  }
-  __device__ __forceinline__ void add_put(uint64_t from) {
-    if (threadIdx.x == 0) put += dev::globaltimer_ns() - from;
-  }
-  /// One line per block on the traced op (thread 0).
-  __device__ __forceinline__ void report(int trace, uint64_t op, const char* what, int rank,
-                                         const char* role, int channel) const {
-    if (trace <= 0 || threadIdx.x != 0 || op != static_cast<uint64_t>(trace)) return;
-    printf(
-        "epx ring trace: %s %llu rank %d %s channel %d: %.1f us, copies %.1f us, puts %.1f us, "
-        "%d records\n",
-        what, static_cast<unsigned long long>(op), rank, role, channel,
-        (dev::globaltimer_ns() - start) / 1e3, copy / 1e3, put / 1e3, records);
-  }
-};
 static_assert(kThreads % 32 == 0 && kRingBatch <= 32, "a batch is indexed by one warp's lanes");
 
 template <class T>
@@ -805,8 +767,7 @@ __device__ __forceinline__ bool ring_pass_ok(const T& t, bool moved, uint64_t& i
 /// warp writing one record, then a put to the forwarder's ring every
 /// net_chunk records (split where the ring wraps) with a tail add.
 template <class T>
-__device__ bool ring_send(const DispatchParams<T>& p, const T& t, int c, uint64_t op,
-                          RingClock& clk) {
+__device__ bool ring_send(const DispatchParams<T>& p, const T& t, int c, uint64_t op) {
   const plan::HtRingRegion& g = p.ring;
   const int L = g.ranks_per_node, N = g.num_nodes(), R = t.num_ranks, me = t.rank;
   const int n = me / L, l = me % L, S = p.num_scales, K = p.num_topk;
@@ -854,7 +815,6 @@ __device__ bool ring_send(const DispatchParams<T>& p, const T& t, int c, uint64_
     auto flush = [&] {
       const uint64_t from0 = pending, to = sent;  // block-uniform (shared)
       if (from0 == to) return;
-      const uint64_t c0 = RingClock::mark();
       if (threadIdx.x == 0) __threadfence_system();  // the block's record stores, before the put
       __syncthreads();
       // This node's records are in its ring already: the tail alone
@@ -868,7 +828,6 @@ __device__ bool ring_send(const DispatchParams<T>& p, const T& t, int c, uint64_
         from += k;
       }
       __syncthreads();
-      clk.add_put(c0);
       if (threadIdx.x == 0) pending = to;
       __syncthreads();
     };
@@ -921,7 +880,6 @@ __device__ bool ring_send(const DispatchParams<T>& p, const T& t, int c, uint64_
         __syncthreads();
         if (!ok) break;
       }
-      const uint64_t c0 = RingClock::mark();
       if (warp < k) {
         const int tok = b_tok[warp];
         // (this node's records straight into its own ring: no copy to put)
@@ -930,7 +888,6 @@ __device__ bool ring_send(const DispatchParams<T>& p, const T& t, int c, uint64_
         pack_record<kRingCopy>(p, f, rec, tok, m, b_j[warp], me, R, L, lane);
       }
       __syncthreads();
-      clk.add_copy(c0, k);
       if (threadIdx.x == 0) sent += k;
       __syncthreads();
       if (sent - pending >= static_cast<uint64_t>(g.geometry.net_chunk)) flush();
@@ -950,8 +907,7 @@ __device__ bool ring_send(const DispatchParams<T>& p, const T& t, int c, uint64_
 /// storing one record there; its credits returned to the source every
 /// net_chunk records and whenever that input has nothing more waiting.
 template <class T>
-__device__ bool ring_forward(const DispatchParams<T>& p, const T& t, int c, uint64_t op,
-                             RingClock& clk) {
+__device__ bool ring_forward(const DispatchParams<T>& p, const T& t, int c, uint64_t op) {
   const plan::HtRingRegion& g = p.ring;
   const int L = g.ranks_per_node, N = g.num_nodes(), me = t.rank, n = me / L, l = me % L;
   const RecordFields f(p.hidden_bytes, p.num_scales, p.num_topk);
@@ -1083,7 +1039,6 @@ __device__ bool ring_forward(const DispatchParams<T>& p, const T& t, int c, uint
         }
         __syncthreads();
         if (!ok) break;
-        const uint64_t c0 = RingClock::mark();
         if (warp < k) {
           const uint8_t* rec =
               reinterpret_cast<const uint8_t*>(t.local_ptr(g.net_slot(c, m, taken[m] + warp)));
@@ -1096,7 +1051,6 @@ __device__ bool ring_forward(const DispatchParams<T>& p, const T& t, int c, uint
                   rec, static_cast<int>(g.record_bytes), lane);
         }
         __syncthreads();
-        clk.add_copy(c0, k);
         if (threadIdx.x == 0) {
           for (int d = 0; d < L; ++d) {
             nvl_sent[d] += b_cnt[d];
@@ -1142,8 +1096,7 @@ __device__ bool ring_forward(const DispatchParams<T>& p, const T& t, int c, uint
 /// plus the record's row among its rows), the head returned to the
 /// forwarder after each pass over its ring.
 template <class T>
-__device__ bool ring_receive(const DispatchParams<T>& p, const T& t, int c, uint64_t op,
-                             RingClock& clk) {
+__device__ bool ring_receive(const DispatchParams<T>& p, const T& t, int c, uint64_t op) {
   const plan::HtRingRegion& g = p.ring;
   const int L = g.ranks_per_node, me = t.rank, n = me / L, l = me % L, R = t.num_ranks;
   const int S = p.num_scales, K = p.num_topk;
@@ -1188,7 +1141,6 @@ __device__ bool ring_receive(const DispatchParams<T>& p, const T& t, int c, uint
       const int f_avail = avail;
       for (int done = 0; done < f_avail;) {
         const int k = min(kRingBatch, f_avail - done);
-        const uint64_t c0 = RingClock::mark();
         if (warp < k) {
           const uint8_t* rec =
               reinterpret_cast<const uint8_t*>(t.local_ptr(g.nvl_slot(c, fl, taken[fl] + warp)));
@@ -1209,7 +1161,6 @@ __device__ bool ring_receive(const DispatchParams<T>& p, const T& t, int c, uint
           if (row >= 0) unpack_record<kRingCopy>(p, f, rec, row, lo, epr, lane);
         }
         __syncthreads();
-        clk.add_copy(c0, k);
         if (threadIdx.x == 0) {
           taken[fl] += k;
           left[fl] -= k;
@@ -1252,23 +1203,16 @@ __global__ void __launch_bounds__(kThreads) ring_dispatch_kernel(DispatchParams<
     ok = barrier_failed(p.t, p.off) ? 0 : 1;
     op = ++*ring_base(t, g, HtRingBase::kOps, c, role);  // the rings' own count
   }
-  __shared__ RingClock clk;
-  clk.begin();
   __syncthreads();
   bool done = ok != 0;
   if (done) {
     if (role == 0)
-      done = ring_send(p, t, c, op, clk);
+      done = ring_send(p, t, c, op);
     else if (role == 1)
-      done = ring_forward(p, t, c, op, clk);
+      done = ring_forward(p, t, c, op);
     else
-      done = ring_receive(p, t, c, op, clk);
+      done = ring_receive(p, t, c, op);
   }
-  clk.report(p.ring_trace, op, "dispatch", t.rank,
-             role == 0   ? "send"
-             : role == 1 ? "forward"
-                         : "receive",
-             c);
   // Every block counts; the last clears the barrier's failure word.
   last_block_ok(p.t, p.off, kDoneSend, done);
 }
@@ -1476,7 +1420,7 @@ __device__ __forceinline__ int lower_bound_at(const int* a, int lo, int hi, int 
 /// return ring (c, d, m) at forwarder l; a batch of up to one row per warp
 /// into whichever stream has room, the tail stored after each batch.
 template <class T>
-__device__ bool ring_return(const CombineParams<T>& p, const T& t, int c, RingClock& clk) {
+__device__ bool ring_return(const CombineParams<T>& p, const T& t, int c) {
   const plan::HtRingRegion& g = p.ring;
   const int L = g.ranks_per_node, N = g.num_nodes(), R = t.num_ranks, me = t.rank;
   const int n = me / L, dl = me % L, H = p.hidden, K = p.num_topk, S = L * N;
@@ -1521,7 +1465,6 @@ __device__ bool ring_return(const CombineParams<T>& p, const T& t, int c, RingCl
       __syncthreads();
       const int k = k_now;
       if (k > 0) {
-        const uint64_t c0 = RingClock::mark();
         if (warp < k) {
           const int row = next[s] + warp;
           auto* dst =
@@ -1541,7 +1484,6 @@ __device__ bool ring_return(const CombineParams<T>& p, const T& t, int c, RingCl
                     : 0.0f;
         }
         __syncthreads();
-        clk.add_copy(c0, k);
         if (threadIdx.x == 0) {
           sent[s] += k;
           next[s] += k;
@@ -1578,7 +1520,7 @@ __device__ bool ring_return(const CombineParams<T>& p, const T& t, int c, RingCl
 /// records whose rows are all there and that fit the ring; a stream that
 /// cannot move puts what it holds first.
 template <class T>
-__device__ bool ring_combine_forward(const CombineParams<T>& p, const T& t, int c, RingClock& clk) {
+__device__ bool ring_combine_forward(const CombineParams<T>& p, const T& t, int c) {
   const plan::HtRingRegion& g = p.ring;
   const int L = g.ranks_per_node, N = g.num_nodes(), me = t.rank, n = me / L, l = me % L;
   const int H = p.hidden, K = p.num_topk, slot_rows = p.off.slot_rows;
@@ -1615,7 +1557,6 @@ __device__ bool ring_combine_forward(const CombineParams<T>& p, const T& t, int 
   auto flush = [&](int m) {
     const uint64_t from0 = pending[m], to = sent[m];  // block-uniform (shared)
     if (from0 == to) return;
-    const uint64_t c0 = RingClock::mark();
     if (threadIdx.x == 0) __threadfence_system();  // the block's sums, before the put
     __syncthreads();
     // This rank's own sums are in its ring already: the tail alone
@@ -1628,7 +1569,6 @@ __device__ bool ring_combine_forward(const CombineParams<T>& p, const T& t, int 
       from += k;
     }
     __syncthreads();
-    clk.add_put(c0);
     if (threadIdx.x == 0) pending[m] = to;
     __syncthreads();
   };
@@ -1680,7 +1620,6 @@ __device__ bool ring_combine_forward(const CombineParams<T>& p, const T& t, int 
       __syncthreads();
       const int k = k_now;
       if (k > 0) {
-        const uint64_t c0 = RingClock::mark();
         if (warp < k) {
           const int mask = b_mask[warp];
           // (this rank's own sums straight into its own ring: no copy to put)
@@ -1705,7 +1644,6 @@ __device__ bool ring_combine_forward(const CombineParams<T>& p, const T& t, int 
           }
         }
         __syncthreads();
-        clk.add_copy(c0, k);
         if (threadIdx.x == 0) {
           // every row read: the returners may reuse the slots
           __threadfence_system();
@@ -1753,7 +1691,7 @@ __device__ bool ring_combine_forward(const CombineParams<T>& p, const T& t, int 
 /// are all there; credits returned to each forwarder every net_chunk
 /// records and before waiting.
 template <class T>
-__device__ bool ring_combine_finish(const CombineParams<T>& p, const T& t, int c, RingClock& clk) {
+__device__ bool ring_combine_finish(const CombineParams<T>& p, const T& t, int c) {
   const plan::HtRingRegion& g = p.ring;
   const int L = g.ranks_per_node, N = g.num_nodes(), me = t.rank, l = me % L;
   const int H = p.hidden, K = p.num_topk;
@@ -1815,7 +1753,6 @@ __device__ bool ring_combine_finish(const CombineParams<T>& p, const T& t, int c
     __syncthreads();
     const int k = k_now;
     if (k > 0) {
-      const uint64_t c0 = RingClock::mark();
       if (warp < k) {
         const int tok = first + warp;
         const int* pos = p.send_pos + static_cast<int64_t>(tok) * N;
@@ -1841,7 +1778,6 @@ __device__ bool ring_combine_finish(const CombineParams<T>& p, const T& t, int c
           }
       }
       __syncthreads();
-      clk.add_copy(c0, k);
       if (threadIdx.x == 0) {
         for (int m = 0; m < N; ++m) {
           taken[m] += b_cnt[m];
@@ -1885,24 +1821,16 @@ __global__ void __launch_bounds__(kThreads) ring_combine_kernel(CombineParams<T>
   const int C = g.geometry.channels, role = blockIdx.x / C, c = blockIdx.x % C;
   __shared__ int ok;
   if (threadIdx.x == 0) ok = barrier_failed(p.t, p.off) ? 0 : 1;
-  __shared__ RingClock clk;
-  clk.begin();
   __syncthreads();
   bool done = ok != 0;
   if (done) {
     if (role == 0)
-      done = ring_return(p, t, c, clk);
+      done = ring_return(p, t, c);
     else if (role == 1)
-      done = ring_combine_forward(p, t, c, clk);
+      done = ring_combine_forward(p, t, c);
     else
-      done = ring_combine_finish(p, t, c, clk);
+      done = ring_combine_finish(p, t, c);
   }
-  // (the combine count, for the trace)
-  clk.report(p.ring_trace, op_counts(p.t, p.off)[2], "combine", t.rank,
-             role == 0   ? "return"
-             : role == 1 ? "forward"
-                         : "finish",
-             c);
   // Every block counts; the last clears the barrier's failure word.
   last_block_ok(p.t, p.off, kDoneReturn, done);
 }

@@ -289,9 +289,6 @@ struct HtNetDispatchArgs : DispatchRowArgs {
   bool use_rings;
   plan::HtRingRegion ring;
   const int* ring_rpm;
-  /// EPX_RING_TRACE: the ring op (the rings' own count) on which each ring
-  /// block prints where its time went; 0: never.
-  int ring_trace;
 };
 /// The barrier, then send, forward and receive.
 void launch_ht_net_dispatch(const dev::AnyTransport& t, const HtNetDispatchArgs& a,
@@ -324,7 +321,6 @@ struct HtNetCombineArgs {
   const int* recv_src_idx;        ///< [N_recv]
   const int* rank_prefix_matrix;  ///< [R, R]
   const int* source_num_tokens;   ///< [R]
-  int ring_trace;                 ///< as HtNetDispatchArgs::ring_trace (the combine count)
 };
 /// The barrier, then return, node sum and finish.
 void launch_ht_net_combine(const dev::AnyTransport& t, const HtNetCombineArgs& a,
