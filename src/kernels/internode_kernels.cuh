@@ -736,6 +736,30 @@ __device__ __forceinline__ void ring_put_signal(const T& t, int r, std::size_t d
     for (int c = 1; c < t.num_contexts; ++c) t.template signal_add<Coop>(c, r, sig, add);
 }
 
+/// Block-wide: records [from, to) of send ring (c, m) to `peer`'s network
+/// ring (c, this rank's node), piece by piece (split where the ring wraps),
+/// each piece with its tail add; for m == this node the records are in this
+/// rank's own ring already (peer is this rank): the tail alone. The whole
+/// block puts: to a same-node peer a put is the block's own copy, which one
+/// thread would do at a hundredth of the speed.
+template <class T>
+__device__ __forceinline__ void ring_put_records(const T& t, const plan::HtRingRegion& g, int c,
+                                                 int m, int peer, uint64_t from, uint64_t to) {
+  const int n = t.rank / g.ranks_per_node;
+  const uint32_t slots = static_cast<uint32_t>(g.geometry.net_slots);
+  if (threadIdx.x == 0) __threadfence_system();  // the block's stores, before the put
+  __syncthreads();
+  while (from < to) {
+    const uint32_t k = m == n ? static_cast<uint32_t>(to - from)
+                              : ring::contiguous64(from, static_cast<uint32_t>(to - from), slots);
+    ring_put_signal<dev::Block>(t, peer, g.net_slot(c, n, from), g.net_send_slot(c, m, from),
+                                m == n ? 0 : k * g.record_bytes,
+                                ring_sig(t, HtRingSignal::kNetTail, c, t.rank), k);
+    from += k;
+  }
+  __syncthreads();
+}
+
 /// Thread 0 of a polling role, after a pass over its `inputs` (left[i]
 /// records still to come from input i, peer(i) its rank): a pass that moved
 /// something restarts the idle clock; otherwise false (after reporting
@@ -812,25 +836,11 @@ __device__ bool ring_send(const DispatchParams<T>& p, const T& t, int c, uint64_
     }
     __syncthreads();
     const uint64_t base = sent;
-    // The whole block puts the records since `pending`, piece by piece (split
-    // where the ring wraps): to a forwarder in this node the put is the
-    // block's own copy, which one thread would do at a hundredth of the speed.
+    // The records written since `pending` go out (block-uniform: shared)
     auto flush = [&] {
-      const uint64_t from0 = pending, to = sent;  // block-uniform (shared)
-      if (from0 == to) return;
-      if (threadIdx.x == 0) __threadfence_system();  // the block's record stores, before the put
-      __syncthreads();
-      // This node's records are in its ring already: the tail alone
-      for (uint64_t from = from0; from < to;) {
-        const uint32_t k = m == n
-                               ? static_cast<uint32_t>(to - from)
-                               : ring::contiguous64(from, static_cast<uint32_t>(to - from), slots);
-        ring_put_signal<dev::Block>(t, fwd, g.net_slot(c, n, from), g.net_send_slot(c, m, from),
-                                    m == n ? 0 : k * g.record_bytes,
-                                    ring_sig(t, HtRingSignal::kNetTail, c, me), k);
-        from += k;
-      }
-      __syncthreads();
+      const uint64_t to = sent;
+      if (pending == to) return;
+      ring_put_records(t, g, c, m, fwd, pending, to);
       if (threadIdx.x == 0) pending = to;
       __syncthreads();
     };
@@ -1256,6 +1266,45 @@ struct CombineParams : HtNetCombineArgs {
   T t;
 };
 
+/// Warp-wide: a combine record of rows summed as sum_rows sums them
+/// (`row(i)`: record i's start, a BF16 row of H then K float weights, or
+/// nullptr), into dst_x, and the weights' float32 sums in the same order
+/// into dst_w (nullable).
+template <bool kPairs = true, class Row>
+__device__ __forceinline__ void sum_records(int4* dst_x, float* dst_w, int n, Row row,
+                                            const int4* bias0, const int4* bias1, int H, int K,
+                                            int lane) {
+  sum_rows<kPairs>(
+      dst_x, H / 8, n, [&](int i) { return reinterpret_cast<const int4*>(row(i)); }, bias0, bias1,
+      lane);
+  if (dst_w == nullptr) return;
+  for (int k = lane; k < K; k += 32) {
+    float acc = 0.0f;
+    for (int i = 0; i < n; ++i)
+      if (const uint8_t* r = row(i)) acc += ld_float(reinterpret_cast<const float*>(r + 2 * H) + k);
+    dst_w[k] = acc;
+  }
+}
+
+/// Warp-wide: received row `row` of the combine's x and its weights into
+/// `dst` (a combine record), zeros past x's rows. kU as warp_copy's.
+template <int kU>
+__device__ __forceinline__ void return_row(const HtNetCombineArgs& p, uint8_t* dst, int row,
+                                           int lane) {
+  const int H = p.hidden, K = p.num_topk;
+  if (row < p.num_x_rows) {
+    warp_copy<false, kU>(dst, reinterpret_cast<const uint8_t*>(p.x + static_cast<int64_t>(row) * H),
+                         2 * H, lane);
+  } else {
+    for (int i = lane; i < 2 * H / 16; i += 32)
+      dev::st_na(reinterpret_cast<int4*>(dst) + i, make_int4(0, 0, 0, 0));
+  }
+  for (int k = lane; k < K; k += 32)
+    reinterpret_cast<float*>(dst + 2 * H)[k] =
+        p.topk_weights && row < p.num_x_rows ? p.topk_weights[static_cast<int64_t>(row) * K + k]
+                                             : 0.0f;
+}
+
 /// Each received row goes back over NVLink to the forwarder it came
 /// through, into its stage slot (this rank, the source's node) at the
 /// record's index; the last block signals every local rank.
@@ -1263,7 +1312,7 @@ template <class T>
 __global__ void __launch_bounds__(kThreads) combine_return_kernel(CombineParams<T> p) {
   const auto& t = p.t;
   const int L = p.off.ranks_per_node, N = p.off.num_nodes, n = t.rank / L, me_l = t.rank % L;
-  const int lane = threadIdx.x % 32, H = p.hidden, K = p.num_topk;
+  const int lane = threadIdx.x % 32;
   // No store into a peer when the op failed; with num_worst_tokens the rows
   // that arrived (at most the outputs' rows).
   const int rows = barrier_failed(t, p.off)
@@ -1275,17 +1324,7 @@ __global__ void __launch_bounds__(kThreads) combine_return_kernel(CombineParams<
     auto* dst = reinterpret_cast<uint8_t*>(
         t.lsa_ptr(fwd, p.off.stage + (static_cast<std::size_t>(me_l) * N + m) * p.off.slot_bytes +
                            static_cast<std::size_t>(j) * p.off.row_bytes));
-    if (row < p.num_x_rows) {
-      warp_copy<false, 4>(
-          dst, reinterpret_cast<const uint8_t*>(p.x + static_cast<int64_t>(row) * H), 2 * H, lane);
-    } else {
-      for (int i = lane; i < 2 * H / 16; i += 32)
-        dev::st_na(reinterpret_cast<int4*>(dst) + i, make_int4(0, 0, 0, 0));
-    }
-    for (int k = lane; k < K; k += 32)
-      reinterpret_cast<float*>(dst + 2 * H)[k] =
-          p.topk_weights && row < p.num_x_rows ? p.topk_weights[static_cast<int64_t>(row) * K + k]
-                                               : 0.0f;
+    return_row<4>(p, dst, row, lane);
   }
   if (!last_block_ok(t, p.off, kDoneReturn, true)) return;
   for (int d = threadIdx.x; d < L; d += blockDim.x)
@@ -1320,25 +1359,14 @@ __global__ void __launch_bounds__(kThreads) combine_node_sum_kernel(CombineParam
     for (int w = (gw - first % nw + nw) % nw; w < rows; w += nw) {
       const int mask = p.fwd_mask[static_cast<int64_t>(m) * slot_rows + w];
       const std::size_t at = static_cast<std::size_t>(w) * p.off.row_bytes;
-      sum_rows(
-          reinterpret_cast<int4*>(out + at), H / 8, L,
-          [&](int d) -> const int4* {
+      sum_records(
+          reinterpret_cast<int4*>(out + at), reinterpret_cast<float*>(out + at + 2 * H), L,
+          [&](int d) -> const uint8_t* {
             return (mask >> d) & 1
-                       ? reinterpret_cast<const int4*>(
-                             stage + (static_cast<std::size_t>(d) * N + m) * p.off.slot_bytes + at)
+                       ? stage + (static_cast<std::size_t>(d) * N + m) * p.off.slot_bytes + at
                        : nullptr;
           },
-          nullptr, nullptr, lane);
-      for (int k = lane; k < K; k += 32) {
-        float acc = 0.0f;
-        for (int d = 0; d < L; ++d)
-          if ((mask >> d) & 1)
-            acc += ld_float(
-                reinterpret_cast<const float*>(
-                    stage + (static_cast<std::size_t>(d) * N + m) * p.off.slot_bytes + at + 2 * H) +
-                k);
-        reinterpret_cast<float*>(out + at + 2 * H)[k] = acc;
-      }
+          nullptr, nullptr, H, K, lane);
     }
     first += rows;
   }
@@ -1367,29 +1395,17 @@ __global__ void __launch_bounds__(kThreads) combine_finish_kernel(CombineParams<
     auto bias = [&](const uint16_t* b) {
       return b ? reinterpret_cast<const int4*>(b + static_cast<int64_t>(tok) * H) : nullptr;
     };
-    sum_rows(
-        reinterpret_cast<int4*>(p.combined_x + static_cast<int64_t>(tok) * H), H / 8, N,
-        [&](int m) -> const int4* {
+    sum_records(
+        reinterpret_cast<int4*>(p.combined_x + static_cast<int64_t>(tok) * H),
+        p.combined_topk_weights ? p.combined_topk_weights + static_cast<int64_t>(tok) * K : nullptr,
+        N,
+        [&](int m) -> const uint8_t* {
           const int j = pos[m];
           return j >= 0
-                     ? reinterpret_cast<const int4*>(recv + m * p.off.slot_bytes +
-                                                     static_cast<std::size_t>(j) * p.off.row_bytes)
+                     ? recv + m * p.off.slot_bytes + static_cast<std::size_t>(j) * p.off.row_bytes
                      : nullptr;
         },
-        bias(p.bias0), bias(p.bias1), lane);
-    if (p.combined_topk_weights)
-      for (int k = lane; k < K; k += 32) {
-        float acc = 0.0f;
-        for (int m = 0; m < N; ++m) {
-          const int j = pos[m];
-          if (j < 0) continue;
-          acc += ld_float(reinterpret_cast<const float*>(
-                              recv + m * p.off.slot_bytes +
-                              static_cast<std::size_t>(j) * p.off.row_bytes + 2 * H) +
-                          k);
-        }
-        p.combined_topk_weights[static_cast<int64_t>(tok) * K + k] = acc;
-      }
+        bias(p.bias0), bias(p.bias1), H, K, lane);
   }
 }
 
@@ -1426,7 +1442,7 @@ template <class T>
 __device__ bool ring_return(const CombineParams<T>& p, const T& t, int c) {
   const plan::HtRingRegion& g = p.ring;
   const int L = g.ranks_per_node, N = g.num_nodes(), R = t.num_ranks, me = t.rank;
-  const int n = me / L, dl = me % L, H = p.hidden, K = p.num_topk, S = L * N;
+  const int n = me / L, dl = me % L, S = L * N;
   const uint64_t slots = static_cast<uint64_t>(g.ret_slots());
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   __shared__ int ok, total, k_now, next[kMaxRanks], left[kMaxRanks];
@@ -1468,24 +1484,10 @@ __device__ bool ring_return(const CombineParams<T>& p, const T& t, int c) {
       __syncthreads();
       const int k = k_now;
       if (k > 0) {
-        if (warp < k) {
-          const int row = next[s] + warp;
-          auto* dst =
-              reinterpret_cast<uint8_t*>(t.lsa_ptr(fwd, g.ret_slot(c, dl, m, sent[s] + warp)));
-          if (row < p.num_x_rows) {
-            warp_copy<false, kRingCopy>(
-                dst, reinterpret_cast<const uint8_t*>(p.x + static_cast<int64_t>(row) * H), 2 * H,
-                lane);
-          } else {
-            for (int i = lane; i < 2 * H / 16; i += 32)
-              dev::st_na(reinterpret_cast<int4*>(dst) + i, make_int4(0, 0, 0, 0));
-          }
-          for (int kk = lane; kk < K; kk += 32)
-            reinterpret_cast<float*>(dst + 2 * H)[kk] =
-                p.topk_weights && row < p.num_x_rows
-                    ? p.topk_weights[static_cast<int64_t>(row) * K + kk]
-                    : 0.0f;
-        }
+        if (warp < k)
+          return_row<kRingCopy>(
+              p, reinterpret_cast<uint8_t*>(t.lsa_ptr(fwd, g.ret_slot(c, dl, m, sent[s] + warp))),
+              next[s] + warp, lane);
         __syncthreads();
         if (threadIdx.x == 0) {
           sent[s] += k;
@@ -1555,23 +1557,11 @@ __device__ bool ring_combine_forward(const CombineParams<T>& p, const T& t, int 
     taken[i] =
         *reinterpret_cast<const uint64_t*>(t.local_ptr(g.ret_word(g.ret_taken, c, i / N, i % N)));
   __syncthreads();
-  // The block puts stream m's records since `pending` to its source (split
-  // where the ring wraps), with the tail adds.
+  // Stream m's sums since `pending` go out to its source (block-uniform: shared)
   auto flush = [&](int m) {
-    const uint64_t from0 = pending[m], to = sent[m];  // block-uniform (shared)
-    if (from0 == to) return;
-    if (threadIdx.x == 0) __threadfence_system();  // the block's sums, before the put
-    __syncthreads();
-    // This rank's own sums are in its ring already: the tail alone
-    for (uint64_t from = from0; from < to;) {
-      const uint32_t k = m == n ? static_cast<uint32_t>(to - from)
-                                : ring::contiguous64(from, static_cast<uint32_t>(to - from), slots);
-      ring_put_signal<dev::Block>(t, m * L + l, g.net_slot(c, n, from), g.net_send_slot(c, m, from),
-                                  m == n ? 0 : k * g.record_bytes,
-                                  ring_sig(t, HtRingSignal::kNetTail, c, me), k);
-      from += k;
-    }
-    __syncthreads();
+    const uint64_t to = sent[m];
+    if (pending[m] == to) return;
+    ring_put_records(t, g, c, m, m * L + l, pending[m], to);
     if (threadIdx.x == 0) pending[m] = to;
     __syncthreads();
   };
@@ -1628,23 +1618,14 @@ __device__ bool ring_combine_forward(const CombineParams<T>& p, const T& t, int 
           // (this rank's own sums straight into its own ring: no copy to put)
           uint8_t* out = reinterpret_cast<uint8_t*>(t.local_ptr(
               m == n ? g.net_slot(c, n, sent[m] + warp) : g.net_send_slot(c, m, sent[m] + warp)));
-          auto row = [&](int d) -> const uint8_t* {
-            return reinterpret_cast<const uint8_t*>(
-                t.local_ptr(g.ret_slot(c, d, m, taken[d * N + m] + b_off[warp][d])));
-          };
-          sum_rows<false>(
-              reinterpret_cast<int4*>(out), H / 8, L,
-              [&](int d) -> const int4* {
-                return (mask >> d) & 1 ? reinterpret_cast<const int4*>(row(d)) : nullptr;
+          sum_records<false>(
+              reinterpret_cast<int4*>(out), reinterpret_cast<float*>(out + 2 * H), L,
+              [&](int d) -> const uint8_t* {
+                return (mask >> d) & 1 ? reinterpret_cast<const uint8_t*>(t.local_ptr(g.ret_slot(
+                                             c, d, m, taken[d * N + m] + b_off[warp][d])))
+                                       : nullptr;
               },
-              nullptr, nullptr, lane);
-          for (int kk = lane; kk < K; kk += 32) {
-            float acc = 0.0f;
-            for (int d = 0; d < L; ++d)
-              if ((mask >> d) & 1)
-                acc += ld_float(reinterpret_cast<const float*>(row(d) + 2 * H) + kk);
-            reinterpret_cast<float*>(out + 2 * H)[kk] = acc;
-          }
+              nullptr, nullptr, H, K, lane);
         }
         __syncthreads();
         if (threadIdx.x == 0) {
@@ -1767,18 +1748,11 @@ __device__ bool ring_combine_finish(const CombineParams<T>& p, const T& t, int c
         auto bias = [&](const uint16_t* b) {
           return b ? reinterpret_cast<const int4*>(b + static_cast<int64_t>(tok) * H) : nullptr;
         };
-        sum_rows<false>(
-            reinterpret_cast<int4*>(p.combined_x + static_cast<int64_t>(tok) * H), H / 8, N,
-            [&](int m) { return reinterpret_cast<const int4*>(row(m)); }, bias(p.bias0),
-            bias(p.bias1), lane);
-        if (p.combined_topk_weights)
-          for (int kk = lane; kk < K; kk += 32) {
-            float acc = 0.0f;
-            for (int m = 0; m < N; ++m)
-              if (const uint8_t* r = row(m))
-                acc += ld_float(reinterpret_cast<const float*>(r + 2 * H) + kk);
-            p.combined_topk_weights[static_cast<int64_t>(tok) * K + kk] = acc;
-          }
+        sum_records<false>(reinterpret_cast<int4*>(p.combined_x + static_cast<int64_t>(tok) * H),
+                           p.combined_topk_weights
+                               ? p.combined_topk_weights + static_cast<int64_t>(tok) * K
+                               : nullptr,
+                           N, row, bias(p.bias0), bias(p.bias1), H, K, lane);
       }
       __syncthreads();
       if (threadIdx.x == 0) {
@@ -1787,24 +1761,19 @@ __device__ bool ring_combine_finish(const CombineParams<T>& p, const T& t, int c
           if (taken[m] - freed[m] >= static_cast<uint64_t>(g.geometry.net_chunk)) free_credits(m);
         }
         tok_next = first + k;
-        idle_since = dev::globaltimer_ns();
       }
     } else if (threadIdx.x == 0) {
       // Waiting: every slot read goes back first (a forwarder may need room
-      // for the very record this waits for), then the deadline
+      // for the very record this waits for)
       for (int m = 0; m < N; ++m) free_credits(m);
-      if (dev::globaltimer_ns() - idle_since > t.timeout_ns) {
-        dev::report(t.diag, DiagCode::kTimeout, OpId::kCombine, me,
-                    waiting_for >= 0 ? waiting_for * L + l : -1, c, 0, 0);
-        ok = 0;
-      } else if (t.diag != nullptr) {
-        const uint32_t code = *static_cast<volatile uint32_t*>(&t.diag->code);
-        if (code == static_cast<uint32_t>(DiagCode::kTimeout) ||
-            code == static_cast<uint32_t>(DiagCode::kBadConfig) ||
-            code == static_cast<uint32_t>(DiagCode::kProxyStopped))
-          ok = 0;
-      }
     }
+    // The deadline, naming the forwarder the first token not ready waits for
+    const int owed = 1;
+    if (threadIdx.x == 0 &&
+        !ring_pass_ok(
+            t, k > 0, idle_since, &owed, 1,
+            [&](int) { return waiting_for >= 0 ? waiting_for * L + l : -1; }, c, OpId::kCombine))
+      ok = 0;
     __syncthreads();
   }
   if (threadIdx.x == 0)
