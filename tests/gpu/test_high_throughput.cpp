@@ -978,6 +978,27 @@ EPX_GPU_TEST(Internode, OpSequenceWithoutHostWaits) {
     ASSERT_TRUE(all_ranks(!rank_failed())) << "another rank failed, " << at;
   }
 }
+/// The combine's inputs with identity experts: each rank's x is the rows it
+/// received.
+std::vector<ref::HtCombineInput> received_rows_as_x(const std::vector<ref::HtDispatchOutput>& ro) {
+  std::vector<ref::HtCombineInput> cin(ro.size());
+  for (std::size_t r = 0; r < ro.size(); ++r) cin[r].x = ro[r].recv_x_bf16;
+  return cin;
+}
+
+/// A buffer for num_worst_tokens across nodes, whose areas the buffer fixes:
+/// slots with room for every token of a rank, a 20 s deadline, outputs
+/// poisoned.
+BufferOptions worst_tokens_options(const HtCase& c) {
+  const auto& w = world();
+  BufferOptions o;
+  o.num_nvl_bytes = static_cast<int64_t>(Buffer::get_internode_nvl_size_hint(
+      c.num_tokens + 16, c.hidden, w.num_ranks, w.buffer->num_nvl_ranks(), c.num_topk));
+  o.timeout_s = 20.0;
+  o.allocator = poisoning_allocator(w.comm->in_process());
+  return o;
+}
+
 /// Whether the high-throughput ops across nodes take the rings (EPX_HT_RINGS,
 /// read as the buffers read it).
 bool through_rings() {
@@ -1047,20 +1068,12 @@ EPX_GPU_TEST(Internode, WorstTokensAndGraphReplay) {
   for (int i = 0; i < kSets; ++i) {
     ins.push_back(make_inputs(c, R, 400 + i));
     ros.push_back(ref::ht_dispatch(ins[i], H, K, E, 1));
-    std::vector<ref::HtCombineInput> cin(R);
-    for (int r = 0; r < R; ++r)  // the combine's x: the received rows (identity experts)
-      cin[r].x = ros[i][r].recv_x_bf16;
-    cins.push_back(std::move(cin));
+    cins.push_back(received_rows_as_x(ros[i]));
   }
   const int T = ins[0][me].num_tokens;
-  BufferOptions o;
   // The areas are fixed by the buffer: a stage of `worst` rows, and slots
   // with room for every token of a rank.
-  o.num_nvl_bytes =
-      static_cast<int64_t>(Buffer::get_internode_nvl_size_hint(c.num_tokens + 16, H, R, L, K));
-  o.timeout_s = 20.0;
-  o.allocator = poisoning_allocator(w.comm->in_process());
-  Buffer b(w.comm, o);
+  Buffer b(w.comm, worst_tokens_options(c));
   StreamArgs s;
   s.stream = w.stream;
   DeviceInput d(b, ins[0][me], H, K, E, s);
@@ -1160,15 +1173,8 @@ EPX_GPU_TEST(Internode, WorstTokensOverflowIsNamedAndCombineFinishes) {
   const int H = c.hidden, K = c.num_topk, E = c.num_experts;
   const auto in = make_inputs(c, R, 333);
   const auto ro = ref::ht_dispatch(in, H, K, E, 1);
-  std::vector<ref::HtCombineInput> cin(R);
-  for (int r = 0; r < R; ++r) cin[r].x = ro[r].recv_x_bf16;
-  const auto rc = ref::ht_combine(in, cin, H, K, E, L);
-  BufferOptions o;
-  o.num_nvl_bytes =
-      static_cast<int64_t>(Buffer::get_internode_nvl_size_hint(c.num_tokens + 16, H, R, L, K));
-  o.timeout_s = 20.0;
-  o.allocator = poisoning_allocator(w.comm->in_process());
-  Buffer b(w.comm, o);
+  const auto rc = ref::ht_combine(in, received_rows_as_x(ro), H, K, E, L);
+  Buffer b(w.comm, worst_tokens_options(c));
   StreamArgs s;
   s.stream = w.stream;
   DeviceInput d(b, in[me], H, K, E, s);
