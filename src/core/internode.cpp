@@ -465,17 +465,16 @@ std::size_t Buffer::get_internode_nvl_size_hint(int num_max_tokens, int hidden, 
   const std::size_t bytes = plan::HtNetRegion::worst_case(topology, num_max_tokens, record, row);
   const int ht_rings = env::ht_rings();  // read as the Buffer reads it
   if (ht_rings == 0) return bytes;
-  // With the ring dispatch on, the rings share the area after the header
-  // with the whole-call ops (the combine), sized here for the default
-  // config's SMs (more SMs, more channels), and the state block sits at the
-  // region's end, past both.
-  const Config cfg = get_dispatch_config(num_ranks);
+  // With the rings on, the dispatch's and the combine's rings share the
+  // area after the header with the whole-call areas (a num_worst_tokens
+  // dispatch still fits those), each sized for its default config's SMs
+  // (more SMs, more channels), and the state block sits at the region's end.
+  const Config dcfg = get_dispatch_config(num_ranks), ccfg = get_combine_config(num_ranks);
   const plan::HtRingRegion rings =
-      plan::HtRingRegion::make(topology, ring_geometry(ht_rings, cfg.num_sms, cfg), record,
+      plan::HtRingRegion::make(topology, ring_geometry(ht_rings, dcfg.num_sms, dcfg), record,
                                plan::HtNetRegion::body(num_ranks), std::size_t{1} << 46);
   const plan::HtRingRegion combine_rings =
-      plan::HtRingRegion::make_combine(topology, ring_geometry(ht_rings, cfg.num_sms, cfg),
-                                       plan::ht_combine_row_bytes(hidden, num_topk),
+      plan::HtRingRegion::make_combine(topology, ring_geometry(ht_rings, ccfg.num_sms, ccfg), row,
                                        plan::HtNetRegion::body(num_ranks), std::size_t{1} << 46);
   return std::max({bytes, rings.rings_end, combine_rings.rings_end}) +
          plan::HtRingRegion::state_bytes(topology);
