@@ -7,6 +7,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <memory>
+#include <stdexcept>
+#include <string>
 #include <thread>
 
 #include "epx/reference.hpp"
@@ -242,6 +245,51 @@ bool all_ranks(bool ok) {
     if (!v) return false;
   }
   return true;
+}
+
+struct StreamGate::State {
+  std::atomic<bool> opened{false};
+  std::atomic<bool> ran_out{false};
+  double timeout_s = 60.0;
+};
+
+StreamGate::StreamGate(cudaStream_t stream, double timeout_s) : state_(std::make_shared<State>()) {
+  state_->timeout_s = timeout_s;
+  // The host function owns a reference of its own: it may run after the gate is gone.
+  auto* ref = new std::shared_ptr<State>(state_);
+  const cudaError_t e = cudaLaunchHostFunc(
+      stream,
+      [](void* arg) {
+        auto* r = static_cast<std::shared_ptr<State>*>(arg);
+        const auto start = std::chrono::steady_clock::now();
+        const auto limit = std::chrono::duration<double>((*r)->timeout_s);
+        while (!(*r)->opened.load(std::memory_order_acquire)) {
+          if (std::chrono::steady_clock::now() - start > limit) {
+            (*r)->ran_out = true;
+            break;
+          }
+          std::this_thread::sleep_for(std::chrono::microseconds(50));
+        }
+        delete r;
+      },
+      ref);
+  if (e != cudaSuccess) {
+    delete ref;
+    throw std::runtime_error(std::string("StreamGate: cudaLaunchHostFunc: ") +
+                             cudaGetErrorString(e));
+  }
+}
+
+StreamGate::~StreamGate() {
+  open();
+}
+
+void StreamGate::open() {
+  state_->opened.store(true, std::memory_order_release);
+}
+
+bool StreamGate::held_too_long() const {
+  return state_->ran_out.load();
 }
 
 void kill_test_verdict(int victim, bool names_rank, const std::string& msg, ErrorCode code,

@@ -142,6 +142,27 @@ bool rank_failed();
 /// All ranks agree (logical AND over ranks).
 bool all_ranks(bool ok);
 
+/// Holds a stream until open(): what is enqueued behind it meanwhile starts
+/// only then, so every rank can enqueue a sequence of ops before the first
+/// of them runs (a GPU-side failure of one op is then seen by no rank's
+/// host before the sequence is enqueued). The hold is a host function on the
+/// stream that waits for open() or, as every spin-wait, a deadline
+/// (`timeout_s`; held() then says it ran out). Destruction opens it.
+class StreamGate {
+ public:
+  explicit StreamGate(cudaStream_t stream, double timeout_s = 60.0);
+  ~StreamGate();
+  StreamGate(const StreamGate&) = delete;
+  StreamGate& operator=(const StreamGate&) = delete;
+  void open();
+  /// True when the hold ran out before open() (read after the stream ran past it).
+  bool held_too_long() const;
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
 // Tests that end the run (a killed process, a stalled network; the device
 // script runs each on its own, one process per rank): they print one verdict
 // line the script reads and leave at once, since tearing down would wait for

@@ -1162,13 +1162,6 @@ EPX_GPU_TEST(Internode, WorstTokensAndGraphReplay) {
 EPX_GPU_TEST(Internode, WorstTokensOverflowIsNamedAndCombineFinishes) {
   auto& w = world();
   const int R = w.num_ranks, me = w.rank, L = w.buffer->num_nvl_ranks();
-  // Open: over NVSHMEM the whole-call pair after the overflow never
-  // finished (4 processes as 2x2 on 4x H200, b742658; no deadline fired),
-  // where the proxy and every backend through the rings passed.
-  if (std::string(w.buffer->backend_name()) == "nvshmem" && !through_rings() &&
-      std::getenv("EPX_TEST_KNOWN_HANGS") == nullptr)
-    GTEST_SKIP() << "nvshmem, whole-call kernels: this case hung at b742658 (docs/limitations.md); "
-                    "EPX_TEST_KNOWN_HANGS=1 runs it";
   const HtCase c{96, 512, 4, 8 * R, false, 0.1, true, 1, false};
   const int H = c.hidden, K = c.num_topk, E = c.num_experts;
   const auto in = make_inputs(c, R, 333);
@@ -1179,7 +1172,15 @@ EPX_GPU_TEST(Internode, WorstTokensOverflowIsNamedAndCombineFinishes) {
   s.stream = w.stream;
   DeviceInput d(b, in[me], H, K, E, s);
   d.a.config = shared_gpu_config();
+  // The pair is enqueued behind a gate that every rank opens only when all
+  // have enqueued it: otherwise a rank whose host sees the dispatch's
+  // overflow before it calls combine raises it there ("previous op", as the
+  // API says), skips the combine, and its peers' combine times out (4
+  // in-process ranks on one GPU did, at f3bfc92). The gate makes every rank
+  // reach the case this test is about: a combine enqueued behind an
+  // overflowed dispatch.
   auto pair = [&](int worst) {
+    StreamGate gate(w.stream);
     d.a.num_worst_tokens = worst;
     auto r1 = b.dispatch(d.a);
     CombineArgs ca;
@@ -1188,7 +1189,10 @@ EPX_GPU_TEST(Internode, WorstTokensOverflowIsNamedAndCombineFinishes) {
     ca.streams = s;
     ca.config = d.a.config;
     auto r2 = b.combine(ca);
+    EXPECT_TRUE(all_ranks(true));
+    gate.open();
     EXPECT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+    EXPECT_FALSE(gate.held_too_long()) << "the ranks took more than 60 s to enqueue the pair";
     return r2.combined_x;
   };
   const int small = 4;  // every rank receives far more rows than this
