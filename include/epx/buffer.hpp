@@ -103,6 +103,11 @@ struct DispatchHandle {
   /// areas and net_tokens_* hold its numbers): the areas are fixed by the
   /// buffer, with slots of net_slot_rows rows (plan::HtNetRegion::fixed_*).
   int net_worst = 0, net_slot_rows = 0;
+  /// Whether this dispatch, and so its combine and the cached dispatches of
+  /// this handle, went through the fixed rings instead of the whole-call
+  /// areas (EPX_HT_RINGS; by default the rings where those areas would not
+  /// fit num_nvl_bytes).
+  bool net_rings = false;
 };
 
 struct DispatchArgs {

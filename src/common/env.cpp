@@ -115,9 +115,10 @@ bool proxy_cumem() {
 
 int ht_rings() {
   const auto v = get_int("EPX_HT_RINGS");
-  if (!v) return 0;
+  if (!v) return -1;
   require(*v >= 0 && *v <= (1 << 20), "EPX_HT_RINGS",
-          "must be 0 (off), 1 (default ring sizes) or ring records in [2, 2^20], got " +
+          "must be 0 (never), 1 (always, default ring sizes) or ring records in [2, 2^20] "
+          "(always), or unset (the rings where the whole-call areas do not fit), got " +
               std::to_string(*v));
   return static_cast<int>(*v);
 }

@@ -49,13 +49,13 @@ bool ht_pull();
 /// (1) or leave it to the last block of the kernel that filled the slots (0).
 std::optional<bool> net_split_puts();
 
-/// EPX_HT_RINGS (default 0; experimental, not GPU-run yet): the
-/// high-throughput dispatch across nodes through the rings
-/// (docs/internode_ht.md, "A first ring kernel") instead of the whole-call
-/// kernels, where the counts come from the host exchange (not with
-/// num_worst_tokens). 1: rings of HtRingGeometry's default sizes; N >= 2:
-/// rings of N records (chunks at most N), small ones test the credits.
-/// Returns 0 when off. Read when a Buffer is made.
+/// EPX_HT_RINGS: which kernels the high-throughput ops across nodes take
+/// (docs/internode_ht.md). Unset (returns -1): the whole-call kernels where
+/// their areas fit num_nvl_bytes, else the fixed rings of HtRingGeometry's
+/// default sizes (any token count). 0: the whole-call kernels only (a call
+/// that does not fit raises kBufferTooSmall). 1: always the rings, default
+/// sizes; N >= 2: always rings of N records (chunks at most N; small ones
+/// test the credits), also with num_worst_tokens. Read when a Buffer is made.
 int ht_rings();
 
 /// EPX_PROXY_ROW_COPIES (0 or 1, default 0): the proxy's CUDA IPC engine

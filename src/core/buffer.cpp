@@ -127,7 +127,7 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
   transport::BackendOptions bo;
   bo.num_contexts = options.num_qps_per_rank;
   bo.heap_bytes = static_cast<std::size_t>(options.num_nvl_bytes + options.num_rdma_bytes);
-  bo.ht_rings = d.ht_rings > 0;
+  bo.ht_rings = d.ht_rings != 0;
   d.backend = transport::make_backend(options.backend, *d.comm, d.topology, bo);
   if (options.num_nvl_bytes > 0)
     d.ht = d.backend->alloc(static_cast<std::size_t>(options.num_nvl_bytes));

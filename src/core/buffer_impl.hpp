@@ -62,7 +62,9 @@ struct Buffer::Impl {
   /// EPX_NET_SPLIT_PUTS when the buffer was made (unset: the backend's
   /// puts_copy_on_sms decides at each op).
   std::optional<bool> net_split_puts;
-  int ht_rings = 0;  ///< env::ht_rings(): 0 off, 1 default ring sizes, N records per ring
+  /// env::ht_rings(): -1 (default) the rings where the whole-call areas do not
+  /// fit, 0 never, 1 always with the default ring sizes, N always with N records
+  int ht_rings = -1;
   /// EPX_DEBUG_LL_DISPATCH_STOP naming this rank when the buffer was made: its
   /// LL dispatch sends the rows of this many tokens only (a rank dying mid-op).
   int ll_dispatch_stop_tokens = std::numeric_limits<int>::max();

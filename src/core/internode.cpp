@@ -42,7 +42,7 @@ kernels::HtNetOffsets offsets_of(const plan::HtNetRegion& r) {
 }  // namespace
 
 std::size_t Buffer::Impl::ht_capacity() const {
-  if (ht_rings == 0) return ht.bytes;
+  if (ht_rings == 0) return ht.bytes;  // no rings: no state block
   const std::size_t state = plan::HtRingRegion::state_bytes(topology);
   return ht.bytes > state ? ht.bytes - state : 0;
 }
@@ -84,9 +84,10 @@ int net_blocks(const char* op, const std::optional<Config>& given, const Config&
   return cfg.num_sms;
 }
 
-/// The rings' geometry of an op (plan::HtRingGeometry::of).
+/// The rings' geometry of an op (plan::HtRingGeometry::of): EPX_HT_RINGS's
+/// records per ring where it gives them (> 1), else the default sizes.
 plan::HtRingGeometry ring_geometry(int ht_rings, int blocks, const Config& cfg) {
-  return plan::HtRingGeometry::of(ht_rings, blocks, cfg.num_max_rdma_send_tokens,
+  return plan::HtRingGeometry::of(std::max(ht_rings, 1), blocks, cfg.num_max_rdma_send_tokens,
                                   cfg.num_max_rdma_recv_tokens);
 }
 
@@ -284,7 +285,25 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   // the table the combine reads), with its count rows in the rings' state
   // block, and the fixed slots still bound a rank's rows per node (the
   // barrier refuses more) and size the combine.
-  const bool rings = ht_rings > 0;
+  //
+  // Which kernels: a cached dispatch follows the dispatch that made its
+  // handle (and the combine follows it too); EPX_HT_RINGS=0 / >= 1 forces
+  // them; by default the whole-call kernels where their areas for this
+  // dispatch and for its combine fit the buffer, the rings where not, so any
+  // token count runs on a buffer of any size the rings fit. Every rank
+  // decides from the same exchanged counts (and the barrier compares the
+  // ring layouts). num_worst_tokens fixes the areas, which must fit: the
+  // whole-call kernels, unless forced.
+  bool rings = false;
+  if (a.handle)
+    rings = a.handle->net_rings;
+  else if (ht_rings > 0)
+    rings = true;
+  else if (ht_rings < 0 && worst == 0)
+    rings =
+        region.total > ht_capacity() ||
+        plan::HtNetRegion::combine(*route, plan::ht_combine_row_bytes(H, K)).total > ht_capacity();
+  handle->net_rings = rings;
   std::optional<plan::HtRingRegion> ring;
   if (rings)
     ring = plan::HtRingRegion::make(topology, ring_geometry(ht_rings, blocks, cfg), record,
@@ -397,7 +416,7 @@ CombineResult Buffer::Impl::net_combine(const CombineArgs& a) {
                       : plan::HtNetRegion::combine(route_of(h, topology), row);
   // The rings (EPX_HT_RINGS): fixed rings instead of the whole-call areas
   // (whose header, the barrier's words, both share).
-  const bool rings = ht_rings > 0;
+  const bool rings = h.net_rings;  // the dispatch's choice (net_dispatch)
   std::optional<plan::HtRingRegion> ring;
   if (rings)
     ring = plan::HtRingRegion::make_combine(topology, ring_geometry(ht_rings, blocks, cfg), row,
@@ -465,6 +484,8 @@ std::size_t Buffer::get_internode_nvl_size_hint(int num_max_tokens, int hidden, 
   const std::size_t bytes = plan::HtNetRegion::worst_case(topology, num_max_tokens, record, row);
   const int ht_rings = env::ht_rings();  // read as the Buffer reads it
   if (ht_rings == 0) return bytes;
+  // (By default the rings take only what does not fit; the same size lets
+  // both kinds of kernels run.)
   // With the rings on, the dispatch's and the combine's rings share the
   // area after the header with the whole-call areas (a num_worst_tokens
   // dispatch still fits those), each sized for its default config's SMs

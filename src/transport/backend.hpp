@@ -35,8 +35,8 @@ struct BackendOptions {
   /// The bytes the Buffer will allocate (a backend whose memory is fixed at
   /// start, NVSHMEM's heap, sizes it from this).
   std::size_t heap_bytes = 0;
-  /// The ring dispatch across nodes is on (EPX_HT_RINGS): a backend whose
-  /// signals are a pool (NCCL GIN) makes room for the rings' ids too.
+  /// The ring kernels across nodes may run (EPX_HT_RINGS is not 0): a
+  /// backend whose signals are a pool (NCCL GIN) makes room for their ids too.
   bool ht_rings = false;
 };
 

@@ -13,6 +13,8 @@
 #include <optional>
 #include <string>
 
+#include "common/internode_rings.hpp"
+#include "common/internode_route.hpp"
 #include "epx/reference.hpp"
 #include "gpu/harness.hpp"
 
@@ -142,8 +144,11 @@ BufferOptions hint_sized_options(const HtCase& c, int R, double timeout_s, Alloc
   return o;
 }
 
+/// `ring_calls`, where given, counts the dispatches whose handle says they
+/// took the rings across nodes (DispatchHandle::net_rings).
 void run_case(const HtCase& c, int iters, uint64_t seed0,
-              const std::optional<Config>& config = std::nullopt, Buffer* buffer = nullptr) {
+              const std::optional<Config>& config = std::nullopt, Buffer* buffer = nullptr,
+              int* ring_calls = nullptr) {
   auto& w = world();
   Buffer* const buf = buffer ? buffer : w.buffer.get();
   const int R = w.num_ranks, me = w.rank;
@@ -187,6 +192,7 @@ void run_case(const HtCase& c, int iters, uint64_t seed0,
     a.config = config;
     auto res = buf->dispatch(a);
     cudaStreamSynchronize(w.stream);
+    if (ring_calls && res.handle->net_rings) ++*ring_calls;
 
     auto ref_out = ref::ht_dispatch(in, H, K, c.num_experts, c.expert_alignment);
     const auto& ro = ref_out[me];
@@ -1047,6 +1053,61 @@ EPX_GPU_TEST(Internode, RefusedCallsAreNamed) {
   EXPECT_TRUE(all_ranks(!rank_failed()));
   b.destroy();
   run_case({64, 256, 4, 8 * R, false, 0.1, true, 1, false}, 1, 320);
+}
+
+/// By default (EPX_HT_RINGS unset) a dispatch whose whole-call areas, or
+/// its combine's, do not fit num_nvl_bytes takes the rings instead: on a
+/// buffer just large enough for the rings (6 SMs: 2 channels; network rings
+/// of 64 records) and their state block, 64 tokens per rank take the
+/// whole-call kernels and 4096 the rings (dispatch, cached dispatch and
+/// combine against the reference each time). With EPX_HT_RINGS = 0 the 4096
+/// raise kBufferTooSmall naming num_nvl_bytes; with it forced on both take
+/// the rings.
+EPX_GPU_TEST(Internode, CallsThatDoNotFitTakeTheRings) {
+  auto& w = world();
+  const int R = w.num_ranks, me = w.rank, L = w.buffer->num_nvl_ranks();
+  const char* env = std::getenv("EPX_HT_RINGS");
+  const int mode = env ? std::atoi(env) : -1;  // as the buffers read it
+  const HtCase few{64, 512, 4, 8 * R, false, 0.1, true, 1, false};
+  HtCase many = few;
+  many.num_tokens = 4096;
+  Config cfg = shared_gpu_config();
+  cfg.num_sms = 6;
+  cfg.num_max_rdma_recv_tokens = 64;
+  cfg.num_max_rdma_send_tokens = 16;
+  const plan::HtRingGeometry g = plan::HtRingGeometry::of(
+      std::max(mode, 1), cfg.num_sms, cfg.num_max_rdma_send_tokens, cfg.num_max_rdma_recv_tokens);
+  const Topology topo{R, L};
+  const std::size_t record = plan::ht_net_record_bytes(2 * few.hidden, 0, few.num_topk, L);
+  const std::size_t row = plan::ht_combine_row_bytes(few.hidden, few.num_topk);
+  const std::size_t head = plan::HtNetRegion::body(R), huge = std::size_t{1} << 46;
+  const std::size_t rings_end =
+      std::max(plan::HtRingRegion::make(topo, g, record, head, huge).rings_end,
+               plan::HtRingRegion::make_combine(topo, g, row, head, huge).rings_end);
+  BufferOptions o;
+  o.num_nvl_bytes = static_cast<int64_t>(plan::align_up(
+      rings_end + plan::HtRingRegion::state_bytes(topo) + plan::kAlign, plan::kAlign));
+  o.timeout_s = 30;
+  o.allocator = poisoning_allocator(w.comm->in_process());
+  Buffer b(w.comm, o);
+  int rings = 0;
+  run_case(few, 1, 907, cfg, &b, &rings);
+  EXPECT_EQ(rings, mode > 0 ? 1 : 0) << "64 tokens, EPX_HT_RINGS=" << (env ? env : "(unset)");
+  if (mode == 0) {
+    StreamArgs s;
+    s.stream = w.stream;
+    const auto in = make_inputs(many, R, 908);
+    DeviceInput d(b, in[me], many.hidden, many.num_topk, many.num_experts, s);
+    d.a.config = cfg;
+    expect_error(
+        "4096 tokens without the rings", [&] { b.dispatch(d.a); }, {"num_nvl_bytes"},
+        ErrorCode::kBufferTooSmall);
+    EXPECT_TRUE(all_ranks(!rank_failed()));
+    return;
+  }
+  rings = 0;
+  run_case(many, 2, 909, cfg, &b, &rings);
+  EXPECT_EQ(rings, 2) << "4096 tokens";
 }
 
 /// num_worst_tokens across nodes: no host wait (the counts are exchanged on

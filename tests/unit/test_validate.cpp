@@ -368,10 +368,10 @@ TEST(Env, LlContextRangesIsZeroOrOne) {
   expect_zero_or_one_switch("EPX_LL_CONTEXT_RANGES", env::ll_context_ranges);
 }
 
-TEST(Env, HtRingsIsOffOneOrARingSize) {
+TEST(Env, HtRingsIsAutoOffOneOrARingSize) {
   const SavedEnv saved("EPX_HT_RINGS");
   unsetenv("EPX_HT_RINGS");
-  EXPECT_EQ(env::ht_rings(), 0);
+  EXPECT_EQ(env::ht_rings(), -1);  // the rings where the whole-call areas do not fit
   setenv("EPX_HT_RINGS", "0", 1);
   EXPECT_EQ(env::ht_rings(), 0);
   setenv("EPX_HT_RINGS", "1", 1);
@@ -388,18 +388,21 @@ TEST(Env, ProxyRowCopiesIsZeroOrOne) {
   expect_zero_or_one_switch("EPX_PROXY_ROW_COPIES", env::proxy_row_copies);
 }
 
-/// With the ring dispatch on, the internode size hint also holds the rings
-/// (of the default config's channels: a channel per three SMs) and their
-/// state block: a buffer of the hint's size takes them; with it off the hint
-/// is the whole-call worst case alone.
+/// Unless the rings are off (EPX_HT_RINGS=0), the internode size hint also
+/// holds the rings (of the default config's channels: a channel per three
+/// SMs) and their state block: a buffer of the hint's size takes them; with
+/// them off the hint is the whole-call worst case alone.
 TEST(Env, InternodeSizeHintHoldsTheRings) {
   const SavedEnv saved("EPX_HT_RINGS");
   const int R = 4, L = 2, H = 7168, K = 8, T = 128;
-  unsetenv("EPX_HT_RINGS");
+  setenv("EPX_HT_RINGS", "0", 1);
   const std::size_t off = Buffer::get_internode_nvl_size_hint(T, H, R, L, K);
   const std::size_t record = epx::plan::ht_net_record_bytes(2 * H, 0, K, L);
-  for (const int records : {1, 4}) {
-    setenv("EPX_HT_RINGS", std::to_string(records).c_str(), 1);
+  for (const int records : {-1, 1, 4}) {  // -1: unset, the default
+    if (records < 0)
+      unsetenv("EPX_HT_RINGS");
+    else
+      setenv("EPX_HT_RINGS", std::to_string(records).c_str(), 1);
     const std::size_t on = Buffer::get_internode_nvl_size_hint(T, H, R, L, K);
     EXPECT_GT(on, off) << records;
     epx::plan::HtRingGeometry g;  // 1: the default sizes
