@@ -115,6 +115,10 @@ void run_ht_internode(World& w, const Options& o, nlohmann::json& result,
   };
   result["family"] = "ht";
   result["internode"] = true;
+  // Which kernels the ops took (DispatchHandle::net_rings): the whole-call
+  // ones where their areas fit num_nvl_bytes, else (or with EPX_HT_RINGS) the rings.
+  const bool rings = calls.first.handle->net_rings;
+  result["kernels"] = rings ? "rings" : "whole-call";
   result["num_sms"] = cfg.num_sms;
   result["nodes"] = N;
   result["dispatch_bf16"] = rates(t_bf16, 1.0);
@@ -146,13 +150,14 @@ void run_ht_internode(World& w, const Options& o, nlohmann::json& result,
     }
   }
   result["sweep"] = sweep;
-  // With the ring dispatch on (EPX_HT_RINGS), its records per network put:
-  // the one-host engines pay per put, a NIC much less.
+  // Through the rings, their records per network put: the one-host engines
+  // pay per put, a NIC much less.
   nlohmann::json chunks = nlohmann::json::array();
-  const char* rings = std::getenv("EPX_HT_RINGS");
-  if (o.sweep && rings != nullptr && std::atoi(rings) > 0) {
+  if (o.sweep && rings) {
+    const char* env = std::getenv("EPX_HT_RINGS");
+    const int records = env != nullptr ? std::atoi(env) : 0;
     const int slots = cfg.num_max_rdma_recv_tokens > 0 ? cfg.num_max_rdma_recv_tokens
-                      : std::atoi(rings) > 1           ? std::atoi(rings)
+                      : records > 1                    ? records
                                                        : 256;
     for (int chunk : {6, 12, 24, 48, 96}) {
       if (chunk > slots) continue;
@@ -169,8 +174,8 @@ void run_ht_internode(World& w, const Options& o, nlohmann::json& result,
   if (w.rank == 0) {
     std::printf(
         "\nEPX high-throughput across nodes, %d ranks%s, %d tokens, hidden %d, top-%d, %d experts, "
-        "%d SMs\n",
-        R, ranks_note(w).c_str(), T, H, K, E, cfg.num_sms);
+        "%d SMs, %s kernels\n",
+        R, ranks_note(w).c_str(), T, H, K, E, cfg.num_sms, rings ? "ring" : "whole-call");
     std::printf("%-30s %10s %12s %12s %12s\n", "op", "us", "net GB/s", "cross GB/s", "NVL GB/s");
     auto row = [&](const char* name, const char* key) {
       const auto& r = result[key];

@@ -161,8 +161,8 @@ int run_rank(std::shared_ptr<Communicator> comm, const Options& o) {
       const char* env_rpn = std::getenv("EPX_RANKS_PER_NODE");
       const int rpn = o.ranks_per_node > 0 ? o.ranks_per_node : env_rpn ? std::atoi(env_rpn) : 0;
       if (rpn > 0 && rpn < w.num_ranks) {
-        bo.num_nvl_bytes = static_cast<int64_t>(
-            Buffer::get_internode_nvl_size_hint(o.tokens, o.hidden, w.num_ranks, rpn, o.topk));
+        bo.num_nvl_bytes = static_cast<int64_t>(Buffer::get_internode_nvl_size_hint(
+            o.buffer_tokens > 0 ? o.buffer_tokens : o.tokens, o.hidden, w.num_ranks, rpn, o.topk));
       } else {
         const Config c = ht_base_config(o, w.num_ranks);
         bo.num_nvl_bytes = static_cast<int64_t>(c.get_nvl_buffer_size_hint(
@@ -274,6 +274,11 @@ int main(int argc, char** argv) {
   ht->add_option("--rdma-recv-tokens", o.rdma_recv_tokens,
                  "across nodes with EPX_HT_RINGS: records per network ring "
                  "(config.num_max_rdma_recv_tokens; default EPX's)")
+      ->check(CLI::PositiveNumber);
+  ht->add_option("--buffer-tokens", o.buffer_tokens,
+                 "across nodes: size the buffer by get_internode_nvl_size_hint for this many "
+                 "tokens (default --tokens); fewer sends the calls that do not fit through the "
+                 "rings")
       ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
   // In-process ranks share one CUDA context and its hardware queues (8 by
