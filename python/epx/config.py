@@ -15,10 +15,11 @@ class Config:
     sender moves between two progress signals (``num_max_send_tokens``) and
     ``num_max_nvl_chunked_recv_tokens`` the rows of the receive ring per peer
     rank (``num_max_recv_tokens``; calls may send more tokens: the ring laps).
-    The RDMA values are the ring dispatch's across nodes (``EPX_HT_RINGS``, off by
-    default): records per network put and per network ring (docs/internode_ht.md).
-    The default whole-call kernels size their network areas per call and do not read
-    them, so values other than DeepEP's defaults warn once.
+    The RDMA values are the rings' across nodes (they carry the calls whose whole-call
+    areas do not fit num_nvl_bytes, or every call with ``EPX_HT_RINGS``): records per
+    network put and per network ring (docs/internode_ht.md). The whole-call kernels
+    size their network areas per call and do not read them, so values other than
+    DeepEP's defaults warn once.
     """
 
     def __init__(self, num_sms: int = 20, num_max_nvl_chunked_send_tokens: int = 6,
@@ -35,9 +36,10 @@ class Config:
                             ("num_max_rdma_chunked_recv_tokens", num_max_rdma_chunked_recv_tokens)):
             self._set_rdma(name, value)
             _compat.ignored_unless_default("Config", name, self._rdma[name], self._RDMA[name][1],
-                                           "used only by the ring dispatch across nodes "
-                                           "(EPX_HT_RINGS); EPX's default kernels size their "
-                                           "network areas per call")
+                                           "used only by the rings across nodes (calls "
+                                           "whose whole-call areas do not fit num_nvl_bytes, "
+                                           "or EPX_HT_RINGS); the whole-call kernels size "
+                                           "their network areas per call")
 
     @classmethod
     def _wrap(cls, cfg: _core.Config) -> "Config":
@@ -86,7 +88,7 @@ class Config:
 
     @property
     def num_max_rdma_chunked_send_tokens(self) -> int:
-        """Records per network put of the ring dispatch across nodes (EPX_HT_RINGS)."""
+        """Records per network put of the rings across nodes."""
         return self._rdma["num_max_rdma_chunked_send_tokens"]
 
     @num_max_rdma_chunked_send_tokens.setter
@@ -95,7 +97,7 @@ class Config:
 
     @property
     def num_max_rdma_chunked_recv_tokens(self) -> int:
-        """Records per network ring of the ring dispatch across nodes (EPX_HT_RINGS)."""
+        """Records per network ring of the rings across nodes."""
         return self._rdma["num_max_rdma_chunked_recv_tokens"]
 
     @num_max_rdma_chunked_recv_tokens.setter
