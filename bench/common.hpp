@@ -32,8 +32,8 @@ struct Options {
   std::string json_path;
   std::string command;  ///< the command line, for the result file
   int64_t nvl_bytes = 0, rdma_bytes = 0;
-  int buffer_tokens =
-      0;  ///< ht across nodes: num_nvl_bytes is the hint for this many tokens (0: --tokens)
+  /// ht across nodes: num_nvl_bytes is the hint for this many tokens (0: --tokens)
+  int buffer_tokens = 0;
 };
 
 struct World {

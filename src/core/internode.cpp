@@ -484,12 +484,11 @@ std::size_t Buffer::get_internode_nvl_size_hint(int num_max_tokens, int hidden, 
   const std::size_t bytes = plan::HtNetRegion::worst_case(topology, num_max_tokens, record, row);
   const int ht_rings = env::ht_rings();  // read as the Buffer reads it
   if (ht_rings == 0) return bytes;
-  // (By default the rings take only what does not fit; the same size lets
-  // both kinds of kernels run.)
-  // With the rings on, the dispatch's and the combine's rings share the
-  // area after the header with the whole-call areas (a num_worst_tokens
-  // dispatch still fits those), each sized for its default config's SMs
-  // (more SMs, more channels), and the state block sits at the region's end.
+  // Unless the rings are off, the dispatch's and the combine's rings share
+  // the area after the header with the whole-call areas (by default the
+  // rings take only the calls that do not fit those; a num_worst_tokens
+  // dispatch must fit them), each sized for its default config's SMs (more
+  // SMs, more channels), and the state block sits at the region's end.
   const Config dcfg = get_dispatch_config(num_ranks), ccfg = get_combine_config(num_ranks);
   const plan::HtRingRegion rings =
       plan::HtRingRegion::make(topology, ring_geometry(ht_rings, dcfg.num_sms, dcfg), record,

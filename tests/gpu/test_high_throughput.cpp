@@ -1005,11 +1005,16 @@ BufferOptions worst_tokens_options(const HtCase& c) {
   return o;
 }
 
-/// Whether the high-throughput ops across nodes take the rings (EPX_HT_RINGS,
-/// read as the buffers read it).
-bool through_rings() {
+/// EPX_HT_RINGS as the buffers read it: -1 unset (the rings where a call
+/// does not fit), 0 never the rings, N >= 1 always.
+int ht_rings_mode() {
   const char* rings = std::getenv("EPX_HT_RINGS");
-  return rings != nullptr && std::atoi(rings) > 0;
+  return rings != nullptr ? std::atoi(rings) : -1;
+}
+
+/// Whether every high-throughput op across nodes takes the rings.
+bool through_rings() {
+  return ht_rings_mode() > 0;
 }
 
 /// A call whose whole-call areas do not fit num_nvl_bytes raises
@@ -1066,8 +1071,7 @@ EPX_GPU_TEST(Internode, RefusedCallsAreNamed) {
 EPX_GPU_TEST(Internode, CallsThatDoNotFitTakeTheRings) {
   auto& w = world();
   const int R = w.num_ranks, me = w.rank, L = w.buffer->num_nvl_ranks();
-  const char* env = std::getenv("EPX_HT_RINGS");
-  const int mode = env ? std::atoi(env) : -1;  // as the buffers read it
+  const int mode = ht_rings_mode();
   const HtCase few{64, 512, 4, 8 * R, false, 0.1, true, 1, false};
   HtCase many = few;
   many.num_tokens = 4096;
@@ -1092,7 +1096,7 @@ EPX_GPU_TEST(Internode, CallsThatDoNotFitTakeTheRings) {
   Buffer b(w.comm, o);
   int rings = 0;
   run_case(few, 1, 907, cfg, &b, &rings);
-  EXPECT_EQ(rings, mode > 0 ? 1 : 0) << "64 tokens, EPX_HT_RINGS=" << (env ? env : "(unset)");
+  EXPECT_EQ(rings, mode > 0 ? 1 : 0) << "64 tokens, EPX_HT_RINGS mode " << mode;
   if (mode == 0) {
     StreamArgs s;
     s.stream = w.stream;
