@@ -15,7 +15,8 @@ git ls-files '*.cpp' '*.hpp' '*.cu' '*.cuh' | xargs clang-format --dry-run --Wer
 echo "== python lint (undefined and unused names: pyflakes' rules through ruff)"
 "$EPX_PY" -m ruff check --no-cache --select F python tests/python bench scripts
 echo "== build"
-cmake --preset default
+# With libstdc++'s assertions (CMakeLists.txt: EPX_GLIBCXX_ASSERTIONS).
+cmake --preset default -DEPX_GLIBCXX_ASSERTIONS=ON
 cmake --build --preset default -j"$(nproc)"
 echo "== ctest"
 ctest --preset default

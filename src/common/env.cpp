@@ -26,6 +26,15 @@ std::optional<long> get_int(const char* name) {
   return x;
 }
 
+std::optional<int64_t> get_int_in(const char* name, int64_t lo, int64_t hi) {
+  const auto v = get_int(name);
+  if (v && (*v < lo || *v > hi))
+    throw Error(ErrorCode::kInvalidArgument, std::string(name) + ": must be in [" +
+                                                 std::to_string(lo) + ", " + std::to_string(hi) +
+                                                 "], got " + std::to_string(*v));
+  return v;
+}
+
 std::optional<double> get_double(const char* name) {
   auto v = get(name);
   if (!v) return std::nullopt;
@@ -88,12 +97,16 @@ std::optional<ProxyStop> debug_proxy_stop() {
 }
 
 namespace {
-/// A switch variable: unset or 0 is off, 1 is on, anything else an error naming it.
+/// A switch variable: 0 is off, 1 is on, unset is `unset`, anything else an
+/// error naming it.
 bool zero_or_one(const char* name, bool unset = false) {
-  const auto v = get_int(name);
-  require(!v || *v == 0 || *v == 1, name, "must be 0 or 1, got " + std::to_string(*v));
-  return v ? *v == 1 : unset;
+  const auto v = get(name);
+  if (!v) return unset;
+  require(*v == "0" || *v == "1", name, "must be 0 or 1, got '" + *v + "'");
+  return *v == "1";
 }
+
+constexpr int64_t kIntMax = 0x7fffffff;
 }  // namespace
 
 bool ht_pull() {
@@ -123,6 +136,37 @@ int ht_rings() {
   return static_cast<int>(*v);
 }
 
+int ranks_per_node() {
+  return static_cast<int>(get_int_in("EPX_RANKS_PER_NODE", 0, kIntMax).value_or(0));
+}
+
+int gin_contexts(int max_contexts) {
+  return static_cast<int>(get_int_in("EPX_GIN_CONTEXTS", 1, max_contexts).value_or(4));
+}
+
+int proxy_channels(int max_channels) {
+  return static_cast<int>(get_int_in("EPX_PROXY_CHANNELS", 1, max_channels).value_or(4));
+}
+
+std::optional<uint32_t> proxy_ring() {
+  const auto v = get_int_in("EPX_PROXY_RING", 16, int64_t{1} << 22);
+  if (!v) return std::nullopt;
+  return static_cast<uint32_t>(*v);
+}
+
+ProxyDebug debug_proxy() {
+  const auto v = get("EPX_DEBUG_PROXY");
+  if (!v || *v == "0") return ProxyDebug::kOff;
+  if (*v == "1") return ProxyDebug::kTrace;
+  if (*v == "stats") return ProxyDebug::kStats;
+  throw Error(ErrorCode::kInvalidArgument,
+              "EPX_DEBUG_PROXY: must be 0, 1 (every command) or stats, got '" + *v + "'");
+}
+
+bool nvshmem_trace() {
+  return zero_or_one("EPX_NVSHMEM_TRACE");
+}
+
 bool ll_context_ranges() {
   return zero_or_one("EPX_LL_CONTEXT_RANGES");
 }
@@ -146,31 +190,39 @@ std::optional<int> ll_sms() {
 }
 
 RankInfo rank_info() {
+  // Each value is range-checked as read (before it is narrowed to int).
+  const auto in = [](const char* name, int64_t lo, int64_t hi) {
+    return static_cast<int>(*get_int_in(name, lo, hi));
+  };
+  const auto in_or = [](const char* name, int64_t lo, int64_t hi, int unset) {
+    return static_cast<int>(get_int_in(name, lo, hi).value_or(unset));
+  };
   RankInfo info;
+  const char *rank_var = nullptr, *size_var = nullptr;
   if (get("RANK") && get("WORLD_SIZE")) {
     info.launcher = "torchrun";
-    info.rank = static_cast<int>(*get_int("RANK"));
-    info.world_size = static_cast<int>(*get_int("WORLD_SIZE"));
-    info.local_rank = static_cast<int>(get_int("LOCAL_RANK").value_or(info.rank));
-    info.master_addr = get("MASTER_ADDR").value_or("127.0.0.1");
-    info.master_port = static_cast<int>(get_int("MASTER_PORT").value_or(29500));
+    info.world_size = in("WORLD_SIZE", 1, kIntMax);
+    rank_var = "RANK";
+    size_var = "WORLD_SIZE";
+    info.local_rank = in_or("LOCAL_RANK", 0, kIntMax, -1);
   } else if (get("OMPI_COMM_WORLD_RANK")) {
     info.launcher = "mpirun";
-    info.rank = static_cast<int>(*get_int("OMPI_COMM_WORLD_RANK"));
-    info.world_size = static_cast<int>(get_int("OMPI_COMM_WORLD_SIZE").value_or(1));
-    info.local_rank = static_cast<int>(get_int("OMPI_COMM_WORLD_LOCAL_RANK").value_or(info.rank));
-    info.master_addr = get("MASTER_ADDR").value_or("127.0.0.1");
-    info.master_port = static_cast<int>(get_int("MASTER_PORT").value_or(29500));
+    info.world_size = in_or("OMPI_COMM_WORLD_SIZE", 1, kIntMax, 1);
+    rank_var = "OMPI_COMM_WORLD_RANK";
+    size_var = "OMPI_COMM_WORLD_SIZE";
+    info.local_rank = in_or("OMPI_COMM_WORLD_LOCAL_RANK", 0, kIntMax, -1);
   }
-  require(info.world_size >= 1, "WORLD_SIZE",
-          "must be >= 1, got " + std::to_string(info.world_size));
-  require(info.rank >= 0 && info.rank < info.world_size, "RANK",
-          "must be in [0, WORLD_SIZE=" + std::to_string(info.world_size) + "), got " +
-              std::to_string(info.rank));
-  require(info.local_rank >= 0, "LOCAL_RANK",
-          "must be >= 0, got " + std::to_string(info.local_rank));
-  require(info.master_port > 0 && info.master_port < 65535, "MASTER_PORT",
-          "must be in [1, 65534], got " + std::to_string(info.master_port));
+  if (rank_var) {
+    const auto r = *get_int(rank_var);
+    require(r >= 0 && r < info.world_size, rank_var,
+            "must be in [0, " + std::string(size_var) + "=" + std::to_string(info.world_size) +
+                "), got " + std::to_string(r));
+    info.rank = static_cast<int>(r);
+    if (info.local_rank < 0) info.local_rank = info.rank;
+  }
+  info.master_addr = get("MASTER_ADDR").value_or("127.0.0.1");
+  // NCCL's bootstrap takes MASTER_PORT + 1 (Communicator::from_env).
+  info.master_port = in_or("MASTER_PORT", 1, 65534, 29500);
   return info;
 }
 

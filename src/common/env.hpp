@@ -10,6 +10,9 @@ namespace epx::env {
 std::optional<std::string> get(const char* name);
 /// Integer variable; throws epx::Error(kInvalidArgument) naming it when malformed.
 std::optional<long> get_int(const char* name);
+/// Integer variable in [lo, hi]; out of range: epx::Error naming it, the range
+/// and the value (checked before any narrowing).
+std::optional<int64_t> get_int_in(const char* name, int64_t lo, int64_t hi);
 std::optional<double> get_double(const char* name);
 
 /// Default deadline of every wait, seconds: EPX_TIMEOUT_S or 60.
@@ -92,6 +95,26 @@ bool ll_arrival_order();
 /// the driver runs on SMs). Read when a Buffer is made; malformed: epx::Error.
 std::optional<int> ll_sms();
 
+/// EPX_RANKS_PER_NODE (>= 0; unset: 0, the host is the node): virtual nodes
+/// of this many ranks (make_topology checks that it divides the ranks).
+int ranks_per_node();
+/// EPX_GIN_CONTEXTS in [1, max_contexts] (default 4): backend nccl's GIN
+/// contexts per peer at most.
+int gin_contexts(int max_contexts);
+/// EPX_PROXY_CHANNELS in [1, max_channels] (default 4): proxy channels
+/// (threads) per rank at most.
+int proxy_channels(int max_channels);
+/// EPX_PROXY_RING in [16, 2^22]: commands per proxy channel ring (unset:
+/// the proxy's default).
+std::optional<uint32_t> proxy_ring();
+/// EPX_DEBUG_PROXY: 0 or unset (off), 1 (every command a proxy thread takes,
+/// on stderr) or stats (per-channel statistics when the thread ends).
+enum class ProxyDebug { kOff, kTrace, kStats };
+ProxyDebug debug_proxy();
+/// EPX_NVSHMEM_TRACE (0 or 1, default 0): the NVSHMEM module says when each
+/// of its host calls starts and ends.
+bool nvshmem_trace();
+
 struct RankInfo {
   int rank = 0, world_size = 1, local_rank = 0;
   std::string master_addr;
@@ -99,7 +122,8 @@ struct RankInfo {
   const char* launcher = "none";  ///< "torchrun" | "mpirun" | "none"
 };
 /// Reads torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or
-/// Open MPI (OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK) variables; validates them.
+/// Open MPI (OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK) variables; each is
+/// range-checked as it is read (a rank of 2^32 is an error, not rank 0).
 RankInfo rank_info();
 
 }  // namespace epx::env

@@ -117,8 +117,7 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
                     std::to_string(mine[i]));
     }
   }
-  d.topology = make_topology(d.comm->num_ranks(), options.ranks_per_node,
-                             static_cast<int>(env::get_int("EPX_RANKS_PER_NODE").value_or(0)),
+  d.topology = make_topology(d.comm->num_ranks(), options.ranks_per_node, env::ranks_per_node(),
                              host_ids(d.comm->num_ranks(), *d.comm));
   require(options.num_qps_per_rank <= dev::kMaxContexts, "num_qps_per_rank",
           "must be <= " + std::to_string(dev::kMaxContexts) + ", got " +

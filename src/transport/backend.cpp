@@ -26,12 +26,8 @@ std::unique_ptr<Backend> make_backend(const std::string& requested, Communicator
   if (name == "nccl") {
     // GIN contexts: num_qps_per_rank, at most EPX_GIN_CONTEXTS (default 4: one
     // communicator, one NCCL progress thread per process on a proxy-type GIN).
-    const long cap = env::get_int("EPX_GIN_CONTEXTS").value_or(4);
-    if (cap < 1 || cap > kMaxContexts)
-      throw Error(ErrorCode::kInvalidArgument, "EPX_GIN_CONTEXTS: must be in [1, " +
-                                                   std::to_string(kMaxContexts) + "], got " +
-                                                   std::to_string(cap));
-    const int contexts = static_cast<int>(std::clamp<long>(options.num_contexts, 1, cap));
+    const int cap = env::gin_contexts(kMaxContexts);
+    const int contexts = std::clamp(options.num_contexts, 1, cap);
     // Signal ids: the low-latency ops' (a source's dispatch, combine weights and
     // combine rows), then the high-throughput ones' across nodes
     // (plan::ht_net_signal), then with EPX_HT_RINGS the rings'

@@ -357,7 +357,80 @@ void expect_zero_or_one_switch(const char* name, bool (*get)(), bool unset = fal
   setenv(name, "2", 1);
   expect_error([&] { get(); }, {name, "0 or 1"});
   setenv(name, "rows", 1);
-  expect_error([&] { get(); }, {name, "integer"});
+  expect_error([&] { get(); }, {name, "0 or 1", "'rows'"});
+  setenv(name, "01", 1);
+  expect_error([&] { get(); }, {name, "0 or 1"});
+}
+
+TEST(Env, NvshmemTraceIsZeroOrOne) {
+  expect_zero_or_one_switch("EPX_NVSHMEM_TRACE", env::nvshmem_trace);
+}
+
+TEST(Env, SwitchesUnsetTakeTheirDefaults) {
+  // Unset switches are read during Buffer creation: their default, with no
+  // value looked at (an empty optional dereferenced aborts under
+  // _GLIBCXX_ASSERTIONS, which CI builds with).
+  for (const char* name :
+       {"EPX_HT_PULL", "EPX_PROXY_ROW_COPIES", "EPX_PROXY_CUMEM", "EPX_LL_CONTEXT_RANGES",
+        "EPX_LL_ARRIVAL_ORDER", "EPX_NET_SPLIT_PUTS", "EPX_NVSHMEM_TRACE", "EPX_DEBUG_PROXY"})
+    unsetenv(name);
+  EXPECT_FALSE(env::ht_pull());
+  EXPECT_FALSE(env::proxy_row_copies());
+  EXPECT_TRUE(env::proxy_cumem());
+  EXPECT_FALSE(env::ll_context_ranges());
+  EXPECT_FALSE(env::ll_arrival_order());
+  EXPECT_FALSE(env::net_split_puts().has_value());
+  EXPECT_FALSE(env::nvshmem_trace());
+  EXPECT_EQ(env::debug_proxy(), env::ProxyDebug::kOff);
+}
+
+/// An integer variable read by `get` takes `good`, and refuses each of `bad`
+/// (out of its range, or past 32 bits, where narrowing would have wrapped it
+/// into range) naming the variable.
+template <class Get>
+void expect_ranged(const char* name, Get get, const char* good,
+                   std::initializer_list<const char*> bad) {
+  SCOPED_TRACE(name);
+  const SavedEnv saved(name);
+  setenv(name, good, 1);
+  EXPECT_NO_THROW(get());
+  for (const char* b : bad) {
+    setenv(name, b, 1);
+    expect_error([&] { get(); }, {name, "must be"});
+  }
+}
+
+TEST(Env, IntegerVariablesAreRangeCheckedBeforeNarrowing) {
+  expect_ranged("EPX_RANKS_PER_NODE", env::ranks_per_node, "4",
+                {"-1", "4294967298", "x", "9223372036854775808"});
+  expect_ranged("EPX_PROXY_CHANNELS", [] { return env::proxy_channels(16); }, "16",
+                {"0", "17", "4294967297"});
+  expect_ranged("EPX_GIN_CONTEXTS", [] { return env::gin_contexts(16); }, "8",
+                {"0", "17", "4294967297"});
+  expect_ranged("EPX_PROXY_RING", env::proxy_ring, "64", {"15", "4194305", "4294967312"});
+  expect_ranged("EPX_DEBUG_PROXY", env::debug_proxy, "stats", {"2", "yes"});
+  {
+    const SavedEnv r("RANK"), w("WORLD_SIZE"), l("LOCAL_RANK"), m("MASTER_PORT");
+    setenv("WORLD_SIZE", "4", 1);
+    unsetenv("LOCAL_RANK");
+    unsetenv("MASTER_PORT");
+    setenv("RANK", "4294967296", 1);  // 2^32: was narrowed to rank 0
+    expect_error([] { env::rank_info(); }, {"RANK", "[0, WORLD_SIZE=4)", "4294967296"});
+    setenv("RANK", "1", 1);
+    EXPECT_EQ(env::rank_info().rank, 1);
+    EXPECT_EQ(env::rank_info().local_rank, 1);  // LOCAL_RANK unset: the rank
+    EXPECT_EQ(env::rank_info().master_port, 29500);
+    setenv("WORLD_SIZE", "4294967297", 1);  // 2^32 + 1: was narrowed to 1
+    expect_error([] { env::rank_info(); }, {"WORLD_SIZE", "must be in"});
+    setenv("WORLD_SIZE", "4", 1);
+    setenv("LOCAL_RANK", "4294967296", 1);
+    expect_error([] { env::rank_info(); }, {"LOCAL_RANK", "must be in"});
+    unsetenv("LOCAL_RANK");
+    setenv("MASTER_PORT", "4294996796", 1);  // 2^32 + 29500: was narrowed to 29500
+    expect_error([] { env::rank_info(); }, {"MASTER_PORT", "[1, 65534]"});
+    setenv("MASTER_PORT", "65535", 1);  // NCCL's bootstrap takes port + 1
+    expect_error([] { env::rank_info(); }, {"MASTER_PORT", "[1, 65534]"});
+  }
 }
 
 TEST(Env, LlArrivalOrderIsZeroOrOne) {

@@ -51,7 +51,7 @@ class Watch {
   Watch(int rank, std::string what)
       : rank_(rank),
         what_(std::move(what)),
-        trace_(env::get("EPX_NVSHMEM_TRACE").has_value()),
+        trace_(env::nvshmem_trace()),
         t0_(std::chrono::steady_clock::now()) {
     if (trace_) std::fprintf(stderr, "epx nvshmem rank %d: %s ...\n", rank_, what_.c_str());
     thread_ = std::thread([this] {

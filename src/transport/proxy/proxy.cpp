@@ -19,6 +19,7 @@
 #include <thread>
 
 #include "common/check.hpp"
+#include "common/env.hpp"
 #include "epx/error.hpp"
 #include "transport/proxy/coalesce.hpp"
 
@@ -247,6 +248,7 @@ struct Proxy::Impl {
   const ProxyOptions options;
   const uint32_t capacity;
   const int num_channels;
+  const env::ProxyDebug debug;  ///< EPX_DEBUG_PROXY, read once per proxy
 
   Allocation rings, hosts, devs, views_mem;
   Command* ring_host = nullptr;  ///< what the threads read (host addresses)
@@ -278,7 +280,8 @@ Proxy::Impl::Impl(Engine& e, const ProxyOptions& o)
     : engine(e),
       options(o),
       capacity(o.capacity >= 1 && o.capacity <= (1u << 31) ? std::bit_ceil(o.capacity) : 0),
-      num_channels(o.num_channels) {
+      num_channels(o.num_channels),
+      debug(env::debug_proxy()) {
   require(o.num_channels >= 1 && o.num_channels <= e.num_channels(), "num_channels",
           "must be in [1, " + std::to_string(e.num_channels()) + "] (the engine's channels), got " +
               std::to_string(o.num_channels));
@@ -381,16 +384,10 @@ void Proxy::Impl::run(int c) {
   const int num_ranks = engine.num_ranks();
   const bool stops = c == options.stop_channel;
   uint64_t tail = 0, marked = 0, completed = 0, since_mark = 0;
-  // EPX_DEBUG_PROXY=1: every command on stderr as the thread takes it.
-  static const bool trace = [] {
-    const char* v = std::getenv("EPX_DEBUG_PROXY");
-    return v != nullptr && v[0] == '1';
-  }();
-  // EPX_DEBUG_PROXY=stats: ChannelStats, printed when the thread ends.
-  static const bool want_stats = [] {
-    const char* v = std::getenv("EPX_DEBUG_PROXY");
-    return v != nullptr && std::string(v) == "stats";
-  }();
+  // EPX_DEBUG_PROXY=1: every command on stderr as the thread takes it;
+  // stats: ChannelStats, printed when the thread ends.
+  const bool trace = debug == env::ProxyDebug::kTrace;
+  const bool want_stats = debug == env::ProxyDebug::kStats;
   std::optional<ChannelStats> stats;
   if (want_stats) stats.emplace();
   Backoff backoff;

@@ -36,12 +36,7 @@ class ProxyBackend final : public Backend {
       : comm_(comm), topo_(topology), cumem_(proxy::cumem_regions(comm)) {
     // One thread per channel: num_qps_per_rank (DeepEP's default is 24) is
     // capped at EPX_PROXY_CHANNELS (default 4) channels per rank.
-    const long cap = env::get_int("EPX_PROXY_CHANNELS").value_or(4);
-    if (cap < 1 || cap > kMaxContexts)
-      throw Error(ErrorCode::kInvalidArgument, "EPX_PROXY_CHANNELS: must be in [1, " +
-                                                   std::to_string(kMaxContexts) + "], got " +
-                                                   std::to_string(cap));
-    num_channels_ = static_cast<int>(std::clamp<long>(options.num_contexts, 1, cap));
+    num_channels_ = std::clamp(options.num_contexts, 1, env::proxy_channels(kMaxContexts));
     // The proxy carries puts to other nodes only (same-node peers: load/store).
     std::vector<uint8_t> targets(static_cast<std::size_t>(topology.num_ranks), 0);
     for (int r = 0; r < topology.num_ranks; ++r)
@@ -50,13 +45,7 @@ class ProxyBackend final : public Backend {
     proxy::ProxyOptions po;
     po.num_channels = num_channels_;
     po.device = comm.device();
-    if (auto cap = env::get_int("EPX_PROXY_RING")) {
-      if (*cap < 16 || *cap > (1l << 22))
-        throw Error(ErrorCode::kInvalidArgument,
-                    "EPX_PROXY_RING: commands per channel ring must be in [16, 4194304], got " +
-                        std::to_string(*cap));
-      po.capacity = static_cast<uint32_t>(*cap);
-    }
+    if (const auto ring = env::proxy_ring()) po.capacity = *ring;
     read_stop_knob(comm.rank(), po);
     options_ = po;
     // A receiver waits for one signal per context of the sender: every rank
