@@ -21,7 +21,9 @@ cmake --build --preset default -j"$(nproc)"
 echo "== ctest"
 ctest --preset default
 echo "== python package"
-"$EPX_PY" -m pip install -q --no-build-isolation --no-deps . --config-settings=build-dir=build/python
+# With the test-only module epx._testing (python/CMakeLists.txt: EPX_PYTHON_TESTING).
+"$EPX_PY" -m pip install -q --no-build-isolation --no-deps . --config-settings=build-dir=build/python \
+  --config-settings=cmake.define.EPX_PYTHON_TESTING=ON
 echo "== pytest"
 set +e
 "$EPX_PY" -m pytest tests/python -q -ra

@@ -840,18 +840,6 @@ NB_MODULE(_core, m) {
   using DH = epx::DispatchHandle;
   nb::class_<DH>(m, "DispatchHandle",
                  "Routing of a dispatch (opaque; pass it to combine or dispatch).")
-      .def_static(
-          "_for_validation",
-          [](int num_ranks, int num_tokens, int num_recv_tokens, int hidden) {
-            auto h = std::make_shared<DH>();
-            h->num_ranks = num_ranks;
-            h->num_tokens = num_tokens;
-            h->num_recv_tokens = num_recv_tokens;
-            h->hidden = hidden;
-            return std::shared_ptr<const DH>(h);
-          },
-          "num_ranks"_a, "num_tokens"_a, "num_recv_tokens"_a, "hidden"_a,
-          "A tensor-less handle for testing argument validation.")
       .def_ro("num_ranks", &DH::num_ranks)
       .def_ro("num_tokens", &DH::num_tokens)
       .def_ro("num_recv_tokens", &DH::num_recv_tokens)
@@ -925,21 +913,6 @@ NB_MODULE(_core, m) {
 
   using LH = epx::LowLatencyHandle;
   nb::class_<LH>(m, "LowLatencyHandle", "Routing of a low-latency dispatch (opaque).")
-      .def_static(
-          "_for_validation",
-          [](int num_ranks, int num_experts, int max_tokens, int hidden, int num_tokens,
-             int num_topk) {
-            auto h = std::make_shared<LH>();
-            h->num_ranks = num_ranks;
-            h->num_experts = num_experts;
-            h->num_max_dispatch_tokens_per_rank = max_tokens;
-            h->hidden = hidden;
-            h->num_tokens = num_tokens;
-            h->num_topk = num_topk;
-            return std::shared_ptr<const LH>(h);
-          },
-          "num_ranks"_a, "num_experts"_a, "num_max_dispatch_tokens_per_rank"_a, "hidden"_a,
-          "num_tokens"_a, "num_topk"_a, "A tensor-less handle for testing argument validation.")
       .def_ro("num_ranks", &LH::num_ranks)
       .def_ro("num_experts", &LH::num_experts)
       .def_ro("num_max_dispatch_tokens_per_rank", &LH::num_max_dispatch_tokens_per_rank)

@@ -60,9 +60,6 @@ kernels::LlOffsets offsets_of(const plan::LlRegion& r) {
   return o;
 }
 
-/// (source, token) entries the dispatch receive keeps in shared memory at most.
-constexpr int64_t kMaxRecvList = 24 * 1024;
-
 /// What the ops need of the region: the core areas, and with peers in other
 /// nodes the network areas after them too.
 std::size_t ll_bytes_needed(const Buffer::Impl& d, const plan::LlRegion& r) {
@@ -110,10 +107,6 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
   const int E_local = E / R, RT = R * maxT, G = H / 128, G4 = (G + 3) / 4;
   const plan::LlRegion region = region_of(R, maxT, H, E);
   check_fits(op, d, region, ll_bytes_needed(d, region), "the call");
-  // The receive lists every (source, token) of a local expert in shared memory.
-  require(static_cast<int64_t>(R) * maxT <= kMaxRecvList, "num_max_dispatch_tokens_per_rank",
-          "times the rank count must be <= " + std::to_string(kMaxRecvList) + ", got " +
-              std::to_string(maxT) + " x " + std::to_string(R) + " ranks");
   d.raise_if_failed(op);
 
   StreamArgs s;

@@ -1,5 +1,7 @@
 #include "core/validate.hpp"
 
+#include <algorithm>
+#include <cstdint>
 #include <sstream>
 #include <string>
 
@@ -20,13 +22,53 @@ std::string shape_str(std::initializer_list<int64_t> shape) {
   return os.str();
 }
 
+/// Bytes `p` lies past the last multiple of `align` (0: aligned).
+uint64_t misalignment(const void* p, uint64_t align) {
+  return static_cast<uint64_t>(reinterpret_cast<uintptr_t>(p)) % align;
+}
+
+std::string address_str(const void* p) {
+  std::ostringstream os;
+  os << p;
+  return os.str();
+}
+
 }  // namespace
+
+void vector_aligned(const char* op, const char* name, const TensorView& t) {
+  if (t.data == nullptr || t.numel() == 0) return;
+  if (const uint64_t off = misalignment(t.data, kVectorAlign))
+    fail(op, name,
+         "must start at a 16-byte aligned address (the kernels read and write it 16 bytes at a "
+         "time); it starts at " +
+             address_str(t.data) + ", " + std::to_string(off) +
+             " bytes past a multiple of 16 (a view such as x[:, k:] of a wider tensor; pass "
+             "x.contiguous() or a view whose offset is a multiple of 16 bytes) (got " +
+             t.describe() + ")");
+  const auto esize = static_cast<int64_t>(element_size(t.dtype));
+  for (int d = 0; d + 1 < t.ndim; ++d)
+    if ((t.strides[d] * esize) % static_cast<int64_t>(kVectorAlign) != 0)
+      fail(op, name,
+           "dimension " + std::to_string(d) + "'s stride (" + std::to_string(t.strides[d]) +
+               " elements of " + std::to_string(esize) +
+               " B) must be a multiple of 16 bytes (the kernels read and write rows 16 bytes at a "
+               "time) (got " +
+               t.describe() + ")");
+}
 
 void tensor(const char* op, const char* name, const TensorView& t, DType dtype,
             std::initializer_list<int64_t> shape, int device, bool contiguous) {
   if (t.data == nullptr && t.numel() != 0) fail(op, name, "is null");
   if (t.dtype != dtype)
     fail(op, name, std::string("must be ") + dtype_name(dtype) + " (got " + t.describe() + ")");
+  if (t.data != nullptr && t.numel() != 0) {
+    const uint64_t esize = element_size(dtype);
+    if (const uint64_t off = misalignment(t.data, esize))
+      fail(op, name,
+           "must be aligned to its element size (" + std::to_string(esize) +
+               " bytes); it starts at " + address_str(t.data) + ", " + std::to_string(off) +
+               " bytes past a multiple (got " + t.describe() + ")");
+  }
   if (t.ndim != static_cast<int>(shape.size()))
     fail(op, name, "must have shape " + shape_str(shape) + " (got " + t.describe() + ")");
   int d = 0;
@@ -109,6 +151,11 @@ void low_latency_sizes(const char* op, int64_t max_tokens, int64_t hidden, int64
          "must be at most " + std::to_string(plan::kLlMaxExperts) + " for low-latency (got " +
              std::to_string(num_experts) + ")");
   validate::num_experts(op, static_cast<int>(num_experts), num_ranks);
+  if (static_cast<int64_t>(num_ranks) * max_tokens > kMaxLowLatencyRecvList)
+    fail(op, "num_max_dispatch_tokens_per_rank",
+         "times the rank count must be at most " + std::to_string(kMaxLowLatencyRecvList) +
+             " (the receive lists every (rank, token) of an expert in shared memory), got " +
+             std::to_string(max_tokens) + " x " + std::to_string(num_ranks) + " ranks");
 }
 
 void dispatch_layout(const TensorView& topk_idx, int num_experts, int num_ranks, int device) {
@@ -134,9 +181,9 @@ void dispatch(const DispatchArgs& a, int num_ranks, int device) {
   if (T < 0) fail(op, "x", "has a negative extent (got " + a.x.describe() + ")");
   hidden(op, H, a.x.dtype, false);
   if (a.x.data == nullptr && T > 0) fail(op, "x", "is null");
-  if (a.x.strides[1] != 1 ||
-      (a.x.strides[0] * static_cast<int64_t>(element_size(a.x.dtype))) % 16 != 0)
-    fail(op, "x", "rows must be contiguous and 16-byte aligned (got " + a.x.describe() + ")");
+  if (a.x.strides[1] != 1)
+    fail(op, "x", "rows must be contiguous (stride 1 along hidden; got " + a.x.describe() + ")");
+  vector_aligned(op, "x", a.x);
   if (a.x_scales) {
     if (element_size(a.x.dtype) != 1)
       fail(op, "x_scales",
@@ -164,6 +211,7 @@ void dispatch(const DispatchArgs& a, int num_ranks, int device) {
       fail(op, "handle",
            "was made for " + std::to_string(a.handle->num_tokens) + " tokens, x has " +
                std::to_string(T));
+    handle_routing(op, *a.handle, device);
     return;
   }
   if (!a.num_tokens_per_rank || !a.is_token_in_rank || !a.num_tokens_per_expert)
@@ -184,6 +232,62 @@ void dispatch(const DispatchArgs& a, int num_ranks, int device) {
   }
 }
 
+namespace {
+/// One routing tensor of a handle: defined (it was made by a dispatch), of
+/// `dtype`, on `device`, of `shape` (kAny: any extent; empty: any rank).
+void routing_tensor(const char* op, const char* what, const Tensor& t, DType dtype,
+                    std::initializer_list<int64_t> shape, int device) {
+  const TensorView& v = t.view;
+  const bool any_rank = shape.size() == 0;
+  bool ok = v.ndim > 0 && (v.data != nullptr || v.numel() == 0) && v.dtype == dtype &&
+            v.device == device && (any_rank || v.ndim == static_cast<int>(shape.size()));
+  int d = 0;
+  for (int64_t s : shape) {
+    if (!ok) break;
+    ok = s == kAny || v.shape[d] == s;
+    ++d;
+  }
+  if (!ok)
+    fail(op, "handle",
+         std::string("lacks its routing tensor ") + what + " (" + dtype_name(dtype) + " " +
+             (any_rank ? std::string("of any shape") : shape_str(shape)) + " on cuda:" +
+             std::to_string(device) + "; got " + (v.ndim > 0 ? v.describe() : "none") +
+             "): pass the handle a dispatch of this buffer returned");
+}
+}  // namespace
+
+void handle_routing(const char* op, const DispatchHandle& h, int device) {
+  const int64_t T = h.num_tokens, R = h.num_ranks, N = h.num_recv_tokens;
+  if (T < 0 || R < 1 || N < 0)
+    fail(op, "handle",
+         "has impossible sizes (num_tokens " + std::to_string(T) + ", num_ranks " +
+             std::to_string(R) + ", num_recv_tokens " + std::to_string(N) + ")");
+  routing_tensor(op, "is_token_in_rank", h.is_token_in_rank, DType::kBool, {T, R}, device);
+  routing_tensor(op, "recv_src_idx", h.recv_src_idx, DType::kI32, {N}, device);
+  if (h.ranks_per_node <= 0) {  // within one node (high_throughput.cpp)
+    routing_tensor(op, "send_slot", h.send_slot, DType::kI32, {T, R}, device);
+    routing_tensor(op, "send_list", h.send_list, DType::kI32, {R, std::max<int64_t>(T, 1)}, device);
+    routing_tensor(op, "send_counts", h.send_counts, DType::kI32, {R}, device);
+    routing_tensor(op, "recv_offsets", h.recv_offsets, DType::kI32, {R + 1}, device);
+    return;
+  }
+  // Across nodes (internode.cpp): the route, the forwarding records, the
+  // receive metadata and the source counts.
+  if (R % h.ranks_per_node != 0)
+    fail(op, "handle",
+         "has ranks_per_node " + std::to_string(h.ranks_per_node) + " that does not divide " +
+             std::to_string(R) + " ranks");
+  const int64_t nodes = R / h.ranks_per_node;
+  routing_tensor(op, "net_send_pos", h.net_send_pos, DType::kI32, {T, nodes}, device);
+  routing_tensor(op, "net_rank_pos", h.net_rank_pos, DType::kI32, {T, R}, device);
+  routing_tensor(op, "net_table", h.net_table, DType::kI32, {}, device);
+  routing_tensor(op, "net_fwd_mask", h.net_fwd_mask, DType::kI32, {}, device);
+  routing_tensor(op, "net_fwd_token", h.net_fwd_token, DType::kI32, {}, device);
+  routing_tensor(op, "net_recv_meta", h.net_recv_meta, DType::kI32, {N, 3}, device);
+  routing_tensor(op, "rank_prefix_matrix", h.rank_prefix_matrix, DType::kI32, {R, R}, device);
+  routing_tensor(op, "source_num_tokens", h.source_num_tokens, DType::kI32, {R}, device);
+}
+
 void combine(const CombineArgs& a, int num_ranks, int device) {
   const char* op = "combine";
   if (!a.handle) fail(op, "handle", "is required (the handle returned by dispatch)");
@@ -199,13 +303,19 @@ void combine(const CombineArgs& a, int num_ranks, int device) {
     tensor(op, "topk_weights", *a.topk_weights, DType::kF32, {h.num_recv_tokens, kAny}, device);
     num_topk(op, a.topk_weights->shape[1], "topk_weights");
   }
-  if (a.bias_0) tensor(op, "bias_0", *a.bias_0, DType::kBF16, {h.num_tokens, a.x.shape[1]}, device);
-  if (a.bias_1) tensor(op, "bias_1", *a.bias_1, DType::kBF16, {h.num_tokens, a.x.shape[1]}, device);
+  vector_aligned(op, "x", a.x);
+  for (const auto& [bias, bname] : {std::pair{&a.bias_0, "bias_0"}, std::pair{&a.bias_1, "bias_1"}})
+    if (*bias) {
+      tensor(op, bname, **bias, DType::kBF16, {h.num_tokens, a.x.shape[1]}, device);
+      vector_aligned(op, bname, **bias);
+    }
+  handle_routing(op, h, device);
 }
 
 void low_latency_dispatch(const LowLatencyDispatchArgs& a, int num_ranks, int device) {
   const char* op = "low_latency_dispatch";
   tensor(op, "x", a.x, DType::kBF16, {kAny, kAny}, device);
+  vector_aligned(op, "x", a.x);
   const int64_t T = a.x.shape[0], H = a.x.shape[1];
   low_latency_sizes(op, a.num_max_dispatch_tokens_per_rank, H, a.num_experts, num_ranks);
   if (T > a.num_max_dispatch_tokens_per_rank)
@@ -234,9 +344,13 @@ void low_latency_combine(const LowLatencyCombineArgs& a, int num_ranks, int devi
   const int64_t E_local = h.num_experts / num_ranks,
                 rows = static_cast<int64_t>(num_ranks) * h.num_max_dispatch_tokens_per_rank;
   tensor(op, "x", a.x, DType::kBF16, {E_local, rows, h.hidden}, device);
+  vector_aligned(op, "x", a.x);
   tensor(op, "topk_idx", a.topk_idx, DType::kI64, {h.num_tokens, h.num_topk}, device);
   tensor(op, "topk_weights", a.topk_weights, DType::kF32, {h.num_tokens, h.num_topk}, device);
-  if (a.out) tensor(op, "out", *a.out, DType::kBF16, {h.num_tokens, h.hidden}, device);
+  if (a.out) {
+    tensor(op, "out", *a.out, DType::kBF16, {h.num_tokens, h.hidden}, device);
+    vector_aligned(op, "out", *a.out);
+  }
   if (a.combine_wait_recv_cost_stats)
     tensor(op, "combine_wait_recv_cost_stats", *a.combine_wait_recv_cost_stats, DType::kI64,
            {num_ranks}, device);

@@ -15,9 +15,17 @@ inline constexpr int64_t kAny = -1;    ///< wildcard in an expected shape
 inline constexpr int kAnyDevice = -2;  ///< wildcard device: any CUDA device (not host)
 
 /// dtype, rank (ndim), shape (kAny = any extent), device (kAnyDevice = any
-/// CUDA device; kCpu = host), and row-major contiguity.
+/// CUDA device; kCpu = host), a data pointer aligned to the element size, and
+/// row-major contiguity.
 void tensor(const char* op, const char* name, const TensorView& t, DType dtype,
             std::initializer_list<int64_t> shape, int device, bool contiguous = true);
+
+/// What the kernels move 16 bytes at a time (rows of x, biases, outputs):
+/// the data pointer a multiple of kVectorAlign and every stride but the last
+/// a multiple of kVectorAlign bytes. A view that starts inside a row of a
+/// wider tensor (x[:, 4:]) breaks it; so does a flat slice at an odd offset.
+inline constexpr uint64_t kVectorAlign = 16;
+void vector_aligned(const char* op, const char* name, const TensorView& t);
 
 /// num_experts > 0 and divisible by num_ranks.
 void num_experts(const char* op, int num_experts, int num_ranks);
@@ -35,13 +43,26 @@ inline constexpr int kMaxTopK = 16;
 inline constexpr int kMaxRanks = epx::kMaxRanks;  ///< in all (8 per node: kMaxRanksPerNode)
 inline constexpr int kMaxLowLatencyTokens = plan::kLlMaxTokens;  ///< per rank, per call
 inline constexpr int kMaxLayoutExperts = 8192;                   ///< get_dispatch_layout's kernel
+/// The low-latency dispatch's receive lists every (source rank, token) of a
+/// local expert in shared memory: num_ranks * num_max_dispatch_tokens_per_rank
+/// entries at most.
+inline constexpr int64_t kMaxLowLatencyRecvList = 24 * 1024;
 
 /// Low-latency sizes (ops, clean_low_latency_buffer, the size hint):
 /// num_max_dispatch_tokens_per_rank in [1, kMaxLowLatencyTokens]; hidden > 0,
 /// a multiple of 128 and at most plan::kLlMaxHidden; num_experts > 0, divisible
-/// by num_ranks and at most plan::kLlMaxExperts.
+/// by num_ranks and at most plan::kLlMaxExperts; num_ranks times
+/// num_max_dispatch_tokens_per_rank at most kMaxLowLatencyRecvList.
 void low_latency_sizes(const char* op, int64_t num_max_dispatch_tokens_per_rank, int64_t hidden,
                        int64_t num_experts, int num_ranks);
+
+/// A high-throughput handle holds every routing tensor its combine and
+/// cached dispatches read, made for its sizes on `device` (is_token_in_rank
+/// and recv_src_idx; within one node send_slot, send_list, send_counts,
+/// recv_offsets; across nodes the net_* route tensors, rank_prefix_matrix and
+/// source_num_tokens). A handle without them
+/// (one rebuilt by hand) is refused, naming the first one missing.
+void handle_routing(const char* op, const DispatchHandle& h, int device);
 
 /// Whole-call checks. Return nothing; throw on the first broken rule.
 void dispatch_layout(const TensorView& topk_idx, int num_experts, int num_ranks, int device);

@@ -17,6 +17,12 @@ import epx
 from epx import _core
 from epx import reference as ref
 
+
+def _testing():
+    """epx._testing (handles with fake routing tensors), which scripts/test.sh builds."""
+    return pytest.importorskip(
+        "epx._testing", reason="epx built without EPX_PYTHON_TESTING=ON (scripts/test.sh builds it)")
+
 D = _core.DType
 RNG = np.random.default_rng(1234)
 
@@ -399,7 +405,7 @@ def test_validate_dispatch_accepts_good_args():
     _core.validate_dispatch(dispatch_args(), R, 0)
     _core.validate_dispatch(dispatch_args(D.float8_e4m3fn), R, 0)
     _core.validate_dispatch(dispatch_args(topk_idx=None, topk_weights=None), R, 0)
-    h = _core.DispatchHandle._for_validation(R, T, 5, H)
+    h = _testing().dispatch_handle(R, T, 5, H)
     _core.validate_dispatch(dispatch_args(topk_idx=None, topk_weights=None, handle=h,
                                           num_tokens_per_rank=None, is_token_in_rank=None,
                                           num_tokens_per_expert=None), R, 0)
@@ -442,17 +448,19 @@ def test_validate_dispatch_rows_and_scales_as_deepep():
     (dict(topk_idx=None), r"dispatch: topk_weights: needs topk_idx"),
     (dict(expert_alignment=0), r"dispatch: expert_alignment: must be >= 1 \(got 0\)"),
     (dict(num_worst_tokens=-1), r"dispatch: num_worst_tokens: must be >= 0"),
-    (dict(handle=_core.DispatchHandle._for_validation(R, T, 5, H)),
+    (dict(handle="a cached handle"),
      r"dispatch: topk_idx: must be None for a cached dispatch"),
 ])
 def test_validate_dispatch_rejects(over, pattern):
+    if over.get("handle") == "a cached handle":
+        over = dict(over, handle=_testing().dispatch_handle(R, T, 5, H))
     with pytest.raises(epx.EPXValueError, match=pattern):
         _core.validate_dispatch(dispatch_args(**over), R, 0)
 
 
 def test_validate_combine():
     N = 5
-    h = _core.DispatchHandle._for_validation(R, T, N, H)
+    h = _testing().dispatch_handle(R, T, N, H)
     a = _core.CombineArgs()
     a.x = cuda(D.bfloat16, (N, H))
     with pytest.raises(epx.EPXValueError, match=r"combine: handle: is required"):
@@ -474,6 +482,59 @@ def test_validate_combine():
     a.x = cuda(D.bfloat16, (N, 2 * H))
     with pytest.raises(epx.EPXValueError, match=r"combine: x: hidden must match the dispatch"):
         _core.validate_combine(a, R, 0)
+
+
+def test_handles_without_their_routing_tensors_are_refused():
+    """A handle rebuilt by hand used to reach the kernels with null pointers."""
+    N = 5
+    a = _core.CombineArgs()
+    a.x = cuda(D.bfloat16, (N, H))
+    for rpn, name in ((0, "send_slot"), (0, "recv_offsets"), (1, "net_recv_meta")):
+        a.handle = _testing().dispatch_handle(R, T, N, H, ranks_per_node=rpn, drop=name)
+        with pytest.raises(epx.EPXValueError,
+                           match=rf"combine: handle: lacks its routing tensor {name}"):
+            _core.validate_combine(a, R, 0)
+        a.handle = _testing().dispatch_handle(R, T, N, H, ranks_per_node=rpn)
+        _core.validate_combine(a, R, 0)
+    cached = dict(topk_idx=None, topk_weights=None, num_tokens_per_rank=None,
+                  is_token_in_rank=None, num_tokens_per_expert=None)
+    with pytest.raises(epx.EPXValueError,
+                       match=r"dispatch: handle: lacks its routing tensor is_token_in_rank"):
+        _core.validate_dispatch(dispatch_args(
+            handle=_testing().dispatch_handle(R, T, 5, H, drop="all"), **cached), R, 0)
+
+
+def test_misaligned_views_are_refused_by_name():
+    """x[:, 4:4 + H] of a [T, H + 8] bf16 tensor starts 8 bytes past a multiple of
+    16: the kernels' 16-byte loads fault on it (a crash before this check)."""
+    row = H + 8
+    view = _core.TensorView(ADDR + 8, D.bfloat16, [T, H], strides=[row, 1], device=0)
+    with pytest.raises(epx.EPXValueError,
+                       match=r"dispatch: x: must start at a 16-byte aligned address.*8 bytes "
+                             r"past a multiple of 16"):
+        _core.validate_dispatch(dispatch_args(x=view), R, 0)
+    view = _core.TensorView(ADDR + 16, D.bfloat16, [T, H], strides=[row, 1], device=0)
+    _core.validate_dispatch(dispatch_args(x=view), R, 0)
+    flat = _core.TensorView(ADDR + 2, D.bfloat16, [T, H], device=0)  # a flat slice 2 bytes off
+    with pytest.raises(epx.EPXValueError, match=r"low_latency_dispatch: x: must start at a 16-byte"):
+        _core.validate_low_latency_dispatch(ll_args(x=flat), R, 0)
+    a = _core.CombineArgs()
+    a.handle = _testing().dispatch_handle(R, T, 5, H)
+    a.x = cuda(D.bfloat16, (5, H))
+    a.bias_0 = _core.TensorView(ADDR + 4, D.bfloat16, [T, H], device=0)
+    with pytest.raises(epx.EPXValueError, match=r"combine: bias_0: must start at a 16-byte"):
+        _core.validate_combine(a, R, 0)
+    a.bias_0 = None
+    a.topk_weights = _core.TensorView(ADDR + 2, D.float32, [5, K], device=0)
+    with pytest.raises(epx.EPXValueError,
+                       match=r"combine: topk_weights: must be aligned to its element size"):
+        _core.validate_combine(a, R, 0)
+
+
+def test_low_latency_size_hint_refuses_what_the_ops_refuse():
+    with pytest.raises(epx.EPXValueError, match=r"num_max_dispatch_tokens_per_rank.*24576"):
+        epx.Buffer.get_low_latency_rdma_size_hint(1024, 7168, 32, 256)
+    assert epx.Buffer.get_low_latency_rdma_size_hint(768, 7168, 32, 256) > 0
 
 
 def ll_args(**over):
@@ -520,7 +581,7 @@ def test_low_latency_handle_is_deep_eps_tuple():
     from epx.handles import LowLatencyHandle, core_low_latency_handle
 
     maxT = 16
-    core = _core.LowLatencyHandle._for_validation(R, E, maxT, H, T, K)
+    core = _testing().low_latency_handle(R, E, maxT, H, T, K)
     src_info, layout_range = object(), object()
     h = LowLatencyHandle(core, src_info, layout_range)
     assert isinstance(h, tuple) and len(h) == 5
@@ -550,7 +611,7 @@ def test_low_latency_handle_is_deep_eps_tuple():
 
 def test_validate_low_latency_combine():
     maxT = 16
-    h = _core.LowLatencyHandle._for_validation(R, E, maxT, H, T, K)
+    h = _testing().low_latency_handle(R, E, maxT, H, T, K)
     a = _core.LowLatencyCombineArgs()
     a.x = cuda(D.bfloat16, (E // R, R * maxT, H))
     a.topk_idx = cuda(D.int64, (T, K))

@@ -16,22 +16,30 @@ non-tensors), Config, and the static helpers.
 Each generated set is judged by rules restated in this file: a valid set must
 reach the kernels' doorstep; any other must raise a ValueError (EPXValueError,
 EPXUnsupportedError) or TypeError whose message names one of the arguments the
-rules found broken. Over 10,000 sets per run; EPX_FUZZ_SEED=N draws others
-(the default is hypothesis's derandomized, repeatable run).
+rules found broken. Over 10,000 sets per run, from a seed drawn for the run
+(printed; every failure's report names it): EPX_FUZZ_SEED=N repeats a run.
 """
 
 import os
+import random
 import re
 import types
 from collections import Counter
 
 import hypothesis  # a test dependency (scripts/install_deps.sh): fail, never skip, without it
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import epx
 from epx import _core
+
+
+def _testing():
+    """epx._testing (handles with fake routing tensors), which scripts/test.sh builds."""
+    return pytest.importorskip(
+        "epx._testing", reason="epx built without EPX_PYTHON_TESTING=ON (scripts/test.sh builds it)")
 
 D = _core.DType
 ANY = None
@@ -41,13 +49,14 @@ ELEMENT = {D.bfloat16: 2, D.float8_e4m3fn: 1, D.float32: 4, D.int32: 4, D.int64:
 INT32 = (-(2**31), 2**31 - 1)
 
 
+# Drawn per run by conftest.py unless set (the report's header shows it).
+SEED = int(os.environ.get("EPX_FUZZ_SEED") or random.SystemRandom().randrange(2**63))
+
+
 def fuzz_settings(n):
-    seed = os.environ.get("EPX_FUZZ_SEED")
-    s = settings(max_examples=n, deadline=None, database=None, derandomize=seed is None,
+    s = settings(max_examples=n, deadline=None, database=None,
                  suppress_health_check=list(HealthCheck))
-    if seed is None:
-        return s
-    return lambda f: hypothesis.seed(int(seed))(s(f))
+    return lambda f: hypothesis.seed(SEED)(s(f))
 
 
 class Launched(Exception):
@@ -181,9 +190,20 @@ def tensor_ok(t, dtype, shape, device, contiguous=True):
         return False
     if any(e < 0 or (want is not None and e != want) for e, want in zip(t.shape, shape)):
         return False
-    if not t.data and int(np.prod(t.shape)) != 0:
+    n = int(np.prod(t.shape))
+    if not t.data and n != 0:
+        return False
+    if n != 0 and t.data % ELEMENT[t.dtype]:  # the pointer a multiple of the element size
         return False
     return t.device == device and (not contiguous or dense(t))
+
+
+def vectors_ok(t):
+    """What the kernels move 16 bytes at a time (rows of x, biases, outputs): the
+    pointer and every stride but the innermost multiples of 16 bytes."""
+    if not isinstance(t, Dev) or not t.data or int(np.prod(t.shape)) == 0:
+        return True
+    return t.data % 16 == 0 and all(s * ELEMENT[t.dtype] % 16 == 0 for s in t.strides[:-1])
 
 
 def hidden_ok(h, dtype, fp8):
@@ -234,6 +254,9 @@ def ll_size_rules(v, max_tokens, hidden, experts, R):
            "num_max_dispatch_tokens_per_rank")
     v.flag(hidden is not None and (hidden <= 0 or hidden % 128 or hidden > 16384), "hidden")
     v.flag(experts is not None and (experts <= 0 or experts % R or experts > 1024), "num_experts")
+    # the receive lists every (rank, token) of an expert: 24 Ki entries at most
+    v.flag(max_tokens is not None and R * max_tokens > 24 * 1024,
+           "num_max_dispatch_tokens_per_rank")
 
 
 # ---- generators ----------------------------------------------------------------------------------
@@ -264,7 +287,7 @@ def int_arg(draw, good, bad_p):
     return draw(non_ints())
 
 
-ASPECTS = ["type", "rank", "extent", "dtype", "device", "strides", "null"]
+ASPECTS = ["type", "rank", "extent", "dtype", "device", "strides", "null", "offset"]
 
 
 @st.composite
@@ -272,7 +295,8 @@ def tensor_arg(draw, dtype, shape, device, bad_p):
     """A Dev meant to satisfy (dtype, shape with None = any, device); with
     probability bad_p one or two aspects of it are broken: not a CUDA tensor at
     all, its rank, one extent, its dtype, its device, its strides (padded rows,
-    broadcast, every other element) or its pointer (null)."""
+    broadcast, every other element) or its pointer (null, or inside an element or
+    a 16-byte line: a view such as x[:, 4:] or a flat slice)."""
     shape = [draw(st.sampled_from([0, 1, 7, 64, 256])) if e is None else e for e in shape]
     if draw(st.floats(0, 1)) >= bad_p:
         return Dev(dtype, shape, device)
@@ -299,6 +323,8 @@ def tensor_arg(draw, dtype, shape, device, bad_p):
             t.strides[i] *= 2
     if "null" in faults:
         t.data = 0
+    elif "offset" in faults:
+        t.data += draw(st.sampled_from([1, 2, 4, 8, 12]))
     return t
 
 
@@ -460,7 +486,14 @@ def test_fuzz_get_dispatch_layout():
     check_tally("get_dispatch_layout", tally, N_LAYOUT, args)
 
 
-def dispatch_rules(R, dev, x, handle, layout, topk_idx, topk_weights, align, worst, config, ev):
+# Routing tensors a fuzzed handle may lack ("": none; "all": every one): a handle
+# holds every tensor its combine and cached dispatches read (docs/api.md).
+DROPS = ["", "all", "is_token_in_rank", "send_slot", "send_list", "recv_offsets",
+         "recv_src_idx"]
+
+
+def dispatch_rules(R, dev, x, handle, layout, topk_idx, topk_weights, align, worst, config, ev,
+                   drop=""):
     v = Verdict()
     if isinstance(x, tuple):
         if len(x) != 2:
@@ -490,7 +523,7 @@ def dispatch_rules(R, dev, x, handle, layout, topk_idx, topk_weights, align, wor
     T, H = x.shape
     v.flag(x.device != dev or T < 0 or (not x.data and T * H != 0), "x")
     v.flag(not hidden_ok(H, x.dtype, False), "hidden")
-    v.flag(x.strides[1] != 1 or x.strides[0] * ELEMENT[x.dtype] % 16, "x")
+    v.flag(x.strides[1] != 1 or not vectors_ok(x), "x")
     if x_scales is not None:
         v.flag(ELEMENT[x.dtype] != 1, "x_scales")
         v.flag(not (tensor_ok(x_scales, D.float32, [T, ANY], dev, False)
@@ -503,6 +536,7 @@ def dispatch_rules(R, dev, x, handle, layout, topk_idx, topk_weights, align, wor
         v.flag(topk_idx is not None or topk_weights is not None, "topk_idx")
         v.flag(w is not None and w > 0, "num_worst_tokens")
         v.flag(handle.num_ranks != R or handle.num_tokens != T, "handle")
+        v.flag(bool(drop), "handle")
         return v
     per_rank, in_rank, per_expert = layout
     if per_rank is None or in_rank is None or per_expert is None:
@@ -560,15 +594,18 @@ def test_fuzz_dispatch():
         elif hit("x"):
             x = (x,) if not isinstance(x, tuple) else x + (None,)
         handle, layout, topk_idx, topk_weights = None, (None, None, None), None, None
+        drop = ""
         if target == "handle" or data.draw(st.floats(0, 1)) < 0.3:
             if hit("handle") and data.draw(st.booleans()):
                 handle = data.draw(st.sampled_from(
-                    [(1, 2), 7, _core.LowLatencyHandle._for_validation(R, R, 8, 128, 1, 1)]))
+                    [(1, 2), 7, _testing().low_latency_handle(R, R, 8, 128, 1, 1)]))
             else:
                 wrong = hit("handle")
-                handle = _core.DispatchHandle._for_validation(
+                drop = data.draw(st.sampled_from(DROPS)) if wrong else ""
+                handle = _testing().dispatch_handle(
                     (2 * R if R < 8 else 4) if wrong and data.draw(st.booleans()) else R,
-                    T + 1 if wrong else T, data.draw(st.integers(0, 600)), H)
+                    T + 1 if wrong and not drop else T, data.draw(st.integers(0, 600)), H,
+                    device=dev, drop=drop)
             if hit("topk_idx"):
                 topk_idx = data.draw(tensor_arg(D.int64, [T, K], dev, pb("topk_idx")))
         else:
@@ -589,7 +626,7 @@ def test_fuzz_dispatch():
                                   else st.just(0), pb("num_worst_tokens")))
         config, ev = data.draw(configs(pb("config"))), data.draw(events(pb("previous_event")))
         v = dispatch_rules(R, dev, x, handle, layout, topk_idx, topk_weights, align, worst,
-                           config, ev)
+                           config, ev, drop)
 
         def call():
             make_buffer(R, dev).dispatch(
@@ -626,12 +663,13 @@ def test_fuzz_combine():
             H, tensorless = data.draw(st.sampled_from([0, H + 4, -8])), True
         if hit("handle") and data.draw(st.booleans()):
             handle = data.draw(st.sampled_from(
-                [None, (1, 2), _core.LowLatencyHandle._for_validation(R, R, 8, 128, 1, 1)]))
+                [None, (1, 2), _testing().low_latency_handle(R, R, 8, 128, 1, 1)]))
         else:
             wrong = hit("handle")
-            handle = _core.DispatchHandle._for_validation(
-                (2 * R if R < 8 else 4) if wrong else R, T, N,
-                0 if tensorless else (H + 8 if hit("x") else H))
+            drop = data.draw(st.sampled_from(DROPS)) if wrong else ""
+            handle = _testing().dispatch_handle(
+                (2 * R if R < 8 else 4) if wrong and not drop else R, T, N,
+                0 if tensorless else (H + 8 if hit("x") else H), device=dev, drop=drop)
         x = data.draw(tensor_arg(D.bfloat16, [N, H], dev, pb("x")))
         tw = data.draw(tensor_arg(D.float32, [N, data.draw(st.integers(1, 16))], dev,
                                   pb("topk_weights"))) if data.draw(st.booleans()) else None
@@ -653,8 +691,8 @@ def test_fuzz_combine():
         else:
             rule_event(v, ev)
             rule_config(v, config, R)
-            v.flag(handle.num_ranks != R, "handle")
-            v.flag(not tensor_ok(x, D.bfloat16, [N, ANY], dev), "x")
+            v.flag(handle.num_ranks != R or bool(drop), "handle")
+            v.flag(not tensor_ok(x, D.bfloat16, [N, ANY], dev) or not vectors_ok(x), "x")
             c0, c1 = bias if isinstance(bias, tuple) else (bias, None)
             for name, t in (("bias_0", c0), ("bias_1", c1)):
                 v.flag(t is not None and not isinstance(t, Dev), name)
@@ -668,7 +706,8 @@ def test_fuzz_combine():
                 v.flag(not hidden_ok(Hx, D.bfloat16, False), "hidden")
                 for name, t in (("bias_0", c0), ("bias_1", c1)):
                     if t is not None:
-                        v.flag(not tensor_ok(t, D.bfloat16, [T, Hx], dev), name)
+                        v.flag(not tensor_ok(t, D.bfloat16, [T, Hx], dev) or not vectors_ok(t),
+                               name)
 
         judge(tally, v, lambda: make_buffer(R, dev).combine(x, handle, topk_weights=tw, bias=bias,
                                                             config=config, previous_event=ev),
@@ -730,7 +769,7 @@ def test_fuzz_low_latency_dispatch():
         if not compat:  # the compatibility arguments are refused before anything else
             m = rule_int(v, maxT, "num_max_dispatch_tokens_per_rank")
             n_e = rule_int(v, E, "num_experts")
-            v.flag(not tensor_ok(x, D.bfloat16, [ANY, ANY], dev), "x")
+            v.flag(not tensor_ok(x, D.bfloat16, [ANY, ANY], dev) or not vectors_ok(x), "x")
             v.flag(not isinstance(idx, Dev), "topk_idx")
             v.flag(not use_fp8 and (round_scale or use_ue8m0), "use_fp8")
             v.flag(use_ue8m0 and not round_scale, "use_ue8m0")
@@ -780,9 +819,9 @@ def test_fuzz_low_latency_combine():
         T = data.draw(st.integers(0, maxT))
         if hit("handle") and data.draw(st.booleans()):
             handle = data.draw(st.sampled_from(
-                [None, (1, 2), _core.DispatchHandle._for_validation(R, 1, 1, 128)]))
+                [None, (1, 2), _testing().dispatch_handle(R, 1, 1, 128)]))
         else:
-            handle = _core.LowLatencyHandle._for_validation(
+            handle = _testing().low_latency_handle(
                 (2 * R if R < 8 else 4) if hit("handle") else R, E, maxT, H, T, K)
         x = data.draw(tensor_arg(D.bfloat16, [E // R, R * maxT, H], dev, pb("x")))
         idx = data.draw(tensor_arg(D.int64, [T, K], dev, pb("topk_idx")))
@@ -800,11 +839,12 @@ def test_fuzz_low_latency_combine():
             v.flag(True, "handle")
         else:
             v.flag(handle.num_ranks != R, "handle")
-            v.flag(not tensor_ok(x, D.bfloat16, [E // R, R * maxT, H], dev), "x")
+            v.flag(not tensor_ok(x, D.bfloat16, [E // R, R * maxT, H], dev) or not vectors_ok(x),
+                   "x")
             v.flag(not tensor_ok(idx, D.int64, [T, K], dev), "topk_idx")
             v.flag(not tensor_ok(w, D.float32, [T, K], dev), "topk_weights")
             if out is not None:
-                v.flag(not tensor_ok(out, D.bfloat16, [T, H], dev), "out")
+                v.flag(not tensor_ok(out, D.bfloat16, [T, H], dev) or not vectors_ok(out), "out")
             if stats is not None:
                 v.flag(not tensor_ok(stats, D.int64, [R], dev), "combine_wait_recv_cost_stats")
 

@@ -10,6 +10,12 @@ import pytest
 from epx import handles
 from epx import reference as ref
 
+
+def _testing():
+    """epx._testing (handles with fake routing tensors), which scripts/test.sh builds."""
+    return pytest.importorskip(
+        "epx._testing", reason="epx built without EPX_PYTHON_TESTING=ON (scripts/test.sh builds it)")
+
 BACKENDS = ["numpy"] + (["torch"] if importlib.util.find_spec("torch") else [])
 
 
@@ -104,7 +110,6 @@ def test_dispatch_handle_tuple_behaviour_without_a_gpu():
     """The tuple makes each element once, on first read (index, negative index,
     slice or unpacking), and is equal only to itself. A tensor-less core handle
     and numpy stand-ins for its tensors: the values on a GPU are test_gpu.py's."""
-    from epx import _core
 
     tensors = {
         "rank_prefix_matrix": np.array([[2, 1], [3, 4]], dtype=np.int32),
@@ -119,7 +124,7 @@ def test_dispatch_handle_tuple_behaviour_without_a_gpu():
             reads.append(name)
             return tensors[name]
 
-    core = _core.DispatchHandle._for_validation(2, 3, 4, 128)
+    core = _testing().dispatch_handle(2, 3, 4, 128)
     h = Fake(core, 1, 2, lambda t: t)
     assert reads == [] and len(h) == 6 and isinstance(h, tuple)
     want = ref.deepep_intranode_handle(
@@ -358,9 +363,8 @@ def test_internode_handle_refuses_a_handle_within_one_node_and_is_taken_back():
     """InternodeDispatchHandle wraps only a dispatch across nodes (ranks_per_node > 0);
     dispatch and combine take either handle tuple back (their .core), and refuse a
     tuple rebuilt from the elements by name."""
-    from epx import _core
 
-    core = _core.DispatchHandle._for_validation(4, 8, 5, 128)  # within one node
+    core = _testing().dispatch_handle(4, 8, 5, 128)  # within one node
     assert core.ranks_per_node == 0 and core.net_worst == 0
     with pytest.raises(ValueError, match="across nodes"):
         handles.InternodeDispatchHandle(core, 0, 4, lambda t: t)

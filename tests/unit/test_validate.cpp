@@ -3,6 +3,7 @@
 // dereferenced (except host topk_idx values).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 
@@ -184,6 +185,137 @@ TEST(Validate, AlignmentAndWorstTokens) {
   expect_error([&] { validate::dispatch(a, 4, 0); }, {"num_worst_tokens", ">= 0"});
 }
 
+/// A handle as a dispatch of R ranks within one node (L = 0) or across nodes
+/// of L ranks makes it: its routing tensors, views of fake memory on cuda:0.
+std::shared_ptr<DispatchHandle> routed_handle(int R, int T, int N, int H, int L = 0) {
+  auto h = std::make_shared<DispatchHandle>();
+  h->num_ranks = R;
+  h->num_tokens = T;
+  h->num_recv_tokens = N;
+  h->hidden = H;
+  h->ranks_per_node = L;
+  std::size_t k = 20;
+  const auto t = [&](DType d, std::initializer_list<int64_t> shape) {
+    return Tensor{dev_view(d, shape, 0, k++), nullptr};
+  };
+  h->is_token_in_rank = t(DType::kBool, {T, R});
+  h->recv_src_idx = t(DType::kI32, {N});
+  if (L == 0) {
+    h->send_slot = t(DType::kI32, {T, R});
+    h->send_list = t(DType::kI32, {R, std::max(T, 1)});
+    h->send_counts = t(DType::kI32, {R});
+    h->recv_offsets = t(DType::kI32, {R + 1});
+  } else {
+    h->net_send_pos = t(DType::kI32, {T, R / L});
+    h->net_rank_pos = t(DType::kI32, {T, R});
+    h->net_recv_meta = t(DType::kI32, {N, 3});
+    h->net_table = t(DType::kI32, {40});
+    h->net_fwd_mask = t(DType::kI32, {R / L, 16});
+    h->net_fwd_token = t(DType::kI32, {R / L, 16});
+    h->rank_prefix_matrix = t(DType::kI32, {R, R});
+    h->source_num_tokens = t(DType::kI32, {R});
+  }
+  return h;
+}
+
+TEST(Validate, HandlesWithoutTheirRoutingTensorsAreRefused) {
+  // A handle rebuilt by hand (no tensors) used to launch the combine and the
+  // cached dispatch with null pointers.
+  auto bare = std::make_shared<DispatchHandle>();
+  bare->num_ranks = 4;
+  bare->num_tokens = 64;
+  bare->num_recv_tokens = 100;
+  bare->hidden = 7168;
+  CombineArgs c;
+  c.handle = bare;
+  c.x = dev_view(DType::kBF16, {100, 7168});
+  expect_error([&] { validate::combine(c, 4, 0); },
+               {"combine: handle: lacks its routing tensor is_token_in_rank"});
+  auto a = good_dispatch();
+  a.topk_idx.reset();
+  a.topk_weights.reset();
+  a.handle = bare;
+  expect_error([&] { validate::dispatch(a, 4, 0); },
+               {"dispatch: handle: lacks its routing tensor is_token_in_rank"});
+  for (int L : {0, 2}) {
+    SCOPED_TRACE(L);
+    auto h = routed_handle(4, 64, 100, 7168, L);
+    c.handle = h;
+    a.handle = h;
+    EXPECT_NO_THROW(validate::combine(c, 4, 0));
+    EXPECT_NO_THROW(validate::dispatch(a, 4, 0));
+    // each tensor the ops read: missing, of another shape, or on another device
+    Tensor& part = L == 0 ? h->recv_offsets : h->net_recv_meta;
+    const char* name = L == 0 ? "recv_offsets" : "net_recv_meta";
+    const Tensor kept = part;
+    part = Tensor{};
+    expect_error([&] { validate::combine(c, 4, 0); }, {"handle", name, "got none"});
+    part = kept;
+    part.view.shape[0] += 1;
+    expect_error([&] { validate::dispatch(a, 4, 0); }, {"handle", name});
+    part = kept;
+    part.view.device = 1;
+    expect_error([&] { validate::combine(c, 4, 0); }, {"handle", name, "cuda:0"});
+    part = kept;
+    EXPECT_NO_THROW(validate::combine(c, 4, 0));
+  }
+}
+
+TEST(Validate, MisalignedViewsAreRefusedByName) {
+  // x = full[:, 4:4 + H] of a [T, H + 8] bf16 tensor: a row pitch of 16-byte
+  // multiples from a base 8 bytes off, which the kernels' 16-byte loads fault on.
+  auto a = good_dispatch(64, 7168);
+  a.x.data = static_cast<char*>(a.x.data) + 8;
+  a.x.strides[0] = 7168 + 8;
+  expect_error([&] { validate::dispatch(a, 4, 0); },
+               {"dispatch: x: must start at a 16-byte aligned address", "8 bytes past"});
+  a.x.data = static_cast<char*>(a.x.data) + 8;  // 16 bytes off: fine
+  EXPECT_NO_THROW(validate::dispatch(a, 4, 0));
+  a.x.strides[0] = 7168 + 4;  // rows 8 bytes apart from each other
+  expect_error([&] { validate::dispatch(a, 4, 0); }, {"dispatch: x:", "16 bytes"});
+  // an element out of line (int64 top-k ids 4 bytes off)
+  a = good_dispatch();
+  a.topk_idx->data = static_cast<char*>(a.topk_idx->data) + 4;
+  expect_error([&] { validate::dispatch(a, 4, 0); },
+               {"dispatch: topk_idx: must be aligned to its element size (8 bytes)"});
+  // combine inputs and biases
+  CombineArgs c;
+  c.handle = routed_handle(4, 32, 100, 4096);
+  c.x = dev_view(DType::kBF16, {100, 4096});
+  c.bias_1 = dev_view(DType::kBF16, {32, 4096}, 0, 7);
+  EXPECT_NO_THROW(validate::combine(c, 4, 0));
+  c.bias_1->data = static_cast<char*>(c.bias_1->data) + 2;
+  expect_error([&] { validate::combine(c, 4, 0); }, {"combine: bias_1: must start at a 16-byte"});
+  c.bias_1.reset();
+  c.x.data = static_cast<char*>(c.x.data) + 6;
+  expect_error([&] { validate::combine(c, 4, 0); }, {"combine: x: must start at a 16-byte"});
+  // low-latency x: a flat slice 2 bytes off
+  LowLatencyDispatchArgs l;
+  l.x = dev_view(DType::kBF16, {128, 7168});
+  l.topk_idx = dev_view(DType::kI64, {128, 8}, 0, 2);
+  l.num_max_dispatch_tokens_per_rank = 128;
+  l.num_experts = 256;
+  EXPECT_NO_THROW(validate::low_latency_dispatch(l, 4, 0));
+  l.x.data = static_cast<char*>(l.x.data) + 2;
+  expect_error([&] { validate::low_latency_dispatch(l, 4, 0); },
+               {"low_latency_dispatch: x: must start at a 16-byte"});
+}
+
+TEST(Validate, LowLatencySizeHintRefusesWhatTheOpsRefuse) {
+  // (1024, 7168, 32, 256) used to give about 10.4 GB though no dispatch takes
+  // 32 x 1024 tokens (the receive lists 24 Ki (rank, token) entries at most).
+  expect_error([] { Buffer::get_low_latency_rdma_size_hint(1024, 7168, 32, 256); },
+               {"num_max_dispatch_tokens_per_rank", "24576", "1024 x 32"});
+  EXPECT_GT(Buffer::get_low_latency_rdma_size_hint(768, 7168, 32, 256), 0u);  // 24 Ki exactly
+  LowLatencyDispatchArgs l;
+  l.x = dev_view(DType::kBF16, {1, 7168});
+  l.topk_idx = dev_view(DType::kI64, {1, 8}, 0, 2);
+  l.num_max_dispatch_tokens_per_rank = 1024;
+  l.num_experts = 256;
+  expect_error([&] { validate::low_latency_dispatch(l, 32, 0); },
+               {"num_max_dispatch_tokens_per_rank", "24576"});
+}
+
 TEST(Validate, CachedDispatchRules) {
   auto h = std::make_shared<DispatchHandle>();
   h->num_ranks = 4;
@@ -200,12 +332,7 @@ TEST(Validate, CachedDispatchRules) {
 TEST(Validate, CombineRules) {
   CombineArgs c;
   expect_error([&] { validate::combine(c, 4, 0); }, {"combine", "handle", "required"});
-  auto h = std::make_shared<DispatchHandle>();
-  h->num_ranks = 4;
-  h->num_tokens = 32;
-  h->num_recv_tokens = 100;
-  h->hidden = 4096;
-  c.handle = h;
+  c.handle = routed_handle(4, 32, 100, 4096);
   c.x = dev_view(DType::kBF16, {99, 4096});
   expect_error([&] { validate::combine(c, 4, 0); }, {"x", "[100, *]"});
   c.x = dev_view(DType::kBF16, {100, 2048});

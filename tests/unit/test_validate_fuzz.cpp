@@ -8,12 +8,14 @@
 // Nothing else may happen (no other exception, no crash). Views carry fake
 // device pointers; validation never dereferences them.
 //
-// EPX_FUZZ_SEED=N picks another seed (the default is fixed, so CI is
-// repeatable); EPX_FUZZ_SCALE=K runs K times as many sets.
+// Every run draws a fresh seed (printed; every failure names it too), so CI
+// covers new sets each time; EPX_FUZZ_SEED=N reproduces a run;
+// EPX_FUZZ_SCALE=K runs K times as many sets.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <map>
@@ -45,8 +47,15 @@ static_assert(kLayoutSets + kDispatchSets + kCombineSets + kLowLatencyDispatchSe
               "the fuzz must feed at least 10,000 argument sets per run");
 
 uint64_t seed() {
-  const char* s = std::getenv("EPX_FUZZ_SEED");
-  return s ? std::strtoull(s, nullptr, 10) : 20261126ull;
+  static const uint64_t s = [] {
+    const char* v = std::getenv("EPX_FUZZ_SEED");
+    const uint64_t x = v ? std::strtoull(v, nullptr, 10)
+                         : (uint64_t{std::random_device{}()} << 32) ^ std::random_device{}();
+    std::printf("ValidateFuzz: EPX_FUZZ_SEED=%llu%s\n", static_cast<unsigned long long>(x),
+                v ? " (from the environment)" : " (drawn for this run)");
+    return x;
+  }();
+  return s;
 }
 
 int scaled(int n) {
@@ -108,10 +117,54 @@ bool tensor_ok(const TensorView& t, DType dtype, const std::vector<int64_t>& sha
     n *= t.shape[d];
   }
   if (t.data == nullptr && n != 0) return false;
+  // the data pointer a multiple of the element size (where anything is read)
+  if (n != 0 && reinterpret_cast<uintptr_t>(t.data) % element_size(t.dtype) != 0) return false;
   if (device == kCpu && t.device != kCpu) return false;
   if (device == validate::kAnyDevice && t.device == kCpu) return false;
   if (device >= 0 && t.device != device) return false;
   return !contiguous || dense(t);
+}
+
+/// What the kernels move 16 bytes at a time (rows of x, biases, outputs): the
+/// data pointer and every stride but the innermost multiples of 16 bytes.
+bool vectors_ok(const TensorView& t) {
+  int64_t n = 1;
+  for (int d = 0; d < t.ndim; ++d) n *= t.shape[d];
+  if (t.data == nullptr || n == 0) return true;  // no element: nothing is read
+  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0) return false;
+  for (int d = 0; d + 1 < t.ndim; ++d)
+    if ((t.strides[d] * static_cast<int64_t>(element_size(t.dtype))) % 16 != 0) return false;
+  return true;
+}
+
+/// A handle of a high-throughput dispatch carries the routing its combine
+/// and cached dispatches read (docs/api.md): is_token_in_rank [T, R] bool
+/// and recv_src_idx [N] int32; within one node send_slot [T, R],
+/// send_list [R, max(T, 1)], send_counts [R], recv_offsets [R + 1]; across
+/// nodes net_send_pos [T, nodes], net_rank_pos [T, R], net_recv_meta
+/// [N, 3], rank_prefix_matrix [R, R], source_num_tokens [R] and the
+/// route's net_table, net_fwd_mask, net_fwd_token (any shape); all int32 on
+/// the buffer's device.
+bool routing_ok(const DispatchHandle& h, int dev) {
+  const int64_t T = h.num_tokens, R = h.num_ranks, N = h.num_recv_tokens;
+  if (T < 0 || R < 1 || N < 0) return false;
+  const auto has = [&](const Tensor& t, DType dt, std::vector<int64_t> shape) {
+    if (t.view.ndim == 0) return false;
+    if (shape.empty()) shape.assign(static_cast<std::size_t>(t.view.ndim), kAny);
+    return tensor_ok(t.view, dt, shape, dev, false);
+  };
+  if (!has(h.is_token_in_rank, DType::kBool, {T, R}) || !has(h.recv_src_idx, DType::kI32, {N}))
+    return false;
+  if (h.ranks_per_node <= 0)
+    return has(h.send_slot, DType::kI32, {T, R}) &&
+           has(h.send_list, DType::kI32, {R, std::max<int64_t>(T, 1)}) &&
+           has(h.send_counts, DType::kI32, {R}) && has(h.recv_offsets, DType::kI32, {R + 1});
+  if (R % h.ranks_per_node != 0) return false;
+  return has(h.net_send_pos, DType::kI32, {T, R / h.ranks_per_node}) &&
+         has(h.net_rank_pos, DType::kI32, {T, R}) && has(h.net_recv_meta, DType::kI32, {N, 3}) &&
+         has(h.rank_prefix_matrix, DType::kI32, {R, R}) &&
+         has(h.source_num_tokens, DType::kI32, {R}) && has(h.net_table, DType::kI32, {}) &&
+         has(h.net_fwd_mask, DType::kI32, {}) && has(h.net_fwd_token, DType::kI32, {});
 }
 
 bool topk_ok(int64_t k) {
@@ -132,6 +185,9 @@ void low_latency_size_rules(Verdict& v, int64_t max_tokens, int64_t hidden, int6
   v.flag(max_tokens < 1 || max_tokens > 1024, "num_max_dispatch_tokens_per_rank");
   v.flag(hidden <= 0 || hidden % 128 != 0 || hidden > 16384, "hidden");
   v.flag(!experts_ok(experts, num_ranks) || experts > 1024, "num_experts");
+  // the receive lists every (rank, token) of an expert: 24 Ki entries at most
+  v.flag(max_tokens >= 1 && static_cast<int64_t>(num_ranks) * max_tokens > 24 * 1024,
+         "num_max_dispatch_tokens_per_rank");
 }
 
 Verdict dispatch_layout_rules(const TensorView& topk_idx, int experts, int R, int dev) {
@@ -154,10 +210,8 @@ Verdict dispatch_rules(const DispatchArgs& a, int R, int dev) {
   const int64_t T = x.shape[0], H = x.shape[1];
   v.flag(x.device != dev || T < 0 || (x.data == nullptr && T * H != 0), "x");
   v.flag(!hidden_ok(H, x.dtype, false), "hidden");
-  // rows: dense inside, starting at 16-byte multiples
-  v.flag(
-      x.strides[1] != 1 || (x.strides[0] * static_cast<int64_t>(element_size(x.dtype))) % 16 != 0,
-      "x");
+  // rows: dense inside, starting at 16-byte multiples, from a 16-byte aligned base
+  v.flag(x.strides[1] != 1 || !vectors_ok(x), "x");
   if (a.x_scales) {
     const TensorView& sc = *a.x_scales;
     v.flag(element_size(x.dtype) != 1, "x_scales");
@@ -172,6 +226,7 @@ Verdict dispatch_rules(const DispatchArgs& a, int R, int dev) {
     v.flag(a.topk_idx || a.topk_weights, "topk_idx");
     v.flag(a.num_worst_tokens > 0, "num_worst_tokens");
     v.flag(a.handle->num_ranks != R || a.handle->num_tokens != T, "handle");
+    v.flag(!routing_ok(*a.handle, dev), "handle");
     return v;
   }
   if (!a.num_tokens_per_rank || !a.is_token_in_rank || !a.num_tokens_per_expert) {
@@ -204,7 +259,8 @@ Verdict combine_rules(const CombineArgs& a, int R, int dev) {
   }
   const DispatchHandle& h = *a.handle;
   v.flag(h.num_ranks != R, "handle");
-  v.flag(!tensor_ok(a.x, DType::kBF16, {h.num_recv_tokens, kAny}, dev), "x");
+  v.flag(!routing_ok(h, dev), "handle");
+  v.flag(!tensor_ok(a.x, DType::kBF16, {h.num_recv_tokens, kAny}, dev) || !vectors_ok(a.x), "x");
   if (a.x.ndim != 2) return v;
   const int64_t H = a.x.shape[1];
   v.flag(h.hidden != 0 && H != h.hidden, "x");  // the dispatch's hidden size
@@ -214,14 +270,18 @@ Verdict combine_rules(const CombineArgs& a, int R, int dev) {
            "topk_weights");
     if (a.topk_weights->ndim == 2) v.flag(!topk_ok(a.topk_weights->shape[1]), "topk_weights");
   }
-  if (a.bias_0) v.flag(!tensor_ok(*a.bias_0, DType::kBF16, {h.num_tokens, H}, dev), "bias_0");
-  if (a.bias_1) v.flag(!tensor_ok(*a.bias_1, DType::kBF16, {h.num_tokens, H}, dev), "bias_1");
+  if (a.bias_0)
+    v.flag(!tensor_ok(*a.bias_0, DType::kBF16, {h.num_tokens, H}, dev) || !vectors_ok(*a.bias_0),
+           "bias_0");
+  if (a.bias_1)
+    v.flag(!tensor_ok(*a.bias_1, DType::kBF16, {h.num_tokens, H}, dev) || !vectors_ok(*a.bias_1),
+           "bias_1");
   return v;
 }
 
 Verdict low_latency_dispatch_rules(const LowLatencyDispatchArgs& a, int R, int dev) {
   Verdict v;
-  v.flag(!tensor_ok(a.x, DType::kBF16, {kAny, kAny}, dev), "x");
+  v.flag(!tensor_ok(a.x, DType::kBF16, {kAny, kAny}, dev) || !vectors_ok(a.x), "x");
   if (a.x.ndim != 2) return v;
   const int64_t T = a.x.shape[0], H = a.x.shape[1];
   low_latency_size_rules(v, a.num_max_dispatch_tokens_per_rank, H, a.num_experts, R);
@@ -248,10 +308,14 @@ Verdict low_latency_combine_rules(const LowLatencyCombineArgs& a, int R, int dev
   const LowLatencyHandle& h = *a.handle;
   v.flag(h.num_ranks != R, "handle");
   const int64_t rows = static_cast<int64_t>(R) * h.num_max_dispatch_tokens_per_rank;
-  v.flag(!tensor_ok(a.x, DType::kBF16, {h.num_experts / R, rows, h.hidden}, dev), "x");
+  v.flag(
+      !tensor_ok(a.x, DType::kBF16, {h.num_experts / R, rows, h.hidden}, dev) || !vectors_ok(a.x),
+      "x");
   v.flag(!tensor_ok(a.topk_idx, DType::kI64, {h.num_tokens, h.num_topk}, dev), "topk_idx");
   v.flag(!tensor_ok(a.topk_weights, DType::kF32, {h.num_tokens, h.num_topk}, dev), "topk_weights");
-  if (a.out) v.flag(!tensor_ok(*a.out, DType::kBF16, {h.num_tokens, h.hidden}, dev), "out");
+  if (a.out)
+    v.flag(!tensor_ok(*a.out, DType::kBF16, {h.num_tokens, h.hidden}, dev) || !vectors_ok(*a.out),
+           "out");
   if (a.combine_wait_recv_cost_stats)
     v.flag(!tensor_ok(*a.combine_wait_recv_cost_stats, DType::kI64, {R}, dev),
            "combine_wait_recv_cost_stats");
@@ -329,7 +393,64 @@ TensorView gen_tensor(Gen& g, DType dtype, std::vector<int64_t> shape, int devic
     }
   }
   t.data = g.chance(p / 2) ? nullptr : fake_pointer(g);
+  // a base inside a row or an element: a view such as x[:, 4:] or a flat slice
+  if (t.data && g.chance(p))
+    t.data = static_cast<char*>(t.data) + g.pick<int64_t>({1, 2, 4, 8, 12});
   return t;
+}
+
+/// A high-throughput handle for T tokens, N received rows and R ranks
+/// (within one node, or across nodes of `L` ranks when L > 0), its routing
+/// tensors views of fake memory; with probability p one of them is missing,
+/// of another shape, dtype or device.
+std::shared_ptr<DispatchHandle> gen_handle(Gen& g, double p, int R, int64_t T, int64_t N, int dev,
+                                           int L = 0) {
+  auto h = std::make_shared<DispatchHandle>();
+  h->num_ranks = R;
+  h->num_tokens = static_cast<int>(T);
+  h->num_recv_tokens = static_cast<int>(N);
+  h->ranks_per_node = L;
+  std::vector<Tensor*> parts;
+  const auto make = [&](Tensor& t, DType dt, std::vector<int64_t> shape) {
+    t.view = gen_tensor(g, dt, std::move(shape), dev, 0.0);
+    parts.push_back(&t);
+  };
+  make(h->is_token_in_rank, DType::kBool, {T, R});
+  make(h->recv_src_idx, DType::kI32, {N});
+  if (L <= 0) {
+    make(h->send_slot, DType::kI32, {T, R});
+    make(h->send_list, DType::kI32, {R, std::max<int64_t>(T, 1)});
+    make(h->send_counts, DType::kI32, {R});
+    make(h->recv_offsets, DType::kI32, {R + 1});
+  } else {
+    make(h->net_send_pos, DType::kI32, {T, R / L});
+    make(h->net_rank_pos, DType::kI32, {T, R});
+    make(h->net_recv_meta, DType::kI32, {N, 3});
+    make(h->rank_prefix_matrix, DType::kI32, {R, R});
+    make(h->source_num_tokens, DType::kI32, {R});
+    make(h->net_table, DType::kI32, {g.between(1, 64)});
+    make(h->net_fwd_mask, DType::kI32, {R / L, g.between(1, 64)});
+    make(h->net_fwd_token, DType::kI32, {R / L, g.between(1, 64)});
+  }
+  if (g.chance(p)) {
+    Tensor& t =
+        *parts[static_cast<std::size_t>(g.between(0, static_cast<int64_t>(parts.size()) - 1))];
+    switch (g.between(0, 3)) {
+      case 0:
+        t = Tensor{};  // missing (a handle rebuilt by hand)
+        break;
+      case 1:
+        t.view.shape[0] += 1;
+        break;
+      case 2:
+        t.view.dtype = t.view.dtype == DType::kI32 ? DType::kI64 : DType::kI32;
+        break;
+      default:
+        t.view.device = dev + 1;
+        break;
+    }
+  }
+  return h;
 }
 
 int gen_ranks(Gen& g) {
@@ -412,7 +533,11 @@ std::string show(const TensorView& t) {
   std::ostringstream os;
   os << t.describe() << " strides [";
   for (int d = 0; d < t.ndim; ++d) os << (d ? ", " : "") << t.strides[d];
-  os << "]" << (t.data ? "" : " null");
+  os << "]";
+  if (!t.data)
+    os << " null";
+  else if (const auto off = reinterpret_cast<uintptr_t>(t.data) % 16)
+    os << " base+" << off;
   return os.str();
 }
 std::string show(const std::optional<TensorView>& t) {
@@ -461,10 +586,9 @@ TEST(ValidateFuzz, Dispatch) {
     a.expert_alignment = static_cast<int>(good_or_wild(g, p, g.pick<int64_t>({1, 64, 128})));
     a.num_worst_tokens = static_cast<int>(good_or_wild(g, p, g.chance(0.3) ? 4 * T : 0));
     if (g.chance(0.3)) {  // cached: a handle from a dispatch of these tokens, or of others
-      auto h = std::make_shared<DispatchHandle>();
-      h->num_ranks = g.chance(p) ? gen_ranks(g) : R;
-      h->num_tokens = static_cast<int>(g.chance(p) ? g.between(0, 300) : T);
-      h->num_recv_tokens = static_cast<int>(g.between(0, 600));
+      const int hR = g.chance(p) ? gen_ranks(g) : R;
+      const int L = hR % 2 == 0 && g.chance(0.3) ? hR / 2 : 0;
+      auto h = gen_handle(g, p, hR, g.chance(p) ? g.between(0, 300) : T, g.between(0, 600), dev, L);
       h->hidden = static_cast<int>(H);
       a.handle = h;
       if (!g.chance(p)) a.num_worst_tokens = 0;
@@ -506,13 +630,13 @@ TEST(ValidateFuzz, Combine) {
   for (int i = 0; i < scaled(kCombineSets); ++i) {
     const double p = gen_badness(g);
     const int R = gen_ranks(g), dev = gen_device(g);
-    const int64_t T = g.between(0, 300), N = g.between(0, 600), H = 8 * g.between(1, 900);
+    const int64_t T = g.between(0, 300), N = g.between(0, 600),
+                  H = g.chance(p / 2) ? g.pick<int64_t>({4, 12, 100}) : 8 * g.between(1, 900);
     CombineArgs a;
     if (!g.chance(p / 3)) {  // the handle of this buffer's dispatch, or of another one
-      auto h = std::make_shared<DispatchHandle>();
-      h->num_ranks = g.chance(p) ? gen_ranks(g) : R;
-      h->num_tokens = static_cast<int>(T);
-      h->num_recv_tokens = static_cast<int>(N);
+      const int hR = g.chance(p) ? gen_ranks(g) : R;
+      const int L = hR % 2 == 0 && g.chance(0.3) ? hR / 2 : 0;
+      auto h = gen_handle(g, p, hR, T, N, dev, L);
       h->hidden = static_cast<int>(g.chance(p) ? g.pick<int64_t>({0, H + 8, 2 * H}) : H);
       a.handle = h;
     }
