@@ -88,6 +88,7 @@ Comm::Comm(const Context& ctx, ListenComm& listen, const std::vector<const MeshH
   } catch (const MeshError& e) {
     throw PluginError(ncclSystemError, e.what());
   }
+  for (const std::string& r : mesh_->rejected()) log_warn(log_, "connect", r);
   // This rank's inbox: one ring per source rank, in a memfd every rank maps.
   ring_bytes_ = SignalRing::bytes_for(static_cast<uint64_t>(config_.depth));
   const std::size_t inbox_bytes = ring_bytes_ * static_cast<std::size_t>(nranks_);

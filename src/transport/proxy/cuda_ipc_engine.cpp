@@ -15,6 +15,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <string>
@@ -634,6 +635,8 @@ class CudaIpcEngine final : public Engine {
       std::vector<const host_mesh::MeshHandle*> views;
       for (const auto& h : handles) views.push_back(&h);
       mesh_ = std::make_unique<host_mesh::Mesh>(views, rank_, *listener_, timeout_s_);
+      for (const std::string& r : mesh_->rejected())  // the mesh formed without them
+        std::fprintf(stderr, "epx cuda_ipc engine, rank %d: %s\n", rank_, r.c_str());
     }
     return *mesh_;
   }
