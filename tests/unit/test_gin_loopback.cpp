@@ -24,8 +24,10 @@
 #include <thread>
 #include <vector>
 
+#include "common/host_mesh.hpp"
 #include "plugins/gin_loopback/abi.hpp"
 #include "plugins/gin_loopback/inbox.hpp"
+#include "plugins/gin_loopback/loop.hpp"
 #include "plugins/gin_loopback/memops.hpp"
 
 namespace gl = epx::gin_loop;
@@ -651,6 +653,118 @@ TEST(GinLoopback, ConnectNamesTheMissingRank) {
   EXPECT_EQ(g.closeListen(lc0), gl::ncclSuccess);
   EXPECT_EQ(g.closeListen(lc1), gl::ncclSuccess);
   EXPECT_EQ(g.finalize(ctx), gl::ncclSuccess);
+}
+
+// ---- peers that lie about sizes --------------------------------------------------------
+
+/// Rank 1 of 2 played by this test on the mesh itself (it holds the handles,
+/// so rank 0 admits it), sending an inbox memfd of `inbox_bytes` and, unless
+/// `inbox_only`, a registration record `rec` with a memfd of `fd_bytes`.
+/// Rank 0 is the plugin; returns rank 0's regMrSym result (or connect's if
+/// that failed), and `what` the logs.
+gl::ncclResult_t run_with_lying_peer(std::size_t inbox_bytes, bool inbox_only,
+                                     const gl::RegRecord& rec, std::size_t fd_bytes) {
+  namespace hm = epx::host_mesh;
+  const auto& g = *plugin().gin;
+  void *ctx = nullptr, *lc0 = nullptr, *coll = nullptr;
+  char h0[gl::NCCL_NET_HANDLE_MAXSIZE];
+  EXPECT_EQ(g.init(&ctx, 13, capture_log), gl::ncclSuccess);
+  EXPECT_EQ(g.listen(ctx, 0, h0, &lc0), gl::ncclSuccess);
+  hm::MeshHandle h1{};
+  hm::MeshListener l1(&h1);
+  std::string rogue_error;
+  std::thread rogue([&] {
+    auto memfd = [](std::size_t bytes) {
+      const int fd = memfd_create("lying-peer", MFD_CLOEXEC);
+      if (fd < 0 || ftruncate(fd, static_cast<off_t>(bytes)) != 0) throw hm::MeshError("memfd");
+      return fd;
+    };
+    auto close_all = [](std::vector<hm::Mesh::Item>& items) {
+      for (auto& it : items)
+        if (it.fd >= 0) close(it.fd);
+    };
+    try {
+      hm::Mesh m({reinterpret_cast<const hm::MeshHandle*>(h0), &h1}, 1, l1, 10);
+      const int inbox = memfd(inbox_bytes);
+      auto items = m.allgather("inbox", inbox, "connect (signal inbox exchange)");
+      close(inbox);
+      close_all(items);
+      if (inbox_only) return;
+      const int window = memfd(fd_bytes);
+      items = m.allgather(std::string(reinterpret_cast<const char*>(&rec), sizeof rec), window,
+                          "regMrSym");
+      close(window);
+      close_all(items);
+    } catch (const std::exception& e) {
+      rogue_error = e.what();
+    }
+  });
+  void* hs[2] = {h0, &h1};
+  gl::ncclResult_t rc = g.connect(ctx, hs, 2, 0, lc0, &coll);
+  void* window = nullptr;
+  if (rc == gl::ncclSuccess) {
+    EXPECT_EQ(plugin().alloc(4096, &window), 0);
+    void *mh = nullptr, *gh = nullptr;
+    rc = g.regMrSym(coll, window, 4096, gl::NCCL_PTR_HOST, 0, &mh, &gh);
+    if (rc == gl::ncclSuccess) g.deregMrSym(coll, mh);
+  }
+  rogue.join();
+  EXPECT_EQ(rogue_error, "");
+  if (coll) g.closeColl(coll);  // its barrier fails at once: the peer is gone
+  if (window) plugin().free(window);
+  EXPECT_EQ(g.closeListen(lc0), gl::ncclSuccess);
+  EXPECT_EQ(g.finalize(ctx), gl::ncclSuccess);
+  return rc;
+}
+
+std::size_t inbox_bytes_of_two() {
+  return static_cast<std::size_t>(gl::SignalRing::bytes_for(kDepth)) * 2;
+}
+
+// A peer whose registration claims an allocation larger than the descriptor
+// it sends is refused by name before the mapping is used (a mapping past the
+// end of a memfd would fault at first touch).
+TEST(GinLoopback, APeerClaimingMoreThanItsDescriptorHoldsIsRefused) {
+  ASSERT_NE(plugin().gin, nullptr);
+  const gl::RegRecord rec{1,
+                          4096,
+                          1 << 20,
+                          0,
+                          static_cast<uint32_t>(gl::RegionKind::kExportable),
+                          static_cast<uint32_t>(gl::NCCL_PTR_HOST),
+                          0,
+                          0};
+  EXPECT_NE(run_with_lying_peer(inbox_bytes_of_two(), false, rec, 4096), gl::ncclSuccess);
+  EXPECT_TRUE(logged("rank 1 sent a descriptor of 4096 bytes for an allocation of 1048576 bytes"))
+      << all_logs();
+}
+
+// A registration whose offset plus size wraps past 2^64 into the allocation
+// is refused by name (the sum is never computed).
+TEST(GinLoopback, APeerRegionOutsideItsAllocationIsRefused) {
+  ASSERT_NE(plugin().gin, nullptr);
+  const gl::RegRecord rec{1,
+                          4096,
+                          4096,
+                          ~uint64_t{0} - 15,
+                          static_cast<uint32_t>(gl::RegionKind::kExportable),
+                          static_cast<uint32_t>(gl::NCCL_PTR_HOST),
+                          0,
+                          0};
+  EXPECT_NE(run_with_lying_peer(inbox_bytes_of_two(), false, rec, 4096), gl::ncclSuccess);
+  EXPECT_TRUE(
+      logged("rank 1 describes its registration as 4096 bytes at offset "
+             "18446744073709551600 of an allocation of 4096 bytes"))
+      << all_logs();
+}
+
+// A signal inbox shorter than the rings rank 0 maps of it is refused at connect.
+TEST(GinLoopback, APeerInboxShorterThanItsRingsIsRefused) {
+  ASSERT_NE(plugin().gin, nullptr);
+  EXPECT_NE(run_with_lying_peer(64, true, gl::RegRecord{}, 0), gl::ncclSuccess);
+  EXPECT_TRUE(logged("rank 1's signal inbox is a descriptor of 64 bytes, shorter than the " +
+                     std::to_string(inbox_bytes_of_two()) + " bytes to map"))
+      << all_logs();
 }
 
 // ---- the signal ring itself ---------------------------------------------------------------

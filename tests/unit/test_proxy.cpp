@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "epx/error.hpp"
+#include "transport/proxy/bounds.hpp"
 #include "transport/proxy/coalesce.hpp"
 #include "transport/proxy/command.hpp"
 #include "transport/proxy/host_engine.hpp"
@@ -305,6 +306,10 @@ class GatedEngine final : public Engine {
     inner_.register_region(id, base, bytes);
   }
   void deregister_region(int id) override { inner_.deregister_region(id); }
+  void check_put(int channel, int peer, int region, uint64_t dst_off, uint64_t src_off,
+                 uint64_t bytes) const override {
+    inner_.check_put(channel, peer, region, dst_off, src_off, bytes);
+  }
   bool reaches(int peer) const override { return inner_.reaches(peer); }
   void put(int channel, int peer, int region, uint64_t dst_off, uint64_t src_off,
            uint64_t bytes) override {
@@ -429,6 +434,10 @@ class DeferredEngine final : public Engine {
   }
   void reset_signals(int id) override { inner_.reset_signals(id); }
   void deregister_region(int id) override { inner_.deregister_region(id); }
+  void check_put(int channel, int peer, int region, uint64_t dst_off, uint64_t src_off,
+                 uint64_t bytes) const override {
+    inner_.check_put(channel, peer, region, dst_off, src_off, bytes);
+  }
   bool reaches(int peer) const override { return inner_.reaches(peer); }
   void put(int channel, int peer, int region, uint64_t dst_off, uint64_t src_off,
            uint64_t bytes) override {
@@ -773,8 +782,18 @@ class RecordingEngine final : public Engine {
     uint64_t dst, src, bytes, dst_pitch, src_pitch, rows;
   };
   std::vector<Call> calls;
+  /// Every region's size on every rank, what check_put bounds puts by.
+  uint64_t region_bytes = uint64_t{1} << 40;
+  /// check_put accepts anything (what merging alone must then keep apart).
+  bool lax = false;
 
   const char* name() const override { return "recording"; }
+  void check_put(int, int peer, int region, uint64_t dst_off, uint64_t src_off,
+                 uint64_t bytes) const override {
+    if (!lax)
+      check_put_range("recording", "put", 0, peer, region, dst_off, src_off, bytes, region_bytes,
+                      region_bytes);
+  }
   int rank() const override { return 0; }
   int num_ranks() const override { return 4; }
   int num_channels() const override { return 1; }
@@ -993,6 +1012,164 @@ TEST(HostEngine, RegistrationWaitsForEveryRankWithADeadline) {
       error_of([&] { e0->register_region(0, mem.data(), 128); }, ErrorCode::kTimeout);
   EXPECT_GE(seconds_since(start), 0.2);
   EXPECT_NE(m.find("rank(s) 1, 2 did not arrive"), std::string::npos) << m;
+}
+
+// Two puts, each out of bounds, whose sums wrap past 2^64 so that merged
+// they would be one 256-byte copy at offset 0 of a 4 KiB region: each is
+// refused as it is taken, naming it, and nothing reaches the engine.
+TEST(Coalescer, OutOfBoundsPutsThatWouldMergeInBoundsAreRefused) {
+  RecordingEngine e;
+  e.region_bytes = 4096;
+  Coalescer q(e, 0, 4);
+  const uint64_t half = uint64_t{1} << 63;
+  const std::string first = error_of([&] { q.put(1, 0, 0, 0, half); }, ErrorCode::kInvalidArgument);
+  EXPECT_NE(first.find("destination [0, 0 + 9223372036854775808 bytes) is out of bounds of rank "
+                       "1's region 0 (4096 bytes)"),
+            std::string::npos)
+      << first;
+  const std::string second =
+      error_of([&] { q.put(1, 0, half, half, half + 256); }, ErrorCode::kInvalidArgument);
+  EXPECT_NE(second.find("destination [9223372036854775808, 9223372036854775808 + "
+                        "9223372036854776064 bytes) is out of bounds"),
+            std::string::npos)
+      << second;
+  EXPECT_EQ(q.queued(), 0u);
+  q.flush_all();
+  EXPECT_TRUE(e.calls.empty());
+  // In bounds they still merge.
+  q.put(1, 0, 0, 0, 128);
+  q.put(1, 0, 128, 128, 128);
+  q.flush_all();
+  ASSERT_EQ(e.calls.size(), 1u);
+  EXPECT_EQ(e.calls[0].bytes, 256u);
+}
+
+// Merging itself never wraps: with an engine that checks nothing, puts whose
+// sums pass 2^64 reach it as they were taken (contiguous and strided runs).
+TEST(Coalescer, MergingNeverWraps) {
+  RecordingEngine e;
+  e.lax = true;
+  Coalescer q(e, 0, 4);
+  const uint64_t half = uint64_t{1} << 63;
+  q.put(1, 0, 0, 0, half);
+  q.put(1, 0, half, half, half + 256);
+  q.flush_all();
+  ASSERT_EQ(e.calls.size(), 2u);
+  EXPECT_EQ(e.calls[0].op, "put");
+  EXPECT_EQ(e.calls[0].bytes, half);
+  EXPECT_EQ(e.calls[1].op, "put");
+  EXPECT_EQ(e.calls[1].dst, half);
+  EXPECT_EQ(e.calls[1].bytes, half + 256);
+  // Rows at pitch 2^31 from 2^64 - 2^32: the third would sit past 2^64 (at 0).
+  e.calls.clear();
+  const uint64_t pitch = uint64_t{1} << 31, start = 0 - 2 * pitch;
+  for (uint64_t k = 0; k < 3; ++k) q.put(2, 0, start + k * pitch, 4096 + k * pitch, 64);
+  q.flush_all();
+  uint64_t rows = 0;
+  for (const auto& c : e.calls) {
+    rows += c.rows;
+    if (c.op == "strided") {
+      uint64_t span = 0;
+      EXPECT_TRUE(strided_span(c.dst_pitch, c.bytes, c.rows, &span));
+      uint64_t end = 0;
+      EXPECT_TRUE(add_fits(c.dst, span, &end)) << "a strided run wrapped past 2^64";
+    }
+  }
+  EXPECT_EQ(rows, 3u);
+}
+
+// The host engine's check_put: what its put refuses, without copying.
+TEST(HostEngineBounds, CheckPutRefusesWhatPutWould) {
+  auto fabric = std::make_shared<HostFabric>(1);
+  auto engine = make_host_engine(fabric, 0, 1, 1);
+  std::vector<char> mem(4096, 0);
+  engine->register_region(0, mem.data(), mem.size());
+  EXPECT_NO_THROW(engine->check_put(0, 0, 0, 4000, 0, 96));
+  const uint64_t wrap = 0 - uint64_t{64};
+  EXPECT_NE(error_of([&] { engine->check_put(0, 0, 0, wrap, 0, 128); }, ErrorCode::kInvalidArgument)
+                .find("host engine: put: destination [18446744073709551552"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { engine->check_put(0, 0, 0, 0, 4000, 97); }, ErrorCode::kInvalidArgument)
+                .find("source [4000, 4000 + 97 bytes) is out of bounds of rank 0's region 0"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { engine->check_put(0, 0, 1, 0, 0, 8); }, ErrorCode::kInvalidArgument)
+                .find("region 1 is not registered"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { engine->check_put(1, 0, 0, 0, 0, 8); }, ErrorCode::kInvalidArgument)
+                .find("channel"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { engine->put(0, 0, 0, wrap, 0, 128); }, ErrorCode::kInvalidArgument)
+                .find("out of bounds"),
+            std::string::npos);
+  engine->deregister_region(0);
+}
+
+// The range checks of the CUDA IPC engine (bounds.hpp, which its put,
+// put_strided and register_region call), here without a GPU.
+TEST(CudaIpcBounds, PutRangesAreCheckedWithoutOverflow) {
+  EXPECT_NO_THROW(check_put_range("cuda_ipc", "put", 0, 1, 2, 0, 4032, 64, 4096, 4096));
+  const std::string wrap = error_of(
+      [] { check_put_range("cuda_ipc", "put", 0, 1, 2, 0 - uint64_t{32}, 0, 64, 4096, 4096); },
+      ErrorCode::kInvalidArgument);
+  EXPECT_NE(wrap.find("cuda_ipc engine: put: destination [18446744073709551584"), std::string::npos)
+      << wrap;
+  EXPECT_NE(wrap.find("rank 1's region 2 (4096 bytes)"), std::string::npos) << wrap;
+  const std::string src =
+      error_of([] { check_put_range("cuda_ipc", "put", 3, 1, 2, 0, 4033, 64, 4096, 4096); },
+               ErrorCode::kInvalidArgument);
+  EXPECT_NE(src.find("source [4033, 4033 + 64 bytes) is out of bounds of rank 3's region 2"),
+            std::string::npos)
+      << src;
+}
+
+TEST(CudaIpcBounds, StridedSpansThatOverflowAreRefused) {
+  // 4 rows of 64 at pitch 1024 from 1024: ends at 1024 + 3 * 1024 + 64.
+  EXPECT_NO_THROW(
+      check_strided_put_range("cuda_ipc", 0, 1, 0, 1024, 1024, 0, 64, 64, 4, 4160, 4096));
+  EXPECT_NE(error_of(
+                [] {
+                  check_strided_put_range("cuda_ipc", 0, 1, 0, 1024, 1024, 0, 64, 64, 4, 4159,
+                                          4096);
+                },
+                ErrorCode::kInvalidArgument)
+                .find("destination [1024, 1024 + 3136 bytes) is out of bounds"),
+            std::string::npos);
+  // (2^33 - 1) * 2^31 + 2^31 is 2^64: a span that wraps to 0 bytes.
+  const uint64_t pitch = uint64_t{1} << 31, rows = uint64_t{1} << 33;
+  const std::string span = error_of(
+      [&] {
+        check_strided_put_range("cuda_ipc", 0, 1, 0, 0, pitch, 0, pitch, pitch, rows, 4096, 4096);
+      },
+      ErrorCode::kInvalidArgument);
+  EXPECT_NE(span.find("put_strided to rank 1: the destination span of 8589934592 rows of "
+                      "2147483648 bytes at pitch 2147483648 overflows 64 bits"),
+            std::string::npos)
+      << span;
+  EXPECT_NE(
+      error_of(
+          [] { check_strided_put_range("cuda_ipc", 0, 1, 0, 0, 32, 0, 64, 64, 2, 4096, 4096); },
+          ErrorCode::kInvalidArgument)
+          .find("pitches (32, 64) must be >= the width 64"),
+      std::string::npos);
+}
+
+TEST(CudaIpcBounds, PeerRegionsMustLieInTheirAllocation) {
+  EXPECT_NO_THROW(check_peer_region("register_region(0)", 1, 4096, 2048, 6144));
+  const std::string past =
+      error_of([] { check_peer_region("register_region(0)", 1, 4096, 2049, 6144); },
+               ErrorCode::kInvalidArgument);
+  EXPECT_NE(past.find("register_region(0): rank 1 describes its region as 4096 bytes at offset "
+                      "2049 of an allocation of 6144 bytes"),
+            std::string::npos)
+      << past;
+  // An offset near 2^64 whose sum with the size wraps into the allocation.
+  EXPECT_NE(error_of([] { check_peer_region("r", 2, 64, 0 - uint64_t{16}, 6144); },
+                     ErrorCode::kInvalidArgument)
+                .find("rank 2 describes its region as 64 bytes at offset 18446744073709551600"),
+            std::string::npos);
+  EXPECT_NE(error_of([] { check_peer_region("r", 2, 0, 0, 6144); }, ErrorCode::kInvalidArgument)
+                .find("0 bytes"),
+            std::string::npos);
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 #include "plugins/gin_loopback/loop.hpp"
 
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -16,12 +17,15 @@ std::string num(uint64_t v) {
   return std::to_string(v);
 }
 
-struct RegRecord {  // what regMrSym allgathers
-  uint64_t id, size, alloc_bytes, offset;
-  uint32_t kind, type, device, pad;
-};
-
 void* map_fd(int fd, std::size_t bytes, const std::string& what) {
+  // A descriptor from a peer: mapping past its end would fault at first use.
+  struct stat st {};
+  if (fstat(fd, &st) != 0)
+    throw PluginError(ncclSystemError, "fstat of " + what + " failed: " + std::strerror(errno));
+  if (st.st_size < 0 || static_cast<uint64_t>(st.st_size) < bytes)
+    throw PluginError(ncclInvalidUsage, what + " is a descriptor of " + num(st.st_size) +
+                                            " bytes, shorter than the " + num(bytes) +
+                                            " bytes to map");
   void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED)
     throw PluginError(ncclSystemError, "mapping " + what + " failed: " + std::strerror(errno));
@@ -88,6 +92,7 @@ Comm::Comm(const Context& ctx, ListenComm& listen, const std::vector<const MeshH
   } catch (const MeshError& e) {
     throw PluginError(ncclSystemError, e.what());
   }
+  for (const std::string& r : mesh_->rejected()) log_warn(log_, "connect", r);
   // This rank's inbox: one ring per source rank, in a memfd every rank maps.
   ring_bytes_ = SignalRing::bytes_for(static_cast<uint64_t>(config_.depth));
   const std::size_t inbox_bytes = ring_bytes_ * static_cast<std::size_t>(nranks_);
@@ -229,6 +234,18 @@ Registration* Comm::reg_mr_sym(void* data, std::size_t size, int type, uint64_t 
         throw PluginError(ncclInvalidUsage, "regMrSym is collective: rank " + num(r) +
                                                 " made its registration #" + num(rec.id) +
                                                 " while rank " + num(rank_) + " made #" + num(id));
+      if (rec.kind != static_cast<uint32_t>(RegionKind::kExportable) &&
+          rec.kind != static_cast<uint32_t>(RegionKind::kLocalOnly))
+        throw PluginError(ncclInternalError, "rank " + num(r) + " sent region kind " +
+                                                 num(rec.kind) + ", which is none");
+      // What this rank maps and writes of the peer's range: [offset, offset +
+      // size) of its allocation of alloc_bytes (checked without overflow).
+      if (r != rank_ && rec.kind == static_cast<uint32_t>(RegionKind::kExportable) &&
+          (rec.offset > rec.alloc_bytes || rec.size > rec.alloc_bytes - rec.offset))
+        throw PluginError(ncclInvalidUsage,
+                          "rank " + num(r) + " describes its registration as " + num(rec.size) +
+                              " bytes at offset " + num(rec.offset) + " of an allocation of " +
+                              num(rec.alloc_bytes) + " bytes, which does not hold it");
       auto& p = reg->peers[r];
       p.kind = static_cast<RegionKind>(rec.kind);
       p.device = rec.device != 0;

@@ -68,6 +68,12 @@ struct ListenComm {
 
 class Comm;
 
+/// What regMrSym allgathers of each rank's range (the mesh's wire format).
+struct RegRecord {
+  uint64_t id, size, alloc_bytes, offset;
+  uint32_t kind, type, device, pad;
+};
+
 /// A symmetric registration: mhandle == ginHandle.
 struct Registration {
   Comm* comm = nullptr;

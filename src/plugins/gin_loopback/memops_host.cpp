@@ -2,6 +2,7 @@
 // memfd windows of the CPU tests, malloc'd inline values), and the host-only
 // build's make_memops.
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -75,6 +76,16 @@ class HostMemOps final : public MemOps {
     if (device)
       throw MemOpsError("rank " + std::to_string(peer) +
                         " registered GPU memory; this build has host memops only");
+    // The descriptor is the peer's: it must hold what the peer says it does
+    // (a mapping past its end faults at first use, not here).
+    struct stat st {};
+    if (fstat(fd, &st) != 0)
+      throw MemOpsError("fstat of rank " + std::to_string(peer) +
+                        "'s allocation failed: " + errno_text(errno));
+    if (st.st_size < 0 || static_cast<uint64_t>(st.st_size) < alloc_bytes)
+      throw MemOpsError("rank " + std::to_string(peer) + " sent a descriptor of " +
+                        std::to_string(st.st_size) + " bytes for an allocation of " +
+                        std::to_string(alloc_bytes) + " bytes");
     void* p = mmap(nullptr, alloc_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED)
       throw MemOpsError("mapping rank " + std::to_string(peer) + "'s allocation of " +

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "transport/proxy/bounds.hpp"
+
 namespace epx::proxy {
 
 namespace {
@@ -23,6 +25,9 @@ void Coalescer::put(int peer, int region, uint64_t dst_off, uint64_t src_off, ui
     engine_.put(channel_, peer, region, dst_off, src_off, bytes);
     return;
   }
+  // Each put is checked as taken: merged with its neighbours, puts out of
+  // bounds (offsets that wrap past 2^64) could add up to one copy in bounds.
+  engine_.check_put(channel_, peer, region, dst_off, src_off, bytes);
   auto& q = queues_[static_cast<std::size_t>(peer)];
   if (q.empty()) busy_.push_back(peer);
   q.push_back(Put{region, dst_off, src_off, bytes});
@@ -52,9 +57,13 @@ void Coalescer::issue(int peer, std::vector<Put>& puts) {
   std::vector<Put> sorted = puts;
   std::stable_sort(sorted.begin(), sorted.end(),
                    [](const Put& a, const Put& b) { return a.dst < b.dst; });
+  // The sums below are checked too (an end past 2^64 counts as overlapping,
+  // a run that would pass it ends), so merging never wraps.
   bool overlap = false;
-  for (std::size_t i = 1; i < sorted.size() && !overlap; ++i)
-    overlap = sorted[i - 1].dst + sorted[i - 1].bytes > sorted[i].dst;
+  for (std::size_t i = 1; i < sorted.size() && !overlap; ++i) {
+    uint64_t end = 0;
+    overlap = !add_fits(sorted[i - 1].dst, sorted[i - 1].bytes, &end) || end > sorted[i].dst;
+  }
   const std::vector<Put>& order = overlap ? puts : sorted;
 
   std::size_t i = 0;
@@ -63,9 +72,12 @@ void Coalescer::issue(int peer, std::vector<Put>& puts) {
     // A contiguous run: each put starts where the last ended, in both regions.
     uint64_t bytes = first.bytes;
     std::size_t j = i + 1;
+    uint64_t dst_end = 0, src_end = 0, total = 0;
     while (!overlap && j < order.size() && order[j].region == first.region &&
-           order[j].dst == first.dst + bytes && order[j].src == first.src + bytes) {
-      bytes += order[j].bytes;
+           add_fits(first.dst, bytes, &dst_end) && add_fits(first.src, bytes, &src_end) &&
+           order[j].dst == dst_end && order[j].src == src_end &&
+           add_fits(bytes, order[j].bytes, &total)) {
+      bytes = total;
       ++j;
     }
     if (j > i + 1) {
@@ -85,8 +97,12 @@ void Coalescer::issue(int peer, std::vector<Put>& puts) {
           rows = 2;
           while (i + rows < order.size()) {
             const Put& next = order[i + rows];
+            uint64_t dst_at = 0, src_at = 0;
             if (next.region != first.region || next.bytes != first.bytes ||
-                next.dst != first.dst + rows * dpitch || next.src != first.src + rows * spitch)
+                __builtin_mul_overflow(rows, dpitch, &dst_at) ||
+                __builtin_mul_overflow(rows, spitch, &src_at) ||
+                !add_fits(first.dst, dst_at, &dst_at) || !add_fits(first.src, src_at, &src_at) ||
+                next.dst != dst_at || next.src != src_at)
               break;
             ++rows;
           }

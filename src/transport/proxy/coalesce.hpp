@@ -23,7 +23,7 @@ class Coalescer {
   /// `max_queued`: a peer's queue is issued when it reaches this many puts.
   Coalescer(Engine& engine, int channel, int num_ranks, std::size_t max_queued = 1024);
 
-  /// Queues a put (checked by the engine when issued).
+  /// Checks a put (Engine::check_put: throws epx::Error naming it) and queues it.
   void put(int peer, int region, uint64_t dst_off, uint64_t src_off, uint64_t bytes);
   /// Issues `peer`'s queued puts (before a signal to it).
   void flush(int peer);

@@ -15,6 +15,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <string>
@@ -27,6 +28,7 @@
 #include "common/host_mesh.hpp"
 #include "common/topology.hpp"
 #include "epx/communicator.hpp"
+#include "transport/proxy/bounds.hpp"
 #include "transport/proxy/command.hpp"
 #include "transport/proxy/engine.hpp"
 
@@ -357,13 +359,20 @@ class CudaIpcEngine final : public Engine {
     return regions_[id].peer_base[peer];
   }
 
+  void check_put(int channel, int peer, int region, uint64_t dst_off, uint64_t src_off,
+                 uint64_t bytes) const override {
+    check_channel(channel);
+    const Region& reg = target(peer, region, "put");
+    check_put_range("cuda_ipc", "put", rank_, peer, region, dst_off, src_off, bytes, reg.bytes,
+                    reg.bytes);
+  }
+
   void put(int channel, int peer, int region, uint64_t dst_off, uint64_t src_off,
            uint64_t bytes) override {
+    check_put(channel, peer, region, dst_off, src_off, bytes);
     bind();
     Channel& ch = channel_of(channel);
-    const Region& reg = target(peer, region, "put");
-    check_range("put", "destination", peer, region, dst_off, bytes, reg.bytes);
-    check_range("put", "source", rank_, region, src_off, bytes, reg.bytes);
+    const Region& reg = regions_[region];
     cudaStream_t s = stream(ch, peer);
     EPX_CUDA_CHECK(cudaMemcpyAsync(static_cast<char*>(reg.peer_base[peer]) + dst_off,
                                    static_cast<const char*>(reg.local) + src_off, bytes,
@@ -374,19 +383,11 @@ class CudaIpcEngine final : public Engine {
   void put_strided(int channel, int peer, int region, uint64_t dst_off, uint64_t dst_pitch,
                    uint64_t src_off, uint64_t src_pitch, uint64_t width, uint64_t rows) override {
     if (rows == 0) return;
-    if (dst_pitch < width || src_pitch < width)
-      throw Error(ErrorCode::kInvalidArgument,
-                  "cuda_ipc engine: put_strided to rank " + std::to_string(peer) + ": pitches (" +
-                      std::to_string(dst_pitch) + ", " + std::to_string(src_pitch) +
-                      ") must be >= the width " + std::to_string(width));
     bind();
     Channel& ch = channel_of(channel);
     const Region& reg = target(peer, region, "put_strided");
-    // The span from the first row's start to the last row's end, each side.
-    check_range("put_strided", "destination", peer, region, dst_off, (rows - 1) * dst_pitch + width,
-                reg.bytes);
-    check_range("put_strided", "source", rank_, region, src_off, (rows - 1) * src_pitch + width,
-                reg.bytes);
+    check_strided_put_range("cuda_ipc", rank_, peer, region, dst_off, dst_pitch, src_off, src_pitch,
+                            width, rows, reg.bytes, reg.bytes);
     cudaStream_t s = stream(ch, peer);
     char* dst = static_cast<char*>(reg.peer_base[peer]) + dst_off;
     const char* src = static_cast<const char*>(reg.local) + src_off;
@@ -410,7 +411,7 @@ class CudaIpcEngine final : public Engine {
     bind();
     Channel& ch = channel_of(channel);
     const Region& reg = target(peer, region, "signal_add");
-    check_range("signal_add", "signal word", peer, region, sig_off, 8, reg.bytes);
+    check_range("cuda_ipc", "signal_add", "signal word", peer, region, sig_off, 8, reg.bytes);
     if (sig_off % 8 != 0)
       throw Error(ErrorCode::kInvalidArgument,
                   "cuda_ipc engine: signal_add to rank " + std::to_string(peer) + " region " +
@@ -526,9 +527,12 @@ class CudaIpcEngine final : public Engine {
   /// engine's context from its first call on.
   void bind() const { ContextScope scope(ctx_, false); }
 
-  Channel& channel_of(int c) {
+  void check_channel(int c) const {
     require(c >= 0 && c < num_channels_, "channel",
             "must be in [0, " + std::to_string(num_channels_) + "), got " + std::to_string(c));
+  }
+  Channel& channel_of(int c) {
+    check_channel(c);
     return channels_[c];
   }
 
@@ -555,16 +559,6 @@ class CudaIpcEngine final : public Engine {
     return regions_[region];
   }
   bool is_target(int peer) const { return targets_.empty() || targets_[peer] != 0; }
-
-  static void check_range(const char* what, const char* side, int owner, int region, uint64_t off,
-                          uint64_t bytes, std::size_t size) {
-    if (off <= size && bytes <= size - off) return;
-    throw Error(ErrorCode::kInvalidArgument,
-                std::string("cuda_ipc engine: ") + what + ": " + side + " [" + std::to_string(off) +
-                    ", " + std::to_string(off) + " + " + std::to_string(bytes) +
-                    " bytes) is out of bounds of rank " + std::to_string(owner) + "'s region " +
-                    std::to_string(region) + " (" + std::to_string(size) + " bytes)");
-  }
 
   /// The (channel, peer) endpoint's stream, at the device's greatest
   /// priority; the channel's thread makes it on first use. A stream's work
@@ -634,6 +628,8 @@ class CudaIpcEngine final : public Engine {
       std::vector<const host_mesh::MeshHandle*> views;
       for (const auto& h : handles) views.push_back(&h);
       mesh_ = std::make_unique<host_mesh::Mesh>(views, rank_, *listener_, timeout_s_);
+      for (const std::string& r : mesh_->rejected())  // the mesh formed without them
+        std::fprintf(stderr, "epx cuda_ipc engine, rank %d: %s\n", rank_, r.c_str());
     }
     return *mesh_;
   }
@@ -769,6 +765,9 @@ void CudaIpcEngine::register_region(int id, void* base, std::size_t bytes) {
       reg.peer_base[r] = reinterpret_cast<void*>(all[r].base);
     } else if (same_host && !status.failed && cumem_) {
       try {
+        // What the peer says it exported is checked before it is mapped; that
+        // the descriptor's allocation holds alloc_bytes, cuMemMap checks.
+        check_peer_region(where, r, all[r].bytes, all[r].offset, all[r].alloc_bytes);
         const CUdeviceptr va = import_cumem(received[r].fd, all[r].alloc_bytes, device_);
         reg.opened[r] = reinterpret_cast<void*>(va);
         reg.mapped_bytes[r] = all[r].alloc_bytes;
@@ -783,7 +782,19 @@ void CudaIpcEngine::register_region(int id, void* base, std::size_t bytes) {
       const cudaError_t e = cudaIpcOpenMemHandle(&p, all[r].handle, cudaIpcMemLazyEnablePeerAccess);
       if (e == cudaSuccess) {
         reg.opened[r] = p;
-        reg.peer_base[r] = static_cast<char*>(p) + all[r].offset;
+        // The opened allocation's real size must hold what the peer says.
+        try {
+          CUdeviceptr start = 0;
+          std::size_t size = 0;
+          EPX_CU_CHECK(
+              driver().mem_get_address_range(&start, &size, reinterpret_cast<CUdeviceptr>(p)));
+          check_peer_region(where, r, all[r].bytes, all[r].offset,
+                            std::min<uint64_t>(all[r].alloc_bytes, size));
+          reg.peer_base[r] = static_cast<char*>(p) + all[r].offset;
+        } catch (const std::exception& x) {
+          status.failed = 1;
+          copy_string(status.error, x.what());
+        }
       } else {
         status.failed = 1;
         copy_string(status.error, "cudaIpcOpenMemHandle of rank " + std::to_string(r) +

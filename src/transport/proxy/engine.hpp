@@ -50,6 +50,13 @@ class Engine {
   /// offset past the region, an unreachable peer) or an engine failure.
   virtual void put(int channel, int peer, int region, uint64_t dst_off, uint64_t src_off,
                    uint64_t bytes) = 0;
+  /// Throws what put would throw for these arguments (a bad channel, an
+  /// unreachable peer, an unregistered region, a range out of bounds) and
+  /// copies nothing: whoever holds puts back to merge them (the Coalescer)
+  /// checks each one first, so that out-of-bounds puts cannot merge into an
+  /// in-bounds copy.
+  virtual void check_put(int channel, int peer, int region, uint64_t dst_off, uint64_t src_off,
+                         uint64_t bytes) const = 0;
   /// `rows` puts of `width` bytes each: row i from `src_off + i * src_pitch`
   /// to `dst_off + i * dst_pitch` (pitches >= width), in any order among
   /// themselves, ordered like one put with the endpoint's other calls.

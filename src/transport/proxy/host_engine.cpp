@@ -8,6 +8,7 @@
 #include <string>
 
 #include "epx/error.hpp"
+#include "transport/proxy/bounds.hpp"
 #include "transport/proxy/command.hpp"
 
 namespace epx::proxy {
@@ -107,13 +108,19 @@ class HostEngine final : public Engine {
     return table_[id][peer].base;
   }
 
-  void put(int channel, int peer, int region, uint64_t dst_off, uint64_t src_off,
-           uint64_t bytes) override {
+  void check_put(int channel, int peer, int region, uint64_t dst_off, uint64_t src_off,
+                 uint64_t bytes) const override {
     check_channel(channel);
     const auto& dst = target(peer, region, "put");
+    check_put_range("host", "put", rank_, peer, region, dst_off, src_off, bytes, dst.bytes,
+                    table_[region][rank_].bytes);
+  }
+
+  void put(int channel, int peer, int region, uint64_t dst_off, uint64_t src_off,
+           uint64_t bytes) override {
+    check_put(channel, peer, region, dst_off, src_off, bytes);
+    const auto& dst = table_[region][peer];
     const auto& src = table_[region][rank_];
-    check_range("put", "destination", peer, region, dst_off, bytes, dst.bytes);
-    check_range("put", "source", rank_, region, src_off, bytes, src.bytes);
     std::memmove(static_cast<char*>(dst.base) + dst_off,
                  static_cast<const char*>(src.base) + src_off, bytes);
   }
@@ -121,7 +128,7 @@ class HostEngine final : public Engine {
   void signal_add(int channel, int peer, int region, uint64_t sig_off, uint64_t add) override {
     check_channel(channel);
     const auto& dst = target(peer, region, "signal_add");
-    check_range("signal_add", "signal word", peer, region, sig_off, 8, dst.bytes);
+    check_range("host", "signal_add", "signal word", peer, region, sig_off, 8, dst.bytes);
     if (sig_off % 8 != 0)
       throw Error(ErrorCode::kInvalidArgument,
                   "host engine: signal_add to rank " + std::to_string(peer) + " region " +
@@ -175,15 +182,6 @@ class HostEngine final : public Engine {
                                                    std::to_string(peer) + ": region " +
                                                    std::to_string(region) + " is not registered");
     return table_[region][peer];
-  }
-  static void check_range(const char* what, const char* side, int owner, int region, uint64_t off,
-                          uint64_t bytes, std::size_t size) {
-    if (off <= size && bytes <= size - off) return;
-    throw Error(ErrorCode::kInvalidArgument,
-                std::string("host engine: ") + what + ": " + side + " [" + std::to_string(off) +
-                    ", " + std::to_string(off) + " + " + std::to_string(bytes) +
-                    " bytes) is out of bounds of rank " + std::to_string(owner) + "'s region " +
-                    std::to_string(region) + " (" + std::to_string(size) + " bytes)");
   }
 
   std::shared_ptr<HostFabric> fabric_;
