@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -195,6 +196,16 @@ void Buffer::destroy() {
   d.destroyed = true;
   EPX_CUDA_CHECK(cudaStreamSynchronize(d.comm_stream));
   d.ll_sync();
+  // A wait of the last ops that gave up (recorded by the kernels, raised by
+  // the next call) has no next call when they are the last before destroy:
+  // it is raised here, once the collective frees below are done, so that an
+  // op whose outputs were left unwritten never goes unreported.
+  std::exception_ptr failed;
+  try {
+    d.raise_if_failed("destroy");
+  } catch (const Error&) {
+    failed = std::current_exception();
+  }
   // This rank's own memory first: its ops are done, and these frees may wait
   // for the whole device (other in-process ranks' kernels, which no longer
   // need this rank). The symmetric regions go last; the backend's final
@@ -211,6 +222,7 @@ void Buffer::destroy() {
     throw;
   }
   d.backend->free(d.ll);
+  if (failed) std::rethrow_exception(failed);
   // The comm stream is not destroyed: tensors used on it (torch's
   // record_stream, events users keep) may be freed after the buffer, and an
   // event recorded on a destroyed stream fails. One idle stream per buffer

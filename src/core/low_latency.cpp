@@ -339,10 +339,19 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
 
   if (!a.return_recv_hook) {
     // The receive kernel starts early (programmatic dependent launch) and
-    // waits on the SMs the send leaves; with ranks sharing a GPU those SMs may
-    // be what a peer's (cooperative) send needs, so there it starts after.
-    kernels::launch_ll_combine_recv(tr_recv, rp, recv_blocks, launch,
-                                    /*dependent=*/d.comm->ranks_on_device() == 1);
+    // waits on the SMs the send leaves. With ranks sharing a GPU over the
+    // load/store transports it starts after the send instead (fewer resident
+    // blocks beside the peers' cooperative sends). Across nodes it must not:
+    // a plain launch waits at the head of its stream's hardware queue until
+    // the send ends, and with in-process ranks (more streams than
+    // CUDA_DEVICE_MAX_CONNECTIONS) a proxy stream that shares that queue
+    // holds the copies and signals of other ranks behind it, among them the
+    // weights the send waits for: the send then waits until its deadline.
+    // The dependent launch leaves the queue as soon as the send's blocks
+    // start; ll_blocks sizes grids so a send and a receive of every rank fit
+    // at once.
+    const bool dependent = d.comm->ranks_on_device() == 1 || d.networked();
+    kernels::launch_ll_combine_recv(tr_recv, rp, recv_blocks, launch, dependent);
     res.event = d.ll_leave(s, launch);
   } else {
     res.event = d.ll_leave(s, launch);

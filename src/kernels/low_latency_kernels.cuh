@@ -374,7 +374,20 @@ __device__ __forceinline__ bool wait_combine_flags(const T& t, const LlOffsets& 
                          OpId::kLowLatencyCombineRecv, s, -1);
     }
     if (!came) {
-      if (!was_masked && !t.masked(s)) atomicExch(&failed, 1);
+      if (!was_masked && !t.masked(s)) {
+        atomicExch(&failed, 1);
+        // The receive leaves its output unwritten: a report must say so and
+        // name s. A wait that gave up has reported already, or found an
+        // earlier report of this rank (first reporter wins, so this one
+        // then changes nothing); this keeps a wait that gave up silently
+        // from making the op look complete.
+        if constexpr (kNet<T>) {
+          const bool by_flag = t.same_node(s);
+          dev::report(diag, DiagCode::kTimeout, OpId::kLowLatencyCombineRecv, t.rank, s,
+                      by_flag ? -1 : kDiagSignalChannel + ll_sig_combine(t.num_ranks, s),
+                      by_flag ? epoch : static_cast<uint32_t>(seq), 0u);
+        }
+      }
     } else if (wait_stats != nullptr && blockIdx.x == 0 && !was_masked) {
       const unsigned long long first = send_wait_first[s];
       atomicAdd(reinterpret_cast<unsigned long long*>(wait_stats + s),

@@ -14,6 +14,7 @@
 // Logfmt.DeviceMatchesReferenceBitForBit).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -502,6 +503,20 @@ void check_waits(const LlCase& c, const char* op, const WaitStats& st, int64_t w
   }
 }
 
+/// After an op has finished: a wait of its kernels that gave up (recorded,
+/// otherwise raised only by the buffer's next call) fails the test here,
+/// naming the op, the rank, the peer and what was awaited, before the
+/// outputs are compared: an op that left its outputs unwritten must not look
+/// like one that computed them wrongly, nor pass unreported when it is the
+/// buffer's last.
+void expect_op_reported_nothing(Buffer& buf, const LlCase& c, const char* op) {
+  try {
+    buf.check();
+  } catch (const Error& e) {
+    ADD_FAILURE() << c.name() << ": " << op << " raised: " << e.what();
+  }
+}
+
 /// Options of a Buffer of the LL size hint for `c`, with this deadline and allocator.
 BufferOptions hint_sized_options(const LlCase& c, int R, double timeout_s, Allocator alloc) {
   BufferOptions o;
@@ -577,6 +592,7 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
   }
   if (res.hook) res.hook();
   finish(res.event, case_stream(c));
+  expect_op_reported_nothing(*buf, c, "low_latency_dispatch");
   if (dies_mid && same_node(me, c.dead_rank)) {
     auto want = ro[me];
     zero_rows_from(want, c.dead_rank, c.dead_mid_dispatch, E_local, RT, H, c.fp8);
@@ -646,6 +662,7 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
   EXPECT_EQ(static_cast<bool>(cres.hook), c.hook);
   if (cres.hook) cres.hook();
   finish(cres.event, case_stream(c));
+  expect_op_reported_nothing(*buf, c, "low_latency_combine");
   if (c.late_ms) check_waits(c, c.hook ? "combine (hook)" : "combine", cwait, 1);
   if (c.use_out) EXPECT_EQ(cres.combined_x.view.data, static_cast<void*>(d_out.get()));
   const auto rc = shared_reference<std::vector<std::vector<uint16_t>>>("ll_combine " + key, [&] {
@@ -1295,6 +1312,25 @@ EPX_GPU_TEST(LowLatency, CleanOnAFreshBufferThenOps) {
   c.fp8 = false;
   c.late_ms = 50;
   run_case(c, 95, true, &b);
+  EXPECT_TRUE(all_ranks(!rank_failed()));
+  b.destroy();
+}
+
+/// CleanOnAFreshBufferThenOps's last step again and again: BF16 dispatch and
+/// combine with the wait statistics, the last rank 50 ms late, on a cleaned
+/// buffer of 4 contexts. At 16 in-process ranks as 4x4 over the proxy one
+/// such combine in two runs left every output unwritten on every rank
+/// (docs/low_latency.md, "A combine left unwritten"). EPX_TEST_LATE_REPEATS
+/// sets the count (default 6).
+EPX_GPU_TEST(LowLatency, LateRankStepsAfterClean) {
+  LlCase c = python_case_sizes();
+  const auto buffer = cleaned_buffer_of_4_contexts(c);
+  Buffer& b = *buffer;
+  const char* env = std::getenv("EPX_TEST_LATE_REPEATS");
+  const int repeats = env != nullptr ? std::max(1, std::atoi(env)) : 6;
+  c.late_ms = 50;
+  // (all_ranks: every rank stops after the same step.)
+  for (int i = 0; i < repeats && all_ranks(!rank_failed()); ++i) run_case(c, 400 + i, true, &b);
   EXPECT_TRUE(all_ranks(!rank_failed()));
   b.destroy();
 }
