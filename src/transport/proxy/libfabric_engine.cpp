@@ -465,21 +465,36 @@ class LibfabricEngine final : public Engine {
                         "' is unknown or not available on this host (fi_getinfo: " + fi_text(rc) +
                         "; `fi_info -l` lists the providers)");
     }
+    // The provider asked for, not a utility provider layered over it
+    // ("udp" must not become "udp;ofi_rxd").
+    auto exact = [&](fi_info* list) -> fi_info* {
+      for (fi_info* i = list; i; i = i->next)
+        if (i->fabric_attr->prov_name && opt_.provider == i->fabric_attr->prov_name) return i;
+      return nullptr;
+    };
     InfoPtr info;
+    fi_info* chosen = nullptr;
+    std::string layered;
     for (bool delivery : {true, false}) {
       fi_info* h = hints_for(true, delivery);
       const int rc = fi_getinfo(version, nullptr, nullptr, 0, h, &info.p);
       fi_freeinfo(h);
       if (rc == 0 && info.p) {
-        delivery_complete_ = delivery;
-        break;
+        chosen = exact(info.p);
+        if (chosen) {
+          delivery_complete_ = delivery;
+          break;
+        }
+        if (layered.empty() && info.p->fabric_attr->prov_name)
+          layered = info.p->fabric_attr->prov_name;
       }
       if (info.p) fi_freeinfo(info.p);
       info.p = nullptr;
     }
-    if (!info.p) {
+    if (!chosen) {
       bool rma = false, rdm = false;
       for (fi_info* i = any.p; i; i = i->next) {
+        if (!i->fabric_attr->prov_name || opt_.provider != i->fabric_attr->prov_name) continue;
         rma = rma || (i->caps & FI_RMA) != 0;
         rdm = rdm || i->ep_attr->type == FI_EP_RDM;
       }
@@ -488,18 +503,21 @@ class LibfabricEngine final : public Engine {
       if (!rdm) missing += std::string(missing.empty() ? "" : " and ") + "FI_EP_RDM endpoints";
       if (missing.empty())
         missing = "FI_EP_RDM + FI_RMA with the memory registration modes and FI_THREAD_SAFE";
-      throw Error(ErrorCode::kUnsupported, "libfabric engine: provider '" + opt_.provider +
-                                               "' lacks " + missing +
-                                               " (the engine needs RMA writes on RDM endpoints)");
+      throw Error(ErrorCode::kUnsupported,
+                  "libfabric engine: provider '" + opt_.provider + "' lacks " + missing +
+                      " (the engine needs RMA writes on RDM endpoints)" +
+                      (layered.empty() ? ""
+                                       : "; libfabric offers them layered over it as '" + layered +
+                                             "': ask for that"));
     }
-    if (info.p->domain_attr->cq_data_size < 4)
+    if (chosen->domain_attr->cq_data_size < 4)
       throw Error(ErrorCode::kUnsupported,
                   "libfabric engine: provider '" + opt_.provider +
                       "' lacks FI_REMOTE_CQ_DATA (cq_data_size " +
-                      std::to_string(info.p->domain_attr->cq_data_size) +
+                      std::to_string(chosen->domain_attr->cq_data_size) +
                       "; the engine needs 4 bytes of immediate data per write)");
     // Only the first match is used: a copy of it alone.
-    fi_info* first = fi_dupinfo(info.p);
+    fi_info* first = fi_dupinfo(chosen);
     if (!first) throw Error(ErrorCode::kInternal, where() + ": fi_dupinfo failed");
     return first;
   }
