@@ -39,6 +39,12 @@
 //   bits 17..0   epoch mod 2^18 (the receiver rebuilds the full epoch from
 //                the window it expects: [applied, applied + window))
 //
+// Order: Engine::put says effects on one (channel, peer) happen in call
+// order; here two puts of one endpoint may land in either order (only a
+// signal orders them: it is applied after every put before it). Puts that
+// overwrite the same bytes, or a kFence between puts, need the writer to
+// wait for completion (mark / completed) in between.
+//
 // Completion: writes are posted with FI_DELIVERY_COMPLETE where the provider
 // offers it (tcp;ofi_rxm and shm in libfabric 1.17 both do: their local
 // completion then means the data was placed at the target), else with the
@@ -88,7 +94,8 @@ std::unique_ptr<Exchange> make_communicator_exchange(Communicator& comm);
 
 struct LibfabricOptions {
   /// Provider name as fi_info -l prints it ("tcp;ofi_rxm", "shm",
-  /// "verbs;ofi_rxm", "efa"). Empty: $FI_PROVIDER, else "tcp;ofi_rxm".
+  /// "verbs;ofi_rxm", "efa"), matched exactly (a utility provider layered
+  /// over it is not taken). Empty: $FI_PROVIDER, else "tcp;ofi_rxm".
   std::string provider;
   /// How long a write may stay incomplete, and how long a call waits for a
   /// free transmit slot or for the receiver's credits, before kTimeout.
