@@ -574,7 +574,10 @@ void peer_fault(const std::string& prov, int sig) {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
     } catch (const Error& e) {
-      b->stat[me][0] = static_cast<uint64_t>(since(t0) * 1000);
+      // The proxy's stall note gets the same message.
+      const std::string cause = engine->held_call_cause();
+      expect(!cause.empty() && std::string(e.what()).find(cause) != std::string::npos,
+             "held_call_cause() '" + cause + "' is not the error '" + e.what() + "'");
       throw;
     }
   });

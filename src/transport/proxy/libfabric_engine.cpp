@@ -260,15 +260,28 @@ class LibfabricEngine final : public Engine {
     return ch.completed_token;
   }
 
+  /// A channel's failure, else the oldest write incomplete for over a second.
   std::string held_call_cause() const override {
+    std::string slow;
     for (int c = 0; c < num_channels_; ++c) {
       const Channel& ch = channels_[c];
       if (ch.failed.load(std::memory_order_acquire)) {
         std::lock_guard lock(ch.err_m);
         return ch.error;
       }
+      const uint64_t done = ch.done.load(std::memory_order_acquire);
+      const Slot& s = ch.slots[done & (opt_.max_inflight - 1)];
+      const uint64_t t = s.t_ns.load(std::memory_order_relaxed);
+      const uint64_t now = now_ns();
+      if (slow.empty() && s.done.load(std::memory_order_relaxed) == 0 && t != 0 && now > t &&
+          now - t > 1000000000ull)
+        slow = where(c) + ": write " + std::to_string(done) + " to rank " +
+               std::to_string(s.peer.load(std::memory_order_relaxed)) + " on channel " +
+               std::to_string(c) + " has waited " + std::to_string((now - t) / 1000000000ull) +
+               " s for its completion (is rank " +
+               std::to_string(s.peer.load(std::memory_order_relaxed)) + " alive and progressing?)";
     }
-    return {};
+    return slow;
   }
 
   LibfabricStats stats() const {
