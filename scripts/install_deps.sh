@@ -2,6 +2,7 @@
 # Installs what building and testing EPX needs on a fresh Debian/Ubuntu
 # machine that already has the CUDA toolkit (nvcc 13, sm_90a). Idempotent.
 #   - apt: compilers, ninja, GoogleTest, CLI11, nlohmann-json, clang-format,
+#     libfabric-dev (the proxy's libfabric engine),
 #     and python3-venv where the system Python is externally managed (PEP 668)
 #   - pip, into the Python scripts/python_env.sh picks (python3, or the
 #     project's .venv when python3 is closed to pip): CMake >= 3.28 (CUDA
@@ -15,7 +16,7 @@ cd "$(dirname "$0")/.."
 source scripts/python_env.sh
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO="sudo"
-pkgs=(g++ ninja-build libgtest-dev libcli11-dev nlohmann-json3-dev clang-format git)
+pkgs=(g++ ninja-build libgtest-dev libcli11-dev nlohmann-json3-dev clang-format git libfabric-dev)
 if epx_needs_venv; then
   pkgs+=(python3-venv)
 fi

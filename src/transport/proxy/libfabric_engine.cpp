@@ -1,0 +1,1017 @@
+#include "transport/proxy/libfabric_engine.hpp"
+
+#include <rdma/fabric.h>
+#include <rdma/fi_cm.h>
+#include <rdma/fi_domain.h>
+#include <rdma/fi_endpoint.h>
+#include <rdma/fi_errno.h>
+#include <rdma/fi_rma.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <bit>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <deque>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "epx/communicator.hpp"
+#include "epx/error.hpp"
+#include "transport/proxy/command.hpp"
+
+namespace epx::proxy {
+
+namespace {
+
+class CommunicatorExchange final : public Exchange {
+ public:
+  explicit CommunicatorExchange(Communicator& comm) : comm_(comm) {}
+  int rank() const override { return comm_.rank(); }
+  int num_ranks() const override { return comm_.num_ranks(); }
+  std::vector<uint8_t> allgather(const void* data, std::size_t bytes) override {
+    return comm_.allgather(data, bytes);
+  }
+  void barrier() override { comm_.barrier(); }
+
+ private:
+  Communicator& comm_;
+};
+
+uint64_t now_ns() {
+  timespec ts{};
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<uint64_t>(ts.tv_sec) * 1000000000ull + static_cast<uint64_t>(ts.tv_nsec);
+}
+
+std::string fi_text(int err) {
+  return std::string(fi_strerror(err < 0 ? -err : err)) + " (" + std::to_string(err) + ")";
+}
+
+/// Frees an fi_info list.
+struct InfoPtr {
+  fi_info* p = nullptr;
+  InfoPtr() = default;
+  InfoPtr(const InfoPtr&) = delete;
+  InfoPtr& operator=(const InfoPtr&) = delete;
+  ~InfoPtr() {
+    if (p) fi_freeinfo(p);
+  }
+};
+
+/// Operation contexts (the op_context of a local completion): the write's
+/// sequence number on its channel, or a credit write for a source rank.
+constexpr uint64_t kCreditTag = uint64_t{1} << 62;
+
+/// The control region of a rank: what peers write into besides the regions.
+///   mailbox[src][channel][window]   MailboxEntry, written by src
+///   credit_in[dst][channel]         epochs dst applied for our channel
+///   credit_out[src][channel]        source of our credit writes to src
+///   staged[dst][channel][window]    source of our mailbox writes to dst
+struct ControlLayout {
+  std::size_t mailbox = 0, credit_in = 0, credit_out = 0, staged = 0, bytes = 0;
+  ControlLayout(int ranks, int channels, uint32_t window) {
+    const std::size_t rc = static_cast<std::size_t>(ranks) * channels;
+    mailbox = 0;
+    credit_in = mailbox + rc * window * sizeof(MailboxEntry);
+    credit_out = credit_in + rc * 8;
+    staged = credit_out + rc * 8;
+    bytes = (staged + rc * window * sizeof(MailboxEntry) + 4095) / 4096 * 4096;
+  }
+};
+
+struct RemoteRegion {
+  uint64_t key = 0;
+  uint64_t base = 0;  ///< address of offset 0 in the peer's rma_iov (VIRT_ADDR: its pointer)
+  uint64_t bytes = 0;
+};
+
+class LibfabricEngine final : public Engine {
+ public:
+  LibfabricEngine(std::shared_ptr<Exchange> exchange, int num_channels, LibfabricOptions o)
+      : ex_(std::move(exchange)), opt_(std::move(o)) {
+    require(ex_ != nullptr, "exchange", "must not be null");
+    rank_ = ex_->rank();
+    num_ranks_ = ex_->num_ranks();
+    num_channels_ = num_channels;
+    require(num_channels >= 1 && num_channels <= 256, "num_channels",
+            "must be in [1, 256], got " + std::to_string(num_channels));
+    require(num_ranks_ >= 1 && num_ranks_ <= fabric_imm::kMaxRanks, "num_ranks",
+            "the libfabric engine carries the source rank in 12 bits of immediate data: at most " +
+                std::to_string(fabric_imm::kMaxRanks) + " ranks, got " +
+                std::to_string(num_ranks_));
+    require(opt_.window >= 4 && opt_.window <= 4096 && std::has_single_bit(opt_.window),
+            "LibfabricOptions::window",
+            "must be a power of two in [4, 4096], got " + std::to_string(opt_.window));
+    require(opt_.max_inflight >= 16 && opt_.max_inflight <= (1u << 20) &&
+                std::has_single_bit(opt_.max_inflight),
+            "LibfabricOptions::max_inflight",
+            "must be a power of two in [16, 2^20], got " + std::to_string(opt_.max_inflight));
+    require(opt_.timeout_s > 0, "LibfabricOptions::timeout_s",
+            "must be > 0, got " + std::to_string(opt_.timeout_s));
+    if (opt_.provider.empty()) {
+      const char* env = std::getenv("FI_PROVIDER");
+      opt_.provider = env && *env ? env : "tcp;ofi_rxm";
+    }
+    timeout_ns_ = static_cast<uint64_t>(std::min(opt_.timeout_s, 1e9) * 1e9);
+    try {
+      open();
+    } catch (...) {
+      close_all();
+      throw;
+    }
+  }
+
+  ~LibfabricEngine() override { close_all(); }
+
+  const char* name() const override { return "libfabric"; }
+  int rank() const override { return rank_; }
+  int num_ranks() const override { return num_ranks_; }
+  int num_channels() const override { return num_channels_; }
+  bool reaches(int peer) const override { return peer >= 0 && peer < num_ranks_; }
+
+  void register_region(int id, void* base, std::size_t bytes) override {
+    check_id(id, "register_region");
+    require(base != nullptr && bytes > 0, "register_region",
+            "region " + std::to_string(id) + " needs a base and bytes > 0");
+    require(
+        !regions_[id].mr, "register_region",
+        "region " + std::to_string(id) + " is already registered on rank " + std::to_string(rank_));
+    Local& l = regions_[id];
+    RemoteRegion mine;
+    try {
+      l.mr = register_memory(base, bytes, static_cast<uint64_t>(id) + 1,
+                             "region " + std::to_string(id));
+    } catch (const Error&) {
+      // The others wait in the allgather: give them a size of 0 to refuse.
+      mine.bytes = 0;
+      (void)gather(mine, "register_region");
+      throw;
+    }
+    l.base = static_cast<char*>(base);
+    l.bytes = bytes;
+    l.desc = fi_mr_desc(l.mr);
+    mine.key = fi_mr_key(l.mr);
+    mine.base = virt_addr_ ? reinterpret_cast<uint64_t>(base) : 0;
+    mine.bytes = bytes;
+    std::vector<RemoteRegion> all = gather(mine, "register_region(" + std::to_string(id) + ")");
+    for (int r = 0; r < num_ranks_; ++r)
+      if (all[r].bytes != bytes) {
+        close_fid(&l.mr->fid);
+        l = Local{};
+        throw Error(ErrorCode::kInvalidArgument,
+                    where() + ": register_region(" + std::to_string(id) +
+                        "): every rank must register the same size: rank " + std::to_string(rank_) +
+                        " gives " + std::to_string(bytes) + " bytes, rank " + std::to_string(r) +
+                        " " + std::to_string(all[r].bytes) +
+                        (all[r].bytes == 0 ? " (its registration failed)" : ""));
+      }
+    remote_[id] = std::move(all);
+    barrier("register_region");
+  }
+
+  void deregister_region(int id) override {
+    check_id(id, "deregister_region");
+    require(regions_[id].mr != nullptr, "deregister_region",
+            "region " + std::to_string(id) + " is not registered on rank " + std::to_string(rank_));
+    barrier("deregister_region");  // no peer writes into it any more
+    {
+      std::lock_guard lock(region_m_);  // the progress thread reads regions_ for signals
+      close_fid(&regions_[id].mr->fid);
+      regions_[id] = Local{};
+    }
+    remote_[id].clear();
+  }
+
+  void reset_signals(int /*id*/) override {}  // the words themselves are added to
+
+  void put(int channel, int peer, int region, uint64_t dst_off, uint64_t src_off,
+           uint64_t bytes) override {
+    Channel& ch = channel_of(channel);
+    throw_if_failed(ch);
+    const RemoteRegion& dst = target(peer, region, "put");
+    check_range("put", "destination", peer, region, dst_off, bytes, dst.bytes);
+    check_range("put", "source", rank_, region, src_off, bytes, regions_[region].bytes);
+    Peer& p = ch.peers[peer];
+    wait_credit(ch, channel, peer, "put");
+    const uint32_t imm = fabric_imm::encode(fabric_imm::Kind::kPut, rank_, p.epoch);
+    uint64_t done = 0;
+    while (done < bytes) {  // pieces of at most max_msg_size, each counted as a put
+      const uint64_t n = std::min(bytes - done, max_msg_);
+      post(ch, channel, peer, regions_[region].base + src_off + done, n, regions_[region].desc,
+           dst.base + dst_off + done, dst.key, imm, true, "put");
+      ++p.puts;
+      done += n;
+    }
+  }
+
+  void signal_add(int channel, int peer, int region, uint64_t sig_off, uint64_t add) override {
+    Channel& ch = channel_of(channel);
+    throw_if_failed(ch);
+    const RemoteRegion& dst = target(peer, region, "signal_add");
+    check_range("signal_add", "signal word", peer, region, sig_off, 8, dst.bytes);
+    if (sig_off % 8 != 0)
+      throw Error(ErrorCode::kInvalidArgument,
+                  where() + ": signal_add to rank " + std::to_string(peer) + " region " +
+                      std::to_string(region) + ": sig_off " + std::to_string(sig_off) +
+                      " is not 8-byte aligned");
+    Peer& p = ch.peers[peer];
+    wait_credit(ch, channel, peer, "signal_add");
+    const uint64_t slot = p.epoch & (opt_.window - 1);
+    auto* staged = reinterpret_cast<MailboxEntry*>(
+        control_ + layout_.staged +
+        ((static_cast<std::size_t>(peer) * num_channels_ + channel) * opt_.window + slot) *
+            sizeof(MailboxEntry));
+    // The slot's previous write (epoch - window) was read by the receiver
+    // before it gave the credit that lets this epoch start.
+    *staged = MailboxEntry{p.epoch, static_cast<uint32_t>(p.puts), static_cast<uint32_t>(region),
+                           sig_off, add};
+    const RemoteRegion& ctl = control_remote_[peer];
+    const uint64_t remote =
+        ctl.base + layout_.mailbox +
+        ((static_cast<uint64_t>(rank_) * num_channels_ + channel) * opt_.window + slot) *
+            sizeof(MailboxEntry);
+    post(ch, channel, peer, staged, sizeof(MailboxEntry), control_desc_, remote, ctl.key,
+         fabric_imm::encode(fabric_imm::Kind::kMailbox, rank_, p.epoch), true, "signal_add");
+    ++p.epoch;
+    p.puts = 0;
+  }
+
+  void mark(int channel, uint64_t token) override {
+    Channel& ch = channel_of(channel);
+    ch.marks.emplace_back(token, ch.posted);
+  }
+
+  uint64_t completed(int channel) override {
+    Channel& ch = channel_of(channel);
+    throw_if_failed(ch);
+    const uint64_t done = ch.done.load(std::memory_order_acquire);
+    while (!ch.marks.empty() && ch.marks.front().second <= done) {
+      ch.completed_token = ch.marks.front().first;
+      ch.marks.pop_front();
+    }
+    if (done < ch.posted) check_age(ch, channel, done);
+    return ch.completed_token;
+  }
+
+  /// A channel's failure, else the oldest write incomplete for over a second.
+  std::string held_call_cause() const override {
+    std::string slow;
+    for (int c = 0; c < num_channels_; ++c) {
+      const Channel& ch = channels_[c];
+      if (ch.failed.load(std::memory_order_acquire)) {
+        std::lock_guard lock(ch.err_m);
+        return ch.error;
+      }
+      const uint64_t done = ch.done.load(std::memory_order_acquire);
+      const Slot& s = ch.slots[done & (opt_.max_inflight - 1)];
+      const uint64_t t = s.t_ns.load(std::memory_order_relaxed);
+      const uint64_t now = now_ns();
+      if (slow.empty() && s.done.load(std::memory_order_relaxed) == 0 && t != 0 && now > t &&
+          now - t > 1000000000ull)
+        slow = where(c) + ": write " + std::to_string(done) + " to rank " +
+               std::to_string(s.peer.load(std::memory_order_relaxed)) + " on channel " +
+               std::to_string(c) + " has waited " + std::to_string((now - t) / 1000000000ull) +
+               " s for its completion (is rank " +
+               std::to_string(s.peer.load(std::memory_order_relaxed)) + " alive and progressing?)";
+    }
+    return slow;
+  }
+
+  LibfabricStats stats() const {
+    LibfabricStats s;
+    s.puts_received = st_puts_.load();
+    s.signals_received = st_signals_.load();
+    s.signals_applied = st_applied_.load();
+    s.signals_waited = st_waited_.load();
+    s.credits_sent = st_credits_.load();
+    s.delivery_complete = delivery_complete_;
+    s.provider = prov_name_;
+    return s;
+  }
+
+ private:
+  struct Local {
+    fid_mr* mr = nullptr;
+    void* desc = nullptr;
+    char* base = nullptr;
+    std::size_t bytes = 0;
+  };
+  /// Sender state of one (channel, peer).
+  struct Peer {
+    uint64_t epoch = 0;  ///< signals sent so far
+    uint64_t puts = 0;   ///< puts sent in the current epoch
+  };
+  /// Receiver state of one (source rank, channel), progress thread only.
+  struct Source {
+    uint64_t applied = 0;  ///< epochs whose signal was applied
+    std::vector<uint32_t> arrivals;
+    std::vector<uint8_t> have;
+    std::vector<MailboxEntry> entry;
+    uint64_t credit_sent = 0;
+    bool credit_inflight = false;
+  };
+  struct Slot {
+    std::atomic<uint8_t> done{0};
+    std::atomic<int> peer{-1};
+    std::atomic<uint64_t> t_ns{0};
+  };
+  struct Channel {
+    fid_ep* ep = nullptr;
+    fid_cq* cq = nullptr;
+    fid_av* av = nullptr;
+    std::vector<fi_addr_t> addr;
+    // Channel thread.
+    uint64_t posted = 0;
+    std::deque<std::pair<uint64_t, uint64_t>> marks;  ///< (token, writes posted)
+    uint64_t completed_token = 0;
+    std::vector<Peer> peers;
+    // Shared with the progress thread.
+    std::unique_ptr<Slot[]> slots;
+    std::atomic<uint64_t> done{0};  ///< writes [0, done) have completed
+    mutable std::mutex err_m;
+    std::string error;
+    ErrorCode code = ErrorCode::kTimeout;
+    std::atomic<bool> failed{false};
+    // Progress thread.
+    std::vector<Source> sources;
+  };
+  struct Held {
+    int channel;
+    uint32_t imm;
+  };
+
+  std::string where() const {
+    return "libfabric engine (provider " + prov_name_ + ") rank " + std::to_string(rank_);
+  }
+  std::string where(int channel) const { return where() + " channel " + std::to_string(channel); }
+
+  // ---- setup ------------------------------------------------------------------
+
+  void open() {
+    prov_name_ = opt_.provider;
+    InfoPtr info;
+    info.p = get_info();
+    prov_name_ = info.p->fabric_attr->prov_name ? info.p->fabric_attr->prov_name : opt_.provider;
+    virt_addr_ = (info.p->domain_attr->mr_mode & FI_MR_VIRT_ADDR) != 0;
+    prov_key_ = (info.p->domain_attr->mr_mode & FI_MR_PROV_KEY) != 0;
+    mr_endpoint_ = (info.p->domain_attr->mr_mode & FI_MR_ENDPOINT) != 0;
+    max_msg_ = std::max<uint64_t>(info.p->ep_attr->max_msg_size, 4096);
+    check(fi_fabric(info.p->fabric_attr, &fabric_, nullptr), "fi_fabric");
+    check(fi_domain(fabric_, info.p, &domain_, nullptr), "fi_domain");
+    channels_ = std::make_unique<Channel[]>(static_cast<std::size_t>(num_channels_));
+    for (int c = 0; c < num_channels_; ++c) {
+      Channel& ch = channels_[c];
+      ch.peers.assign(static_cast<std::size_t>(num_ranks_), Peer{});
+      ch.slots = std::make_unique<Slot[]>(opt_.max_inflight);
+      ch.sources.resize(static_cast<std::size_t>(num_ranks_));
+      for (Source& s : ch.sources) {
+        s.arrivals.assign(opt_.window, 0);
+        s.have.assign(opt_.window, 0);
+        s.entry.assign(opt_.window, MailboxEntry{});
+      }
+      fi_cq_attr cq_attr{};
+      cq_attr.format = FI_CQ_FORMAT_DATA;
+      cq_attr.wait_obj = FI_WAIT_NONE;
+      cq_attr.size = 0;
+      check(fi_cq_open(domain_, &cq_attr, &ch.cq, nullptr), "fi_cq_open");
+      fi_av_attr av_attr{};
+      av_attr.type = info.p->domain_attr->av_type;
+      av_attr.count = static_cast<std::size_t>(num_ranks_);
+      check(fi_av_open(domain_, &av_attr, &ch.av, nullptr), "fi_av_open");
+      check(fi_endpoint(domain_, info.p, &ch.ep, nullptr), "fi_endpoint");
+      check(fi_ep_bind(ch.ep, &ch.cq->fid, FI_TRANSMIT | FI_RECV), "fi_ep_bind (cq)");
+      check(fi_ep_bind(ch.ep, &ch.av->fid, 0), "fi_ep_bind (av)");
+      check(fi_enable(ch.ep), "fi_enable");
+    }
+    // The control region: mailboxes and credits.
+    layout_ = ControlLayout(num_ranks_, num_channels_, opt_.window);
+    control_ = static_cast<char*>(std::aligned_alloc(4096, layout_.bytes));
+    if (!control_)
+      throw Error(ErrorCode::kInternal, where() + ": cannot allocate the control region");
+    std::memset(control_, 0, layout_.bytes);
+    control_mr_ = register_memory(control_, layout_.bytes, kMaxRegions + 1, "control region");
+    control_desc_ = fi_mr_desc(control_mr_);
+
+    // One allgather: every channel's endpoint name, the control region.
+    struct Card {
+      RemoteRegion control;
+      uint32_t name_len[256];
+      uint8_t names[256][kNameBytes];
+    };
+    auto card = std::make_unique<Card>();  // value-initialized: zeroed
+    card->control = {fi_mr_key(control_mr_), virt_addr_ ? reinterpret_cast<uint64_t>(control_) : 0,
+                     layout_.bytes};
+    for (int c = 0; c < num_channels_; ++c) {
+      std::size_t len = kNameBytes;
+      check(fi_getname(&channels_[c].ep->fid, card->names[c], &len), "fi_getname");
+      card->name_len[c] = static_cast<uint32_t>(len);
+    }
+    std::vector<uint8_t> all;
+    try {
+      all = ex_->allgather(card.get(), sizeof(Card));
+    } catch (const Error& e) {
+      throw Error(e.code(), where() + ": exchanging endpoint addresses: " + e.what());
+    }
+    if (all.size() != sizeof(Card) * num_ranks_)
+      throw Error(ErrorCode::kInternal, where() + ": the exchange returned " +
+                                            std::to_string(all.size()) + " bytes, expected " +
+                                            std::to_string(sizeof(Card) * num_ranks_));
+    control_remote_.resize(static_cast<std::size_t>(num_ranks_));
+    for (int r = 0; r < num_ranks_; ++r) {
+      Card theirs;
+      std::memcpy(&theirs, all.data() + sizeof(Card) * r, sizeof(Card));
+      control_remote_[r] = theirs.control;
+      if (theirs.control.bytes != layout_.bytes)
+        throw Error(ErrorCode::kInvalidArgument,
+                    where() + ": rank " + std::to_string(r) +
+                        " uses another channel count or window (control region of " +
+                        std::to_string(theirs.control.bytes) + " bytes, this rank's " +
+                        std::to_string(layout_.bytes) + ")");
+      for (int c = 0; c < num_channels_; ++c) {
+        Channel& ch = channels_[c];
+        ch.addr.resize(static_cast<std::size_t>(num_ranks_), FI_ADDR_NOTAVAIL);
+        const int n = fi_av_insert(ch.av, theirs.names[c], 1, &ch.addr[r], 0, nullptr);
+        if (n != 1)
+          throw Error(ErrorCode::kBootstrap, where(c) + ": fi_av_insert of rank " +
+                                                 std::to_string(r) +
+                                                 "'s address failed: " + fi_text(n));
+      }
+    }
+    progress_ = std::thread([this] { progress_loop(); });
+    barrier("setup");
+  }
+
+  /// fi_getinfo for the provider, telling apart "no such provider" from
+  /// "it lacks FI_RMA / RDM / remote CQ data".
+  fi_info* get_info() {
+    const uint32_t version = FI_VERSION(1, 9);
+    auto hints_for = [&](bool full, bool delivery) {
+      fi_info* h = fi_allocinfo();
+      if (!h) throw Error(ErrorCode::kInternal, where() + ": fi_allocinfo failed");
+      h->fabric_attr->prov_name = strdup(opt_.provider.c_str());
+      if (full) {
+        h->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE;
+        h->ep_attr->type = FI_EP_RDM;
+        h->domain_attr->mr_mode =
+            FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
+        h->domain_attr->threading = FI_THREAD_SAFE;
+        h->mode = 0;
+        if (delivery) h->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
+      }
+      return h;
+    };
+    InfoPtr any;
+    {
+      fi_info* h = hints_for(false, false);
+      const int rc = fi_getinfo(version, nullptr, nullptr, 0, h, &any.p);
+      fi_freeinfo(h);
+      if (rc != 0 || !any.p)
+        throw Error(ErrorCode::kInvalidArgument,
+                    "libfabric engine: provider '" + opt_.provider +
+                        "' is unknown or not available on this host (fi_getinfo: " + fi_text(rc) +
+                        "; `fi_info -l` lists the providers)");
+    }
+    // The provider asked for, not a utility provider layered over it
+    // ("udp" must not become "udp;ofi_rxd").
+    auto exact = [&](fi_info* list) -> fi_info* {
+      for (fi_info* i = list; i; i = i->next)
+        if (i->fabric_attr->prov_name && opt_.provider == i->fabric_attr->prov_name) return i;
+      return nullptr;
+    };
+    InfoPtr info;
+    fi_info* chosen = nullptr;
+    std::string layered;
+    for (bool delivery : {true, false}) {
+      fi_info* h = hints_for(true, delivery);
+      const int rc = fi_getinfo(version, nullptr, nullptr, 0, h, &info.p);
+      fi_freeinfo(h);
+      if (rc == 0 && info.p) {
+        chosen = exact(info.p);
+        if (chosen) {
+          delivery_complete_ = delivery;
+          break;
+        }
+        if (layered.empty() && info.p->fabric_attr->prov_name)
+          layered = info.p->fabric_attr->prov_name;
+      }
+      if (info.p) fi_freeinfo(info.p);
+      info.p = nullptr;
+    }
+    if (!chosen) {
+      bool rma = false, rdm = false;
+      for (fi_info* i = any.p; i; i = i->next) {
+        if (!i->fabric_attr->prov_name || opt_.provider != i->fabric_attr->prov_name) continue;
+        rma = rma || (i->caps & FI_RMA) != 0;
+        rdm = rdm || i->ep_attr->type == FI_EP_RDM;
+      }
+      std::string missing;
+      if (!rma) missing = "FI_RMA";
+      if (!rdm) missing += std::string(missing.empty() ? "" : " and ") + "FI_EP_RDM endpoints";
+      if (missing.empty())
+        missing = "FI_EP_RDM + FI_RMA with the memory registration modes and FI_THREAD_SAFE";
+      throw Error(ErrorCode::kUnsupported,
+                  "libfabric engine: provider '" + opt_.provider + "' lacks " + missing +
+                      " (the engine needs RMA writes on RDM endpoints)" +
+                      (layered.empty() ? ""
+                                       : "; libfabric offers them layered over it as '" + layered +
+                                             "': ask for that"));
+    }
+    if (chosen->domain_attr->cq_data_size < 4)
+      throw Error(ErrorCode::kUnsupported,
+                  "libfabric engine: provider '" + opt_.provider +
+                      "' lacks FI_REMOTE_CQ_DATA (cq_data_size " +
+                      std::to_string(chosen->domain_attr->cq_data_size) +
+                      "; the engine needs 4 bytes of immediate data per write)");
+    // Only the first match is used: a copy of it alone.
+    fi_info* first = fi_dupinfo(chosen);
+    if (!first) throw Error(ErrorCode::kInternal, where() + ": fi_dupinfo failed");
+    return first;
+  }
+
+  fid_mr* register_memory(void* base, std::size_t bytes, uint64_t key, const std::string& what) {
+    fid_mr* mr = nullptr;
+    const uint64_t access = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE;
+    const uint64_t requested = prov_key_ ? 0 : key;
+    int rc = fi_mr_reg(domain_, base, bytes, access, 0, requested, 0, &mr, nullptr);
+    if (rc == 0 && mr_endpoint_) {
+      for (int c = 0; c < num_channels_ && rc == 0; ++c)
+        rc = fi_mr_bind(mr, &channels_[c].ep->fid, 0);
+      if (rc == 0) rc = fi_mr_enable(mr);
+    }
+    if (rc != 0) {
+      if (mr) fi_close(&mr->fid);
+      throw Error(ErrorCode::kUnsupported,
+                  where() + ": provider " + prov_name_ + " cannot register " + what + " (" +
+                      std::to_string(bytes) + " bytes of host memory at " +
+                      std::to_string(reinterpret_cast<uintptr_t>(base)) + "): " + fi_text(rc));
+    }
+    return mr;
+  }
+
+  std::vector<RemoteRegion> gather(const RemoteRegion& mine, const std::string& what) {
+    std::vector<uint8_t> all;
+    try {
+      all = ex_->allgather(&mine, sizeof(mine));
+    } catch (const Error& e) {
+      throw Error(e.code(), where() + ": " + what + ": " + e.what());
+    }
+    std::vector<RemoteRegion> out(static_cast<std::size_t>(num_ranks_));
+    if (all.size() != sizeof(RemoteRegion) * num_ranks_)
+      throw Error(ErrorCode::kInternal, where() + ": " + what + ": the exchange returned " +
+                                            std::to_string(all.size()) + " bytes");
+    std::memcpy(out.data(), all.data(), all.size());
+    return out;
+  }
+
+  void barrier(const char* what) {
+    try {
+      ex_->barrier();
+    } catch (const Error& e) {
+      throw Error(e.code(), where() + ": " + what + ": " + e.what());
+    }
+  }
+
+  void check(int rc, const char* call) {
+    if (rc != 0)
+      throw Error(ErrorCode::kUnsupported, where() + ": " + call + " failed: " + fi_text(rc));
+  }
+
+  static void close_fid(fid* f) {
+    if (f) fi_close(f);
+  }
+
+  void close_all() {
+    stop_.store(true, std::memory_order_relaxed);
+    if (progress_.joinable()) progress_.join();
+    for (auto& l : regions_)
+      if (l.mr) {
+        close_fid(&l.mr->fid);
+        l = Local{};
+      }
+    if (control_mr_) close_fid(&control_mr_->fid);
+    control_mr_ = nullptr;
+    if (channels_)
+      for (int c = 0; c < num_channels_; ++c) {
+        Channel& ch = channels_[c];
+        if (ch.ep) close_fid(&ch.ep->fid);
+        if (ch.av) close_fid(&ch.av->fid);
+        if (ch.cq) close_fid(&ch.cq->fid);
+        ch.ep = nullptr;
+        ch.av = nullptr;
+        ch.cq = nullptr;
+      }
+    if (domain_) close_fid(&domain_->fid);
+    if (fabric_) close_fid(&fabric_->fid);
+    domain_ = nullptr;
+    fabric_ = nullptr;
+    std::free(control_);
+    control_ = nullptr;
+  }
+
+  // ---- the channel thread's side ----------------------------------------------
+
+  Channel& channel_of(int c) {
+    require(c >= 0 && c < num_channels_, "channel",
+            "must be in [0, " + std::to_string(num_channels_) + "), got " + std::to_string(c));
+    return channels_[c];
+  }
+  void check_id(int id, const char* what) const {
+    require(
+        id >= 0 && id < kMaxRegions, what,
+        "region id must be in [0, " + std::to_string(kMaxRegions) + "), got " + std::to_string(id));
+  }
+  const RemoteRegion& target(int peer, int region, const char* what) const {
+    if (peer < 0 || peer >= num_ranks_)
+      throw Error(ErrorCode::kInvalidArgument,
+                  where() + ": " + what + ": peer " + std::to_string(peer) +
+                      " is not a rank (num_ranks " + std::to_string(num_ranks_) + ")");
+    if (region < 0 || region >= kMaxRegions || !regions_[region].mr)
+      throw Error(ErrorCode::kInvalidArgument, where() + ": " + what + " to rank " +
+                                                   std::to_string(peer) + ": region " +
+                                                   std::to_string(region) + " is not registered");
+    return remote_[region][peer];
+  }
+  void check_range(const char* what, const char* side, int owner, int region, uint64_t off,
+                   uint64_t bytes, std::size_t size) const {
+    if (off <= size && bytes <= size - off) return;
+    throw Error(ErrorCode::kInvalidArgument,
+                where() + ": " + what + ": " + side + " [" + std::to_string(off) + ", " +
+                    std::to_string(off) + " + " + std::to_string(bytes) +
+                    " bytes) is out of bounds of rank " + std::to_string(owner) + "'s region " +
+                    std::to_string(region) + " (" + std::to_string(size) + " bytes)");
+  }
+
+  void throw_if_failed(const Channel& ch) const {
+    if (!ch.failed.load(std::memory_order_acquire)) return;
+    std::lock_guard lock(ch.err_m);
+    throw Error(ch.code, ch.error);
+  }
+
+  void fail(Channel& ch, ErrorCode code, const std::string& message) {
+    std::lock_guard lock(ch.err_m);
+    if (ch.failed.load(std::memory_order_relaxed)) return;
+    ch.error = message;
+    ch.code = code;
+    ch.failed.store(true, std::memory_order_release);
+  }
+
+  /// Throws kTimeout when write `done` (the oldest incomplete one) is older than the timeout.
+  void check_age(Channel& ch, int channel, uint64_t done) {
+    const Slot& s = ch.slots[done & (opt_.max_inflight - 1)];
+    const uint64_t t = s.t_ns.load(std::memory_order_relaxed);
+    const uint64_t now = now_ns();
+    if (t == 0 || now < t || now - t < timeout_ns_) return;
+    const int peer = s.peer.load(std::memory_order_relaxed);
+    fail(ch, ErrorCode::kTimeout,
+         where(channel) + ": write " + std::to_string(done) + " to rank " + std::to_string(peer) +
+             " on channel " + std::to_string(channel) + " has no completion after " +
+             std::to_string(opt_.timeout_s) + " s (" + std::to_string(ch.posted - done) +
+             " writes in flight; rank " + std::to_string(peer) +
+             " stopped answering: did it die or stop progressing?" +
+             (delivery_complete_ ? ")" : "; writes are transmit-complete only)"));
+    throw_if_failed(ch);
+  }
+
+  /// Waits until epoch `p.epoch` may start for (channel, peer).
+  void wait_credit(Channel& ch, int channel, int peer, const char* what) {
+    const Peer& p = ch.peers[peer];
+    auto* credit =
+        reinterpret_cast<uint64_t*>(control_ + layout_.credit_in +
+                                    (static_cast<std::size_t>(peer) * num_channels_ + channel) * 8);
+    auto ok = [&] {
+      return p.epoch - std::atomic_ref<uint64_t>(*credit).load(std::memory_order_acquire) <
+             opt_.window;
+    };
+    if (ok()) return;
+    const uint64_t t0 = now_ns();
+    while (!ok()) {
+      throw_if_failed(ch);
+      if (now_ns() - t0 > timeout_ns_)
+        fail(ch, ErrorCode::kTimeout,
+             where(channel) + ": " + what + " to rank " + std::to_string(peer) + " on channel " +
+                 std::to_string(channel) + ": no credit from rank " + std::to_string(peer) +
+                 " after " + std::to_string(opt_.timeout_s) + " s (epoch " +
+                 std::to_string(p.epoch) + ", rank " + std::to_string(peer) + " applied " +
+                 std::to_string(std::atomic_ref<uint64_t>(*credit).load()) +
+                 "; it stopped answering or its progress thread is stuck)");
+      std::this_thread::yield();
+    }
+  }
+
+  /// Posts one write with immediate data `imm` (FI_REMOTE_CQ_DATA) on channel
+  /// `channel` and tracks its completion.
+  void post(Channel& ch, int channel, int peer, void* src, uint64_t bytes, void* desc,
+            uint64_t raddr, uint64_t key, uint32_t imm, bool with_data, const char* what) {
+    const uint64_t seq = ch.posted;
+    // A free slot in the completion window.
+    if (seq - ch.done.load(std::memory_order_acquire) >= opt_.max_inflight) {
+      const uint64_t t0 = now_ns();
+      while (seq - ch.done.load(std::memory_order_acquire) >= opt_.max_inflight) {
+        throw_if_failed(ch);
+        check_age(ch, channel, ch.done.load(std::memory_order_acquire));
+        if (now_ns() - t0 > timeout_ns_)  // (check_age throws first unless clocks misbehave)
+          fail(ch, ErrorCode::kTimeout,
+               where(channel) + ": " + what + " to rank " + std::to_string(peer) +
+                   ": no free transmit slot");
+        std::this_thread::yield();
+      }
+    }
+    Slot& s = ch.slots[seq & (opt_.max_inflight - 1)];
+    s.done.store(0, std::memory_order_relaxed);
+    s.peer.store(peer, std::memory_order_relaxed);
+    s.t_ns.store(now_ns(), std::memory_order_relaxed);
+    iovec iov{src, bytes};
+    fi_rma_iov rma{raddr, bytes, key};
+    fi_msg_rma msg{};
+    msg.msg_iov = &iov;
+    msg.desc = &desc;
+    msg.iov_count = 1;
+    msg.addr = ch.addr[peer];
+    msg.rma_iov = &rma;
+    msg.rma_iov_count = 1;
+    msg.context = reinterpret_cast<void*>(seq);
+    msg.data = imm;
+    const uint64_t flags = FI_COMPLETION | (with_data ? FI_REMOTE_CQ_DATA : 0) |
+                           (delivery_complete_ ? FI_DELIVERY_COMPLETE : 0);
+    // Count it before posting: its completion may come before fi_writemsg returns.
+    ch.posted = seq + 1;
+    const uint64_t t0 = now_ns();
+    for (;;) {
+      const ssize_t rc = fi_writemsg(ch.ep, &msg, flags);
+      if (rc == 0) return;
+      if (rc != -FI_EAGAIN) {
+        fail(ch, ErrorCode::kTimeout,
+             where(channel) + ": " + what + " to rank " + std::to_string(peer) + " on channel " +
+                 std::to_string(channel) + ": fi_writemsg of " + std::to_string(bytes) +
+                 " bytes failed: " + fi_text(static_cast<int>(rc)));
+        throw_if_failed(ch);
+      }
+      throw_if_failed(ch);
+      if (now_ns() - t0 > timeout_ns_)
+        fail(ch, ErrorCode::kTimeout,
+             where(channel) + ": " + what + " to rank " + std::to_string(peer) + " on channel " +
+                 std::to_string(channel) + ": the transmit queue stayed full for " +
+                 std::to_string(opt_.timeout_s) + " s (rank " + std::to_string(peer) +
+                 " stopped answering?)");
+      std::this_thread::yield();  // the progress thread drains the queue
+    }
+  }
+
+  // ---- the progress thread ------------------------------------------------------
+
+  void progress_loop() {
+    std::array<fi_cq_data_entry, 64> e;
+    std::vector<Held> held;
+    std::mt19937 rng(static_cast<uint32_t>(rank_ * 7919 + 1));
+    int idle = 0;
+    while (!stop_.load(std::memory_order_relaxed)) {
+      bool any = false;
+      for (int c = 0; c < num_channels_; ++c) {
+        Channel& ch = channels_[c];
+        const ssize_t n = fi_cq_read(ch.cq, e.data(), e.size());
+        if (n > 0) {
+          any = true;
+          for (ssize_t i = 0; i < n; ++i) {
+            if (e[i].flags & FI_REMOTE_CQ_DATA) {
+              const uint32_t imm = static_cast<uint32_t>(e[i].data);
+              if (opt_.test_reorder_window)
+                held.push_back({c, imm});
+              else
+                on_remote(c, imm);
+            } else if (e[i].flags & FI_REMOTE_WRITE) {
+              // A write without data into our region (a credit): nothing to do.
+            } else {
+              on_local(c, reinterpret_cast<uint64_t>(e[i].op_context));
+            }
+          }
+        } else if (n == -FI_EAVAIL) {
+          any = true;
+          on_error(c);
+        } else if (n != -FI_EAGAIN && n < 0) {
+          fail(ch, ErrorCode::kInternal,
+               where(c) + ": fi_cq_read failed: " + fi_text(static_cast<int>(n)));
+        }
+        send_credits(c);
+      }
+      // The reorder hook: handle held completions in a random order, all of
+      // them once a poll round brought nothing new.
+      while (!held.empty() && (held.size() >= opt_.test_reorder_window || !any)) {
+        const std::size_t k = rng() % held.size();
+        const Held h = held[k];
+        held[k] = held.back();
+        held.pop_back();
+        on_remote(h.channel, h.imm);
+      }
+      if (any) {
+        idle = 0;
+      } else if (++idle > 256) {
+        std::this_thread::sleep_for(std::chrono::microseconds(idle > 20000 ? 50 : 2));
+      }
+    }
+  }
+
+  void on_local(int c, uint64_t context) {
+    Channel& ch = channels_[c];
+    if (context & kCreditTag) {
+      const int src = static_cast<int>(context & 0xffffffu);
+      if (src >= 0 && src < num_ranks_) ch.sources[src].credit_inflight = false;
+      return;
+    }
+    ch.slots[context & (opt_.max_inflight - 1)].done.store(1, std::memory_order_relaxed);
+    uint64_t d = ch.done.load(std::memory_order_relaxed);
+    while (ch.slots[d & (opt_.max_inflight - 1)].done.load(std::memory_order_relaxed) == 1) {
+      ch.slots[d & (opt_.max_inflight - 1)].done.store(2, std::memory_order_relaxed);
+      ++d;
+    }
+    ch.done.store(d, std::memory_order_release);
+  }
+
+  void on_error(int c) {
+    Channel& ch = channels_[c];
+    fi_cq_err_entry err{};
+    const ssize_t rc = fi_cq_readerr(ch.cq, &err, 0);
+    if (rc < 0) return;
+    char buf[256] = {};
+    const char* prov = fi_cq_strerror(ch.cq, err.prov_errno, err.err_data, buf, sizeof buf);
+    const uint64_t context = reinterpret_cast<uint64_t>(err.op_context);
+    std::string who;
+    if (err.flags & FI_REMOTE_CQ_DATA) {
+      who = "an incoming write from rank " +
+            std::to_string(fabric_imm::src_of(static_cast<uint32_t>(err.data)));
+    } else if (context & kCreditTag) {
+      who = "a credit write to rank " + std::to_string(context & 0xffffffu);
+    } else {
+      const int peer = ch.slots[context & (opt_.max_inflight - 1)].peer.load();
+      who = "write " + std::to_string(context) + " to rank " + std::to_string(peer);
+    }
+    fail(ch, ErrorCode::kTimeout,
+         where(c) + ": " + who + " on channel " + std::to_string(c) +
+             " failed: " + fi_text(err.err) + ", provider: " + (prov ? prov : "?") +
+             " (the peer died or its connection broke)");
+  }
+
+  void on_remote(int c, uint32_t imm) {
+    Channel& ch = channels_[c];
+    using fabric_imm::Kind;
+    const Kind kind = fabric_imm::kind_of(imm);
+    const int src = fabric_imm::src_of(imm);
+    if ((kind != Kind::kPut && kind != Kind::kMailbox) || src >= num_ranks_) {
+      fail(ch, ErrorCode::kInternal,
+           where(c) + ": malformed immediate data " + std::to_string(imm) + " on channel " +
+               std::to_string(c));
+      return;
+    }
+    Source& s = ch.sources[src];
+    uint64_t epoch = 0;
+    if (!fabric_imm::full_epoch(imm, s.applied, opt_.window, epoch)) {
+      fail(ch, ErrorCode::kInternal,
+           where(c) + ": write from rank " + std::to_string(src) + " on channel " +
+               std::to_string(c) + " for epoch bits " + std::to_string(fabric_imm::epoch_of(imm)) +
+               " outside the window [" + std::to_string(s.applied) + ", +" +
+               std::to_string(opt_.window) + ")");
+      return;
+    }
+    const uint32_t slot = static_cast<uint32_t>(epoch & (opt_.window - 1));
+    if (kind == Kind::kPut) {
+      st_puts_.fetch_add(1, std::memory_order_relaxed);
+      ++s.arrivals[slot];
+    } else {
+      st_signals_.fetch_add(1, std::memory_order_relaxed);
+      const auto* box = reinterpret_cast<const MailboxEntry*>(
+          control_ + layout_.mailbox +
+          ((static_cast<std::size_t>(src) * num_channels_ + c) * opt_.window + slot) *
+              sizeof(MailboxEntry));
+      MailboxEntry m;
+      std::memcpy(&m, box, sizeof m);
+      if (m.epoch != epoch) {
+        fail(ch, ErrorCode::kInternal,
+             where(c) + ": mailbox entry " + std::to_string(slot) + " from rank " +
+                 std::to_string(src) + " says epoch " + std::to_string(m.epoch) +
+                 ", its immediate data " + std::to_string(epoch));
+        return;
+      }
+      s.entry[slot] = m;
+      s.have[slot] = 1;
+      if (s.arrivals[slot] < m.puts) st_waited_.fetch_add(1, std::memory_order_relaxed);
+    }
+    apply(c, src);
+  }
+
+  /// Applies (source, channel)'s signals in epoch order while their puts are in.
+  void apply(int c, int src) {
+    Channel& ch = channels_[c];
+    Source& s = ch.sources[src];
+    for (;;) {
+      const uint32_t slot = static_cast<uint32_t>(s.applied & (opt_.window - 1));
+      if (!s.have[slot]) return;
+      const MailboxEntry& m = s.entry[slot];
+      if (s.arrivals[slot] < m.puts) return;
+      if (s.arrivals[slot] > m.puts) {
+        fail(ch, ErrorCode::kInternal,
+             where(c) + ": rank " + std::to_string(src) + "'s epoch " + std::to_string(m.epoch) +
+                 " on channel " + std::to_string(c) + " brought " +
+                 std::to_string(s.arrivals[slot]) + " puts, its signal says " +
+                 std::to_string(m.puts));
+        return;
+      }
+      {
+        std::lock_guard lock(region_m_);
+        const Local& l = regions_[m.region < kMaxRegions ? m.region : 0];
+        if (m.region >= kMaxRegions || !l.mr || m.sig_off % 8 != 0 || m.sig_off + 8 > l.bytes) {
+          fail(ch, ErrorCode::kInternal,
+               where(c) + ": signal from rank " + std::to_string(src) + " on channel " +
+                   std::to_string(c) + " names region " + std::to_string(m.region) + " offset " +
+                   std::to_string(m.sig_off) + ", not a word of a registered region");
+          return;
+        }
+        auto* word = reinterpret_cast<uint64_t*>(l.base + m.sig_off);
+        // Release: whoever reads the new value (acquire) sees the puts' bytes.
+        std::atomic_ref<uint64_t>(*word).fetch_add(m.add, std::memory_order_release);
+      }
+      st_applied_.fetch_add(1, std::memory_order_relaxed);
+      s.arrivals[slot] = 0;
+      s.have[slot] = 0;
+      ++s.applied;
+    }
+  }
+
+  /// Writes back credits of channel c to the sources that are a quarter window behind.
+  void send_credits(int c) {
+    Channel& ch = channels_[c];
+    const uint64_t every = std::max<uint32_t>(1, opt_.window / 4);
+    for (int src = 0; src < num_ranks_; ++src) {
+      Source& s = ch.sources[src];
+      if (s.credit_inflight || s.applied - s.credit_sent < every) continue;
+      auto* value = reinterpret_cast<uint64_t*>(
+          control_ + layout_.credit_out + (static_cast<std::size_t>(src) * num_channels_ + c) * 8);
+      *value = s.applied;
+      const RemoteRegion& ctl = control_remote_[src];
+      const uint64_t remote =
+          ctl.base + layout_.credit_in + (static_cast<uint64_t>(rank_) * num_channels_ + c) * 8;
+      void* desc = control_desc_;
+      const ssize_t rc = fi_write(ch.ep, value, 8, desc, ch.addr[src], remote, ctl.key,
+                                  reinterpret_cast<void*>(kCreditTag | static_cast<uint64_t>(src)));
+      if (rc == -FI_EAGAIN) continue;  // next round
+      if (rc != 0) {
+        fail(ch, ErrorCode::kTimeout,
+             where(c) + ": credit write to rank " + std::to_string(src) + " on channel " +
+                 std::to_string(c) + " failed: " + fi_text(static_cast<int>(rc)));
+        continue;
+      }
+      s.credit_inflight = true;
+      s.credit_sent = s.applied;
+      st_credits_.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+
+  static constexpr std::size_t kNameBytes = 256;
+
+  std::shared_ptr<Exchange> ex_;
+  LibfabricOptions opt_;
+  int rank_ = 0, num_ranks_ = 1, num_channels_ = 1;
+  uint64_t timeout_ns_ = 0;
+  std::string prov_name_;
+  bool virt_addr_ = false, prov_key_ = false, mr_endpoint_ = false, delivery_complete_ = false;
+  uint64_t max_msg_ = 1 << 30;
+  fid_fabric* fabric_ = nullptr;
+  fid_domain* domain_ = nullptr;
+  std::unique_ptr<Channel[]> channels_;
+  ControlLayout layout_{1, 1, 4};
+  char* control_ = nullptr;
+  fid_mr* control_mr_ = nullptr;
+  void* control_desc_ = nullptr;
+  std::vector<RemoteRegion> control_remote_;
+  std::array<Local, kMaxRegions> regions_{};
+  std::array<std::vector<RemoteRegion>, kMaxRegions> remote_;
+  std::mutex region_m_;
+  std::thread progress_;
+  std::atomic<bool> stop_{false};
+  std::atomic<uint64_t> st_puts_{0}, st_signals_{0}, st_applied_{0}, st_waited_{0}, st_credits_{0};
+};
+
+}  // namespace
+
+std::unique_ptr<Exchange> make_communicator_exchange(Communicator& comm) {
+  return std::make_unique<CommunicatorExchange>(comm);
+}
+
+std::unique_ptr<Engine> make_libfabric_engine(std::shared_ptr<Exchange> exchange, int num_channels,
+                                              const LibfabricOptions& options) {
+  return std::make_unique<LibfabricEngine>(std::move(exchange), num_channels, options);
+}
+
+LibfabricStats libfabric_stats(const Engine& engine) {
+  const auto* e = dynamic_cast<const LibfabricEngine*>(&engine);
+  require(e != nullptr, "engine",
+          std::string("is not a libfabric engine (it is '") + engine.name() + "')");
+  return e->stats();
+}
+
+}  // namespace epx::proxy
