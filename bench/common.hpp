@@ -24,6 +24,8 @@ struct Options {
   std::string backend = "auto";  ///< BufferOptions::backend
   int ranks_per_node = 0;  ///< BufferOptions::ranks_per_node (0: EPX_RANKS_PER_NODE or the host)
   int qps = 1;             ///< BufferOptions::num_qps_per_rank (proxy channels)
+  std::string proxy_engine = "auto";  ///< BufferOptions::proxy_engine
+  std::string fabric_provider;        ///< BufferOptions::fabric_provider
   int warmup = 10, iters = 50;
   bool sweep = true;
   bool shrink = false;       ///< ll: BufferOptions::enable_shrink (no rank masked)

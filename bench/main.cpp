@@ -41,11 +41,13 @@ int sm_share(const World& w) {
 std::string ranks_note(const World& w) {
   std::string note = w.comm->in_process() ? " (in-process on one GPU: no NVLink, a proxy)" : "";
   const std::string backend = w.buffer->backend_name();
+  const std::string engine = w.buffer->network_engine();
   if (backend == "proxy" || w.buffer->num_rdma_ranks() > 1)
-    note += ", backend " + backend + ", " + std::to_string(w.buffer->num_rdma_ranks()) +
-            " nodes of " + std::to_string(w.buffer->num_nvl_ranks()) +
-            " (peers of other nodes through the network path; on one host its copies are "
-            "CUDA IPC, not a NIC)";
+    note += ", backend " + backend + (engine.empty() ? "" : " (engine " + engine + ")") + ", " +
+            std::to_string(w.buffer->num_rdma_ranks()) + " nodes of " +
+            std::to_string(w.buffer->num_nvl_ranks()) +
+            " (peers of other nodes through the network path; on one host not a NIC: the copy "
+            "engines for cuda_ipc, the CPU and loopback for libfabric)";
   return note;
 }
 
@@ -152,6 +154,8 @@ int run_rank(std::shared_ptr<Communicator> comm, const Options& o) {
     bo.backend = o.backend;
     bo.ranks_per_node = o.ranks_per_node;
     bo.num_qps_per_rank = o.qps;
+    bo.proxy_engine = o.proxy_engine;
+    bo.fabric_provider = o.fabric_provider;
     if (o.family == "fifo") {
       bo.num_rdma_bytes = 1 << 20;  // the fifo family makes its own proxy backend
       bo.backend = "auto";
@@ -184,6 +188,7 @@ int run_rank(std::shared_ptr<Communicator> comm, const Options& o) {
     result["backend"] = w.buffer->backend_name();
     result["ranks_per_node"] = w.buffer->num_nvl_ranks();
     result["num_qps_per_rank"] = o.qps;
+    result["proxy_engine"] = w.buffer->network_engine();
     // CPUs this rank's threads may run on (the proxy threads inherit it).
     cpu_set_t cpus;
     CPU_ZERO(&cpus);
@@ -244,6 +249,11 @@ int main(int argc, char** argv) {
                    "ranks per (virtual) node: fewer than the host holds makes the peers of other "
                    "nodes network peers (0: EPX_RANKS_PER_NODE, else the host)")
         ->capture_default_str();
+    sc->add_option("--proxy-engine", o.proxy_engine,
+                   "the proxy backend's engine: auto | cuda_ipc | libfabric")
+        ->capture_default_str();
+    sc->add_option("--fabric-provider", o.fabric_provider,
+                   "the libfabric engine's provider (tcp;ofi_rxm, shm, verbs;ofi_rxm, efa)");
     sc->add_option("--qps", o.qps, "contexts per peer (num_qps_per_rank; proxy channels)")
         ->capture_default_str();
   }

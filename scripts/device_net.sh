@@ -51,6 +51,13 @@
 #            with a process per GPU over the proxy, nccl and nvshmem
 #            (EPX_RINGS_PROCS, default "2:1 4:2"; EPX_RINGS_FILTER), then 4
 #            in-process ranks as 2x2
+#   late     (not in the default steps) the late-rank low-latency step at 4x4
+#            in-process, EPX_LATE_RUNS times (default 10), then the LowLatency
+#            suite at 4x4 once
+#   fabric   (not in the default steps) the suites over the libfabric engine
+#            (EPX_FABRIC_PROVIDERS, EPX_FABRIC_INPROC, EPX_FABRIC_FILTER)
+#   fbench   (not in the default steps) epx-bench ll and ht at in-process 2x2
+#            over the cuda_ipc and libfabric (tcp, shm) engines
 #   compare  NVLink before/after on all GPUs: .device/base/epx-bench (the
 #            baseline build) and .device/epx-bench, ht (24 SMs) and ll,
 #            EPX_COMPARE_ROUNDS times (default 2; base first in odd rounds,
@@ -343,6 +350,60 @@ if has compare && [ -x "$D/base/epx-bench" ] && [ "$GPUS" -ge 2 ]; then
         grep -E "^(dispatch|combine)" "$OUT/cmp-$which-$fam-r$round.log" | head -6
         summary+=("compare $which $fam round $round: rc=$rc")
       done
+    done
+  done
+fi
+# The low-latency step with the last rank 50 ms late after a clean, at 16
+# in-process ranks as 4x4 over the proxy, EPX_LATE_RUNS times in a row (a
+# run of it once left every combine output unwritten without an error), then
+# the whole LowLatency suite once at 4x4.
+if has late; then
+  n=${EPX_LATE_RUNS:-10}
+  passed=0
+  for i in $(seq 1 "$n"); do
+    run_suite "late rank after a clean, 4x4 in-process, run $i of $n" "$OUT/late-$i.log" 200 \
+      env EPX_RANKS_PER_NODE=4 "$D/epx_gpu_tests" --in-process=16 \
+      --gtest_filter='LowLatency.CleanOnAFreshBufferThenOps:LowLatency.LateRankStepsAfterClean'
+    grep -q "^\[  PASSED  \] 2 tests" "$OUT/late-$i.log" && passed=$((passed + 1))
+  done
+  summary+=("late rank after a clean, 4x4: $passed of $n runs passed")
+  run_suite "LowLatency suite, 4x4 in-process (proxy, cuda_ipc)" "$OUT/late-suite.log" 420 \
+    env EPX_RANKS_PER_NODE=4 "$D/epx_gpu_tests" --in-process=16 --gtest_filter='LowLatency.*'
+fi
+# The proxy's libfabric engine (EPX_PROXY_ENGINE=libfabric) over the providers
+# of EPX_FABRIC_PROVIDERS (default tcp;ofi_rxm and shm, loopback), with
+# in-process ranks as virtual nodes (EPX_FABRIC_INPROC, R:RPN, default 2x2 and
+# 4x4), the suites of EPX_FABRIC_FILTER.
+if has fabric; then
+  echo "== libfabric: $(fi_info --version 2>/dev/null | head -1); providers: $(fi_info -l 2>/dev/null | grep -v version | tr -d ':' | tr '\n' ' ')"
+  for prov in ${EPX_FABRIC_PROVIDERS:-"tcp;ofi_rxm" shm}; do
+    for spec in ${EPX_FABRIC_INPROC:-4:2 16:4}; do
+      IFS=: read -r r rpn <<< "$spec"
+      run_suite "libfabric $prov, in-process $r ranks, nodes of $rpn" \
+        "$OUT/fabric-${prov//;/-}-inproc$r-rpn$rpn.log" ${EPX_TEST_TIMEOUT:-420} \
+        env EPX_PROXY_ENGINE=libfabric EPX_FABRIC_PROVIDER="$prov" FI_TCP_IFACE=lo \
+        EPX_RANKS_PER_NODE=$rpn "$D/epx_gpu_tests" --in-process=$r \
+        --gtest_filter="${EPX_FABRIC_FILTER:-Smoke.*:LowLatency.*:Network.*:Internode.*}"
+    done
+  done
+fi
+# epx-bench ll and ht on 4 in-process ranks as 2x2 over the proxy, the CUDA IPC
+# engine and the libfabric one (tcp;ofi_rxm, shm) in this one call.
+if has fbench; then
+  for eng in cuda_ipc "libfabric:tcp;ofi_rxm" libfabric:shm; do
+    IFS=: read -r e prov <<< "$eng"
+    tag=${e}${prov:+-${prov//;/-}}
+    for fam in ll ht; do
+      args=()
+      [ $fam = ht ] && args=(--no-sweep)
+      echo "== epx-bench $fam, 4 in-process as 2x2, engine $eng"
+      timeout 240 env FI_TCP_IFACE=lo "$D/epx-bench" $fam --in-process 4 --ranks-per-node 2 \
+        --backend proxy --proxy-engine "$e" ${prov:+--fabric-provider "$prov"} "${args[@]}" \
+        --json "$OUT/json/${model}-inproc4-rpn2-$fam-$tag.json" > "$OUT/fbench-$fam-$tag.log" 2>&1
+      rc=$?
+      grep -E "^(dispatch|combine|pair|  )" "$OUT/fbench-$fam-$tag.log" | head -12
+      [ $rc -eq 0 ] || tail -20 "$OUT/fbench-$fam-$tag.log"
+      summary+=("epx-bench $fam engine $eng: rc=$rc")
     done
   done
 fi

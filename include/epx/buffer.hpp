@@ -48,6 +48,15 @@ struct BufferOptions {
   /// rank's mask (low_latency_update_mask_buffer), and a low-latency wait that
   /// passes `timeout_s` masks its peer instead of failing the op.
   bool enable_shrink = false;
+  /// The proxy backend's engine, what carries its puts to other nodes:
+  /// auto | cuda_ipc | libfabric (EPX_PROXY_ENGINE overrides "auto"). "auto":
+  /// cuda_ipc (copy engines, one host) when every rank is on this host, else
+  /// libfabric. docs/transport.md says what each needs.
+  std::string proxy_engine = "auto";
+  /// libfabric's provider for the libfabric engine, as `fi_info -l` names it:
+  /// "tcp;ofi_rxm", "shm", "verbs;ofi_rxm", "efa". Empty: EPX_FABRIC_PROVIDER,
+  /// else "tcp;ofi_rxm".
+  std::string fabric_provider;
 };
 
 /// Per-call stream arguments (DeepEP's previous_event / async_finish /
@@ -258,6 +267,9 @@ class Buffer {
   /// Contexts per peer the network backend posts on (proxy channels, NCCL GIN
   /// contexts across its communicators); 1 within one NVLink domain.
   int num_network_contexts() const;
+  /// What carries the backend's network operations, where it has a choice:
+  /// the proxy's engine ("cuda_ipc", "libfabric <provider>"); "" otherwise.
+  std::string network_engine() const;
   /// Symmetric bytes this rank holds (both regions).
   std::size_t buffer_bytes() const;
 

@@ -185,7 +185,8 @@ class Buffer:
                  explicitly_destroy: bool = False, enable_shrink: bool = False,
                  comm: Any = None, *, allow_nvlink_for_normal_mode: bool = True,
                  eager_support: bool = False, backend: str = "auto",
-                 timeout_s: float = 0.0, ranks_per_node: int = 0) -> None:
+                 timeout_s: float = 0.0, ranks_per_node: int = 0, proxy_engine: str = "auto",
+                 fabric_provider: str = "") -> None:
         """Allocates the buffers; collective over ``group`` (or the mpi4py ``comm``).
 
         Arguments:
@@ -218,6 +219,11 @@ class Buffer:
                 (0: EPX_RANKS_PER_NODE, else the ranks of a host). Fewer than a host
                 holds splits it into virtual nodes: peers of other nodes are reached
                 through the backend's network path only.
+            proxy_engine: what carries the proxy backend's puts to other nodes: "auto"
+                (EPX_PROXY_ENGINE, else "cuda_ipc" on one host and "libfabric" across
+                hosts), "cuda_ipc" or "libfabric".
+            fabric_provider: the libfabric engine's provider ("tcp;ofi_rxm", "shm",
+                "verbs;ofi_rxm", "efa"; "": EPX_FABRIC_PROVIDER, else "tcp;ofi_rxm").
             timeout_s: how long a rank waits for its peers (0: EPX_TIMEOUT_S, else 60 s).
         """
         op = "Buffer"
@@ -295,6 +301,8 @@ class Buffer:
         opts.ranks_per_node = _int("ranks_per_node", ranks_per_node)
         opts.timeout_s = float(timeout_s)
         opts.enable_shrink = bool(enable_shrink)
+        opts.proxy_engine = str(proxy_engine)
+        opts.fabric_provider = str(fabric_provider)
         opts.allocator = glue.allocator(self._device)
         self.runtime: Optional[_core.Buffer] = _core.Buffer(self.communicator, opts)
         self._comm_stream = None

@@ -774,6 +774,8 @@ NB_MODULE(_core, m) {
       .def_rw("ranks_per_node", &epx::BufferOptions::ranks_per_node)
       .def_rw("timeout_s", &epx::BufferOptions::timeout_s)
       .def_rw("enable_shrink", &epx::BufferOptions::enable_shrink)
+      .def_rw("proxy_engine", &epx::BufferOptions::proxy_engine)
+      .def_rw("fabric_provider", &epx::BufferOptions::fabric_provider)
       .def_prop_rw(
           "allocator",
           [](const epx::BufferOptions& o) -> nb::object {

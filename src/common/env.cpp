@@ -163,6 +163,17 @@ ProxyDebug debug_proxy() {
               "EPX_DEBUG_PROXY: must be 0, 1 (every command) or stats, got '" + *v + "'");
 }
 
+std::string proxy_engine() {
+  const std::string v = get("EPX_PROXY_ENGINE").value_or("auto");
+  require(v == "auto" || v == "cuda_ipc" || v == "libfabric", "EPX_PROXY_ENGINE",
+          "must be auto, cuda_ipc or libfabric, got '" + v + "'");
+  return v;
+}
+
+std::string fabric_provider() {
+  return get("EPX_FABRIC_PROVIDER").value_or("tcp;ofi_rxm");
+}
+
 bool nvshmem_trace() {
   return zero_or_one("EPX_NVSHMEM_TRACE");
 }

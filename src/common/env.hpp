@@ -111,6 +111,12 @@ std::optional<uint32_t> proxy_ring();
 /// on stderr) or stats (per-channel statistics when the thread ends).
 enum class ProxyDebug { kOff, kTrace, kStats };
 ProxyDebug debug_proxy();
+/// EPX_PROXY_ENGINE (auto, cuda_ipc or libfabric; unset: "auto"): the proxy
+/// backend's engine where BufferOptions::proxy_engine is "auto".
+std::string proxy_engine();
+/// EPX_FABRIC_PROVIDER: the libfabric engine's provider where
+/// BufferOptions::fabric_provider is empty (unset: "tcp;ofi_rxm").
+std::string fabric_provider();
 /// EPX_NVSHMEM_TRACE (0 or 1, default 0): the NVSHMEM module says when each
 /// of its host calls starts and ends.
 bool nvshmem_trace();

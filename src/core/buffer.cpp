@@ -118,8 +118,9 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
                     std::to_string(mine[i]));
     }
   }
-  d.topology = make_topology(d.comm->num_ranks(), options.ranks_per_node, env::ranks_per_node(),
-                             host_ids(d.comm->num_ranks(), *d.comm));
+  const std::vector<int> hosts = host_ids(d.comm->num_ranks(), *d.comm);
+  d.topology =
+      make_topology(d.comm->num_ranks(), options.ranks_per_node, env::ranks_per_node(), hosts);
   require(options.num_qps_per_rank <= dev::kMaxContexts, "num_qps_per_rank",
           "must be <= " + std::to_string(dev::kMaxContexts) + ", got " +
               std::to_string(options.num_qps_per_rank));
@@ -128,6 +129,9 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
   bo.num_contexts = options.num_qps_per_rank;
   bo.heap_bytes = static_cast<std::size_t>(options.num_nvl_bytes + options.num_rdma_bytes);
   bo.ht_rings = d.ht_rings != 0;
+  bo.proxy_engine = options.proxy_engine;
+  bo.fabric_provider = options.fabric_provider;
+  bo.num_hosts = 1 + *std::max_element(hosts.begin(), hosts.end());
   d.backend = transport::make_backend(options.backend, *d.comm, d.topology, bo);
   if (options.num_nvl_bytes > 0)
     d.ht = d.backend->alloc(static_cast<std::size_t>(options.num_nvl_bytes));
@@ -259,6 +263,10 @@ cudaStream_t Buffer::comm_stream() const {
 const char* Buffer::backend_name() const {
   return impl_->backend->name();
 }
+std::string Buffer::network_engine() const {
+  return impl_->backend->engine_name();
+}
+
 int Buffer::num_network_contexts() const {
   return impl_->backend->num_contexts();
 }

@@ -38,6 +38,11 @@ struct BackendOptions {
   /// The ring kernels across nodes may run (EPX_HT_RINGS is not 0): a
   /// backend whose signals are a pool (NCCL GIN) makes room for their ids too.
   bool ht_rings = false;
+  /// The proxy backend's engine and libfabric provider (BufferOptions).
+  std::string proxy_engine = "auto";
+  std::string fabric_provider;
+  /// Hosts the ranks run on (1: every rank on this one).
+  int num_hosts = 1;
 };
 
 class Backend {
@@ -49,6 +54,9 @@ class Backend {
   virtual const Topology& topology() const = 0;
   /// Contexts per peer the device structs use.
   virtual int num_contexts() const { return 1; }
+  /// What carries the network operations where the backend has a choice (the
+  /// proxy's engine), else "".
+  virtual std::string engine_name() const { return {}; }
   /// Collective: every rank allocates `bytes`, zero-filled.
   virtual SymmetricRegion alloc(std::size_t bytes) = 0;
   /// Collective: releases a region from alloc().

@@ -102,19 +102,24 @@ int main(int argc, char** argv) {
       }
       for (const auto& e : errors)
         if (!e.empty()) throw epx::Error(epx::ErrorCode::kInternal, e);
+      const std::string engine = worlds[0].buffer->network_engine();
       std::printf(
-          "epx_gpu_tests: %d in-process ranks on GPU %d (backend %s, %d nodes of %d, %d contexts "
-          "per peer)\n",
+          "epx_gpu_tests: %d in-process ranks on GPU %d (backend %s%s, %d nodes of %d, %d "
+          "contexts per peer)\n",
           in_process, worlds[0].comm->device(), worlds[0].buffer->backend_name(),
-          worlds[0].buffer->num_rdma_ranks(), worlds[0].buffer->num_nvl_ranks(),
-          worlds[0].buffer->num_network_contexts());
+          engine.empty() ? "" : (", engine " + engine).c_str(), worlds[0].buffer->num_rdma_ranks(),
+          worlds[0].buffer->num_nvl_ranks(), worlds[0].buffer->num_network_contexts());
     } else {
       set_up(epx::test::world(), epx::Communicator::from_env());
       auto& w = epx::test::world();
       if (w.rank == 0)
-        std::printf("epx_gpu_tests: %d ranks (backend %s, %d nodes of %d, %d contexts per peer)\n",
-                    w.num_ranks, w.buffer->backend_name(), w.buffer->num_rdma_ranks(),
-                    w.buffer->num_nvl_ranks(), w.buffer->num_network_contexts());
+        std::printf(
+            "epx_gpu_tests: %d ranks (backend %s%s, %d nodes of %d, %d contexts per peer)\n",
+            w.num_ranks, w.buffer->backend_name(),
+            w.buffer->network_engine().empty() ? ""
+                                               : (", engine " + w.buffer->network_engine()).c_str(),
+            w.buffer->num_rdma_ranks(), w.buffer->num_nvl_ranks(),
+            w.buffer->num_network_contexts());
     }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "epx_gpu_tests: setup failed: %s\n", e.what());

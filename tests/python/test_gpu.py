@@ -531,6 +531,57 @@ def _case_high_throughput_across_nodes(rank, world, group):
     buf.destroy()
 
 
+def _case_bad_views(rank, world, group):
+    """As a new user would call it: torch views whose base is not 16-byte aligned
+    (x[:, 4:4 + H] of a [T, H + 8] bf16 tensor; a flat slice 2 bytes off) are refused
+    by name before any kernel runs (they used to fault with a misaligned address
+    and take the process down), and the buffer then serves the aligned call."""
+    import torch
+
+    import epx
+
+    dev = _device(rank, group)
+    H, K, E = 256, 4, 8 * world
+    rng = np.random.default_rng(700 + rank)
+    T = 32 + rank
+    _, _, idx, x, w, _, _, want = _ht_inputs(rank, group, dev, rng, T, H, K, E)
+    nvl = max(cfg.get_nvl_buffer_size_hint(H * 2, world)
+              for cfg in (epx.Buffer.get_dispatch_config(world),
+                          epx.Buffer.get_combine_config(world)))
+    buf = _buffer(group, nvl, 0, explicitly_destroy=True)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                  num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+    wide = torch.zeros(T, H + 8, dtype=torch.bfloat16, device=dev)
+    wide[:, 4:4 + H] = x
+    view = wide[:, 4:4 + H]
+    assert view.data_ptr() % 16 == 8 and view.stride(0) * 2 % 16 == 0
+    with pytest.raises(ValueError, match=r"dispatch: x: must start at a 16-byte aligned address"):
+        buf.dispatch(view, **layout)
+    recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(x, **layout)
+    _check_dispatch(want[rank], recv_x, recv_idx, recv_w, counts)
+    bias = torch.zeros(T * H + 8, dtype=torch.bfloat16, device=dev)[1:1 + T * H].view(T, H)
+    with pytest.raises(ValueError, match=r"combine: bias_0: must start at a 16-byte aligned"):
+        buf.combine(recv_x, handle, bias=bias)
+    combined, _, _ = buf.combine(recv_x, handle)
+    assert combined.shape == (T, H)
+    buf.destroy()
+
+    maxT = 16
+    rdma = epx.Buffer.get_low_latency_rdma_size_hint(maxT, 512, world, E)
+    ll = _buffer(group, 0, rdma, low_latency_mode=True, explicitly_destroy=True)
+    flat = torch.zeros(16 * 512 + 8, dtype=torch.bfloat16, device=dev)[1:1 + 16 * 512].view(16, 512)
+    ll_idx = torch.zeros(16, K, dtype=torch.int64, device=dev)
+    with pytest.raises(ValueError, match=r"low_latency_dispatch: x: must start at a 16-byte"):
+        ll.low_latency_dispatch(flat, ll_idx, maxT, E)
+    ll.destroy()
+
+
+@pytest.mark.parametrize("ranks", list(_RANKS))
+def test_bad_views_are_refused_by_name(ranks):
+    _RANKS[ranks]("_case_bad_views", 2)
+
+
 def _case_high_throughput(rank, world, group):
     import torch
 

@@ -24,6 +24,7 @@
 
 #include "epx/communicator.hpp"
 #include "epx/error.hpp"
+#include "transport/proxy/bounds.hpp"
 #include "transport/proxy/command.hpp"
 
 namespace epx::proxy {
@@ -191,13 +192,22 @@ class LibfabricEngine final : public Engine {
 
   void reset_signals(int /*id*/) override {}  // the words themselves are added to
 
+  void check_put(int channel, int peer, int region, uint64_t dst_off, uint64_t src_off,
+                 uint64_t bytes) const override {
+    require(
+        channel >= 0 && channel < num_channels_, "channel",
+        "must be in [0, " + std::to_string(num_channels_) + "), got " + std::to_string(channel));
+    const RemoteRegion& dst = target(peer, region, "put");
+    check_put_range("libfabric", "put", rank_, peer, region, dst_off, src_off, bytes, dst.bytes,
+                    regions_[region].bytes);
+  }
+
   void put(int channel, int peer, int region, uint64_t dst_off, uint64_t src_off,
            uint64_t bytes) override {
+    check_put(channel, peer, region, dst_off, src_off, bytes);
     Channel& ch = channel_of(channel);
     throw_if_failed(ch);
-    const RemoteRegion& dst = target(peer, region, "put");
-    check_range("put", "destination", peer, region, dst_off, bytes, dst.bytes);
-    check_range("put", "source", rank_, region, src_off, bytes, regions_[region].bytes);
+    const RemoteRegion& dst = remote_[region][peer];
     Peer& p = ch.peers[peer];
     wait_credit(ch, channel, peer, "put");
     const uint32_t imm = fabric_imm::encode(fabric_imm::Kind::kPut, rank_, p.epoch);
@@ -215,7 +225,7 @@ class LibfabricEngine final : public Engine {
     Channel& ch = channel_of(channel);
     throw_if_failed(ch);
     const RemoteRegion& dst = target(peer, region, "signal_add");
-    check_range("signal_add", "signal word", peer, region, sig_off, 8, dst.bytes);
+    check_range("libfabric", "signal_add", "signal word", peer, region, sig_off, 8, dst.bytes);
     if (sig_off % 8 != 0)
       throw Error(ErrorCode::kInvalidArgument,
                   where() + ": signal_add to rank " + std::to_string(peer) + " region " +
@@ -637,15 +647,6 @@ class LibfabricEngine final : public Engine {
                                                    std::to_string(peer) + ": region " +
                                                    std::to_string(region) + " is not registered");
     return remote_[region][peer];
-  }
-  void check_range(const char* what, const char* side, int owner, int region, uint64_t off,
-                   uint64_t bytes, std::size_t size) const {
-    if (off <= size && bytes <= size - off) return;
-    throw Error(ErrorCode::kInvalidArgument,
-                where() + ": " + what + ": " + side + " [" + std::to_string(off) + ", " +
-                    std::to_string(off) + " + " + std::to_string(bytes) +
-                    " bytes) is out of bounds of rank " + std::to_string(owner) + "'s region " +
-                    std::to_string(region) + " (" + std::to_string(size) + " bytes)");
   }
 
   void throw_if_failed(const Channel& ch) const {

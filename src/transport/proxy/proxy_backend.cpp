@@ -1,11 +1,18 @@
-// The CPU-proxy backend: symmetric memory from cudaMalloc (cuMem with
-// EPX_PROXY_CUMEM=1 and a process per rank); peers in this
-// rank's (possibly virtual) node reached by load/store through the engine's
-// mappings; the others through commands the GPU posts into per-channel rings
-// that proxy threads hand to the engine (CUDA IPC on one host today).
+// The CPU-proxy backend: peers in this rank's (possibly virtual) node reached
+// by load/store; the others through commands the GPU posts into per-channel
+// rings that proxy threads hand to the engine:
+//   - cuda_ipc (one host): symmetric memory from cudaMalloc (cuMem with
+//     EPX_PROXY_CUMEM=1 and a process per rank), same-node peers through the
+//     engine's mappings, puts on the GPU's copy engines;
+//   - libfabric (tcp;ofi_rxm, shm, verbs;ofi_rxm, efa): regions the provider
+//     registers. This libfabric has no FI_HMEM for CUDA, so they are pinned
+//     host memory mapped into the GPU (the kernels read and write it over
+//     PCIe; the proxy makes no CUDA call per command); same-node peers are
+//     reached by pointer where the ranks share a process.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <string>
 
@@ -14,6 +21,7 @@
 #include "epx/communicator.hpp"
 #include "epx/error.hpp"
 #include "transport/backend.hpp"
+#include "transport/proxy/libfabric_engine.hpp"
 #include "transport/proxy/proxy.hpp"
 
 namespace epx::transport {
@@ -30,10 +38,31 @@ void read_stop_knob(int rank, proxy::ProxyOptions& o) {
                stop->rank, stop->channel, stop->commands);
 }
 
+/// The engine BufferOptions::proxy_engine (or EPX_PROXY_ENGINE) names; "auto":
+/// CUDA IPC where every rank is on one host, else libfabric.
+std::string engine_choice(const BackendOptions& options) {
+  std::string name = options.proxy_engine.empty() ? "auto" : options.proxy_engine;
+  if (name == "auto") name = env::proxy_engine();
+  if (name == "auto") name = options.num_hosts > 1 ? "libfabric" : "cuda_ipc";
+  if (name != "cuda_ipc" && name != "libfabric")
+    throw Error(ErrorCode::kInvalidArgument,
+                "proxy_engine: must be auto, cuda_ipc or libfabric, got '" + name + "'");
+  if (name == "cuda_ipc" && options.num_hosts > 1)
+    throw Error(
+        ErrorCode::kInvalidArgument,
+        "proxy_engine: cuda_ipc reaches the ranks of one host only, and these ranks run on " +
+            std::to_string(options.num_hosts) + " hosts (use libfabric)");
+  return name;
+}
+
 class ProxyBackend final : public Backend {
  public:
   ProxyBackend(Communicator& comm, const Topology& topology, const BackendOptions& options)
-      : comm_(comm), topo_(topology), cumem_(proxy::cumem_regions(comm)) {
+      : comm_(comm),
+        topo_(topology),
+        engine_name_(engine_choice(options)),
+        fabric_(engine_name_ == "libfabric"),
+        cumem_(!fabric_ && proxy::cumem_regions(comm)) {
     // One thread per channel: num_qps_per_rank (DeepEP's default is 24) is
     // capped at EPX_PROXY_CHANNELS (default 4) channels per rank.
     num_channels_ = std::clamp(options.num_contexts, 1, env::proxy_channels(kMaxContexts));
@@ -41,7 +70,36 @@ class ProxyBackend final : public Backend {
     std::vector<uint8_t> targets(static_cast<std::size_t>(topology.num_ranks), 0);
     for (int r = 0; r < topology.num_ranks; ++r)
       targets[r] = topology.same_node(comm.rank(), r) ? 0 : 1;
-    engine_ = proxy::make_cuda_ipc_engine(comm, num_channels_, std::move(targets));
+    if (fabric_) {
+      // Pinned host regions: same-node peers are reached by pointer, which
+      // ranks of one process share; processes of one node would need the
+      // regions shared between them (not built yet).
+      if (!comm.in_process() && topology.ranks_per_node > 1)
+        throw Error(
+            ErrorCode::kUnsupported,
+            "proxy_engine libfabric: rank " + std::to_string(comm.rank()) + "'s node holds " +
+                std::to_string(topology.ranks_per_node) +
+                " processes, and their pinned host regions cannot be mapped into each "
+                "other yet: run one rank per node (ranks_per_node=1), ranks in one process, "
+                "or proxy_engine='cuda_ipc' on one host");
+      proxy::LibfabricOptions lo;
+      lo.provider =
+          options.fabric_provider.empty() ? env::fabric_provider() : options.fabric_provider;
+      lo.timeout_s = env::timeout_seconds();
+      engine_ = proxy::make_libfabric_engine(
+          std::shared_ptr<proxy::Exchange>(proxy::make_communicator_exchange(comm)), num_channels_,
+          lo);
+      if (comm.rank() == 0) {
+        const proxy::LibfabricStats st = proxy::libfabric_stats(*engine_);
+        std::fprintf(stderr,
+                     "epx: proxy engine libfabric, provider %s (%s), regions in pinned host "
+                     "memory (no FI_HMEM for CUDA in this libfabric)\n",
+                     st.provider.c_str(),
+                     st.delivery_complete ? "delivery complete" : "transmit complete");
+      }
+    } else {
+      engine_ = proxy::make_cuda_ipc_engine(comm, num_channels_, std::move(targets));
+    }
     proxy::ProxyOptions po;
     po.num_channels = num_channels_;
     po.device = comm.device();
@@ -70,6 +128,9 @@ class ProxyBackend final : public Backend {
   int num_ranks() const override { return comm_.num_ranks(); }
   const Topology& topology() const override { return topo_; }
   int num_contexts() const override { return num_channels_; }
+  std::string engine_name() const override {
+    return fabric_ ? "libfabric " + proxy::libfabric_stats(*engine_).provider : engine_name_;
+  }
 
   SymmetricRegion alloc(std::size_t bytes) override {
     SymmetricRegion r;
@@ -77,19 +138,31 @@ class ProxyBackend final : public Backend {
     r.id = next_id_++;
     if (r.id >= proxy::kMaxRegions)
       throw Error(ErrorCode::kInternal, "proxy backend: too many regions");
-    if (cumem_)
-      r.local = proxy::alloc_cumem_region(comm_.device(), r.bytes);
-    else
-      EPX_CUDA_CHECK(cudaMalloc(&r.local, r.bytes));
-    EPX_CUDA_CHECK(cudaMemset(r.local, 0, r.bytes));
+    if (fabric_) {
+      // Mapped, so the kernels reach it at the same address (unified addressing).
+      EPX_CUDA_CHECK(cudaHostAlloc(&r.local, r.bytes, cudaHostAllocMapped | cudaHostAllocPortable));
+      std::memset(r.local, 0, r.bytes);
+    } else {
+      if (cumem_)
+        r.local = proxy::alloc_cumem_region(comm_.device(), r.bytes);
+      else
+        EPX_CUDA_CHECK(cudaMalloc(&r.local, r.bytes));
+      EPX_CUDA_CHECK(cudaMemset(r.local, 0, r.bytes));
+    }
     EPX_CUDA_CHECK(cudaDeviceSynchronize());
     // Collective: every rank's region is registered (and zeroed) before any
     // command names it.
     engine_->register_region(r.id, r.local, r.bytes);
     r.peers.assign(comm_.num_ranks(), nullptr);
+    // Ranks of one process: every rank's pinned region by its address.
+    std::vector<uint64_t> shared;
+    if (fabric_ && comm_.in_process())
+      shared = comm_.allgather_value(static_cast<uint64_t>(reinterpret_cast<uintptr_t>(r.local)));
     for (int p = 0; p < comm_.num_ranks(); ++p) {
       if (!topo_.same_node(p, comm_.rank())) continue;
-      r.peers[p] = p == comm_.rank() ? r.local : engine_->mapped(r.id, p);
+      r.peers[p] = p == comm_.rank() ? r.local
+                   : !shared.empty() ? reinterpret_cast<void*>(static_cast<uintptr_t>(shared[p]))
+                                     : engine_->mapped(r.id, p);
       if (r.peers[p] == nullptr)
         throw Error(ErrorCode::kUnsupported, "proxy backend: rank " + std::to_string(p) +
                                                  " is in rank " + std::to_string(comm_.rank()) +
@@ -110,7 +183,9 @@ class ProxyBackend final : public Backend {
       proxy_.reset();
     }
     engine_->deregister_region(r.id);
-    if (cumem_)
+    if (fabric_)
+      EPX_CUDA_CHECK(cudaFreeHost(r.local));
+    else if (cumem_)
       proxy::free_cumem_region(r.local, r.bytes);
     else
       EPX_CUDA_CHECK(cudaFree(r.local));
@@ -175,7 +250,9 @@ class ProxyBackend final : public Backend {
  private:
   Communicator& comm_;
   Topology topo_;
-  const bool cumem_;  ///< regions from alloc_cumem_region (EPX_PROXY_CUMEM)
+  const std::string engine_name_;  ///< cuda_ipc | libfabric
+  const bool fabric_;              ///< the libfabric engine: pinned host regions
+  const bool cumem_;               ///< regions from alloc_cumem_region (EPX_PROXY_CUMEM)
   int num_channels_ = 1;
   int next_id_ = 0;
   std::unique_ptr<proxy::Engine> engine_;
