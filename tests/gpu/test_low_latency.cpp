@@ -23,11 +23,13 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
 #include "common/env.hpp"
 #include "epx/reference.hpp"
+#include "gpu/checksum.hpp"
 #include "gpu/harness.hpp"
 
 namespace epx::test {
@@ -1807,6 +1809,36 @@ EPX_GPU_TEST(Network, StalledNetworkIsNamed) {
   run_stall_test(
       *stall, [&](ErrorCode& code) { return ll_pair_error(b, c, in, code); },
       {{"no free slot", "a queue credit"}, {"network quiet", "a wait"}, {"for rank ", "a wait"}});
+}
+
+/// The device checksum kernel against the host's: equal on random data of
+/// several lengths (0, 1, not a multiple of the grid), different after a
+/// swap or one changed bit, and the counts copied.
+EPX_GPU_TEST(Network, SoakChecksum) {
+  auto& w = world();
+  for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{1000003}}) {
+    SCOPED_TRACE("n = " + std::to_string(n));
+    auto v = random_bf16(n, 77 + n);
+    const std::vector<int> counts = {3, -1, 0, 1 << 30};
+    auto dv = to_device(v);
+    auto dc = to_device(counts);
+    auto d_sum = to_device(std::vector<unsigned long long>(1, 0));
+    auto d_out = to_device(std::vector<int>(counts.size(), 7));
+    ASSERT_EQ(launch_pair_digest(dv.get(), n, dc.get(), static_cast<int>(counts.size()),
+                                 d_sum.get(), d_out.get(), w.stream),
+              cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+    const uint64_t sum = to_host(d_sum)[0];
+    EXPECT_EQ(sum, bf16_checksum_host(v.data(), n));
+    EXPECT_EQ(to_host(d_out), counts);
+    if (n > 1) {
+      std::swap(v[0], v[n - 1]);  // a moved value counts (unless the two are equal)
+      if (v[0] != v[n - 1]) EXPECT_NE(bf16_checksum_host(v.data(), n), sum);
+      std::swap(v[0], v[n - 1]);
+      v[n / 2] ^= 1;
+      EXPECT_NE(bf16_checksum_host(v.data(), n), sum);
+    }
+  }
 }
 
 /// EPX_TEST_SOAK=N: N low-latency dispatch + combine pairs with routing that
