@@ -1841,19 +1841,45 @@ EPX_GPU_TEST(Network, SoakChecksum) {
   }
 }
 
+/// A soak variable: unset gives nullopt; a decimal integer in [lo, hi] gives
+/// it; anything else (empty, a sign, spaces, other characters, out of range)
+/// fails the test naming the variable and the value, and sets `ok` false.
+/// Every rank reads the same environment, so all of them fail alike, before
+/// any collective step.
+std::optional<long> soak_variable(const char* name, long lo, long hi, bool& ok) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return std::nullopt;
+  const std::string s(v);
+  long x = -1;  // below every lo: anything unparsed fails the range check
+  if (!s.empty() && s.size() <= 12 && s.find_first_not_of("0123456789") == std::string::npos)
+    x = std::stol(s);
+  if (x < lo || x > hi) {
+    ADD_FAILURE() << name << "='" << s << "': must be a decimal integer in [" << lo << ", " << hi
+                  << "]";
+    ok = false;
+    return std::nullopt;
+  }
+  return x;
+}
+
+/// A soak of more pairs than this would run for days: a typo, not a plan.
+constexpr long kSoakMaxPairs = 100'000'000;
+
 /// EPX_TEST_SOAK=N: N low-latency dispatch + combine pairs with routing that
 /// changes every call (16 sets, seeded), no error, the received counts right
 /// every 500 pairs, and neither device nor host memory growing after the
 /// first 500 (each by at most 64 MiB). Progress every tenth.
 EPX_GPU_TEST(Network, Soak) {
   auto& w = world();
-  const char* n_env = std::getenv("EPX_TEST_SOAK");
-  if (n_env == nullptr) GTEST_SKIP() << "set EPX_TEST_SOAK=N pairs";
-  const long pairs = std::atol(n_env);
+  if (std::getenv("EPX_TEST_SOAK") == nullptr) GTEST_SKIP() << "set EPX_TEST_SOAK=N pairs";
+  bool env_ok = true;
+  const auto pairs_env = soak_variable("EPX_TEST_SOAK", 1, kSoakMaxPairs, env_ok);
   // EPX_TEST_SOAK_SYNC=N: the host waits for the stream every N pairs (0, the
   // default: only at the checks every 500, so the host runs far ahead).
-  const char* sync_env = std::getenv("EPX_TEST_SOAK_SYNC");
-  const long sync_every = sync_env != nullptr ? std::atol(sync_env) : 0;
+  const auto sync_env = soak_variable("EPX_TEST_SOAK_SYNC", 0, kSoakMaxPairs, env_ok);
+  if (!env_ok) return;  // failed above, on every rank
+  const long pairs = *pairs_env;
+  const long sync_every = sync_env.value_or(0);
   // EPX_TEST_SOAK_LINEUP=1: before each pair the host waits for the stream
   // and the ranks meet in a barrier, so every pair starts together (over the
   // proxy, pairs of ranks that drift apart took 10-40 ms each on one host).
