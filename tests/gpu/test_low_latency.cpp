@@ -23,11 +23,13 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
 #include "common/env.hpp"
 #include "epx/reference.hpp"
+#include "gpu/checksum.hpp"
 #include "gpu/harness.hpp"
 
 namespace epx::test {
@@ -1809,48 +1811,162 @@ EPX_GPU_TEST(Network, StalledNetworkIsNamed) {
       {{"no free slot", "a queue credit"}, {"network quiet", "a wait"}, {"for rank ", "a wait"}});
 }
 
-/// EPX_TEST_SOAK=N: N low-latency dispatch + combine pairs with routing that
-/// changes every call (16 sets, seeded), no error, the received counts right
-/// every 500 pairs, and neither device nor host memory growing after the
-/// first 500 (each by at most 64 MiB). Progress every tenth.
+/// The device checksum kernel against the host's: equal on random data of
+/// several lengths (0, 1, not a multiple of the grid), different after a
+/// swap or one changed bit, and the counts copied.
+EPX_GPU_TEST(Network, SoakChecksum) {
+  auto& w = world();
+  for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{1000003}}) {
+    SCOPED_TRACE("n = " + std::to_string(n));
+    auto v = random_bf16(n, 77 + n);
+    const std::vector<int> counts = {3, -1, 0, 1 << 30};
+    auto dv = to_device(v);
+    auto dc = to_device(counts);
+    auto d_sum = to_device(std::vector<unsigned long long>(1, 0));
+    auto d_out = to_device(std::vector<int>(counts.size(), 7));
+    ASSERT_EQ(launch_pair_digest(dv.get(), n, dc.get(), static_cast<int>(counts.size()),
+                                 d_sum.get(), d_out.get(), w.stream),
+              cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+    const uint64_t sum = to_host(d_sum)[0];
+    EXPECT_EQ(sum, bf16_checksum_host(v.data(), n));
+    EXPECT_EQ(to_host(d_out), counts);
+    if (n > 1) {
+      std::swap(v[0], v[n - 1]);  // a moved value counts (unless the two are equal)
+      if (v[0] != v[n - 1]) EXPECT_NE(bf16_checksum_host(v.data(), n), sum);
+      std::swap(v[0], v[n - 1]);
+      v[n / 2] ^= 1;
+      EXPECT_NE(bf16_checksum_host(v.data(), n), sum);
+    }
+  }
+}
+
+/// A soak variable: unset gives nullopt; a decimal integer in [lo, hi] gives
+/// it; anything else (empty, a sign, spaces, other characters, out of range)
+/// fails the test naming the variable and the value, and sets `ok` false.
+/// Every rank reads the same environment, so all of them fail alike, before
+/// any collective step.
+std::optional<long> soak_variable(const char* name, long lo, long hi, bool& ok) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return std::nullopt;
+  const std::string s(v);
+  long x = -1;  // below every lo: anything unparsed fails the range check
+  if (!s.empty() && s.size() <= 12 && s.find_first_not_of("0123456789") == std::string::npos)
+    x = std::stol(s);
+  if (x < lo || x > hi) {
+    ADD_FAILURE() << name << "='" << s << "': must be a decimal integer in [" << lo << ", " << hi
+                  << "]";
+    ok = false;
+    return std::nullopt;
+  }
+  return x;
+}
+
+/// A soak of more pairs than this would run for days: a typo, not a plan.
+constexpr long kSoakMaxPairs = 100'000'000;
+constexpr int kSoakSets = 16;
+/// The set pair i uses: every set once in pairs 0 .. kSoakSets - 1 (7 is
+/// prime to 16), then in a changing order.
+int soak_set(long i) {
+  return static_cast<int>((i * 7 + 3) % kSoakSets);
+}
+uint64_t soak_seed(int set) {
+  return 7000 + static_cast<uint64_t>(set);
+}
+
+/// EPX_TEST_SOAK=N: N low-latency dispatch + combine pairs (fp8, the standard
+/// decode shape) cycling over 16 seeded input sets (tokens, routing, weights
+/// and expert outputs all differ between sets), checking data, not just the
+/// absence of errors:
+///  - the first pair of each set (pairs 0-15) is checked in full on the host:
+///    the dispatch against ref::ll_dispatch (check_dispatch), the combined
+///    output against ref::ll_combine (check_combine's tolerance), and the
+///    device checksum of that output against the host's;
+///  - every pair: a device kernel right behind the combine writes the
+///    checksum of its combined output and a copy of its recv_count into
+///    per-pair slots; every 500 pairs and at the end the host compares each
+///    slot with its set's first pair (checksum) and the reference (counts),
+///    naming the pair, the set and both values where they differ;
+///  - neither device nor host memory grows after the first 500 pairs (each by
+///    at most 64 MiB; with at least 1000 pairs).
+/// A pair's checksum may be compared with its set's first one because the
+/// LL combine is deterministic for identical inputs: the same routing,
+/// weights and expert outputs give the same bits, whatever order the ranks'
+/// rows arrive in (line numbers of src/kernels/low_latency_kernels.cuh):
+///  - the dispatch packs in rank order: an exclusive scan of the token masks
+///    in (source, token) order gives every row and the combine plan's
+///    {mask, first row} (:1071-1085), a function of the routing alone.
+///    check_dispatch proves it equal to the reference's on a set's first
+///    pair; a later pair packed otherwise reads other expert rows and changes
+///    the checksum;
+///  - ll_combine_send collects the rows of a token's experts on this rank in
+///    ascending local expert id (:1488-1494, plan_row :1277) and sums them
+///    with fmaf in that order (:1595), with per-expert weights the token's
+///    rank summed in k order (:1431); a token with one expert there gets the
+///    raw row (:1530);
+///  - ll_combine_recv waits for every source's combine flag before it reads
+///    a row (:1724); then one lane per output column adds the ranks' rows in
+///    ascending rank order (:1806 within a node; across nodes the sorted
+///    ranks, :1749-1760) and a raw row's picks in lane (k) order (add_rank_row
+///    :1673), and stores the column once (:1779, :1820): no atomics, nothing
+///    in arrival order.
+/// Under EPX_LL_ARRIVAL_ORDER=1 that packing follows arrival, while the
+/// expert outputs are uploaded once in the reference's packing, so the
+/// combined output is no function of the inputs: the combine checks are off
+/// then (as in back_to_back), the dispatch and recv_count checks stay.
+/// EPX_TEST_SOAK_SYNC=N: the host also waits for the stream every N pairs
+/// (0, the default: only at the checks, so the host runs far ahead).
+/// EPX_TEST_SOAK_LINEUP=1: before each pair the host waits for the stream and
+/// the ranks meet in a barrier, so every pair starts together (over the
+/// proxy, pairs of ranks that drift apart took 10-40 ms each on one host).
+/// Progress every 10 s at most.
 EPX_GPU_TEST(Network, Soak) {
   auto& w = world();
-  const char* n_env = std::getenv("EPX_TEST_SOAK");
-  if (n_env == nullptr) GTEST_SKIP() << "set EPX_TEST_SOAK=N pairs";
-  const long pairs = std::atol(n_env);
-  // EPX_TEST_SOAK_SYNC=N: the host waits for the stream every N pairs (0, the
-  // default: only at the checks every 500, so the host runs far ahead).
-  const char* sync_env = std::getenv("EPX_TEST_SOAK_SYNC");
-  const long sync_every = sync_env != nullptr ? std::atol(sync_env) : 0;
-  // EPX_TEST_SOAK_LINEUP=1: before each pair the host waits for the stream
-  // and the ranks meet in a barrier, so every pair starts together (over the
-  // proxy, pairs of ranks that drift apart took 10-40 ms each on one host).
+  if (std::getenv("EPX_TEST_SOAK") == nullptr) GTEST_SKIP() << "set EPX_TEST_SOAK=N pairs";
+  bool env_ok = true;
+  const auto pairs_env = soak_variable("EPX_TEST_SOAK", 1, kSoakMaxPairs, env_ok);
+  const auto sync_env = soak_variable("EPX_TEST_SOAK_SYNC", 0, kSoakMaxPairs, env_ok);
+  if (!env_ok) return;  // failed above, on every rank
+  const long pairs = *pairs_env;
+  const long sync_every = sync_env.value_or(0);
   const char* lineup_env = std::getenv("EPX_TEST_SOAK_LINEUP");
   const bool lineup = lineup_env != nullptr && lineup_env[0] == '1';
-  const int R = w.num_ranks;
+  const int R = w.num_ranks, me = w.rank;
   LlCase c;
   c.max_tokens = 128;
   c.hidden = 7168;
   c.num_experts = 256 % R == 0 ? 256 : 16 * R;
   c.fp8 = true;
-  constexpr int kSets = 16;
+  const int E_local = c.num_experts / R, RT = R * c.max_tokens, H = c.hidden, K = c.num_topk;
+  const bool check_combined = !arrival_order();
+  if (me == 0 && !check_combined)
+    std::printf("soak: EPX_LL_ARRIVAL_ORDER=1: combined outputs not checked\n");
   std::vector<LlInputs> sets;
-  std::vector<ref::LlDispatchOutput> want;
-  std::vector<DeviceArray<uint16_t>> dx;
+  std::vector<DeviceArray<uint16_t>> dx, d_eo(kSoakSets);
   std::vector<DeviceArray<int64_t>> dt;
   std::vector<DeviceArray<float>> dw;
-  for (int i = 0; i < kSets; ++i) {
-    sets.push_back(make_inputs(c, R, 7000 + i));
-    auto ro = ref::ll_dispatch(sets[i].x, sets[i].topk, sets[i].num_tokens, c.hidden, c.num_topk,
-                               c.num_experts, c.max_tokens, true, false);
-    want.push_back(ro[w.rank]);
-    dx.push_back(to_device(sets[i].x[w.rank]));
-    dt.push_back(to_device(sets[i].topk[w.rank]));
-    dw.push_back(to_device(sets[i].weights[w.rank]));
+  for (int k = 0; k < kSoakSets; ++k) {
+    sets.push_back(make_inputs(c, R, soak_seed(k)));
+    dx.push_back(to_device(sets[k].x[me]));
+    dt.push_back(to_device(sets[k].topk[me]));
+    dw.push_back(to_device(sets[k].weights[me]));
   }
-  const int E_local = c.num_experts / R, RT = R * c.max_tokens;
-  auto d_eo =
-      to_device(std::vector<uint16_t>(static_cast<std::size_t>(E_local) * RT * c.hidden, 0));
+  // Per set, from its first pair: the reference's recv_count and the
+  // checksum of the combined output that was checked against the reference.
+  std::vector<std::vector<int>> want_count(kSoakSets);
+  std::vector<unsigned long long> want_sum(kSoakSets, 0);
+  std::vector<char> seen(kSoakSets, 0);
+  // Per pair since the last check point: [kCheckEvery] checksums (0 before
+  // the pair's kernel adds to it) and [kCheckEvery, E_local] recv_count
+  // copies (-1 before: a pair whose kernel never ran cannot match).
+  constexpr long kCheckEvery = 500;
+  auto d_sums = to_device(std::vector<unsigned long long>(kCheckEvery, 0));
+  auto d_counts = to_device(std::vector<int>(static_cast<std::size_t>(kCheckEvery) * E_local, -1));
+  auto reset_slots = [&] {
+    return cudaMemsetAsync(d_sums.get(), 0, d_sums.n * sizeof(unsigned long long), w.stream) ==
+               cudaSuccess &&
+           cudaMemsetAsync(d_counts.get(), 0xff, d_counts.n * sizeof(int), w.stream) == cudaSuccess;
+  };
   auto rss = [] {
     long pages = 0, resident = 0;
     if (std::FILE* f = std::fopen("/proc/self/statm", "r")) {
@@ -1861,59 +1977,129 @@ EPX_GPU_TEST(Network, Soak) {
   };
   std::size_t free0 = 0, total = 0;
   long rss0 = 0;
-  // The ranks start together: their reference set-ups end seconds apart, and
-  // a rank whose first op waits that long for a peer reaches the deadline.
+  long window = 0;             // the first pair whose slots are not checked yet
+  long bad_pairs = 0;          // pairs whose checksum or recv_count differed
+  constexpr long kShown = 10;  // of those, the first this many are reported one by one
   ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
   w.comm->barrier();
   const auto t0 = std::chrono::steady_clock::now();
   double next_report_s = 0.0;
   for (long i = 0; i < pairs; ++i) {
-    const int k = static_cast<int>((i * 7 + 3) % kSets);
-    const int T = sets[k].num_tokens[w.rank];
-    if (lineup) {
+    const int k = soak_set(i);
+    const int T = sets[k].num_tokens[me];
+    const bool first = !seen[k];
+    // The first pair of a set: its reference, made once for all in-process
+    // ranks and held for this pair only (every rank's expert outputs of one
+    // set are R x 470 MB on the host); this rank's expert outputs go up once.
+    std::shared_ptr<const std::vector<ref::LlDispatchOutput>> ro;
+    std::shared_ptr<const std::vector<std::vector<uint16_t>>> eo, rc;
+    if (first) {
+      const std::string key = "soak set " + std::to_string(k) + " " + c.key();
+      const LlInputs& in = sets[k];
+      ro = shared_reference<std::vector<ref::LlDispatchOutput>>("ll_dispatch " + key, [&] {
+        return ref::ll_dispatch(in.x, in.topk, in.num_tokens, H, K, c.num_experts, c.max_tokens,
+                                c.fp8, c.round_scale);
+      });
+      eo = shared_reference<std::vector<std::vector<uint16_t>>>(
+          "expert_out " + key, [&] { return make_expert_out(c, R, *ro, soak_seed(k)); });
+      rc = shared_reference<std::vector<std::vector<uint16_t>>>("ll_combine " + key, [&] {
+        return ref::ll_combine(*eo, in.topk, in.weights, in.num_tokens, H, K, c.num_experts,
+                               c.max_tokens, false);
+      });
+      want_count[k] = (*ro)[me].recv_count;
+      ASSERT_EQ(want_count[k].size(), static_cast<std::size_t>(E_local));
+      d_eo[k] = to_device((*eo)[me]);
+    }
+    // The first pairs line up too: the ranks' reference work ends seconds
+    // apart, and a rank whose op waits that long for a peer reaches the deadline.
+    if (lineup || first) {
       ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
       w.comm->barrier();
     }
     auto res = w.buffer->low_latency_dispatch(dispatch_args(c, dx[k].get(), dt[k].get(), T));
     LowLatencyCombineArgs ca;
-    ca.x = view(d_eo.get(), DType::kBF16, {E_local, RT, c.hidden});
-    ca.topk_idx = view(dt[k].get(), DType::kI64, {T, c.num_topk});
-    ca.topk_weights = view(dw[k].get(), DType::kF32, {T, c.num_topk});
+    ca.x = view(d_eo[k].get(), DType::kBF16, {E_local, RT, H});
+    ca.topk_idx = view(dt[k].get(), DType::kI64, {T, K});
+    ca.topk_weights = view(dw[k].get(), DType::kF32, {T, K});
     ca.handle = res.handle;
     ca.stream = w.stream;
-    w.buffer->low_latency_combine(ca);
+    auto cres = w.buffer->low_latency_combine(ca);
+    // The pair's digest, queued behind the combine on the same stream (no
+    // host wait): its checksum and recv_count into the pair's slots.
+    const long slot = i - window;
+    ASSERT_EQ(launch_pair_digest(static_cast<const uint16_t*>(cres.combined_x.view.data),
+                                 static_cast<std::size_t>(T) * H,
+                                 static_cast<const int*>(res.recv_count.view.data), E_local,
+                                 d_sums.get() + slot, d_counts.get() + slot * E_local, w.stream),
+              cudaSuccess);
+    if (first) {
+      seen[k] = 1;
+      SCOPED_TRACE("pair " + std::to_string(i) + ", the first of set " + std::to_string(k));
+      ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+      check_dispatch(c, sets[k], res, (*ro)[me]);
+      const auto got = to_host<uint16_t>(cres.combined_x);
+      if (check_combined) check_combine(c, sets[k], *ro, *eo, got, (*rc)[me]);
+      want_sum[k] = to_host<unsigned long long>(d_sums.get() + slot, 1)[0];
+      EXPECT_EQ(want_sum[k], bf16_checksum_host(got.data(), got.size()))
+          << "the device's checksum of the combined output against the host's";
+      // Every rank stops here if any failed (the later pairs would compare
+      // against a wrong first combine).
+      ASSERT_TRUE(all_ranks(!rank_failed()));
+    }
     if (sync_every > 0 && i % sync_every == sync_every - 1)
       ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
-    if (i % 500 == 499) {
+    if (slot + 1 == kCheckEvery || i + 1 == pairs) {
       ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
-      ASSERT_EQ(to_host<int>(res.recv_count), want[k].recv_count) << "pair " << i;
-      if (i == 499) {
+      const auto n = static_cast<std::size_t>(slot + 1);
+      const auto sums = to_host<unsigned long long>(d_sums.get(), n);
+      const auto counts = to_host<int>(d_counts.get(), n * E_local);
+      for (std::size_t s = 0; s < n; ++s) {
+        const long j = window + static_cast<long>(s);
+        const int kj = soak_set(j);
+        const bool sum_ok = !check_combined || sums[s] == want_sum[kj];
+        const auto at = counts.begin() + static_cast<std::ptrdiff_t>(s * E_local);
+        const auto diff = std::mismatch(at, at + E_local, want_count[kj].begin());
+        const bool count_ok = diff.first == at + E_local;
+        if (sum_ok && count_ok) continue;
+        if (++bad_pairs > kShown) continue;
+        if (!sum_ok)
+          ADD_FAILURE() << "pair " << j << " (set " << kj << "): combined output checksum 0x"
+                        << std::hex << sums[s] << ", the set's first combine (checked against "
+                        << "the reference) 0x" << want_sum[kj] << std::dec;
+        if (!count_ok)
+          ADD_FAILURE() << "pair " << j << " (set " << kj << "): recv_count[" << (diff.first - at)
+                        << "] = " << *diff.first << ", reference " << *diff.second;
+      }
+      ASSERT_TRUE(reset_slots());
+      window = i + 1;
+      if (i + 1 == kCheckEvery) {  // the baseline of the memory checks
         ASSERT_EQ(cudaMemGetInfo(&free0, &total), cudaSuccess);
         rss0 = rss();
       }
-    }
-    // Progress on rank 0 at the checks, every 10 s at most (flushed: a log
-    // cut by a timeout still shows how far it got).
-    if (w.rank == 0 && i % 500 == 499) {
-      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      if (s >= next_report_s || i + 1 == pairs) {
-        std::printf("soak: %ld / %ld pairs, %.1f s\n", i + 1, pairs, s);
+      // Progress on rank 0, every 10 s at most (flushed: a log cut by a
+      // timeout still shows how far it got).
+      const double sec =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (me == 0 && (sec >= next_report_s || i + 1 == pairs)) {
+        std::printf("soak: %ld / %ld pairs, %.1f s, %ld bad\n", i + 1, pairs, sec, bad_pairs);
         std::fflush(stdout);
-        next_report_s = s + 10.0;
+        next_report_s = sec + 10.0;
       }
     }
   }
   ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
   ASSERT_NO_THROW(w.buffer->check());
+  EXPECT_EQ(bad_pairs, 0) << "pairs of " << pairs << " whose combined output or recv_count "
+                          << "differed (the first " << kShown << " are named above)";
   std::size_t free1 = 0;
   ASSERT_EQ(cudaMemGetInfo(&free1, &total), cudaSuccess);
   const long rss1 = rss();
-  if (pairs >= 1000) {
+  if (pairs >= 2 * kCheckEvery) {
     EXPECT_LE(static_cast<long long>(free0) - static_cast<long long>(free1), 64ll << 20)
         << "device memory grew";
     EXPECT_LE(rss1 - rss0, 64l << 20) << "host memory grew";
   }
-  if (w.rank == 0)
+  if (me == 0)
     std::printf("soak: %ld pairs in %.1f s; device free %zu -> %zu, host RSS %ld -> %ld\n", pairs,
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), free0,
                 free1, rss0, rss1);
