@@ -53,7 +53,7 @@
 #            in-process ranks as 2x2
 #   late     (not in the default steps) the late-rank low-latency step at 4x4
 #            in-process, EPX_LATE_RUNS times (default 10), then the LowLatency
-#            suite at 4x4 once
+#            suite at 4x4 once (EPX_LATE_SUITE=0: not)
 #   fabric   (not in the default steps) the suites over the libfabric engine
 #            (EPX_FABRIC_PROVIDERS, EPX_FABRIC_INPROC, EPX_FABRIC_FILTER)
 #   fbench   (not in the default steps) epx-bench ll and ht at in-process 2x2
@@ -148,12 +148,12 @@ if has soak; then
     run_suite "soak: $n LL pairs, 4 processes as 2x2 (proxy)" "$OUT/net-soak.log" \
       ${EPX_SOAK_TIMEOUT:-540} env EPX_RANKS_PER_NODE=2 EPX_TEST_SOAK=$n \
       EPX_TEST_SOAK_LINEUP=${EPX_SOAK_LINEUP:-0} "$D/launch.sh" 4 \
-      "$D/epx_gpu_tests" --gtest_filter=Network.Soak
+      "$D/epx_gpu_tests" --gtest_filter="Network.Soak*"
   else
     run_suite "soak: $n LL pairs, 4 in-process ranks as 2x2 (proxy)" "$OUT/net-soak.log" \
       ${EPX_SOAK_TIMEOUT:-540} env EPX_RANKS_PER_NODE=2 EPX_TEST_SOAK=$n \
       EPX_TEST_SOAK_LINEUP=${EPX_SOAK_LINEUP:-0} "$D/epx_gpu_tests" \
-      --in-process=4 --gtest_filter=Network.Soak
+      --in-process=4 --gtest_filter="Network.Soak*"
   fi
 fi
 if has bench; then
@@ -367,8 +367,10 @@ if has late; then
     grep -q "^\[  PASSED  \] 2 tests" "$OUT/late-$i.log" && passed=$((passed + 1))
   done
   summary+=("late rank after a clean, 4x4: $passed of $n runs passed")
-  run_suite "LowLatency suite, 4x4 in-process (proxy, cuda_ipc)" "$OUT/late-suite.log" 420 \
-    env EPX_RANKS_PER_NODE=4 "$D/epx_gpu_tests" --in-process=16 --gtest_filter='LowLatency.*'
+  if [ "${EPX_LATE_SUITE:-1}" = 1 ]; then
+    run_suite "LowLatency suite, 4x4 in-process (proxy, cuda_ipc)" "$OUT/late-suite.log" 420 \
+      env EPX_RANKS_PER_NODE=4 "$D/epx_gpu_tests" --in-process=16 --gtest_filter='LowLatency.*'
+  fi
 fi
 # The proxy's libfabric engine (EPX_PROXY_ENGINE=libfabric) over the providers
 # of EPX_FABRIC_PROVIDERS (default tcp;ofi_rxm and shm, loopback), with
