@@ -11,6 +11,7 @@
 #include "common/check.hpp"
 #include "common/device.cuh"
 #include "common/env.hpp"
+#include "common/nccl_comm.hpp"
 #include "common/plan.hpp"
 #include "epx/communicator.hpp"
 #include "epx/error.hpp"
@@ -240,7 +241,9 @@ class NcclGin final : public Backend {
     d_posted_ = nullptr;
     if (d_tickets_) cudaFree(d_tickets_);
     d_tickets_ = nullptr;
-    for (ncclComm_t c : comms_) ncclCommDestroy(c);
+    // Aborted where one failed asynchronously, or where the parent was
+    // aborted (a peer is presumed gone): a destroy would wait for them.
+    for (ncclComm_t c : comms_) detail::close_nccl_comm(c, comm_.aborted());
     comms_.clear();
   }
 
