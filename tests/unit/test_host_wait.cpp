@@ -2,10 +2,17 @@
 // common/poll.hpp) driven by fake queries: no GPU needed.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <functional>
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <vector>
 
+#include "common/agree.hpp"
+#include "common/host_group.hpp"
 #include "common/poll.hpp"
 #include "core/stream_wait.hpp"
 #include "epx/error.hpp"
@@ -132,6 +139,122 @@ TEST(Watchdog, ACallThatReturnsInTimeIsNotReported) {
     EXPECT_EQ(w.reports(), 0);
   }
   EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
+}
+
+// "Agree before joining", with ranks that are threads exchanging through an
+// in-process group (what Communicator::allgather does for NCCL ranks).
+struct Outcome {
+  bool threw = false;
+  ErrorCode code = ErrorCode::kInternal;
+  std::string what;
+  bool joined = false;  ///< went on to the step after the agreement
+};
+
+std::vector<Outcome> run_agreement(int R, double timeout_s, const std::function<void(int)>& local,
+                                   const std::vector<int>& absent = {}) {
+  detail::InProcessGroup g(R, timeout_s);
+  std::vector<Outcome> out(static_cast<std::size_t>(R));
+  std::vector<std::jthread> threads;
+  for (int r = 0; r < R; ++r) {
+    if (std::find(absent.begin(), absent.end(), r) != absent.end()) continue;
+    threads.emplace_back([&, r] {
+      try {
+        detail::agree_before(
+            "ncclCommSplit", r,
+            [&](const void* data, std::size_t bytes) { return g.allgather(r, data, bytes); },
+            [&] { local(r); });
+        out[r].joined = true;
+      } catch (const Error& e) {
+        out[r].threw = true;
+        out[r].code = e.code();
+        out[r].what = e.what();
+      } catch (const std::exception& e) {  // a local error that is not an epx::Error, rethrown
+        out[r].threw = true;
+        out[r].what = e.what();
+      }
+    });
+  }
+  threads.clear();
+  return out;
+}
+
+TEST(AgreeBefore, EveryRankJoinsWhenAllAreReady) {
+  std::atomic<int> ran{0};
+  const auto out = run_agreement(4, 30.0, [&](int) { ++ran; });
+  EXPECT_EQ(ran.load(), 4);
+  for (const Outcome& o : out) {
+    EXPECT_FALSE(o.threw) << o.what;
+    EXPECT_TRUE(o.joined);
+  }
+}
+
+TEST(AgreeBefore, ARankThatFailedLocallyIsNamedByEveryOtherAndNobodyJoins) {
+  const auto out = run_agreement(4, 30.0, [](int r) {
+    if (r == 2)
+      throw Error(ErrorCode::kInvalidArgument, "num_qps_per_rank: must be in [1, 16], got 40");
+  });
+  for (int r = 0; r < 4; ++r) {
+    const Outcome& o = out[r];
+    ASSERT_TRUE(o.threw) << "rank " << r;
+    EXPECT_FALSE(o.joined);
+    EXPECT_EQ(o.code, ErrorCode::kInvalidArgument) << o.what;
+    if (r == 2) {
+      // Its own error, as it was thrown.
+      EXPECT_EQ(o.what, "epx: num_qps_per_rank: must be in [1, 16], got 40");
+    } else {
+      EXPECT_NE(o.what.find("ncclCommSplit: rank 2 failed before joining it: num_qps_per_rank: "
+                            "must be in [1, 16], got 40"),
+                std::string::npos)
+          << o.what;
+      EXPECT_NE(o.what.find("rank " + std::to_string(r) + " did not join either"),
+                std::string::npos)
+          << o.what;
+      EXPECT_EQ(o.what.find("epx: num_qps"), std::string::npos) << "prefix kept: " << o.what;
+    }
+  }
+}
+
+TEST(AgreeBefore, SeveralFailuresNameTheFirstAndCountTheRest) {
+  const auto out = run_agreement(4, 30.0, [](int r) {
+    if (r == 1) throw std::runtime_error("out of memory");
+    if (r == 3) throw Error(ErrorCode::kCuda, "cudaMalloc failed");
+  });
+  EXPECT_EQ(out[0].code, ErrorCode::kInternal);  // rank 1's was not an epx::Error
+  EXPECT_NE(out[0].what.find("rank 1 failed before joining it: out of memory (1 more rank(s) "
+                             "failed)"),
+            std::string::npos)
+      << out[0].what;
+  EXPECT_NE(out[2].what.find("rank 1 failed"), std::string::npos) << out[2].what;
+  EXPECT_EQ(out[1].what, "out of memory");
+  EXPECT_EQ(out[3].code, ErrorCode::kCuda);
+  EXPECT_EQ(out[3].what, "epx: cudaMalloc failed");
+}
+
+TEST(AgreeBefore, ARankThatNeverAnswersEndsTheExchangeAtItsDeadline) {
+  // Rank 3 never arrives: the others' exchange times out (the all-gather's
+  // deadline), naming it, instead of waiting in the library's step.
+  const auto out = run_agreement(4, 0.3, [](int) {}, {3});
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_TRUE(out[r].threw);
+    EXPECT_EQ(out[r].code, ErrorCode::kTimeout) << out[r].what;
+    EXPECT_FALSE(out[r].joined);
+  }
+  EXPECT_NE(out[0].what.find("3"), std::string::npos) << out[0].what;
+}
+
+TEST(AgreeBefore, ALocalFailureWinsOverAFailedExchange) {
+  try {
+    detail::agree_before(
+        "ncclCommWindowRegister", 0,
+        [](const void*, std::size_t) -> std::vector<uint8_t> {
+          throw Error(ErrorCode::kTimeout, "allgather: timed out");
+        },
+        [] { throw Error(ErrorCode::kBufferTooSmall, "ncclMemAlloc: out of memory"); });
+    FAIL() << "expected the local error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kBufferTooSmall);
+    EXPECT_EQ(std::string(e.what()), "epx: ncclMemAlloc: out of memory");
+  }
 }
 
 }  // namespace
