@@ -225,10 +225,12 @@ class NcclGin final : public Backend {
     }
     EPX_CUDA_CHECK(cudaMalloc(&d_failed_, sizeof(int)));
     EPX_CUDA_CHECK(cudaMalloc(&d_posted_, sizeof(unsigned long long) * kMaxContexts));
-    EPX_CUDA_CHECK(cudaMemset(d_posted_, 0, sizeof(unsigned long long) * kMaxContexts));
+    // On the backend's stream: the ticket sync below reads them there.
+    EPX_CUDA_CHECK(
+        cudaMemsetAsync(d_posted_, 0, sizeof(unsigned long long) * kMaxContexts, stream_));
     const std::size_t ticket_bytes = sizeof(unsigned) * kMaxContexts * kMaxRanks;
     EPX_CUDA_CHECK(cudaMalloc(&d_tickets_, ticket_bytes));
-    EPX_CUDA_CHECK(cudaMemset(d_tickets_, 0, ticket_bytes));
+    EPX_CUDA_CHECK(cudaMemsetAsync(d_tickets_, 0, ticket_bytes, stream_));
     // The gate reads NCCL's proxy queue as this build's NCCL headers lay it
     // out: only with that very NCCL at run time.
     int code = 0;
@@ -240,8 +242,8 @@ class NcclGin final : public Backend {
                    "full GIN proxy queue wait in NCCL, without EPX's deadline\n",
                    code, NCCL_VERSION_CODE);
     EPX_CUDA_CHECK(cudaMalloc(&d_devcomms_, sizeof(ncclDevComm) * K));
-    EPX_CUDA_CHECK(
-        cudaMemcpy(d_devcomms_, devcomms_.data(), sizeof(ncclDevComm) * K, cudaMemcpyHostToDevice));
+    EPX_CUDA_CHECK(cudaMemcpyAsync(d_devcomms_, devcomms_.data(), sizeof(ncclDevComm) * K,
+                                   cudaMemcpyHostToDevice, stream_));
     // World rank -> NCCL LSA index, for this rank's (virtual) node: the
     // rank's place in the world team mapped into the LSA team (of comms_[0],
     // whose window gives the pointers).
