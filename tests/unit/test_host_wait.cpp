@@ -239,7 +239,11 @@ TEST(AgreeBefore, ARankThatNeverAnswersEndsTheExchangeAtItsDeadline) {
     EXPECT_EQ(out[r].code, ErrorCode::kTimeout) << out[r].what;
     EXPECT_FALSE(out[r].joined);
   }
-  EXPECT_NE(out[0].what.find("3"), std::string::npos) << out[0].what;
+  // The first to time out names the missing rank; the others say they gave up.
+  int named = 0;
+  for (int r = 0; r < 3; ++r)
+    named += out[r].what.find("rank(s) 3 did not arrive") != std::string::npos;
+  EXPECT_GE(named, 1);
 }
 
 TEST(AgreeBefore, ALocalFailureWinsOverAFailedExchange) {
