@@ -198,8 +198,11 @@ void Buffer::destroy() {
   auto& d = *impl_;
   if (d.destroyed) return;
   d.destroyed = true;
-  EPX_CUDA_CHECK(cudaStreamSynchronize(d.comm_stream));
-  d.ll_sync();
+  // Past the deadline these throw, and the regions stay allocated (kernels
+  // still queued may write them); the peers' frees below give up at their
+  // communicator's deadline.
+  d.wait_stream(d.comm_stream, "destroy", "the comm stream (the buffer's last ops)");
+  d.ll_sync("destroy");
   // A wait of the last ops that gave up (recorded by the kernels, raised by
   // the next call) has no next call when they are the last before destroy:
   // it is raised here, once the collective frees below are done, so that an
@@ -431,7 +434,9 @@ void Buffer::Impl::wait_host_flag(volatile int* flag, int expected, const char* 
   uint32_t spins = 0;
   while (*flag != expected) {
     if (diag_host->code != 0) {
-      EPX_CUDA_CHECK(cudaStreamSynchronize(comm_stream));
+      // A kernel gave up: the report is complete once the stream is done;
+      // past the deadline it is raised as it stands.
+      (void)detail::wait_stream_for(comm_stream, host_wait_s());
       raise_if_failed(op);
     }
     if (++spins > 1000) std::this_thread::yield();
@@ -492,12 +497,32 @@ std::optional<Event> Buffer::Impl::ll_leave(const StreamArgs& s, cudaStream_t la
   return std::nullopt;
 }
 
-void Buffer::Impl::ll_sync() {
-  if (ll_tail) ll_tail->synchronize();
+void Buffer::Impl::ll_sync(const char* op) {
+  auto note = [&] { return stall_diagnosis(op); };
+  const detail::WaitSite tail{op, comm->rank(), "the last low-latency op's event"};
+  if (ll_tail) detail::wait_event(ll_tail->get(), tail, host_wait_s(), note);
   ll_tail.reset();
   ll_tail_stream = nullptr;
-  for (const Event& e : ll_hook_events) e.synchronize();
+  const detail::WaitSite hooks{op, comm->rank(), "a receive hook's kernel"};
+  for (const Event& e : ll_hook_events) detail::wait_event(e.get(), hooks, host_wait_s(), note);
   ll_hook_events.clear();
+}
+
+std::string Buffer::Impl::stall_diagnosis(const char* op) {
+  std::string out;
+  try {
+    raise_if_failed(op);
+  } catch (const Error& e) {
+    out = std::string("the device reported: ") + e.what();
+  }
+  const std::string note = backend->stall_note();
+  if (!note.empty()) out += (out.empty() ? "" : "; ") + note;
+  return out;
+}
+
+void Buffer::Impl::wait_stream(cudaStream_t stream, const char* op, const std::string& what) {
+  detail::wait_stream(stream, {op, comm->rank(), what}, host_wait_s(),
+                      [&] { return stall_diagnosis(op); });
 }
 
 void Buffer::Impl::ll_hook_launched(cudaStream_t stream, cudaStream_t owner) {

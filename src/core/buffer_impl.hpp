@@ -151,9 +151,22 @@ struct Buffer::Impl {
   cudaStream_t ll_enter(const StreamArgs& s);
   /// Pairs with ll_enter: records the tail; event / caller wait as leave().
   std::optional<Event> ll_leave(const StreamArgs& s, cudaStream_t launched);
-  /// Waits (host) for the last low-latency op, wherever it ran, and for the
-  /// receive kernels hooks launched.
-  void ll_sync();
+  /// Waits (host, host_wait_s()) for the last low-latency op, wherever it
+  /// ran, and for the receive kernels hooks launched; past the deadline
+  /// throws kTimeout naming `op` and the event.
+  void ll_sync(const char* op);
+  /// Deadline of a host wait for this buffer's GPU work: the kernels' own
+  /// deadline (timeout_s) and a grace for the work queued around them; a
+  /// kernel whose wait expires reports before the host gives up.
+  double host_wait_s() const { return timeout_s + 5.0; }
+  /// What a host wait that passed its deadline adds to its error: the
+  /// device's report of a kernel that gave up (raise_if_failed's message;
+  /// it is cleared), or a failed part of the backend, and the backend's
+  /// stall note; "" when there is none.
+  std::string stall_diagnosis(const char* op);
+  /// Host wait for `stream`'s work with host_wait_s(): kTimeout names `op`,
+  /// this rank, `what` and stall_diagnosis().
+  void wait_stream(cudaStream_t stream, const char* op, const std::string& what);
   /// EPX_DEBUG_EPOCH_START: both op counters at `start`, and the words
   /// compared with a wrap-safe >= (HT barrier flags, LL combine flags) at
   /// `start` too, as if `start` ops had run; collective (a barrier after).

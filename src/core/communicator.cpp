@@ -10,6 +10,7 @@
 #include "common/check.hpp"
 #include "common/env.hpp"
 #include "common/host_group.hpp"
+#include "common/nccl_comm.hpp"
 #include "common/plan.hpp"
 #include "common/topology.hpp"
 #include "core/nccl_version.hpp"
@@ -177,7 +178,7 @@ std::vector<std::shared_ptr<Communicator>> Communicator::create_in_process(int n
 }
 
 Communicator::~Communicator() {
-  if (comm_) ncclCommDestroy(static_cast<ncclComm_t>(comm_));
+  detail::close_nccl_comm(static_cast<ncclComm_t>(comm_));
   if (scratch_) cudaFree(scratch_);
   if (stream_) cudaStreamDestroy(stream_);
 }
@@ -243,7 +244,13 @@ std::vector<uint8_t> Communicator::allgather(const void* data, std::size_t bytes
   std::vector<uint8_t> out(bytes * num_ranks_);
   EPX_CUDA_CHECK(cudaMemcpyAsync(out.data(), d, out.size(), cudaMemcpyDeviceToHost, stream_));
   EPX_CUDA_CHECK(cudaFreeAsync(d, stream_));
-  EPX_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  // The collective is done: what is left is this rank's copy out of it.
+  const double wait_s = timeout_s > 0.0 ? timeout_s : timeout_s_;
+  if (!detail::wait_stream_for(stream_, wait_s))
+    throw Error(
+        ErrorCode::kTimeout,
+        detail::wait_timeout_message(
+            {"allgather", rank_, "the copy of the gathered bytes to the host"}, wait_s, ""));
   return out;
 }
 

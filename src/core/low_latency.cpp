@@ -395,8 +395,8 @@ void Buffer::clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, int 
   const plan::LlRegion region = region_of(R, num_max_dispatch_tokens_per_rank, hidden, num_experts);
   // Collective: nobody may still be writing into a peer's region while it is
   // zeroed, and nobody may start a new op before every region is clean.
-  EPX_CUDA_CHECK(cudaStreamSynchronize(d.comm_stream));
-  d.ll_sync();
+  d.wait_stream(d.comm_stream, op, "the comm stream (the ops before the clean)");
+  d.ll_sync(op);
   d.comm->barrier();
   // Network transports: what every rank sent has landed before anyone zeroes.
   d.backend->quiesce();
@@ -407,7 +407,7 @@ void Buffer::clean_low_latency_buffer(int num_max_dispatch_tokens_per_rank, int 
   // too; the op counts the signals are compared against restart with them.)
   EPX_CUDA_CHECK(cudaMemsetAsync(d.ll_op_counter, 0, sizeof(uint32_t), d.comm_stream));
   EPX_CUDA_CHECK(cudaMemsetAsync(d.ll_seq, 0, 2 * sizeof(uint64_t), d.comm_stream));
-  EPX_CUDA_CHECK(cudaStreamSynchronize(d.comm_stream));
+  d.wait_stream(d.comm_stream, op, "the comm stream's zero fill of the low-latency region");
   d.backend->region_cleared(d.ll);
   d.ll_parity = 0;
   d.comm->barrier();

@@ -2,9 +2,11 @@
 
 #include <algorithm>
 
+#include "common/agree.hpp"
 #include "common/env.hpp"
 #include "common/internode_rings.hpp"
 #include "common/internode_route.hpp"
+#include "core/stream_wait.hpp"
 #include "epx/communicator.hpp"
 #include "epx/error.hpp"
 #include "transport/nccl/nccl_backend.hpp"
@@ -66,6 +68,22 @@ std::unique_ptr<Backend> make_backend(const std::string& requested, Communicator
   throw Error(
       ErrorCode::kInvalidArgument,
       from + ": must be one of auto|nvlink|in_process|proxy|nccl|nvshmem, got '" + name + "'");
+}
+
+double backend_wait_s() {
+  return env::timeout_seconds() + 5.0;
+}
+
+void agree_before(Communicator& comm, const std::string& step, const std::function<void()>& local) {
+  detail::agree_before(
+      step.c_str(), comm.rank(),
+      [&comm](const void* data, std::size_t bytes) { return comm.allgather(data, bytes); }, local);
+}
+
+void wait_own_stream(const Backend& backend, cudaStream_t stream, const char* op,
+                     const std::string& what) {
+  detail::wait_stream(stream, {op, backend.rank(), what}, backend_wait_s(),
+                      [&backend] { return backend.stall_note(); });
 }
 
 dev::AnyTransport lsa_device(const Communicator& comm, const Topology& topology,

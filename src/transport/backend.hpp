@@ -5,7 +5,10 @@
 // others, and builds the device struct kernels get (transport/any.hpp).
 #pragma once
 
+#include <cuda_runtime_api.h>
+
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -91,6 +94,20 @@ class Backend {
   /// forgets what it reported.
   virtual std::string stall_note() const { return {}; }
 };
+
+/// Deadline of a backend's host wait for its own stream (EPX_TIMEOUT_S, the
+/// kernels' deadline, and a grace for the work queued around them).
+double backend_wait_s();
+
+/// detail::agree_before over `comm` (its all-gather, with its deadline):
+/// before a collective NCCL call that waits for every rank without one, the
+/// ranks learn whether each one's `local` work succeeded.
+void agree_before(Communicator& comm, const std::string& step, const std::function<void()>& local);
+
+/// Waits for `stream` (a stream the backend owns) with backend_wait_s();
+/// kTimeout names `op`, the rank, `what` and the backend's stall note.
+void wait_own_stream(const Backend& backend, cudaStream_t stream, const char* op,
+                     const std::string& what);
 
 /// The LsaTransport of `region` for a group that is one node (every peer
 /// mapped): backends nvlink and in_process.

@@ -86,7 +86,7 @@ Comm::Comm(const Context& ctx, ListenComm& listen, const std::vector<const MeshH
       config_(ctx.config),
       rank_(rank),
       nranks_(static_cast<int>(handles.size())),
-      memops_(make_memops(nranks_, config_.depth)) {
+      memops_(make_memops(nranks_, config_.depth, config_.timeout_s)) {
   try {
     mesh_ = std::make_unique<Mesh>(handles, rank, *listen.listener, config_.timeout_s);
   } catch (const MeshError& e) {

@@ -116,8 +116,9 @@ class MemOps {
 int memops_ptr_support();
 /// The memops of one collComm of `nranks` ranks and `depth` requests per peer:
 /// host memops, wrapped by the CUDA memops when they are built in (no CUDA
-/// call happens until a GPU range is registered).
-std::unique_ptr<MemOps> make_memops(int nranks, int depth);
+/// call happens until a GPU range is registered). `timeout_s` bounds every
+/// wait the CUDA memops make for their streams (the plugin's deadline).
+std::unique_ptr<MemOps> make_memops(int nranks, int depth, double timeout_s);
 
 /// Host memory only: exportable ranges are those inside an allocation made by
 /// host_alloc_shared (a memfd mapped MAP_SHARED); every other NCCL_PTR_HOST
@@ -125,7 +126,8 @@ std::unique_ptr<MemOps> make_memops(int nranks, int depth);
 /// copy_async returns.
 std::unique_ptr<MemOps> make_host_memops(int nranks);
 /// The CUDA memops over `host` (which serves every host range).
-std::unique_ptr<MemOps> make_cuda_memops(int nranks, int depth, std::unique_ptr<MemOps> host);
+std::unique_ptr<MemOps> make_cuda_memops(int nranks, int depth, std::unique_ptr<MemOps> host,
+                                         double timeout_s);
 
 /// A memfd-backed allocation of `bytes` (zeroed) that host memops export;
 /// what tests register as "windows". Throws MemOpsError on failure.

@@ -15,8 +15,9 @@
 // - marks: cuStreamWriteValue64 of the request's sequence number into pinned
 //   host memory behind the peer's copies, so completed() is a load.
 // - signals: the target's read-modify-write on its applier stream, no kernel:
-//   an 8-byte copy to pinned memory, a stream sync, cuStreamWriteValue64 of
-//   old + add (the applier is the only remote writer of a signal word).
+//   an 8-byte copy to pinned memory, a wait for it (polled, with the
+//   plugin's deadline), cuStreamWriteValue64 of old + add (the applier is
+//   the only remote writer of a signal word).
 //
 // Driver functions are looked up through the CUDA runtime (linked statically)
 // at the first GPU registration, so the plugin loads without libcuda (CPU CI)
@@ -31,11 +32,13 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <string>
 #include <vector>
 
+#include "common/poll.hpp"
 #include "plugins/gin_loopback/abi.hpp"
 #include "plugins/gin_loopback/memops.hpp"
 
@@ -59,7 +62,6 @@ namespace {
   X(cuCtxGetStreamPriorityRange) \
   X(cuStreamCreateWithPriority) \
   X(cuStreamDestroy) \
-  X(cuStreamSynchronize) \
   X(cuStreamQuery) \
   X(cuMemcpyAsync) \
   X(cuStreamWriteValue64) \
@@ -143,9 +145,10 @@ constexpr auto kPollEvery = std::chrono::milliseconds(10);
 
 class CudaMemOps final : public MemOps {
  public:
-  CudaMemOps(int nranks, int depth, std::unique_ptr<MemOps> host)
+  CudaMemOps(int nranks, int depth, std::unique_ptr<MemOps> host, double timeout_s)
       : nranks_(nranks),
         depth_(depth),
+        timeout_s_(timeout_s),
         host_(std::move(host)),
         on_stream_(static_cast<std::size_t>(nranks), 0),
         staged_(static_cast<std::size_t>(nranks), 0) {}
@@ -257,9 +260,14 @@ class CudaMemOps final : public MemOps {
         first = what + ": " + call + " failed: " + cu_text(rc);
     };
     const Driver& d = driver();
-    for (int p = 0; p < nranks_; ++p)
-      note(d.p_cuStreamSynchronize(streams_[p]), "cuStreamSynchronize",
-           where + ", the stream of " + peer_text(p));
+    for (int p = 0; p < nranks_; ++p) {
+      const std::string what = where + ", the stream of " + peer_text(p);
+      try {
+        wait_stream(streams_[p], what);
+      } catch (const MemOpsError& e) {
+        if (first.empty()) first = e.what();
+      }
+    }
     const auto va = reinterpret_cast<CUdeviceptr>(base);
     note(d.p_cuMemUnmap(va, alloc_bytes), "cuMemUnmap", where);
     note(d.p_cuMemAddressFree(va, alloc_bytes), "cuMemAddressFree", where);
@@ -335,7 +343,7 @@ class CudaMemOps final : public MemOps {
       for (std::size_t i = 0; i < n; ++i)
         EPX_CU(where, cuMemcpyAsync, scratch_dev + static_cast<CUdeviceptr>(i) * 8,
                reinterpret_cast<CUdeviceptr>(adds[first + i].word), 8, applier_);
-      EPX_CU(where, cuStreamSynchronize, applier_);
+      wait_stream(applier_, where + ": the signal applier's read of the words");
       for (std::size_t i = 0; i < n; ++i) {
         const uint64_t old = std::atomic_ref<uint64_t>(scratch[i]).load(std::memory_order_acquire);
         EPX_CU(where, cuStreamWriteValue64, applier_,
@@ -382,6 +390,29 @@ class CudaMemOps final : public MemOps {
     CUcontext previous_ = nullptr;
     bool restore_ = false;
   };
+
+  /// Polls `stream` (cuStreamQuery) until its work is done; past the
+  /// plugin's deadline throws MemOpsError naming `where` (on NCCL's proxy
+  /// thread, a stalled GPU then fails the request instead of holding the
+  /// thread). The plugin's context is current.
+  void wait_stream(CUstream stream, const std::string& where) const {
+    const Driver& d = driver();
+    CUresult failed = CUDA_SUCCESS;
+    const bool done = detail::poll_until(
+        [&] {
+          const CUresult rc = d.p_cuStreamQuery(stream);
+          if (rc == CUDA_ERROR_NOT_READY) return false;
+          failed = rc;
+          return true;
+        },
+        timeout_s_);
+    check(failed, "cuStreamQuery", where);
+    if (!done)
+      throw MemOpsError(where + ": the stream's work did not finish within " +
+                        std::to_string(timeout_s_) +
+                        " s (EPX_GIN_LOOP_TIMEOUT_S / EPX_TIMEOUT_S): the GPU is held by "
+                        "work queued before it or has stalled");
+  }
 
   void need_ready(const std::string& where) const {
     if (!ready_.load(std::memory_order_acquire))
@@ -454,17 +485,38 @@ class CudaMemOps final : public MemOps {
   }
 
   /// Frees what init made (errors ignored: nothing is left to report them to).
+  /// Streams whose work does not end within the deadline are left, with the
+  /// pinned words they write and the context (a leak, said on stderr).
   void teardown() noexcept {
     if (!ctx_) return;
     const Driver& d = driver();
     CUcontext previous = nullptr;
     d.p_cuCtxGetCurrent(&previous);
     d.p_cuCtxSetCurrent(ctx_);
+    bool idle = true;
+    auto drain = [&](CUstream s) {
+      idle = detail::poll_until([&] { return d.p_cuStreamQuery(s) != CUDA_ERROR_NOT_READY; },
+                                timeout_s_) &&
+             idle;
+      d.p_cuStreamDestroy(s);  // with work left, CUDA destroys it once that is done
+    };
     for (CUstream s : streams_)
-      if (s) d.p_cuStreamSynchronize(s), d.p_cuStreamDestroy(s);
+      if (s) drain(s);
     streams_.clear();
-    if (applier_) d.p_cuStreamSynchronize(applier_), d.p_cuStreamDestroy(applier_);
+    if (applier_) drain(applier_);
     applier_ = nullptr;
+    if (!idle) {
+      std::fprintf(stderr,
+                   "epx gin loopback: device %d: copy or signal streams still busy after %.0f s "
+                   "(EPX_GIN_LOOP_TIMEOUT_S / EPX_TIMEOUT_S) at teardown; their pinned words and "
+                   "the plugin's context are left allocated\n",
+                   device_, timeout_s_);
+      d.p_cuCtxSetCurrent(previous == ctx_ ? nullptr : previous);
+      marks_ = nullptr;
+      staging_ = nullptr;
+      ctx_ = nullptr;
+      return;
+    }
     if (marks_) d.p_cuMemFreeHost(marks_);
     marks_ = nullptr;
     if (staging_) d.p_cuMemFreeHost(staging_);
@@ -476,6 +528,7 @@ class CudaMemOps final : public MemOps {
 
   const int nranks_;
   const int depth_;
+  const double timeout_s_;  ///< EPX_GIN_LOOP_TIMEOUT_S / EPX_TIMEOUT_S: every stream wait
   const std::unique_ptr<MemOps> host_;
 
   std::mutex init_m_;
@@ -498,15 +551,16 @@ class CudaMemOps final : public MemOps {
 
 }  // namespace
 
-std::unique_ptr<MemOps> make_cuda_memops(int nranks, int depth, std::unique_ptr<MemOps> host) {
-  return std::make_unique<CudaMemOps>(nranks, depth, std::move(host));
+std::unique_ptr<MemOps> make_cuda_memops(int nranks, int depth, std::unique_ptr<MemOps> host,
+                                         double timeout_s) {
+  return std::make_unique<CudaMemOps>(nranks, depth, std::move(host), timeout_s);
 }
 
 int memops_ptr_support() {
   return NCCL_PTR_HOST | NCCL_PTR_CUDA;
 }
-std::unique_ptr<MemOps> make_memops(int nranks, int depth) {
-  return make_cuda_memops(nranks, depth, make_host_memops(nranks));
+std::unique_ptr<MemOps> make_memops(int nranks, int depth, double timeout_s) {
+  return make_cuda_memops(nranks, depth, make_host_memops(nranks), timeout_s);
 }
 
 }  // namespace epx::gin_loop

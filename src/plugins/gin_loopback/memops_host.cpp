@@ -127,7 +127,7 @@ std::unique_ptr<MemOps> make_host_memops(int nranks) {
 int memops_ptr_support() {
   return NCCL_PTR_HOST;
 }
-std::unique_ptr<MemOps> make_memops(int nranks, int) {
+std::unique_ptr<MemOps> make_memops(int nranks, int, double) {
   return make_host_memops(nranks);
 }
 #endif

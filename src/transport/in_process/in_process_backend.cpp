@@ -6,6 +6,7 @@
 
 #include "common/check.hpp"
 #include "common/plan.hpp"
+#include "core/stream_wait.hpp"
 #include "epx/communicator.hpp"
 #include "transport/backend.hpp"
 
@@ -30,7 +31,7 @@ class InProcessBackend final : public Backend {
     EPX_CUDA_CHECK(cudaMalloc(&r.local, r.bytes));
     // On a stream of its own: the other ranks' kernels on this device keep running.
     EPX_CUDA_CHECK(cudaMemsetAsync(r.local, 0, r.bytes, stream_));
-    EPX_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    wait_own_stream(*this, stream_, "alloc", "the zero fill of the symmetric region");
     // The all-gather is a barrier too: every rank's zero fill is done before anyone writes.
     r.peers = comm_.allgather_value(r.local);
     return r;
@@ -42,8 +43,11 @@ class InProcessBackend final : public Backend {
     // (which on a shared GPU includes the other ranks' kernels) cannot block a
     // peer. The free (which may wait for the device too) comes before the last
     // barrier: no rank leaves to launch kernels a peer's free would wait for.
+    // The core waited for the ops it tracks with its deadline; the device-wide
+    // wait is for those it does not (CUDA graph replays), under a watchdog.
     barrier();
-    EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    detail::device_synchronize_watched(
+        {"free", comm_.rank(), "every kernel that may still use the region"}, backend_wait_s());
     barrier();  // every device idle: nobody writes this memory any more
     EPX_CUDA_CHECK(cudaFree(r.local));
     barrier();

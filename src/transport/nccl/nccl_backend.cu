@@ -5,13 +5,18 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <exception>
+#include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/check.hpp"
 #include "common/device.cuh"
 #include "common/env.hpp"
+#include "common/nccl_comm.hpp"
 #include "common/plan.hpp"
+#include "core/stream_wait.hpp"
 #include "epx/communicator.hpp"
 #include "epx/error.hpp"
 #include "transport/nccl/device.cuh"
@@ -126,15 +131,38 @@ class NcclGin final : public Backend {
     Communicator& comm = comm_;
     const Topology& topology = topo_;
     const int num_contexts = num_contexts_, num_signals = num_signals_;
-    require(!comm.in_process() && comm.nccl_comm() != nullptr, "backend",
-            "'nccl' needs an NCCL communicator (Communicator::create or from_env), one GPU per "
-            "rank: NCCL refuses two ranks on one GPU");
-    require(num_contexts >= 1 && num_contexts <= kMaxContexts, "num_qps_per_rank",
-            "must be in [1, " + std::to_string(kMaxContexts) + "] for the nccl backend, got " +
-                std::to_string(num_contexts));
-    require(num_signals >= 1 && num_signals <= 65536, "num_signals",
-            "must be in [1, 65536] (NCCL's signal pool), got " + std::to_string(num_signals));
+    // NCCL's splits and device communicators wait for every rank without a
+    // deadline: before each, the ranks agree (an all-gather with the
+    // communicator's deadline) that every one got there, so a rank that
+    // failed first is named instead of waited for. A collective call that
+    // fails on this rank is reported at the next agreement.
     DeviceGuard guard(comm.device());
+    std::exception_ptr failed;
+    auto agree = [&](const std::string& step) {
+      transport::agree_before(comm, "nccl backend: " + step, [&] {
+        if (failed) std::rethrow_exception(std::exchange(failed, nullptr));
+      });
+    };
+    auto attempt = [&](const std::function<void()>& call) {
+      try {
+        call();
+      } catch (...) {
+        failed = std::current_exception();
+      }
+    };
+    attempt([&] {
+      require(!comm.in_process() && comm.nccl_comm() != nullptr, "backend",
+              "'nccl' needs an NCCL communicator (Communicator::create or from_env), one GPU per "
+              "rank: NCCL refuses two ranks on one GPU");
+      require(num_contexts >= 1 && num_contexts <= kMaxContexts, "num_qps_per_rank",
+              "must be in [1, " + std::to_string(kMaxContexts) + "] for the nccl backend, got " +
+                  std::to_string(num_contexts));
+      require(num_signals >= 1 && num_signals <= 65536, "num_signals",
+              "must be in [1, 65536] (NCCL's signal pool), got " + std::to_string(num_signals));
+      EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+      EPX_CUDA_CHECK(
+          cudaHostAlloc(reinterpret_cast<void**>(&host_), sizeof(HostWords), cudaHostAllocDefault));
+    });
     auto* parent = static_cast<ncclComm_t>(comm.nccl_comm());
     const int K = (num_contexts + dev::kGinContextsPerComm - 1) / dev::kGinContextsPerComm;
     // Own communicators: context c is context c % 4 of comm c / 4. Whether a
@@ -143,35 +171,42 @@ class NcclGin final : public Backend {
     // NCCL_COMM_SPLIT_SHARE_RESOURCES); shared, the contexts are still
     // correct, only fewer queues.
     for (int k = 0; k < K; ++k) {
-      ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
-      cfg.splitShare = 0;
-      ncclComm_t c = nullptr;
-      EPX_NCCL_CHECK(ncclCommSplit(parent, 0, comm.rank(), &c, &cfg));
-      comms_.push_back(c);
+      agree("ncclCommSplit of communicator " + std::to_string(k));
+      attempt([&] {
+        ncclConfig_t cfg = NCCL_CONFIG_INITIALIZER;
+        cfg.splitShare = 0;
+        ncclComm_t c = nullptr;
+        EPX_NCCL_CHECK(ncclCommSplit(parent, 0, comm.rank(), &c, &cfg));
+        comms_.push_back(c);
+      });
     }
     // GIN forced on (one host is one NCCL node, where NCCL leaves it off),
     // every context connected to every rank now, not at the first op.
     devcomms_.resize(K);
     for (int k = 0; k < K; ++k) {
-      ncclDevCommRequirements reqs{};
-      reqs.ginForceEnable = true;
-      reqs.ginContextCount = dev::kGinContextsPerComm;
-      reqs.ginSignalCount = num_signals + 1;            // + the quiesce's drain signal
-      reqs.ginCounterCount = dev::kGinContextsPerComm;  // one per context: quiet's
-      const ncclResult_t r = ncclDevCommCreate(comms_[k], &reqs, &devcomms_[k]);
-      if (r != ncclSuccess)
-        throw Error(ErrorCode::kUnsupported,
-                    "nccl backend: ncclDevCommCreate with GIN failed on rank " +
-                        std::to_string(comm.rank()) + ": " + result_name(r) +
-                        "; NCCL needs a GIN-capable net plugin (on one host: the loopback "
-                        "plugin, NCCL_NET_PLUGIN=epxloop with libnccl-net-epxloop.so on "
-                        "LD_LIBRARY_PATH; docs/nccl_gin.md)");
-      devcomm_made_.push_back(true);
-      require(devcomms_[k].ginContextCount >= 1, "backend",
-              "nccl: the device communicator has no GIN context");
-      contexts_per_comm_ =
-          std::min(contexts_per_comm_, static_cast<int>(devcomms_[k].ginContextCount));
+      agree("ncclDevCommCreate of communicator " + std::to_string(k));
+      attempt([&] {
+        ncclDevCommRequirements reqs{};
+        reqs.ginForceEnable = true;
+        reqs.ginContextCount = dev::kGinContextsPerComm;
+        reqs.ginSignalCount = num_signals + 1;            // + the quiesce's drain signal
+        reqs.ginCounterCount = dev::kGinContextsPerComm;  // one per context: quiet's
+        const ncclResult_t r = ncclDevCommCreate(comms_[k], &reqs, &devcomms_[k]);
+        if (r != ncclSuccess)
+          throw Error(ErrorCode::kUnsupported,
+                      "nccl backend: ncclDevCommCreate with GIN failed on rank " +
+                          std::to_string(comm.rank()) + ": " + result_name(r) +
+                          "; NCCL needs a GIN-capable net plugin (on one host: the loopback "
+                          "plugin, NCCL_NET_PLUGIN=epxloop with libnccl-net-epxloop.so on "
+                          "LD_LIBRARY_PATH; docs/nccl_gin.md)");
+        devcomm_made_.push_back(true);
+        require(devcomms_[k].ginContextCount >= 1, "backend",
+                "nccl: the device communicator has no GIN context");
+        contexts_per_comm_ =
+            std::min(contexts_per_comm_, static_cast<int>(devcomms_[k].ginContextCount));
+      });
     }
+    agree("the exchange of GIN context counts");
     require(contexts_per_comm_ == dev::kGinContextsPerComm || K == 1, "num_qps_per_rank",
             "needs " + std::to_string(dev::kGinContextsPerComm) +
                 " GIN contexts per communicator (NCCL_GIN_NCONTEXTS), NCCL gave " +
@@ -190,10 +225,12 @@ class NcclGin final : public Backend {
     }
     EPX_CUDA_CHECK(cudaMalloc(&d_failed_, sizeof(int)));
     EPX_CUDA_CHECK(cudaMalloc(&d_posted_, sizeof(unsigned long long) * kMaxContexts));
-    EPX_CUDA_CHECK(cudaMemset(d_posted_, 0, sizeof(unsigned long long) * kMaxContexts));
+    // On the backend's stream: the ticket sync below reads them there.
+    EPX_CUDA_CHECK(
+        cudaMemsetAsync(d_posted_, 0, sizeof(unsigned long long) * kMaxContexts, stream_));
     const std::size_t ticket_bytes = sizeof(unsigned) * kMaxContexts * kMaxRanks;
     EPX_CUDA_CHECK(cudaMalloc(&d_tickets_, ticket_bytes));
-    EPX_CUDA_CHECK(cudaMemset(d_tickets_, 0, ticket_bytes));
+    EPX_CUDA_CHECK(cudaMemsetAsync(d_tickets_, 0, ticket_bytes, stream_));
     // The gate reads NCCL's proxy queue as this build's NCCL headers lay it
     // out: only with that very NCCL at run time.
     int code = 0;
@@ -205,8 +242,8 @@ class NcclGin final : public Backend {
                    "full GIN proxy queue wait in NCCL, without EPX's deadline\n",
                    code, NCCL_VERSION_CODE);
     EPX_CUDA_CHECK(cudaMalloc(&d_devcomms_, sizeof(ncclDevComm) * K));
-    EPX_CUDA_CHECK(
-        cudaMemcpy(d_devcomms_, devcomms_.data(), sizeof(ncclDevComm) * K, cudaMemcpyHostToDevice));
+    EPX_CUDA_CHECK(cudaMemcpyAsync(d_devcomms_, devcomms_.data(), sizeof(ncclDevComm) * K,
+                                   cudaMemcpyHostToDevice, stream_));
     // World rank -> NCCL LSA index, for this rank's (virtual) node: the
     // rank's place in the world team mapped into the LSA team (of comms_[0],
     // whose window gives the pointers).
@@ -225,7 +262,7 @@ class NcclGin final : public Backend {
     // Tickets start where NCCL's produced indices are (0 unless NCCL posted
     // on these contexts while it set them up).
     sync_tickets();
-    EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    wait_own_stream(*this, stream_, "nccl backend setup", "the backend's stream (the tickets)");
   }
 
   void release() noexcept {
@@ -240,8 +277,14 @@ class NcclGin final : public Backend {
     d_posted_ = nullptr;
     if (d_tickets_) cudaFree(d_tickets_);
     d_tickets_ = nullptr;
-    for (ncclComm_t c : comms_) ncclCommDestroy(c);
+    // Aborted where one failed asynchronously, or where the parent was
+    // aborted (a peer is presumed gone): a destroy would wait for them.
+    for (ncclComm_t c : comms_) detail::close_nccl_comm(c, comm_.aborted());
     comms_.clear();
+    if (host_) cudaFreeHost(host_);
+    host_ = nullptr;
+    if (stream_) cudaStreamDestroy(stream_);
+    stream_ = nullptr;
   }
 
   ~NcclGin() override { release(); }  // best effort: destructors do not throw
@@ -256,8 +299,18 @@ class NcclGin final : public Backend {
     DeviceGuard guard(comm_.device());
     SymmetricRegion r;
     r.bytes = plan::align_up(bytes == 0 ? plan::kAlign : bytes, 4096);
-    EPX_NCCL_CHECK(ncclMemAlloc(&r.local, r.bytes));
-    EPX_CUDA_CHECK(cudaMemset(r.local, 0, r.bytes));
+    // Window registration waits for every rank without a deadline: the
+    // ranks agree first that each one's memory is allocated and zeroed.
+    try {
+      agree_before(comm_, "nccl backend: ncclCommWindowRegister", [&] {
+        EPX_NCCL_CHECK(ncclMemAlloc(&r.local, r.bytes));
+        EPX_CUDA_CHECK(cudaMemsetAsync(r.local, 0, r.bytes, stream_));
+        wait_own_stream(*this, stream_, "alloc", "the zero fill of the symmetric region");
+      });
+    } catch (...) {
+      if (r.local) ncclMemFree(r.local);
+      throw;
+    }
     auto* wins = new Windows{};
     r.handle = wins;
     for (std::size_t k = 0; k < comms_.size(); ++k)
@@ -268,10 +321,15 @@ class NcclGin final : public Backend {
     char** d_ptrs = nullptr;
     EPX_CUDA_CHECK(cudaMalloc(&d_index, sizeof(int) * n));
     EPX_CUDA_CHECK(cudaMalloc(&d_ptrs, sizeof(char*) * n));
-    EPX_CUDA_CHECK(cudaMemcpy(d_index, lsa_index_.data(), sizeof(int) * n, cudaMemcpyHostToDevice));
-    gin_lsa_pointers<<<1, 32>>>(wins->w[0], d_index, n, d_ptrs);
+    std::copy(lsa_index_.begin(), lsa_index_.end(), host_->lsa_index);
+    EPX_CUDA_CHECK(cudaMemcpyAsync(d_index, host_->lsa_index, sizeof(int) * n,
+                                   cudaMemcpyHostToDevice, stream_));
+    gin_lsa_pointers<<<1, 32, 0, stream_>>>(wins->w[0], d_index, n, d_ptrs);
     EPX_LAUNCH_CHECK();
-    EPX_CUDA_CHECK(cudaMemcpy(wins->base, d_ptrs, sizeof(char*) * n, cudaMemcpyDeviceToHost));
+    EPX_CUDA_CHECK(
+        cudaMemcpyAsync(host_->ptrs, d_ptrs, sizeof(char*) * n, cudaMemcpyDeviceToHost, stream_));
+    wait_own_stream(*this, stream_, "alloc", "the window's peer pointers");
+    std::copy(host_->ptrs, host_->ptrs + n, wins->base);
     EPX_CUDA_CHECK(cudaFree(d_index));
     EPX_CUDA_CHECK(cudaFree(d_ptrs));
     r.peers.assign(comm_.num_ranks(), nullptr);
@@ -295,14 +353,21 @@ class NcclGin final : public Backend {
     }
     int failed = 0;
     if (healthy) {
-      EPX_CUDA_CHECK(cudaMemset(d_failed_, 0, sizeof(int)));
-      gin_flush_all<<<num_contexts_, 32>>>(d_devcomms_, d_posted_, num_contexts_,
-                                           static_cast<uint64_t>(env::timeout_seconds() * 1e9),
-                                           d_failed_);
+      EPX_CUDA_CHECK(cudaMemsetAsync(d_failed_, 0, sizeof(int), stream_));
+      gin_flush_all<<<num_contexts_, 32, 0, stream_>>>(
+          d_devcomms_, d_posted_, num_contexts_,
+          static_cast<uint64_t>(env::timeout_seconds() * 1e9), d_failed_);
       EPX_LAUNCH_CHECK();
-      EPX_CUDA_CHECK(cudaMemcpy(&failed, d_failed_, sizeof(int), cudaMemcpyDeviceToHost));
+      EPX_CUDA_CHECK(
+          cudaMemcpyAsync(&host_->failed, d_failed_, sizeof(int), cudaMemcpyDeviceToHost, stream_));
+      // The flush has its own deadline on the device; the host's is a backstop
+      // (a flush that did not end counts as failed: the region is kept).
+      failed = detail::wait_stream_for(stream_, backend_wait_s()) ? host_->failed : 1;
     }
-    EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    // Kernels of this buffer the core does not track (CUDA graph replays)
+    // may still use the region.
+    detail::device_synchronize_watched(
+        {"free", comm_.rank(), "every kernel that may still use the region"}, backend_wait_s());
     // Deregistering is collective: every rank does it or none. The ranks
     // agree first (an allgather with the deadline, which stands in for the
     // barrier); a rank with puts still in flight, a failed communicator, or
@@ -376,15 +441,17 @@ class NcclGin final : public Backend {
     int remote = 0;
     for (int r = 0; r < comm_.num_ranks(); ++r) remote += topo_.same_node(comm_.rank(), r) ? 0 : 1;
     ++drain_rounds_;
-    EPX_CUDA_CHECK(cudaMemset(d_failed_, 0, sizeof(int)));
-    gin_drain<<<num_contexts_, 32>>>(
+    EPX_CUDA_CHECK(cudaMemsetAsync(d_failed_, 0, sizeof(int), stream_));
+    gin_drain<<<num_contexts_, 32, 0, stream_>>>(
         d_devcomms_, tickets(), num_contexts_, comm_.num_ranks(), topo_.ranks_per_node,
         comm_.rank(), num_signals_, drain_rounds_ * static_cast<uint64_t>(remote),
         static_cast<uint64_t>(env::timeout_seconds() * 1e9), d_failed_);
     EPX_LAUNCH_CHECK();
-    EPX_CUDA_CHECK(cudaDeviceSynchronize());
-    int failed = 0;
-    EPX_CUDA_CHECK(cudaMemcpy(&failed, d_failed_, sizeof(int), cudaMemcpyDeviceToHost));
+    EPX_CUDA_CHECK(
+        cudaMemcpyAsync(&host_->failed, d_failed_, sizeof(int), cudaMemcpyDeviceToHost, stream_));
+    // The drain has its own deadline on the device; this one is a backstop.
+    wait_own_stream(*this, stream_, "quiesce", "the backend's drain of every GIN context");
+    const int failed = host_->failed;
     if (failed != 0) {
       check_health();  // names a communicator that failed, if one did
       throw Error(ErrorCode::kTimeout,
@@ -395,14 +462,14 @@ class NcclGin final : public Backend {
     barrier();
   }
 
-  /// No op in flight on this rank: the credit gate's tickets back to NCCL's
-  /// produced indices (at the start, and after an op whose credit waits
-  /// failed).
+  /// No op in flight on this rank (the core waited for its ops first): the
+  /// credit gate's tickets back to NCCL's produced indices (at the start, and
+  /// after an op whose credit waits failed), on the backend's stream: what
+  /// follows there, or a wait for it, comes after.
   void sync_tickets() {
     if (tickets() == nullptr) return;
-    EPX_CUDA_CHECK(cudaDeviceSynchronize());
-    gin_sync_tickets<<<num_contexts_, 128>>>(d_devcomms_, d_tickets_, num_contexts_,
-                                             comm_.num_ranks());
+    gin_sync_tickets<<<num_contexts_, 128, 0, stream_>>>(d_devcomms_, d_tickets_, num_contexts_,
+                                                         comm_.num_ranks());
     EPX_LAUNCH_CHECK();
   }
 
@@ -411,10 +478,10 @@ class NcclGin final : public Backend {
   void reset_signals() {
     DeviceGuard guard(comm_.device());
     sync_tickets();
-    gin_reset_signals<<<num_contexts_, 256>>>(d_devcomms_, num_contexts_, num_cleared_signals_,
-                                              num_signals_);
+    gin_reset_signals<<<num_contexts_, 256, 0, stream_>>>(d_devcomms_, num_contexts_,
+                                                          num_cleared_signals_, num_signals_);
     EPX_LAUNCH_CHECK();
-    EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    wait_own_stream(*this, stream_, "clean_low_latency_buffer", "the reset of the GIN signals");
     drain_rounds_ = 0;
     barrier();
   }
@@ -450,7 +517,17 @@ class NcclGin final : public Backend {
   int* d_failed_ = nullptr;                 ///< the quiesce's deadline flag
   unsigned long long* d_posted_ = nullptr;  ///< [kMaxContexts] puts posted (the quiet's target)
   unsigned* d_tickets_ = nullptr;  ///< [kMaxContexts][kMaxRanks] descriptors (dev::gin_credit)
-  bool credit_gate_ = false;       ///< the NCCL loaded is the one built against
+  /// Pinned words the backend's stream copies to and from.
+  struct HostWords {
+    int failed;
+    int lsa_index[kMaxRanksPerNode];
+    char* ptrs[kMaxRanksPerNode];
+  };
+  HostWords* host_ = nullptr;
+  /// The backend's own kernels and copies: a host wait for them polls with a
+  /// deadline and does not wait for other work on the device.
+  cudaStream_t stream_ = nullptr;
+  bool credit_gate_ = false;  ///< the NCCL loaded is the one built against
   unsigned* tickets() const { return credit_gate_ ? d_tickets_ : nullptr; }
   uint64_t drain_rounds_ = 0;  ///< quiesce rounds since the signals were reset
   std::vector<int> lsa_index_;

@@ -8,6 +8,7 @@
 
 #include "common/check.hpp"
 #include "common/plan.hpp"
+#include "core/stream_wait.hpp"
 #include "epx/communicator.hpp"
 #include "transport/backend.hpp"
 
@@ -34,6 +35,13 @@ class NvlinkBackend final : public Backend {
                   "nvlink backend: at most " + std::to_string(kMaxRanksPerNode) + " ranks");
     for (int r = 0; r < comm.num_ranks(); ++r) lsa_of_world_[r] = ncclTeamRankToLsa(nc, lsa, r);
     lsa_size_ = lsa.nRanks;
+    EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host_ptrs_),
+                                 sizeof(void*) * kMaxRanksPerNode, cudaHostAllocDefault));
+  }
+  ~NvlinkBackend() override {
+    if (host_ptrs_) cudaFreeHost(host_ptrs_);
+    if (stream_) cudaStreamDestroy(stream_);
   }
 
   const char* name() const override { return "nvlink"; }
@@ -45,20 +53,33 @@ class NvlinkBackend final : public Backend {
     auto* nc = static_cast<ncclComm_t>(comm_.nccl_comm());
     SymmetricRegion r;
     r.bytes = plan::align_up(bytes == 0 ? plan::kAlign : bytes, 4096);
-    EPX_NCCL_CHECK(ncclMemAlloc(&r.local, r.bytes));
-    EPX_CUDA_CHECK(cudaMemset(r.local, 0, r.bytes));
+    // Window registration waits for every rank without a deadline: the
+    // ranks agree first (an all-gather with the communicator's deadline)
+    // that each one's memory is allocated and zeroed, so a rank that failed
+    // (out of memory) is named instead of waited for.
+    try {
+      agree_before(comm_, "nvlink backend: ncclCommWindowRegister", [&] {
+        EPX_NCCL_CHECK(ncclMemAlloc(&r.local, r.bytes));
+        EPX_CUDA_CHECK(cudaMemsetAsync(r.local, 0, r.bytes, stream_));
+        wait_own_stream(*this, stream_, "alloc", "the zero fill of the symmetric region");
+      });
+    } catch (...) {
+      if (r.local) ncclMemFree(r.local);
+      throw;
+    }
     ncclWindow_t win = nullptr;
     EPX_NCCL_CHECK(ncclCommWindowRegister(nc, r.local, r.bytes, &win, NCCL_WIN_COLL_SYMMETRIC));
     r.handle = win;
     void** d_ptrs = nullptr;
     EPX_CUDA_CHECK(cudaMalloc(&d_ptrs, sizeof(void*) * kMaxRanksPerNode));
-    lsa_pointers_kernel<<<1, 32>>>(win, lsa_size_, d_ptrs);
+    lsa_pointers_kernel<<<1, 32, 0, stream_>>>(win, lsa_size_, d_ptrs);
     EPX_LAUNCH_CHECK();
-    void* lsa_ptrs[kMaxRanksPerNode] = {};
-    EPX_CUDA_CHECK(cudaMemcpy(lsa_ptrs, d_ptrs, sizeof(void*) * lsa_size_, cudaMemcpyDeviceToHost));
+    EPX_CUDA_CHECK(cudaMemcpyAsync(host_ptrs_, d_ptrs, sizeof(void*) * lsa_size_,
+                                   cudaMemcpyDeviceToHost, stream_));
+    wait_own_stream(*this, stream_, "alloc", "the window's peer pointers");
     EPX_CUDA_CHECK(cudaFree(d_ptrs));
     r.peers.assign(comm_.num_ranks(), nullptr);
-    for (int w = 0; w < comm_.num_ranks(); ++w) r.peers[w] = lsa_ptrs[lsa_of_world_[w]];
+    for (int w = 0; w < comm_.num_ranks(); ++w) r.peers[w] = host_ptrs_[lsa_of_world_[w]];
     barrier();  // every rank's zero fill is done before anyone writes
     return r;
   }
@@ -73,8 +94,14 @@ class NvlinkBackend final : public Backend {
       return;
     }
     auto* nc = static_cast<ncclComm_t>(comm_.nccl_comm());
-    EPX_CUDA_CHECK(cudaDeviceSynchronize());
-    barrier();
+    // The core waited for the ops it tracks; kernels it does not (CUDA graph
+    // replays) may still use the window.
+    detail::device_synchronize_watched(
+        {"free", comm_.rank(), "every kernel that may still use the region"}, backend_wait_s());
+    // Deregistering waits for every rank without a deadline: the ranks agree
+    // first (this stands in for the barrier), so one that failed above is
+    // named instead of waited for.
+    agree_before(comm_, "nvlink backend: ncclCommWindowDeregister", [] {});
     EPX_NCCL_CHECK(ncclCommWindowDeregister(nc, static_cast<ncclWindow_t>(r.handle)));
     EPX_NCCL_CHECK(ncclMemFree(r.local));
     r = SymmetricRegion{};
@@ -91,6 +118,8 @@ class NvlinkBackend final : public Backend {
   Topology topo_;
   int lsa_of_world_[kMaxRanksPerNode] = {};
   int lsa_size_ = 1;
+  cudaStream_t stream_ = nullptr;  ///< the backend's own fills and copies
+  void** host_ptrs_ = nullptr;     ///< pinned: the window's LSA pointers, read back
 };
 
 }  // namespace

@@ -19,6 +19,7 @@
 
 #include "common/check.hpp"
 #include "common/env.hpp"
+#include "common/poll.hpp"
 #include "transport/nvshmem/module.hpp"
 
 namespace epx::nvshmem_module {
@@ -42,15 +43,22 @@ int g_refs = 0;  ///< inits not yet finalized on this process
 int g_device = -1;
 int g_rank = -1;
 
-/// NVSHMEM's host calls have no deadline. While one runs, a thread says on
-/// stderr, every EPX deadline (EPX_TIMEOUT_S), that it has not returned: a
-/// hang in NVSHMEM is named (rank, call, seconds), not silent.
-/// EPX_NVSHMEM_TRACE=1 also says when each call starts and ends.
+/// Why a host call of NVSHMEM cannot be bounded, as a Watch says it.
+constexpr const char* kNoWayOut =
+    "NVSHMEM offers no way to bound it; a peer is dead or its proxy stalled "
+    "(NVSHMEM_DEBUG=INFO shows where it waits)";
+
+/// NVSHMEM's host calls have no deadline, and none can be interrupted. While
+/// one runs, a thread says on stderr, once per EPX deadline (EPX_TIMEOUT_S),
+/// that it did not return: a hang in NVSHMEM is named (rank, call, seconds,
+/// why there is no deadline), not silent. EPX_NVSHMEM_TRACE=1 also says when
+/// each call starts and ends.
 class Watch {
  public:
-  Watch(int rank, std::string what)
+  Watch(int rank, std::string what, const char* why = kNoWayOut)
       : rank_(rank),
         what_(std::move(what)),
+        why_(why),
         trace_(env::nvshmem_trace()),
         t0_(std::chrono::steady_clock::now()) {
     if (trace_) std::fprintf(stderr, "epx nvshmem rank %d: %s ...\n", rank_, what_.c_str());
@@ -58,10 +66,8 @@ class Watch {
       const auto every = std::chrono::duration<double>(env::timeout_seconds());
       std::unique_lock<std::mutex> lock(m_);
       while (!cv_.wait_for(lock, every, [this] { return done_; }))
-        std::fprintf(stderr,
-                     "epx nvshmem rank %d: %s has not returned after %.0f s (NVSHMEM's calls "
-                     "have no deadline; NVSHMEM_DEBUG=INFO shows where it waits)\n",
-                     rank_, what_.c_str(), seconds());
+        std::fprintf(stderr, "epx nvshmem rank %d: %s did not return within %.0f s: %s\n", rank_,
+                     what_.c_str(), seconds(), why_);
     });
   }
   ~Watch() {
@@ -84,6 +90,7 @@ class Watch {
   }
   const int rank_;
   const std::string what_;
+  const char* const why_;
   const bool trace_;
   const std::chrono::steady_clock::time_point t0_;
   std::mutex m_;
@@ -101,6 +108,34 @@ void check_status(int status, const char* call) {
   if (status != 0)
     fail(ErrorCode::kBootstrap, std::string(call) + " returned " + std::to_string(status));
 }
+
+/// Waits for `s` with EPX's deadline (EPX_TIMEOUT_S); past it throws
+/// kTimeout naming `op`, this rank and `what`, the work left queued.
+void wait_stream(cudaStream_t s, const char* op, const std::string& what) {
+  const double timeout_s = env::timeout_seconds();
+  const bool done = detail::poll_until(
+      [s] {
+        const cudaError_t e = cudaStreamQuery(s);
+        if (e == cudaErrorNotReady) return false;
+        EPX_CUDA_CHECK(e);
+        return true;
+      },
+      timeout_s);
+  if (!done)
+    fail(ErrorCode::kTimeout, std::string(op) + ": rank " + std::to_string(g_rank) +
+                                  " waited more than " + std::to_string(timeout_s) + " s for " +
+                                  what);
+}
+
+/// A stream of the module's own for one call, destroyed after it (with work
+/// still queued after a timeout, CUDA destroys it once that is done).
+struct OwnStream {
+  cudaStream_t s = nullptr;
+  OwnStream() { EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); }
+  ~OwnStream() { cudaStreamDestroy(s); }
+  OwnStream(const OwnStream&) = delete;
+  OwnStream& operator=(const OwnStream&) = delete;
+};
 
 int init(const Host& host, std::size_t heap_bytes, char* err, std::size_t n) {
   return guarded(err, n, [&] {
@@ -205,8 +240,13 @@ int alloc(std::size_t bytes, void** out, char* err, std::size_t n) {
                                ? std::getenv("NVSHMEM_SYMMETRIC_SIZE")
                                : "unset") +
                ")");
-    EPX_CUDA_CHECK(cudaMemset(p, 0, bytes));
-    EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    {
+      // On a stream of its own, with the deadline: not a wait for the whole
+      // device.
+      OwnStream own;
+      EPX_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, own.s));
+      wait_stream(own.s, "alloc", "the zero fill of the heap block");
+    }
     Watch w(g_rank, "nvshmem_barrier_all after the heap block's zero fill");
     nvshmem_barrier_all();  // every PE's zero fill is done before anyone writes
     *out = p;
@@ -216,7 +256,13 @@ int alloc(std::size_t bytes, void** out, char* err, std::size_t n) {
 int free_block(void* p, char* err, std::size_t n) {
   return guarded(err, n, [&] {
     Entry entry("free");
-    EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    {
+      // The core waited for the ops it tracks with its deadline; this is for
+      // kernels it does not (CUDA graph replays), which may still use the block.
+      Watch d(g_rank, "cudaDeviceSynchronize before nvshmem_free",
+              "it waits for every stream of the GPU, and CUDA offers no way to bound it");
+      EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    }
     Watch w(g_rank, "nvshmem_free");
     nvshmem_free(p);  // collective, with its own barrier
   });
@@ -229,13 +275,18 @@ void* peer_ptr(void* local, int pe) {
 int quiesce(char* err, std::size_t n) {
   return guarded(err, n, [&] {
     Entry entry("quiesce");
-    cudaStream_t s = nullptr;
-    EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    Watch w(g_rank, "quiet and barrier (quiesce)");
-    nvshmemx_quiet_on_stream(s);
-    const cudaError_t e = cudaStreamSynchronize(s);
-    cudaStreamDestroy(s);
-    EPX_CUDA_CHECK(e);
+    {
+      // The quiet runs on a stream, which can be polled: past the deadline
+      // this rank reports instead of waiting on (NVSHMEM cannot cancel the
+      // quiet; it stays queued).
+      OwnStream own;
+      nvshmemx_quiet_on_stream(own.s);
+      wait_stream(own.s, "quiesce",
+                  "nvshmemx_quiet_on_stream (every put this PE issued to complete): a peer is "
+                  "dead or NVSHMEM's proxy stalled, and NVSHMEM offers no way to cancel the "
+                  "quiet");
+    }
+    Watch w(g_rank, "nvshmem_barrier_all (quiesce)");
     nvshmem_barrier_all();
   });
 }

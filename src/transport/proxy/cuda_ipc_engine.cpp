@@ -27,6 +27,7 @@
 #include "common/env.hpp"
 #include "common/host_mesh.hpp"
 #include "common/topology.hpp"
+#include "core/stream_wait.hpp"
 #include "epx/communicator.hpp"
 #include "transport/proxy/bounds.hpp"
 #include "transport/proxy/command.hpp"
@@ -196,16 +197,7 @@ struct FdCloser {
 
 /// Waits for `stream` until `timeout_s`; false when its work is still queued.
 bool drain(cudaStream_t stream, double timeout_s) {
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(std::min(timeout_s, 1e9)));
-  for (int polls = 0;; ++polls) {
-    const cudaError_t e = cudaStreamQuery(stream);
-    if (e == cudaSuccess) return true;
-    if (e != cudaErrorNotReady) EPX_CUDA_CHECK(e);
-    if (std::chrono::steady_clock::now() >= deadline) return false;
-    if (polls >= 64) std::this_thread::sleep_for(std::chrono::microseconds(50));
-  }
+  return detail::wait_stream_for(stream, timeout_s);
 }
 
 template <std::size_t N>

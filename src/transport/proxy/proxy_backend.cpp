@@ -18,6 +18,7 @@
 
 #include "common/check.hpp"
 #include "common/env.hpp"
+#include "core/stream_wait.hpp"
 #include "epx/communicator.hpp"
 #include "epx/error.hpp"
 #include "transport/backend.hpp"
@@ -118,9 +119,11 @@ class ProxyBackend final : public Backend {
                         std::to_string(r) + " uses " + std::to_string(theirs) + ", rank " +
                         std::to_string(comm.rank()) + " " + std::to_string(num_channels_));
     }
+    EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   }
   ~ProxyBackend() override {
     if (proxy_) proxy_->stop();
+    if (stream_) cudaStreamDestroy(stream_);
   }
 
   const char* name() const override { return "proxy"; }
@@ -147,9 +150,11 @@ class ProxyBackend final : public Backend {
         r.local = proxy::alloc_cumem_region(comm_.device(), r.bytes);
       else
         EPX_CUDA_CHECK(cudaMalloc(&r.local, r.bytes));
-      EPX_CUDA_CHECK(cudaMemset(r.local, 0, r.bytes));
+      // On the backend's stream, waited for with the deadline: not a wait for
+      // the whole device (other in-process ranks' kernels included).
+      EPX_CUDA_CHECK(cudaMemsetAsync(r.local, 0, r.bytes, stream_));
+      wait_own_stream(*this, stream_, "alloc", "the zero fill of the symmetric region");
     }
-    EPX_CUDA_CHECK(cudaDeviceSynchronize());
     // Collective: every rank's region is registered (and zeroed) before any
     // command names it.
     engine_->register_region(r.id, r.local, r.bytes);
@@ -176,7 +181,12 @@ class ProxyBackend final : public Backend {
   void free(SymmetricRegion& r) override {
     if (!r.local) return;
     barrier();
-    EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    // The core waited for the ops it tracks with its deadline; the
+    // device-wide wait is for those it does not (CUDA graph replays), under a
+    // watchdog. The proxy's copies are the engine's to wait for (its streams,
+    // with the deadline, at stop and deregistration).
+    detail::device_synchronize_watched(
+        {"free", comm_.rank(), "every kernel that may still use the region"}, backend_wait_s());
     barrier();  // no rank's kernels or proxy still write this memory
     if (proxy_) {
       proxy_->stop();  // commands left in the rings are dropped (the ops are done)
@@ -255,6 +265,7 @@ class ProxyBackend final : public Backend {
   const bool cumem_;               ///< regions from alloc_cumem_region (EPX_PROXY_CUMEM)
   int num_channels_ = 1;
   int next_id_ = 0;
+  cudaStream_t stream_ = nullptr;  ///< the zero fills of the regions
   std::unique_ptr<proxy::Engine> engine_;
   proxy::ProxyOptions options_;
   /// Made by start(), once every region is registered.
