@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test command: builds everything (every .cu compiles, no GPU needed),
 # runs ctest (CPU tests; GPU tests run on >= 2 local GPUs, else are reported
-# as skipped), checks formatting, builds the Python package and runs pytest
+# as skipped), installs the C++ package and builds examples/cpp against it,
+# checks formatting, builds the Python package and runs pytest
 # (GPU tests skip without GPUs and torch), then proves that a clean
 # `pip install .` into a fresh virtual environment works.
 set -euo pipefail
@@ -20,6 +21,10 @@ cmake --preset default -DEPX_GLIBCXX_ASSERTIONS=ON
 cmake --build --preset default -j"$(nproc)"
 echo "== ctest"
 ctest --preset default
+echo "== C++ package: cmake --install, then examples/cpp through find_package(epx)"
+# Installs the tree just built (nothing compiles twice) and builds the example
+# in a fresh directory against it.
+bash scripts/check_install.sh build/default
 echo "== python package"
 # With the test-only module epx._testing (python/CMakeLists.txt: EPX_PYTHON_TESTING).
 "$EPX_PY" -m pip install -q --no-build-isolation --no-deps . --config-settings=build-dir=build/python \
