@@ -672,10 +672,10 @@ constexpr uint64_t fsig_off(int src, int c) {
 }
 constexpr uint64_t kFaultRegionBytes = fsig_off(kMaxRanks, 0) + 4096;
 
-constexpr double kEngineTimeoutS = 1.5;  ///< the engine's: a write incomplete this long fails
+constexpr double kEngineTimeoutS = 2.5;  ///< the engine's: a write incomplete this long fails
 /// The fault round's waits: past the engine's timeout, so that whatever the
 /// engine can tell arrives before the wait gives up on its own.
-constexpr double kAwaitS = 3.5;
+constexpr double kAwaitS = 4.5;
 constexpr double kCleanAwaitS = 10;             ///< waits that must succeed (a loaded CI host)
 constexpr double kRaiseBoundS = kAwaitS + 2.5;  ///< every survivor raises within this of the fault
 constexpr double kTeardownBoundS = 5;           ///< ~Proxy + ~engine after the fault
@@ -986,10 +986,22 @@ void proxy_fault(const std::string& prov, Fault fault) {
   Board* b = ranks.board;
   ranks.start(kFaultRanks,
               [&](int me, ShmExchange& ex) { fault_rank(me, ex, fb, b, prov, fault); });
-  for (int r = 0; r < kFaultRanks; ++r) ranks.wait_stage(r, 1, 20);
-  for (int r = 0; r < kFaultRanks; ++r)
-    ASSERT_GE(b->stage[r].load(), 1)
-        << "rank " << r << " did not finish the clean rounds: " << ranks.wait(1);
+  // Every rank through the clean rounds (a rank that failed says why at once).
+  const auto t_clean = Clock::now();
+  auto clean = [&] {
+    for (int r = 0; r < kFaultRanks; ++r)
+      if (b->stage[r].load() < 1) return false;
+    return true;
+  };
+  auto failed = [&] {
+    for (int r = 0; r < kFaultRanks; ++r)
+      if (b->message[r][0] != 0) return true;
+    return false;
+  };
+  while (!clean() && !failed() && since(t_clean) < 20)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  ASSERT_TRUE(clean()) << "the clean rounds did not finish within " << since(t_clean)
+                       << " s: " << ranks.wait(2);
   const pid_t victim = ranks.pids[kVictim];
   int64_t t_fault = 0;
   if (fault == Fault::kThread) {
