@@ -26,6 +26,9 @@ struct Options {
   int qps = 1;             ///< BufferOptions::num_qps_per_rank (proxy channels)
   std::string proxy_engine = "auto";  ///< BufferOptions::proxy_engine
   std::string fabric_provider;        ///< BufferOptions::fabric_provider
+  /// fifo: the host-memory variant (fifo_host.cpp): 2 forked processes, each
+  /// with its own libfabric engine (--provider) and Proxy, no GPU
+  bool fifo_host = false;
   int warmup = 10, iters = 50;
   bool sweep = true;
   bool shrink = false;       ///< ll: BufferOptions::enable_shrink (no rank masked)
@@ -87,5 +90,7 @@ TensorView tv(const void* p, DType d, std::initializer_list<int64_t> shape);
 void run_ht(World& w, const Options& o, nlohmann::json& result);
 void run_ll(World& w, const Options& o, nlohmann::json& result);
 void run_fifo(World& w, const Options& o, nlohmann::json& result);
+/// epx-bench fifo --host (no World: no GPU, no Communicator); the exit code.
+int run_fifo_host(const Options& o);
 
 }  // namespace epx::bench

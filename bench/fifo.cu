@@ -10,6 +10,9 @@
 //            the peer's poll).
 // Set beside what a low-latency dispatch needs: at EP16 a rank sends about
 // 1000 messages (128 tokens x ~8 remote ranks) in tens of microseconds.
+// --engine / --provider pick the proxy backend's engine (libfabric: pinned
+// host regions over loopback; that pairing not GPU-run yet); --host is the
+// variant without a GPU (fifo_host.cpp).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -64,6 +67,8 @@ void run_fifo(World& w, const Options& o, nlohmann::json& result) {
   if (w.num_ranks != 2) throw Error(ErrorCode::kInvalidArgument, "epx-bench fifo: needs 2 ranks");
   transport::BackendOptions bo;
   bo.num_contexts = 1;
+  bo.proxy_engine = o.proxy_engine;  // --engine / --provider
+  bo.fabric_provider = o.fabric_provider;
   auto backend = transport::make_backend("proxy", *w.comm, Topology{2, 1}, bo);
   auto region = backend->alloc(kSignals + 8u * kMaxContexts * 4);
   backend->start();
@@ -114,18 +119,21 @@ void run_fifo(World& w, const Options& o, nlohmann::json& result) {
         "(mean of %d round trips / 2)\n",
         one_way_us, iters);
   const double need = 1000.0 / 20e-6;  // EP16 LL dispatch: ~1000 messages in ~20 us
+  const std::string engine = backend->engine_name();
+  const bool ipc = engine == "cuda_ipc";
   if (w.rank == 0)
     std::printf(
         "an EP16 low-latency dispatch needs about %.0f messages/s per rank (1000 in "
-        "20 us); these are CUDA IPC copies on one host, not a NIC\n",
-        need);
+        "20 us); these are %s on one host, not a NIC\n",
+        need, ipc ? "CUDA IPC copies" : ("engine " + engine + " over loopback").c_str());
   result["backend"] = "proxy";  // this family's own backend, one rank per node
   result["ranks_per_node"] = 1;
   result["fifo"] = {{"rate", rate},
                     {"one_way_latency_us", one_way_us},
                     {"round_trips", iters},
                     {"ll_dispatch_ep16_needs_messages_per_s", need},
-                    {"engine", "cuda_ipc (cudaMemcpyAsync + cuStreamWriteValue64), one host"}};
+                    {"engine", ipc ? "cuda_ipc (cudaMemcpyAsync + cuStreamWriteValue64), one host"
+                                   : engine + " (pinned host regions), one host"}};
   EPX_CUDA_CHECK(cudaFree(d_ns));
   backend->free(region);
 }

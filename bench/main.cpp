@@ -160,6 +160,8 @@ int run_rank(std::shared_ptr<Communicator> comm, const Options& o) {
       bo.num_rdma_bytes = 1 << 20;  // the fifo family makes its own proxy backend
       bo.backend = "auto";
       bo.ranks_per_node = 0;
+      bo.proxy_engine = "auto";  // --engine / --provider are for that backend's engine
+      bo.fabric_provider.clear();
     } else if (o.family == "ht") {
       // Nodes of --ranks-per-node or EPX_RANKS_PER_NODE (one host is one node otherwise).
       const char* env_rpn = std::getenv("EPX_RANKS_PER_NODE");
@@ -235,6 +237,15 @@ int main(int argc, char** argv) {
   fifo->add_option("--json", o.json_path, "write results here (rank 0)");
   fifo->add_option("--in-process", o.in_process, "2: both ranks as threads on this GPU")
       ->check(CLI::Range(2, 2));
+  fifo->add_flag("--host", o.fifo_host,
+                 "no GPU: 2 forked processes on this host, each with its own libfabric engine "
+                 "and Proxy on host memory, posting from a host thread");
+  fifo->add_option("--engine", o.proxy_engine,
+                   "the proxy's engine: auto | cuda_ipc | libfabric (--host: libfabric)")
+      ->capture_default_str();
+  fifo->add_option("--provider", o.fabric_provider,
+                   "the libfabric engine's provider: tcp (tcp;ofi_rxm) | shm, or a libfabric "
+                   "provider name");
   for (auto* sc : {ht, ll}) {
     sc->add_option("--tokens", o.tokens, "tokens per rank (ht: 4096, ll: 128)");
     sc->add_option("--hidden", o.hidden, "hidden size")->capture_default_str();
@@ -297,8 +308,18 @@ int main(int argc, char** argv) {
   // context exists.
   if (o.in_process > 0) setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
   o.family = ht->parsed() ? "ht" : fifo->parsed() ? "fifo" : "ll";
+  if (o.family == "fifo" && o.fabric_provider == "tcp") o.fabric_provider = "tcp;ofi_rxm";
   if (o.tokens == 0) o.tokens = o.family == "ht" ? 4096 : 128;
   for (int i = 0; i < argc; ++i) o.command += (i ? " " : "") + std::string(argv[i]);
+  if (o.fifo_host) {
+    // No CUDA call on this path: it runs on a machine without a GPU.
+    if (o.in_process > 0) {
+      std::fprintf(stderr, "epx-bench fifo: --host and --in-process exclude each other\n");
+      return 2;
+    }
+    if (o.proxy_engine == "auto") o.proxy_engine = "libfabric";
+    return run_fifo_host(o);
+  }
 
   if (o.in_process > 0) {
     int dev = 0;

@@ -610,6 +610,7 @@ ChannelHealth Proxy::health(int c) const {
     std::lock_guard lock(impl_->channels[c].m);
     h.state = impl_->channels[c].state;
     h.message = impl_->channels[c].message;
+    h.code = impl_->channels[c].code;
   }
   h.consumed = load_acquire(impl_->host_host[c].consumed);
   h.completed = load_acquire(impl_->host_host[c].completed);

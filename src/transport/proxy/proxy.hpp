@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "epx/error.hpp"
 #include "transport/proxy/command.hpp"
 #include "transport/proxy/engine.hpp"
 
@@ -32,6 +33,9 @@ struct ChannelHealth {
   /// kFailed / kStopped: what happened, naming the channel, the command
   /// (op, peer, region, offsets, bytes) and the engine's error.
   std::string message;
+  /// kFailed / kStopped: the code check() raises with `message` (a failed
+  /// engine call keeps the engine's code: kTimeout for a peer that died).
+  ErrorCode code = ErrorCode::kInternal;
 };
 
 class Proxy {
