@@ -9,6 +9,8 @@ The Python API is DeepEP V1's, so existing code runs unchanged with::
 
 EPX also installs a ``deep_ep`` package that serves the same objects, so code
 that imports ``deep_ep`` (and ``deep_ep.utils``) needs no change at all.
+DeepEP V2's ``ElasticBuffer`` / ``EPHandle`` (non-expanded dispatch and combine on
+the same kernels) are here too: docs/deepep_v2_api.md.
 Importing epx does not import torch; ``epx.Buffer`` needs it. See docs/python.md.
 """
 
@@ -21,6 +23,7 @@ from ._core import EPXError, EPXTimeoutError, EPXUnsupportedError, EPXValueError
 from .buffer import Buffer
 from .compat import EPXIgnoredArgumentWarning
 from .config import Config
+from .elastic import EPHandle, ElasticBuffer, get_logical_domain_size, get_physical_domain_size
 from .handles import DispatchHandle, InternodeDispatchHandle, LowLatencyHandle
 from .in_process import InProcessComm, in_process_comms, run_in_process
 from .utils import EventHandle, EventOverlap
@@ -30,7 +33,8 @@ __all__ = [
     "Buffer", "Config", "EventHandle", "EventOverlap", "EPXError", "EPXValueError",
     "EPXTimeoutError", "EPXUnsupportedError", "EPXIgnoredArgumentWarning", "topk_idx_t",
     "alias_deep_ep", "InProcessComm", "in_process_comms", "run_in_process", "LowLatencyHandle", "DispatchHandle",
-    "InternodeDispatchHandle",
+    "InternodeDispatchHandle", "ElasticBuffer", "EPHandle", "get_physical_domain_size",
+    "get_logical_domain_size",
 ]
 
 

@@ -189,6 +189,18 @@ def test_low_latency_across_nodes(case, world, ranks, monkeypatch):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("ranks", list(_RANKS))
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_elastic_v2(world, ranks, nodes, monkeypatch):
+    """DeepEP V2's deep_ep.ElasticBuffer: non-expanded dispatch (with and without CPU
+    sync, aligned, FP8 with TMA-aligned scales, asynchronous) and combine against
+    EPX's reference, within one node and across 2 virtual nodes (EPX_RANKS_PER_NODE)."""
+    if nodes > 1:
+        monkeypatch.setenv("EPX_RANKS_PER_NODE", str(world // nodes))
+    _RANKS[ranks]("_case_elastic_v2", world)
+
+
+@pytest.mark.parametrize("world", [2, 4])
 def test_moe_layer_example(world):
     """examples/moe_layer.py (deep_ep code, only the import changed) against a dense
     single-process computation of the same layer."""
@@ -1178,3 +1190,122 @@ def _case_torch_baseline(rank, world, group):
     import torch_baseline_check
 
     torch_baseline_check.check(rank, world, group, torch.device("cuda", rank))
+
+
+def _case_elastic_v2(rank, world, group):
+    """deep_ep.ElasticBuffer's non-expanded dispatch and combine against epx.reference:
+    every output V2 callers read (recv tensors, the EPHandle's counts, prefix sums and
+    source metadata), with and without CPU sync, then the combine bit for bit."""
+    import torch
+
+    import deep_ep
+    import epx
+    from epx import reference as ref
+
+    dev = _device(rank, group)
+    H, K, E, maxT = 256, 4, 8 * world, 128
+    E_local = E // world
+    rng = np.random.default_rng(300 + rank)
+    T = 64 + 17 * rank
+    idx_np, x_np, idx, x, w, all_idx, all_x, want = _ht_inputs(rank, group, dev, rng, T, H, K, E)
+    mine = want[rank]
+    N = len(mine["recv_src_idx"])
+
+    buf = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=maxT, hidden=H, num_topk=K,
+                                explicitly_destroy=True)
+    assert (buf.rank_idx, buf.num_ranks) == (rank, world)
+    nodes, rpn = buf.get_physical_domain_size()
+    assert nodes * rpn == world
+    assert nodes == max(1, world // int(os.environ.get("EPX_RANKS_PER_NODE", world) or world))
+    assert buf.get_logical_domain_size() == (nodes, rpn)  # allow_hybrid_mode=True
+    assert buf.num_bytes % (2 << 20) == 0
+    num_sms = buf.get_theoretical_num_sms(E, K)
+    assert num_sms == epx.Buffer.get_dispatch_config(world).num_sms
+    assert buf.get_theoretical_num_qps(num_sms) == (0 if nodes == 1 else min(num_sms, 4))
+
+    # rows from each scale-up peer: sources of the same local index when nodes > 1
+    src = np.asarray(mine["recv_src_rank"])
+    per_src = np.array([(src == s).sum() for s in range(world)])
+    per_peer = per_src.reshape(nodes, rpn).sum(0) if nodes > 1 else per_src
+    meta0 = src.astype(np.int64) * maxT + np.asarray(mine["recv_src_idx"])
+
+    def check_handle(h, counts_aligned, num_rows):
+        assert isinstance(h, deep_ep.EPHandle) and h.do_expand is False
+        assert (h.num_experts, h.num_max_tokens_per_rank, h.num_sms) == (E, maxT, num_sms)
+        assert h.num_recv_tokens == num_rows
+        np.testing.assert_array_equal(h.psum_num_recv_tokens_per_scaleup_rank.cpu().numpy(),
+                                      np.cumsum(per_peer))
+        assert h.psum_num_recv_tokens_per_scaleup_rank.dtype == torch.int32
+        np.testing.assert_array_equal(h.psum_num_recv_tokens_per_expert.cpu().numpy(),
+                                      np.cumsum(counts_aligned))
+        meta = h.recv_src_metadata
+        assert meta.shape == (num_rows, K + 2) and meta.dtype == torch.int32
+        np.testing.assert_array_equal(meta[:N, 0].cpu().numpy(), meta0)
+        assert bool((meta[N:, 0] == -1).all())
+        assert torch.equal(h.topk_idx, idx) and h.topk_idx.data_ptr() != idx.data_ptr()
+
+    # dispatch with CPU sync (V2's default), then combine with weights and biases
+    recv_x, recv_idx, recv_w, h, ev = buf.dispatch(x, topk_idx=idx, topk_weights=w,
+                                                   num_experts=E)
+    assert isinstance(ev, deep_ep.EventOverlap) and ev.event is None
+    _check_dispatch(mine, recv_x, recv_idx, recv_w, h.num_recv_tokens_per_expert_list)
+    check_handle(h, mine["num_recv_tokens_per_expert"], N)
+    assert h.num_expanded_tokens == sum(mine["num_recv_tokens_per_expert"])
+    ranks_per_node = rpn if nodes > 1 else 0
+    all_recv_x = _check_combine_with_biases(buf.combine, rank, group, dev, rng, T, H, E,
+                                            all_idx, want, recv_x, h, recv_w,
+                                            ranks_per_node=ranks_per_node)
+    plain = ref.ht_combine(list(all_idx), all_recv_x, E, ranks_per_node=ranks_per_node)[rank][0]
+    cx, cw, _ = buf.combine(recv_x, h)
+    assert cw is None
+    np.testing.assert_array_equal(_bits(cx), plain)
+
+    # aligned counts; the statistics get the unaligned ones
+    aligned = ref.ht_dispatch(list(all_x), list(all_idx), E, expert_alignment=4)[rank]
+    stats = torch.zeros(E_local, dtype=torch.int32, device=dev)
+    _, ri, _, h4, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E,
+                                   expert_alignment=4, cumulative_local_expert_recv_stats=stats)
+    assert h4.num_recv_tokens_per_expert_list == aligned["num_recv_tokens_per_expert"]
+    check_handle(h4, aligned["num_recv_tokens_per_expert"], N)
+    unaligned = [int((np.asarray(mine["recv_topk_idx"]) == e).sum()) for e in range(E_local)]
+    assert stats.cpu().tolist() == unaligned
+
+    # without CPU sync (vLLM's decode path): maxT x R rows, the real ones first
+    wx, wi, ww, hw, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E,
+                                     do_cpu_sync=False, num_max_tokens_per_rank=maxT)
+    assert wx.shape[0] == maxT * world and hw.num_recv_tokens_per_expert_list == []
+    np.testing.assert_array_equal(_bits(wx[:N]), mine["recv_x"])
+    np.testing.assert_array_equal(wi[:N].cpu().numpy(), mine["recv_topk_idx"])
+    assert bool((wi[N:] == -1).all())
+    check_handle(hw, mine["num_recv_tokens_per_expert"], maxT * world)
+    np.testing.assert_array_equal(_bits(buf.combine(wx, hw)[0]), plain)
+
+    # asynchronous, after a captured event, outputs on the comm stream
+    ax, ai, aw, ha, aev = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E,
+                                       previous_event=buf.capture(),
+                                       async_with_compute_stream=True,
+                                       allocate_on_comm_stream=True)
+    aev.current_stream_wait()
+    _check_dispatch(mine, ax, ai, aw, ha.num_recv_tokens_per_expert_list)
+    check_handle(ha, mine["num_recv_tokens_per_expert"], N)
+    acx, _, cev = buf.combine(ax, ha, async_with_compute_stream=True,
+                              allocate_on_comm_stream=True)
+    cev.current_stream_wait()
+    np.testing.assert_array_equal(_bits(acx), plain)
+
+    # FP8 rows with per-128 float32 scales, returned TMA-aligned column-major
+    q_np, s_np = ref.quantize_fp8(ref.bf16_to_float(x_np))
+    all_q = _gather(group, (q_np, s_np))
+    want8 = ref.ht_dispatch([tuple(p) for p in all_q], list(all_idx), E)[rank]
+    (rq, rs), _, _, h8, _ = buf.dispatch((_fp8(q_np, dev), torch.from_numpy(s_np).to(dev)),
+                                         topk_idx=idx, num_experts=E,
+                                         use_tma_aligned_col_major_sf=True)
+    np.testing.assert_array_equal(_bits(rq), want8["recv_x"][0])
+    assert rs.shape == (N, H // 128) and rs.stride() == (1, (N + 3) // 4 * 4)
+    np.testing.assert_array_equal(rs.cpu().numpy(), want8["recv_x"][1])
+
+    # refused by name, on the GPU too
+    _check_raises(epx.EPXUnsupportedError, "dispatch: do_expand",
+                  lambda: buf.dispatch(x, topk_idx=idx, num_experts=E, do_expand=True))
+    buf.barrier()
+    buf.destroy()
