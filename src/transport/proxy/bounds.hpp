@@ -4,10 +4,12 @@
 // instead of computed.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
 #include "epx/error.hpp"
+#include "transport/proxy/command.hpp"
 
 namespace epx::proxy {
 
@@ -96,6 +98,26 @@ inline void check_peer_region(const std::string& where, int rank, uint64_t bytes
                   std::to_string(bytes) + " bytes at offset " + std::to_string(offset) +
                   " of an allocation of " + std::to_string(alloc_bytes) +
                   " bytes, which does not hold it");
+}
+
+/// A region id of a command or a registration: in [0, kMaxRegions), else
+/// Error(kInvalidArgument) naming `what` (the engine call).
+inline void check_region_id(int id, const char* what) {
+  require(
+      id >= 0 && id < kMaxRegions, what,
+      "region id must be in [0, " + std::to_string(kMaxRegions) + "), got " + std::to_string(id));
+}
+
+/// What every engine's register_region checks once the id is valid
+/// (check_region_id first: `registered` is read by the id): a base and a size,
+/// and an id that `rank` has not registered yet.
+inline void check_new_region(int id, const void* base, std::size_t bytes, bool registered,
+                             int rank) {
+  require(base != nullptr && bytes > 0, "register_region",
+          "region " + std::to_string(id) + " needs a base and bytes > 0");
+  require(
+      !registered, "register_region",
+      "region " + std::to_string(id) + " is already registered on rank " + std::to_string(rank));
 }
 
 }  // namespace epx::proxy

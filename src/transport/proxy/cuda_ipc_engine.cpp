@@ -626,12 +626,6 @@ class CudaIpcEngine final : public Engine {
     return *mesh_;
   }
 
-  void check_id(int id, const char* what) const {
-    require(
-        id >= 0 && id < kMaxRegions, what,
-        "region id must be in [0, " + std::to_string(kMaxRegions) + "), got " + std::to_string(id));
-  }
-
   Communicator& comm_;
   const int device_, rank_, num_ranks_, num_channels_;
   const double timeout_s_;   ///< how long deregistration waits for this rank's copies
@@ -649,12 +643,8 @@ class CudaIpcEngine final : public Engine {
 };
 
 void CudaIpcEngine::register_region(int id, void* base, std::size_t bytes) {
-  check_id(id, "register_region");
-  require(base != nullptr && bytes > 0, "register_region",
-          "region " + std::to_string(id) + " needs a base and bytes > 0");
-  require(
-      !regions_[id].registered, "register_region",
-      "region " + std::to_string(id) + " is already registered on rank " + std::to_string(rank_));
+  check_region_id(id, "register_region");
+  check_new_region(id, base, bytes, regions_[id].registered, rank_);
   DeviceGuard guard(device_);
   const std::string where = "cuda_ipc engine: register_region(" + std::to_string(id) + ")";
 
@@ -833,7 +823,7 @@ void CudaIpcEngine::register_region(int id, void* base, std::size_t bytes) {
 }
 
 void CudaIpcEngine::deregister_region(int id) {
-  check_id(id, "deregister_region");
+  check_region_id(id, "deregister_region");
   require(regions_[id].registered, "deregister_region",
           "region " + std::to_string(id) + " is not registered on rank " + std::to_string(rank_));
   DeviceGuard guard(device_);

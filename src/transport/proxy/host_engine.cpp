@@ -67,12 +67,8 @@ class HostEngine final : public Engine {
   int num_channels() const override { return num_channels_; }
 
   void register_region(int id, void* base, std::size_t bytes) override {
-    check_id(id, "register_region");
-    require(base != nullptr && bytes > 0, "register_region",
-            "region " + std::to_string(id) + " needs a base and bytes > 0");
-    require(
-        !registered_[id], "register_region",
-        "region " + std::to_string(id) + " is already registered on rank " + std::to_string(rank_));
+    check_region_id(id, "register_region");
+    check_new_region(id, base, bytes, registered_[id], rank_);
     fabric_->set_region(rank_, id, {base, bytes});
     collective("register_region", id);  // every rank's entry is in the fabric
     auto& t = table_[id];
@@ -91,7 +87,7 @@ class HostEngine final : public Engine {
   void reset_signals(int /*id*/) override {}
 
   void deregister_region(int id) override {
-    check_id(id, "deregister_region");
+    check_region_id(id, "deregister_region");
     require(registered_[id], "deregister_region",
             "region " + std::to_string(id) + " is not registered on rank " + std::to_string(rank_));
     // Every rank is done with the table of the last register_region (a rank
@@ -162,11 +158,6 @@ class HostEngine final : public Engine {
       throw Error(e.code(), std::string("host engine: ") + what + "(" + std::to_string(id) +
                                 ") on rank " + std::to_string(rank_) + ": " + e.what());
     }
-  }
-  void check_id(int id, const char* what) const {
-    require(
-        id >= 0 && id < kMaxRegions, what,
-        "region id must be in [0, " + std::to_string(kMaxRegions) + "), got " + std::to_string(id));
   }
   void check_channel(int c) const {
     require(c >= 0 && c < num_channels_, "channel",

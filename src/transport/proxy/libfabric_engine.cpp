@@ -138,12 +138,8 @@ class LibfabricEngine final : public Engine {
   bool reaches(int peer) const override { return peer >= 0 && peer < num_ranks_; }
 
   void register_region(int id, void* base, std::size_t bytes) override {
-    check_id(id, "register_region");
-    require(base != nullptr && bytes > 0, "register_region",
-            "region " + std::to_string(id) + " needs a base and bytes > 0");
-    require(
-        !regions_[id].mr, "register_region",
-        "region " + std::to_string(id) + " is already registered on rank " + std::to_string(rank_));
+    check_region_id(id, "register_region");
+    check_new_region(id, base, bytes, static_cast<bool>(regions_[id].mr), rank_);
     Local& l = regions_[id];
     RemoteRegion mine;
     try {
@@ -178,7 +174,7 @@ class LibfabricEngine final : public Engine {
   }
 
   void deregister_region(int id) override {
-    check_id(id, "deregister_region");
+    check_region_id(id, "deregister_region");
     require(regions_[id].mr != nullptr, "deregister_region",
             "region " + std::to_string(id) + " is not registered on rank " + std::to_string(rank_));
     barrier("deregister_region");  // no peer writes into it any more
@@ -631,11 +627,6 @@ class LibfabricEngine final : public Engine {
     require(c >= 0 && c < num_channels_, "channel",
             "must be in [0, " + std::to_string(num_channels_) + "), got " + std::to_string(c));
     return channels_[c];
-  }
-  void check_id(int id, const char* what) const {
-    require(
-        id >= 0 && id < kMaxRegions, what,
-        "region id must be in [0, " + std::to_string(kMaxRegions) + "), got " + std::to_string(id));
   }
   const RemoteRegion& target(int peer, int region, const char* what) const {
     if (peer < 0 || peer >= num_ranks_)
