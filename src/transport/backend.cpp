@@ -1,8 +1,11 @@
 #include "transport/backend.hpp"
 
+#include <nccl.h>
+
 #include <algorithm>
 
 #include "common/agree.hpp"
+#include "common/check.hpp"
 #include "common/env.hpp"
 #include "common/internode_rings.hpp"
 #include "common/internode_route.hpp"
@@ -84,6 +87,22 @@ void wait_own_stream(const Backend& backend, cudaStream_t stream, const char* op
                      const std::string& what) {
   detail::wait_stream(stream, {op, backend.rank(), what}, backend_wait_s(),
                       [&backend] { return backend.stall_note(); });
+}
+
+void* alloc_agreed_nccl_memory(const Backend& backend, Communicator& comm, cudaStream_t stream,
+                               std::size_t bytes, const std::string& step) {
+  void* p = nullptr;
+  try {
+    agree_before(comm, step, [&] {
+      EPX_NCCL_CHECK(ncclMemAlloc(&p, bytes));
+      EPX_CUDA_CHECK(cudaMemsetAsync(p, 0, bytes, stream));
+      wait_own_stream(backend, stream, "alloc", "the zero fill of the symmetric region");
+    });
+  } catch (...) {
+    if (p) ncclMemFree(p);
+    throw;
+  }
+  return p;
 }
 
 dev::AnyTransport lsa_device(const Communicator& comm, const Topology& topology,

@@ -109,6 +109,13 @@ void agree_before(Communicator& comm, const std::string& step, const std::functi
 void wait_own_stream(const Backend& backend, cudaStream_t stream, const char* op,
                      const std::string& what);
 
+/// `bytes` of ncclMemAlloc memory zeroed on `stream` (the backend's own),
+/// agreed over `comm` before `step` (a window registration, which waits for
+/// every rank without a deadline): a rank whose allocation failed is named
+/// instead of waited for. The memory is freed again when anything fails.
+void* alloc_agreed_nccl_memory(const Backend& backend, Communicator& comm, cudaStream_t stream,
+                               std::size_t bytes, const std::string& step);
+
 /// The LsaTransport of `region` for a group that is one node (every peer
 /// mapped): backends nvlink and in_process.
 dev::AnyTransport lsa_device(const Communicator& comm, const Topology& topology,

@@ -299,18 +299,8 @@ class NcclGin final : public Backend {
     DeviceGuard guard(comm_.device());
     SymmetricRegion r;
     r.bytes = plan::align_up(bytes == 0 ? plan::kAlign : bytes, 4096);
-    // Window registration waits for every rank without a deadline: the
-    // ranks agree first that each one's memory is allocated and zeroed.
-    try {
-      agree_before(comm_, "nccl backend: ncclCommWindowRegister", [&] {
-        EPX_NCCL_CHECK(ncclMemAlloc(&r.local, r.bytes));
-        EPX_CUDA_CHECK(cudaMemsetAsync(r.local, 0, r.bytes, stream_));
-        wait_own_stream(*this, stream_, "alloc", "the zero fill of the symmetric region");
-      });
-    } catch (...) {
-      if (r.local) ncclMemFree(r.local);
-      throw;
-    }
+    r.local = alloc_agreed_nccl_memory(*this, comm_, stream_, r.bytes,
+                                       "nccl backend: ncclCommWindowRegister");
     auto* wins = new Windows{};
     r.handle = wins;
     for (std::size_t k = 0; k < comms_.size(); ++k)

@@ -53,20 +53,8 @@ class NvlinkBackend final : public Backend {
     auto* nc = static_cast<ncclComm_t>(comm_.nccl_comm());
     SymmetricRegion r;
     r.bytes = plan::align_up(bytes == 0 ? plan::kAlign : bytes, 4096);
-    // Window registration waits for every rank without a deadline: the
-    // ranks agree first (an all-gather with the communicator's deadline)
-    // that each one's memory is allocated and zeroed, so a rank that failed
-    // (out of memory) is named instead of waited for.
-    try {
-      agree_before(comm_, "nvlink backend: ncclCommWindowRegister", [&] {
-        EPX_NCCL_CHECK(ncclMemAlloc(&r.local, r.bytes));
-        EPX_CUDA_CHECK(cudaMemsetAsync(r.local, 0, r.bytes, stream_));
-        wait_own_stream(*this, stream_, "alloc", "the zero fill of the symmetric region");
-      });
-    } catch (...) {
-      if (r.local) ncclMemFree(r.local);
-      throw;
-    }
+    r.local = alloc_agreed_nccl_memory(*this, comm_, stream_, r.bytes,
+                                       "nvlink backend: ncclCommWindowRegister");
     ncclWindow_t win = nullptr;
     EPX_NCCL_CHECK(ncclCommWindowRegister(nc, r.local, r.bytes, &win, NCCL_WIN_COLL_SYMMETRIC));
     r.handle = win;
