@@ -13,25 +13,23 @@ checking that a change leaves some instantiations (the NVLink ones) untouched.
 cuobjdump: $CUOBJDUMP, else on PATH, else CUDA's bin directory (the pip wheel
 nvidia-cuda-cuobjdump has one).
 """
-import os
 import re
-import shutil
 import subprocess
 import sys
 
-
-def cuobjdump():
-    for cand in (os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump"),
-                 "/usr/local/cuda/bin/cuobjdump"):
-        if cand and os.path.exists(cand):
-            return cand
-    sys.exit("sass_diff.py: no cuobjdump (set CUOBJDUMP)")
+from sass_load_groups import cuobjdump  # this folder: $CUOBJDUMP, PATH, CUDA's bin
 
 
 def normalized(name):
     """The mangled name without the per-build hashes of anonymous namespaces
-    (_GLOBAL__N__<hash>_<len>_<file>_<hash>_<n>), which differ between two
-    checkouts of the same source."""
+    (_GLOBAL__N__<hash>_<len>_<file>_<hash>_<n>) and of relocatable code's
+    static names (__nv_static_..., _INTERNAL_...), which differ between two checkouts of the
+    same source."""
+    # Relocatable device code names its static functions the same way.
+    name = re.sub(r"__nv_static_\d+__[0-9a-f]+_\d+_([A-Za-z0-9_]+?)_[0-9a-f]{8}_\d+__",
+                  r"__nv_static_\1__", name)
+    name = re.sub(r"\d*_INTERNAL_[0-9a-f]+_\d+_([A-Za-z0-9_]+?)_[0-9a-f]{8}_\d+",
+                  r"_INTERNAL_\1", name)
     out, at = [], 0
     for m in re.finditer(r"_GLOBAL__N__[0-9a-f]+_(\d+)_", name):
         if m.start() < at:
