@@ -67,14 +67,15 @@ int ht_rings();
 /// A diagnostic switch: whether a pitched peer copy queues behind kernels
 /// that hold every SM. Read when the engine is made.
 bool proxy_row_copies();
-/// EPX_PROXY_CUMEM (0 or 1, default 1): with a process per rank, the proxy
-/// backend's regions are cuMem allocations exported as POSIX file
-/// descriptors (passed over a Unix socket), and the CUDA IPC engine's
-/// streams and calls live in a CUDA context of its own, so that a blocking
-/// primary-context call of another thread (a pageable copy behind an op)
-/// does not hold its copies (docs/limitations.md). 0: cudaMalloc regions
-/// through legacy CUDA IPC in the primary context, as before. In-process
-/// ranks always use the latter. Read when the engine is made.
+/// EPX_PROXY_CUMEM (0 or 1, default 1): the proxy backend's regions are cuMem
+/// allocations (with a process per rank exported as POSIX file descriptors
+/// over a Unix socket), and the CUDA IPC engine's streams and calls live in a
+/// CUDA context of its own (one per device shared by in-process ranks), so
+/// that a blocking primary-context call of another thread (a pageable copy
+/// behind an op) does not hold its copies, nor do the kernels' hardware
+/// queues (docs/limitations.md, docs/low_latency.md). 0: cudaMalloc regions
+/// (legacy CUDA IPC with a process per rank) in the primary context. Read
+/// when the engine is made.
 bool proxy_cumem();
 
 /// EPX_LL_CONTEXT_RANGES (0 or 1, default 0): across nodes, the low-latency

@@ -1,12 +1,12 @@
 // CUDA IPC engine (engine.hpp): the peers of one host map each other's
 // regions; a put is a cudaMemcpyAsync on the endpoint's own stream and a
 // signal a stream-ordered cuStreamWriteValue64 behind it. Completion is
-// tracked by events recorded at each mark. With EPX_PROXY_CUMEM=1 and a
-// process per rank, regions are cuMem allocations whose POSIX file
-// descriptors travel over a host mesh (common/host_mesh.hpp) instead of
-// legacy IPC handles, and the streams, the events and every call of the
-// proxy threads live in a CUDA context of the engine's own (the constructor
-// says why).
+// tracked by events recorded at each mark. With EPX_PROXY_CUMEM=1, regions
+// are cuMem allocations (with a process per rank their POSIX file
+// descriptors travel over a host mesh, common/host_mesh.hpp, instead of
+// legacy IPC handles), and the streams, the events and every call of the
+// proxy threads live in a CUDA context of the engine's own, one shared by
+// the in-process ranks of a device (the constructor says why).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <unistd.h>
@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -223,6 +224,47 @@ struct Record {
   char error[300];
 };
 
+/// A CUDA context of `dev` for an engine's streams and calls; the calling
+/// thread's current context is left as it was.
+CUcontext create_context(CUdevice dev) {
+  CUcontext previous = nullptr, ctx = nullptr;
+  EPX_CU_CHECK(driver().ctx_get_current(&previous));
+  EPX_CU_CHECK(driver().ctx_create(&ctx, nullptr, 0, 0, dev));
+  EPX_CU_CHECK(driver().ctx_set_current(previous));  // ctx_create made it current
+  return ctx;
+}
+
+/// The context the engines of in-process ranks on one device share, made by
+/// the first and destroyed with the last.
+struct SharedContexts {
+  std::mutex mutex;
+  std::unordered_map<CUdevice, std::pair<CUcontext, int>> by_device;  ///< context, users
+};
+SharedContexts& shared_contexts() {
+  static SharedContexts* all = new SharedContexts;  // never destroyed: engines may outlive statics
+  return *all;
+}
+CUcontext acquire_shared_context(CUdevice dev) {
+  SharedContexts& all = shared_contexts();
+  std::lock_guard<std::mutex> lock(all.mutex);
+  auto& entry = all.by_device[dev];
+  if (entry.second == 0) entry.first = create_context(dev);
+  ++entry.second;
+  return entry.first;
+}
+void release_shared_context(CUcontext ctx) {
+  SharedContexts& all = shared_contexts();
+  std::lock_guard<std::mutex> lock(all.mutex);
+  for (auto it = all.by_device.begin(); it != all.by_device.end(); ++it) {
+    if (it->second.first != ctx) continue;
+    if (--it->second.second == 0) {
+      driver().ctx_destroy(ctx);
+      all.by_device.erase(it);
+    }
+    return;
+  }
+}
+
 /// After the peers' handles are opened: whether every rank managed.
 struct OpenStatus {
   int32_t failed;
@@ -276,13 +318,15 @@ class CudaIpcEngine final : public Engine {
       // copies between cudaMalloc memory and legacy IPC mappings of the
       // primary context never landed while an op's kernel ran (twelfth
       // session), while the loopback GIN plugin's, between cuMem mappings,
-      // did. In-process ranks stay in the primary context: they cannot share
-      // the legacy stream, and a context each would cost every rank device
-      // memory.
-      CUcontext previous = nullptr;
-      EPX_CU_CHECK(driver().ctx_get_current(&previous));
-      EPX_CU_CHECK(driver().ctx_create(&ctx_, nullptr, 0, 0, dev));
-      EPX_CU_CHECK(driver().ctx_set_current(previous));  // ctx_create made it current
+      // did. In-process ranks share one such context per device (a context
+      // each would cost every rank device memory): their kernels all run in the primary
+      // context, and a copy queued on a hardware queue of that context
+      // behind a kernel that waits for it stalls until the kernel's
+      // deadline (16 in-process ranks make more streams than the 32 queues,
+      // docs/low_latency.md). The queues of another context carry only the
+      // proxies' copies.
+      ctx_ = comm_.in_process() ? acquire_shared_context(dev) : create_context(dev);
+      shared_ctx_ = comm_.in_process();
     }
     // Until the first registration tells the hosts apart: in-process ranks
     // reach each other, other processes are unknown (not reached).
@@ -322,7 +366,10 @@ class CudaIpcEngine final : public Engine {
       }
     } catch (...) {
     }
-    if (ctx_) driver().ctx_destroy(ctx_);
+    if (ctx_ && shared_ctx_)
+      release_shared_context(ctx_);
+    else if (ctx_)
+      driver().ctx_destroy(ctx_);
     if (previous >= 0) cudaSetDevice(previous);
   }
 
@@ -332,7 +379,7 @@ class CudaIpcEngine final : public Engine {
     return "its copies are CUDA calls of the primary context, which the driver holds while "
            "another thread of this process waits in a blocking primary-context call, such as a "
            "copy to pageable memory (.cpu()) right after an op; wait for the op first, or leave "
-           "EPX_PROXY_CUMEM unset or 1 (with a process per rank; docs/limitations.md)";
+           "EPX_PROXY_CUMEM unset or 1 (docs/limitations.md)";
   }
   int rank() const override { return rank_; }
   int num_ranks() const override { return num_ranks_; }
@@ -632,6 +679,7 @@ class CudaIpcEngine final : public Engine {
   const bool row_copies_;    ///< strided puts as one copy per row (EPX_PROXY_ROW_COPIES)
   const bool cumem_;         ///< cuMem regions and an own context (EPX_PROXY_CUMEM)
   CUcontext ctx_ = nullptr;  ///< the engine's own context (null: the primary one)
+  bool shared_ctx_ = false;  ///< ctx_ is the in-process ranks' shared one
   std::unique_ptr<host_mesh::MeshListener> listener_;  ///< cuMem exports: made at first use
   std::unique_ptr<host_mesh::Mesh> mesh_;
   const std::string hostname_, boot_id_;
@@ -717,7 +765,7 @@ void CudaIpcEngine::register_region(int id, void* base, std::size_t bytes) {
   // cuMem exports travel as file descriptors over the host mesh (one host:
   // the mesh refuses ranks of another boot id, naming them).
   std::vector<host_mesh::Mesh::Item> fds;
-  if (cumem_) {
+  if (cumem_ && !comm_.in_process()) {
     try {
       fds = mesh().allgather({}, exported.fd, "register_region (cuMem exports)");
     } catch (const host_mesh::MeshError& e) {
@@ -853,9 +901,7 @@ std::unique_ptr<Engine> make_cuda_ipc_engine(Communicator& comm, int num_channel
   return std::make_unique<CudaIpcEngine>(comm, num_channels, std::move(targets));
 }
 
-bool cumem_regions(const Communicator& comm) {
-  return !comm.in_process() && env::proxy_cumem();
-}
+bool cumem_regions(const Communicator&) { return env::proxy_cumem(); }
 
 void* alloc_cumem_region(int device, std::size_t& bytes) {
   const Driver& d = driver();

@@ -97,8 +97,8 @@ std::unique_ptr<Engine> make_cuda_ipc_engine(Communicator& comm, int num_channel
                                              std::vector<uint8_t> targets = {});
 
 /// Whether the CUDA IPC engine of `comm`'s rank wants cuMem regions
-/// (EPX_PROXY_CUMEM=1 with a process per rank): the backend then allocates
-/// them with alloc_cumem_region instead of cudaMalloc.
+/// (EPX_PROXY_CUMEM=1): the backend then allocates them with
+/// alloc_cumem_region instead of cudaMalloc.
 bool cumem_regions(const Communicator& comm);
 /// Device memory on `device` that the engine exports as a POSIX file
 /// descriptor: `bytes` is rounded up to the allocation granularity (the size
