@@ -23,5 +23,8 @@ std::unique_ptr<Engine> make_libfabric_engine(std::shared_ptr<Exchange>, int,
 LibfabricStats libfabric_stats(const Engine&) {
   absent();
 }
+std::vector<std::string> libfabric_domains(const std::string&) {
+  absent();
+}
 
 }  // namespace epx::proxy

@@ -12,11 +12,13 @@
 #include <atomic>
 #include <bit>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -65,6 +67,83 @@ struct InfoPtr {
     if (p) fi_freeinfo(p);
   }
 };
+
+constexpr uint32_t kFiVersion = FI_VERSION(1, 9);
+
+/// fi_getinfo hints for `provider`: the provider alone (`full` false), or
+/// what the engine needs (RDM endpoints, RMA writes, the memory registration
+/// modes it handles, thread safety; FI_DELIVERY_COMPLETE where `delivery`)
+/// on domain `domain` (empty: any).
+fi_info* make_hints(const std::string& provider, const std::string& domain, bool full,
+                    bool delivery) {
+  fi_info* h = fi_allocinfo();
+  if (!h) throw Error(ErrorCode::kInternal, "libfabric engine: fi_allocinfo failed");
+  h->fabric_attr->prov_name = strdup(provider.c_str());
+  if (full) {
+    h->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE;
+    h->ep_attr->type = FI_EP_RDM;
+    h->domain_attr->mr_mode =
+        FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
+    h->domain_attr->threading = FI_THREAD_SAFE;
+    h->mode = 0;
+    if (delivery) h->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
+  }
+  if (!domain.empty()) h->domain_attr->name = strdup(domain.c_str());
+  return h;
+}
+
+/// Whether `i` is provider `provider` itself (not a utility provider layered
+/// over it: "udp" must not become "udp;ofi_rxd") on domain `domain` (empty: any).
+bool is_exact(const fi_info* i, const std::string& provider, const std::string& domain) {
+  if (!i->fabric_attr->prov_name || provider != i->fabric_attr->prov_name) return false;
+  return domain.empty() || (i->domain_attr->name && domain == i->domain_attr->name);
+}
+
+std::vector<std::string> domains_of(const std::string& provider) {
+  fi_info* h = make_hints(provider, "", true, false);
+  InfoPtr list;
+  const int rc = fi_getinfo(kFiVersion, nullptr, nullptr, 0, h, &list.p);
+  fi_freeinfo(h);
+  std::vector<std::string> out;
+  if (rc != 0) return out;
+  for (fi_info* i = list.p; i; i = i->next)
+    if (is_exact(i, provider, "") && i->domain_attr->name &&
+        std::find(out.begin(), out.end(), i->domain_attr->name) == out.end())
+      out.emplace_back(i->domain_attr->name);
+  return out;
+}
+
+std::string join(const std::vector<std::string>& v, const char* sep = ",") {
+  std::string out;
+  for (const std::string& s : v) out += (out.empty() ? "" : sep) + s;
+  return out;
+}
+
+/// LibfabricOptions::domains as names: split at commas, blanks around a name
+/// dropped; an empty name or a name given twice is an error.
+std::vector<std::string> parse_domains(const std::string& list) {
+  std::vector<std::string> out;
+  if (list.find_first_not_of(" \t") == std::string::npos) return out;
+  std::size_t at = 0;
+  for (;;) {
+    const std::size_t comma = list.find(',', at);
+    std::string name = list.substr(at, comma == std::string::npos ? std::string::npos : comma - at);
+    name.erase(0, name.find_first_not_of(" \t"));
+    name.erase(name.find_last_not_of(" \t") + 1);
+    const std::string where = "libfabric engine: fabric domains '" + list +
+                              "' (BufferOptions::fabric_domains or EPX_FABRIC_DOMAINS)";
+    if (name.empty())
+      throw Error(ErrorCode::kInvalidArgument,
+                  where +
+                      ": an empty name (the names are comma-separated, as `fi_info -p "
+                      "<provider>` prints them after 'domain:')");
+    if (std::find(out.begin(), out.end(), name) != out.end())
+      throw Error(ErrorCode::kInvalidArgument, where + ": names domain '" + name + "' twice");
+    out.push_back(std::move(name));
+    if (comma == std::string::npos) return out;
+    at = comma + 1;
+  }
+}
 
 /// Operation contexts (the op_context of a local completion): the write's
 /// sequence number on its channel, or a credit write for a source rank.
@@ -139,49 +218,57 @@ class LibfabricEngine final : public Engine {
 
   void register_region(int id, void* base, std::size_t bytes) override {
     check_region_id(id, "register_region");
-    check_new_region(id, base, bytes, static_cast<bool>(regions_[id].mr), rank_);
-    Local& l = regions_[id];
-    RemoteRegion mine;
+    check_new_region(id, base, bytes, regions_[id].registered(), rank_);
+    // One registration per domain: a channel's writes name the keys of its domain.
+    Local l;
+    std::vector<RemoteRegion> mine(rails_.size());
     try {
-      l.mr = register_memory(base, bytes, static_cast<uint64_t>(id) + 1,
-                             "region " + std::to_string(id));
+      for (std::size_t d = 0; d < rails_.size(); ++d) {
+        l.mr.push_back(register_memory(static_cast<int>(d), base, bytes,
+                                       static_cast<uint64_t>(id) + 1,
+                                       "region " + std::to_string(id)));
+        l.desc.push_back(fi_mr_desc(l.mr.back()));
+        mine[d] = {fi_mr_key(l.mr.back()),
+                   rails_[d].virt_addr ? reinterpret_cast<uint64_t>(base) : 0, bytes};
+      }
     } catch (const Error&) {
+      close_mrs(l);
       // The others wait in the allgather: give them a size of 0 to refuse.
-      mine.bytes = 0;
+      std::fill(mine.begin(), mine.end(), RemoteRegion{});
       (void)gather(mine, "register_region");
       throw;
     }
     l.base = static_cast<char*>(base);
     l.bytes = bytes;
-    l.desc = fi_mr_desc(l.mr);
-    mine.key = fi_mr_key(l.mr);
-    mine.base = virt_addr_ ? reinterpret_cast<uint64_t>(base) : 0;
-    mine.bytes = bytes;
     std::vector<RemoteRegion> all = gather(mine, "register_region(" + std::to_string(id) + ")");
-    for (int r = 0; r < num_ranks_; ++r)
-      if (all[r].bytes != bytes) {
-        close_fid(&l.mr->fid);
-        l = Local{};
+    for (int r = 0; r < num_ranks_; ++r) {
+      const uint64_t theirs = all[static_cast<std::size_t>(r) * rails_.size()].bytes;
+      if (theirs != bytes) {
+        close_mrs(l);
         throw Error(ErrorCode::kInvalidArgument,
                     where() + ": register_region(" + std::to_string(id) +
                         "): every rank must register the same size: rank " + std::to_string(rank_) +
                         " gives " + std::to_string(bytes) + " bytes, rank " + std::to_string(r) +
-                        " " + std::to_string(all[r].bytes) +
-                        (all[r].bytes == 0 ? " (its registration failed)" : ""));
+                        " " + std::to_string(theirs) +
+                        (theirs == 0 ? " (its registration failed)" : ""));
       }
+    }
+    {
+      std::lock_guard lock(region_m_);  // the progress thread reads regions_ for signals
+      regions_[id] = std::move(l);
+    }
     remote_[id] = std::move(all);
     barrier("register_region");
   }
 
   void deregister_region(int id) override {
     check_region_id(id, "deregister_region");
-    require(regions_[id].mr != nullptr, "deregister_region",
+    require(regions_[id].registered(), "deregister_region",
             "region " + std::to_string(id) + " is not registered on rank " + std::to_string(rank_));
     barrier("deregister_region");  // no peer writes into it any more
     {
-      std::lock_guard lock(region_m_);  // the progress thread reads regions_ for signals
-      close_fid(&regions_[id].mr->fid);
-      regions_[id] = Local{};
+      std::lock_guard lock(region_m_);
+      close_mrs(regions_[id]);
     }
     remote_[id].clear();
   }
@@ -203,15 +290,16 @@ class LibfabricEngine final : public Engine {
     check_put(channel, peer, region, dst_off, src_off, bytes);
     Channel& ch = channel_of(channel);
     throw_if_failed(ch);
-    const RemoteRegion& dst = remote_[region][peer];
+    const RemoteRegion& dst = remote(region, peer, ch.rail);
     Peer& p = ch.peers[peer];
     wait_credit(ch, channel, peer, "put");
     const uint32_t imm = fabric_imm::encode(fabric_imm::Kind::kPut, rank_, p.epoch);
+    const uint64_t max_msg = rails_[ch.rail].max_msg;
     uint64_t done = 0;
     while (done < bytes) {  // pieces of at most max_msg_size, each counted as a put
-      const uint64_t n = std::min(bytes - done, max_msg_);
-      post(ch, channel, peer, regions_[region].base + src_off + done, n, regions_[region].desc,
-           dst.base + dst_off + done, dst.key, imm, true, "put");
+      const uint64_t n = std::min(bytes - done, max_msg);
+      post(ch, channel, peer, regions_[region].base + src_off + done, n,
+           regions_[region].desc[ch.rail], dst.base + dst_off + done, dst.key, imm, true, "put");
       ++p.puts;
       done += n;
     }
@@ -238,13 +326,14 @@ class LibfabricEngine final : public Engine {
     // before it gave the credit that lets this epoch start.
     *staged = MailboxEntry{p.epoch, static_cast<uint32_t>(p.puts), static_cast<uint32_t>(region),
                            sig_off, add};
-    const RemoteRegion& ctl = control_remote_[peer];
+    const RemoteRegion& ctl = control_remote(peer, ch.rail);
     const uint64_t remote =
         ctl.base + layout_.mailbox +
         ((static_cast<uint64_t>(rank_) * num_channels_ + channel) * opt_.window + slot) *
             sizeof(MailboxEntry);
-    post(ch, channel, peer, staged, sizeof(MailboxEntry), control_desc_, remote, ctl.key,
-         fabric_imm::encode(fabric_imm::Kind::kMailbox, rank_, p.epoch), true, "signal_add");
+    post(ch, channel, peer, staged, sizeof(MailboxEntry), rails_[ch.rail].control_desc, remote,
+         ctl.key, fabric_imm::encode(fabric_imm::Kind::kMailbox, rank_, p.epoch), true,
+         "signal_add");
     ++p.epoch;
     p.puts = 0;
   }
@@ -297,17 +386,40 @@ class LibfabricEngine final : public Engine {
     s.signals_applied = st_applied_.load();
     s.signals_waited = st_waited_.load();
     s.credits_sent = st_credits_.load();
-    s.delivery_complete = delivery_complete_;
+    s.delivery_complete = !rails_.empty();
+    for (const Rail& r : rails_) {
+      s.delivery_complete = s.delivery_complete && r.delivery_complete;
+      s.domains.push_back(r.name);
+    }
     s.provider = prov_name_;
+    for (int c = 0; c < num_channels_; ++c) {
+      const Channel& ch = channels_[c];
+      s.channel_domains.push_back(rails_[ch.rail].name);
+      s.channel_addresses.push_back(ch.address);
+      s.channel_writes_received.push_back(ch.received.load(std::memory_order_relaxed));
+    }
     return s;
   }
 
  private:
+  /// One libfabric domain (a rail) and what its fi_info says.
+  struct Rail {
+    std::string name;         ///< domain_attr->name
+    fi_info* info = nullptr;  ///< owned
+    fid_fabric* fabric = nullptr;
+    fid_domain* domain = nullptr;
+    bool virt_addr = false, prov_key = false, mr_endpoint = false, delivery_complete = false;
+    uint64_t max_msg = 1 << 30;
+    fid_mr* control_mr = nullptr;  ///< the control region's registration in this domain
+    void* control_desc = nullptr;
+  };
+  /// A region of this rank: one registration per domain (rail).
   struct Local {
-    fid_mr* mr = nullptr;
-    void* desc = nullptr;
+    std::vector<fid_mr*> mr;  ///< per rail; empty: not registered
+    std::vector<void*> desc;
     char* base = nullptr;
     std::size_t bytes = 0;
+    bool registered() const { return !mr.empty(); }
   };
   /// Sender state of one (channel, peer).
   struct Peer {
@@ -329,10 +441,12 @@ class LibfabricEngine final : public Engine {
     std::atomic<uint64_t> t_ns{0};
   };
   struct Channel {
+    int rail = 0;  ///< index into rails_: channel c uses rail c % rails
     fid_ep* ep = nullptr;
     fid_cq* cq = nullptr;
     fid_av* av = nullptr;
     std::vector<fi_addr_t> addr;
+    std::string address;  ///< this endpoint's, as fi_av_straddr prints it
     // Channel thread.
     uint64_t posted = 0;
     std::deque<std::pair<uint64_t, uint64_t>> marks;  ///< (token, writes posted)
@@ -347,98 +461,103 @@ class LibfabricEngine final : public Engine {
     std::atomic<bool> failed{false};
     // Progress thread.
     std::vector<Source> sources;
+    std::atomic<uint64_t> received{0};  ///< writes with immediate data that arrived
   };
   struct Held {
     int channel;
     uint32_t imm;
   };
+  static constexpr std::size_t kNameBytes = 256;  ///< room for one endpoint name
 
   std::string where() const {
     return "libfabric engine (provider " + prov_name_ + ") rank " + std::to_string(rank_);
   }
-  std::string where(int channel) const { return where() + " channel " + std::to_string(channel); }
+  std::string where(int channel) const {
+    std::string out = where() + " channel " + std::to_string(channel);
+    if (channels_ && rails_.size() > 1)
+      out += " (domain " + rails_[channels_[channel].rail].name + ")";
+    return out;
+  }
 
   // ---- setup ------------------------------------------------------------------
 
+  /// The setup exchange: what every rank tells the others.
+  struct Card {
+    uint32_t failed;     ///< this rank's setup failed: `code` and `message` say how
+    int32_t code;        ///< its ErrorCode
+    uint32_t num_rails;  ///< domains it uses
+    char domains[512];   ///< their names, comma-separated (for messages)
+    char message[1024];
+    RemoteRegion control[kMaxRails];  ///< the control region in each domain
+    uint32_t name_len[256];
+    uint8_t names[256][kNameBytes];  ///< every channel's endpoint name
+  };
+
+  /// Opens the rails and channels, then exchanges the Card. A failure on this
+  /// rank still takes part in the exchange, so the others raise naming it
+  /// instead of waiting for it until their deadline.
   void open() {
     prov_name_ = opt_.provider;
-    InfoPtr info;
-    info.p = get_info();
-    prov_name_ = info.p->fabric_attr->prov_name ? info.p->fabric_attr->prov_name : opt_.provider;
-    virt_addr_ = (info.p->domain_attr->mr_mode & FI_MR_VIRT_ADDR) != 0;
-    prov_key_ = (info.p->domain_attr->mr_mode & FI_MR_PROV_KEY) != 0;
-    mr_endpoint_ = (info.p->domain_attr->mr_mode & FI_MR_ENDPOINT) != 0;
-    max_msg_ = std::max<uint64_t>(info.p->ep_attr->max_msg_size, 4096);
-    check(fi_fabric(info.p->fabric_attr, &fabric_, nullptr), "fi_fabric");
-    check(fi_domain(fabric_, info.p, &domain_, nullptr), "fi_domain");
-    channels_ = std::make_unique<Channel[]>(static_cast<std::size_t>(num_channels_));
-    for (int c = 0; c < num_channels_; ++c) {
-      Channel& ch = channels_[c];
-      ch.peers.assign(static_cast<std::size_t>(num_ranks_), Peer{});
-      ch.slots = std::make_unique<Slot[]>(opt_.max_inflight);
-      ch.sources.resize(static_cast<std::size_t>(num_ranks_));
-      for (Source& s : ch.sources) {
-        s.arrivals.assign(opt_.window, 0);
-        s.have.assign(opt_.window, 0);
-        s.entry.assign(opt_.window, MailboxEntry{});
-      }
-      fi_cq_attr cq_attr{};
-      cq_attr.format = FI_CQ_FORMAT_DATA;
-      cq_attr.wait_obj = FI_WAIT_NONE;
-      cq_attr.size = 0;
-      check(fi_cq_open(domain_, &cq_attr, &ch.cq, nullptr), "fi_cq_open");
-      fi_av_attr av_attr{};
-      av_attr.type = info.p->domain_attr->av_type;
-      av_attr.count = static_cast<std::size_t>(num_ranks_);
-      check(fi_av_open(domain_, &av_attr, &ch.av, nullptr), "fi_av_open");
-      check(fi_endpoint(domain_, info.p, &ch.ep, nullptr), "fi_endpoint");
-      check(fi_ep_bind(ch.ep, &ch.cq->fid, FI_TRANSMIT | FI_RECV), "fi_ep_bind (cq)");
-      check(fi_ep_bind(ch.ep, &ch.av->fid, 0), "fi_ep_bind (av)");
-      check(fi_enable(ch.ep), "fi_enable");
-    }
-    // The control region: mailboxes and credits.
-    layout_ = ControlLayout(num_ranks_, num_channels_, opt_.window);
-    control_ = static_cast<char*>(std::aligned_alloc(4096, layout_.bytes));
-    if (!control_)
-      throw Error(ErrorCode::kInternal, where() + ": cannot allocate the control region");
-    std::memset(control_, 0, layout_.bytes);
-    control_mr_ = register_memory(control_, layout_.bytes, kMaxRegions + 1, "control region");
-    control_desc_ = fi_mr_desc(control_mr_);
-
-    // One allgather: every channel's endpoint name, the control region.
-    struct Card {
-      RemoteRegion control;
-      uint32_t name_len[256];
-      uint8_t names[256][kNameBytes];
-    };
     auto card = std::make_unique<Card>();  // value-initialized: zeroed
-    card->control = {fi_mr_key(control_mr_), virt_addr_ ? reinterpret_cast<uint64_t>(control_) : 0,
-                     layout_.bytes};
-    for (int c = 0; c < num_channels_; ++c) {
-      std::size_t len = kNameBytes;
-      check(fi_getname(&channels_[c].ep->fid, card->names[c], &len), "fi_getname");
-      card->name_len[c] = static_cast<uint32_t>(len);
+    std::optional<Error> local;
+    try {
+      open_local(*card);
+    } catch (const Error& e) {
+      local = e;
+      card->failed = 1;
+      card->code = static_cast<int32_t>(e.code());
+      std::snprintf(card->message, sizeof card->message, "%s", e.what());
     }
     std::vector<uint8_t> all;
     try {
       all = ex_->allgather(card.get(), sizeof(Card));
     } catch (const Error& e) {
+      if (local) throw *local;  // this rank's own failure says more
       throw Error(e.code(), where() + ": exchanging endpoint addresses: " + e.what());
     }
+    if (local) throw *local;
     if (all.size() != sizeof(Card) * num_ranks_)
       throw Error(ErrorCode::kInternal, where() + ": the exchange returned " +
                                             std::to_string(all.size()) + " bytes, expected " +
                                             std::to_string(sizeof(Card) * num_ranks_));
-    control_remote_.resize(static_cast<std::size_t>(num_ranks_));
+    std::vector<std::unique_ptr<Card>> cards;
     for (int r = 0; r < num_ranks_; ++r) {
-      Card theirs;
-      std::memcpy(&theirs, all.data() + sizeof(Card) * r, sizeof(Card));
-      control_remote_[r] = theirs.control;
-      if (theirs.control.bytes != layout_.bytes)
+      cards.push_back(std::make_unique<Card>());
+      std::memcpy(cards.back().get(), all.data() + sizeof(Card) * r, sizeof(Card));
+      cards.back()->domains[sizeof Card::domains - 1] = 0;
+      cards.back()->message[sizeof Card::message - 1] = 0;
+    }
+    for (int r = 0; r < num_ranks_; ++r)
+      if (cards[r]->failed)
+        throw Error(static_cast<ErrorCode>(cards[r]->code),
+                    where() + ": rank " + std::to_string(r) +
+                        " could not set up its libfabric engine: " + cards[r]->message);
+    // Channel c talks to channel c of every peer, on the peer's domain c % n:
+    // the keys it uses are those of that index, so n must agree.
+    std::string counts;
+    bool differ = false;
+    for (int r = 0; r < num_ranks_; ++r) {
+      differ = differ || cards[r]->num_rails != rails_.size();
+      counts += std::string(r ? ", " : "") + "rank " + std::to_string(r) + " uses " +
+                std::to_string(cards[r]->num_rails) + " (" + cards[r]->domains + ")";
+    }
+    if (differ)
+      throw Error(ErrorCode::kInvalidArgument,
+                  where() +
+                      ": every rank must use the same number of libfabric domains (channel c "
+                      "uses domain c % n on every rank; BufferOptions::fabric_domains or "
+                      "EPX_FABRIC_DOMAINS): " +
+                      counts);
+    const std::size_t nr = rails_.size();
+    control_remote_.resize(static_cast<std::size_t>(num_ranks_) * nr);
+    for (int r = 0; r < num_ranks_; ++r) {
+      const Card& theirs = *cards[r];
+      for (std::size_t d = 0; d < nr; ++d) control_remote_[r * nr + d] = theirs.control[d];
+      if (theirs.control[0].bytes != layout_.bytes)
         throw Error(ErrorCode::kInvalidArgument,
                     where() + ": rank " + std::to_string(r) +
                         " uses another channel count or window (control region of " +
-                        std::to_string(theirs.control.bytes) + " bytes, this rank's " +
+                        std::to_string(theirs.control[0].bytes) + " bytes, this rank's " +
                         std::to_string(layout_.bytes) + ")");
       for (int c = 0; c < num_channels_; ++c) {
         Channel& ch = channels_[c];
@@ -454,29 +573,98 @@ class LibfabricEngine final : public Engine {
     barrier("setup");
   }
 
-  /// fi_getinfo for the provider, telling apart "no such provider" from
-  /// "it lacks FI_RMA / RDM / remote CQ data".
-  fi_info* get_info() {
-    const uint32_t version = FI_VERSION(1, 9);
-    auto hints_for = [&](bool full, bool delivery) {
-      fi_info* h = fi_allocinfo();
-      if (!h) throw Error(ErrorCode::kInternal, where() + ": fi_allocinfo failed");
-      h->fabric_attr->prov_name = strdup(opt_.provider.c_str());
-      if (full) {
-        h->caps = FI_RMA | FI_WRITE | FI_REMOTE_WRITE;
-        h->ep_attr->type = FI_EP_RDM;
-        h->domain_attr->mr_mode =
-            FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
-        h->domain_attr->threading = FI_THREAD_SAFE;
-        h->mode = 0;
-        if (delivery) h->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
+  /// This rank's side of the setup: the rails (a fabric and a domain per
+  /// named domain), the channels on them, the control region registered in
+  /// each; fills `card`.
+  void open_local(Card& card) {
+    const std::vector<std::string> names = parse_domains(opt_.domains);
+    const std::size_t nr = names.empty() ? 1 : names.size();
+    if (nr > static_cast<std::size_t>(kMaxRails) || nr > static_cast<std::size_t>(num_channels_))
+      throw Error(ErrorCode::kInvalidArgument,
+                  where() + ": " + std::to_string(nr) + " fabric domains (" + opt_.domains +
+                      ") for " + std::to_string(num_channels_) +
+                      " channels: channel c uses domain c % n, so at most one domain per "
+                      "channel (num_qps_per_rank, EPX_PROXY_CHANNELS) and at most " +
+                      std::to_string(kMaxRails));
+    rails_.resize(nr);
+    for (std::size_t d = 0; d < nr; ++d) {
+      Rail& r = rails_[d];
+      r.info = get_info(names.empty() ? std::string() : names[d], r.delivery_complete);
+      const fi_info* info = r.info;
+      prov_name_ = info->fabric_attr->prov_name ? info->fabric_attr->prov_name : opt_.provider;
+      r.name = info->domain_attr->name ? info->domain_attr->name : "";
+      r.virt_addr = (info->domain_attr->mr_mode & FI_MR_VIRT_ADDR) != 0;
+      r.prov_key = (info->domain_attr->mr_mode & FI_MR_PROV_KEY) != 0;
+      r.mr_endpoint = (info->domain_attr->mr_mode & FI_MR_ENDPOINT) != 0;
+      r.max_msg = std::max<uint64_t>(info->ep_attr->max_msg_size, 4096);
+      check(fi_fabric(info->fabric_attr, &r.fabric, nullptr), "fi_fabric");
+      check(fi_domain(r.fabric, r.info, &r.domain, nullptr), "fi_domain");
+    }
+    channels_ = std::make_unique<Channel[]>(static_cast<std::size_t>(num_channels_));
+    for (int c = 0; c < num_channels_; ++c) {
+      Channel& ch = channels_[c];
+      ch.rail = c % static_cast<int>(nr);
+      const Rail& rail = rails_[ch.rail];
+      ch.peers.assign(static_cast<std::size_t>(num_ranks_), Peer{});
+      ch.slots = std::make_unique<Slot[]>(opt_.max_inflight);
+      ch.sources.resize(static_cast<std::size_t>(num_ranks_));
+      for (Source& s : ch.sources) {
+        s.arrivals.assign(opt_.window, 0);
+        s.have.assign(opt_.window, 0);
+        s.entry.assign(opt_.window, MailboxEntry{});
       }
-      return h;
-    };
+      fi_cq_attr cq_attr{};
+      cq_attr.format = FI_CQ_FORMAT_DATA;
+      cq_attr.wait_obj = FI_WAIT_NONE;
+      cq_attr.size = 0;
+      check(fi_cq_open(rail.domain, &cq_attr, &ch.cq, nullptr), "fi_cq_open");
+      fi_av_attr av_attr{};
+      av_attr.type = rail.info->domain_attr->av_type;
+      av_attr.count = static_cast<std::size_t>(num_ranks_);
+      check(fi_av_open(rail.domain, &av_attr, &ch.av, nullptr), "fi_av_open");
+      check(fi_endpoint(rail.domain, rail.info, &ch.ep, nullptr), "fi_endpoint");
+      check(fi_ep_bind(ch.ep, &ch.cq->fid, FI_TRANSMIT | FI_RECV), "fi_ep_bind (cq)");
+      check(fi_ep_bind(ch.ep, &ch.av->fid, 0), "fi_ep_bind (av)");
+      check(fi_enable(ch.ep), "fi_enable");
+      std::size_t len = kNameBytes;
+      check(fi_getname(&ch.ep->fid, card.names[c], &len), "fi_getname");
+      card.name_len[c] = static_cast<uint32_t>(len);
+      char text[256] = {};
+      std::size_t text_len = sizeof text;
+      if (fi_av_straddr(ch.av, card.names[c], text, &text_len)) ch.address = text;
+    }
+    // The control region: mailboxes and credits, registered in every domain.
+    layout_ = ControlLayout(num_ranks_, num_channels_, opt_.window);
+    control_ = static_cast<char*>(std::aligned_alloc(4096, layout_.bytes));
+    if (!control_)
+      throw Error(ErrorCode::kInternal, where() + ": cannot allocate the control region");
+    std::memset(control_, 0, layout_.bytes);
+    for (std::size_t d = 0; d < nr; ++d) {
+      Rail& r = rails_[d];
+      r.control_mr = register_memory(static_cast<int>(d), control_, layout_.bytes, kMaxRegions + 1,
+                                     "control region");
+      r.control_desc = fi_mr_desc(r.control_mr);
+      card.control[d] = {fi_mr_key(r.control_mr),
+                         r.virt_addr ? reinterpret_cast<uint64_t>(control_) : 0, layout_.bytes};
+    }
+    card.num_rails = static_cast<uint32_t>(nr);
+    std::snprintf(card.domains, sizeof card.domains, "%s", domain_names().c_str());
+  }
+
+  std::string domain_names() const {
+    std::vector<std::string> v;
+    for (const Rail& r : rails_) v.push_back(r.name);
+    return join(v);
+  }
+
+  /// fi_getinfo for the provider on `domain` (empty: its first), telling
+  /// apart "no such provider", "no such domain" and "it lacks FI_RMA / RDM /
+  /// remote CQ data". `delivery` says whether FI_DELIVERY_COMPLETE was granted.
+  fi_info* get_info(const std::string& domain, bool& delivery_complete) {
     InfoPtr any;
     {
-      fi_info* h = hints_for(false, false);
-      const int rc = fi_getinfo(version, nullptr, nullptr, 0, h, &any.p);
+      fi_info* h = make_hints(opt_.provider, "", false, false);
+      const int rc = fi_getinfo(kFiVersion, nullptr, nullptr, 0, h, &any.p);
       fi_freeinfo(h);
       if (rc != 0 || !any.p)
         throw Error(ErrorCode::kInvalidArgument,
@@ -484,24 +672,18 @@ class LibfabricEngine final : public Engine {
                         "' is unknown or not available on this host (fi_getinfo: " + fi_text(rc) +
                         "; `fi_info -l` lists the providers)");
     }
-    // The provider asked for, not a utility provider layered over it
-    // ("udp" must not become "udp;ofi_rxd").
-    auto exact = [&](fi_info* list) -> fi_info* {
-      for (fi_info* i = list; i; i = i->next)
-        if (i->fabric_attr->prov_name && opt_.provider == i->fabric_attr->prov_name) return i;
-      return nullptr;
-    };
     InfoPtr info;
     fi_info* chosen = nullptr;
     std::string layered;
     for (bool delivery : {true, false}) {
-      fi_info* h = hints_for(true, delivery);
-      const int rc = fi_getinfo(version, nullptr, nullptr, 0, h, &info.p);
+      fi_info* h = make_hints(opt_.provider, domain, true, delivery);
+      const int rc = fi_getinfo(kFiVersion, nullptr, nullptr, 0, h, &info.p);
       fi_freeinfo(h);
       if (rc == 0 && info.p) {
-        chosen = exact(info.p);
+        for (fi_info* i = info.p; i && !chosen; i = i->next)
+          if (is_exact(i, opt_.provider, domain)) chosen = i;
         if (chosen) {
-          delivery_complete_ = delivery;
+          delivery_complete = delivery;
           break;
         }
         if (layered.empty() && info.p->fabric_attr->prov_name)
@@ -510,10 +692,25 @@ class LibfabricEngine final : public Engine {
       if (info.p) fi_freeinfo(info.p);
       info.p = nullptr;
     }
+    if (!chosen && !domain.empty()) {
+      const std::vector<std::string> have = domains_of(opt_.provider);
+      if (std::find(have.begin(), have.end(), domain) == have.end()) {
+        const char* iface = std::getenv("FI_TCP_IFACE");
+        throw Error(
+            ErrorCode::kInvalidArgument,
+            "libfabric engine: provider '" + opt_.provider + "' has no domain '" + domain +
+                "' (its domains: " + (have.empty() ? std::string("none") : join(have, ", ")) +
+                "; `fi_info -p '" + opt_.provider +
+                "'` lists them; BufferOptions::fabric_domains or EPX_FABRIC_DOMAINS)" +
+                (iface && *iface && opt_.provider.find("tcp") != std::string::npos
+                     ? std::string("; FI_TCP_IFACE=") + iface + " limits tcp to that interface"
+                     : std::string()));
+      }
+    }
     if (!chosen) {
       bool rma = false, rdm = false;
       for (fi_info* i = any.p; i; i = i->next) {
-        if (!i->fabric_attr->prov_name || opt_.provider != i->fabric_attr->prov_name) continue;
+        if (!is_exact(i, opt_.provider, "")) continue;
         rma = rma || (i->caps & FI_RMA) != 0;
         rdm = rdm || i->ep_attr->type == FI_EP_RDM;
       }
@@ -524,6 +721,7 @@ class LibfabricEngine final : public Engine {
         missing = "FI_EP_RDM + FI_RMA with the memory registration modes and FI_THREAD_SAFE";
       throw Error(ErrorCode::kUnsupported,
                   "libfabric engine: provider '" + opt_.provider + "' lacks " + missing +
+                      (domain.empty() ? "" : " on domain '" + domain + "'") +
                       " (the engine needs RMA writes on RDM endpoints)" +
                       (layered.empty() ? ""
                                        : "; libfabric offers them layered over it as '" + layered +
@@ -541,39 +739,64 @@ class LibfabricEngine final : public Engine {
     return first;
   }
 
-  fid_mr* register_memory(void* base, std::size_t bytes, uint64_t key, const std::string& what) {
+  /// Registers [base, base + bytes) in rail `d`'s domain (bound to the rail's
+  /// endpoints where the provider asks for FI_MR_ENDPOINT).
+  fid_mr* register_memory(int d, void* base, std::size_t bytes, uint64_t key,
+                          const std::string& what) {
+    const Rail& rail = rails_[d];
     fid_mr* mr = nullptr;
     const uint64_t access = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE;
-    const uint64_t requested = prov_key_ ? 0 : key;
-    int rc = fi_mr_reg(domain_, base, bytes, access, 0, requested, 0, &mr, nullptr);
-    if (rc == 0 && mr_endpoint_) {
+    // Keys the engine picks differ between domains (a region's key plus the
+    // rail times the keys one rail uses), so a key sent on the wrong domain
+    // is refused there rather than landing in another region.
+    const uint64_t requested =
+        rail.prov_key ? 0 : key + static_cast<uint64_t>(d) * (kMaxRegions + 2);
+    int rc = fi_mr_reg(rail.domain, base, bytes, access, 0, requested, 0, &mr, nullptr);
+    if (rc == 0 && rail.mr_endpoint) {
       for (int c = 0; c < num_channels_ && rc == 0; ++c)
-        rc = fi_mr_bind(mr, &channels_[c].ep->fid, 0);
+        if (channels_[c].rail == d) rc = fi_mr_bind(mr, &channels_[c].ep->fid, 0);
       if (rc == 0) rc = fi_mr_enable(mr);
     }
     if (rc != 0) {
       if (mr) fi_close(&mr->fid);
-      throw Error(ErrorCode::kUnsupported,
-                  where() + ": provider " + prov_name_ + " cannot register " + what + " (" +
-                      std::to_string(bytes) + " bytes of host memory at " +
-                      std::to_string(reinterpret_cast<uintptr_t>(base)) + "): " + fi_text(rc));
+      throw Error(ErrorCode::kUnsupported, where() + ": provider " + prov_name_ +
+                                               " cannot register " + what + " (" +
+                                               std::to_string(bytes) + " bytes of host memory at " +
+                                               std::to_string(reinterpret_cast<uintptr_t>(base)) +
+                                               ") in domain " + rail.name + ": " + fi_text(rc));
     }
     return mr;
   }
 
-  std::vector<RemoteRegion> gather(const RemoteRegion& mine, const std::string& what) {
+  /// Closes a region's registrations (every domain's) and forgets it.
+  static void close_mrs(Local& l) {
+    for (fid_mr* mr : l.mr)
+      if (mr) close_fid(&mr->fid);
+    l = Local{};
+  }
+
+  /// Every rank's `mine` (one entry per rail), rank-major.
+  std::vector<RemoteRegion> gather(const std::vector<RemoteRegion>& mine, const std::string& what) {
+    const std::size_t bytes = mine.size() * sizeof(RemoteRegion);
     std::vector<uint8_t> all;
     try {
-      all = ex_->allgather(&mine, sizeof(mine));
+      all = ex_->allgather(mine.data(), bytes);
     } catch (const Error& e) {
       throw Error(e.code(), where() + ": " + what + ": " + e.what());
     }
-    std::vector<RemoteRegion> out(static_cast<std::size_t>(num_ranks_));
-    if (all.size() != sizeof(RemoteRegion) * num_ranks_)
+    std::vector<RemoteRegion> out(mine.size() * static_cast<std::size_t>(num_ranks_));
+    if (all.size() != bytes * num_ranks_)
       throw Error(ErrorCode::kInternal, where() + ": " + what + ": the exchange returned " +
                                             std::to_string(all.size()) + " bytes");
     std::memcpy(out.data(), all.data(), all.size());
     return out;
+  }
+
+  const RemoteRegion& remote(int region, int peer, int rail) const {
+    return remote_[region][static_cast<std::size_t>(peer) * rails_.size() + rail];
+  }
+  const RemoteRegion& control_remote(int peer, int rail) const {
+    return control_remote_[static_cast<std::size_t>(peer) * rails_.size() + rail];
   }
 
   void barrier(const char* what) {
@@ -596,13 +819,11 @@ class LibfabricEngine final : public Engine {
   void close_all() {
     stop_.store(true, std::memory_order_relaxed);
     if (progress_.joinable()) progress_.join();
-    for (auto& l : regions_)
-      if (l.mr) {
-        close_fid(&l.mr->fid);
-        l = Local{};
-      }
-    if (control_mr_) close_fid(&control_mr_->fid);
-    control_mr_ = nullptr;
+    for (auto& l : regions_) close_mrs(l);
+    for (Rail& r : rails_) {
+      if (r.control_mr) close_fid(&r.control_mr->fid);
+      r.control_mr = nullptr;
+    }
     if (channels_)
       for (int c = 0; c < num_channels_; ++c) {
         Channel& ch = channels_[c];
@@ -613,10 +834,14 @@ class LibfabricEngine final : public Engine {
         ch.av = nullptr;
         ch.cq = nullptr;
       }
-    if (domain_) close_fid(&domain_->fid);
-    if (fabric_) close_fid(&fabric_->fid);
-    domain_ = nullptr;
-    fabric_ = nullptr;
+    for (Rail& r : rails_) {
+      if (r.domain) close_fid(&r.domain->fid);
+      if (r.fabric) close_fid(&r.fabric->fid);
+      if (r.info) fi_freeinfo(r.info);
+      r.domain = nullptr;
+      r.fabric = nullptr;
+      r.info = nullptr;
+    }
     std::free(control_);
     control_ = nullptr;
   }
@@ -633,11 +858,11 @@ class LibfabricEngine final : public Engine {
       throw Error(ErrorCode::kInvalidArgument,
                   where() + ": " + what + ": peer " + std::to_string(peer) +
                       " is not a rank (num_ranks " + std::to_string(num_ranks_) + ")");
-    if (region < 0 || region >= kMaxRegions || !regions_[region].mr)
+    if (region < 0 || region >= kMaxRegions || !regions_[region].registered())
       throw Error(ErrorCode::kInvalidArgument, where() + ": " + what + " to rank " +
                                                    std::to_string(peer) + ": region " +
                                                    std::to_string(region) + " is not registered");
-    return remote_[region][peer];
+    return remote(region, peer, 0);  // the size, the same in every domain
   }
 
   void throw_if_failed(const Channel& ch) const {
@@ -667,7 +892,7 @@ class LibfabricEngine final : public Engine {
              std::to_string(opt_.timeout_s) + " s (" + std::to_string(ch.posted - done) +
              " writes in flight; rank " + std::to_string(peer) +
              " stopped answering: did it die or stop progressing?" +
-             (delivery_complete_ ? ")" : "; writes are transmit-complete only)"));
+             (rails_[ch.rail].delivery_complete ? ")" : "; writes are transmit-complete only)"));
     throw_if_failed(ch);
   }
 
@@ -731,7 +956,7 @@ class LibfabricEngine final : public Engine {
     msg.context = reinterpret_cast<void*>(seq);
     msg.data = imm;
     const uint64_t flags = FI_COMPLETION | (with_data ? FI_REMOTE_CQ_DATA : 0) |
-                           (delivery_complete_ ? FI_DELIVERY_COMPLETE : 0);
+                           (rails_[ch.rail].delivery_complete ? FI_DELIVERY_COMPLETE : 0);
     // Count it before posting: its completion may come before fi_writemsg returns.
     ch.posted = seq + 1;
     const uint64_t t0 = now_ns();
@@ -772,6 +997,7 @@ class LibfabricEngine final : public Engine {
           any = true;
           for (ssize_t i = 0; i < n; ++i) {
             if (e[i].flags & FI_REMOTE_CQ_DATA) {
+              ch.received.fetch_add(1, std::memory_order_relaxed);
               const uint32_t imm = static_cast<uint32_t>(e[i].data);
               if (opt_.test_reorder_window)
                 held.push_back({c, imm});
@@ -916,7 +1142,8 @@ class LibfabricEngine final : public Engine {
       {
         std::lock_guard lock(region_m_);
         const Local& l = regions_[m.region < kMaxRegions ? m.region : 0];
-        if (m.region >= kMaxRegions || !l.mr || m.sig_off % 8 != 0 || m.sig_off + 8 > l.bytes) {
+        if (m.region >= kMaxRegions || !l.registered() || m.sig_off % 8 != 0 ||
+            m.sig_off + 8 > l.bytes) {
           fail(ch, ErrorCode::kInternal,
                where(c) + ": signal from rank " + std::to_string(src) + " on channel " +
                    std::to_string(c) + " names region " + std::to_string(m.region) + " offset " +
@@ -944,11 +1171,11 @@ class LibfabricEngine final : public Engine {
       auto* value = reinterpret_cast<uint64_t*>(
           control_ + layout_.credit_out + (static_cast<std::size_t>(src) * num_channels_ + c) * 8);
       *value = s.applied;
-      const RemoteRegion& ctl = control_remote_[src];
-      const uint64_t remote =
+      const RemoteRegion& ctl = control_remote(src, ch.rail);
+      const uint64_t raddr =
           ctl.base + layout_.credit_in + (static_cast<uint64_t>(rank_) * num_channels_ + c) * 8;
-      void* desc = control_desc_;
-      const ssize_t rc = fi_write(ch.ep, value, 8, desc, ch.addr[src], remote, ctl.key,
+      void* desc = rails_[ch.rail].control_desc;
+      const ssize_t rc = fi_write(ch.ep, value, 8, desc, ch.addr[src], raddr, ctl.key,
                                   reinterpret_cast<void*>(kCreditTag | static_cast<uint64_t>(src)));
       if (rc == -FI_EAGAIN) continue;  // next round
       if (rc != 0) {
@@ -963,24 +1190,19 @@ class LibfabricEngine final : public Engine {
     }
   }
 
-  static constexpr std::size_t kNameBytes = 256;
-
   std::shared_ptr<Exchange> ex_;
   LibfabricOptions opt_;
   int rank_ = 0, num_ranks_ = 1, num_channels_ = 1;
   uint64_t timeout_ns_ = 0;
   std::string prov_name_;
-  bool virt_addr_ = false, prov_key_ = false, mr_endpoint_ = false, delivery_complete_ = false;
-  uint64_t max_msg_ = 1 << 30;
-  fid_fabric* fabric_ = nullptr;
-  fid_domain* domain_ = nullptr;
+  std::vector<Rail> rails_;  ///< channel c on rails_[c % size]
   std::unique_ptr<Channel[]> channels_;
   ControlLayout layout_{1, 1, 4};
   char* control_ = nullptr;
-  fid_mr* control_mr_ = nullptr;
-  void* control_desc_ = nullptr;
+  /// Every rank's control region, [rank * rails + rail].
   std::vector<RemoteRegion> control_remote_;
   std::array<Local, kMaxRegions> regions_{};
+  /// Every rank's registration of each region, [region][rank * rails + rail].
   std::array<std::vector<RemoteRegion>, kMaxRegions> remote_;
   std::mutex region_m_;
   std::thread progress_;
@@ -997,6 +1219,10 @@ std::unique_ptr<Exchange> make_communicator_exchange(Communicator& comm) {
 std::unique_ptr<Engine> make_libfabric_engine(std::shared_ptr<Exchange> exchange, int num_channels,
                                               const LibfabricOptions& options) {
   return std::make_unique<LibfabricEngine>(std::move(exchange), num_channels, options);
+}
+
+std::vector<std::string> libfabric_domains(const std::string& provider) {
+  return domains_of(provider);
 }
 
 LibfabricStats libfabric_stats(const Engine& engine) {

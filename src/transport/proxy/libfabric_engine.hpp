@@ -11,6 +11,15 @@
 // (an allgather and a barrier), not through a host-local mesh, so ranks may be
 // on different hosts.
 //
+// Rails: the engine opens a fabric and a domain per libfabric domain named in
+// LibfabricOptions::domains (NICs, or the ports of one NIC; default: the
+// provider's first domain), and channel c opens its endpoint, queue and
+// address vector on domain c % n. Every region (and the control region) is
+// registered once per domain, and the keys and bases exchanged are per
+// (rank, domain): a write on channel c uses the keys of domain c % n at both
+// ends, which works because every rank uses the same number of domains (the
+// setup exchange checks it). The names may differ between hosts.
+//
 // No ordering between writes is assumed (EFA and several rails reorder), nor
 // FI_FENCE, nor fi_atomic. Every write carries 32 bits of immediate data
 // (ImmKind below); the receiver's progress thread counts them:
@@ -52,7 +61,8 @@
 // so). mark(c, t) remembers how many writes channel c had posted; t is
 // complete once every one of them has its local completion, in any order.
 //
-// Progress: one thread per engine polls every channel's completion queue
+// Progress: one thread per engine polls every channel's completion queue (so
+// every domain's: each channel's queue lives on its channel's domain)
 // (manual-progress providers such as tcp;ofi_rxm place incoming writes only
 // then), counts arrivals, applies signals, sends credits, and records
 // completions and errors. Errors (a completion error: fi_cq_readerr and
@@ -97,6 +107,12 @@ struct LibfabricOptions {
   /// "verbs;ofi_rxm", "efa"), matched exactly (a utility provider layered
   /// over it is not taken). Empty: $FI_PROVIDER, else "tcp;ofi_rxm".
   std::string provider;
+  /// The rails: libfabric domain names as `fi_info -p <provider>` prints them
+  /// after "domain:" ("lo,eth0" for tcp, "mlx5_0,mlx5_1" for verbs),
+  /// comma-separated; channel c uses domain c % n. Empty: the provider's first
+  /// domain. At most kMaxRails and at most one per channel; every rank must
+  /// name as many (the names may differ between hosts).
+  std::string domains;
   /// How long a write may stay incomplete, and how long a call waits for a
   /// free transmit slot or for the receiver's credits, before kTimeout.
   double timeout_s = 30.0;
@@ -111,19 +127,49 @@ struct LibfabricOptions {
   uint32_t test_reorder_window = 0;
 };
 
+/// Domains (rails) one engine may use at most.
+inline constexpr int kMaxRails = 32;
+
 /// What one engine's progress thread saw (for tests and diagnostics).
 struct LibfabricStats {
   uint64_t puts_received = 0, signals_received = 0, signals_applied = 0;
   /// Signals whose mailbox entry arrived before every put of their epoch.
   uint64_t signals_waited = 0;
   uint64_t credits_sent = 0;
-  bool delivery_complete = false;  ///< writes use FI_DELIVERY_COMPLETE
-  std::string provider;            ///< the provider fi_getinfo chose
+  bool delivery_complete = false;            ///< every domain's writes use FI_DELIVERY_COMPLETE
+  std::string provider;                      ///< the provider fi_getinfo chose
+  std::vector<std::string> domains;          ///< the domains in use (rails), in order
+  std::vector<std::string> channel_domains;  ///< per channel: its domain's name
+  /// Per channel: its endpoint's address as fi_av_straddr prints it.
+  std::vector<std::string> channel_addresses;
+  /// Per channel: writes with immediate data (puts and signals) it received.
+  std::vector<uint64_t> channel_writes_received;
 };
+
+/// What `stats` says the engine runs on, for Buffer::network_engine():
+/// "libfabric tcp;ofi_rxm, domain lo", or with several rails
+/// "libfabric verbs;ofi_rxm, domains mlx5_0,mlx5_1 (channel c on domain c % 2)".
+inline std::string describe(const LibfabricStats& stats) {
+  std::string out = "libfabric " + stats.provider;
+  std::string names;
+  for (const std::string& d : stats.domains) names += (names.empty() ? "" : ",") + d;
+  if (stats.domains.size() == 1) out += ", domain " + names;
+  if (stats.domains.size() > 1)
+    out += ", domains " + names + " (channel c on domain c % " +
+           std::to_string(stats.domains.size()) + ")";
+  return out;
+}
+
+/// The domains `provider` (matched exactly) offers RDM endpoints with RMA on,
+/// in fi_getinfo's order, each once ({} for an unknown provider). Loads
+/// libfabric: in a process that forks later, call it in a child.
+std::vector<std::string> libfabric_domains(const std::string& provider);
 
 /// Rank exchange.rank()'s engine with `num_channels` channels (collective:
 /// every rank constructs one with the same channels and options). Throws
-/// epx::Error(kInvalidArgument) for an unknown provider or a bad option,
+/// epx::Error(kInvalidArgument) for an unknown provider or domain, a bad
+/// option, or ranks that name different numbers of domains (a rank whose
+/// setup failed gives its error to every rank through the exchange),
 /// kUnsupported for a provider without FI_EP_RDM + FI_RMA or remote CQ data
 /// (naming the provider and what it lacks), kTimeout when the exchange does.
 std::unique_ptr<Engine> make_libfabric_engine(std::shared_ptr<Exchange> exchange, int num_channels,
