@@ -31,6 +31,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <optional>
 #include <random>
 #include <regex>
 #include <stdexcept>
@@ -247,7 +248,8 @@ std::string provider_missing(const std::string& provider) {
 
 // ---- the traffic of tests 1-3 -----------------------------------------------------
 
-constexpr int kChannels = 2;
+constexpr int kChannels = 2;                // channels of the tests on one domain
+constexpr int kMaxChannels = 4;             // the layout's room: the rails tests use 4
 constexpr uint64_t kSrc = 128 * 1024;       // the source pattern area
 constexpr uint64_t kSeg = 24 * 1024;        // one round's destination segment
 constexpr int kRounds = 30;                 // rounds (= signals) per (source, channel, target)
@@ -257,12 +259,13 @@ uint8_t pattern(int rank, uint64_t i) {
   return static_cast<uint8_t>(((i * 2654435761u) >> 11) ^ (rank * 37 + 11));
 }
 uint64_t slab_off(int src, int c) {
-  return kSrc + (static_cast<uint64_t>(src) * kChannels + c) * kSlab;
+  return kSrc + (static_cast<uint64_t>(src) * kMaxChannels + c) * kSlab;
 }
 uint64_t sig_off(int src, int c) {
-  return kSrc + kSlab * kMaxRanks * kChannels + (static_cast<uint64_t>(src) * kChannels + c) * 8;
+  return kSrc + kSlab * kMaxRanks * kMaxChannels +
+         (static_cast<uint64_t>(src) * kMaxChannels + c) * 8;
 }
-constexpr uint64_t kRegionBytes = kSrc + kSlab * kMaxRanks * kChannels + 4096;
+constexpr uint64_t kRegionBytes = kSrc + kSlab * kMaxRanks * kMaxChannels + 4096;
 
 struct PutPlan {
   uint64_t dst, src, bytes;
@@ -297,7 +300,8 @@ std::vector<Round> plan(int s, int d, int c) {
 /// word changes it must equal a prefix sum of the adds, and every byte of the
 /// rounds it covers must be there already; at the end the whole slab must be
 /// exactly the puts (zeros between). Returns the signal changes seen.
-uint64_t check_arrivals(int d, int n, const char* base, double timeout_s) {
+uint64_t check_arrivals(int d, int n, const char* base, double timeout_s,
+                        int channels = kChannels) {
   struct Stream {
     int s, c;
     std::vector<Round> rounds;
@@ -307,7 +311,7 @@ uint64_t check_arrivals(int d, int n, const char* base, double timeout_s) {
   };
   std::vector<Stream> streams;
   for (int s = 0; s < n; ++s)
-    for (int c = 0; c < kChannels; ++c) {
+    for (int c = 0; c < channels; ++c) {
       if (s == d) continue;
       Stream st{s, c, plan(s, d, c), {}, -1, 0};
       uint64_t sum = 0;
@@ -374,21 +378,40 @@ std::shared_ptr<Exchange> borrow(ShmExchange& ex) {
   return std::shared_ptr<Exchange>(&ex, [](Exchange*) {});
 }
 
-/// One rank of tests 1 and 3: the engine driven directly, one thread per channel.
-void engine_rank(int me, ShmExchange& ex, Board* b, const std::string& provider, uint32_t reorder) {
+/// `list` split at commas.
+std::vector<std::string> split(const std::string& list) {
+  std::vector<std::string> out;
+  std::size_t at = 0;
+  while (at <= list.size() && !list.empty()) {
+    const std::size_t comma = std::min(list.find(',', at), list.size());
+    out.push_back(list.substr(at, comma - at));
+    at = comma + 1;
+  }
+  return out;
+}
+
+/// One rank of tests 1 and 3 (and of the rails tests): the engine driven
+/// directly, one thread per channel, on `domains` (empty: the default).
+/// Besides the bytes and signals, checks which domain each channel reports
+/// and that each received exactly the writes its peers sent on it; `more`
+/// checks the stats further.
+void engine_rank(int me, ShmExchange& ex, Board* b, const std::string& provider, uint32_t reorder,
+                 int channels = kChannels, const std::string& domains = "",
+                 const std::function<void(const LibfabricStats&)>& more = {}) {
   const int n = ex.num_ranks();
   std::vector<uint8_t> mem(kRegionBytes, 0);
   for (uint64_t i = 0; i < kSrc; ++i) mem[i] = pattern(me, i);
   LibfabricOptions o;
   o.provider = provider;
+  o.domains = domains;
   o.timeout_s = 10;
   o.window = 8;  // small: the credits run many laps
   o.test_reorder_window = reorder;
-  auto engine = make_libfabric_engine(borrow(ex), kChannels, o);
+  auto engine = make_libfabric_engine(borrow(ex), channels, o);
   engine->register_region(0, mem.data(), mem.size());
-  std::vector<std::string> errors(kChannels);
+  std::vector<std::string> errors(channels);
   std::vector<std::thread> senders;
-  for (int c = 0; c < kChannels; ++c)
+  for (int c = 0; c < channels; ++c)
     senders.emplace_back([&, c] {
       try {
         std::vector<std::vector<Round>> plans(n);
@@ -416,7 +439,7 @@ void engine_rank(int me, ShmExchange& ex, Board* b, const std::string& provider,
   std::string check_error;
   uint64_t changes = 0;
   try {
-    changes = check_arrivals(me, n, reinterpret_cast<const char*>(mem.data()), 20);
+    changes = check_arrivals(me, n, reinterpret_cast<const char*>(mem.data()), 20, channels);
   } catch (const std::exception& e) {
     check_error = e.what();
   }
@@ -428,8 +451,32 @@ void engine_rank(int me, ShmExchange& ex, Board* b, const std::string& provider,
   b->stat[me][1] = s.signals_waited;
   b->stat[me][2] = s.signals_applied;
   b->stat[me][3] = s.delivery_complete ? 1 : 0;
-  expect(s.signals_applied == static_cast<uint64_t>((n - 1) * kChannels * kRounds),
+  expect(s.signals_applied == static_cast<uint64_t>((n - 1) * channels * kRounds),
          "signals applied: " + std::to_string(s.signals_applied));
+  // The domains: those named, or the provider's first one; channel c on c % n.
+  const std::vector<std::string> want =
+      domains.empty() ? std::vector<std::string>{libfabric_domains(provider).at(0)}
+                      : split(domains);
+  expect(s.domains == want, "rank " + std::to_string(me) + ": engine reports " +
+                                std::to_string(s.domains.size()) + " domains, not " + domains);
+  expect(s.channel_domains.size() == static_cast<std::size_t>(channels) &&
+             s.channel_writes_received.size() == static_cast<std::size_t>(channels),
+         "per-channel stats for " + std::to_string(s.channel_domains.size()) + " channels");
+  for (int c = 0; c < channels; ++c) {
+    expect(s.channel_domains[c] == want[c % want.size()],
+           "channel " + std::to_string(c) + " reports domain " + s.channel_domains[c]);
+    // Every put (the providers here take 16 KiB in one write) and signal its
+    // peers sent on channel c arrived on channel c's endpoint.
+    uint64_t sent = 0;
+    for (int src = 0; src < n; ++src)
+      if (src != me)
+        for (const Round& r : plan(src, me, c)) sent += r.puts.size() + 1;
+    expect(s.channel_writes_received[c] == sent,
+           "rank " + std::to_string(me) + " channel " + std::to_string(c) + " (domain " +
+               s.channel_domains[c] + ") received " + std::to_string(s.channel_writes_received[c]) +
+               " writes, its peers sent " + std::to_string(sent));
+  }
+  if (more) more(s);
   ex.barrier();  // everyone's checks are done before any endpoint closes
   engine->deregister_region(0);
 }
@@ -478,82 +525,88 @@ TEST_P(LibfabricEngineTest, ReorderedCompletionsStillNeverShowASignalEarly) {
               (unsigned long long)waited);
 }
 
+/// One rank of test 2: the real Proxy threads and rings over the engine on
+/// `channels` channels and `domains` (empty: the default).
+void proxy_rank(int me, ShmExchange& ex, const std::string& prov, int channels = kChannels,
+                const std::string& domains = "") {
+  const int n = ex.num_ranks();
+  std::vector<uint8_t> mem(kRegionBytes, 0);
+  for (uint64_t i = 0; i < kSrc; ++i) mem[i] = pattern(me, i);
+  LibfabricOptions o;
+  o.provider = prov;
+  o.domains = domains;
+  o.timeout_s = 10;
+  auto engine = make_libfabric_engine(borrow(ex), channels, o);
+  engine->register_region(0, mem.data(), mem.size());
+  ProxyOptions po;
+  po.num_channels = channels;
+  po.capacity = 64;
+  po.device = -1;
+  {
+    Proxy proxy(*engine, po);
+    std::vector<std::string> errors(channels);
+    std::vector<std::thread> posters;
+    for (int c = 0; c < channels; ++c)
+      posters.emplace_back([&, c] {
+        try {
+          const ChannelView v = proxy.view(c);
+          for (int d = 0; d < n; ++d) {
+            if (d == me) continue;
+            const auto rounds = plan(me, d, c);
+            for (const Round& r : rounds) {
+              for (std::size_t i = 0; i < r.puts.size(); ++i) {
+                Command cmd{};
+                cmd.peer = static_cast<uint32_t>(d);
+                cmd.dst_off = r.puts[i].dst;
+                cmd.src_off = r.puts[i].src;
+                cmd.bytes = r.puts[i].bytes;
+                const bool last = i + 1 == r.puts.size();
+                if (last) {
+                  cmd.sig_off = sig_off(me, c);
+                  cmd.add = r.add;
+                }
+                post_from_host(v, cmd, last ? Op::kPutSignal : Op::kPut, 0, 10.0, c);
+              }
+              if (r.puts.empty()) {
+                Command cmd{};
+                cmd.peer = static_cast<uint32_t>(d);
+                cmd.sig_off = sig_off(me, c);
+                cmd.add = r.add;
+                post_from_host(v, cmd, Op::kSignal, 0, 10.0, c);
+              }
+            }
+          }
+        } catch (const std::exception& e) {
+          errors[c] = e.what();
+        }
+      });
+    std::string check_error;
+    try {
+      check_arrivals(me, n, reinterpret_cast<const char*>(mem.data()), 20, channels);
+    } catch (const std::exception& e) {
+      check_error = e.what();
+    }
+    for (auto& t : posters) t.join();
+    for (const auto& e : errors) expect(e.empty(), e);
+    expect(check_error.empty(), check_error);
+    proxy.drain(10);
+    proxy.check();
+    for (int c = 0; c < channels; ++c) {
+      const ChannelHealth h = proxy.health(c);
+      expect(h.completed == h.consumed && h.consumed > 0,
+             "channel " + std::to_string(c) + ": consumed " + std::to_string(h.consumed) +
+                 ", completed " + std::to_string(h.completed));
+    }
+    ex.barrier();
+  }
+  engine->deregister_region(0);
+}
+
 // 2. The real Proxy threads and rings over the engine (host memory, no CUDA).
 TEST_P(LibfabricEngineTest, ProxyRingsEndToEnd) {
   Ranks ranks;
   const std::string prov = provider();
-  ranks.start(2, [&](int me, ShmExchange& ex) {
-    const int n = ex.num_ranks();
-    std::vector<uint8_t> mem(kRegionBytes, 0);
-    for (uint64_t i = 0; i < kSrc; ++i) mem[i] = pattern(me, i);
-    LibfabricOptions o;
-    o.provider = prov;
-    o.timeout_s = 10;
-    auto engine = make_libfabric_engine(borrow(ex), kChannels, o);
-    engine->register_region(0, mem.data(), mem.size());
-    ProxyOptions po;
-    po.num_channels = kChannels;
-    po.capacity = 64;
-    po.device = -1;
-    {
-      Proxy proxy(*engine, po);
-      std::vector<std::string> errors(kChannels);
-      std::vector<std::thread> posters;
-      for (int c = 0; c < kChannels; ++c)
-        posters.emplace_back([&, c] {
-          try {
-            const ChannelView v = proxy.view(c);
-            for (int d = 0; d < n; ++d) {
-              if (d == me) continue;
-              const auto rounds = plan(me, d, c);
-              for (const Round& r : rounds) {
-                for (std::size_t i = 0; i < r.puts.size(); ++i) {
-                  Command cmd{};
-                  cmd.peer = static_cast<uint32_t>(d);
-                  cmd.dst_off = r.puts[i].dst;
-                  cmd.src_off = r.puts[i].src;
-                  cmd.bytes = r.puts[i].bytes;
-                  const bool last = i + 1 == r.puts.size();
-                  if (last) {
-                    cmd.sig_off = sig_off(me, c);
-                    cmd.add = r.add;
-                  }
-                  post_from_host(v, cmd, last ? Op::kPutSignal : Op::kPut, 0, 10.0, c);
-                }
-                if (r.puts.empty()) {
-                  Command cmd{};
-                  cmd.peer = static_cast<uint32_t>(d);
-                  cmd.sig_off = sig_off(me, c);
-                  cmd.add = r.add;
-                  post_from_host(v, cmd, Op::kSignal, 0, 10.0, c);
-                }
-              }
-            }
-          } catch (const std::exception& e) {
-            errors[c] = e.what();
-          }
-        });
-      std::string check_error;
-      try {
-        check_arrivals(me, n, reinterpret_cast<const char*>(mem.data()), 20);
-      } catch (const std::exception& e) {
-        check_error = e.what();
-      }
-      for (auto& t : posters) t.join();
-      for (const auto& e : errors) expect(e.empty(), e);
-      expect(check_error.empty(), check_error);
-      proxy.drain(10);
-      proxy.check();
-      for (int c = 0; c < kChannels; ++c) {
-        const ChannelHealth h = proxy.health(c);
-        expect(h.completed == h.consumed && h.consumed > 0,
-               "channel " + std::to_string(c) + ": consumed " + std::to_string(h.consumed) +
-                   ", completed " + std::to_string(h.completed));
-      }
-      ex.barrier();
-    }
-    engine->deregister_region(0);
-  });
+  ranks.start(2, [&](int me, ShmExchange& ex) { proxy_rank(me, ex, prov); });
   const std::string why = ranks.wait(40);
   ASSERT_TRUE(why.empty()) << why;
 }
@@ -1136,9 +1189,9 @@ INSTANTIATE_TEST_SUITE_P(Providers, LibfabricProxyFaultTest,
 
 // Bad options, each in a forked rank (no libfabric in the test process).
 void expect_refused(const LibfabricOptions& o, ErrorCode code,
-                    const std::vector<std::string>& words) {
+                    const std::vector<std::string>& words, int channels = 1) {
   Ranks ranks;
-  ranks.start(1, [&](int, ShmExchange& ex) { make_libfabric_engine(borrow(ex), 1, o); });
+  ranks.start(1, [&](int, ShmExchange& ex) { make_libfabric_engine(borrow(ex), channels, o); });
   const std::string why = ranks.wait(20);
   ASSERT_FALSE(why.empty()) << "options accepted";
   const std::string msg = ranks.board->message[0];
@@ -1167,6 +1220,202 @@ TEST(LibfabricEngineOptions, BadWindowIsRefused) {
   o.provider = "shm";
   o.window = 6;
   expect_refused(o, ErrorCode::kInvalidArgument, {"window", "6"});
+}
+
+TEST(LibfabricEngineOptions, MoreDomainsThanChannelsIsRefused) {
+  LibfabricOptions o;
+  o.provider = "tcp;ofi_rxm";
+  o.domains = "lo,eth0,eth1";
+  expect_refused(o, ErrorCode::kInvalidArgument, {"3 fabric domains", "2 channels", "c % n"}, 2);
+}
+
+TEST(LibfabricEngineOptions, EmptyOrRepeatedDomainNameIsRefused) {
+  LibfabricOptions o;
+  o.provider = "tcp;ofi_rxm";
+  o.domains = "lo,,eth0";
+  expect_refused(o, ErrorCode::kInvalidArgument, {"'lo,,eth0'", "empty name"}, 3);
+  o.domains = "lo, lo";
+  expect_refused(o, ErrorCode::kInvalidArgument, {"'lo' twice"}, 2);
+}
+
+// The domain tests below ask tcp;ofi_rxm for its domains: it must run here.
+std::string tcp_missing() {
+  setenv("FI_TCP_IFACE", "lo", 0);
+  return provider_missing("tcp;ofi_rxm");
+}
+
+TEST(LibfabricEngineOptions, UnknownDomainIsNamedWithTheProvidersDomains) {
+  if (const std::string why = tcp_missing(); !why.empty()) GTEST_SKIP() << why;
+  LibfabricOptions o;
+  o.provider = "tcp;ofi_rxm";
+  o.domains = "lo,no_such_domain";
+  expect_refused(o, ErrorCode::kInvalidArgument,
+                 {"'tcp;ofi_rxm'", "no domain 'no_such_domain'", "its domains: lo"}, 2);
+}
+
+// A rank whose setup fails still takes part in the setup exchange: its peer
+// raises at once naming it and its error, not at the exchange's deadline.
+TEST(LibfabricEngineOptions, PeerWithAnUnknownDomainIsNamedByTheOthersAtOnce) {
+  if (const std::string why = tcp_missing(); !why.empty()) GTEST_SKIP() << why;
+  Ranks ranks;
+  ranks.start(
+      2,
+      [&](int me, ShmExchange& ex) {
+        LibfabricOptions o;
+        o.provider = "tcp;ofi_rxm";
+        o.domains = me == 1 ? "no_such_domain" : "lo";
+        make_libfabric_engine(borrow(ex), 2, o);
+      },
+      60);
+  const auto t0 = Clock::now();
+  const std::string why = ranks.wait(30);
+  EXPECT_LT(since(t0), 20) << "the peer waited for the failed rank until a deadline";
+  ASSERT_NE(ranks.status[0], 0) << "rank 0 accepted a peer that failed";
+  ASSERT_NE(ranks.status[1], 0);
+  for (int r = 0; r < 2; ++r)
+    EXPECT_EQ(ranks.board->code[r].load(), static_cast<int>(ErrorCode::kInvalidArgument) + 1)
+        << ranks.board->message[r];
+  const std::string msg0 = ranks.board->message[0];
+  EXPECT_NE(msg0.find("rank 1 could not set up"), std::string::npos) << msg0;
+  EXPECT_NE(msg0.find("'no_such_domain'"), std::string::npos) << msg0;
+  const std::string msg1 = ranks.board->message[1];
+  EXPECT_NE(msg1.find("'no_such_domain'"), std::string::npos) << msg1;
+}
+
+// ---- rails: channels striped over several domains ---------------------------------
+//
+// tcp;ofi_rxm has a domain per IP interface (lo and, say, eth0): two of them
+// stand in for two NICs or the two ports of one. FI_TCP_IFACE (ctest sets it
+// to lo) would hide every other interface, so these tests unset it.
+
+/// tcp;ofi_rxm's domains on this host as the ranks will see them (probed in a
+/// forked child).
+std::vector<std::string> tcp_domains() {
+  Ranks ranks;
+  Board* b = ranks.board;
+  ranks.start(1, [&](int, ShmExchange&) {
+    std::string joined;
+    for (const std::string& d : libfabric_domains("tcp;ofi_rxm"))
+      joined += (joined.empty() ? "" : ",") + d;
+    std::snprintf(b->message[0], sizeof b->message[0], "%s", joined.c_str());
+  });
+  const std::string why = ranks.wait(20);
+  if (!why.empty()) throw std::runtime_error("listing the tcp;ofi_rxm domains: " + why);
+  return split(b->message[0]);
+}
+
+class LibfabricRailsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (const char* v = std::getenv("FI_TCP_IFACE")) saved_ = v;
+    unsetenv("FI_TCP_IFACE");
+    const std::vector<std::string> all = tcp_domains();
+    // lo first where there is one, then the first other domain.
+    if (std::find(all.begin(), all.end(), "lo") != all.end()) picked_.push_back("lo");
+    for (const std::string& d : all)
+      if (picked_.size() < 2 && std::find(picked_.begin(), picked_.end(), d) == picked_.end())
+        picked_.push_back(d);
+    if (picked_.size() < 2) {
+      std::string have;
+      for (const std::string& d : all) have += " " + d;
+      GTEST_SKIP() << "fewer than two tcp;ofi_rxm domains on this host (it has:"
+                   << (have.empty() ? " none" : have) << "); the rails tests need two";
+    }
+    domains_ = picked_[0] + "," + picked_[1];
+  }
+  void TearDown() override {
+    if (saved_) setenv("FI_TCP_IFACE", saved_->c_str(), 1);
+  }
+  /// Per-rank checks beyond engine_rank's: channels on different domains
+  /// have different addresses, those on lo a 127.0.0.1 one and the others
+  /// none, and the description names both domains.
+  std::function<void(const LibfabricStats&)> addresses() const {
+    const std::string domains = domains_;
+    return [domains](const LibfabricStats& s) {
+      expect(s.channel_addresses.size() >= 2 && s.channel_addresses[0] != s.channel_addresses[1],
+             "channels 0 and 1 have one address: " + s.channel_addresses.at(0));
+      for (std::size_t c = 0; c < s.channel_addresses.size(); ++c) {
+        const bool loopback = s.channel_addresses[c].find("127.0.0.1") != std::string::npos;
+        expect(loopback == (s.channel_domains[c] == "lo"),
+               "channel " + std::to_string(c) + " on domain " + s.channel_domains[c] +
+                   " has address " + s.channel_addresses[c]);
+      }
+      const std::string d = describe(s);
+      expect(d.find("domains " + domains) != std::string::npos,
+             "the description '" + d + "' does not name domains " + domains);
+      std::string line = d + ":";
+      for (std::size_t c = 0; c < s.channel_addresses.size(); ++c)
+        line += " channel " + std::to_string(c) + " " + s.channel_addresses[c] + " " +
+                std::to_string(s.channel_writes_received[c]) + " writes in;";
+      std::printf("%s\n", line.c_str());
+      std::fflush(stdout);  // the ranks end with _exit
+    };
+  }
+  std::optional<std::string> saved_;
+  std::vector<std::string> picked_;
+  std::string domains_;
+};
+
+// Random puts, put+signals and signals on 4 channels over 2 domains (channels
+// 0 and 2 on the first, 1 and 3 on the second), 2 and 3 ranks: every byte
+// checked, no signal before its data, every write counted on its channel.
+TEST_F(LibfabricRailsTest, TwoRanksFourChannelsOverTwoDomains) {
+  Ranks ranks;
+  Board* b = ranks.board;
+  const std::string domains = domains_;
+  const auto more = addresses();
+  ranks.start(2, [&](int me, ShmExchange& ex) {
+    engine_rank(me, ex, b, "tcp;ofi_rxm", 0, 4, domains, more);
+  });
+  const std::string why = ranks.wait(60);
+  ASSERT_TRUE(why.empty()) << why;
+  for (int r = 0; r < 2; ++r) EXPECT_GT(b->stat[r][0].load(), 0u) << "rank " << r;
+}
+
+TEST_F(LibfabricRailsTest, ThreeRanksFourChannelsOverTwoDomainsWithReorderedCompletions) {
+  Ranks ranks;
+  Board* b = ranks.board;
+  const std::string domains = domains_;
+  const auto more = addresses();
+  ranks.start(3, [&](int me, ShmExchange& ex) {
+    engine_rank(me, ex, b, "tcp;ofi_rxm", 16, 4, domains, more);
+  });
+  const std::string why = ranks.wait(60);
+  ASSERT_TRUE(why.empty()) << why;
+}
+
+// The real Proxy threads and rings over the two domains.
+TEST_F(LibfabricRailsTest, ProxyRingsOverTwoDomains) {
+  Ranks ranks;
+  const std::string domains = domains_;
+  ranks.start(2, [&](int me, ShmExchange& ex) { proxy_rank(me, ex, "tcp;ofi_rxm", 4, domains); });
+  const std::string why = ranks.wait(60);
+  ASSERT_TRUE(why.empty()) << why;
+}
+
+// Channel c talks to its peer's channel c on the peer's domain c % n: ranks
+// that name different numbers of domains are refused, every rank naming each
+// rank's count and domains.
+TEST_F(LibfabricRailsTest, RanksWithDifferentNumbersOfDomainsAreRefusedNamingThem) {
+  Ranks ranks;
+  const std::string two = domains_, one = picked_[1];
+  ranks.start(2, [&](int me, ShmExchange& ex) {
+    LibfabricOptions o;
+    o.provider = "tcp;ofi_rxm";
+    o.domains = me == 0 ? two : one;
+    make_libfabric_engine(borrow(ex), 2, o);
+  });
+  (void)ranks.wait(30);
+  for (int r = 0; r < 2; ++r) {
+    const std::string msg = ranks.board->message[r];
+    ASSERT_NE(ranks.status[r], 0) << "rank " << r << " accepted the mismatch";
+    EXPECT_EQ(ranks.board->code[r].load(), static_cast<int>(ErrorCode::kInvalidArgument) + 1)
+        << msg;
+    for (const std::string& w :
+         std::vector<std::string>{"same number of libfabric domains", "rank 0 uses 2 (" + two + ")",
+                                  "rank 1 uses 1 (" + one + ")"})
+      EXPECT_NE(msg.find(w), std::string::npos) << w << " in: " << msg;
+  }
 }
 
 }  // namespace
