@@ -57,6 +57,12 @@ struct BufferOptions {
   /// "tcp;ofi_rxm", "shm", "verbs;ofi_rxm", "efa". Empty: EPX_FABRIC_PROVIDER,
   /// else "tcp;ofi_rxm".
   std::string fabric_provider;
+  /// The libfabric engine's rails: libfabric domain names (NICs, or the
+  /// ports of one NIC) as `fi_info -p <provider>` prints them after
+  /// "domain:", comma-separated ("mlx5_0,mlx5_1"); proxy channel c uses
+  /// domain c % n. Empty: EPX_FABRIC_DOMAINS, else the provider's first
+  /// domain. Every rank must name as many domains, at most one per channel.
+  std::string fabric_domains;
 };
 
 /// Per-call stream arguments (DeepEP's previous_event / async_finish /
@@ -268,7 +274,9 @@ class Buffer {
   /// contexts across its communicators); 1 within one NVLink domain.
   int num_network_contexts() const;
   /// What carries the backend's network operations, where it has a choice:
-  /// the proxy's engine ("cuda_ipc", "libfabric <provider>"); "" otherwise.
+  /// the proxy's engine ("cuda_ipc", "libfabric <provider>, domain <name>" or
+  /// with several rails "libfabric <provider>, domains <a>,<b> (channel c on
+  /// domain c % 2)"); "" otherwise.
   std::string network_engine() const;
   /// Symmetric bytes this rank holds (both regions).
   std::size_t buffer_bytes() const;

@@ -186,7 +186,7 @@ class Buffer:
                  comm: Any = None, *, allow_nvlink_for_normal_mode: bool = True,
                  eager_support: bool = False, backend: str = "auto",
                  timeout_s: float = 0.0, ranks_per_node: int = 0, proxy_engine: str = "auto",
-                 fabric_provider: str = "") -> None:
+                 fabric_provider: str = "", fabric_domains: str = "") -> None:
         """Allocates the buffers; collective over ``group`` (or the mpi4py ``comm``).
 
         Arguments:
@@ -224,6 +224,10 @@ class Buffer:
                 hosts), "cuda_ipc" or "libfabric".
             fabric_provider: the libfabric engine's provider ("tcp;ofi_rxm", "shm",
                 "verbs;ofi_rxm", "efa"; "": EPX_FABRIC_PROVIDER, else "tcp;ofi_rxm").
+            fabric_domains: the libfabric engine's rails, libfabric domain names as
+                `fi_info -p <provider>` prints them, comma-separated ("mlx5_0,mlx5_1");
+                proxy channel c uses domain c % n ("": EPX_FABRIC_DOMAINS, else the
+                provider's first domain). Every rank must name as many domains.
             timeout_s: how long a rank waits for its peers (0: EPX_TIMEOUT_S, else 60 s).
         """
         op = "Buffer"
@@ -303,6 +307,7 @@ class Buffer:
         opts.enable_shrink = bool(enable_shrink)
         opts.proxy_engine = str(proxy_engine)
         opts.fabric_provider = str(fabric_provider)
+        opts.fabric_domains = str(fabric_domains)
         opts.allocator = glue.allocator(self._device)
         self.runtime: Optional[_core.Buffer] = _core.Buffer(self.communicator, opts)
         self._comm_stream = None

@@ -776,6 +776,7 @@ NB_MODULE(_core, m) {
       .def_rw("enable_shrink", &epx::BufferOptions::enable_shrink)
       .def_rw("proxy_engine", &epx::BufferOptions::proxy_engine)
       .def_rw("fabric_provider", &epx::BufferOptions::fabric_provider)
+      .def_rw("fabric_domains", &epx::BufferOptions::fabric_domains)
       .def_prop_rw(
           "allocator",
           [](const epx::BufferOptions& o) -> nb::object {

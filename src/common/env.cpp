@@ -174,6 +174,10 @@ std::string fabric_provider() {
   return get("EPX_FABRIC_PROVIDER").value_or("tcp;ofi_rxm");
 }
 
+std::string fabric_domains() {
+  return get("EPX_FABRIC_DOMAINS").value_or("");
+}
+
 bool nvshmem_trace() {
   return zero_or_one("EPX_NVSHMEM_TRACE");
 }

@@ -118,6 +118,10 @@ std::string proxy_engine();
 /// EPX_FABRIC_PROVIDER: the libfabric engine's provider where
 /// BufferOptions::fabric_provider is empty (unset: "tcp;ofi_rxm").
 std::string fabric_provider();
+/// EPX_FABRIC_DOMAINS: the libfabric engine's domains (rails, comma-separated)
+/// where BufferOptions::fabric_domains is empty (unset: "", the provider's
+/// first domain). The engine parses and checks the names.
+std::string fabric_domains();
 /// EPX_NVSHMEM_TRACE (0 or 1, default 0): the NVSHMEM module says when each
 /// of its host calls starts and ends.
 bool nvshmem_trace();

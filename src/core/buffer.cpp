@@ -131,6 +131,7 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
   bo.ht_rings = d.ht_rings != 0;
   bo.proxy_engine = options.proxy_engine;
   bo.fabric_provider = options.fabric_provider;
+  bo.fabric_domains = options.fabric_domains;
   bo.num_hosts = 1 + *std::max_element(hosts.begin(), hosts.end());
   d.backend = transport::make_backend(options.backend, *d.comm, d.topology, bo);
   if (options.num_nvl_bytes > 0)

@@ -41,9 +41,10 @@ struct BackendOptions {
   /// The ring kernels across nodes may run (EPX_HT_RINGS is not 0): a
   /// backend whose signals are a pool (NCCL GIN) makes room for their ids too.
   bool ht_rings = false;
-  /// The proxy backend's engine and libfabric provider (BufferOptions).
+  /// The proxy backend's engine, libfabric provider and domains (BufferOptions).
   std::string proxy_engine = "auto";
   std::string fabric_provider;
+  std::string fabric_domains;
   /// Hosts the ranks run on (1: every rank on this one).
   int num_hosts = 1;
 };

@@ -493,6 +493,15 @@ TEST(Env, NvshmemTraceIsZeroOrOne) {
   expect_zero_or_one_switch("EPX_NVSHMEM_TRACE", env::nvshmem_trace);
 }
 
+TEST(Env, FabricDomainsIsTheListAsGivenAndUnsetIsEmpty) {
+  // Empty means the provider's first domain; the engine parses the list.
+  const SavedEnv saved("EPX_FABRIC_DOMAINS");
+  unsetenv("EPX_FABRIC_DOMAINS");
+  EXPECT_EQ(env::fabric_domains(), "");
+  setenv("EPX_FABRIC_DOMAINS", "mlx5_0,mlx5_1", 1);
+  EXPECT_EQ(env::fabric_domains(), "mlx5_0,mlx5_1");
+}
+
 TEST(Env, SwitchesUnsetTakeTheirDefaults) {
   // Unset switches are read during Buffer creation: their default, with no
   // value looked at (an empty optional dereferenced aborts under

@@ -86,6 +86,7 @@ class ProxyBackend final : public Backend {
       proxy::LibfabricOptions lo;
       lo.provider =
           options.fabric_provider.empty() ? env::fabric_provider() : options.fabric_provider;
+      lo.domains = options.fabric_domains.empty() ? env::fabric_domains() : options.fabric_domains;
       lo.timeout_s = env::timeout_seconds();
       engine_ = proxy::make_libfabric_engine(
           std::shared_ptr<proxy::Exchange>(proxy::make_communicator_exchange(comm)), num_channels_,
@@ -93,9 +94,9 @@ class ProxyBackend final : public Backend {
       if (comm.rank() == 0) {
         const proxy::LibfabricStats st = proxy::libfabric_stats(*engine_);
         std::fprintf(stderr,
-                     "epx: proxy engine libfabric, provider %s (%s), regions in pinned host "
-                     "memory (no FI_HMEM for CUDA in this libfabric)\n",
-                     st.provider.c_str(),
+                     "epx: proxy engine %s (%s), regions in pinned host memory (no FI_HMEM for "
+                     "CUDA in this libfabric)\n",
+                     proxy::describe(st).c_str(),
                      st.delivery_complete ? "delivery complete" : "transmit complete");
       }
     } else {
@@ -132,7 +133,7 @@ class ProxyBackend final : public Backend {
   const Topology& topology() const override { return topo_; }
   int num_contexts() const override { return num_channels_; }
   std::string engine_name() const override {
-    return fabric_ ? "libfabric " + proxy::libfabric_stats(*engine_).provider : engine_name_;
+    return fabric_ ? proxy::describe(proxy::libfabric_stats(*engine_)) : engine_name_;
   }
 
   SymmetricRegion alloc(std::size_t bytes) override {
