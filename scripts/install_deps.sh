@@ -11,6 +11,8 @@
 #     else the pip wheel nvidia-nccl-cu13==2.28.9, which CMake finds through
 #     that Python
 #   - NVSHMEM 3.4.5 (pip nvidia-nvshmem-cu13), for the NVSHMEM module's kernels
+#   - with EPX_INSTALL_TORCH=1 (scripts/test.sh sets it): PyPI's torch 2.11.0
+#     and matplotlib, for the Python tests of the tensor glue and the plot
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/python_env.sh
@@ -31,6 +33,13 @@ fi
 epx_use_python
 PIP=("$EPX_PY" -m pip install -q --disable-pip-version-check)
 "${PIP[@]}" "cmake>=3.28,<4" "nanobind>=2.4" scikit-build-core pytest numpy hypothesis ruff
+# torch 2.11.0 pins the NCCL (2.28.9) and NVSHMEM (3.4.5) wheels that EPX
+# builds against below; a newer torch pins newer ones, which pip would install
+# in their place (torch 2.15 brings NCCL 2.30.7 and NVSHMEM 3.7.2, and
+# imports only with those). Before the pins below, so they hold in the end.
+if [ "${EPX_INSTALL_TORCH:-0}" = 1 ] && ! "$EPX_PY" -c "import torch, matplotlib" 2>/dev/null; then
+  "${PIP[@]}" torch==2.11.0 matplotlib
+fi
 command -v nvcc >/dev/null || { [ -x /usr/local/cuda/bin/nvcc ] && export PATH=/usr/local/cuda/bin:$PATH; }
 command -v nvcc >/dev/null || { echo "install_deps.sh: nvcc (CUDA 13) not found; install the CUDA toolkit" >&2; exit 1; }
 nccl_ok=0
