@@ -8,7 +8,7 @@
 // host (the route table), and a barrier opens every op. Kernels see the
 // transport concept only: puts and signals to other nodes, lsa_ptr stores
 // within the node.
-#include "kernels/internode_kernels.cuh"
+#include "kernels/internode/kernels.cuh"
 #include "kernels/launch_on.hpp"
 
 namespace epx::kernels {

@@ -1,10 +1,10 @@
 // Low-latency dispatch and combine (decode): the launchers for every
 // transport of dev::AnyTransport. The kernels, their protocol and a launch
-// helper per op and transport type are in low_latency_kernels.cuh; a module's
+// helper per op and transport type are in low_latency/ (kernels.cuh); a module's
 // transport (dev::ModuleTransport) brings its own instantiations, called
 // through its table.
 #include "kernels/launch_on.hpp"
-#include "kernels/low_latency_kernels.cuh"
+#include "kernels/low_latency/kernels.cuh"
 
 namespace epx::kernels {
 

@@ -1892,24 +1892,25 @@ uint64_t soak_seed(int set) {
 /// A pair's checksum may be compared with its set's first one because the
 /// LL combine is deterministic for identical inputs: the same routing,
 /// weights and expert outputs give the same bits, whatever order the ranks'
-/// rows arrive in (line numbers of src/kernels/low_latency_kernels.cuh):
+/// rows arrive in (lines of src/kernels/low_latency/: dispatch_recv.cuh,
+/// combine_send.cuh, combine_recv.cuh):
 ///  - the dispatch packs in rank order: an exclusive scan of the token masks
 ///    in (source, token) order gives every row and the combine plan's
-///    {mask, first row} (:1071-1085), a function of the routing alone.
-///    check_dispatch proves it equal to the reference's on a set's first
-///    pair; a later pair packed otherwise reads other expert rows and changes
+///    {mask, first row} (dispatch_recv.cuh:229-243), a function of the
+///    routing alone. check_dispatch proves it equal to the reference's on a
+///    set's first pair; a later pair packed otherwise reads other expert rows and changes
 ///    the checksum;
 ///  - ll_combine_send collects the rows of a token's experts on this rank in
-///    ascending local expert id (:1488-1494, plan_row :1277) and sums them
-///    with fmaf in that order (:1595), with per-expert weights the token's
-///    rank summed in k order (:1431); a token with one expert there gets the
-///    raw row (:1530);
+///    ascending local expert id (combine_send.cuh:224-230, plan_row :13) and
+///    sums them with fmaf in that order (:331), with per-expert weights the
+///    token's rank summed in k order (:167); a token with one expert there
+///    gets the raw row (:266);
 ///  - ll_combine_recv waits for every source's combine flag before it reads
-///    a row (:1724); then one lane per output column adds the ranks' rows in
-///    ascending rank order (:1806 within a node; across nodes the sorted
-///    ranks, :1749-1760) and a raw row's picks in lane (k) order (add_rank_row
-///    :1673), and stores the column once (:1779, :1820): no atomics, nothing
-///    in arrival order.
+///    a row (combine_recv.cuh:115); then one lane per output column adds the
+///    ranks' rows in ascending rank order (:197 within a node; across nodes
+///    the sorted ranks, :140-151) and a raw row's picks in lane (k) order
+///    (add_rank_row :64), and stores the column once (:170, :211): no
+///    atomics, nothing in arrival order.
 /// Under EPX_LL_ARRIVAL_ORDER=1 that packing follows arrival, while the
 /// expert outputs are uploaded once in the reference's packing, so the
 /// combined output is no function of the inputs: the combine checks are off

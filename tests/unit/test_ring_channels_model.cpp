@@ -10,7 +10,7 @@
 //   per op in stream order) while other ranks may be an op ahead;
 // - credits returned in batches: the forwarder frees network slots when a
 //   batch is full or when nothing more is waiting in that ring.
-// The batched mode follows the ring kernel as built (internode_kernels.cuh):
+// The batched mode follows the ring kernel as built (internode/ring_dispatch.cuh):
 // a sender goes node by node, writes batches of up to `batch` records (one
 // per warp) capped by what the current put has left, puts every `chunk`
 // records, and when the ring is full puts what it wrote and waits for room

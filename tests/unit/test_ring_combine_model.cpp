@@ -1,4 +1,4 @@
-// A host model of the combine rings (internode_kernels.cuh, "combine
+// A host model of the combine rings (internode/ring_combine.cuh, "combine
 // through the rings"; docs/internode_ht.md, "Combine rings, and where the
 // ring time goes"), the protocol of ring_return, ring_combine_forward and
 // ring_combine_finish with threads for blocks:

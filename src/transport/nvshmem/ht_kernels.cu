@@ -2,7 +2,7 @@
 // instantiated for NvshmemTransport in the NVSHMEM module's relocatable code
 // (as ll_kernels.cu does for the low-latency ones); the core reaches them
 // through the module's launcher table.
-#include "kernels/internode_kernels.cuh"
+#include "kernels/internode/kernels.cuh"
 #include "transport/nvshmem/device.cuh"
 #include "transport/nvshmem/module.hpp"
 

@@ -7,7 +7,7 @@
 #include <exception>
 
 #include "epx/error.hpp"
-#include "kernels/low_latency_kernels.cuh"
+#include "kernels/low_latency/kernels.cuh"
 #include "transport/nvshmem/device.cuh"
 #include "transport/nvshmem/module.hpp"
 
