@@ -8,11 +8,13 @@
 //     registers. This libfabric has no FI_HMEM for CUDA, so they are pinned
 //     host memory mapped into the GPU (the kernels read and write it over
 //     PCIe; the proxy makes no CUDA call per command); same-node peers are
-//     reached by pointer where the ranks share a process.
+//     reached by pointer: ranks of one process share it, processes of one
+//     node map each other's regions (node_memory.hpp).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <string>
 
@@ -23,6 +25,7 @@
 #include "epx/error.hpp"
 #include "transport/backend.hpp"
 #include "transport/proxy/libfabric_engine.hpp"
+#include "transport/proxy/node_memory.hpp"
 #include "transport/proxy/proxy.hpp"
 
 namespace epx::transport {
@@ -73,24 +76,22 @@ class ProxyBackend final : public Backend {
       targets[r] = topology.same_node(comm.rank(), r) ? 0 : 1;
     if (fabric_) {
       // Pinned host regions: same-node peers are reached by pointer, which
-      // ranks of one process share; processes of one node would need the
-      // regions shared between them (not built yet).
-      if (!comm.in_process() && topology.ranks_per_node > 1)
-        throw Error(
-            ErrorCode::kUnsupported,
-            "proxy_engine libfabric: rank " + std::to_string(comm.rank()) + "'s node holds " +
-                std::to_string(topology.ranks_per_node) +
-                " processes, and their pinned host regions cannot be mapped into each "
-                "other yet: run one rank per node (ranks_per_node=1), ranks in one process, "
-                "or proxy_engine='cuda_ipc' on one host");
+      // ranks of one process share; the processes of one node map each
+      // other's (memfds over a host mesh, node_memory.hpp).
+      auto exchange = std::shared_ptr<proxy::Exchange>(proxy::make_communicator_exchange(comm));
+      if (!comm.in_process() && topology.ranks_per_node > 1) {
+        std::vector<int> node;
+        const int first = topology.node_of(comm.rank()) * topology.ranks_per_node;
+        for (int i = 0; i < topology.ranks_per_node; ++i) node.push_back(first + i);
+        node_memory_ =
+            std::make_unique<proxy::NodeMemory>(*exchange, std::move(node), env::timeout_seconds());
+      }
       proxy::LibfabricOptions lo;
       lo.provider =
           options.fabric_provider.empty() ? env::fabric_provider() : options.fabric_provider;
       lo.domains = options.fabric_domains.empty() ? env::fabric_domains() : options.fabric_domains;
       lo.timeout_s = env::timeout_seconds();
-      engine_ = proxy::make_libfabric_engine(
-          std::shared_ptr<proxy::Exchange>(proxy::make_communicator_exchange(comm)), num_channels_,
-          lo);
+      engine_ = proxy::make_libfabric_engine(std::move(exchange), num_channels_, lo);
       if (comm.rank() == 0) {
         const proxy::LibfabricStats st = proxy::libfabric_stats(*engine_);
         std::fprintf(stderr,
@@ -143,9 +144,26 @@ class ProxyBackend final : public Backend {
     if (r.id >= proxy::kMaxRegions)
       throw Error(ErrorCode::kInternal, "proxy backend: too many regions");
     if (fabric_) {
-      // Mapped, so the kernels reach it at the same address (unified addressing).
-      EPX_CUDA_CHECK(cudaHostAlloc(&r.local, r.bytes, cudaHostAllocMapped | cudaHostAllocPortable));
-      std::memset(r.local, 0, r.bytes);
+      if (node_memory_) {
+        // Zeroed memfds of every rank of the node, each registered here.
+        proxy::NodeMemory::Region nr = node_memory_->alloc(r.bytes);
+        try {
+          for (int p : node_memory_->node()) register_host(nr.peers[p], nr.bytes, p);
+        } catch (...) {
+          for (int p : node_memory_->node()) cudaHostUnregister(nr.peers[p]);  // those it made
+          cudaGetLastError();  // (the ones it had not made fail)
+          node_memory_->free(nr);
+          throw;
+        }
+        r.local = nr.local;
+        r.bytes = nr.bytes;
+        node_regions_[r.id] = std::move(nr);
+      } else {
+        // Mapped, so the kernels reach it at the same address (unified addressing).
+        EPX_CUDA_CHECK(
+            cudaHostAlloc(&r.local, r.bytes, cudaHostAllocMapped | cudaHostAllocPortable));
+        std::memset(r.local, 0, r.bytes);
+      }
     } else {
       if (cumem_)
         r.local = proxy::alloc_cumem_region(comm_.device(), r.bytes);
@@ -166,9 +184,11 @@ class ProxyBackend final : public Backend {
       shared = comm_.allgather_value(static_cast<uint64_t>(reinterpret_cast<uintptr_t>(r.local)));
     for (int p = 0; p < comm_.num_ranks(); ++p) {
       if (!topo_.same_node(p, comm_.rank())) continue;
+      const auto node_region = node_regions_.find(r.id);
       r.peers[p] = p == comm_.rank() ? r.local
                    : !shared.empty() ? reinterpret_cast<void*>(static_cast<uintptr_t>(shared[p]))
-                                     : engine_->mapped(r.id, p);
+                   : node_region != node_regions_.end() ? node_region->second.peers[p]
+                                                        : engine_->mapped(r.id, p);
       if (r.peers[p] == nullptr)
         throw Error(ErrorCode::kUnsupported, "proxy backend: rank " + std::to_string(p) +
                                                  " is in rank " + std::to_string(comm_.rank()) +
@@ -194,9 +214,13 @@ class ProxyBackend final : public Backend {
       proxy_.reset();
     }
     engine_->deregister_region(r.id);
-    if (fabric_)
+    if (const auto it = node_regions_.find(r.id); it != node_regions_.end()) {
+      for (int p : node_memory_->node()) EPX_CUDA_CHECK(cudaHostUnregister(it->second.peers[p]));
+      node_memory_->free(it->second);
+      node_regions_.erase(it);
+    } else if (fabric_) {
       EPX_CUDA_CHECK(cudaFreeHost(r.local));
-    else if (cumem_)
+    } else if (cumem_)
       proxy::free_cumem_region(r.local, r.bytes);
     else
       EPX_CUDA_CHECK(cudaFree(r.local));
@@ -271,6 +295,25 @@ class ProxyBackend final : public Backend {
   proxy::ProxyOptions options_;
   /// Made by start(), once every region is registered.
   std::unique_ptr<proxy::Proxy> proxy_;
+  /// libfabric with several processes in a node: their shared host regions.
+  std::unique_ptr<proxy::NodeMemory> node_memory_;
+  std::map<int, proxy::NodeMemory::Region> node_regions_;  ///< by region id
+
+  /// Registers rank `owner`'s mapping [p, p + bytes) with CUDA, mapped: the
+  /// kernels reach it at the same address (unified addressing), or this
+  /// throws naming the rank.
+  void register_host(void* p, std::size_t bytes, int owner) const {
+    EPX_CUDA_CHECK(cudaHostRegister(p, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable));
+    void* dev = nullptr;
+    EPX_CUDA_CHECK(cudaHostGetDevicePointer(&dev, p, 0));
+    if (dev != p)
+      throw Error(ErrorCode::kUnsupported,
+                  "proxy backend (libfabric): rank " + std::to_string(owner) +
+                      "'s shared host region maps at another device address here (" +
+                      std::to_string(reinterpret_cast<uintptr_t>(dev)) + " for host " +
+                      std::to_string(reinterpret_cast<uintptr_t>(p)) +
+                      "): this GPU cannot use registered host memory at its host address");
+  }
 };
 
 }  // namespace
