@@ -49,6 +49,7 @@ TEST(NodeMemory, RanksOfANodeMapEachOthersRegions) {
       for (std::size_t i = 0; i < r.bytes; ++i)
         if (mine[i] != 0) expect(false, "byte " + std::to_string(i) + " of a new region not 0");
     }
+    ex.barrier();  // every rank checked its zeros before any peer writes
     // Each rank writes its pattern into the other rank of its node's regions,
     // in the half of the region that belongs to it as a writer.
     const int other = node_of(me)[0] == me ? node_of(me)[1] : node_of(me)[0];
