@@ -63,6 +63,50 @@ struct BufferOptions {
   /// domain c % n. Empty: EPX_FABRIC_DOMAINS, else the provider's first
   /// domain. Every rank must name as many domains, at most one per channel.
   std::string fabric_domains;
+
+  // Algorithm choices. Each is unset by default: the buffer then takes its
+  // environment variable's value (kept for compatibility, read when the
+  // Buffer is made), else the built-in default named here. A value set here
+  // wins over the variable. validate() checks the values set.
+
+  /// Which kernels the high-throughput ops across nodes take
+  /// (docs/internode_ht.md): -1 the whole-call kernels where their areas fit
+  /// num_nvl_bytes, else the fixed rings with credits (default); 0 the
+  /// whole-call kernels only (a call that does not fit raises
+  /// kBufferTooSmall); 1 always the rings, default sizes; N in [2, 2^20]
+  /// always rings of N records. Unset: EPX_HT_RINGS, else -1.
+  std::optional<int> ht_rings;
+  /// Across nodes, whether the high-throughput kernels share each node slot's
+  /// put among the blocks of a kernel of its own (true) or leave it to the
+  /// last block of the kernel that filled the slots (false). Unset:
+  /// EPX_NET_SPLIT_PUTS, else the backend decides (split where the SMs copy
+  /// the bytes themselves, Backend::puts_copy_on_sms).
+  std::optional<bool> net_split_puts;
+  /// Whether the low-latency dispatch packs each local expert's rows by source
+  /// in the order the sources' token masks arrive (as DeepEP; experimental)
+  /// instead of in rank order. Unset: EPX_LL_ARRIVAL_ORDER, else false.
+  std::optional<bool> ll_arrival_order;
+  /// Across nodes with several contexts per peer, whether the low-latency ops
+  /// put token t's rows on context min(t / ceil(maxT / contexts), contexts - 1)
+  /// (a contiguous range of tokens per context, so a proxy channel's puts to
+  /// a peer merge into plain copies) instead of on context t % contexts.
+  /// Unset: EPX_LL_CONTEXT_RANGES, else false.
+  std::optional<bool> ll_context_ranges;
+  /// SMs the low-latency kernels of this rank use at most, >= 1 (capped at
+  /// the SMs the rank may use), leaving the others to other work. Unset:
+  /// EPX_LL_SMS, else every SM the rank may use.
+  std::optional<int> ll_sms;
+  /// The proxy backend's CUDA IPC engine: whether its regions are cuMem
+  /// allocations (exported as POSIX file descriptors with a process per rank)
+  /// and its streams live in a CUDA context of its own (true), so that a
+  /// blocking primary-context call of another thread does not hold its
+  /// copies; false: cudaMalloc regions with legacy CUDA IPC in the primary
+  /// context (docs/limitations.md). Unset: EPX_PROXY_CUMEM, else true.
+  std::optional<bool> proxy_cumem;
+
+  /// Throws epx::Error(kInvalidArgument) naming the first field whose value
+  /// breaks its rule (the Buffer constructor calls it before anything else).
+  void validate() const;
 };
 
 /// Per-call stream arguments (DeepEP's previous_event / async_finish /
@@ -321,8 +365,11 @@ class Buffer {
   /// kernels sizes its areas for the whole call, and this is its worst case
   /// (every token to every node and rank). Routing spread over the experts
   /// needs much less; a call that does not fit raises kBufferTooSmall.
+  /// `ht_rings`: the buffer's BufferOptions::ht_rings (unset: EPX_HT_RINGS,
+  /// else -1), which decides whether the rings' areas count too.
   static std::size_t get_internode_nvl_size_hint(int num_max_tokens, int hidden, int num_ranks,
-                                                 int ranks_per_node, int num_topk);
+                                                 int ranks_per_node, int num_topk,
+                                                 std::optional<int> ht_rings = std::nullopt);
 
   /// Overrides Config::num_sms of the default configs (DeepEP's set_num_sms).
   static void set_num_sms(int num_sms);

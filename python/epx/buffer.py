@@ -160,6 +160,25 @@ class _TorchGlue:
         return alloc
 
 
+def _set_algorithm_options(opts: "_core.BufferOptions", ht_rings: Optional[int],
+                           net_split_puts: Optional[bool], ll_arrival_order: Optional[bool],
+                           ll_context_ranges: Optional[bool], ll_sms: Optional[int],
+                           proxy_cumem: Optional[bool]) -> "_core.BufferOptions":
+    """Copies ``Buffer``'s algorithm keywords into ``opts`` (None stays unset: the
+    field's environment variable, else its default); the rules are the C++
+    ``BufferOptions::validate``'s, which the Buffer runs before anything else."""
+    def opt_bool(v: Optional[bool]) -> Optional[bool]:
+        return None if v is None else bool(v)
+
+    opts.ht_rings = None if ht_rings is None else _int("ht_rings", ht_rings)
+    opts.net_split_puts = opt_bool(net_split_puts)
+    opts.ll_arrival_order = opt_bool(ll_arrival_order)
+    opts.ll_context_ranges = opt_bool(ll_context_ranges)
+    opts.ll_sms = None if ll_sms is None else _int("ll_sms", ll_sms)
+    opts.proxy_cumem = opt_bool(proxy_cumem)
+    return opts
+
+
 class Buffer:
     """Communication buffers for expert-parallel Mixture-of-Experts layers (DeepEP V1 API).
 
@@ -186,7 +205,11 @@ class Buffer:
                  comm: Any = None, *, allow_nvlink_for_normal_mode: bool = True,
                  eager_support: bool = False, backend: str = "auto",
                  timeout_s: float = 0.0, ranks_per_node: int = 0, proxy_engine: str = "auto",
-                 fabric_provider: str = "", fabric_domains: str = "") -> None:
+                 fabric_provider: str = "", fabric_domains: str = "",
+                 ht_rings: Optional[int] = None, net_split_puts: Optional[bool] = None,
+                 ll_arrival_order: Optional[bool] = None,
+                 ll_context_ranges: Optional[bool] = None, ll_sms: Optional[int] = None,
+                 proxy_cumem: Optional[bool] = None) -> None:
         """Allocates the buffers; collective over ``group`` (or the mpi4py ``comm``).
 
         Arguments:
@@ -229,6 +252,27 @@ class Buffer:
                 proxy channel c uses domain c % n ("": EPX_FABRIC_DOMAINS, else the
                 provider's first domain). Every rank must name as many domains.
             timeout_s: how long a rank waits for its peers (0: EPX_TIMEOUT_S, else 60 s).
+
+        Algorithm choices (``BufferOptions``; None: the environment variable named,
+        else the default given; a bad value raises EPXError naming the keyword):
+            ht_rings: which kernels the high-throughput ops across nodes take: -1 the
+                whole-call kernels where their areas fit num_nvl_bytes, else the rings
+                (default); 0 the whole-call kernels only; 1 always the rings; N in
+                [2, 2^20] always rings of N records (EPX_HT_RINGS).
+            net_split_puts: across nodes, share each node slot's put among the blocks of
+                a kernel of its own (True) or leave it to one block (False); default: the
+                backend decides (EPX_NET_SPLIT_PUTS).
+            ll_arrival_order: the low-latency dispatch packs each expert's rows by source
+                in the order the sources' masks arrive (experimental; default False,
+                rank order; EPX_LL_ARRIVAL_ORDER).
+            ll_context_ranges: across nodes, the low-latency ops put a contiguous range of
+                tokens on each context instead of token t on context t % contexts
+                (default False; EPX_LL_CONTEXT_RANGES).
+            ll_sms: SMs the low-latency kernels use at most, >= 1 (default every SM;
+                EPX_LL_SMS).
+            proxy_cumem: the proxy's CUDA IPC engine uses cuMem regions and a CUDA
+                context of its own (default True); False: cudaMalloc regions with legacy
+                CUDA IPC (EPX_PROXY_CUMEM; docs/limitations.md).
         """
         op = "Buffer"
         _compat.ignored_unless_default(op, "num_qps_per_rank", num_qps_per_rank, 24,
@@ -308,6 +352,8 @@ class Buffer:
         opts.proxy_engine = str(proxy_engine)
         opts.fabric_provider = str(fabric_provider)
         opts.fabric_domains = str(fabric_domains)
+        _set_algorithm_options(opts, ht_rings, net_split_puts, ll_arrival_order,
+                               ll_context_ranges, ll_sms, proxy_cumem)
         opts.allocator = glue.allocator(self._device)
         self.runtime: Optional[_core.Buffer] = _core.Buffer(self.communicator, opts)
         self._comm_stream = None
@@ -347,14 +393,17 @@ class Buffer:
 
     @staticmethod
     def get_internode_nvl_size_hint(num_max_tokens: int, hidden: int, num_ranks: int,
-                                    ranks_per_node: int, num_topk: int) -> int:
+                                    ranks_per_node: int, num_topk: int, *,
+                                    ht_rings: Optional[int] = None) -> int:
         """``num_nvl_bytes`` that holds any high-throughput dispatch and combine across
         nodes of up to ``num_max_tokens`` tokens per rank (the first internode version
-        sizes its areas for the whole call; this is its worst case)."""
+        sizes its areas for the whole call; this is its worst case). ``ht_rings``: the
+        Buffer's (None: EPX_HT_RINGS, else -1), which decides whether the rings count."""
         return _core.Buffer.get_internode_nvl_size_hint(
             _int("num_max_tokens", num_max_tokens), _int("hidden", hidden),
             _int("num_ranks", num_ranks), _int("ranks_per_node", ranks_per_node),
-            _int("num_topk", num_topk))
+            _int("num_topk", num_topk),
+            None if ht_rings is None else _int("ht_rings", ht_rings))
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:

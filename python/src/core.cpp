@@ -777,6 +777,14 @@ NB_MODULE(_core, m) {
       .def_rw("proxy_engine", &epx::BufferOptions::proxy_engine)
       .def_rw("fabric_provider", &epx::BufferOptions::fabric_provider)
       .def_rw("fabric_domains", &epx::BufferOptions::fabric_domains)
+      .def_rw("ht_rings", &epx::BufferOptions::ht_rings)
+      .def_rw("net_split_puts", &epx::BufferOptions::net_split_puts)
+      .def_rw("ll_arrival_order", &epx::BufferOptions::ll_arrival_order)
+      .def_rw("ll_context_ranges", &epx::BufferOptions::ll_context_ranges)
+      .def_rw("ll_sms", &epx::BufferOptions::ll_sms)
+      .def_rw("proxy_cumem", &epx::BufferOptions::proxy_cumem)
+      .def("validate", &epx::BufferOptions::validate,
+           "Raises EPXError naming the first field whose value breaks its rule.")
       .def_prop_rw(
           "allocator",
           [](const epx::BufferOptions& o) -> nb::object {
@@ -1057,7 +1065,8 @@ NB_MODULE(_core, m) {
       .def_static("get_low_latency_rdma_size_hint", &Buffer::get_low_latency_rdma_size_hint,
                   "num_max_dispatch_tokens_per_rank"_a, "hidden"_a, "num_ranks"_a, "num_experts"_a)
       .def_static("get_internode_nvl_size_hint", &Buffer::get_internode_nvl_size_hint,
-                  "num_max_tokens"_a, "hidden"_a, "num_ranks"_a, "ranks_per_node"_a, "num_topk"_a)
+                  "num_max_tokens"_a, "hidden"_a, "num_ranks"_a, "ranks_per_node"_a, "num_topk"_a,
+                  "ht_rings"_a = nb::none())
       .def_static("set_num_sms", &Buffer::set_num_sms, "num_sms"_a)
       .def_static("num_sms", &Buffer::num_sms)
       .def("check", &Buffer::check)

@@ -1,4 +1,9 @@
-// common/env.hpp - environment variables EPX reads.
+// common/env.hpp - environment variables EPX reads, every one of them here.
+//
+// Deployment settings (deadlines, backend, node size, caps, paths) are read
+// from the environment. Algorithm choices are BufferOptions / Config fields;
+// their variables stay as the defaults of those fields (read only when the
+// field is unset). Debug and test knobs are listed in docs/developer.md.
 #pragma once
 
 #include <cstdint>
@@ -42,17 +47,19 @@ struct ProxyStop {
 };
 std::optional<ProxyStop> debug_proxy_stop();
 
-/// EPX_HT_PULL (0 or 1, default 0): whether get_dispatch_config's configs use
-/// the pull dispatch (Config::pull_dispatch).
+/// EPX_HT_PULL (0 or 1, default 0): the value of Config::pull_dispatch in
+/// get_dispatch_config's configs (a Config's own field decides per call).
 bool ht_pull();
 
-/// EPX_NET_SPLIT_PUTS (0 or 1; unset: the backend decides, see
+/// EPX_NET_SPLIT_PUTS, where BufferOptions::net_split_puts is unset
+/// (0 or 1; unset: the backend decides, see
 /// Backend::puts_copy_on_sms): whether the high-throughput kernels across
 /// nodes share each node slot's put among the blocks of a kernel of its own
 /// (1) or leave it to the last block of the kernel that filled the slots (0).
 std::optional<bool> net_split_puts();
 
-/// EPX_HT_RINGS: which kernels the high-throughput ops across nodes take
+/// EPX_HT_RINGS, where BufferOptions::ht_rings is unset (same values): which
+/// kernels the high-throughput ops across nodes take
 /// (docs/internode_ht.md). Unset (returns -1): the whole-call kernels where
 /// their areas fit num_nvl_bytes, else the fixed rings of HtRingGeometry's
 /// default sizes (any token count). 0: the whole-call kernels only (a call
@@ -64,10 +71,11 @@ int ht_rings();
 /// EPX_PROXY_ROW_COPIES (0 or 1, default 0): the proxy's CUDA IPC engine
 /// copies a strided put row by row (one 1-D copy per row) with a process per
 /// rank too, instead of one pitched copy (in-process ranks always copy rows).
-/// A diagnostic switch: whether a pitched peer copy queues behind kernels
-/// that hold every SM. Read when the engine is made.
+/// A diagnostic switch (docs/developer.md): whether a pitched peer copy
+/// queues behind kernels that hold every SM. Read when the engine is made.
 bool proxy_row_copies();
-/// EPX_PROXY_CUMEM (0 or 1, default 1): the proxy backend's regions are cuMem
+/// EPX_PROXY_CUMEM, where BufferOptions::proxy_cumem is unset (0 or 1,
+/// default 1): the proxy backend's regions are cuMem
 /// allocations (with a process per rank exported as POSIX file descriptors
 /// over a Unix socket), and the CUDA IPC engine's streams and calls live in a
 /// CUDA context of its own (one per device shared by in-process ranks), so
@@ -78,20 +86,23 @@ bool proxy_row_copies();
 /// when the engine is made.
 bool proxy_cumem();
 
-/// EPX_LL_CONTEXT_RANGES (0 or 1, default 0): across nodes, the low-latency
+/// EPX_LL_CONTEXT_RANGES, where BufferOptions::ll_context_ranges is unset (0
+/// or 1, default 0): across nodes, the low-latency
 /// ops put token t's rows on context min(t / ceil(maxT / contexts),
 /// contexts - 1) (each context a contiguous range of tokens, so a proxy
 /// channel's puts to a peer merge into plain copies) instead of on context
 /// t % contexts (strided). Read when a Buffer is made.
 bool ll_context_ranges();
 
-/// EPX_LL_ARRIVAL_ORDER (0 or 1, default 0; experimental): the low-latency
+/// EPX_LL_ARRIVAL_ORDER, where BufferOptions::ll_arrival_order is unset (0
+/// or 1, default 0; experimental): the low-latency
 /// dispatch packs each local expert's rows by source in the order the
 /// sources' token masks arrive (as DeepEP) instead of in rank order, so no
 /// receive waits for every source. Read when a Buffer is made.
 bool ll_arrival_order();
 
-/// EPX_LL_SMS (>= 1; default: every SM): the low-latency kernels of a rank
+/// EPX_LL_SMS, where BufferOptions::ll_sms is unset (>= 1; default: every
+/// SM): the low-latency kernels of a rank
 /// use at most this many SMs, leaving the others to other work (copies that
 /// the driver runs on SMs). Read when a Buffer is made; malformed: epx::Error.
 std::optional<int> ll_sms();

@@ -14,7 +14,9 @@
 #include "common/internode_route.hpp"
 #include "common/plan.hpp"
 #include "common/topology.hpp"
+#include "core/algorithm_choices.hpp"
 #include "core/buffer_impl.hpp"
+#include "core/validate.hpp"
 #include "kernels/kernels.hpp"
 
 namespace epx {
@@ -63,23 +65,34 @@ std::vector<int> host_ids(int num_ranks, Communicator& comm) {
 }
 }  // namespace
 
+void BufferOptions::validate() const {
+  require(num_nvl_bytes >= 0, "num_nvl_bytes",
+          "must be >= 0, got " + std::to_string(num_nvl_bytes));
+  require(num_rdma_bytes >= 0, "num_rdma_bytes",
+          "must be >= 0, got " + std::to_string(num_rdma_bytes));
+  require(num_nvl_bytes > 0 || num_rdma_bytes > 0, "num_nvl_bytes",
+          "num_nvl_bytes or num_rdma_bytes must be > 0");
+  require(num_qps_per_rank >= 1, "num_qps_per_rank",
+          "must be >= 1, got " + std::to_string(num_qps_per_rank));
+  // The same rules as their variables' (common/env.cpp), named by the field.
+  if (ht_rings) validate::ht_rings(*ht_rings);
+  if (ll_sms)
+    require(*ll_sms >= 1 && *ll_sms <= (1 << 20), "ll_sms",
+            "must be in [1, 2^20] (capped at the SMs the rank may use), got " +
+                std::to_string(*ll_sms));
+}
+
 Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
     : impl_(std::make_unique<Impl>()) {
   require(comm != nullptr, "comm", "must not be null");
-  require(options.num_nvl_bytes >= 0, "num_nvl_bytes",
-          "must be >= 0, got " + std::to_string(options.num_nvl_bytes));
-  require(options.num_rdma_bytes >= 0, "num_rdma_bytes",
-          "must be >= 0, got " + std::to_string(options.num_rdma_bytes));
-  require(options.num_nvl_bytes > 0 || options.num_rdma_bytes > 0, "num_nvl_bytes",
-          "num_nvl_bytes or num_rdma_bytes must be > 0");
-  require(options.num_qps_per_rank >= 1, "num_qps_per_rank",
-          "must be >= 1, got " + std::to_string(options.num_qps_per_rank));
+  options.validate();
   auto& d = *impl_;
   d.comm = std::move(comm);
   d.opts = options;
   d.alloc = options.allocator ? options.allocator : default_allocator();
   d.timeout_s = options.timeout_s > 0 ? options.timeout_s : env::timeout_seconds();
-  // Malformed test knobs throw before any allocation.
+  // Malformed variables (algorithm defaults, test knobs) throw before any allocation.
+  const AlgorithmChoices choices = resolve_algorithm_choices(options);
   const auto epoch_start = env::debug_epoch_start();
   const auto dispatch_stop = env::debug_ll_dispatch_stop();
   EPX_CUDA_CHECK(cudaGetDevice(&d.device));
@@ -92,7 +105,7 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
   // kernels (which wait for each other) fit on it at once.
   d.num_sms_gpu = d.num_sms_device;
   d.num_sms_device = std::max(1, d.num_sms_device / d.comm->ranks_on_device());
-  d.ll_sms = std::min(d.num_sms_device, env::ll_sms().value_or(d.num_sms_device));
+  d.ll_sms = std::min(d.num_sms_device, choices.ll_sms.value_or(d.num_sms_device));
   if (d.comm->ranks_on_device() > 1) {
     // Ranks sharing a GPU share its CUDA context: no EPX kernel may be loaded
     // lazily at a first launch while a peer's kernel waits for this rank.
@@ -124,7 +137,7 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
   require(options.num_qps_per_rank <= dev::kMaxContexts, "num_qps_per_rank",
           "must be <= " + std::to_string(dev::kMaxContexts) + ", got " +
               std::to_string(options.num_qps_per_rank));
-  d.ht_rings = env::ht_rings();
+  d.ht_rings = choices.ht_rings;
   transport::BackendOptions bo;
   bo.num_contexts = options.num_qps_per_rank;
   bo.heap_bytes = static_cast<std::size_t>(options.num_nvl_bytes + options.num_rdma_bytes);
@@ -132,6 +145,7 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
   bo.proxy_engine = options.proxy_engine;
   bo.fabric_provider = options.fabric_provider;
   bo.fabric_domains = options.fabric_domains;
+  bo.proxy_cumem = options.proxy_cumem;
   bo.num_hosts = 1 + *std::max_element(hosts.begin(), hosts.end());
   d.backend = transport::make_backend(options.backend, *d.comm, d.topology, bo);
   if (options.num_nvl_bytes > 0)
@@ -160,9 +174,9 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
   d.ll_op_counter = d.ht_op_counter + 1;
   d.ht_done_blocks = d.ht_op_counter + 2;
   d.ll_seq = reinterpret_cast<uint64_t*>(d.ht_op_counter + 4);
-  d.ll_arrival_order = env::ll_arrival_order();
-  d.ll_context_ranges = env::ll_context_ranges();
-  d.net_split_puts = env::net_split_puts();
+  d.ll_arrival_order = choices.ll_arrival_order;
+  d.ll_context_ranges = choices.ll_context_ranges;
+  d.net_split_puts = choices.net_split_puts;
   if (dispatch_stop && dispatch_stop->rank == d.comm->rank()) {
     d.ll_dispatch_stop_tokens = dispatch_stop->tokens;
     std::fprintf(stderr,

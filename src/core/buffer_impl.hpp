@@ -27,7 +27,7 @@ struct Buffer::Impl {
   cudaStream_t comm_stream = nullptr;
   int device = 0;
   int num_sms_device = 0;  ///< SMs this rank may use: the GPU's, split among in-process ranks on it
-  int ll_sms = 0;          ///< of those, what the low-latency kernels use (EPX_LL_SMS)
+  int ll_sms = 0;          ///< of those, what the low-latency kernels use (BufferOptions::ll_sms)
   int num_sms_gpu = 0;     ///< SMs of the whole GPU
   /// Block budget of one low-latency launch that `per_sm` blocks per SM would
   /// fill on this rank's SMs. With in-process ranks sharing the GPU, the
@@ -49,9 +49,11 @@ struct Buffer::Impl {
   /// far (what a source's signal counts; reset by clean_low_latency_buffer).
   uint64_t* ll_seq = nullptr;
   int* ll_mask = nullptr;  ///< enable_shrink: int32 [plan::kLlMaxRanks], 1 = rank left out (LL ops)
-  /// EPX_LL_ARRIVAL_ORDER=1 when the buffer was made (LlDispatchRecvParams::arrival_order).
+  /// BufferOptions::ll_arrival_order, resolved when the buffer was made
+  /// (LlDispatchRecvParams::arrival_order).
   bool ll_arrival_order = false;
-  /// EPX_LL_CONTEXT_RANGES=1 when the buffer was made (the send kernels' ctx_tokens).
+  /// BufferOptions::ll_context_ranges, resolved when the buffer was made (the
+  /// send kernels' ctx_tokens).
   bool ll_context_ranges = false;
   /// The LL send kernels' ctx_tokens for `max_tokens` per rank: 0 (token t on
   /// context t % contexts) unless ll_context_ranges, then ceil(max_tokens / contexts).
@@ -59,10 +61,10 @@ struct Buffer::Impl {
     const int contexts = backend->num_contexts();
     return ll_context_ranges && contexts > 1 ? (max_tokens + contexts - 1) / contexts : 0;
   }
-  /// EPX_NET_SPLIT_PUTS when the buffer was made (unset: the backend's
-  /// puts_copy_on_sms decides at each op).
+  /// BufferOptions::net_split_puts, resolved when the buffer was made (unset:
+  /// the backend's puts_copy_on_sms decides at each op).
   std::optional<bool> net_split_puts;
-  /// env::ht_rings(): -1 (default) the rings where the whole-call areas do not
+  /// BufferOptions::ht_rings, resolved: -1 (default) the rings where the whole-call areas do not
   /// fit, 0 never, 1 always with the default ring sizes, N always with N records
   int ht_rings = -1;
   /// EPX_DEBUG_LL_DISPATCH_STOP naming this rank when the buffer was made: its

@@ -15,6 +15,7 @@
 #include "core/buffer_impl.hpp"
 #include "core/dispatch_rows.hpp"
 #include "core/stream_wait.hpp"
+#include "core/validate.hpp"
 #include "kernels/kernels.hpp"
 
 namespace epx {
@@ -464,7 +465,8 @@ CombineResult Buffer::Impl::net_combine(const CombineArgs& a) {
 }
 
 std::size_t Buffer::get_internode_nvl_size_hint(int num_max_tokens, int hidden, int num_ranks,
-                                                int ranks_per_node, int num_topk) {
+                                                int ranks_per_node, int num_topk,
+                                                std::optional<int> ht_rings_option) {
   require(num_max_tokens >= 0, "num_max_tokens",
           "must be >= 0, got " + std::to_string(num_max_tokens));
   require(hidden > 0 && hidden % 8 == 0, "hidden",
@@ -482,7 +484,9 @@ std::size_t Buffer::get_internode_nvl_size_hint(int num_max_tokens, int hidden, 
   const std::size_t row = plan::ht_combine_row_bytes(hidden, num_topk);
   const Topology topology{num_ranks, ranks_per_node};
   const std::size_t bytes = plan::HtNetRegion::worst_case(topology, num_max_tokens, record, row);
-  const int ht_rings = env::ht_rings();  // read as the Buffer reads it
+  // As the Buffer resolves it: the field, else EPX_HT_RINGS, else -1.
+  if (ht_rings_option) validate::ht_rings(*ht_rings_option);
+  const int ht_rings = ht_rings_option ? *ht_rings_option : env::ht_rings();
   if (ht_rings == 0) return bytes;
   // Unless the rings are off, the dispatch's and the combine's rings share
   // the area after the header with the whole-call areas (by default the

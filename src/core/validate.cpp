@@ -114,6 +114,13 @@ void hidden(const char* op, int64_t hidden, DType dtype, bool fp8_path) {
     fail(op, "hidden", "FP8 needs a multiple of 128 (got " + std::to_string(hidden) + ")");
 }
 
+void ht_rings(int value) {
+  require(value >= -1 && value <= (1 << 20), "ht_rings",
+          "must be -1 (the rings where the whole-call areas do not fit), 0 (never), 1 (always, "
+          "default ring sizes) or ring records in [2, 2^20] (always), got " +
+              std::to_string(value));
+}
+
 void num_topk(const char* op, int64_t k, const char* name) {
   if (k < 1 || k > kMaxTopK)
     fail(op, name,

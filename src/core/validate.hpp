@@ -27,6 +27,11 @@ void tensor(const char* op, const char* name, const TensorView& t, DType dtype,
 inline constexpr uint64_t kVectorAlign = 16;
 void vector_aligned(const char* op, const char* name, const TensorView& t);
 
+/// BufferOptions::ht_rings (and get_internode_nvl_size_hint's): -1, 0, 1 or
+/// ring records in [2, 2^20], the rule of EPX_HT_RINGS; the error names
+/// "ht_rings".
+void ht_rings(int value);
+
 /// num_experts > 0 and divisible by num_ranks.
 void num_experts(const char* op, int num_experts, int num_ranks);
 /// hidden > 0; row bytes a multiple of 16; FP8 (or use_fp8) needs hidden % 128 == 0.

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -38,13 +39,16 @@ struct BackendOptions {
   /// The bytes the Buffer will allocate (a backend whose memory is fixed at
   /// start, NVSHMEM's heap, sizes it from this).
   std::size_t heap_bytes = 0;
-  /// The ring kernels across nodes may run (EPX_HT_RINGS is not 0): a
-  /// backend whose signals are a pool (NCCL GIN) makes room for their ids too.
+  /// The ring kernels across nodes may run (BufferOptions::ht_rings, resolved,
+  /// is not 0): a backend whose signals are a pool (NCCL GIN) makes room for
+  /// their ids too.
   bool ht_rings = false;
   /// The proxy backend's engine, libfabric provider and domains (BufferOptions).
   std::string proxy_engine = "auto";
   std::string fabric_provider;
   std::string fabric_domains;
+  /// BufferOptions::proxy_cumem (unset: EPX_PROXY_CUMEM, else true).
+  std::optional<bool> proxy_cumem;
   /// Hosts the ranks run on (1: every rank on this one).
   int num_hosts = 1;
 };

@@ -5,6 +5,7 @@ example MoE layer's reference (examples/). Need NumPy, not PyTorch or a GPU; the
 tests that use PyTorch on the CPU (the example's expert steps, the torch baseline of
 epx.bench over gloo) or matplotlib skip without them."""
 
+import inspect
 import json
 import subprocess
 import sys
@@ -249,6 +250,63 @@ def test_buffer_options_enable_shrink():
     assert opts.enable_shrink is False  # DeepEP's default
     opts.enable_shrink = True
     assert opts.enable_shrink is True
+
+
+ALGORITHM_FIELDS = ("ht_rings", "net_split_puts", "ll_arrival_order", "ll_context_ranges",
+                    "ll_sms", "proxy_cumem")
+
+
+def test_buffer_options_algorithm_fields_default_unset():
+    opts = _core.BufferOptions()
+    for name in ALGORITHM_FIELDS:
+        assert getattr(opts, name) is None, name  # unset: the variable, else the default
+    opts.ht_rings, opts.ll_sms, opts.proxy_cumem = 4, 16, False
+    assert (opts.ht_rings, opts.ll_sms, opts.proxy_cumem) == (4, 16, False)
+    opts.ht_rings = None
+    assert opts.ht_rings is None
+
+
+@pytest.mark.parametrize("field, value, rule", [
+    ("ht_rings", -2, r"ht_rings: must be -1 .* ring records in \[2, 2\^20\] .*got -2"),
+    ("ht_rings", (1 << 20) + 1, r"ht_rings: .*got 1048577"),
+    ("ll_sms", 0, r"ll_sms: must be in \[1, 2\^20\].*got 0"),
+])
+def test_buffer_options_validate_names_the_field(field, value, rule):
+    opts = _core.BufferOptions()
+    opts.num_rdma_bytes = 1
+    opts.validate()
+    setattr(opts, field, value)
+    with pytest.raises(epx.EPXError, match=rule) as info:
+        opts.validate()
+    assert info.value.code == _core.ErrorCode.invalid_argument
+
+
+def test_buffer_keywords_reach_the_algorithm_fields():
+    from epx.buffer import _set_algorithm_options
+
+    params = inspect.signature(epx.Buffer.__init__).parameters
+    for name in ALGORITHM_FIELDS:
+        assert params[name].kind == inspect.Parameter.KEYWORD_ONLY and params[name].default is None
+    opts = _set_algorithm_options(_core.BufferOptions(), ht_rings=0, net_split_puts=True,
+                                  ll_arrival_order=1, ll_context_ranges=False, ll_sms=8,
+                                  proxy_cumem=None)
+    assert (opts.ht_rings, opts.net_split_puts, opts.ll_arrival_order, opts.ll_context_ranges,
+            opts.ll_sms, opts.proxy_cumem) == (0, True, True, False, 8, None)
+    with pytest.raises(TypeError, match="ht_rings: expected an int"):
+        _set_algorithm_options(_core.BufferOptions(), "4", None, None, None, None, None)
+    with pytest.raises(epx.EPXError, match="ll_sms: must be an integer in"):
+        _set_algorithm_options(_core.BufferOptions(), None, None, None, None, 1 << 40, None)
+
+
+def test_internode_size_hint_takes_the_rings_field(monkeypatch):
+    monkeypatch.delenv("EPX_HT_RINGS", raising=False)
+    auto = epx.Buffer.get_internode_nvl_size_hint(128, 7168, 4, 2, 8)
+    off = epx.Buffer.get_internode_nvl_size_hint(128, 7168, 4, 2, 8, ht_rings=0)
+    assert off < auto
+    monkeypatch.setenv("EPX_HT_RINGS", "0")
+    assert epx.Buffer.get_internode_nvl_size_hint(128, 7168, 4, 2, 8, ht_rings=-1) == auto
+    with pytest.raises(epx.EPXError, match="ht_rings: must be -1"):
+        epx.Buffer.get_internode_nvl_size_hint(128, 7168, 4, 2, 8, ht_rings=-5)
 
 
 def test_allocator_round_trip():

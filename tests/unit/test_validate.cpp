@@ -9,8 +9,10 @@
 
 #include "common/env.hpp"
 #include "common/internode_rings.hpp"
+#include "core/algorithm_choices.hpp"
 #include "core/validate.hpp"
 #include "epx/buffer.hpp"
+#include "transport/proxy/engine.hpp"
 
 namespace epx {
 namespace {
@@ -655,6 +657,110 @@ TEST(Env, LlSmsIsAPositiveCount) {
   expect_error([] { env::ll_sms(); }, {"EPX_LL_SMS", ">= 1"});
   setenv("EPX_LL_SMS", "many", 1);
   expect_error([] { env::ll_sms(); }, {"EPX_LL_SMS"});
+}
+
+/// The options a Buffer could be made from: the rules of every field, each
+/// error naming the field and its rule.
+TEST(BufferOptions, ValidateNamesTheFieldAndTheRule) {
+  BufferOptions ok;
+  ok.num_rdma_bytes = 1;
+  EXPECT_NO_THROW(ok.validate());  // every algorithm choice unset
+  auto with = [&](auto set) {
+    BufferOptions o = ok;
+    set(o);
+    return o;
+  };
+  expect_error([&] { with([](BufferOptions& o) { o.num_rdma_bytes = -1; }).validate(); },
+               {"num_rdma_bytes", ">= 0", "-1"});
+  expect_error([&] { with([](BufferOptions& o) { o.num_rdma_bytes = 0; }).validate(); },
+               {"num_nvl_bytes", "must be > 0"});
+  expect_error([&] { with([](BufferOptions& o) { o.num_qps_per_rank = 0; }).validate(); },
+               {"num_qps_per_rank", ">= 1"});
+  for (const int bad : {-2, (1 << 20) + 1})
+    expect_error([&] { with([&](BufferOptions& o) { o.ht_rings = bad; }).validate(); },
+                 {"ht_rings", "ring records in [2, 2^20]", std::to_string(bad).c_str()});
+  for (const int good : {-1, 0, 1, 2, 1 << 20})
+    EXPECT_NO_THROW(with([&](BufferOptions& o) { o.ht_rings = good; }).validate()) << good;
+  for (const int bad : {0, -3, (1 << 20) + 1})
+    expect_error([&] { with([&](BufferOptions& o) { o.ll_sms = bad; }).validate(); },
+                 {"ll_sms", "must be in [1, 2^20]", std::to_string(bad).c_str()});
+  EXPECT_NO_THROW(with([](BufferOptions& o) { o.ll_sms = 1; }).validate());
+}
+
+/// A field set wins over its variable, which is then not even read (a
+/// malformed one does not refuse the buffer); a field unset takes the
+/// variable, and with both unset the built-in default.
+TEST(BufferOptions, AlgorithmFieldsWinOverTheirVariables) {
+  const char* names[] = {"EPX_HT_RINGS", "EPX_NET_SPLIT_PUTS", "EPX_LL_ARRIVAL_ORDER",
+                         "EPX_LL_CONTEXT_RANGES", "EPX_LL_SMS"};
+  const SavedEnv s0(names[0]), s1(names[1]), s2(names[2]), s3(names[3]), s4(names[4]);
+  for (const char* n : names) unsetenv(n);
+  BufferOptions o;
+  AlgorithmChoices c = resolve_algorithm_choices(o);
+  EXPECT_EQ(c.ht_rings, -1);
+  EXPECT_FALSE(c.net_split_puts.has_value());
+  EXPECT_FALSE(c.ll_arrival_order);
+  EXPECT_FALSE(c.ll_context_ranges);
+  EXPECT_FALSE(c.ll_sms.has_value());
+
+  setenv("EPX_HT_RINGS", "0", 1);
+  setenv("EPX_NET_SPLIT_PUTS", "1", 1);
+  setenv("EPX_LL_ARRIVAL_ORDER", "1", 1);
+  setenv("EPX_LL_CONTEXT_RANGES", "1", 1);
+  setenv("EPX_LL_SMS", "7", 1);
+  c = resolve_algorithm_choices(o);  // unset fields: the variables
+  EXPECT_EQ(c.ht_rings, 0);
+  EXPECT_EQ(c.net_split_puts, std::optional<bool>(true));
+  EXPECT_TRUE(c.ll_arrival_order);
+  EXPECT_TRUE(c.ll_context_ranges);
+  EXPECT_EQ(c.ll_sms, std::optional<int>(7));
+
+  o.ht_rings = 64;
+  o.net_split_puts = false;
+  o.ll_arrival_order = false;
+  o.ll_context_ranges = false;
+  o.ll_sms = 3;
+  c = resolve_algorithm_choices(o);
+  EXPECT_EQ(c.ht_rings, 64);
+  EXPECT_EQ(c.net_split_puts, std::optional<bool>(false));
+  EXPECT_FALSE(c.ll_arrival_order);
+  EXPECT_FALSE(c.ll_context_ranges);
+  EXPECT_EQ(c.ll_sms, std::optional<int>(3));
+
+  for (const char* n : names) setenv(n, "bad", 1);
+  EXPECT_NO_THROW(resolve_algorithm_choices(o));  // every field set: no variable read
+  o.ll_sms.reset();
+  expect_error([&] { resolve_algorithm_choices(o); }, {"EPX_LL_SMS"});
+}
+
+TEST(BufferOptions, ProxyCumemFieldWinsOverItsVariable) {
+  const SavedEnv saved("EPX_PROXY_CUMEM");
+  unsetenv("EPX_PROXY_CUMEM");
+  EXPECT_TRUE(proxy::cumem_regions(std::nullopt));  // the default
+  setenv("EPX_PROXY_CUMEM", "0", 1);
+  EXPECT_FALSE(proxy::cumem_regions(std::nullopt));
+  EXPECT_TRUE(proxy::cumem_regions(true));
+  setenv("EPX_PROXY_CUMEM", "bad", 1);
+  EXPECT_FALSE(proxy::cumem_regions(false));  // set: the variable is not read
+  expect_error([] { proxy::cumem_regions(std::nullopt); }, {"EPX_PROXY_CUMEM", "0 or 1"});
+}
+
+/// The size hint's ht_rings is the buffer's field: set, it decides over
+/// EPX_HT_RINGS; a bad one is refused naming it.
+TEST(BufferOptions, InternodeSizeHintTakesTheRingsField) {
+  const SavedEnv saved("EPX_HT_RINGS");
+  const int R = 4, L = 2, H = 7168, K = 8, T = 128;
+  setenv("EPX_HT_RINGS", "0", 1);
+  const std::size_t off = Buffer::get_internode_nvl_size_hint(T, H, R, L, K);
+  unsetenv("EPX_HT_RINGS");
+  const std::size_t automatic = Buffer::get_internode_nvl_size_hint(T, H, R, L, K);
+  EXPECT_GT(automatic, off);
+  EXPECT_EQ(Buffer::get_internode_nvl_size_hint(T, H, R, L, K, 0), off);
+  EXPECT_EQ(Buffer::get_internode_nvl_size_hint(T, H, R, L, K, -1), automatic);
+  setenv("EPX_HT_RINGS", "0", 1);
+  EXPECT_EQ(Buffer::get_internode_nvl_size_hint(T, H, R, L, K, -1), automatic);
+  expect_error([&] { Buffer::get_internode_nvl_size_hint(T, H, R, L, K, -2); },
+               {"ht_rings", "ring records"});
 }
 
 TEST(Env, RankInfoFromTorchrunAndMpi) {

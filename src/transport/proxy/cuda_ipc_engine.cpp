@@ -276,7 +276,7 @@ constexpr std::size_t kEventsPerChannel = 1024;
 
 class CudaIpcEngine final : public Engine {
  public:
-  CudaIpcEngine(Communicator& comm, int num_channels, std::vector<uint8_t> targets)
+  CudaIpcEngine(Communicator& comm, int num_channels, std::vector<uint8_t> targets, bool cumem)
       : comm_(comm),
         device_(comm.device()),
         rank_(comm.rank()),
@@ -284,7 +284,7 @@ class CudaIpcEngine final : public Engine {
         num_channels_(num_channels),
         timeout_s_(env::timeout_seconds()),
         row_copies_(comm.in_process() || env::proxy_row_copies()),
-        cumem_(cumem_regions(comm)),
+        cumem_(cumem),
         hostname_(hostname()),
         boot_id_(boot_id()),
         hosts_(static_cast<std::size_t>(num_ranks_)),
@@ -677,7 +677,7 @@ class CudaIpcEngine final : public Engine {
   const int device_, rank_, num_ranks_, num_channels_;
   const double timeout_s_;   ///< how long deregistration waits for this rank's copies
   const bool row_copies_;    ///< strided puts as one copy per row (EPX_PROXY_ROW_COPIES)
-  const bool cumem_;         ///< cuMem regions and an own context (EPX_PROXY_CUMEM)
+  const bool cumem_;         ///< cuMem regions and an own context (BufferOptions::proxy_cumem)
   CUcontext ctx_ = nullptr;  ///< the engine's own context (null: the primary one)
   bool shared_ctx_ = false;  ///< ctx_ is the in-process ranks' shared one
   std::unique_ptr<host_mesh::MeshListener> listener_;  ///< cuMem exports: made at first use
@@ -897,11 +897,13 @@ void CudaIpcEngine::deregister_region(int id) {
 }  // namespace
 
 std::unique_ptr<Engine> make_cuda_ipc_engine(Communicator& comm, int num_channels,
-                                             std::vector<uint8_t> targets) {
-  return std::make_unique<CudaIpcEngine>(comm, num_channels, std::move(targets));
+                                             std::vector<uint8_t> targets, bool cumem) {
+  return std::make_unique<CudaIpcEngine>(comm, num_channels, std::move(targets), cumem);
 }
 
-bool cumem_regions(const Communicator&) { return env::proxy_cumem(); }
+bool cumem_regions(std::optional<bool> option) {
+  return option ? *option : env::proxy_cumem();
+}
 
 void* alloc_cumem_region(int device, std::size_t& bytes) {
   const Driver& d = driver();

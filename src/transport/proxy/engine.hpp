@@ -14,6 +14,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -90,16 +91,19 @@ class Engine {
 /// stream, a signal a stream-ordered write (cuStreamWriteValue64) of the
 /// signal word's running total after it. Refuses, naming them, peers on
 /// another host. Regions must be cudaMalloc'd device memory (cuMem ones from
-/// alloc_cumem_region with EPX_PROXY_CUMEM=1). `targets`
+/// alloc_cumem_region where `cumem`). `targets`
 /// (empty: every rank; else one entry per rank): the peers commands may name,
-/// the only ones that get a stream per channel (others are refused).
+/// the only ones that get a stream per channel (others are refused). `cumem`:
+/// the regions are cuMem ones and the engine's streams live in a CUDA context
+/// of its own (cumem_regions says which the backend chose).
 std::unique_ptr<Engine> make_cuda_ipc_engine(Communicator& comm, int num_channels,
-                                             std::vector<uint8_t> targets = {});
+                                             std::vector<uint8_t> targets, bool cumem);
 
-/// Whether the CUDA IPC engine of `comm`'s rank wants cuMem regions
-/// (EPX_PROXY_CUMEM=1): the backend then allocates them with
-/// alloc_cumem_region instead of cudaMalloc.
-bool cumem_regions(const Communicator& comm);
+/// Whether the CUDA IPC engine wants cuMem regions: `option`
+/// (BufferOptions::proxy_cumem) when set, else EPX_PROXY_CUMEM (default 1).
+/// The backend then allocates them with alloc_cumem_region instead of
+/// cudaMalloc, and passes the same choice to make_cuda_ipc_engine.
+bool cumem_regions(std::optional<bool> option);
 /// Device memory on `device` that the engine exports as a POSIX file
 /// descriptor: `bytes` is rounded up to the allocation granularity (the size
 /// to register and to free).

@@ -66,7 +66,7 @@ class ProxyBackend final : public Backend {
         topo_(topology),
         engine_name_(engine_choice(options)),
         fabric_(engine_name_ == "libfabric"),
-        cumem_(!fabric_ && proxy::cumem_regions(comm)) {
+        cumem_(!fabric_ && proxy::cumem_regions(options.proxy_cumem)) {
     // One thread per channel: num_qps_per_rank (DeepEP's default is 24) is
     // capped at EPX_PROXY_CHANNELS (default 4) channels per rank.
     num_channels_ = std::clamp(options.num_contexts, 1, env::proxy_channels(kMaxContexts));
@@ -101,7 +101,7 @@ class ProxyBackend final : public Backend {
                      st.delivery_complete ? "delivery complete" : "transmit complete");
       }
     } else {
-      engine_ = proxy::make_cuda_ipc_engine(comm, num_channels_, std::move(targets));
+      engine_ = proxy::make_cuda_ipc_engine(comm, num_channels_, std::move(targets), cumem_);
     }
     proxy::ProxyOptions po;
     po.num_channels = num_channels_;
@@ -287,7 +287,7 @@ class ProxyBackend final : public Backend {
   Topology topo_;
   const std::string engine_name_;  ///< cuda_ipc | libfabric
   const bool fabric_;              ///< the libfabric engine: pinned host regions
-  const bool cumem_;               ///< regions from alloc_cumem_region (EPX_PROXY_CUMEM)
+  const bool cumem_;               ///< regions from alloc_cumem_region (BufferOptions::proxy_cumem)
   int num_channels_ = 1;
   int next_id_ = 0;
   cudaStream_t stream_ = nullptr;  ///< the zero fills of the regions
