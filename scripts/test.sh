@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The test command: builds everything (every .cu compiles, no GPU needed),
 # runs ctest (CPU tests; GPU tests run on >= 2 local GPUs, else are reported
-# as skipped), installs the C++ package and builds examples/cpp against it,
-# checks formatting, builds the Python package and runs pytest
+# as skipped), the CPU tests again under ASan + UBSan, installs the C++
+# package and builds examples/cpp against it, checks formatting, builds the Python package and runs pytest
 # (with PyPI's torch; GPU tests skip without GPUs), then proves that a clean
 # `pip install .` into a fresh virtual environment works.
 set -euo pipefail
@@ -24,6 +24,10 @@ cmake --preset default -DEPX_GLIBCXX_ASSERTIONS=ON
 cmake --build --preset default -j"$(nproc)"
 echo "== ctest"
 ctest --preset default
+echo "== ctest under ASan + UBSan (the cpu-labelled tests; CMakePresets.json: asan)"
+cmake --preset asan
+cmake --build --preset asan -j"$(nproc)" --target epx_cpu_tests
+ctest --preset asan
 echo "== C++ package: cmake --install, then examples/cpp through find_package(epx)"
 # Installs the tree just built (nothing compiles twice) and builds the example
 # in a fresh directory against it.
