@@ -516,6 +516,14 @@ void peer_fault(const std::string& prov, int sig) {
       const std::string cause = engine->held_call_cause();
       expect(!cause.empty() && std::string(e.what()).find(cause) != std::string::npos,
              "held_call_cause() '" + cause + "' is not the error '" + e.what() + "'");
+      // A survivor's engine stays up until every survivor raised: one that
+      // exits at once breaks its writes to the others, which would then name
+      // it instead of the victim (seen over shm under ASan).
+      b->stage[me].store(2);
+      const auto t1 = Clock::now();
+      for (int r = 0; r < kN; ++r)
+        while (r != kVictim && b->stage[r].load() < 2 && since(t1) < 15)
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
       throw;
     }
   });
