@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <new>
 #include <stdexcept>
@@ -31,6 +32,16 @@ inline double since(Clock::time_point t) {
 }
 
 inline constexpr int kMaxRanks = 4;
+
+/// Removes /dev/shm/<pid>:* (what libfabric's shm provider made for `pid`).
+inline void remove_shm_files(pid_t pid) {
+  const std::string prefix = std::to_string(pid) + ":";
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator("/dev/shm", ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.compare(0, prefix.size(), prefix) == 0) std::filesystem::remove(e.path(), ec);
+  }
+}
 
 /// Shared memory of the ranks of one test (mapped before the fork).
 struct Board {
@@ -99,11 +110,16 @@ struct Ranks {
     if (p == MAP_FAILED) throw std::runtime_error("mmap failed");
     board = new (p) Board();
   }
+  std::vector<pid_t> started;  ///< every rank forked, also those already reaped
   ~Ranks() {
     for (pid_t pid : pids)
       if (pid > 0) kill(pid, SIGKILL);
     for (pid_t pid : pids)
       if (pid > 0) waitpid(pid, nullptr, 0);
+    // libfabric's shm provider names its endpoints' shared memory
+    // /dev/shm/<pid>:<n>:<m>; a rank killed by a test leaves them behind, and
+    // a later process given the same pid then fails fi_enable with EBUSY.
+    for (pid_t pid : started) remove_shm_files(pid);
     munmap(board, sizeof(Board));
   }
   /// Forks n ranks running body(rank, exchange). A rank exits 0, or 1 with
@@ -129,6 +145,7 @@ struct Ranks {
         _exit(rc);
       }
       pids.push_back(pid);
+      started.push_back(pid);
     }
     status.assign(n, -1);
   }

@@ -625,7 +625,16 @@ class LibfabricEngine final : public Engine {
       check(fi_endpoint(rail.domain, rail.info, &ch.ep, nullptr), "fi_endpoint");
       check(fi_ep_bind(ch.ep, &ch.cq->fid, FI_TRANSMIT | FI_RECV), "fi_ep_bind (cq)");
       check(fi_ep_bind(ch.ep, &ch.av->fid, 0), "fi_ep_bind (av)");
-      check(fi_enable(ch.ep), "fi_enable");
+      if (const int rc = fi_enable(ch.ep); rc == -FI_EBUSY && prov_name_ == "shm")
+        throw Error(ErrorCode::kUnsupported,
+                    where() + ": fi_enable failed: " + fi_text(rc) +
+                        ": the shm provider names an endpoint's shared memory /dev/shm/" +
+                        std::to_string(::getpid()) +
+                        ":..., and a file of that name is left by an earlier process of this "
+                        "pid that was killed; remove /dev/shm/" +
+                        std::to_string(::getpid()) + ":*");
+      else
+        check(rc, "fi_enable");
       std::size_t len = kNameBytes;
       check(fi_getname(&ch.ep->fid, card.names[c], &len), "fi_getname");
       card.name_len[c] = static_cast<uint32_t>(len);
