@@ -18,6 +18,7 @@
 // surviving process destroys its Proxy and engine within a bound and forms a
 // new group with a new engine + Proxy that moves every byte correctly.
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
 #include <sys/wait.h>
@@ -1075,6 +1076,82 @@ void expect_refused(const LibfabricOptions& o, ErrorCode code,
   const std::string msg = ranks.board->message[0];
   EXPECT_EQ(ranks.board->code[0].load(), static_cast<int>(code) + 1) << msg;
   for (const auto& w : words) EXPECT_NE(msg.find(w), std::string::npos) << w << " in: " << msg;
+}
+
+// ---- ranks in separate network namespaces --------------------------------------
+//
+// Two ranks that share no network stack, as on two hosts: each forks into a
+// network namespace of its own (unshare), and a veth pair joins them, one end
+// in each, with an address of its own (10.231.x.1 and .2). The engine runs
+// tcp;ofi_rxm over that pair only (the veth end is the rank's one domain and
+// FI_TCP_IFACE), with the random traffic of the other tests. Needs the
+// privilege to make namespaces and veth links (root in CI) and iproute2's
+// `ip`; else it skips saying which.
+
+/// "" when `cmd` (a shell command) exits 0, else what it printed.
+std::string run_shell(const std::string& cmd) {
+  std::string out;
+  FILE* f = popen((cmd + " 2>&1").c_str(), "r");
+  if (!f) return "popen failed";
+  char buf[256];
+  while (fgets(buf, sizeof buf, f)) out += buf;
+  const int st = pclose(f);
+  return st == 0 ? "" : (out.empty() ? "exit status " + std::to_string(st) : out);
+}
+
+/// Why namespaces joined by veth cannot be made here ("" if they can).
+std::string netns_missing() {
+  if (!run_shell("ip -V").empty()) return "iproute2's ip is not installed";
+  const pid_t pid = fork();
+  if (pid == 0) _exit(unshare(CLONE_NEWNET) == 0 ? 0 : 1);
+  int st = 0;
+  waitpid(pid, &st, 0);
+  if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)
+    return "unshare(CLONE_NEWNET) is not permitted for this user";
+  const std::string a = "epxp" + std::to_string(getpid() % 100000);
+  const std::string made = run_shell("ip link add " + a + "a type veth peer name " + a + "b");
+  if (!made.empty()) return "cannot make a veth pair: " + made;
+  run_shell("ip link del " + a + "a");
+  return "";
+}
+
+TEST(LibfabricNetns, TwoRanksInSeparateNetworkNamespacesOverAVethPair) {
+  if (const std::string why = netns_missing(); !why.empty()) GTEST_SKIP() << why;
+  Ranks ranks;
+  Board* b = ranks.board;
+  const std::string base = "epx" + std::to_string(getpid() % 100000);
+  const std::string ifs[2] = {base + "a", base + "b"};
+  const int subnet = 1 + static_cast<int>(getpid() % 250);
+  ranks.start(2, [&](int me, ShmExchange& ex) {
+    expect(unshare(CLONE_NEWNET) == 0, std::string("unshare: ") + std::strerror(errno));
+    b->stage[me].store(1);  // the parent moves this rank's veth end in now
+    const auto t0 = Clock::now();
+    while (b->stage[me].load() == 1 && since(t0) < 20)
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    expect(b->stage[me].load() == 2, "the parent did not hand over the veth end");
+    const std::string ip = "10.231." + std::to_string(subnet) + "." + std::to_string(me + 1);
+    const std::string set = run_shell("ip link set lo up && ip addr add " + ip + "/24 dev " +
+                                      ifs[me] + " && ip link set " + ifs[me] + " up");
+    expect(set.empty(), "configuring " + ifs[me] + ": " + set);
+    // Only the veth end is there (no eth0, and lo is this namespace's own).
+    setenv("FI_TCP_IFACE", ifs[me].c_str(), 1);
+    ex.barrier();  // both ends up
+    engine_rank(me, ex, b, "tcp;ofi_rxm", 0, kChannels, ifs[me], [&](const LibfabricStats& st) {
+      for (const std::string& a : st.channel_addresses)
+        expect(a.find("//" + ip + ":") != std::string::npos,
+               "rank " + std::to_string(me) + " endpoint " + a + " is not on " + ip);
+    });
+  });
+  for (int r = 0; r < 2; ++r) ranks.wait_stage(r, 1, 20);
+  std::string moved = run_shell("ip link add " + ifs[0] + " type veth peer name " + ifs[1]);
+  for (int r = 0; r < 2 && moved.empty(); ++r)
+    moved = run_shell("ip link set " + ifs[r] + " netns " + std::to_string(ranks.pids[r]));
+  if (!moved.empty()) run_shell("ip link del " + ifs[0]);  // (gone with the namespaces otherwise)
+  for (int r = 0; r < 2; ++r) b->stage[r].store(moved.empty() ? 2 : 3);
+  ASSERT_TRUE(moved.empty()) << "making or moving the veth pair: " << moved;
+  const std::string why = ranks.wait(60);
+  ASSERT_TRUE(why.empty()) << why;
+  for (int r = 0; r < 2; ++r) EXPECT_GT(b->stat[r][0].load(), 0u) << "rank " << r;
 }
 
 TEST(LibfabricEngineOptions, UnknownProviderIsNamed) {
