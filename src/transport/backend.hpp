@@ -39,10 +39,11 @@ struct BackendOptions {
   /// The bytes the Buffer will allocate (a backend whose memory is fixed at
   /// start, NVSHMEM's heap, sizes it from this).
   std::size_t heap_bytes = 0;
-  /// The ring kernels across nodes may run (BufferOptions::ht_rings, resolved,
-  /// is not 0): a backend whose signals are a pool (NCCL GIN) makes room for
-  /// their ids too.
-  bool ht_rings = false;
+  /// Signal ids per context the kernel families need (the core adds up what
+  /// they declare; a backend whose signals are a pool, NCCL GIN, sizes it
+  /// from this), of which clearing a region resets [0, num_cleared_signals).
+  int num_signals = 0;
+  int num_cleared_signals = 0;
   /// The proxy backend's engine, libfabric provider and domains (BufferOptions).
   std::string proxy_engine = "auto";
   std::string fabric_provider;
@@ -126,11 +127,11 @@ void* alloc_agreed_nccl_memory(const Backend& backend, Communicator& comm, cudaS
 dev::AnyTransport lsa_device(const Communicator& comm, const Topology& topology,
                              const SymmetricRegion& region);
 
-/// `name`: "auto" | "nvlink" | "in_process" | "proxy" | "nccl" | "nvshmem" (EPX_BACKEND overrides
-/// "auto"). "auto" is "proxy" when the topology has several nodes, else
-/// "in_process" for a communicator from create_in_process, else "nvlink".
-/// Throws epx::Error(kUnsupported) when the machine or the communicator
-/// cannot serve the choice.
+/// The backend `name` names (transport/registry.hpp: a backend's name, or
+/// "auto", which EPX_BACKEND overrides; auto takes the first backend in auto
+/// order that can serve: nvlink for one node of processes, in_process for one
+/// node of threads, else proxy), made over `comm`. Throws epx::Error
+/// (kUnsupported) when the machine or the communicator cannot serve it.
 std::unique_ptr<Backend> make_backend(const std::string& name, Communicator& comm,
                                       const Topology& topology, const BackendOptions& options);
 

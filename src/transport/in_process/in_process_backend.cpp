@@ -9,6 +9,7 @@
 #include "core/stream_wait.hpp"
 #include "epx/communicator.hpp"
 #include "transport/backend.hpp"
+#include "transport/registry.hpp"
 
 namespace epx::transport {
 namespace {
@@ -75,6 +76,21 @@ std::unique_ptr<Backend> make_in_process_backend(Communicator& comm, const Topol
                     " ranks in one node; split them into virtual nodes (ranks_per_node) and use "
                     "backend 'proxy'");
   return std::make_unique<InProcessBackend>(comm, topology);
+}
+
+const BackendInfo& in_process_backend_info() {
+  static const BackendInfo info{
+      "in_process", /*auto_order=*/1,
+      [](const std::string& from, bool in_process, const Topology& topology) -> std::string {
+        if (std::string no = single_node_only(from, "in_process", topology); !no.empty()) return no;
+        if (!in_process)
+          return from + ": 'in_process' needs ranks from Communicator::create_in_process";
+        return "";
+      },
+      [](Communicator& comm, const Topology& topology, const BackendOptions&) {
+        return make_in_process_backend(comm, topology);
+      }};
+  return info;
 }
 
 }  // namespace epx::transport

@@ -1,4 +1,5 @@
 #include "transport/nccl/nccl_backend.hpp"
+#include "transport/registry.hpp"
 
 #include <nccl.h>
 #include <nccl_device.h>
@@ -529,6 +530,20 @@ std::unique_ptr<Backend> make_nccl_gin_backend(Communicator& comm, const Topolog
                                                int num_contexts, int num_signals,
                                                int num_cleared_signals) {
   return std::make_unique<NcclGin>(comm, topology, num_contexts, num_signals, num_cleared_signals);
+}
+
+/// By name only (EPX_BACKEND=nccl): GIN contexts num_qps_per_rank, at most
+/// EPX_GIN_CONTEXTS (default 4: one communicator, one NCCL progress thread
+/// per process on a proxy-type GIN); the signal pool the families asked for.
+const BackendInfo& nccl_backend_info() {
+  static const BackendInfo info{
+      "nccl", /*auto_order=*/-1, nullptr,
+      [](Communicator& comm, const Topology& topology, const BackendOptions& options) {
+        const int contexts = std::clamp(options.num_contexts, 1, env::gin_contexts(kMaxContexts));
+        return make_nccl_gin_backend(comm, topology, contexts, options.num_signals,
+                                     options.num_cleared_signals);
+      }};
+  return info;
 }
 
 }  // namespace epx::transport

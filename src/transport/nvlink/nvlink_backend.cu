@@ -3,6 +3,7 @@
 // NVLink (LSA) team is reached by plain loads and stores.
 #include <nccl.h>
 #include <nccl_device.h>
+#include "transport/registry.hpp"
 
 #include <string>
 
@@ -114,6 +115,23 @@ class NvlinkBackend final : public Backend {
 
 std::unique_ptr<Backend> make_nvlink_backend(Communicator& comm, const Topology& topology) {
   return std::make_unique<NvlinkBackend>(comm, topology);
+}
+
+const BackendInfo& nvlink_backend_info() {
+  static const BackendInfo info{
+      "nvlink", /*auto_order=*/0,
+      [](const std::string& from, bool in_process, const Topology& topology) -> std::string {
+        if (std::string no = single_node_only(from, "nvlink", topology); !no.empty()) return no;
+        if (in_process)
+          return from +
+                 ": 'nvlink' needs an NCCL communicator (Communicator::create or from_env); "
+                 "ranks from Communicator::create_in_process use 'in_process' (auto)";
+        return "";
+      },
+      [](Communicator& comm, const Topology& topology, const BackendOptions&) {
+        return make_nvlink_backend(comm, topology);
+      }};
+  return info;
 }
 
 }  // namespace epx::transport

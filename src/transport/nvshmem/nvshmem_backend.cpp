@@ -5,6 +5,7 @@
 // node (virtual nodes included) are reached through nvshmem_ptr's mappings,
 // the others through the module's kernels (dev::ModuleTransport).
 #include "transport/nvshmem/nvshmem_backend.hpp"
+#include "transport/registry.hpp"
 
 #include <dlfcn.h>
 #include <unistd.h>
@@ -247,6 +248,12 @@ std::unique_ptr<Backend> make_nvshmem_backend(Communicator& comm, const Topology
                 "Communicator::create_in_process share one (use 'proxy' for in-process virtual "
                 "nodes)");
   return std::make_unique<NvshmemBackend>(comm, topology, options, load_nvshmem_module());
+}
+
+/// By name only (EPX_BACKEND=nvshmem): it loads the NVSHMEM module.
+const BackendInfo& nvshmem_backend_info() {
+  static const BackendInfo info{"nvshmem", /*auto_order=*/-1, nullptr, &make_nvshmem_backend};
+  return info;
 }
 
 }  // namespace epx::transport

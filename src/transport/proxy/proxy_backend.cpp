@@ -17,6 +17,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include "transport/registry.hpp"
 
 #include "common/check.hpp"
 #include "common/env.hpp"
@@ -321,6 +322,13 @@ class ProxyBackend final : public Backend {
 std::unique_ptr<Backend> make_proxy_backend(Communicator& comm, const Topology& topology,
                                             const BackendOptions& options) {
   return std::make_unique<ProxyBackend>(comm, topology, options);
+}
+
+/// Serves any ranks: the last that auto tries (several nodes, or more ranks
+/// than one node's load/store backends take).
+const BackendInfo& proxy_backend_info() {
+  static const BackendInfo info{"proxy", /*auto_order=*/2, nullptr, &make_proxy_backend};
+  return info;
 }
 
 }  // namespace epx::transport
