@@ -11,12 +11,12 @@
 #include <vector>
 
 #include "common/env.hpp"
-#include "common/internode_rings.hpp"
 #include "common/internode_route.hpp"
 #include "common/plan.hpp"
 #include "common/topology.hpp"
 #include "core/algorithm_choices.hpp"
 #include "core/buffer_impl.hpp"
+#include "core/signal_needs.hpp"
 #include "core/validate.hpp"
 #include "kernels/kernels.hpp"
 
@@ -142,13 +142,7 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
   transport::BackendOptions bo;
   bo.num_contexts = options.num_qps_per_rank;
   bo.heap_bytes = static_cast<std::size_t>(options.num_nvl_bytes + options.num_rdma_bytes);
-  // Signal ids: the low-latency ops' (a source's dispatch, combine weights
-  // and combine rows, reset when their region is cleared), then the
-  // high-throughput ones' across nodes (plan::ht_net_signal), then, where the
-  // rings may run, theirs (plan::ht_ring_signal).
-  const int R = d.comm->num_ranks();
-  bo.num_signals = d.ht_rings != 0 ? plan::ht_ring_signal_count(R) : plan::kSignalKindsAll * R;
-  bo.num_cleared_signals = plan::LlRegion::kNetSignalKinds * R;
+  detail::set_signal_needs(bo, d.comm->num_ranks(), d.ht_rings != 0);
   bo.proxy_engine = options.proxy_engine;
   bo.fabric_provider = options.fabric_provider;
   bo.fabric_domains = options.fabric_domains;

@@ -8,6 +8,7 @@
 #include <variant>
 #include <vector>
 
+#include "core/signal_needs.hpp"
 #include "core/stream_wait.hpp"
 
 #include "common/plan.hpp"
@@ -101,6 +102,7 @@ void run_put_signal(const char* backend_name, int contexts) {
   auto& w = epx::test::world();
   epx::transport::BackendOptions bo;
   bo.num_contexts = contexts;
+  epx::detail::set_signal_needs(bo, w.num_ranks, false);  // as a Buffer asks
   auto backend = epx::transport::make_backend(backend_name, *w.comm, world_topology(), bo);
   const int words = 16 << 10;  // 64 KiB per (source, destination)
   const std::size_t block = 4u * words, area = block * w.num_ranks;

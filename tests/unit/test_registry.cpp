@@ -8,6 +8,7 @@
 #include <set>
 #include <string>
 
+#include "core/signal_needs.hpp"
 #include "epx/error.hpp"
 #include "transport/registry.hpp"
 
@@ -116,6 +117,25 @@ TEST(BackendRegistry, UnknownNamesListEveryBackend) {
   const std::string e = refusal("", false, nodes(1, 2), ErrorCode::kInvalidArgument);
   EXPECT_NE(e.find("EPX_BACKEND: must be one of"), std::string::npos) << e;
   EXPECT_NE(e.find("got 'gloo'"), std::string::npos) << e;
+}
+
+// What a Buffer asks of a backend whose signals are a pool: every family's
+// ids, the cleared ones among them, within NCCL's pool (1 to 65536 per
+// context) up to the most ranks EPX takes, rings or not.
+TEST(BackendRegistry, SignalNeedsFitTheNcclPoolUpToTheMostRanks) {
+  for (int R : {2, 4, 16, 64, kMaxRanks})
+    for (bool rings : {false, true}) {
+      BackendOptions bo;
+      detail::set_signal_needs(bo, R, rings);
+      EXPECT_GE(bo.num_signals, bo.num_cleared_signals) << R << " ranks, rings " << rings;
+      EXPECT_GT(bo.num_cleared_signals, 0) << R;
+      EXPECT_LE(bo.num_signals, 65536) << R << " ranks, rings " << rings;
+      if (rings) {
+        BackendOptions plain;
+        detail::set_signal_needs(plain, R, false);
+        EXPECT_GT(bo.num_signals, plain.num_signals) << "the rings' ids come on top, " << R;
+      }
+    }
 }
 
 }  // namespace
