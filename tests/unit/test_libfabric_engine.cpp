@@ -1306,6 +1306,18 @@ class LibfabricRailsTest : public ::testing::Test {
       std::fflush(stdout);  // the ranks end with _exit
     };
   }
+  /// Runs engine_rank on n ranks, 4 channels over the two domains with the
+  /// addresses() checks, completions reordered in windows of `reorder` (0: in
+  /// order); returns ranks.wait's verdict ("" when every rank passed).
+  std::string run_engine_ranks(Ranks& ranks, int n, uint32_t reorder) const {
+    Board* b = ranks.board;
+    const std::string domains = domains_;
+    const auto more = addresses();
+    ranks.start(n, [&](int me, ShmExchange& ex) {
+      engine_rank(me, ex, b, "tcp;ofi_rxm", reorder, 4, domains, more);
+    });
+    return ranks.wait(60);
+  }
   std::optional<std::string> saved_;
   std::vector<std::string> picked_;
   std::string domains_;
@@ -1316,26 +1328,14 @@ class LibfabricRailsTest : public ::testing::Test {
 // checked, no signal before its data, every write counted on its channel.
 TEST_F(LibfabricRailsTest, TwoRanksFourChannelsOverTwoDomains) {
   Ranks ranks;
-  Board* b = ranks.board;
-  const std::string domains = domains_;
-  const auto more = addresses();
-  ranks.start(2, [&](int me, ShmExchange& ex) {
-    engine_rank(me, ex, b, "tcp;ofi_rxm", 0, 4, domains, more);
-  });
-  const std::string why = ranks.wait(60);
+  const std::string why = run_engine_ranks(ranks, 2, 0);
   ASSERT_TRUE(why.empty()) << why;
-  for (int r = 0; r < 2; ++r) EXPECT_GT(b->stat[r][0].load(), 0u) << "rank " << r;
+  for (int r = 0; r < 2; ++r) EXPECT_GT(ranks.board->stat[r][0].load(), 0u) << "rank " << r;
 }
 
 TEST_F(LibfabricRailsTest, ThreeRanksFourChannelsOverTwoDomainsWithReorderedCompletions) {
   Ranks ranks;
-  Board* b = ranks.board;
-  const std::string domains = domains_;
-  const auto more = addresses();
-  ranks.start(3, [&](int me, ShmExchange& ex) {
-    engine_rank(me, ex, b, "tcp;ofi_rxm", 16, 4, domains, more);
-  });
-  const std::string why = ranks.wait(60);
+  const std::string why = run_engine_ranks(ranks, 3, 16);
   ASSERT_TRUE(why.empty()) << why;
 }
 
