@@ -422,6 +422,19 @@ def _ht_inputs(rank, group, dev, rng, T, H, K, E):
     return idx_np, x_np, idx, x, w, all_idx, all_x, want
 
 
+def _fp8_ht_inputs(rank, group, dev, x_np, all_idx, E):
+    """This rank's rows x_np quantized to FP8 with per-128-channel float32 scales: the
+    (rows, scales) pair on `dev`, and this rank's reference dispatch of every rank's pair."""
+    import torch
+
+    from epx import reference as ref
+
+    q_np, s_np = ref.quantize_fp8(ref.bf16_to_float(x_np))
+    all_q = _gather(group, (q_np, s_np))
+    want8 = ref.ht_dispatch([tuple(a) for a in all_q], list(all_idx), E)[rank]
+    return (_fp8(q_np, dev), torch.from_numpy(s_np).to(dev)), want8
+
+
 def _check_dispatch(mine, recv_x, recv_idx, recv_w, counts):
     """A dispatch's outputs against this rank's reference dispatch."""
     np.testing.assert_array_equal(_bits(recv_x), mine["recv_x"])
@@ -731,11 +744,8 @@ def _case_high_throughput(rank, world, group):
         np.testing.assert_array_equal(_bits(cx3), plain)
 
     # FP8 payload with per-128-channel scales
-    q_np, s_np = ref.quantize_fp8(ref.bf16_to_float(x_np))
-    all_q = _gather(group, (q_np, s_np))
-    want8 = ref.ht_dispatch([tuple(a) for a in all_q], list(all_idx), E)[rank]
-    (rq, rs), ri, _, c8, _, _ = buf.dispatch((_fp8(q_np, dev), torch.from_numpy(s_np).to(dev)),
-                                             topk_idx=idx, **layout)
+    x8, want8 = _fp8_ht_inputs(rank, group, dev, x_np, all_idx, E)
+    (rq, rs), ri, _, c8, _, _ = buf.dispatch(x8, topk_idx=idx, **layout)
     assert rq.dtype == torch.float8_e4m3fn and rs.dtype == torch.float32
     np.testing.assert_array_equal(_bits(rq), want8["recv_x"][0])
     np.testing.assert_array_equal(rs.cpu().numpy(), want8["recv_x"][1])
@@ -1294,11 +1304,8 @@ def _case_elastic_v2(rank, world, group):
     np.testing.assert_array_equal(_bits(acx), plain)
 
     # FP8 rows with per-128 float32 scales, returned TMA-aligned column-major
-    q_np, s_np = ref.quantize_fp8(ref.bf16_to_float(x_np))
-    all_q = _gather(group, (q_np, s_np))
-    want8 = ref.ht_dispatch([tuple(p) for p in all_q], list(all_idx), E)[rank]
-    (rq, rs), _, _, h8, _ = buf.dispatch((_fp8(q_np, dev), torch.from_numpy(s_np).to(dev)),
-                                         topk_idx=idx, num_experts=E,
+    x8, want8 = _fp8_ht_inputs(rank, group, dev, x_np, all_idx, E)
+    (rq, rs), _, _, h8, _ = buf.dispatch(x8, topk_idx=idx, num_experts=E,
                                          use_tma_aligned_col_major_sf=True)
     np.testing.assert_array_equal(_bits(rq), want8["recv_x"][0])
     assert rs.shape == (N, H // 128) and rs.stride() == (1, (N + 3) // 4 * 4)
