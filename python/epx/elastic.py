@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 
 from . import _core
 from . import compat as _compat
+from . import expand as _expand
 from .config import Config
 from .in_process import InProcessComm
-from .utils import EventHandle, EventOverlap, _int, _torch
+from .utils import EventHandle, EventOverlap, _event_of, _int, _torch
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -116,26 +117,30 @@ def _experimental(name: str) -> None:
 
 
 class EPHandle:
-    """V2's dispatch handle, for EPX's non-expanded dispatch.
+    """V2's dispatch handle.
 
     Attributes V2's callers read (docs/deepep_v2_api.md):
-        do_expand: False (EPX's dispatch is non-expanded).
+        do_expand: whether the dispatch returned the expanded layout.
         num_experts, expert_alignment, num_max_tokens_per_rank, num_sms: the dispatch's.
         topk_idx: [T, K] the dispatched top-k (a clone with do_handle_copy).
-        num_recv_tokens: N, rows of recv_x (maxT x R without CPU sync).
+        num_recv_tokens: N, rows of the non-expanded recv_x (maxT x R without CPU sync).
         num_expanded_tokens: sum of num_recv_tokens_per_expert_list (V2's worst case
-            without CPU sync).
+            without CPU sync); in expand mode the slots of recv_x.
         num_recv_tokens_per_expert_list: E_local ints rounded up to expert_alignment;
             empty without CPU sync.
         psum_num_recv_tokens_per_scaleup_rank: [scale-up ranks] int32 on the GPU,
             inclusive prefix sum of the rows from each scale-up peer; its last entry is
             the rows actually received (also without CPU sync).
         psum_num_recv_tokens_per_expert: [E_local] int32 on the GPU, inclusive prefix
-            sum of the aligned per-expert counts (also without CPU sync).
-        num_unaligned_recv_tokens_per_expert: None (V2 fills it in expand mode only).
+            sum of the aligned per-expert counts (also without CPU sync); in expand
+            mode each expert's aligned first slot plus its real count, as V2's.
+        num_unaligned_recv_tokens_per_expert: [E_local] int32 real counts in expand
+            mode, None otherwise (as V2).
         recv_src_metadata: [N, K + 2] int32 (made when first read): column 0 the source
             token's global index, src_rank * maxT + src_token (-1 for rows past the
-            rows received); columns 1.. are V2's kernel bookkeeping, -1 in EPX.
+            rows received); column 1 is V2's kernel bookkeeping, -1 in EPX; columns 2..
+            in expand mode each (row, k) pair's slot in recv_x (-1 where the expert is
+            not this rank's), else -1.
         dst_buffer_slot_idx, token_metadata_at_forward, channel_linked_list: None (V2's
             kernel state; EPX's lives in ``epx_handle``).
         epx_handle: EPX's V1 dispatch handle, which the combine uses.
@@ -147,8 +152,12 @@ class EPHandle:
                  num_recv_tokens_per_expert_list: List[int],
                  psum_num_recv_tokens_per_scaleup_rank: Any,
                  psum_num_recv_tokens_per_expert: Any,
-                 make_recv_src_metadata: Callable[[], Any]) -> None:
-        self.do_expand = False
+                 make_recv_src_metadata: Callable[[], Any],
+                 expand_slots: Any = None,
+                 num_unaligned_recv_tokens_per_expert: Any = None) -> None:
+        # expand_slots: [N, K] int32 slots of the expanded layout (None: non-expanded)
+        self.do_expand = expand_slots is not None
+        self.expand_slots = expand_slots
         self.epx_handle = epx_handle
         self.num_experts = num_experts
         self.expert_alignment = expert_alignment
@@ -160,7 +169,7 @@ class EPHandle:
         self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
         self.psum_num_recv_tokens_per_scaleup_rank = psum_num_recv_tokens_per_scaleup_rank
         self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
-        self.num_unaligned_recv_tokens_per_expert = None
+        self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
         self.dst_buffer_slot_idx = None
         self.token_metadata_at_forward = None
         self.channel_linked_list = None
@@ -178,7 +187,7 @@ class EPHandle:
         self._meta = value
 
     def __repr__(self) -> str:
-        return (f"epx.EPHandle(do_expand=False, num_experts={self.num_experts}, "
+        return (f"epx.EPHandle(do_expand={self.do_expand}, num_experts={self.num_experts}, "
                 f"num_recv_tokens={self.num_recv_tokens}, "
                 f"expert_alignment={self.expert_alignment})")
 
@@ -451,7 +460,7 @@ class ElasticBuffer:
                  use_tma_aligned_col_major_sf: bool = False) \
             -> Tuple[Any, Optional["torch.Tensor"], Optional["torch.Tensor"], EPHandle,
                      EventOverlap]:
-        """Sends each token to every rank that hosts one of its experts (non-expanded).
+        """Sends each token to every rank that hosts one of its experts.
 
         Arguments: V2's (docs/deepep_v2_api.md). x: [T, H] rows, or (x [T, H]
         float8_e4m3fn, scales [T, S] float32 or int32 packs); topk_idx: [T, K] int64;
@@ -465,14 +474,19 @@ class ElasticBuffer:
             N is the rows received, or maxT x R without CPU sync (rows past
             handle.psum_num_recv_tokens_per_scaleup_rank[-1] are not data; their
             recv_topk_idx is -1).
+
+            With do_expand: recv_x [S, H] (and scales [S, S_f]) one slot per (token,
+            local expert), grouped by expert, each group starting at a multiple of
+            expert_alignment (epx.expand); recv_topk_idx None; recv_topk_weights [S]
+            float32 or None. S = handle.num_expanded_tokens (V2's worst case without
+            CPU sync); padding slots are zero whether or not do_zero_padding is set.
+            EPX makes this layout from the non-expanded one with PyTorch operations on
+            the stream the dispatch's outputs are made on.
         """
         op = "ElasticBuffer.dispatch"
-        _compat.unsupported_unless_default(op, "do_expand", do_expand, False,
-                                           "EPX's dispatch returns the non-expanded layout only "
-                                           "(one row per token and rank)")
-        _compat.unsupported_unless_default(op, "do_zero_padding", do_zero_padding, False,
-                                           "applies to the expanded layout (do_expand=True), "
-                                           "which EPX does not provide")
+        if do_zero_padding and not do_expand:
+            _value_error(f"{op}: do_zero_padding: applies to the expanded layout only "
+                         f"(pass do_expand=True)")
         _compat.unsupported_unless_default(op, "handle", handle, None,
                                            "a cached dispatch (V2 resends top-k from the "
                                            "handle) is not provided yet; dispatch with topk_idx "
@@ -520,6 +534,9 @@ class ElasticBuffer:
             async_finish=async_with_compute_stream,
             allocate_on_comm_stream=allocate_on_comm_stream)
         recv_x, recv_sf = recv if sf is not None else (recv, None)
+        num_recv = recv_x.shape[0]  # rows of the non-expanded layout
+        num_slots = sum(counts) if sync else _expand.worst_case_slots(
+            R * max_tokens, num_topk, E_local, alignment)
         torch = _torch()
 
         # What EPX derives for V2's handle runs after the dispatch: on the comm stream when
@@ -535,15 +552,21 @@ class ElasticBuffer:
             else:
                 psum_peer = prefix.contiguous()
             # received (token, local expert) pairs per expert; rows past the data are -1
-            flat = (recv_idx.reshape(-1) + 1)
-            per_exp = torch.zeros(E_local + 1, dtype=torch.int64, device=recv_idx.device)
-            per_exp.scatter_add_(0, flat, torch.ones_like(flat))
-            per_exp = per_exp[1:]
+            per_exp = _expand.count_pairs(recv_idx, E_local)
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(
                     per_exp.to(cumulative_local_expert_recv_stats.dtype))
-            psum_exp = ((per_exp + alignment - 1) // alignment * alignment) \
-                .cumsum(0).to(torch.int32)
+            psum_exp = _expand.align_counts(per_exp, alignment).cumsum(0).to(torch.int32)
+            slots = unaligned = None
+            if do_expand:
+                slots, psum_exp = _expand.layout(recv_idx, per_exp, alignment)
+                unaligned = per_exp.to(torch.int32)
+                recv_x = _expand.expand_rows(recv_x, slots, num_slots)
+                if recv_sf is not None:
+                    recv_sf = _expand.expand_rows(recv_sf, slots, num_slots)
+                if recv_w is not None:
+                    recv_w = _expand.expand_weights(recv_w, slots, num_slots)
+                recv_idx = None
             if recv_sf is not None and use_tma_aligned_col_major_sf:
                 n, s = recv_sf.shape
                 col = torch.empty_strided((n, s), (1, _align(max(n, 1), _SF_ROW_ALIGNMENT)),
@@ -551,7 +574,8 @@ class ElasticBuffer:
                 recv_sf = col.copy_(recv_sf)
             kept = topk_idx.clone() if do_handle_copy else topk_idx
             if async_with_compute_stream:
-                made = (psum_peer, psum_exp, recv_sf, kept)
+                made = (psum_peer, psum_exp, recv_sf, kept, slots, unaligned) + \
+                    ((recv_x, recv_w) if do_expand else ())
                 current = torch.cuda.current_stream(rt._device)
                 event = EventOverlap(EventHandle(), extra_tensors=tuple(
                     t for t in (x if isinstance(x, tuple) else (x,)) + (topk_idx, topk_weights)
@@ -561,13 +585,8 @@ class ElasticBuffer:
                 if t is not None and t.device.type == "cuda":
                     t.record_stream(current)
 
-        num_recv = recv_x.shape[0]
-        if sync:
-            expanded = sum(counts)
-        else:  # V2's worst case for the expanded layout
+        if not sync:
             counts = []
-            expanded = _align(R * max_tokens * min(num_topk, E_local) + (alignment - 1) * E_local,
-                              alignment)
         rank_idx = self.rank_idx
 
         def make_meta() -> Any:
@@ -580,10 +599,14 @@ class ElasticBuffer:
             meta = torch.full((num_recv, num_topk + 2), -1, dtype=torch.int32,
                               device=src_idx.device)
             meta[:, 0] = glob.to(torch.int32)
+            if slots is not None:
+                meta[:, 2:] = slots
             return meta
 
         new_handle = EPHandle(v1_handle, num_experts, alignment, max_tokens, num_sms, kept,
-                              num_recv, expanded, list(counts), psum_peer, psum_exp, make_meta)
+                              num_recv, num_slots, list(counts), psum_peer, psum_exp, make_meta,
+                              expand_slots=slots,
+                              num_unaligned_recv_tokens_per_expert=unaligned)
         recv_out = (recv_x, recv_sf) if sf is not None else recv_x
         return recv_out, recv_idx, recv_w, new_handle, event
 
@@ -603,6 +626,10 @@ class ElasticBuffer:
         Arguments: x [N, H] bfloat16 in the dispatch's row order; handle: the dispatch's
         EPHandle; topk_weights [N, K] float32, summed like x (the received weights give
         each token its own back); bias: a [T, H] bfloat16 tensor or a pair of them.
+        After an expanded dispatch: x [S, H] in slot order and topk_weights [S]; each
+        row's slots are first summed in float32 in top-k order and rounded to BF16
+        (V2's reduction within a rank), on the calling stream after previous_event,
+        then combined as above.
 
         Returns: combined_x [T, H] bfloat16, combined_topk_weights [T, K] float32 or None,
         EventOverlap.
@@ -618,7 +645,23 @@ class ElasticBuffer:
         _int("num_sms", num_sms, (0, 2**31 - 1))
         num_sms = handle.num_sms if num_sms == 0 else num_sms
         self._check_qps(op, num_sms, num_qps)
-        return self._rt().combine(x, handle.epx_handle, topk_weights=topk_weights, bias=bias,
+        rt = self._rt()
+        if handle.do_expand:
+            _expand.check_expanded(op, "x", x, handle.num_expanded_tokens)
+            if topk_weights is not None:
+                if len(topk_weights.shape) != 1:
+                    _value_error(f"{op}: topk_weights: must be 1-D [num_expanded_tokens] "
+                                 f"after an expanded dispatch, got {tuple(topk_weights.shape)}")
+                _expand.check_expanded(op, "topk_weights", topk_weights,
+                                       handle.num_expanded_tokens)
+            ev = _event_of(previous_event)
+            if ev is not None:  # the fold below runs after it, then the combine
+                EventHandle(ev).current_stream_wait()
+                previous_event = None
+            x = _expand.fold_rows(x, handle.expand_slots)
+            if topk_weights is not None:
+                topk_weights = _expand.fold_weights(topk_weights, handle.expand_slots)
+        return rt.combine(x, handle.epx_handle, topk_weights=topk_weights, bias=bias,
                                   config=self._config("combine", num_sms),
                                   previous_event=previous_event,
                                   async_finish=async_with_compute_stream,

@@ -345,6 +345,52 @@ def ht_combine(topk_idx: Sequence[np.ndarray], x: Sequence[np.ndarray], num_expe
     return result
 
 
+# ---- DeepEP V2's expanded layout ---------------------------------------------------------------
+
+def ht_expand(recv_topk_idx: np.ndarray, num_local_experts: int,
+              expert_alignment: int = 1) -> Dict[str, np.ndarray]:
+    """The expanded layout of one rank's non-expanded dispatch (DeepEP V2's
+    do_expand=True): one slot per received (row, k) pair whose local expert id is not
+    -1. Expert e's slots start at the sum of the earlier experts' counts, each rounded
+    up to expert_alignment, and are taken by its pairs in row order, then k order.
+
+    Returns slots [N, K] (-1 where the id is -1), counts [E_local] (pairs per expert),
+    starts [E_local] (each expert's first slot), num_slots (the aligned total).
+    """
+    idx = np.asarray(recv_topk_idx)
+    counts = np.zeros(num_local_experts, np.int64)
+    for e in idx.reshape(-1):
+        if e >= 0:
+            counts[e] += 1
+    starts = np.zeros(num_local_experts, np.int64)
+    total = 0
+    for e in range(num_local_experts):
+        starts[e] = total
+        total += -(-counts[e] // expert_alignment) * expert_alignment
+    slots = np.full(idx.shape, -1, np.int64)
+    taken = np.zeros(num_local_experts, np.int64)
+    for i in range(idx.shape[0]):
+        for j in range(idx.shape[1]):
+            e = idx[i, j]
+            if e >= 0:
+                slots[i, j] = starts[e] + taken[e]
+                taken[e] += 1
+    return {"slots": slots, "counts": counts, "starts": starts, "num_slots": total}
+
+
+def ht_fold(expanded: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """[S, H] BF16 bits in slot order -> [N, H] BF16 bits: row i is the float32 sum of
+    its pairs' slots in k order, rounded to BF16 once; 0 for a row with no pair."""
+    slots = np.asarray(slots)
+    vals = bf16_to_float(np.asarray(expanded, np.uint16))
+    out = np.zeros((slots.shape[0], vals.shape[1]), np.float32)
+    for i in range(slots.shape[0]):
+        for j in range(slots.shape[1]):
+            if slots[i, j] >= 0:
+                out[i] += vals[slots[i, j]]
+    return bf16_from_float(out)
+
+
 # ---- low-latency -------------------------------------------------------------------------------
 
 def ll_dispatch(x: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray], num_experts: int,

@@ -183,15 +183,41 @@ def test_accepted_dispatch_and_combine_reach_epx():
         buf.dispatch(**dispatch_args(expert_alignment=128, num_sms=sms,
                                      num_qps=buf.get_theoretical_num_qps(sms),
                                      use_tma_aligned_col_major_sf=True))
-    handle = object.__new__(epx.EPHandle)
-    handle.num_sms, handle.epx_handle = 20, None
+    # the expanded layout (SGLang's decode), with and without CPU sync
+    for sync in (True, False):
+        with pytest.raises(Launched, match="dispatch"):
+            buf.dispatch(**dispatch_args(do_expand=True, do_zero_padding=True,
+                                         do_cpu_sync=sync, expert_alignment=128))
+    handle = bare_handle()
     with pytest.raises(Launched, match="combine"):
         buf.combine(T(8, 128), handle, topk_weights=None)
 
 
+def bare_handle(num_expanded_tokens=None):
+    """An EPHandle with what combine reads before EPX runs (expanded with a slot count)."""
+    handle = object.__new__(epx.EPHandle)
+    handle.num_sms, handle.epx_handle = 20, None
+    handle.do_expand = num_expanded_tokens is not None
+    handle.num_expanded_tokens = num_expanded_tokens
+    return handle
+
+
+def test_expanded_combine_inputs_are_checked_against_the_handle():
+    buf = bare()
+    with pytest.raises(epx.EPXValueError, match=r"combine: x: has 8 rows; .* 12 slots"):
+        buf.combine(T(8, 128), bare_handle(12))
+    with pytest.raises(epx.EPXValueError, match=r"combine: topk_weights: must be 1-D"):
+        buf.combine(T(12, 128), bare_handle(12), topk_weights=T(12, 4))
+    with pytest.raises(epx.EPXValueError, match=r"combine: topk_weights: has 11 rows"):
+        buf.combine(T(12, 128), bare_handle(12), topk_weights=T(11))
+
+
+def test_zero_padding_without_the_expanded_layout_is_refused():
+    with pytest.raises(epx.EPXValueError, match=r"dispatch: do_zero_padding: .*do_expand=True"):
+        bare().dispatch(**dispatch_args(do_zero_padding=True))
+
+
 @pytest.mark.parametrize("arg, value, words", [
-    ("do_expand", True, "non-expanded layout only"),
-    ("do_zero_padding", True, "expanded layout"),
     ("handle", object(), "cached dispatch"),
     ("previous_event_before_epilogue", object(), "no separate copy epilogue"),
 ])
@@ -201,8 +227,7 @@ def test_unsupported_dispatch_arguments_raise_naming_them(arg, value, words):
 
 
 def test_combine_refusals_name_the_argument():
-    handle = object.__new__(epx.EPHandle)
-    handle.num_sms, handle.epx_handle = 20, None
+    handle = bare_handle()
     with pytest.raises(epx.EPXUnsupportedError,
                        match="combine: previous_event_before_epilogue: .*reduce epilogue"):
         bare().combine(T(8, 128), handle, previous_event_before_epilogue=object())

@@ -1311,8 +1311,99 @@ def _case_elastic_v2(rank, world, group):
     assert rs.shape == (N, H // 128) and rs.stride() == (1, (N + 3) // 4 * 4)
     np.testing.assert_array_equal(rs.cpu().numpy(), want8["recv_x"][1])
 
-    # refused by name, on the GPU too
-    _check_raises(epx.EPXUnsupportedError, "dispatch: do_expand",
-                  lambda: buf.dispatch(x, topk_idx=idx, num_experts=E, do_expand=True))
+    # the expanded layout (SGLang's decode): one slot per (row, local expert), grouped
+    # by expert with aligned starts, with and without CPU sync, BF16 and FP8
+    _check_elastic_expanded(buf, rank, group, dev, rng, x, idx, w, x8, all_idx, want, want8,
+                            E, maxT, num_sms, ranks_per_node)
     buf.barrier()
     buf.destroy()
+
+
+def _check_elastic_expanded(buf, rank, group, dev, rng, x, idx, w, x8, all_idx, want, want8,
+                            E, maxT, num_sms, ranks_per_node):
+    """ElasticBuffer.dispatch(do_expand=True) against epx.reference.ht_expand of this
+    rank's reference dispatch, then its combine (expert outputs in slot order, 1-D
+    weights) against ht_fold + ht_combine of every rank, bit for bit."""
+    import torch
+
+    from epx import reference as ref
+
+    world = len(want)
+    mine, E_local, align = want[rank], E // world, 4
+    N, H, K = len(mine["recv_src_idx"]), x.shape[1], idx.shape[1]
+    lay = ref.ht_expand(mine["recv_topk_idx"], E_local, align)
+    slots, S = lay["slots"], lay["num_slots"]
+    where = slots >= 0
+
+    def check(rx, rw, h, num_slots):
+        assert h.do_expand is True and h.num_expanded_tokens == num_slots
+        assert rx.shape == (num_slots, H) and rw.shape == (num_slots,)
+        got = _bits(rx)
+        rows = np.broadcast_to(np.arange(N)[:, None], slots.shape)[where]
+        np.testing.assert_array_equal(got[slots[where]], mine["recv_x"][rows])
+        free = np.ones(num_slots, bool)
+        free[slots[where]] = False
+        assert not got[free].any(), "padding slots are zero"
+        np.testing.assert_array_equal(rw.cpu().numpy()[slots[where]],
+                                      mine["recv_topk_weights"][where])
+        assert not rw.cpu().numpy()[free].any()
+        np.testing.assert_array_equal(h.psum_num_recv_tokens_per_expert.cpu().numpy(),
+                                      lay["starts"] + lay["counts"])
+        np.testing.assert_array_equal(h.num_unaligned_recv_tokens_per_expert.cpu().numpy(),
+                                      lay["counts"])
+        np.testing.assert_array_equal(h.recv_src_metadata[:N, 2:].cpu().numpy(), slots)
+        assert bool((h.recv_src_metadata[N:, 2:] == -1).all())
+
+    stats = torch.zeros(E_local, dtype=torch.int32, device=dev)
+    rx, ri, rw, h, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E,
+                                    expert_alignment=align, do_expand=True,
+                                    do_zero_padding=True,
+                                    cumulative_local_expert_recv_stats=stats)
+    assert ri is None
+    check(rx, rw, h, S)
+    assert stats.cpu().tolist() == lay["counts"].tolist()
+
+    # combine of expert outputs in slot order, weighted back, with biases
+    y_np = ref.bf16_from_float(rng.standard_normal((S, H)).astype(np.float32))
+    b_np = ref.bf16_from_float(rng.standard_normal((x.shape[0], H)).astype(np.float32))
+    folded = ref.ht_fold(y_np, slots)
+    folded_w = np.where(where, mine["recv_topk_weights"], 0).astype(np.float32)
+    all_folded = _gather(group, (folded, folded_w, b_np))
+    expect = ref.ht_combine(list(all_idx), [f[0] for f in all_folded], E,
+                            topk_weights=[f[1] for f in all_folded],
+                            bias=[(f[2], None) for f in all_folded],
+                            ranks_per_node=ranks_per_node)[rank]
+    cx, cw, _ = buf.combine(_bf16(y_np, dev), h, topk_weights=rw, bias=_bf16(b_np, dev))
+    np.testing.assert_array_equal(_bits(cx), expect[0])
+    np.testing.assert_allclose(cw.cpu().numpy(), expect[1], rtol=1e-6)
+
+    # without CPU sync: V2's worst-case slot count, the same slots filled
+    from epx import expand
+
+    worst = expand.worst_case_slots(maxT * world, K, E_local, align)
+    wx, _, ww, hw, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E,
+                                    expert_alignment=align, do_expand=True, do_cpu_sync=False)
+    check(wx, ww, hw, worst)
+    y_worst = np.zeros((worst, H), np.uint16)
+    y_worst[:S] = y_np
+    cwx, _, _ = buf.combine(_bf16(y_worst, dev), hw, bias=_bf16(b_np, dev))
+    expect_plain = ref.ht_combine(list(all_idx), [f[0] for f in all_folded], E,
+                                  bias=[(f[2], None) for f in all_folded],
+                                  ranks_per_node=ranks_per_node)[rank]
+    np.testing.assert_array_equal(_bits(cwx), expect_plain[0])
+
+    # FP8 rows and scales at the same slots, scales TMA-aligned column-major
+    (q, sf), _, _, _, _ = buf.dispatch(x8, topk_idx=idx, num_experts=E, expert_alignment=align,
+                                       do_expand=True, use_tma_aligned_col_major_sf=True)
+    assert q.shape == (S, H) and sf.shape == (S, H // 128)
+    assert sf.stride() == (1, (S + 3) // 4 * 4)
+    rows = np.broadcast_to(np.arange(N)[:, None], slots.shape)[where]
+    np.testing.assert_array_equal(_bits(q)[slots[where]], want8["recv_x"][0][rows])
+    np.testing.assert_array_equal(sf.cpu().numpy()[slots[where]], want8["recv_x"][1][rows])
+
+    # a combine input that is not the handle's slot count is refused by name
+    import epx
+
+    bad = _bf16(np.zeros((S + 1, H), np.uint16), dev)
+    _check_raises(epx.EPXValueError, "combine: x: has", lambda: buf.combine(bad, h))
+    assert h.num_sms == num_sms
