@@ -101,7 +101,9 @@ struct BufferOptions {
   /// and its streams live in a CUDA context of its own (true), so that a
   /// blocking primary-context call of another thread does not hold its
   /// copies; false: cudaMalloc regions with legacy CUDA IPC in the primary
-  /// context (docs/limitations.md). Unset: EPX_PROXY_CUMEM, else true.
+  /// context (docs/limitations.md). Unset: EPX_PROXY_CUMEM, else true with a
+  /// process per rank and with more than 4 in-process ranks on a device, false
+  /// with up to 4 (the own context is time-sliced with the kernels': slower).
   std::optional<bool> proxy_cumem;
 
   /// Throws epx::Error(kInvalidArgument) naming the first field whose value

@@ -271,8 +271,10 @@ class Buffer:
             ll_sms: SMs the low-latency kernels use at most, >= 1 (default every SM;
                 EPX_LL_SMS).
             proxy_cumem: the proxy's CUDA IPC engine uses cuMem regions and a CUDA
-                context of its own (default True); False: cudaMalloc regions with legacy
-                CUDA IPC (EPX_PROXY_CUMEM; docs/limitations.md).
+                context of its own; False: cudaMalloc regions with legacy CUDA IPC in the
+                primary context (EPX_PROXY_CUMEM; default True with a process per rank
+                and with more than 4 in-process ranks on a GPU, else False;
+                docs/limitations.md).
         """
         op = "Buffer"
         _compat.ignored_unless_default(op, "num_qps_per_rank", num_qps_per_rank, 24,

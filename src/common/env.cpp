@@ -122,8 +122,9 @@ bool proxy_row_copies() {
   return zero_or_one("EPX_PROXY_ROW_COPIES");
 }
 
-bool proxy_cumem() {
-  return zero_or_one("EPX_PROXY_CUMEM", true);
+std::optional<bool> proxy_cumem() {
+  if (!get("EPX_PROXY_CUMEM")) return std::nullopt;
+  return zero_or_one("EPX_PROXY_CUMEM");
 }
 
 int ht_rings() {

@@ -74,8 +74,9 @@ int ht_rings();
 /// A diagnostic switch (docs/developer.md): whether a pitched peer copy
 /// queues behind kernels that hold every SM. Read when the engine is made.
 bool proxy_row_copies();
-/// EPX_PROXY_CUMEM, where BufferOptions::proxy_cumem is unset (0 or 1,
-/// default 1): the proxy backend's regions are cuMem
+/// EPX_PROXY_CUMEM, where BufferOptions::proxy_cumem is unset (0 or 1;
+/// unset: nullopt, the default proxy::cumem_regions picks): 1: the proxy
+/// backend's regions are cuMem
 /// allocations (with a process per rank exported as POSIX file descriptors
 /// over a Unix socket), and the CUDA IPC engine's streams and calls live in a
 /// CUDA context of its own (one per device shared by in-process ranks), so
@@ -84,7 +85,7 @@ bool proxy_row_copies();
 /// queues (docs/limitations.md, docs/low_latency.md). 0: cudaMalloc regions
 /// (legacy CUDA IPC with a process per rank) in the primary context. Read
 /// when the engine is made.
-bool proxy_cumem();
+std::optional<bool> proxy_cumem();
 
 /// EPX_LL_CONTEXT_RANGES, where BufferOptions::ll_context_ranges is unset (0
 /// or 1, default 0): across nodes, the low-latency

@@ -31,6 +31,7 @@
 #include "epx/reference.hpp"
 #include "gpu/checksum.hpp"
 #include "gpu/harness.hpp"
+#include "transport/proxy/engine.hpp"
 
 namespace epx::test {
 namespace {
@@ -481,7 +482,11 @@ void line_up(const LlCase& c) {
 /// After an op whose last rank started c.late_ms late: every other rank puts
 /// at least a fifth of that on it (per wait: the dispatch sums `waits`, one per
 /// local expert) and less than half of it on any other source; the late rank
-/// itself waits less than that for anyone.
+/// itself waits less than that for anyone. With more in-process ranks on the
+/// device than share its context (proxy::kSharedContextRanks) the proxy's
+/// copies run in a context of their own, which the GPU time-slices with the
+/// kernels' (tens of ms to a source at 4x4): there the late rank's wait must
+/// only exceed every other source's.
 void check_waits(const LlCase& c, const char* op, const WaitStats& st, int64_t waits) {
   const int R = world().num_ranks, me = world().rank, late = R - 1;
   std::vector<int64_t> got(R);
@@ -495,10 +500,11 @@ void check_waits(const LlCase& c, const char* op, const WaitStats& st, int64_t w
   }
   if (me == 0) std::printf("[ waits    ] rank 0, %s, ns per source:%s\n", op, all.c_str());
   const int64_t least = waits * c.late_ms * 1'000'000 / 5;
+  const int64_t margin = world().comm->ranks_on_device() > proxy::kSharedContextRanks ? 1 : 2;
   if (me != late) {
     EXPECT_GE(got[late], least) << op << " waits (ns):" << all;
     for (int s = 0; s < R; ++s)
-      if (s != late) EXPECT_LT(2 * got[s], got[late]) << op << " source " << s << ":" << all;
+      if (s != late) EXPECT_LT(margin * got[s], got[late]) << op << " source " << s << ":" << all;
   } else {
     for (int s = 0; s < R; ++s)
       EXPECT_LT(got[s], least) << op << " late rank, source " << s << ":" << all;

@@ -514,7 +514,7 @@ TEST(Env, SwitchesUnsetTakeTheirDefaults) {
     unsetenv(name);
   EXPECT_FALSE(env::ht_pull());
   EXPECT_FALSE(env::proxy_row_copies());
-  EXPECT_TRUE(env::proxy_cumem());
+  EXPECT_FALSE(env::proxy_cumem().has_value());
   EXPECT_FALSE(env::ll_context_ranges());
   EXPECT_FALSE(env::ll_arrival_order());
   EXPECT_FALSE(env::net_split_puts().has_value());
@@ -629,8 +629,12 @@ TEST(Env, InternodeSizeHintHoldsTheRings) {
   }
 }
 
-TEST(Env, ProxyCumemIsZeroOrOneAndOnUnlessSet) {
-  expect_zero_or_one_switch("EPX_PROXY_CUMEM", env::proxy_cumem, /*unset=*/true);
+TEST(Env, ProxyCumemIsUnsetZeroOrOne) {
+  // unset: no value (proxy::cumem_regions picks the default); else a 0/1 switch
+  expect_zero_or_one_switch("EPX_PROXY_CUMEM", [] { return env::proxy_cumem().value_or(false); });
+  const SavedEnv saved("EPX_PROXY_CUMEM");
+  unsetenv("EPX_PROXY_CUMEM");
+  EXPECT_FALSE(env::proxy_cumem().has_value());
 }
 
 TEST(Env, NetSplitPutsIsUnsetZeroOrOne) {
@@ -736,13 +740,21 @@ TEST(BufferOptions, AlgorithmFieldsWinOverTheirVariables) {
 TEST(BufferOptions, ProxyCumemFieldWinsOverItsVariable) {
   const SavedEnv saved("EPX_PROXY_CUMEM");
   unsetenv("EPX_PROXY_CUMEM");
-  EXPECT_TRUE(proxy::cumem_regions(std::nullopt));  // the default
+  // the defaults: a process per rank, and in-process ranks by how many share the device
+  EXPECT_TRUE(proxy::cumem_regions(std::nullopt, 1));
+  EXPECT_FALSE(proxy::cumem_regions(std::nullopt, 2));
+  EXPECT_FALSE(proxy::cumem_regions(std::nullopt, proxy::kSharedContextRanks));
+  EXPECT_TRUE(proxy::cumem_regions(std::nullopt, proxy::kSharedContextRanks + 1));
+  EXPECT_TRUE(proxy::cumem_regions(std::nullopt, 16));
   setenv("EPX_PROXY_CUMEM", "0", 1);
-  EXPECT_FALSE(proxy::cumem_regions(std::nullopt));
-  EXPECT_TRUE(proxy::cumem_regions(true));
+  EXPECT_FALSE(proxy::cumem_regions(std::nullopt, 1));
+  EXPECT_FALSE(proxy::cumem_regions(std::nullopt, 16));
+  EXPECT_TRUE(proxy::cumem_regions(true, 4));
+  setenv("EPX_PROXY_CUMEM", "1", 1);
+  EXPECT_TRUE(proxy::cumem_regions(std::nullopt, 4));
   setenv("EPX_PROXY_CUMEM", "bad", 1);
-  EXPECT_FALSE(proxy::cumem_regions(false));  // set: the variable is not read
-  expect_error([] { proxy::cumem_regions(std::nullopt); }, {"EPX_PROXY_CUMEM", "0 or 1"});
+  EXPECT_FALSE(proxy::cumem_regions(false, 16));  // set: the variable is not read
+  expect_error([] { proxy::cumem_regions(std::nullopt, 1); }, {"EPX_PROXY_CUMEM", "0 or 1"});
 }
 
 /// The size hint's ht_rings is the buffer's field: set, it decides over

@@ -901,8 +901,10 @@ std::unique_ptr<Engine> make_cuda_ipc_engine(Communicator& comm, int num_channel
   return std::make_unique<CudaIpcEngine>(comm, num_channels, std::move(targets), cumem);
 }
 
-bool cumem_regions(std::optional<bool> option) {
-  return option ? *option : env::proxy_cumem();
+bool cumem_regions(std::optional<bool> option, int ranks_on_device) {
+  if (option) return *option;
+  if (const auto set = env::proxy_cumem()) return *set;
+  return ranks_on_device == 1 || ranks_on_device > kSharedContextRanks;
 }
 
 void* alloc_cumem_region(int device, std::size_t& bytes) {

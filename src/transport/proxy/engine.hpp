@@ -99,11 +99,21 @@ class Engine {
 std::unique_ptr<Engine> make_cuda_ipc_engine(Communicator& comm, int num_channels,
                                              std::vector<uint8_t> targets, bool cumem);
 
-/// Whether the CUDA IPC engine wants cuMem regions: `option`
-/// (BufferOptions::proxy_cumem) when set, else EPX_PROXY_CUMEM (default 1).
-/// The backend then allocates them with alloc_cumem_region instead of
-/// cudaMalloc, and passes the same choice to make_cuda_ipc_engine.
-bool cumem_regions(std::optional<bool> option);
+/// In-process ranks up to this many per device share the primary context with
+/// the proxy's copies by default. Measured on one H100 (docs/benchmarks.md):
+/// at 4 ranks as 2x2 the engine's own context makes a low-latency op about 4x
+/// slower (the GPU time-slices between the two contexts); at 16 ranks as 4x4
+/// the primary context's copies queue behind kernels that wait for them and
+/// the combine of a late rank's step stalls, which the own context avoids.
+inline constexpr int kSharedContextRanks = 4;
+
+/// Whether the CUDA IPC engine wants cuMem regions (and its own context):
+/// `option` (BufferOptions::proxy_cumem) when set, else EPX_PROXY_CUMEM when
+/// set, else yes for a process per rank (ranks_on_device 1) and for more than
+/// kSharedContextRanks in-process ranks on the device. The backend then
+/// allocates them with alloc_cumem_region instead of cudaMalloc, and passes
+/// the same choice to make_cuda_ipc_engine.
+bool cumem_regions(std::optional<bool> option, int ranks_on_device);
 /// Device memory on `device` that the engine exports as a POSIX file
 /// descriptor: `bytes` is rounded up to the allocation granularity (the size
 /// to register and to free).

@@ -67,7 +67,7 @@ class ProxyBackend final : public Backend {
         topo_(topology),
         engine_name_(engine_choice(options)),
         fabric_(engine_name_ == "libfabric"),
-        cumem_(!fabric_ && proxy::cumem_regions(options.proxy_cumem)) {
+        cumem_(!fabric_ && proxy::cumem_regions(options.proxy_cumem, comm.ranks_on_device())) {
     // One thread per channel: num_qps_per_rank (DeepEP's default is 24) is
     // capped at EPX_PROXY_CHANNELS (default 4) channels per rank.
     num_channels_ = std::clamp(options.num_contexts, 1, env::proxy_channels(kMaxContexts));
