@@ -484,6 +484,11 @@ class ElasticBuffer:
             the stream the dispatch's outputs are made on.
         """
         op = "ElasticBuffer.dispatch"
+        if do_expand and not self.allow_multiple_reduction:
+            _compat.unsupported(op, "do_expand", "with allow_multiple_reduction=False: EPX's "
+                                "expanded combine sums each rank's slots in float32 and "
+                                "rounds to BF16 before adding the ranks (V2's multiple "
+                                "reduction), not once over every slot")
         if do_zero_padding and not do_expand:
             _value_error(f"{op}: do_zero_padding: applies to the expanded layout only "
                          f"(pass do_expand=True)")

@@ -159,6 +159,7 @@ def bare(num_ranks=4, nodes=1, max_tokens=64):
     buf.num_allocated_qps = 4
     buf.num_rdma_ranks, buf.num_nvlink_ranks = nodes, num_ranks // nodes
     buf.num_scaleout_ranks, buf.num_scaleup_ranks = nodes, num_ranks // nodes
+    buf.allow_multiple_reduction = True
     buf.runtime = StopRuntime()
     return buf
 
@@ -210,6 +211,16 @@ def test_expanded_combine_inputs_are_checked_against_the_handle():
         buf.combine(T(12, 128), bare_handle(12), topk_weights=T(12, 4))
     with pytest.raises(epx.EPXValueError, match=r"combine: topk_weights: has 11 rows"):
         buf.combine(T(12, 128), bare_handle(12), topk_weights=T(11))
+
+
+def test_expanding_without_multiple_reduction_is_refused():
+    buf = bare()
+    buf.allow_multiple_reduction = False
+    with pytest.raises(epx.EPXUnsupportedError,
+                       match=r"dispatch: do_expand: with allow_multiple_reduction=False"):
+        buf.dispatch(**dispatch_args(do_expand=True))
+    with pytest.raises(Launched):  # the non-expanded layout reduces once within a node
+        buf.dispatch(**dispatch_args())
 
 
 def test_zero_padding_without_the_expanded_layout_is_refused():

@@ -172,6 +172,7 @@ def test_elastic_expanded_dispatch_and_combine_glue(sync):
     buf.num_ranks, buf.rank_idx, buf.num_max_tokens_per_rank = world, 0, maxT
     buf.num_allocated_qps, buf.num_rdma_ranks, buf.num_nvlink_ranks = 4, 1, world
     buf.num_scaleout_ranks, buf.num_scaleup_ranks = 1, world
+    buf.allow_multiple_reduction = True
     buf.runtime = rt = _ReferenceRuntime(all_x, all_idx, all_w, E)
     x = torch.from_numpy(all_x[0].view(np.int16)).view(torch.bfloat16)
     stats = torch.zeros(E // world, dtype=torch.int32)
