@@ -90,13 +90,15 @@ def expand_rows(rows: "torch.Tensor", slots: "torch.Tensor", num_slots: int) -> 
     """rows [N, ...] -> [num_slots, ...]: row i copied to each of its pairs' slots;
     padding and unused slots are zero."""
     torch = _torch()
+    # PyTorch has no index_copy_ for FP8: one-byte rows are copied as bytes.
+    data = rows.view(torch.uint8) if rows.element_size() == 1 else rows
     # One spill slot past the end takes the pairs that are not here; it is cut off.
-    out = torch.zeros((num_slots + 1,) + tuple(rows.shape[1:]), dtype=rows.dtype,
+    out = torch.zeros((num_slots + 1,) + tuple(data.shape[1:]), dtype=data.dtype,
                       device=rows.device)
     idx = _or_spill(slots, num_slots)
     for j in range(slots.shape[1]):  # one top-k column at a time: no [N * K, H] copy
-        out.index_copy_(0, idx[:, j], rows)
-    return out[:num_slots]
+        out.index_copy_(0, idx[:, j], data)
+    return out[:num_slots].view(rows.dtype)
 
 
 def expand_weights(weights: "torch.Tensor", slots: "torch.Tensor",

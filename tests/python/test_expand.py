@@ -75,6 +75,18 @@ def test_rows_and_weights_expand_and_fold_back(n, k, e_local, align, p):
                     filled[s] = True
         assert not got[~filled].any(), "padding and unused slots are zero"
 
+        # FP8 rows (one byte each) land at the same slots
+        q = rng.integers(0, 256, (n, H), dtype=np.uint8)
+        q_exp = expand.expand_rows(torch.from_numpy(q).view(torch.float8_e4m3fn), slots,
+                                   num_slots)
+        assert q_exp.dtype == torch.float8_e4m3fn and q_exp.shape == (num_slots, H)
+        got_q = q_exp.view(torch.uint8).numpy()
+        for i in range(n):
+            for j in range(k):
+                if want["slots"][i, j] >= 0:
+                    np.testing.assert_array_equal(got_q[want["slots"][i, j]], q[i])
+        assert not got_q[~filled].any()
+
         w = rng.random((n, k)).astype(np.float32)
         we = expand.expand_weights(torch.from_numpy(w), slots, num_slots)
         assert we.shape == (num_slots,)
