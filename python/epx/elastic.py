@@ -561,9 +561,10 @@ class ElasticBuffer:
             if cumulative_local_expert_recv_stats is not None:
                 cumulative_local_expert_recv_stats.add_(
                     per_exp.to(cumulative_local_expert_recv_stats.dtype))
-            psum_exp = _expand.align_counts(per_exp, alignment).cumsum(0).to(torch.int32)
             slots = unaligned = None
-            if do_expand:
+            if not do_expand:
+                psum_exp = _expand.align_counts(per_exp, alignment).cumsum(0).to(torch.int32)
+            else:
                 slots, psum_exp = _expand.layout(recv_idx, per_exp, alignment)
                 unaligned = per_exp.to(torch.int32)
                 recv_x = _expand.expand_rows(recv_x, slots, num_slots)
@@ -667,10 +668,10 @@ class ElasticBuffer:
             if topk_weights is not None:
                 topk_weights = _expand.fold_weights(topk_weights, handle.expand_slots)
         return rt.combine(x, handle.epx_handle, topk_weights=topk_weights, bias=bias,
-                                  config=self._config("combine", num_sms),
-                                  previous_event=previous_event,
-                                  async_finish=async_with_compute_stream,
-                                  allocate_on_comm_stream=allocate_on_comm_stream)
+                          config=self._config("combine", num_sms),
+                          previous_event=previous_event,
+                          async_finish=async_with_compute_stream,
+                          allocate_on_comm_stream=allocate_on_comm_stream)
 
     # ---- V2's experimental features: not provided -----------------------------------------------
 

@@ -107,7 +107,6 @@ def expand_weights(weights: "torch.Tensor", slots: "torch.Tensor",
     torch = _torch()
     out = torch.zeros(num_slots + 1, dtype=weights.dtype, device=weights.device)
     out.index_copy_(0, _or_spill(slots, num_slots).reshape(-1), weights.reshape(-1))
-    out[num_slots] = 0
     return out[:num_slots]
 
 
