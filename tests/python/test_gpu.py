@@ -1326,6 +1326,8 @@ def _check_elastic_expanded(buf, rank, group, dev, rng, x, idx, w, x8, all_idx, 
     weights) against ht_fold + ht_combine of every rank, bit for bit."""
     import torch
 
+    import epx
+    from epx import expand
     from epx import reference as ref
 
     world = len(want)
@@ -1334,18 +1336,18 @@ def _check_elastic_expanded(buf, rank, group, dev, rng, x, idx, w, x8, all_idx, 
     lay = ref.ht_expand(mine["recv_topk_idx"], E_local, align)
     slots, S = lay["slots"], lay["num_slots"]
     where = slots >= 0
+    # each (row, k) pair here: its slot, and the received row it copies
+    at, rows = slots[where], np.broadcast_to(np.arange(N)[:, None], slots.shape)[where]
 
     def check(rx, rw, h, num_slots):
         assert h.do_expand is True and h.num_expanded_tokens == num_slots
         assert rx.shape == (num_slots, H) and rw.shape == (num_slots,)
         got = _bits(rx)
-        rows = np.broadcast_to(np.arange(N)[:, None], slots.shape)[where]
-        np.testing.assert_array_equal(got[slots[where]], mine["recv_x"][rows])
+        np.testing.assert_array_equal(got[at], mine["recv_x"][rows])
         free = np.ones(num_slots, bool)
-        free[slots[where]] = False
+        free[at] = False
         assert not got[free].any(), "padding slots are zero"
-        np.testing.assert_array_equal(rw.cpu().numpy()[slots[where]],
-                                      mine["recv_topk_weights"][where])
+        np.testing.assert_array_equal(rw.cpu().numpy()[at], mine["recv_topk_weights"][where])
         assert not rw.cpu().numpy()[free].any()
         np.testing.assert_array_equal(h.psum_num_recv_tokens_per_expert.cpu().numpy(),
                                       lay["starts"] + lay["counts"])
@@ -1378,8 +1380,6 @@ def _check_elastic_expanded(buf, rank, group, dev, rng, x, idx, w, x8, all_idx, 
     np.testing.assert_allclose(cw.cpu().numpy(), expect[1], rtol=1e-6)
 
     # without CPU sync: V2's worst-case slot count, the same slots filled
-    from epx import expand
-
     worst = expand.worst_case_slots(maxT * world, K, E_local, align)
     wx, _, ww, hw, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=E,
                                     expert_alignment=align, do_expand=True, do_cpu_sync=False)
@@ -1397,13 +1397,10 @@ def _check_elastic_expanded(buf, rank, group, dev, rng, x, idx, w, x8, all_idx, 
                                        do_expand=True, use_tma_aligned_col_major_sf=True)
     assert q.shape == (S, H) and sf.shape == (S, H // 128)
     assert sf.stride() == (1, (S + 3) // 4 * 4)
-    rows = np.broadcast_to(np.arange(N)[:, None], slots.shape)[where]
-    np.testing.assert_array_equal(_bits(q)[slots[where]], want8["recv_x"][0][rows])
-    np.testing.assert_array_equal(sf.cpu().numpy()[slots[where]], want8["recv_x"][1][rows])
+    np.testing.assert_array_equal(_bits(q)[at], want8["recv_x"][0][rows])
+    np.testing.assert_array_equal(sf.cpu().numpy()[at], want8["recv_x"][1][rows])
 
     # a combine input that is not the handle's slot count is refused by name
-    import epx
-
     bad = _bf16(np.zeros((S + 1, H), np.uint16), dev)
     _check_raises(epx.EPXValueError, "combine: x: has", lambda: buf.combine(bad, h))
     assert h.num_sms == num_sms
