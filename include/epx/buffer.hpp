@@ -320,7 +320,9 @@ class Buffer {
   /// contexts across its communicators); 1 within one NVLink domain.
   int num_network_contexts() const;
   /// What carries the backend's network operations, where it has a choice:
-  /// the proxy's engine ("cuda_ipc", "libfabric <provider>, domain <name>" or
+  /// the proxy's engine ("cuda_ipc, own CUDA context" or "cuda_ipc, primary
+  /// context": where its copies run, BufferOptions::proxy_cumem;
+  /// "libfabric <provider>, domain <name>" or
   /// with several rails "libfabric <provider>, domains <a>,<b> (channel c on
   /// domain c % 2)"); "" otherwise.
   std::string network_engine() const;

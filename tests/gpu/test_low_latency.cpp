@@ -30,8 +30,8 @@
 #include "common/env.hpp"
 #include "epx/reference.hpp"
 #include "gpu/checksum.hpp"
+#include "gpu/device_sleep.hpp"
 #include "gpu/harness.hpp"
-#include "transport/proxy/engine.hpp"
 
 namespace epx::test {
 namespace {
@@ -467,27 +467,52 @@ struct WaitStats {
   TensorView view() const { return epx::test::view(d.get(), DType::kI64, {int64_t(base.size())}); }
 };
 
+/// How late the late rank of the late cases is, in ms: EPX_TEST_LATE_MS
+/// (default 50). Their wait check (check_waits) needs the lateness to exceed
+/// the op's own waits several times over; a transport whose ops take longer
+/// than about 10 ms at these sizes (libfabric over tcp with 16 in-process
+/// ranks: about 250 ms) needs more. A bad value fails the test naming it.
+int test_late_ms() {
+  const char* v = std::getenv("EPX_TEST_LATE_MS");
+  if (v == nullptr) return 50;
+  char* end = nullptr;
+  const long ms = std::strtol(v, &end, 10);
+  if (end == v || *end != '\0' || ms < 1 || ms > 60'000) {
+    ADD_FAILURE() << "EPX_TEST_LATE_MS must be an integer of 1 to 60000 (ms), got '" << v << "'";
+    return 50;
+  }
+  return static_cast<int>(ms);
+}
+
 /// Every rank lines up before an op: with c.late_ms (then the last one sleeps
 /// before its op), and with a dead rank (shrink cases; the dead one joins the
 /// line-ups of the ops it skips): the ranks' host-side reference work differs
 /// by seconds at 16 in-process ranks, more than the shrink deadline, and a
 /// live rank that starts an op that late is rightly masked by the others.
-void line_up(const LlCase& c) {
+/// The late rank is late on the GPU as well (`op_follows`: its op is queued
+/// next): it sleeps c.late_ms on the host, then queues a kernel that spins
+/// c.late_ms before its op. The host sleep alone does not make the GPU see a
+/// late rank when the GPU starts the others' kernels late (with the proxy in
+/// a CUDA context of its own the GPU time-slices the two, and a kernel may
+/// start tens of ms after its launch); the spin does, as the others' kernels
+/// were queued c.late_ms before it.
+void line_up(const LlCase& c, bool op_follows = true) {
   if (c.late_ms == 0 && c.dead_rank < 0) return;
   ASSERT_TRUE(all_ranks(true));
-  if (world().rank == world().num_ranks - 1)
-    std::this_thread::sleep_for(std::chrono::milliseconds(c.late_ms));
+  if (world().rank != world().num_ranks - 1 || c.late_ms == 0) return;
+  std::this_thread::sleep_for(std::chrono::milliseconds(c.late_ms));
+  if (op_follows)
+    ASSERT_EQ(launch_device_sleep(uint64_t(c.late_ms) * 1'000'000, case_stream(c)), cudaSuccess);
 }
 
 /// After an op whose last rank started c.late_ms late: every other rank puts
 /// at least a fifth of that on it (per wait: the dispatch sums `waits`, one per
 /// local expert) and less than half of it on any other source; the late rank
-/// itself waits less than that for anyone. With more in-process ranks on the
-/// device than share its context (proxy::kSharedContextRanks) the proxy's
-/// copies run in a context of their own, which the GPU time-slices with the
-/// kernels' (tens of ms to a source at 4x4, and a kernel may start that much
-/// after its rank's launch): there the late source's wait must exceed every
-/// other source's and a fifth of the lateness once, not once per wait.
+/// itself waits less than that for anyone. Where the proxy's copies run in a
+/// CUDA context of their own (the engine says so), the GPU time-slices it
+/// with the kernels' (tens of ms to a source at 4x4): there the late source's
+/// wait must exceed every other source's and a fifth of the lateness once,
+/// not once per wait.
 void check_waits(const LlCase& c, const char* op, const WaitStats& st, int64_t waits) {
   const int R = world().num_ranks, me = world().rank, late = R - 1;
   std::vector<int64_t> got(R);
@@ -500,7 +525,10 @@ void check_waits(const LlCase& c, const char* op, const WaitStats& st, int64_t w
     EXPECT_GE(got[s], 0) << op << " source " << s;
   }
   if (me == 0) std::printf("[ waits    ] rank 0, %s, ns per source:%s\n", op, all.c_str());
-  const bool own_context = world().comm->ranks_on_device() > proxy::kSharedContextRanks;
+  // What the proxy's engine reports (Buffer::network_engine), so that
+  // EPX_PROXY_CUMEM and BufferOptions::proxy_cumem count too.
+  const bool own_context =
+      world().buffer->network_engine().find("own CUDA context") != std::string::npos;
   const int64_t least = waits * c.late_ms * 1'000'000 / 5;
   const int64_t least_seen = own_context ? c.late_ms * 1'000'000 / 5 : least;
   const int64_t margin = own_context ? 1 : 2;
@@ -552,10 +580,10 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
   const bool dies_mid = c.dead_mid_dispatch >= 0;
   const bool dispatched = c.dead_after_dispatch || dies_mid;  // the dead rank's tokens went out
   if (me == c.dead_rank && !dispatched) {  // no call; the test's collectives only
-    line_up(c);
+    line_up(c, false);
     ASSERT_TRUE(all_ranks(true));
     if (with_combine) {
-      line_up(c);
+      line_up(c, false);
       ASSERT_TRUE(all_ranks(true));
     }
     return;
@@ -596,7 +624,7 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
     finish(res.event, case_stream(c));
     ASSERT_TRUE(all_ranks(true));
     if (with_combine) {
-      line_up(c);
+      line_up(c, false);
       ASSERT_TRUE(all_ranks(true));
     }
     return;
@@ -632,7 +660,7 @@ void run_case(const LlCase& c, uint64_t seed, bool with_combine = true, Buffer* 
   ASSERT_TRUE(all_ranks(!rank_failed())) << "another rank failed " << c.name();
   if (!with_combine) return;
   if (me == c.dead_rank) {  // dead_after_dispatch: stops here
-    line_up(c);
+    line_up(c, false);
     ASSERT_TRUE(all_ranks(true));
     return;
   }
@@ -957,9 +985,7 @@ EPX_GPU_TEST(LowLatency, BackToBackOnTheLegacyStreamWithCopies) {
   // the op never completes. By default the engine has cuMem regions and a
   // context of its own (as the loopback GIN plugin does) and this passes.
   const Buffer& b = *world().buffer;
-  const char* cumem = std::getenv("EPX_PROXY_CUMEM");
-  if (b.num_rdma_ranks() > 1 && std::string(b.backend_name()) == "proxy" && cumem &&
-      std::string(cumem) == "0")
+  if (b.num_rdma_ranks() > 1 && b.network_engine() == "cuda_ipc, primary context")
     GTEST_SKIP() << "proxy backend across nodes with EPX_PROXY_CUMEM=0: a blocking pageable "
                     "copy while an op is in flight holds the cuda_ipc engine's copies "
                     "(docs/limitations.md)";
@@ -1319,16 +1345,16 @@ EPX_GPU_TEST(LowLatency, CleanOnAFreshBufferThenOps) {
     run_case(c, 94, true, &b);
   }
   // Then, as the Python case goes on: BF16 with the wait statistics, the last
-  // rank 50 ms late.
+  // rank late (test_late_ms).
   c.fp8 = false;
-  c.late_ms = 50;
+  c.late_ms = test_late_ms();
   run_case(c, 95, true, &b);
   EXPECT_TRUE(all_ranks(!rank_failed()));
   b.destroy();
 }
 
 /// CleanOnAFreshBufferThenOps's last step again and again: BF16 dispatch and
-/// combine with the wait statistics, the last rank 50 ms late, on a cleaned
+/// combine with the wait statistics, the last rank late (test_late_ms), on a cleaned
 /// buffer of 4 contexts. At 16 in-process ranks as 4x4 over the proxy one
 /// such combine in two runs left every output unwritten on every rank
 /// (docs/low_latency.md, "A combine left unwritten"). EPX_TEST_LATE_REPEATS
@@ -1339,7 +1365,7 @@ EPX_GPU_TEST(LowLatency, LateRankStepsAfterClean) {
   Buffer& b = *buffer;
   const char* env = std::getenv("EPX_TEST_LATE_REPEATS");
   const int repeats = env != nullptr ? std::max(1, std::atoi(env)) : 6;
-  c.late_ms = 50;
+  c.late_ms = test_late_ms();
   // (all_ranks: every rank stops after the same step.)
   for (int i = 0; i < repeats && all_ranks(!rank_failed()); ++i) run_case(c, 400 + i, true, &b);
   EXPECT_TRUE(all_ranks(!rank_failed()));
@@ -1359,7 +1385,7 @@ EPX_GPU_TEST(LowLatency, PythonCaseShapesPairAfterPair) {
   const auto buffer = cleaned_buffer_of_4_contexts(c);
   Buffer& b = *buffer;
   for (int i = 0; i < 4; ++i) run_case(c, 300 + i, true, &b);
-  c.late_ms = 50;
+  c.late_ms = test_late_ms();
   run_case(c, 310, true, &b);
   c.late_ms = 0;
   c.fp8 = true;
@@ -1624,7 +1650,7 @@ EPX_GPU_TEST(LowLatency, ShrinkArgumentsAreChecked) {
   b.destroy();
 }
 
-/// The last rank starts its dispatch and its combine 50 ms after the others,
+/// The last rank starts its dispatch and its combine test_late_ms() after the others,
 /// with and without hooks (see check_waits). The results are checked as always.
 EPX_GPU_TEST(LowLatency, WaitCostStatsNameTheSlowRank) {
   if (world().num_ranks < 2) GTEST_SKIP() << "needs a peer";
@@ -1632,7 +1658,7 @@ EPX_GPU_TEST(LowLatency, WaitCostStatsNameTheSlowRank) {
   c.max_tokens = 32;
   c.hidden = 1024;
   c.fp8 = true;
-  c.late_ms = 50;
+  c.late_ms = test_late_ms();
   run_case(c, 21);
   c.hook = true;
   run_case(c, 22);

@@ -135,7 +135,8 @@ class ProxyBackend final : public Backend {
   const Topology& topology() const override { return topo_; }
   int num_contexts() const override { return num_channels_; }
   std::string engine_name() const override {
-    return fabric_ ? proxy::describe(proxy::libfabric_stats(*engine_)) : engine_name_;
+    if (fabric_) return proxy::describe(proxy::libfabric_stats(*engine_));
+    return engine_name_ + (cumem_ ? ", own CUDA context" : ", primary context");
   }
 
   SymmetricRegion alloc(std::size_t bytes) override {
