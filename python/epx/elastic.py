@@ -116,6 +116,32 @@ def _experimental(name: str) -> None:
                         "are not provided by EPX (only dispatch and combine are)")
 
 
+def _tma_col_major(sf: "torch.Tensor") -> "torch.Tensor":
+    """[N, S] scales as V2's TMA-aligned column-major layout: the same values, column
+    stride N rounded up to _SF_ROW_ALIGNMENT rows."""
+    torch = _torch()
+    n, s = sf.shape
+    col = torch.empty_strided((n, s), (1, _align(max(n, 1), _SF_ROW_ALIGNMENT)),
+                              dtype=sf.dtype, device=sf.device)
+    return col.copy_(sf)
+
+
+def _comm_stream_event(x: Any, inputs: Tuple[Any, ...]) -> EventOverlap:
+    """The event of an asynchronous dispatch, recorded on the current (comm) stream
+    after what EPX derived there; it keeps x and `inputs` alive until waited on."""
+    return EventOverlap(EventHandle(), extra_tensors=tuple(
+        t for t in (x if isinstance(x, tuple) else (x,)) + tuple(inputs) if t is not None))
+
+
+def _record_on_current(rt: Any, made: Tuple[Any, ...]) -> None:
+    """Tensors made on the comm stream and used on the caller's: recorded on it."""
+    torch = _torch()
+    current = torch.cuda.current_stream(rt._device)
+    for t in made:
+        if t is not None and t.device.type == "cuda":
+            t.record_stream(current)
+
+
 class EPHandle:
     """V2's dispatch handle.
 
@@ -154,9 +180,13 @@ class EPHandle:
                  psum_num_recv_tokens_per_expert: Any,
                  make_recv_src_metadata: Callable[[], Any],
                  expand_slots: Any = None,
-                 num_unaligned_recv_tokens_per_expert: Any = None) -> None:
+                 num_unaligned_recv_tokens_per_expert: Any = None,
+                 recv_topk_idx: Any = None) -> None:
         # expand_slots: [N, K] int32 slots of the expanded layout (None: non-expanded)
+        # recv_topk_idx: [N, K] int64 the dispatch's local expert ids (-1 elsewhere), which
+        # a cached dispatch returns again and masks the weights it carries with
         self.do_expand = expand_slots is not None
+        self._recv_topk_idx = recv_topk_idx
         self.expand_slots = expand_slots
         self.epx_handle = epx_handle
         self.num_experts = num_experts
@@ -492,14 +522,16 @@ class ElasticBuffer:
         if do_zero_padding and not do_expand:
             _value_error(f"{op}: do_zero_padding: applies to the expanded layout only "
                          f"(pass do_expand=True)")
-        _compat.unsupported_unless_default(op, "handle", handle, None,
-                                           "a cached dispatch (V2 resends top-k from the "
-                                           "handle) is not provided yet; dispatch with topk_idx "
-                                           "again")
         _compat.unsupported_unless_default(op, "previous_event_before_epilogue",
                                            previous_event_before_epilogue, None,
                                            "EPX's dispatch has no separate copy epilogue to "
                                            "order; pass the event as previous_event")
+        if handle is not None:
+            return self._cached_dispatch(
+                op, x, handle, topk_idx, topk_weights, cumulative_local_expert_recv_stats,
+                num_experts, num_max_tokens_per_rank, expert_alignment, num_sms, num_qps,
+                previous_event, async_with_compute_stream, allocate_on_comm_stream,
+                do_cpu_sync, do_expand, use_tma_aligned_col_major_sf)
         if topk_idx is None:
             _value_error(f"{op}: topk_idx: required (no cached handle)")
         if num_experts is None:
@@ -562,6 +594,7 @@ class ElasticBuffer:
                 cumulative_local_expert_recv_stats.add_(
                     per_exp.to(cumulative_local_expert_recv_stats.dtype))
             slots = unaligned = None
+            kept_idx = recv_idx
             if not do_expand:
                 psum_exp = _expand.align_counts(per_exp, alignment).cumsum(0).to(torch.int32)
             else:
@@ -574,22 +607,13 @@ class ElasticBuffer:
                     recv_w = _expand.expand_weights(recv_w, slots, num_slots)
                 recv_idx = None
             if recv_sf is not None and use_tma_aligned_col_major_sf:
-                n, s = recv_sf.shape
-                col = torch.empty_strided((n, s), (1, _align(max(n, 1), _SF_ROW_ALIGNMENT)),
-                                          dtype=recv_sf.dtype, device=recv_sf.device)
-                recv_sf = col.copy_(recv_sf)
+                recv_sf = _tma_col_major(recv_sf)
             kept = topk_idx.clone() if do_handle_copy else topk_idx
             if async_with_compute_stream:
-                made = (psum_peer, psum_exp, recv_sf, kept, slots, unaligned) + \
-                    ((recv_x, recv_w) if do_expand else ())
-                current = torch.cuda.current_stream(rt._device)
-                event = EventOverlap(EventHandle(), extra_tensors=tuple(
-                    t for t in (x if isinstance(x, tuple) else (x,)) + (topk_idx, topk_weights)
-                    if t is not None))
+                event = _comm_stream_event(x, (topk_idx, topk_weights))
         if async_with_compute_stream and not allocate_on_comm_stream:
-            for t in made:  # made on the comm stream, used on the caller's
-                if t is not None and t.device.type == "cuda":
-                    t.record_stream(current)
+            _record_on_current(rt, (psum_peer, psum_exp, recv_sf, kept, slots, unaligned) +
+                               ((recv_x, recv_w) if do_expand else ()))
 
         if not sync:
             counts = []
@@ -612,9 +636,103 @@ class ElasticBuffer:
         new_handle = EPHandle(v1_handle, num_experts, alignment, max_tokens, num_sms, kept,
                               num_recv, num_slots, list(counts), psum_peer, psum_exp, make_meta,
                               expand_slots=slots,
-                              num_unaligned_recv_tokens_per_expert=unaligned)
+                              num_unaligned_recv_tokens_per_expert=unaligned,
+                              recv_topk_idx=kept_idx)
         recv_out = (recv_x, recv_sf) if sf is not None else recv_x
         return recv_out, recv_idx, recv_w, new_handle, event
+
+    def _cached_dispatch(self, op: str, x: Any, handle: EPHandle, topk_idx: Any,
+                         topk_weights: Any, stats: Any, num_experts: Optional[int],
+                         num_max_tokens_per_rank: Optional[int],
+                         expert_alignment: Optional[int], num_sms: int, num_qps: int,
+                         previous_event: Optional[EventHandle], async_with_compute_stream: bool,
+                         allocate_on_comm_stream: bool, do_cpu_sync: Optional[bool],
+                         do_expand: bool, use_tma_aligned_col_major_sf: bool) \
+            -> Tuple[Any, Optional["torch.Tensor"], Optional["torch.Tensor"], EPHandle,
+                     EventOverlap]:
+        """V2's cached dispatch: the routing, the row order and the sizes of `handle`'s
+        dispatch, x (and topk_weights when given) sent again. EPX runs its V1 cached
+        dispatch on x, then, with topk_weights, a second one on the weights padded to
+        16-byte rows; recv_topk_idx is the handle's dispatch's (a copy). Returns the same
+        five entries as dispatch, the handle itself fourth (as V2)."""
+        if not isinstance(handle, EPHandle):
+            raise TypeError(f"{op}: handle: expected the EPHandle a dispatch returned, got "
+                            f"{type(handle).__name__}")
+        if topk_idx is not None:
+            _value_error(f"{op}: topk_idx: must be None with a cached handle (the handle's "
+                         f"routing is reused)")
+        if do_cpu_sync:
+            _value_error(f"{op}: do_cpu_sync: a cached dispatch does not sync with the CPU "
+                         f"(pass None or False with handle)")
+        if stats is not None:
+            _value_error(f"{op}: cumulative_local_expert_recv_stats: a cached dispatch does "
+                         f"not count expert tokens (as V2); pass None with handle")
+        for name, given, want in (("num_experts", num_experts, handle.num_experts),
+                                  ("expert_alignment", expert_alignment,
+                                   handle.expert_alignment),
+                                  ("num_max_tokens_per_rank", num_max_tokens_per_rank,
+                                   handle.num_max_tokens_per_rank)):
+            if given is not None and given != want:
+                _value_error(f"{op}: {name}: {given} differs from the cached handle's {want}")
+        if bool(do_expand) != handle.do_expand:
+            _value_error(f"{op}: do_expand: {bool(do_expand)} differs from the cached "
+                         f"handle's layout (do_expand={handle.do_expand})")
+        if isinstance(x, tuple) and len(x) != 2:
+            raise ValueError(f"x: expected a tensor or a pair (x, sf), got a tuple of {len(x)}")
+        rows = x[0] if isinstance(x, tuple) else x
+        num_tokens, num_topk = handle.topk_idx.shape
+        if rows.shape[0] != num_tokens:
+            _value_error(f"{op}: x: has {rows.shape[0]} rows; the cached handle's dispatch "
+                         f"sent {num_tokens}")
+        if topk_weights is not None and tuple(topk_weights.shape) != (num_tokens, num_topk):
+            _value_error(f"{op}: topk_weights: must be [{num_tokens}, {num_topk}] as the "
+                         f"cached handle's top-k, got {tuple(topk_weights.shape)}")
+        _int("num_sms", num_sms, (0, 2**31 - 1))
+        num_sms = handle.num_sms if num_sms == 0 else num_sms
+        self._check_qps(op, num_sms, num_qps)
+
+        rt = self._rt()
+        torch = _torch()
+        cfg = self._config("dispatch", num_sms)
+        recv, _, _, _, _, event = rt.dispatch(
+            x, handle=handle.epx_handle, config=cfg, previous_event=previous_event,
+            async_finish=async_with_compute_stream,
+            allocate_on_comm_stream=allocate_on_comm_stream)
+        recv_x, recv_sf = recv if isinstance(x, tuple) else (recv, None)
+        recv_w = None
+        if topk_weights is not None:
+            # rows of 16-byte multiples, as every dispatched row must be
+            padded = topk_weights.new_zeros((num_tokens, _align(num_topk, 4)),
+                                            dtype=torch.float32)
+            padded[:, :num_topk] = topk_weights
+            got, _, _, _, _, event = rt.dispatch(
+                padded, handle=handle.epx_handle, config=cfg,
+                async_finish=async_with_compute_stream,
+                allocate_on_comm_stream=allocate_on_comm_stream)
+        ctx = torch.cuda.stream(rt.get_comm_stream()) if async_with_compute_stream \
+            else contextlib.nullcontext()
+        with ctx:
+            idx = handle._recv_topk_idx
+            if topk_weights is not None:  # 0 where the expert is not this rank's (as dispatch)
+                recv_w = torch.where(idx >= 0, got[:, :num_topk], got.new_zeros(()))
+            recv_idx = None
+            if handle.do_expand:
+                slots, n_slots = handle.expand_slots, handle.num_expanded_tokens
+                recv_x = _expand.expand_rows(recv_x, slots, n_slots)
+                if recv_sf is not None:
+                    recv_sf = _expand.expand_rows(recv_sf, slots, n_slots)
+                if recv_w is not None:
+                    recv_w = _expand.expand_weights(recv_w, slots, n_slots)
+            else:
+                recv_idx = idx.clone()
+            if recv_sf is not None and use_tma_aligned_col_major_sf:
+                recv_sf = _tma_col_major(recv_sf)
+            if async_with_compute_stream:
+                event = _comm_stream_event(x, (topk_weights,))
+        if async_with_compute_stream and not allocate_on_comm_stream:
+            _record_on_current(rt, (recv_x, recv_sf, recv_w, recv_idx))
+        recv_out = (recv_x, recv_sf) if recv_sf is not None else recv_x
+        return recv_out, recv_idx, recv_w, handle, event
 
     def combine(self,
                 x: "torch.Tensor",

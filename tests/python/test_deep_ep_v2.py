@@ -148,6 +148,9 @@ class StopRuntime:
     def get_dispatch_layout(self, *a, **k):
         raise Launched("dispatch")
 
+    def dispatch(self, *a, **k):  # a cached dispatch skips the layout
+        raise Launched("dispatch")
+
     def combine(self, *a, **k):
         raise Launched("combine")
 
@@ -229,12 +232,50 @@ def test_zero_padding_without_the_expanded_layout_is_refused():
 
 
 @pytest.mark.parametrize("arg, value, words", [
-    ("handle", object(), "cached dispatch"),
     ("previous_event_before_epilogue", object(), "no separate copy epilogue"),
 ])
 def test_unsupported_dispatch_arguments_raise_naming_them(arg, value, words):
     with pytest.raises(epx.EPXUnsupportedError, match=rf"dispatch: {arg}: .*{words}"):
         bare().dispatch(**dispatch_args(**{arg: value}))
+
+
+def cached_handle(do_expand=False, tokens=16, topk=4):
+    """An EPHandle with what a cached dispatch checks before EPX runs."""
+    handle = bare_handle(12 if do_expand else None)
+    handle.topk_idx = T(tokens, topk)
+    handle.num_experts, handle.expert_alignment, handle.num_max_tokens_per_rank = 16, 1, 64
+    return handle
+
+
+@pytest.mark.parametrize("over, match", [
+    (dict(topk_idx=T(16, 4)), r"topk_idx: must be None with a cached handle"),
+    (dict(do_cpu_sync=True), r"do_cpu_sync: a cached dispatch does not sync"),
+    (dict(cumulative_local_expert_recv_stats=T(4)),
+     r"cumulative_local_expert_recv_stats: a cached dispatch does not count"),
+    (dict(num_experts=32), r"num_experts: 32 differs from the cached handle's 16"),
+    (dict(expert_alignment=4), r"expert_alignment: 4 differs from the cached handle's 1"),
+    (dict(num_max_tokens_per_rank=32),
+     r"num_max_tokens_per_rank: 32 differs from the cached handle's 64"),
+    (dict(do_expand=True), r"do_expand: True differs from the cached handle's layout"),
+    (dict(x=T(15, 128)), r"x: has 15 rows; the cached handle's dispatch sent 16"),
+    (dict(topk_weights=T(16, 3)), r"topk_weights: must be \[16, 4\] as the cached handle's"),
+])
+def test_cached_dispatch_refusals_name_the_argument(over, match):
+    a = dict(x=T(16, 128), handle=cached_handle())
+    a.update(over)
+    with pytest.raises(epx.EPXValueError, match=rf"dispatch: {match}"):
+        bare().dispatch(**a)
+
+
+def test_cached_dispatch_reaches_epx():
+    buf = bare()
+    with pytest.raises(TypeError, match="dispatch: handle: expected the EPHandle"):
+        buf.dispatch(T(16, 128), handle=("a V1 handle",))
+    with pytest.raises(Launched, match="dispatch"):
+        buf.dispatch(T(16, 128), handle=cached_handle(), do_cpu_sync=False, num_experts=16)
+    with pytest.raises(Launched, match="dispatch"):
+        buf.dispatch(T(16, 128), handle=cached_handle(do_expand=True), do_expand=True,
+                     topk_weights=T(16, 4))
 
 
 def test_combine_refusals_name_the_argument():

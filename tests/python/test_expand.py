@@ -144,8 +144,11 @@ class _ReferenceRuntime:
     def get_dispatch_layout(self, topk_idx, num_experts, previous_event=None):
         return None, None, None, None, None
 
-    def dispatch(self, x, topk_idx, topk_weights, expert_alignment, num_worst_tokens, **_):
+    def dispatch(self, x, topk_idx=None, topk_weights=None, expert_alignment=1,
+                 num_worst_tokens=0, handle=None, **_):
         all_x, all_idx, all_w, E = self.args
+        if handle is not None:
+            return self._cached(x), None, None, None, None, None
         o = ref.ht_dispatch(all_x, all_idx, E, topk_weights=all_w,
                             expert_alignment=expert_alignment)[0]
         n = len(o["recv_src_idx"])
@@ -161,9 +164,28 @@ class _ReferenceRuntime:
         h = _V1Handle({"rank_prefix_matrix": torch.from_numpy(
             o["rank_prefix_matrix"].astype(np.int32)), "recv_src_idx": torch.from_numpy(src)})
         counts = [] if num_worst_tokens else o["num_recv_tokens_per_expert"]
-        self.want = o
+        self.want, self.rows = o, rows
         return (torch.from_numpy(recv.view(np.int16)).view(torch.bfloat16),
                 torch.from_numpy(ridx), torch.from_numpy(rw), counts, h, None)
+
+    def _cached(self, x):
+        """V1's cached dispatch of the last dispatch's routing: every rank's rows of x's
+        kind (rank 0's the tensor given, the others' the world's: BF16 x, or the weights
+        padded as x is) in the received order; rows past the data zero."""
+        all_x, _, all_w, _ = self.args
+        bf16 = x.dtype == torch.bfloat16
+        o, got = self.want, (x.view(torch.int16) if bf16 else x).numpy()
+        if not bf16:
+            peers = [np.pad(w, ((0, 0), (0, got.shape[1] - w.shape[1]))) for w in all_w]
+        else:
+            peers = [a.view(np.int16) for a in all_x]
+        peers[0] = got
+        n = len(o["recv_src_idx"])
+        ends = o["rank_prefix_matrix"][:, 0]
+        out = np.zeros((self.rows, got.shape[1]), got.dtype)
+        for i in range(n):
+            out[i] = peers[int(np.searchsorted(ends, i, side="right"))][o["recv_src_idx"][i]]
+        return torch.from_numpy(out).view(torch.bfloat16) if bf16 else torch.from_numpy(out)
 
     def combine(self, x, handle, topk_weights=None, bias=None, **_):
         return x, topk_weights, None
@@ -219,3 +241,66 @@ def test_elastic_expanded_dispatch_and_combine_glue(sync):
                                   ref.ht_fold(y, lay["slots"]))
     assert not cx[n:].float().any()
     np.testing.assert_array_equal(cw[:n].numpy(), np.where(where, o["recv_topk_weights"], 0))
+
+
+@pytest.mark.parametrize("sync", [True, False])
+@pytest.mark.parametrize("do_expand", [False, True])
+def test_elastic_cached_dispatch_glue(do_expand, sync):
+    """handle=: the handle's routing and row order again, x and the weights resent, the
+    same handle returned; the outputs equal the first dispatch's."""
+    import epx
+
+    rng = np.random.default_rng([SEED, 12, sync, do_expand])
+    world, E, K, H, maxT, align = 2, 8, 3, 16, 24, 2
+    all_idx = [np.stack([rng.permutation(E)[:K] for _ in range(t)]).astype(np.int64)
+               for t in (17, 21)]
+    all_x = [ref.bf16_from_float(rng.standard_normal((len(i), H)).astype(np.float32))
+             for i in all_idx]
+    all_w = [rng.random(i.shape).astype(np.float32) for i in all_idx]
+    buf = object.__new__(epx.ElasticBuffer)
+    buf.num_ranks, buf.rank_idx, buf.num_max_tokens_per_rank = world, 0, maxT
+    buf.num_allocated_qps, buf.num_rdma_ranks, buf.num_nvlink_ranks = 4, 1, world
+    buf.num_scaleout_ranks, buf.num_scaleup_ranks = 1, world
+    buf.allow_multiple_reduction = True
+    buf.runtime = _ReferenceRuntime(all_x, all_idx, all_w, E)
+    x = torch.from_numpy(all_x[0].view(np.int16)).view(torch.bfloat16)
+    w = torch.from_numpy(all_w[0])
+    rx, ri, rw, h, _ = buf.dispatch(x, topk_idx=torch.from_numpy(all_idx[0]), topk_weights=w,
+                                    num_experts=E, expert_alignment=align, do_expand=do_expand,
+                                    do_cpu_sync=sync)
+    # the caller's x and weights change in place between the calls, as a layer's would
+    x2 = torch.from_numpy(ref.bf16_from_float(
+        rng.standard_normal(all_x[0].shape).astype(np.float32)).view(np.int16)).view(torch.bfloat16)
+    all_x[0] = x2.view(torch.int16).numpy().view(np.uint16)
+    rx2, ri2, rw2, h2, _ = buf.dispatch(x2, handle=h, topk_weights=w, do_expand=do_expand)
+    assert h2 is h
+    rx_again, _, rw_none, _, _ = buf.dispatch(x, handle=h, do_expand=do_expand)
+    assert rw_none is None
+    np.testing.assert_array_equal(rx_again.view(torch.int16).numpy(),
+                                  rx.view(torch.int16).numpy())
+    np.testing.assert_array_equal(rw2.numpy(), rw.numpy())
+    assert rx2.shape == rx.shape
+    if do_expand:
+        assert ri2 is None
+        # rank 0's own rows in their slots are now x2's; the peer's unchanged
+        slots = h.expand_slots.numpy()
+        o = buf.runtime.want
+        n = len(o["recv_src_idx"])
+        ends = o["rank_prefix_matrix"][:, 0]
+        got = rx2.view(torch.int16).numpy().view(np.uint16)
+        for i in range(n):
+            src = int(np.searchsorted(ends, i, side="right"))
+            want = (all_x[src])[o["recv_src_idx"][i]]
+            for s_ in slots[i][slots[i] >= 0]:
+                np.testing.assert_array_equal(got[s_], want)
+    else:
+        np.testing.assert_array_equal(ri2.numpy(), ri.numpy())
+        assert ri2.data_ptr() != ri.data_ptr()  # a copy the caller may change
+        o = buf.runtime.want
+        n = len(o["recv_src_idx"])
+        ends = o["rank_prefix_matrix"][:, 0]
+        got = rx2.view(torch.int16).numpy().view(np.uint16)
+        for i in range(n):
+            src = int(np.searchsorted(ends, i, side="right"))
+            np.testing.assert_array_equal(got[i], all_x[src][o["recv_src_idx"][i]])
+        assert not got[n:].any()

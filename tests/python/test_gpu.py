@@ -1311,12 +1311,54 @@ def _case_elastic_v2(rank, world, group):
     assert rs.shape == (N, H // 128) and rs.stride() == (1, (N + 3) // 4 * 4)
     np.testing.assert_array_equal(rs.cpu().numpy(), want8["recv_x"][1])
 
+    # cached dispatches (handle=): new rows along the routing of h and hw
+    _check_elastic_cached(buf, rank, group, dev, rng, h, hw, idx, w, all_idx, mine, E, h8,
+                          x8, want8)
+
     # the expanded layout (SGLang's decode): one slot per (row, local expert), grouped
     # by expert with aligned starts, with and without CPU sync, BF16 and FP8
     _check_elastic_expanded(buf, rank, group, dev, rng, x, idx, w, x8, all_idx, want, want8,
                             E, maxT, num_sms, ranks_per_node)
     buf.barrier()
     buf.destroy()
+
+
+def _check_elastic_cached(buf, rank, group, dev, rng, h, hw, idx, w, all_idx, mine, E, h8,
+                          x8, want8):
+    """ElasticBuffer.dispatch(handle=): the cached handle's routing and row order with
+    fresh rows (every rank's gathered for the reference), the weights sent again and
+    masked as the first dispatch's, the handle itself returned; with and without CPU
+    sync, asynchronous after an event, FP8 with TMA-aligned scales."""
+    from epx import reference as ref
+
+    N, H = len(mine["recv_src_idx"]), mine["recv_x"].shape[1]
+    x2_np = ref.bf16_from_float(rng.standard_normal((idx.shape[0], H)).astype(np.float32))
+    all_x2 = _gather(group, x2_np)
+    want2 = ref.ht_dispatch(list(all_x2), list(all_idx), E)[rank]
+    x2 = _bf16(x2_np, dev)
+    for handle in (h, hw):
+        cx, ci, cw, ch, _ = buf.dispatch(x2, handle=handle, topk_weights=w)
+        rows = handle.num_recv_tokens
+        assert ch is handle and cx.shape == (rows, H) and ci.shape == cw.shape
+        np.testing.assert_array_equal(_bits(cx[:N]), want2["recv_x"])
+        np.testing.assert_array_equal(ci[:N].cpu().numpy(), mine["recv_topk_idx"])
+        np.testing.assert_array_equal(cw[:N].cpu().numpy(), mine["recv_topk_weights"])
+        assert bool((ci[N:] == -1).all()) and not cw[N:].cpu().numpy().any()
+    cx, _, cw, _, _ = buf.dispatch(x2, handle=h)
+    assert cw is None
+    np.testing.assert_array_equal(_bits(cx), want2["recv_x"])
+    # asynchronous, after a captured event
+    ax, _, aw, _, aev = buf.dispatch(x2, handle=h, topk_weights=w, previous_event=buf.capture(),
+                                     async_with_compute_stream=True,
+                                     allocate_on_comm_stream=True)
+    aev.current_stream_wait()
+    np.testing.assert_array_equal(_bits(ax), want2["recv_x"])
+    np.testing.assert_array_equal(aw.cpu().numpy(), mine["recv_topk_weights"])
+    # FP8 along its own handle
+    (q, sf), _, _, _, _ = buf.dispatch(x8, handle=h8, use_tma_aligned_col_major_sf=True)
+    np.testing.assert_array_equal(_bits(q), want8["recv_x"][0])
+    assert sf.stride() == (1, (N + 3) // 4 * 4)
+    np.testing.assert_array_equal(sf.cpu().numpy(), want8["recv_x"][1])
 
 
 def _check_elastic_expanded(buf, rank, group, dev, rng, x, idx, w, x8, all_idx, want, want8,
@@ -1364,6 +1406,11 @@ def _check_elastic_expanded(buf, rank, group, dev, rng, x, idx, w, x8, all_idx, 
     assert ri is None
     check(rx, rw, h, S)
     assert stats.cpu().tolist() == lay["counts"].tolist()
+    # cached (V2's test does this): the same slots, padding zero, the handle returned
+    crx, cri, crw, ch, _ = buf.dispatch(x, handle=h, topk_weights=w, do_expand=True,
+                                        do_zero_padding=True)
+    assert cri is None and ch is h
+    check(crx, crw, h, S)
 
     # combine of expert outputs in slot order, weighted back, with biases
     y_np = ref.bf16_from_float(rng.standard_normal((S, H)).astype(np.float32))
