@@ -2,6 +2,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <sstream>
 #include <string>
 
 #include "epx/error.hpp"
@@ -13,6 +14,7 @@ InProcessGroup::InProcessGroup(int num_ranks, double timeout_s, std::string what
       timeout_s_(timeout_s),
       what_(std::move(what)),
       arrived_(static_cast<std::size_t>(num_ranks), 0),
+      arrived_from_(static_cast<std::size_t>(num_ranks)),
       slots_(static_cast<std::size_t>(num_ranks)) {
   require(num_ranks >= 1, "num_ranks", "must be >= 1, got " + std::to_string(num_ranks));
   require(timeout_s > 0, "timeout_s", "must be > 0 seconds, got " + std::to_string(timeout_s));
@@ -29,9 +31,17 @@ void InProcessGroup::barrier(int rank) {
   if (broken_)
     throw Error(ErrorCode::kTimeout, what_ + ": rank " + std::to_string(rank) +
                                          " entered after an earlier barrier timed out");
-  if (arrived_[rank])
-    throw Error(ErrorCode::kInternal, what_ + ": rank " + std::to_string(rank) + " entered twice");
+  if (arrived_[rank]) {
+    // Only another thread can be inside this barrier for the same rank (the
+    // first entry blocks until the barrier completes or breaks).
+    std::ostringstream os;
+    os << what_ << ": rank " << rank << " entered twice: from thread " << std::this_thread::get_id()
+       << " while thread " << arrived_from_[rank]
+       << " waits in the same barrier for it (two threads use one rank's communicator at once)";
+    throw Error(ErrorCode::kInternal, os.str());
+  }
   arrived_[rank] = 1;
+  arrived_from_[rank] = std::this_thread::get_id();
   if (++num_arrived_ == num_ranks_) {
     std::fill(arrived_.begin(), arrived_.end(), 0);
     num_arrived_ = 0;

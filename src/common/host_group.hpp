@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace epx::detail {
@@ -49,6 +50,8 @@ class InProcessGroup {
   std::condition_variable cv_;
   uint64_t generation_ = 0;
   std::vector<char> arrived_;  ///< who has entered the current barrier
+  /// The thread each rank entered it from (named when a rank enters twice).
+  std::vector<std::thread::id> arrived_from_;
   int num_arrived_ = 0;
   bool broken_ = false;
   std::vector<std::vector<uint8_t>> slots_;

@@ -118,6 +118,27 @@ TEST(InProcessGroup, TimeoutNamesTheMissingRankAndBreaksTheGroup) {
   EXPECT_NE(late.find("after an earlier barrier timed out"), std::string::npos) << late;
 }
 
+TEST(InProcessGroup, TwoThreadsOfOneRankAreNamed) {
+  // A second thread entering for rank 0 while the first waits there is a
+  // caller's bug (one rank's communicator used from two threads): the error
+  // names it, and the first entry still completes once rank 1 arrives.
+  detail::InProcessGroup g(2, 30.0);
+  std::atomic<bool> first_done{false};
+  std::string twice;
+  {
+    std::jthread a([&] {
+      g.barrier(0);
+      first_done = true;
+    });
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    twice = message_of([&] { g.barrier(0); }, ErrorCode::kInternal);
+    g.barrier(1);
+  }
+  EXPECT_TRUE(first_done.load());
+  EXPECT_NE(twice.find("rank 0 entered twice"), std::string::npos) << twice;
+  EXPECT_NE(twice.find("two threads use one rank's communicator"), std::string::npos) << twice;
+}
+
 TEST(InProcessGroup, BadArgumentsAreNamed) {
   EXPECT_NE(message_of([] { detail::InProcessGroup(0, 1.0); }, ErrorCode::kInvalidArgument)
                 .find("num_ranks"),
