@@ -96,6 +96,16 @@ struct BufferOptions {
   /// the SMs the rank may use), leaving the others to other work. Unset:
   /// EPX_LL_SMS, else every SM the rank may use.
   std::optional<int> ll_sms;
+  /// How many ops of this Buffer may be queued on the GPU and not yet
+  /// finished when another one is called, >= 0 (0: no bound): the
+  /// low-latency ops, and the high-throughput ones across nodes. At the
+  /// bound the call first waits, with the deadline, for the oldest of them:
+  /// a host far ahead of the GPU fills CUDA's launch queue, and a thread
+  /// blocked in a launch there can hold up the CUDA calls of the proxy's
+  /// threads that the queued kernels wait for. CUDA graph replays are not
+  /// counted. Unset: EPX_MAX_OPS_IN_FLIGHT, else the backend's default
+  /// (Backend::default_ops_in_flight).
+  std::optional<int> max_ops_in_flight;
   /// The proxy backend's CUDA IPC engine: whether its regions are cuMem
   /// allocations (exported as POSIX file descriptors with a process per rank)
   /// and its streams live in a CUDA context of its own (true), so that a

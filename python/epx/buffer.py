@@ -163,7 +163,8 @@ class _TorchGlue:
 def _set_algorithm_options(opts: "_core.BufferOptions", ht_rings: Optional[int],
                            net_split_puts: Optional[bool], ll_arrival_order: Optional[bool],
                            ll_context_ranges: Optional[bool], ll_sms: Optional[int],
-                           proxy_cumem: Optional[bool]) -> "_core.BufferOptions":
+                           proxy_cumem: Optional[bool],
+                           max_ops_in_flight: Optional[int] = None) -> "_core.BufferOptions":
     """Copies ``Buffer``'s algorithm keywords into ``opts`` (None stays unset: the
     field's environment variable, else its default); the rules are the C++
     ``BufferOptions::validate``'s, which the Buffer runs before anything else."""
@@ -176,6 +177,8 @@ def _set_algorithm_options(opts: "_core.BufferOptions", ht_rings: Optional[int],
     opts.ll_context_ranges = opt_bool(ll_context_ranges)
     opts.ll_sms = None if ll_sms is None else _int("ll_sms", ll_sms)
     opts.proxy_cumem = opt_bool(proxy_cumem)
+    opts.max_ops_in_flight = (None if max_ops_in_flight is None
+                              else _int("max_ops_in_flight", max_ops_in_flight))
     return opts
 
 
@@ -209,7 +212,8 @@ class Buffer:
                  ht_rings: Optional[int] = None, net_split_puts: Optional[bool] = None,
                  ll_arrival_order: Optional[bool] = None,
                  ll_context_ranges: Optional[bool] = None, ll_sms: Optional[int] = None,
-                 proxy_cumem: Optional[bool] = None) -> None:
+                 proxy_cumem: Optional[bool] = None,
+                 max_ops_in_flight: Optional[int] = None) -> None:
         """Allocates the buffers; collective over ``group`` (or the mpi4py ``comm``).
 
         Arguments:
@@ -275,6 +279,10 @@ class Buffer:
                 primary context (EPX_PROXY_CUMEM; default True with a process per rank
                 and with more than 4 in-process ranks on a GPU, else False;
                 docs/limitations.md).
+            max_ops_in_flight: the low-latency ops (and the high-throughput ones across
+                nodes) queued on the GPU at most when another is called, >= 0 (0: no
+                bound); at the bound the call waits for the oldest, with the deadline
+                (EPX_MAX_OPS_IN_FLIGHT; default: the backend's, docs/api.md).
         """
         op = "Buffer"
         _compat.ignored_unless_default(op, "num_qps_per_rank", num_qps_per_rank, 24,
@@ -355,7 +363,7 @@ class Buffer:
         opts.fabric_provider = str(fabric_provider)
         opts.fabric_domains = str(fabric_domains)
         _set_algorithm_options(opts, ht_rings, net_split_puts, ll_arrival_order,
-                               ll_context_ranges, ll_sms, proxy_cumem)
+                               ll_context_ranges, ll_sms, proxy_cumem, max_ops_in_flight)
         opts.allocator = glue.allocator(self._device)
         self.runtime: Optional[_core.Buffer] = _core.Buffer(self.communicator, opts)
         self._comm_stream = None

@@ -783,6 +783,7 @@ NB_MODULE(_core, m) {
       .def_rw("ll_context_ranges", &epx::BufferOptions::ll_context_ranges)
       .def_rw("ll_sms", &epx::BufferOptions::ll_sms)
       .def_rw("proxy_cumem", &epx::BufferOptions::proxy_cumem)
+      .def_rw("max_ops_in_flight", &epx::BufferOptions::max_ops_in_flight)
       .def("validate", &epx::BufferOptions::validate,
            "Raises EPXError naming the first field whose value breaks its rule.")
       .def_prop_rw(

@@ -205,6 +205,14 @@ std::optional<int> ll_sms() {
   return static_cast<int>(*v);
 }
 
+std::optional<int> max_ops_in_flight() {
+  const auto v = get_int("EPX_MAX_OPS_IN_FLIGHT");
+  if (!v) return std::nullopt;
+  require(*v >= 0 && *v <= 1 << 20, "EPX_MAX_OPS_IN_FLIGHT",
+          "must be in [0, 2^20] (0: no bound), got " + std::to_string(*v));
+  return static_cast<int>(*v);
+}
+
 RankInfo rank_info() {
   // Each value is range-checked as read (before it is narrowed to int).
   const auto in = [](const char* name, int64_t lo, int64_t hi) {

@@ -107,6 +107,12 @@ bool ll_arrival_order();
 /// use at most this many SMs, leaving the others to other work (copies that
 /// the driver runs on SMs). Read when a Buffer is made; malformed: epx::Error.
 std::optional<int> ll_sms();
+/// EPX_MAX_OPS_IN_FLIGHT, where BufferOptions::max_ops_in_flight is
+/// unset (in [0, 2^20], 0: no bound; unset: the backend's default): the
+/// low-latency ops of a Buffer, and its high-throughput ones across nodes,
+/// queued on the GPU at most when another is called. Read when a Buffer is made; malformed:
+/// epx::Error.
+std::optional<int> max_ops_in_flight();
 
 /// EPX_RANKS_PER_NODE (>= 0; unset: 0, the host is the node): virtual nodes
 /// of this many ranks (make_topology checks that it divides the ranks).

@@ -12,11 +12,12 @@
 namespace epx {
 
 struct AlgorithmChoices {
-  int ht_rings = -1;                   ///< BufferOptions::ht_rings (-1: auto)
-  std::optional<bool> net_split_puts;  ///< unset: the backend decides at each op
-  bool ll_arrival_order = false;       ///< BufferOptions::ll_arrival_order
-  bool ll_context_ranges = false;      ///< BufferOptions::ll_context_ranges
-  std::optional<int> ll_sms;           ///< unset: every SM the rank may use
+  int ht_rings = -1;                     ///< BufferOptions::ht_rings (-1: auto)
+  std::optional<bool> net_split_puts;    ///< unset: the backend decides at each op
+  bool ll_arrival_order = false;         ///< BufferOptions::ll_arrival_order
+  bool ll_context_ranges = false;        ///< BufferOptions::ll_context_ranges
+  std::optional<int> ll_sms;             ///< unset: every SM the rank may use
+  std::optional<int> max_ops_in_flight;  ///< unset: the backend's default
 };
 
 /// `options` must have passed validate(); the variables are checked as read
@@ -31,6 +32,8 @@ inline AlgorithmChoices resolve_algorithm_choices(const BufferOptions& options) 
   c.ll_context_ranges =
       options.ll_context_ranges ? *options.ll_context_ranges : env::ll_context_ranges();
   c.ll_sms = options.ll_sms ? options.ll_sms : env::ll_sms();
+  c.max_ops_in_flight =
+      options.max_ops_in_flight ? options.max_ops_in_flight : env::max_ops_in_flight();
   return c;
 }
 

@@ -81,6 +81,9 @@ void BufferOptions::validate() const {
     require(*ll_sms >= 1 && *ll_sms <= (1 << 20), "ll_sms",
             "must be in [1, 2^20] (capped at the SMs the rank may use), got " +
                 std::to_string(*ll_sms));
+  if (max_ops_in_flight)
+    require(*max_ops_in_flight >= 0 && *max_ops_in_flight <= (1 << 20), "max_ops_in_flight",
+            "must be in [0, 2^20] (0: no bound), got " + std::to_string(*max_ops_in_flight));
 }
 
 Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
@@ -154,6 +157,7 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
   if (options.num_rdma_bytes > 0)
     d.ll = d.backend->alloc(static_cast<std::size_t>(options.num_rdma_bytes));
   d.backend->start();
+  d.max_in_flight = choices.max_ops_in_flight.value_or(d.backend->default_ops_in_flight());
   if (d.networked() && d.comm->ranks_on_device() == 1) {
     // A network backend's host side (the proxy's threads, NCCL's GIN proxy)
     // issues CUDA work in this context while EPX kernels wait for peers that
@@ -496,12 +500,25 @@ bool capturing(cudaStream_t stream) {
 }
 }  // namespace
 
-cudaStream_t Buffer::Impl::ll_enter(const StreamArgs& s) {
+cudaStream_t Buffer::Impl::ll_enter(const StreamArgs& s, const char* op) {
   const bool direct = !s.async_finish && !(s.previous_event && s.previous_event->valid());
   if (!direct)
     enter(s);
   else
     raise_if_failed("previous op");
+  if (max_in_flight > 0) {
+    // The bound on ops queued on the GPU (BufferOptions::max_ops_in_flight).
+    while (!ops_in_flight.empty() && ops_in_flight.front().done()) ops_in_flight.pop_front();
+    if (static_cast<int>(ops_in_flight.size()) >= max_in_flight) {
+      const std::string what = "the op " + std::to_string(ops_in_flight.size()) +
+                               " calls back (max_ops_in_flight " + std::to_string(max_in_flight) +
+                               ")";
+      detail::wait_event(ops_in_flight.front().get(), {op, comm->rank(), what}, host_wait_s(),
+                         [&] { return stall_diagnosis(op); });
+      ops_in_flight.pop_front();
+      raise_if_failed("previous op");
+    }
+  }
   const cudaStream_t x = direct ? s.stream : comm_stream;
   // A capturing stream cannot wait for an event recorded outside the capture:
   // a captured op is ordered by the graph launch instead.
@@ -513,6 +530,7 @@ std::optional<Event> Buffer::Impl::ll_leave(const StreamArgs& s, cudaStream_t la
   if (!capturing(launched)) {
     ll_tail = Event::record(launched);
     ll_tail_stream = launched;
+    if (max_in_flight > 0) ops_in_flight.push_back(*ll_tail);
   }
   if (launched == comm_stream) return leave(s);
   return std::nullopt;
@@ -524,6 +542,7 @@ void Buffer::Impl::ll_sync(const char* op) {
   if (ll_tail) detail::wait_event(ll_tail->get(), tail, host_wait_s(), note);
   ll_tail.reset();
   ll_tail_stream = nullptr;
+  ops_in_flight.clear();  // older than the tail
   const detail::WaitSite hooks{op, comm->rank(), "a receive hook's kernel"};
   for (const Event& e : ll_hook_events) detail::wait_event(e.get(), hooks, host_wait_s(), note);
   ll_hook_events.clear();

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <deque>
 #include <limits>
 #include <memory>
 #include <string>
@@ -88,6 +89,11 @@ struct Buffer::Impl {
   /// run whenever the caller calls them; completed ones are dropped as new
   /// ones come. ll_sync waits for them too.
   std::vector<Event> ll_hook_events;
+  /// BufferOptions::max_ops_in_flight, resolved (0: no bound), and the
+  /// events after the ops ll_leave saw launched (not under capture) that may
+  /// not have finished yet, oldest first.
+  int max_in_flight = 0;
+  std::deque<Event> ops_in_flight;
 
   /// The kernels' view of `region`: the backend's device struct, with the
   /// members the core owns (signal area, deadline, diagnostic) filled in.
@@ -150,7 +156,7 @@ struct Buffer::Impl {
   /// Low-latency ops, and the high-throughput ones across nodes: the stream to launch on. Without
   /// async_finish that is the caller's stream itself (DeepEP does the same in hook mode): no event
   /// hop to the comm stream and back, the same order for the caller.
-  cudaStream_t ll_enter(const StreamArgs& s);
+  cudaStream_t ll_enter(const StreamArgs& s, const char* op);
   /// Pairs with ll_enter: records the tail; event / caller wait as leave().
   std::optional<Event> ll_leave(const StreamArgs& s, cudaStream_t launched);
   /// Waits (host, host_wait_s()) for the last low-latency op, wherever it

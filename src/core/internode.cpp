@@ -148,7 +148,7 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   // the GPU's hardware queues (CUDA_DEVICE_MAX_CONNECTIONS), where a proxy
   // copy queued behind a kernel that waits for it would stall until the
   // deadline (4x4 in-process ranks: 48 busy streams on 32 queues did).
-  const cudaStream_t x = ll_enter(a.streams);
+  const cudaStream_t x = ll_enter(a.streams, op);
   auto handle = std::make_shared<DispatchHandle>();
   Tensor route_counts;  // [R + N]: this rank's rows per rank and per node (a new route)
   if (a.handle) {
@@ -425,7 +425,7 @@ CombineResult Buffer::Impl::net_combine(const CombineArgs& a) {
   else
     check_fits(op, region, ht_capacity(), h.net_worst);
 
-  const cudaStream_t x = ll_enter(a.streams);  // as dispatch
+  const cudaStream_t x = ll_enter(a.streams, op);  // as dispatch
   CombineResult res;
   res.combined_x = make(DType::kBF16, {T, H}, a.streams);
   if (a.topk_weights) res.combined_topk_weights = make(DType::kF32, {T, K}, a.streams);

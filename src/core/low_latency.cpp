@@ -149,7 +149,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
     handle->combine_plan = parts[3];
     handle->state = parts[4];
   }
-  const cudaStream_t launch = d.ll_enter(s);
+  const cudaStream_t launch = d.ll_enter(s, op);
 
   const auto tr = d.ll_transport(region.signals_offset());
   auto off = offsets_of(region);
@@ -268,7 +268,7 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   } else {
     res.combined_x = d.alloc(DType::kBF16, {T, H}, a.stream);
   }
-  const cudaStream_t launch = d.ll_enter(s);
+  const cudaStream_t launch = d.ll_enter(s, op);
   // 64-bit words (8-byte aligned from any allocator): int32 [0] the epoch;
   // with combine_wait_recv_cost_stats, words [2, 2 + R) the send's wait for
   // each source's first weight word (zeroed here). On the stream the kernels
@@ -427,11 +427,11 @@ Buffer::Impl& shrink_impl(Buffer::Impl& d, const char* op) {
 /// Enqueues fn(launch stream) in the low-latency ops' stream order, as an LL
 /// op would (the caller's `stream`, after the last LL op wherever it ran).
 template <class Fn>
-void in_ll_order(Buffer::Impl& d, cudaStream_t stream, Fn&& fn) {
+void in_ll_order(Buffer::Impl& d, const char* op, cudaStream_t stream, Fn&& fn) {
   StreamArgs s;
   s.stream = stream;
   d.check_stream(s);
-  const cudaStream_t launch = d.ll_enter(s);
+  const cudaStream_t launch = d.ll_enter(s, op);
   fn(launch);
   d.ll_leave(s, launch);
 }
@@ -441,7 +441,7 @@ void Buffer::low_latency_update_mask_buffer(int rank_to_mask, bool mask, cudaStr
   static constexpr const char* op = "low_latency_update_mask_buffer";
   auto& d = shrink_impl(*impl_, op);
   validate::rank_in_group(op, "rank_to_mask", rank_to_mask, d.comm->num_ranks());
-  in_ll_order(d, stream, [&](cudaStream_t launch) {
+  in_ll_order(d, op, stream, [&](cudaStream_t launch) {
     // Words hold 0 or 1 only, so setting the low byte (little-endian) sets the word.
     EPX_CUDA_CHECK(cudaMemsetAsync(d.ll_mask + rank_to_mask, mask ? 1 : 0, 1, launch));
   });
@@ -452,7 +452,7 @@ void Buffer::low_latency_query_mask_buffer(const TensorView& mask_status, cudaSt
   auto& d = shrink_impl(*impl_, op);
   const int R = d.comm->num_ranks();
   validate::tensor(op, "mask_status", mask_status, DType::kI32, {R}, d.device);
-  in_ll_order(d, stream, [&](cudaStream_t launch) {
+  in_ll_order(d, op, stream, [&](cudaStream_t launch) {
     EPX_CUDA_CHECK(cudaMemcpyAsync(mask_status.data, d.ll_mask, sizeof(int) * R,
                                    cudaMemcpyDeviceToDevice, launch));
   });
@@ -461,7 +461,7 @@ void Buffer::low_latency_query_mask_buffer(const TensorView& mask_status, cudaSt
 void Buffer::low_latency_clean_mask_buffer(cudaStream_t stream) {
   static constexpr const char* op = "low_latency_clean_mask_buffer";
   auto& d = shrink_impl(*impl_, op);
-  in_ll_order(d, stream, [&](cudaStream_t launch) {
+  in_ll_order(d, op, stream, [&](cudaStream_t launch) {
     EPX_CUDA_CHECK(cudaMemsetAsync(d.ll_mask, 0, sizeof(int) * plan::kLlMaxRanks, launch));
   });
 }

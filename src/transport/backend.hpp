@@ -92,6 +92,9 @@ class Backend {
   /// then share a slot's put among many blocks instead of leaving it to one.
   /// EPX_NET_SPLIT_PUTS overrides it.
   virtual bool puts_copy_on_sms() const { return false; }
+  /// BufferOptions::max_ops_in_flight where neither it nor its variable is
+  /// set (0: no bound).
+  virtual int default_ops_in_flight() const { return 0; }
   /// Throws epx::Error describing a part of the backend that failed (a proxy
   /// thread that died), naming it; nothing when all is well.
   virtual void check_health() const {}

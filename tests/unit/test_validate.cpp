@@ -663,6 +663,22 @@ TEST(Env, LlSmsIsAPositiveCount) {
   expect_error([] { env::ll_sms(); }, {"EPX_LL_SMS"});
 }
 
+TEST(Env, MaxOpsInFlightIsACountOrZero) {
+  const SavedEnv saved("EPX_MAX_OPS_IN_FLIGHT");
+  unsetenv("EPX_MAX_OPS_IN_FLIGHT");
+  EXPECT_FALSE(env::max_ops_in_flight().has_value());
+  setenv("EPX_MAX_OPS_IN_FLIGHT", "0", 1);
+  EXPECT_EQ(env::max_ops_in_flight(), 0);
+  setenv("EPX_MAX_OPS_IN_FLIGHT", "16", 1);
+  EXPECT_EQ(env::max_ops_in_flight(), 16);
+  for (const char* bad : {"-1", "2000000", "some"}) {
+    setenv("EPX_MAX_OPS_IN_FLIGHT", bad, 1);
+    expect_error([] { env::max_ops_in_flight(); }, {"EPX_MAX_OPS_IN_FLIGHT"});
+  }
+  setenv("EPX_MAX_OPS_IN_FLIGHT", "-1", 1);
+  expect_error([] { env::max_ops_in_flight(); }, {"EPX_MAX_OPS_IN_FLIGHT", "[0, 2^20]", "-1"});
+}
+
 /// The options a Buffer could be made from: the rules of every field, each
 /// error naming the field and its rule.
 TEST(BufferOptions, ValidateNamesTheFieldAndTheRule) {
@@ -689,15 +705,20 @@ TEST(BufferOptions, ValidateNamesTheFieldAndTheRule) {
     expect_error([&] { with([&](BufferOptions& o) { o.ll_sms = bad; }).validate(); },
                  {"ll_sms", "must be in [1, 2^20]", std::to_string(bad).c_str()});
   EXPECT_NO_THROW(with([](BufferOptions& o) { o.ll_sms = 1; }).validate());
+  for (const int bad : {-1, (1 << 20) + 1})
+    expect_error([&] { with([&](BufferOptions& o) { o.max_ops_in_flight = bad; }).validate(); },
+                 {"max_ops_in_flight", "[0, 2^20]", std::to_string(bad).c_str()});
+  for (const int good : {0, 1, 1 << 20})
+    EXPECT_NO_THROW(with([&](BufferOptions& o) { o.max_ops_in_flight = good; }).validate());
 }
 
 /// A field set wins over its variable, which is then not even read (a
 /// malformed one does not refuse the buffer); a field unset takes the
 /// variable, and with both unset the built-in default.
 TEST(BufferOptions, AlgorithmFieldsWinOverTheirVariables) {
-  const char* names[] = {"EPX_HT_RINGS", "EPX_NET_SPLIT_PUTS", "EPX_LL_ARRIVAL_ORDER",
-                         "EPX_LL_CONTEXT_RANGES", "EPX_LL_SMS"};
-  const SavedEnv s0(names[0]), s1(names[1]), s2(names[2]), s3(names[3]), s4(names[4]);
+  const char* names[] = {"EPX_HT_RINGS",          "EPX_NET_SPLIT_PUTS", "EPX_LL_ARRIVAL_ORDER",
+                         "EPX_LL_CONTEXT_RANGES", "EPX_LL_SMS",         "EPX_MAX_OPS_IN_FLIGHT"};
+  const SavedEnv s0(names[0]), s1(names[1]), s2(names[2]), s3(names[3]), s4(names[4]), s5(names[5]);
   for (const char* n : names) unsetenv(n);
   BufferOptions o;
   AlgorithmChoices c = resolve_algorithm_choices(o);
@@ -706,35 +727,43 @@ TEST(BufferOptions, AlgorithmFieldsWinOverTheirVariables) {
   EXPECT_FALSE(c.ll_arrival_order);
   EXPECT_FALSE(c.ll_context_ranges);
   EXPECT_FALSE(c.ll_sms.has_value());
+  EXPECT_FALSE(c.max_ops_in_flight.has_value());
 
   setenv("EPX_HT_RINGS", "0", 1);
   setenv("EPX_NET_SPLIT_PUTS", "1", 1);
   setenv("EPX_LL_ARRIVAL_ORDER", "1", 1);
   setenv("EPX_LL_CONTEXT_RANGES", "1", 1);
   setenv("EPX_LL_SMS", "7", 1);
+  setenv("EPX_MAX_OPS_IN_FLIGHT", "5", 1);
   c = resolve_algorithm_choices(o);  // unset fields: the variables
   EXPECT_EQ(c.ht_rings, 0);
   EXPECT_EQ(c.net_split_puts, std::optional<bool>(true));
   EXPECT_TRUE(c.ll_arrival_order);
   EXPECT_TRUE(c.ll_context_ranges);
   EXPECT_EQ(c.ll_sms, std::optional<int>(7));
+  EXPECT_EQ(c.max_ops_in_flight, std::optional<int>(5));
 
   o.ht_rings = 64;
   o.net_split_puts = false;
   o.ll_arrival_order = false;
   o.ll_context_ranges = false;
   o.ll_sms = 3;
+  o.max_ops_in_flight = 0;
   c = resolve_algorithm_choices(o);
   EXPECT_EQ(c.ht_rings, 64);
   EXPECT_EQ(c.net_split_puts, std::optional<bool>(false));
   EXPECT_FALSE(c.ll_arrival_order);
   EXPECT_FALSE(c.ll_context_ranges);
   EXPECT_EQ(c.ll_sms, std::optional<int>(3));
+  EXPECT_EQ(c.max_ops_in_flight, std::optional<int>(0));
 
   for (const char* n : names) setenv(n, "bad", 1);
   EXPECT_NO_THROW(resolve_algorithm_choices(o));  // every field set: no variable read
   o.ll_sms.reset();
   expect_error([&] { resolve_algorithm_choices(o); }, {"EPX_LL_SMS"});
+  o.ll_sms = 3;
+  o.max_ops_in_flight.reset();
+  expect_error([&] { resolve_algorithm_choices(o); }, {"EPX_MAX_OPS_IN_FLIGHT"});
 }
 
 TEST(BufferOptions, ProxyCumemFieldWinsOverItsVariable) {
