@@ -511,8 +511,8 @@ cudaStream_t Buffer::Impl::ll_enter(const StreamArgs& s, const char* op) {
     while (!ops_in_flight.empty() && ops_in_flight.front().done()) ops_in_flight.pop_front();
     if (static_cast<int>(ops_in_flight.size()) >= max_in_flight) {
       const std::string what = "the op " + std::to_string(ops_in_flight.size()) +
-                               " calls back (max_ops_in_flight " + std::to_string(max_in_flight) +
-                               ")";
+                               " calls earlier, the oldest still queued (max_ops_in_flight " +
+                               std::to_string(max_in_flight) + ")";
       detail::wait_event(ops_in_flight.front().get(), {op, comm->rank(), what}, host_wait_s(),
                          [&] { return stall_diagnosis(op); });
       ops_in_flight.pop_front();

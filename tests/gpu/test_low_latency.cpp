@@ -1412,6 +1412,78 @@ EPX_GPU_TEST(LowLatency, Int32AlignedAllocator) {
   b.destroy();
 }
 
+/// BufferOptions::max_ops_in_flight: with the caller's stream held by a gate,
+/// calls up to the bound return at once; the next one waits for the oldest,
+/// returns once the gate opens, and raises kTimeout naming the bound when it
+/// never does. With no bound (0) every call returns while the gate is shut.
+/// The ops are the shrink mask's local copies (no peer takes part), so each
+/// rank's calls depend on its own stream only.
+EPX_GPU_TEST(LowLatency, MaxOpsInFlightHoldsTheCallerAtTheBound) {
+  auto& w = world();
+  const int R = w.num_ranks;
+  LlCase c;
+  c.max_tokens = 32;
+  c.hidden = 1024;
+  c.num_experts = 8 * R;
+  auto make = [&](int bound) {
+    BufferOptions o = hint_sized_options(c, R, 1.0, poisoning_allocator());
+    o.enable_shrink = true;
+    o.max_ops_in_flight = bound;
+    return std::make_unique<Buffer>(w.comm, o);
+  };
+  auto mask = to_device(std::vector<int>(R, -7));
+  const TensorView mv = view(mask.get(), DType::kI32, {R});
+  using clock = std::chrono::steady_clock;
+  auto seconds_since = [](clock::time_point t) {
+    return std::chrono::duration<double>(clock::now() - t).count();
+  };
+  {
+    auto b = make(2);
+    // The gate opens after 0.5 s: the third call must have waited for it.
+    StreamGate gate(w.stream, 30.0);
+    const auto t0 = clock::now();
+    b->low_latency_query_mask_buffer(mv, w.stream);
+    b->low_latency_query_mask_buffer(mv, w.stream);
+    EXPECT_LT(seconds_since(t0), 0.4) << "two calls within the bound of 2 waited";
+    std::jthread opener([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(500));
+      gate.open();
+    });
+    b->low_latency_query_mask_buffer(mv, w.stream);
+    EXPECT_GE(seconds_since(t0), 0.45) << "the third call did not wait for the oldest op";
+    opener.join();
+    ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+    EXPECT_EQ(to_host<int>(mask.get(), R), std::vector<int>(R, 0));
+
+    // A gate that stays shut past the host deadline (timeout_s + 5 s): named.
+    StreamGate shut(w.stream, 30.0);
+    b->low_latency_query_mask_buffer(mv, w.stream);
+    b->low_latency_query_mask_buffer(mv, w.stream);
+    expect_error(
+        "a third op behind a shut stream", [&] { b->low_latency_query_mask_buffer(mv, w.stream); },
+        {"low_latency_query_mask_buffer", "max_ops_in_flight 2"}, ErrorCode::kTimeout);
+    shut.open();
+    ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+    EXPECT_FALSE(shut.held_too_long());
+    b->low_latency_query_mask_buffer(mv, w.stream);  // usable again
+    ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+    EXPECT_TRUE(all_ranks(!rank_failed()));
+    b->destroy();
+  }
+  {
+    auto b = make(0);
+    StreamGate gate(w.stream, 10.0);
+    const auto t0 = clock::now();
+    for (int i = 0; i < 8; ++i) b->low_latency_query_mask_buffer(mv, w.stream);
+    EXPECT_LT(seconds_since(t0), 2.0) << "with no bound a call waited";
+    gate.open();
+    ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+    EXPECT_FALSE(gate.held_too_long());
+    EXPECT_TRUE(all_ranks(!rank_failed()));
+    b->destroy();
+  }
+}
+
 // ---- shrink mode (enable_shrink) ------------------------------------------------
 
 /// This rank's mask, read back with low_latency_query_mask_buffer.
