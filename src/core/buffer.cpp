@@ -344,11 +344,22 @@ void Buffer::check() {
 }
 
 void Buffer::Impl::raise_if_failed(const char* op) {
-  volatile DeviceDiag* g = diag_host;
-  if (g->code == 0) {
+  if (static_cast<volatile DeviceDiag*>(diag_host)->code == 0) {
     backend->check_health();  // a proxy thread that died, even if no GPU wait noticed yet
     return;
   }
+  // The report is read once and cleared before anything below can raise (the
+  // backend's health check may), so that the next call does not raise it again.
+  DeviceDiag report{};
+  std::memcpy(&report, const_cast<const DeviceDiag*>(diag_host), sizeof(DeviceDiag));
+  std::memset(diag_host, 0, sizeof(DeviceDiag));
+  const DeviceDiag* const g = &report;
+  const auto code = static_cast<DiagCode>(g->code);
+  const auto what = static_cast<OpId>(g->op);
+  // A failure the backend's own device half reported (a proxy channel's, a
+  // network queue's) is the backend's to word.
+  if (auto own = backend->describe_failure(report, timeout_s))
+    throw Error(ErrorCode::kTimeout, std::string(op) + ": " + *own);
   std::ostringstream os;
   // What held this rank's side of a timeout, if the backend saw it (a proxy
   // step held for seconds): the peer a wait names may be waiting for it.
@@ -356,43 +367,6 @@ void Buffer::Impl::raise_if_failed(const char* op) {
     const std::string note = backend->stall_note();
     if (!note.empty()) os << "; " << note;
   };
-  const auto code = static_cast<DiagCode>(g->code);
-  const auto what = static_cast<OpId>(g->op);
-  // What the branches that clear the report before building their message
-  // (they call into the backend, which may raise first) read of it.
-  const int32_t g_rank = g->rank, g_channel = g->channel;
-  const uint32_t g_expected = g->expected, g_seen = g->seen;
-  if (code == DiagCode::kProxyStopped ||
-      (code == DiagCode::kTimeout && (what == OpId::kProxyPost || what == OpId::kProxyQuiet))) {
-    std::memset(const_cast<DeviceDiag*>(diag_host), 0, sizeof(DeviceDiag));
-    backend->check_health();  // names the channel, the command and the cause when it died
-    os << op_name(what) << ": rank " << g_rank << "'s proxy channel " << g_channel
-       << (code == DiagCode::kProxyStopped ? " stopped" : " made no progress within the deadline")
-       << " (slot/command " << g_expected << ", channel at " << g_seen
-       << "); the proxy thread is stalled or dead";
-    add_stall_note();
-    throw Error(ErrorCode::kTimeout, std::string(op) + ": " + os.str());
-  }
-  if (code == DiagCode::kTimeout && what == OpId::kNetQuiet) {
-    std::memset(const_cast<DeviceDiag*>(diag_host), 0, sizeof(DeviceDiag));
-    backend->check_health();  // names a failed communicator, if one failed
-    os << op_name(what) << ": rank " << g_rank << "'s puts on network context " << g_channel
-       << " did not all leave within " << timeout_s << " s (" << g_expected << " posted, " << g_seen
-       << " done); the network, or the backend's engine for it (NCCL's GIN proxy), "
-       << "is stalled, or a peer cannot be reached";
-    throw Error(ErrorCode::kTimeout, std::string(op) + ": " + os.str());
-  }
-  if (code == DiagCode::kTimeout && what == OpId::kNetCredit) {
-    const int32_t g_peer = g->peer;
-    std::memset(const_cast<DeviceDiag*>(diag_host), 0, sizeof(DeviceDiag));
-    backend->check_health();  // names a failed communicator, if one failed
-    os << op_name(what) << ": rank " << g_rank << "'s queue to rank " << g_peer
-       << " on network context " << g_channel << " had no free slot within " << timeout_s
-       << " s (descriptor " << g_expected << ", " << g_seen
-       << " consumed); the network, or the backend's engine for it (NCCL's GIN proxy), "
-       << "is stalled, or rank " << g_peer << " cannot be reached";
-    throw Error(ErrorCode::kTimeout, std::string(op) + ": " + os.str());
-  }
   if (code == DiagCode::kTimeout && g->channel >= kDiagSignalChannel) {
     const int sig = g->channel - kDiagSignalChannel, R = comm->num_ranks();
     // The signal kinds of the low-latency ops, and of the high-throughput
@@ -447,7 +421,6 @@ void Buffer::Impl::raise_if_failed(const char* op) {
        << ": topk_idx: values must be -1 or in [0, num_experts); token " << g->token << " slot "
        << g->channel << " holds " << static_cast<int32_t>(g->seen);
   }
-  std::memset(const_cast<DeviceDiag*>(diag_host), 0, sizeof(DeviceDiag));
   if (code == DiagCode::kTimeout) add_stall_note();
   throw Error(code == DiagCode::kTimeout ? ErrorCode::kTimeout : ErrorCode::kInvalidArgument,
               std::string(op) + ": " + os.str());

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "common/diag.hpp"
 #include "common/topology.hpp"
 #include "transport/any.hpp"
 
@@ -102,6 +103,18 @@ class Backend {
   /// step that was held for seconds, and what holds it), or "". Reading it
   /// forgets what it reported.
   virtual std::string stall_note() const { return {}; }
+  /// The message of a failure this backend's device half reported (its own
+  /// DiagCode / OpId pairs: a proxy channel that stopped or made no progress,
+  /// network puts that did not leave), raised as kTimeout after the op's name;
+  /// it may raise first naming the cause (check_health). nullopt: not one of
+  /// the backend's, the core words it. The core has cleared the report;
+  /// `timeout_s` is the buffer's deadline.
+  virtual std::optional<std::string> describe_failure(const DeviceDiag& report,
+                                                      double timeout_s) const {
+    (void)report;
+    (void)timeout_s;
+    return std::nullopt;
+  }
 };
 
 /// Deadline of a backend's host wait for its own stream (EPX_TIMEOUT_S, the

@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <exception>
 #include <functional>
+#include <optional>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -475,6 +477,30 @@ class NcclGin final : public Backend {
     wait_own_stream(*this, stream_, "clean_low_latency_buffer", "the reset of the GIN signals");
     drain_rounds_ = 0;
     barrier();
+  }
+
+  /// GIN puts that did not leave (kNetQuiet) and a full queue to a peer
+  /// (kNetCredit), as transport/nccl/device.cuh reports them.
+  std::optional<std::string> describe_failure(const DeviceDiag& g,
+                                              double timeout_s) const override {
+    const auto what = static_cast<OpId>(g.op);
+    if (static_cast<DiagCode>(g.code) != DiagCode::kTimeout ||
+        (what != OpId::kNetQuiet && what != OpId::kNetCredit))
+      return std::nullopt;
+    check_health();  // names a failed communicator, if one failed
+    std::ostringstream os;
+    if (what == OpId::kNetQuiet)
+      os << op_name(what) << ": rank " << g.rank << "'s puts on network context " << g.channel
+         << " did not all leave within " << timeout_s << " s (" << g.expected << " posted, "
+         << g.seen << " done)";
+    else
+      os << op_name(what) << ": rank " << g.rank << "'s queue to rank " << g.peer
+         << " on network context " << g.channel << " had no free slot within " << timeout_s
+         << " s (descriptor " << g.expected << ", " << g.seen << " consumed)";
+    os << "; the network, or the backend's engine for it (NCCL's GIN proxy), is stalled, or "
+       << (what == OpId::kNetQuiet ? std::string("a peer") : "rank " + std::to_string(g.peer))
+       << " cannot be reached";
+    return os.str();
   }
 
   void check_health() const override {

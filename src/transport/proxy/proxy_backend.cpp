@@ -16,6 +16,8 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
+#include <sstream>
 #include <string>
 #include "transport/registry.hpp"
 
@@ -263,6 +265,27 @@ class ProxyBackend final : public Backend {
 
   void check_health() const override {
     if (proxy_) proxy_->check();
+  }
+
+  /// A proxy channel's ring that stayed full, commands that did not complete,
+  /// or its thread that stopped (transport/proxy/device.cuh reports them).
+  std::optional<std::string> describe_failure(const DeviceDiag& g,
+                                              double timeout_s) const override {
+    (void)timeout_s;
+    const auto code = static_cast<DiagCode>(g.code);
+    const auto what = static_cast<OpId>(g.op);
+    if (code != DiagCode::kProxyStopped &&
+        !(code == DiagCode::kTimeout && (what == OpId::kProxyPost || what == OpId::kProxyQuiet)))
+      return std::nullopt;
+    check_health();  // names the channel, the command and the cause when it died
+    std::ostringstream os;
+    os << op_name(what) << ": rank " << g.rank << "'s proxy channel " << g.channel
+       << (code == DiagCode::kProxyStopped ? " stopped" : " made no progress within the deadline")
+       << " (slot/command " << g.expected << ", channel at " << g.seen
+       << "); the proxy thread is stalled or dead";
+    const std::string note = stall_note();
+    if (!note.empty()) os << "; " << note;
+    return os.str();
   }
 
   std::string stall_note() const override {
