@@ -267,6 +267,14 @@ class ProxyBackend final : public Backend {
     if (proxy_) proxy_->check();
   }
 
+  /// A host far ahead of the GPU fills CUDA's launch queue; its thread then
+  /// blocks in a launch while the kernels queued before wait for the proxy's
+  /// threads, whose CUDA calls can be held meanwhile (the soak at 2x2 stalled
+  /// until the deadline with either context, and passed with a host wait
+  /// every 50 pairs). 16 ops keep the queue far from full and never hold a
+  /// caller that syncs once per layer.
+  int default_ops_in_flight() const override { return 16; }
+
   /// A proxy channel's ring that stayed full, commands that did not complete,
   /// or its thread that stopped (transport/proxy/device.cuh reports them).
   std::optional<std::string> describe_failure(const DeviceDiag& g,
