@@ -50,17 +50,39 @@ void check(int code, const std::string& library) {
                   "LD_LIBRARY_PATH (a framework imported before EPX may have loaded its own)");
 }
 
-}  // namespace nccl_version
+void check_gin_device_abi(int code, int built_code, const std::string& library) {
+  const Version found = decode(code), built = decode(built_code);
+  if (found.major == built.major && found.minor == built.minor) return;
+  const std::string series = std::to_string(built.major) + "." + std::to_string(built.minor);
+  throw Error(ErrorCode::kUnsupported,
+              "nccl backend: NCCL " + to_string(found) + " is loaded" +
+                  (library.empty() ? std::string() : " (" + library + ")") +
+                  ", but EPX's GIN device code was built against NCCL " + to_string(built) +
+                  "'s headers and runs only with NCCL " + series +
+                  ".x (NCCL's device communicator may change layout between minor versions). "
+                  "Load NCCL " +
+                  series + " first (pip install 'nvidia-nccl-cu13==" + to_string(built) +
+                  "', or its lib directory first in LD_LIBRARY_PATH), or choose backend "
+                  "proxy, nvlink or nvshmem, which run with this NCCL");
+}
 
-namespace {
-/// The NCCL this process runs with; the library file when the loader says.
-void check_loaded_nccl() {
+int loaded(std::string& library) {
   int code = 0;
   EPX_NCCL_CHECK(ncclGetVersion(&code));
   Dl_info info{};
-  std::string library;
+  library.clear();
   if (dladdr(reinterpret_cast<void*>(&ncclGetVersion), &info) != 0 && info.dli_fname)
     library = info.dli_fname;
+  return code;
+}
+
+}  // namespace nccl_version
+
+namespace {
+/// The NCCL this process runs with, checked against the oldest EPX needs.
+void check_loaded_nccl() {
+  std::string library;
+  const int code = nccl_version::loaded(library);
   nccl_version::check(code, library);
 }
 }  // namespace

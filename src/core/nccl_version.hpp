@@ -24,5 +24,15 @@ bool at_least(const Version& found, const Version& needed);
 /// file it was loaded from, when known) and the one needed, unless `code` is
 /// kRequired or newer.
 void check(int code, const std::string& library);
+/// The loaded NCCL's ncclGetVersion code; `library` gets the file it was
+/// loaded from when the loader says (else stays empty).
+int loaded(std::string& library);
+/// The NCCL GIN backend's device code holds NCCL's device structs
+/// (ncclDevComm, the GIN contexts) as the headers it was compiled against lay
+/// them out, and their layout may change with each minor release: it runs
+/// only with the major and minor version of `built_code`. Throws
+/// Error(kUnsupported) naming the loaded version (and `library`), the
+/// supported one and the way out otherwise.
+void check_gin_device_abi(int code, int built_code, const std::string& library);
 
 }  // namespace epx::nccl_version

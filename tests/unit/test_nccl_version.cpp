@@ -63,5 +63,36 @@ TEST(NcclVersion, OlderLibraryIsAnErrorNamingBothVersions) {
   EXPECT_NE(check_message(22808, "").find("2.28.8"), std::string::npos);
 }
 
+std::string gin_message(int code, int built, const std::string& library) {
+  try {
+    nccl_version::check_gin_device_abi(code, built, library);
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kUnsupported);
+    return e.what();
+  }
+  return "";
+}
+
+TEST(NcclVersion, GinDeviceCodeRunsOnlyWithItsMinorVersion) {
+  EXPECT_NO_THROW(nccl_version::check_gin_device_abi(22809, 22809, ""));
+  EXPECT_NO_THROW(nccl_version::check_gin_device_abi(22805, 22809, ""));   // patch: same layout
+  EXPECT_NO_THROW(nccl_version::check_gin_device_abi(22812, 22809, "x"));  // newer patch too
+  // DeepEP V2's NCCL (2.30.4 and later) and PyPI's newest, against 2.28 headers.
+  for (const int newer : {23004, 23007, 23203}) {
+    const std::string m = gin_message(newer, 22809, "/venv/nvidia/nccl/lib/libnccl.so.2");
+    EXPECT_NE(m.find("NCCL " + nccl_version::to_string(nccl_version::decode(newer)) +
+                     " is loaded (/venv/nvidia/nccl/lib/libnccl.so.2)"),
+              std::string::npos)
+        << m;
+    EXPECT_NE(m.find("built against NCCL 2.28.9"), std::string::npos) << m;
+    EXPECT_NE(m.find("only with NCCL 2.28.x"), std::string::npos) << m;
+    EXPECT_NE(m.find("backend proxy, nvlink or nvshmem"), std::string::npos) << m;
+  }
+  EXPECT_NE(gin_message(22703, 22809, "").find("NCCL 2.27.3 is loaded,"), std::string::npos);
+  EXPECT_NE(gin_message(32809, 22809, "").find("3.28.9"), std::string::npos);  // major differs
+  // Built against newer headers, an older loaded NCCL is refused the same way.
+  EXPECT_NE(gin_message(22809, 23007, "").find("only with NCCL 2.30.x"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace epx

@@ -19,6 +19,7 @@
 #include "common/env.hpp"
 #include "common/nccl_comm.hpp"
 #include "common/plan.hpp"
+#include "core/nccl_version.hpp"
 #include "core/stream_wait.hpp"
 #include "epx/communicator.hpp"
 #include "epx/error.hpp"
@@ -134,6 +135,10 @@ class NcclGin final : public Backend {
     Communicator& comm = comm_;
     const Topology& topology = topo_;
     const int num_contexts = num_contexts_, num_signals = num_signals_;
+    // Before any device struct is made: they are laid out as this build's
+    // headers say (the others then name this rank at their first agreement).
+    std::string library;
+    nccl_version::check_gin_device_abi(nccl_version::loaded(library), NCCL_VERSION_CODE, library);
     // NCCL's splits and device communicators wait for every rank without a
     // deadline: before each, the ranks agree (an all-gather with the
     // communicator's deadline) that every one got there, so a rank that
