@@ -479,6 +479,12 @@ cudaStream_t Buffer::Impl::ll_enter(const StreamArgs& s, const char* op) {
     enter(s);
   else
     raise_if_failed("previous op");
+  const cudaStream_t x = direct ? s.stream : comm_stream;
+  // A capturing stream cannot wait for an event recorded outside the capture:
+  // a captured op is ordered by the graph launch instead. Nor is it queued
+  // now, so it waits for no earlier op either (and a capture in global mode
+  // must not query events).
+  if (capturing(x)) return x;
   if (max_in_flight > 0) {
     // The bound on ops queued on the GPU (BufferOptions::max_ops_in_flight).
     while (!ops_in_flight.empty() && ops_in_flight.front().done()) ops_in_flight.pop_front();
@@ -492,10 +498,7 @@ cudaStream_t Buffer::Impl::ll_enter(const StreamArgs& s, const char* op) {
       raise_if_failed("previous op");
     }
   }
-  const cudaStream_t x = direct ? s.stream : comm_stream;
-  // A capturing stream cannot wait for an event recorded outside the capture:
-  // a captured op is ordered by the graph launch instead.
-  if (ll_tail && ll_tail_stream != x && !capturing(x)) ll_tail->stream_wait(x);
+  if (ll_tail && ll_tail_stream != x) ll_tail->stream_wait(x);
   return x;
 }
 
