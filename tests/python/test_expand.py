@@ -191,14 +191,15 @@ class _ReferenceRuntime:
         return x, topk_weights, None
 
 
-@pytest.mark.parametrize("sync", [True, False])
-def test_elastic_expanded_dispatch_and_combine_glue(sync):
+def _elastic_on_reference(rng, tokens, E, K, H, maxT):
+    """A 2-rank ElasticBuffer on rank 0 whose runtime is _ReferenceRuntime over fresh random
+    routing (distinct experts per token), rows and weights: `tokens` per rank. Returns the
+    buffer and every rank's x (BF16 bits), top-k ids and weights."""
     import epx
 
-    rng = np.random.default_rng([SEED, 11, sync])
-    world, E, K, H, maxT, align = 2, 8, 3, 16, 24, 4
+    world = len(tokens)
     all_idx = [np.stack([rng.permutation(E)[:K] for _ in range(t)]).astype(np.int64)
-               for t in (20, 13)]
+               for t in tokens]
     all_x = [ref.bf16_from_float(rng.standard_normal((len(i), H)).astype(np.float32))
              for i in all_idx]
     all_w = [rng.random(i.shape).astype(np.float32) for i in all_idx]
@@ -207,7 +208,16 @@ def test_elastic_expanded_dispatch_and_combine_glue(sync):
     buf.num_allocated_qps, buf.num_rdma_ranks, buf.num_nvlink_ranks = 4, 1, world
     buf.num_scaleout_ranks, buf.num_scaleup_ranks = 1, world
     buf.allow_multiple_reduction = True
-    buf.runtime = rt = _ReferenceRuntime(all_x, all_idx, all_w, E)
+    buf.runtime = _ReferenceRuntime(all_x, all_idx, all_w, E)
+    return buf, all_x, all_idx, all_w
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_elastic_expanded_dispatch_and_combine_glue(sync):
+    rng = np.random.default_rng([SEED, 11, sync])
+    world, E, K, H, maxT, align = 2, 8, 3, 16, 24, 4
+    buf, all_x, all_idx, all_w = _elastic_on_reference(rng, (20, 13), E, K, H, maxT)
+    rt = buf.runtime
     x = torch.from_numpy(all_x[0].view(np.int16)).view(torch.bfloat16)
     stats = torch.zeros(E // world, dtype=torch.int32)
     rx, ri, rw, h, _ = buf.dispatch(x, topk_idx=torch.from_numpy(all_idx[0]),
@@ -248,21 +258,9 @@ def test_elastic_expanded_dispatch_and_combine_glue(sync):
 def test_elastic_cached_dispatch_glue(do_expand, sync):
     """handle=: the handle's routing and row order again, x and the weights resent, the
     same handle returned; the outputs equal the first dispatch's."""
-    import epx
-
     rng = np.random.default_rng([SEED, 12, sync, do_expand])
-    world, E, K, H, maxT, align = 2, 8, 3, 16, 24, 2
-    all_idx = [np.stack([rng.permutation(E)[:K] for _ in range(t)]).astype(np.int64)
-               for t in (17, 21)]
-    all_x = [ref.bf16_from_float(rng.standard_normal((len(i), H)).astype(np.float32))
-             for i in all_idx]
-    all_w = [rng.random(i.shape).astype(np.float32) for i in all_idx]
-    buf = object.__new__(epx.ElasticBuffer)
-    buf.num_ranks, buf.rank_idx, buf.num_max_tokens_per_rank = world, 0, maxT
-    buf.num_allocated_qps, buf.num_rdma_ranks, buf.num_nvlink_ranks = 4, 1, world
-    buf.num_scaleout_ranks, buf.num_scaleup_ranks = 1, world
-    buf.allow_multiple_reduction = True
-    buf.runtime = _ReferenceRuntime(all_x, all_idx, all_w, E)
+    E, K, H, maxT, align = 8, 3, 16, 24, 2
+    buf, all_x, all_idx, all_w = _elastic_on_reference(rng, (17, 21), E, K, H, maxT)
     x = torch.from_numpy(all_x[0].view(np.int16)).view(torch.bfloat16)
     w = torch.from_numpy(all_w[0])
     rx, ri, rw, h, _ = buf.dispatch(x, topk_idx=torch.from_numpy(all_idx[0]), topk_weights=w,
@@ -280,27 +278,22 @@ def test_elastic_cached_dispatch_glue(do_expand, sync):
                                   rx.view(torch.int16).numpy())
     np.testing.assert_array_equal(rw2.numpy(), rw.numpy())
     assert rx2.shape == rx.shape
+    # every received row is its source's current x (rank 0's now x2's, the peer's unchanged)
+    o = buf.runtime.want
+    n = len(o["recv_src_idx"])
+    ends = o["rank_prefix_matrix"][:, 0]
+    got = rx2.view(torch.int16).numpy().view(np.uint16)
+    want = [all_x[int(np.searchsorted(ends, i, side="right"))][o["recv_src_idx"][i]]
+            for i in range(n)]
     if do_expand:
         assert ri2 is None
-        # rank 0's own rows in their slots are now x2's; the peer's unchanged
         slots = h.expand_slots.numpy()
-        o = buf.runtime.want
-        n = len(o["recv_src_idx"])
-        ends = o["rank_prefix_matrix"][:, 0]
-        got = rx2.view(torch.int16).numpy().view(np.uint16)
         for i in range(n):
-            src = int(np.searchsorted(ends, i, side="right"))
-            want = (all_x[src])[o["recv_src_idx"][i]]
             for s_ in slots[i][slots[i] >= 0]:
-                np.testing.assert_array_equal(got[s_], want)
+                np.testing.assert_array_equal(got[s_], want[i])
     else:
         np.testing.assert_array_equal(ri2.numpy(), ri.numpy())
         assert ri2.data_ptr() != ri.data_ptr()  # a copy the caller may change
-        o = buf.runtime.want
-        n = len(o["recv_src_idx"])
-        ends = o["rank_prefix_matrix"][:, 0]
-        got = rx2.view(torch.int16).numpy().view(np.uint16)
         for i in range(n):
-            src = int(np.searchsorted(ends, i, side="right"))
-            np.testing.assert_array_equal(got[i], all_x[src][o["recv_src_idx"][i]])
+            np.testing.assert_array_equal(got[i], want[i])
         assert not got[n:].any()
