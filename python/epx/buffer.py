@@ -164,7 +164,7 @@ def _set_algorithm_options(opts: "_core.BufferOptions", ht_rings: Optional[int],
                            net_split_puts: Optional[bool], ll_arrival_order: Optional[bool],
                            ll_context_ranges: Optional[bool], ll_sms: Optional[int],
                            proxy_cumem: Optional[bool],
-                           max_ops_in_flight: Optional[int] = None) -> "_core.BufferOptions":
+                           max_ops_in_flight: Optional[int]) -> "_core.BufferOptions":
     """Copies ``Buffer``'s algorithm keywords into ``opts`` (None stays unset: the
     field's environment variable, else its default); the rules are the C++
     ``BufferOptions::validate``'s, which the Buffer runs before anything else."""

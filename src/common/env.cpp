@@ -206,10 +206,8 @@ std::optional<int> ll_sms() {
 }
 
 std::optional<int> max_ops_in_flight() {
-  const auto v = get_int("EPX_MAX_OPS_IN_FLIGHT");
+  const auto v = get_int_in("EPX_MAX_OPS_IN_FLIGHT", 0, int64_t{1} << 20);
   if (!v) return std::nullopt;
-  require(*v >= 0 && *v <= 1 << 20, "EPX_MAX_OPS_IN_FLIGHT",
-          "must be in [0, 2^20] (0: no bound), got " + std::to_string(*v));
   return static_cast<int>(*v);
 }
 

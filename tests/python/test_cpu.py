@@ -253,7 +253,7 @@ def test_buffer_options_enable_shrink():
 
 
 ALGORITHM_FIELDS = ("ht_rings", "net_split_puts", "ll_arrival_order", "ll_context_ranges",
-                    "ll_sms", "proxy_cumem")
+                    "ll_sms", "proxy_cumem", "max_ops_in_flight")
 
 
 def test_buffer_options_algorithm_fields_default_unset():
@@ -270,6 +270,7 @@ def test_buffer_options_algorithm_fields_default_unset():
     ("ht_rings", -2, r"ht_rings: must be -1 .* ring records in \[2, 2\^20\] .*got -2"),
     ("ht_rings", (1 << 20) + 1, r"ht_rings: .*got 1048577"),
     ("ll_sms", 0, r"ll_sms: must be in \[1, 2\^20\].*got 0"),
+    ("max_ops_in_flight", -1, r"max_ops_in_flight: must be in \[0, 2\^20\].*got -1"),
 ])
 def test_buffer_options_validate_names_the_field(field, value, rule):
     opts = _core.BufferOptions()
@@ -289,13 +290,16 @@ def test_buffer_keywords_reach_the_algorithm_fields():
         assert params[name].kind == inspect.Parameter.KEYWORD_ONLY and params[name].default is None
     opts = _set_algorithm_options(_core.BufferOptions(), ht_rings=0, net_split_puts=True,
                                   ll_arrival_order=1, ll_context_ranges=False, ll_sms=8,
-                                  proxy_cumem=None)
+                                  proxy_cumem=None, max_ops_in_flight=0)
     assert (opts.ht_rings, opts.net_split_puts, opts.ll_arrival_order, opts.ll_context_ranges,
-            opts.ll_sms, opts.proxy_cumem) == (0, True, True, False, 8, None)
+            opts.ll_sms, opts.proxy_cumem, opts.max_ops_in_flight) == (0, True, True, False, 8,
+                                                                      None, 0)
     with pytest.raises(TypeError, match="ht_rings: expected an int"):
-        _set_algorithm_options(_core.BufferOptions(), "4", None, None, None, None, None)
+        _set_algorithm_options(_core.BufferOptions(), "4", None, None, None, None, None, None)
     with pytest.raises(epx.EPXError, match="ll_sms: must be an integer in"):
-        _set_algorithm_options(_core.BufferOptions(), None, None, None, None, 1 << 40, None)
+        _set_algorithm_options(_core.BufferOptions(), None, None, None, None, 1 << 40, None, None)
+    with pytest.raises(TypeError, match="max_ops_in_flight: expected an int"):
+        _set_algorithm_options(_core.BufferOptions(), None, None, None, None, None, None, "16")
 
 
 def test_internode_size_hint_takes_the_rings_field(monkeypatch):
