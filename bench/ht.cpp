@@ -96,14 +96,32 @@ void run_ht_internode(World& w, const Options& o, nlohmann::json& result,
   const double net_bytes = static_cast<double>(node_tokens) * H * 2;
   const double cross_bytes = static_cast<double>(cross_tokens) * H * 2;
   const double nvl_bytes = static_cast<double>(Nr) * H * 2;
-  const double t_full = time_us(
-      w, [&] { w.buffer->dispatch(calls.full); }, o.warmup, o.iters);
-  const double t_bf16 = time_us(
-      w, [&] { calls.cached(cfg, false); }, o.warmup, o.iters);
-  const double t_fp8 = time_us(
-      w, [&] { calls.cached(cfg, true); }, o.warmup, o.iters);
-  const double t_comb = time_us(
-      w, [&] { calls.combine(cfg); }, o.warmup, o.iters);
+  // Each op's timing, with what the network engine carried per op over those
+  // runs where the backend counts it (the proxy): a NIC or a proxy thread
+  // pays per request, so a ring op should post a few large puts.
+  nlohmann::json traffic = nlohmann::json::object();
+  auto timed = [&](const char* name, const std::function<void()>& fn) {
+    const auto before = w.buffer->network_traffic();
+    const double us = time_us(w, fn, o.warmup, o.iters);
+    w.comm->barrier();  // every rank's op done: what it posted was taken
+    const auto after = w.buffer->network_traffic();
+    if (before && after) {
+      const double ops = o.warmup + o.iters;
+      const double puts = static_cast<double>(after->puts - before->puts);
+      const double bytes = static_cast<double>(after->put_bytes - before->put_bytes);
+      traffic[name] = {
+          {"commands_per_op", mean_over_ranks(w, (after->commands - before->commands) / ops)},
+          {"puts_per_op", mean_over_ranks(w, puts / ops)},
+          {"bytes_per_put", mean_over_ranks(w, puts > 0 ? bytes / puts : 0.0)},
+          {"writes_per_op", mean_over_ranks(w, (after->writes - before->writes) / ops)},
+          {"signals_per_op", mean_over_ranks(w, (after->signals - before->signals) / ops)}};
+    }
+    return us;
+  };
+  const double t_full = timed("dispatch_bf16_uncached", [&] { w.buffer->dispatch(calls.full); });
+  const double t_bf16 = timed("dispatch_bf16", [&] { calls.cached(cfg, false); });
+  const double t_fp8 = timed("dispatch_fp8", [&] { calls.cached(cfg, true); });
+  const double t_comb = timed("combine", [&] { calls.combine(cfg); });
   // FP8 rows are H bytes plus H / 128 scales of 4 bytes.
   const double fp8_scale = (H + 4.0 * (H / 128)) / (2.0 * H);
   auto rates = [&](double us, double scale) {
@@ -125,6 +143,7 @@ void run_ht_internode(World& w, const Options& o, nlohmann::json& result,
   result["dispatch_fp8"] = rates(t_fp8, fp8_scale);
   result["combine"] = rates(t_comb, 1.0);
   result["dispatch_bf16_uncached"] = rates(t_full, 1.0);
+  result["traffic"] = traffic;
   result["bytes_rank0"] = {{"net", net_bytes}, {"net_cross", cross_bytes}, {"nvl", nvl_bytes}};
   result["recv_tokens_rank0"] = Nr;
   result["counting"] =
@@ -136,7 +155,7 @@ void run_ht_internode(World& w, const Options& o, nlohmann::json& result,
   // kernels' one knob across nodes so far), for the default configs.
   nlohmann::json sweep = nlohmann::json::array();
   if (o.sweep) {
-    for (int sms : {4, 8, 12, 16, 24, 32, 48}) {
+    for (int sms : {4, 6, 8, 12, 16, 24, 32, 48}) {
       if (sms > sm_share(w)) continue;
       Config c = cfg;
       c.num_sms = sms;
@@ -188,6 +207,10 @@ void run_ht_internode(World& w, const Options& o, nlohmann::json& result,
     row("combine BF16", "combine");
     row("dispatch BF16 (count exchange)", "dispatch_bf16_uncached");
     std::printf("buffer bytes per rank: %zu\n", w.buffer->buffer_bytes());
+    for (const auto& [name, t] : traffic.items())
+      std::printf("%-30s %.1f puts per op of %.0f bytes each, %.1f engine writes, %.1f signals\n",
+                  name.c_str(), t["puts_per_op"].get<double>(), t["bytes_per_put"].get<double>(),
+                  t["writes_per_op"].get<double>(), t["signals_per_op"].get<double>());
   }
 }
 

@@ -123,6 +123,15 @@ struct BufferOptions {
 
 /// Per-call stream arguments (DeepEP's previous_event / async_finish /
 /// allocate_on_comm_stream). `stream` is the caller's (compute) stream.
+/// What a backend's network engine has carried for this rank since the
+/// Buffer was made (Buffer::network_traffic): the requests its kernels posted
+/// (commands), the puts among them and their bytes, the signals, and the
+/// writes the engine issued for the puts after merging neighbours (what a NIC
+/// would see). Running totals: an op's figures are the difference around it.
+struct NetworkTraffic {
+  uint64_t commands = 0, puts = 0, put_bytes = 0, signals = 0, writes = 0;
+};
+
 struct StreamArgs {
   cudaStream_t stream = nullptr;
   const Event* previous_event = nullptr;
@@ -336,6 +345,11 @@ class Buffer {
   /// with several rails "libfabric <provider>, domains <a>,<b> (channel c on
   /// domain c % 2)"); "" otherwise.
   std::string network_engine() const;
+  /// The network engine's traffic so far where the backend counts it (the
+  /// proxy: every channel's commands, summed); nullopt otherwise. Read it
+  /// with no op in flight for exact figures (a proxy still serving an op
+  /// counts what it took so far).
+  std::optional<NetworkTraffic> network_traffic() const;
   /// Symmetric bytes this rank holds (both regions).
   std::size_t buffer_bytes() const;
 

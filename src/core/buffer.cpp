@@ -295,6 +295,10 @@ std::string Buffer::network_engine() const {
   return impl_->backend->engine_name();
 }
 
+std::optional<NetworkTraffic> Buffer::network_traffic() const {
+  return impl_->backend->network_traffic();
+}
+
 int Buffer::num_network_contexts() const {
   return impl_->backend->num_contexts();
 }

@@ -16,6 +16,7 @@
 
 #include "common/diag.hpp"
 #include "common/topology.hpp"
+#include "epx/buffer.hpp"
 #include "transport/any.hpp"
 
 namespace epx {
@@ -67,6 +68,9 @@ class Backend {
   /// What carries the network operations where the backend has a choice (the
   /// proxy's engine), else "".
   virtual std::string engine_name() const { return {}; }
+  /// Buffer::network_traffic: what the engine carried so far, where the
+  /// backend counts it.
+  virtual std::optional<NetworkTraffic> network_traffic() const { return std::nullopt; }
   /// Collective: every rank allocates `bytes`, zero-filled.
   virtual SymmetricRegion alloc(std::size_t bytes) = 0;
   /// Collective: releases a region from alloc().

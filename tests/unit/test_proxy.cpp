@@ -297,6 +297,8 @@ class GatedEngine final : public Engine {
  public:
   GatedEngine(Engine& inner, int gated) : inner_(inner), gated_(gated) {}
   void open() { open_.store(true); }
+  /// Puts that reached the gated channel's put (held there until open()).
+  int held() const { return held_.load(); }
 
   const char* name() const override { return "gated"; }
   int rank() const override { return inner_.rank(); }
@@ -313,6 +315,7 @@ class GatedEngine final : public Engine {
   bool reaches(int peer) const override { return inner_.reaches(peer); }
   void put(int channel, int peer, int region, uint64_t dst_off, uint64_t src_off,
            uint64_t bytes) override {
+    if (channel == gated_) held_.fetch_add(1);
     if (channel == gated_ && !wait_until([&] { return open_.load(); }))
       throw Error(ErrorCode::kTimeout, "gated engine: the gate never opened");
     inner_.put(channel, peer, region, dst_off, src_off, bytes);
@@ -328,6 +331,7 @@ class GatedEngine final : public Engine {
   Engine& inner_;
   const int gated_;
   std::atomic<bool> open_{false};
+  std::atomic<int> held_{0};
 };
 
 /// Two ranks of `channels` channels and `bytes` each; rank 0's engine held
@@ -490,6 +494,34 @@ TEST(Proxy, DrainWaitsForEveryReservedCommand) {
   gated.open();
   proxy.drain(10.0);
   for (int c = 0; c < 2; ++c) EXPECT_EQ(load(proxy.view(c).host->completed), 5u) << c;
+}
+
+// The traffic totals a bench reads (Buffer::network_traffic): every command,
+// the puts and their bytes, the signals, and the engine writes the puts
+// became. The first put is issued alone (the ring went idle) and held at the
+// gate while the rest are posted, so the thread then takes those 40 in one
+// go and merges them into one write.
+TEST(Proxy, TrafficCountsCommandsPutsBytesSignalsAndWrites) {
+  constexpr uint64_t kRow = 64, kRows = 41, kDst = 8192, kSig = 4096;
+  GatedProxy g(1, 128, 1 << 15, 0);
+  Proxy& proxy = g.proxy;
+  EXPECT_EQ(proxy.traffic(0).commands, 0u);
+  post_from_host(proxy.view(0), put_cmd(1, kDst, 0, kRow), Op::kPut, 0, 10.0, 0);
+  ASSERT_TRUE(wait_until([&] { return g.gated.held() == 1; }));  // issued alone, on idle
+  for (uint64_t i = kRows - 1; i >= 1; --i)                      // backwards: the merge sorts them
+    post_from_host(proxy.view(0), put_cmd(1, kDst + i * kRow, i * kRow, kRow), Op::kPut, 0, 10.0,
+                   0);
+  post_from_host(proxy.view(0), signal_cmd(1, kSig, 3), Op::kSignal, 0, 10.0, 0);
+  g.gated.open();
+  ASSERT_TRUE(wait_until([&] { return load(g.ranks.word(1, kSig)) == 3; }));
+  proxy.drain(10.0);
+  const ProxyTraffic t = proxy.traffic(0);
+  EXPECT_EQ(t.commands, kRows + 1);
+  EXPECT_EQ(t.puts, kRows);
+  EXPECT_EQ(t.put_bytes, kRows * kRow);
+  EXPECT_EQ(t.signals, 1u);
+  EXPECT_EQ(t.engine_puts, 2u);           // the gated first put, then one merged run
+  EXPECT_THROW(proxy.traffic(1), Error);  // names the channel range
 }
 
 // A step the engine holds for seconds (the CUDA IPC engine's calls behind a

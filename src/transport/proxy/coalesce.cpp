@@ -22,6 +22,7 @@ void Coalescer::put(int peer, int region, uint64_t dst_off, uint64_t src_off, ui
   if (peer < 0 || peer >= static_cast<int>(queues_.size())) {
     // Not a rank: let the engine refuse it with its own message, in order.
     flush_all();
+    ++engine_puts_;
     engine_.put(channel_, peer, region, dst_off, src_off, bytes);
     return;
   }
@@ -81,6 +82,7 @@ void Coalescer::issue(int peer, std::vector<Put>& puts) {
       ++j;
     }
     if (j > i + 1) {
+      ++engine_puts_;
       engine_.put(channel_, peer, first.region, first.dst, first.src, bytes);
       i = j;
       continue;
@@ -109,6 +111,7 @@ void Coalescer::issue(int peer, std::vector<Put>& puts) {
         }
       }
     }
+    ++engine_puts_;
     if (rows > 1)
       engine_.put_strided(channel_, peer, first.region, first.dst, dpitch, first.src, spitch,
                           first.bytes, rows);

@@ -31,6 +31,8 @@ class Coalescer {
   void flush_all();
   /// Puts queued and not issued yet.
   std::size_t queued() const { return queued_; }
+  /// Engine calls (put or put_strided) issued so far: what a NIC would see.
+  uint64_t engine_puts() const { return engine_puts_; }
 
  private:
   struct Put {
@@ -45,6 +47,7 @@ class Coalescer {
   std::vector<std::vector<Put>> queues_;  ///< per peer
   std::vector<int> busy_;                 ///< peers with a non-empty queue
   std::size_t queued_ = 0;
+  uint64_t engine_puts_ = 0;
 };
 
 }  // namespace epx::proxy

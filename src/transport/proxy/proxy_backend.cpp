@@ -140,6 +140,18 @@ class ProxyBackend final : public Backend {
     if (fabric_) return proxy::describe(proxy::libfabric_stats(*engine_));
     return engine_name_ + (cumem_ ? ", own CUDA context" : ", primary context");
   }
+  std::optional<NetworkTraffic> network_traffic() const override {
+    NetworkTraffic out;
+    if (!proxy_) return out;  // not started: nothing carried yet
+    proxy::ProxyTraffic sum;
+    for (int c = 0; c < proxy_->num_channels(); ++c) sum += proxy_->traffic(c);
+    out.commands = sum.commands;
+    out.puts = sum.puts;
+    out.put_bytes = sum.put_bytes;
+    out.signals = sum.signals;
+    out.writes = sum.engine_puts;
+    return out;
+  }
 
   SymmetricRegion alloc(std::size_t bytes) override {
     SymmetricRegion r;
