@@ -1,6 +1,9 @@
 // gpu/device_sleep.cu - the device side of gpu/device_sleep.hpp.
 #include "gpu/device_sleep.hpp"
 
+#include <stdexcept>
+#include <string>
+
 namespace epx::test {
 namespace {
 
@@ -15,7 +18,50 @@ __global__ void device_sleep(unsigned long long ns) {
   while (global_ns() - start < ns) __nanosleep(1000);
 }
 
+__global__ void device_gate(const volatile uint32_t* open, uint32_t* ran_out,
+                            unsigned long long timeout_ns) {
+  const unsigned long long start = global_ns();
+  while (*open == 0) {
+    if (global_ns() - start > timeout_ns) {
+      *ran_out = 1;
+      break;
+    }
+    __nanosleep(2000);
+  }
+}
+
 }  // namespace
+
+DeviceGate::DeviceGate(cudaStream_t stream, double timeout_s) : stream_(stream) {
+  if (cudaHostAlloc(&words_, 2 * sizeof(uint32_t), cudaHostAllocMapped | cudaHostAllocPortable) !=
+      cudaSuccess)
+    throw std::runtime_error("DeviceGate: cudaHostAlloc failed");
+  words_[0] = words_[1] = 0;
+  uint32_t* dev = nullptr;
+  cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev), words_, 0);
+  device_gate<<<1, 1, 0, stream>>>(dev, dev + 1, static_cast<unsigned long long>(timeout_s * 1e9));
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) {
+    cudaFreeHost(words_);
+    throw std::runtime_error(std::string("DeviceGate: launch: ") + cudaGetErrorString(e));
+  }
+}
+
+DeviceGate::~DeviceGate() {
+  open();
+  // The kernel reads the words until it sees them: wait for it (and what the
+  // caller queued behind it) before freeing them.
+  cudaStreamSynchronize(stream_);
+  cudaFreeHost(words_);
+}
+
+void DeviceGate::open() {
+  __atomic_store_n(&words_[0], 1u, __ATOMIC_RELEASE);
+}
+
+bool DeviceGate::held_too_long() const {
+  return __atomic_load_n(&words_[1], __ATOMIC_ACQUIRE) != 0;
+}
 
 cudaError_t launch_device_sleep(uint64_t ns, cudaStream_t stream) {
   device_sleep<<<1, 1, 0, stream>>>(ns);

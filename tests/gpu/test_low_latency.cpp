@@ -1417,7 +1417,10 @@ EPX_GPU_TEST(LowLatency, Int32AlignedAllocator) {
 /// returns once the gate opens, and raises kTimeout naming the bound when it
 /// never does. With no bound (0) every call returns while the gate is shut.
 /// The ops are the shrink mask's local copies (no peer takes part), so each
-/// rank's calls depend on its own stream only.
+/// rank's calls depend on its own stream only. The gates are kernels
+/// (DeviceGate): with host-function gates (StreamGate), whose functions all
+/// in-process ranks run on CUDA's one callback thread, ranks 0 and 1's first
+/// two calls waited 60 s at 2x2 on an H100.
 EPX_GPU_TEST(LowLatency, MaxOpsInFlightHoldsTheCallerAtTheBound) {
   auto& w = world();
   const int R = w.num_ranks;
@@ -1440,7 +1443,7 @@ EPX_GPU_TEST(LowLatency, MaxOpsInFlightHoldsTheCallerAtTheBound) {
   {
     auto b = make(2);
     // The gate opens after 0.5 s: the third call must have waited for it.
-    StreamGate gate(w.stream, 30.0);
+    DeviceGate gate(w.stream, 30.0);
     const auto t0 = clock::now();
     b->low_latency_query_mask_buffer(mv, w.stream);
     b->low_latency_query_mask_buffer(mv, w.stream);
@@ -1456,7 +1459,7 @@ EPX_GPU_TEST(LowLatency, MaxOpsInFlightHoldsTheCallerAtTheBound) {
     EXPECT_EQ(to_host<int>(mask.get(), R), std::vector<int>(R, 0));
 
     // A gate that stays shut past the host deadline (timeout_s + 5 s): named.
-    StreamGate shut(w.stream, 30.0);
+    DeviceGate shut(w.stream, 30.0);
     b->low_latency_query_mask_buffer(mv, w.stream);
     b->low_latency_query_mask_buffer(mv, w.stream);
     expect_error(
@@ -1472,7 +1475,7 @@ EPX_GPU_TEST(LowLatency, MaxOpsInFlightHoldsTheCallerAtTheBound) {
   }
   {
     auto b = make(0);
-    StreamGate gate(w.stream, 10.0);
+    DeviceGate gate(w.stream, 10.0);
     const auto t0 = clock::now();
     for (int i = 0; i < 8; ++i) b->low_latency_query_mask_buffer(mv, w.stream);
     EXPECT_LT(seconds_since(t0), 2.0) << "with no bound a call waited";
