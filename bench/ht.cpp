@@ -159,10 +159,20 @@ void run_ht_internode(World& w, const Options& o, nlohmann::json& result,
       if (sms > sm_share(w)) continue;
       Config c = cfg;
       c.num_sms = sms;
-      const double td = mean_over_ranks(w, time_us(
-                                               w, [&] { calls.cached(c, false); }, 2, 10));
-      const double tc = mean_over_ranks(w, time_us(
-                                               w, [&] { calls.combine(c); }, 2, 10));
+      double td = 0, tc = 0;
+      try {
+        td = mean_over_ranks(w, time_us(
+                                    w, [&] { calls.cached(c, false); }, 2, 10));
+        tc = mean_over_ranks(w, time_us(
+                                    w, [&] { calls.combine(c); }, 2, 10));
+      } catch (const Error& e) {
+        // More SMs, more rings: the buffer may not hold them (every rank
+        // refuses alike, before any kernel). The sweep ends there.
+        if (e.code() != ErrorCode::kBufferTooSmall) throw;
+        sweep.push_back({{"num_sms", sms}, {"error", e.what()}});
+        if (w.rank == 0) std::printf("sweep sms=%d: %s\n", sms, e.what());
+        break;
+      }
       sweep.push_back({{"num_sms", sms}, {"dispatch_bf16_us", td}, {"combine_us", tc}});
       if (w.rank == 0)
         std::printf("sweep sms=%d: dispatch BF16 (cached) %.1f us, combine %.1f us\n", sms, td, tc);
