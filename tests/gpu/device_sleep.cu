@@ -32,27 +32,38 @@ __global__ void device_gate(const volatile uint32_t* open, uint32_t* ran_out,
 
 }  // namespace
 
-DeviceGate::DeviceGate(cudaStream_t stream, double timeout_s) : stream_(stream) {
-  if (cudaHostAlloc(&words_, 2 * sizeof(uint32_t), cudaHostAllocMapped | cudaHostAllocPortable) !=
-      cudaSuccess)
-    throw std::runtime_error("DeviceGate: cudaHostAlloc failed");
+GateWords::GateWords(int gates) : gates_(gates) {
+  const std::size_t bytes = 2 * sizeof(uint32_t) * static_cast<std::size_t>(gates);
+  if (cudaHostAlloc(&words_, bytes, cudaHostAllocMapped | cudaHostAllocPortable) != cudaSuccess)
+    throw std::runtime_error("GateWords: cudaHostAlloc failed");
+  for (std::size_t i = 0; i < 2 * static_cast<std::size_t>(gates); ++i) words_[i] = 0;
+}
+
+GateWords::~GateWords() {
+  cudaFreeHost(words_);
+}
+
+uint32_t* GateWords::gate(int i) {
+  if (i < 0 || i >= gates_) throw std::runtime_error("GateWords: no gate " + std::to_string(i));
+  return words_ + 2 * i;
+}
+
+DeviceGate::DeviceGate(cudaStream_t stream, double timeout_s, uint32_t* words)
+    : stream_(stream), words_(words) {
   words_[0] = words_[1] = 0;
   uint32_t* dev = nullptr;
-  cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev), words_, 0);
+  if (cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev), words_, 0) != cudaSuccess)
+    throw std::runtime_error("DeviceGate: words not mapped");
   device_gate<<<1, 1, 0, stream>>>(dev, dev + 1, static_cast<unsigned long long>(timeout_s * 1e9));
   const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) {
-    cudaFreeHost(words_);
+  if (e != cudaSuccess)
     throw std::runtime_error(std::string("DeviceGate: launch: ") + cudaGetErrorString(e));
-  }
 }
 
 DeviceGate::~DeviceGate() {
   open();
-  // The kernel reads the words until it sees them: wait for it (and what the
-  // caller queued behind it) before freeing them.
+  // The kernel reads the words until it sees them open.
   cudaStreamSynchronize(stream_);
-  cudaFreeHost(words_);
 }
 
 void DeviceGate::open() {

@@ -1417,10 +1417,13 @@ EPX_GPU_TEST(LowLatency, Int32AlignedAllocator) {
 /// returns once the gate opens, and raises kTimeout naming the bound when it
 /// never does. With no bound (0) every call returns while the gate is shut.
 /// The ops are the shrink mask's local copies (no peer takes part), so each
-/// rank's calls depend on its own stream only. The gates are kernels
-/// (DeviceGate): with host-function gates (StreamGate), whose functions all
-/// in-process ranks run on CUDA's one callback thread, ranks 0 and 1's first
-/// two calls waited 60 s at 2x2 on an H100.
+/// rank's calls depend on its own stream only. In-process ranks share one
+/// context, so the test keeps them from holding each other: the gates are
+/// kernels (DeviceGate; with host-function gates, which all in-process ranks'
+/// streams run on CUDA's one callback thread, ranks 0 and 1's first two calls
+/// waited 60 s at 2x2 on an H100), and nothing is allocated or freed while a
+/// gate is shut (with kernel gates made and freed around the calls, one
+/// rank's first two calls still waited 30 s, a gate's timeout).
 EPX_GPU_TEST(LowLatency, MaxOpsInFlightHoldsTheCallerAtTheBound) {
   auto& w = world();
   const int R = w.num_ranks;
@@ -1440,10 +1443,18 @@ EPX_GPU_TEST(LowLatency, MaxOpsInFlightHoldsTheCallerAtTheBound) {
   auto seconds_since = [](clock::time_point t) {
     return std::chrono::duration<double>(clock::now() - t).count();
   };
+  // Each phase: the buffer made and its first call done (one-time work) by
+  // every rank before any gate shuts, and no rank frees anything until every
+  // rank's gates are open again: allocations and frees may wait for the whole
+  // device, so another rank's shut gate would hold them.
+  GateWords words(3);
   {
     auto b = make(2);
+    b->low_latency_query_mask_buffer(mv, w.stream);
+    ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+    w.comm->barrier();
     // The gate opens after 0.5 s: the third call must have waited for it.
-    DeviceGate gate(w.stream, 30.0);
+    DeviceGate gate(w.stream, 30.0, words.gate(0));
     const auto t0 = clock::now();
     b->low_latency_query_mask_buffer(mv, w.stream);
     b->low_latency_query_mask_buffer(mv, w.stream);
@@ -1459,7 +1470,7 @@ EPX_GPU_TEST(LowLatency, MaxOpsInFlightHoldsTheCallerAtTheBound) {
     EXPECT_EQ(to_host<int>(mask.get(), R), std::vector<int>(R, 0));
 
     // A gate that stays shut past the host deadline (timeout_s + 5 s): named.
-    DeviceGate shut(w.stream, 30.0);
+    DeviceGate shut(w.stream, 30.0, words.gate(1));
     b->low_latency_query_mask_buffer(mv, w.stream);
     b->low_latency_query_mask_buffer(mv, w.stream);
     expect_error(
@@ -1470,12 +1481,15 @@ EPX_GPU_TEST(LowLatency, MaxOpsInFlightHoldsTheCallerAtTheBound) {
     EXPECT_FALSE(shut.held_too_long());
     b->low_latency_query_mask_buffer(mv, w.stream);  // usable again
     ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
-    EXPECT_TRUE(all_ranks(!rank_failed()));
+    EXPECT_TRUE(all_ranks(!rank_failed()));  // (collective: every rank's gates are open)
     b->destroy();
   }
   {
     auto b = make(0);
-    DeviceGate gate(w.stream, 10.0);
+    b->low_latency_query_mask_buffer(mv, w.stream);
+    ASSERT_EQ(cudaStreamSynchronize(w.stream), cudaSuccess);
+    w.comm->barrier();
+    DeviceGate gate(w.stream, 10.0, words.gate(2));
     const auto t0 = clock::now();
     for (int i = 0; i < 8; ++i) b->low_latency_query_mask_buffer(mv, w.stream);
     EXPECT_LT(seconds_since(t0), 2.0) << "with no bound a call waited";
