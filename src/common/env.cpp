@@ -183,6 +183,10 @@ bool nvshmem_trace() {
   return zero_or_one("EPX_NVSHMEM_TRACE");
 }
 
+bool ring_trace() {
+  return zero_or_one("EPX_RING_TRACE");
+}
+
 bool ll_context_ranges() {
   return zero_or_one("EPX_LL_CONTEXT_RANGES");
 }

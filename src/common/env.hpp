@@ -143,6 +143,10 @@ std::string fabric_domains();
 /// EPX_NVSHMEM_TRACE (0 or 1, default 0): the NVSHMEM module says when each
 /// of its host calls starts and ends.
 bool nvshmem_trace();
+/// EPX_RING_TRACE (0 or 1, default 0): each Buffer adds up where its ring
+/// kernels' blocks spend the op (per role and channel: ops, time, time of
+/// passes that moved nothing) and prints it on stderr when destroyed.
+bool ring_trace();
 
 struct RankInfo {
   int rank = 0, world_size = 1, local_rank = 0;

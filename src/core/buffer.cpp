@@ -199,6 +199,14 @@ Buffer::Buffer(std::shared_ptr<Communicator> comm, BufferOptions options)
                                cudaHostAllocMapped));
   std::memset(d.diag_host, 0, sizeof(DeviceDiag));
   EPX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&d.diag_dev), d.diag_host, 0));
+  if (env::ring_trace()) {
+    const std::size_t bytes = 2 * Impl::kRingTraceU64 * sizeof(unsigned long long);
+    EPX_CUDA_CHECK(
+        cudaHostAlloc(reinterpret_cast<void**>(&d.ring_trace_host), bytes, cudaHostAllocMapped));
+    std::memset(d.ring_trace_host, 0, bytes);
+    EPX_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&d.ring_trace_dev),
+                                            d.ring_trace_host, 0));
+  }
   EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&d.counts_host),
                                sizeof(int) * Impl::kCountsInts, cudaHostAllocMapped));
   std::memset(d.counts_host, 0, sizeof(int) * Impl::kCountsInts);
@@ -247,6 +255,10 @@ void Buffer::destroy() {
   if (d.ll_mask) cudaFree(d.ll_mask);
   cudaFreeHost(d.diag_host);
   cudaFreeHost(d.counts_host);
+  if (d.ring_trace_host) {
+    d.print_ring_trace();
+    cudaFreeHost(d.ring_trace_host);
+  }
   try {
     d.backend->free(d.ht);
   } catch (...) {
@@ -526,6 +538,35 @@ void Buffer::Impl::ll_sync(const char* op) {
   const detail::WaitSite hooks{op, comm->rank(), "a receive hook's kernel"};
   for (const Event& e : ll_hook_events) detail::wait_event(e.get(), hooks, host_wait_s(), note);
   ll_hook_events.clear();
+}
+
+void Buffer::Impl::print_ring_trace() const {
+  static constexpr const char* kOps[] = {"dispatch", "combine"};
+  static constexpr const char* kRoles[2][kernels::kRingTraceRoles] = {
+      {"send", "forward", "receive"}, {"return", "forward", "finish"}};
+  for (int k = 0; k < 2; ++k)
+    for (int role = 0; role < kernels::kRingTraceRoles; ++role) {
+      // Means over the channels that ran, per op
+      double ops = 0, us = 0, idle_us = 0;
+      int channels = 0;
+      for (int c = 0; c < plan::kMaxRingChannels; ++c) {
+        const unsigned long long* w =
+            ring_trace_host + k * kRingTraceU64 +
+            (static_cast<std::size_t>(role) * plan::kMaxRingChannels + c) *
+                kernels::kRingTraceWords;
+        if (w[0] == 0) continue;
+        ++channels;
+        ops += static_cast<double>(w[0]);
+        us += static_cast<double>(w[1]) / 1e3;
+        idle_us += static_cast<double>(w[2]) / 1e3;
+      }
+      if (channels == 0) continue;
+      std::fprintf(stderr,
+                   "epx ring trace rank %d %s %s: %.0f ops on %d channels, %.1f us per op, "
+                   "%.1f us of it in passes that moved nothing (%.0f%%)\n",
+                   comm->rank(), kOps[k], kRoles[k][role], ops / channels, channels, us / ops,
+                   idle_us / ops, us > 0 ? 100.0 * idle_us / us : 0.0);
+    }
 }
 
 std::string Buffer::Impl::stall_diagnosis(const char* op) {

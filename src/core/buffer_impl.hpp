@@ -13,6 +13,7 @@
 #include "common/diag.hpp"
 #include "core/stream_wait.hpp"
 #include "epx/buffer.hpp"
+#include "kernels/kernels.hpp"
 #include "transport/any.hpp"
 #include "transport/backend.hpp"
 
@@ -78,6 +79,14 @@ struct Buffer::Impl {
   DeviceDiag* diag_dev = nullptr;
   int* counts_host = nullptr;
   int* counts_dev = nullptr;
+  /// EPX_RING_TRACE: [op kind: dispatch, combine][kernels' ring trace]
+  /// (kernels::kRingTraceWords per role and channel), mapped; else nullptr.
+  unsigned long long* ring_trace_host = nullptr;
+  unsigned long long* ring_trace_dev = nullptr;
+  static constexpr std::size_t kRingTraceU64 = static_cast<std::size_t>(kernels::kRingTraceRoles) *
+                                               plan::kMaxRingChannels * kernels::kRingTraceWords;
+  /// Prints the ring trace (destroy; EPX_RING_TRACE).
+  void print_ring_trace() const;
   static constexpr int kCountsInts = 4096;
   int ll_parity = 0;  ///< which half of the low-latency double buffer is next
   /// The last low-latency op (not under capture): the event after it and the

@@ -385,6 +385,7 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   p.use_rings = rings;
   if (rings) {
     p.ring = *ring;
+    p.ring_trace = ring_trace_dev;
     p.ring_rpm = handle->rank_prefix_matrix.ptr<int>();
     if (worst > 0) p.off.count_rows = ring->count_rows;
   }
@@ -454,6 +455,7 @@ CombineResult Buffer::Impl::net_combine(const CombineArgs& a) {
   p.use_rings = rings;
   if (rings) {
     p.ring = *ring;
+    p.ring_trace = ring_trace_dev ? ring_trace_dev + kRingTraceU64 : nullptr;
     p.fwd_token = h.net_fwd_token.ptr<int>();
     p.recv_src_idx = h.recv_src_idx.ptr<int>();
     p.rank_prefix_matrix = h.rank_prefix_matrix.ptr<int>();

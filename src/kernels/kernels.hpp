@@ -253,6 +253,11 @@ struct HtNetRouteArgs {
 };
 void launch_ht_net_route(const HtNetRouteArgs& a, cudaStream_t stream);
 
+/// The ring trace's layout (HtNetDispatchArgs::ring_trace): [role 0..2]
+/// [plan::kMaxRingChannels][kRingTraceWords] per op kind.
+inline constexpr int kRingTraceWords = 3;
+inline constexpr int kRingTraceRoles = 3;
+
 struct HtNetDispatchArgs : DispatchRowArgs {
   HtNetOffsets off;
   const int* table;     ///< HtNetTable layout
@@ -289,6 +294,10 @@ struct HtNetDispatchArgs : DispatchRowArgs {
   bool use_rings;
   plan::HtRingRegion ring;
   const int* ring_rpm;
+  /// EPX_RING_TRACE: per (role, channel) u64 [3]: ring ops, ns in the role,
+  /// ns of passes that moved nothing (kRingTraceWords; mapped host memory),
+  /// added by each block; nullptr: none.
+  unsigned long long* ring_trace = nullptr;
 };
 /// The barrier, then send, forward and receive.
 void launch_ht_net_dispatch(const dev::AnyTransport& t, const HtNetDispatchArgs& a,
@@ -321,6 +330,7 @@ struct HtNetCombineArgs {
   const int* recv_src_idx;        ///< [N_recv]
   const int* rank_prefix_matrix;  ///< [R, R]
   const int* source_num_tokens;   ///< [R]
+  unsigned long long* ring_trace = nullptr;  ///< as HtNetDispatchArgs::ring_trace
 };
 /// The barrier, then return, node sum and finish.
 void launch_ht_net_combine(const dev::AnyTransport& t, const HtNetCombineArgs& a,

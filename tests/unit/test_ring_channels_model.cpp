@@ -11,11 +11,10 @@
 // - credits returned in batches: the forwarder frees network slots when a
 //   batch is full or when nothing more is waiting in that ring.
 // The batched mode follows the ring kernel as built (internode/ring_dispatch.cuh):
-// a sender goes node by node, writes batches of up to `batch` records (one
-// per warp) capped by what the current put has left, puts every `chunk`
-// records, and when the ring is full puts what it wrote and waits for room
-// for a whole put; a forwarder takes batches of up to `batch` records from
-// an input, waits once per local ring for the batch's records there
+// a sender serves the nodes in turns, each turn one put of `chunk` records
+// (or the node's rest) written in batches of up to `batch` (one per warp),
+// and passes over a node whose ring lacks room for a whole put; a forwarder takes batches of up to
+// `batch` records from an input, waits once per local ring for the batch's records there
 // (publishing that ring's tail first), publishes a ring's tail every
 // `nvl_chunk` records, and frees credits every `chunk` records and after
 // each pass over an input.
@@ -169,48 +168,45 @@ struct ChannelModel : epx::test_ring::Deadline {
     }
   }
 
-  /// The ring kernel's sender (ring_send): node by node; the net ring's
-  /// tail is what was put (`pending`), records past it are written but not
-  /// yet put, its head the forwarder's credits.
+  /// The ring kernel's sender (ring_send): nodes in turns, a turn one put
+  /// of `chunk` records (or the node's rest) written in batches and then
+  /// put (the net ring's tail); a node whose ring lacks room for the whole
+  /// put (its head: the forwarder's credits) is passed over, and a pass in
+  /// which no node had room waits (idle()) and tries again.
   void sender_batched(int s, int c) {
     for (int op = 0; op < ops; ++op) {
       const auto [a, b] = range(op, s, c);
+      std::vector<std::vector<Record>> recs(N);
+      std::vector<std::size_t> next(N, 0);
+      std::size_t total = 0;
       for (int m = 0; m < N; ++m) {
-        Ring& q = *net[(c * R + s) * N + m];
-        std::vector<Record> recs;
         for (int t = a; t < b; ++t)
-          if (const uint32_t mask = node_mask(route[op][s][t], m)) recs.push_back({op, s, t, mask});
-        uint32_t sent = q.tail.load(std::memory_order_relaxed), pending = sent;
-        const uint32_t batch_max = std::min(batch, q.cap);
-        auto flush = [&] {
-          q.tail.store(sent, std::memory_order_release);
-          pending = sent;
-        };
-        std::size_t next = 0;
-        while (next < recs.size()) {
-          const uint32_t rest = static_cast<uint32_t>(recs.size() - next);
-          const uint32_t k = std::min({batch_max, chunk - (sent - pending), rest});
-          if (k == 0) {
-            ADD_FAILURE() << "sender " << s << ": an empty batch (sent - pending reached chunk)";
-            stuck = true;
-            return;
+          if (const uint32_t mask = node_mask(route[op][s][t], m))
+            recs[m].push_back({op, s, t, mask});
+        total += recs[m].size();
+      }
+      while (total > 0) {
+        bool any = false;
+        for (int m = 0; m < N; ++m) {
+          if (next[m] == recs[m].size()) continue;
+          Ring& q = *net[(c * R + s) * N + m];
+          const uint32_t sent = q.tail.load(std::memory_order_relaxed);
+          const uint32_t want =
+              std::min(static_cast<uint32_t>(recs[m].size() - next[m]), std::min(chunk, q.cap));
+          if (!epx::ring::room_for(sent, q.head.load(std::memory_order_acquire), want, q.cap))
+            continue;
+          for (uint32_t done = 0; done < want;) {  // the kernel's batches, one record per warp
+            const uint32_t k = std::min(batch, want - done);
+            for (uint32_t i = 0; i < k; ++i)
+              q.slots[epx::ring::slot(sent + done + i, q.cap)] = recs[m][next[m] + done + i];
+            done += k;
           }
-          if (!epx::ring::room_for(sent, q.head.load(std::memory_order_acquire), k, q.cap)) {
-            flush();  // what is written goes first; then room for a whole put
-            const uint32_t room = std::min(std::max(std::min(rest, chunk), k), q.cap);
-            if (!wait([&] {
-                  return epx::ring::room_for(sent, q.head.load(std::memory_order_acquire), room,
-                                             q.cap);
-                }))
-              return;
-          }
-          for (uint32_t i = 0; i < k; ++i)
-            q.slots[epx::ring::slot(sent + i, q.cap)] = recs[next + i];
-          sent += k;
-          next += k;
-          if (sent - pending >= chunk) flush();
+          q.tail.store(sent + want, std::memory_order_release);  // the put and its tail add
+          next[m] += want;
+          total -= want;
+          any = true;
         }
-        flush();
+        if (!any && !idle()) return;
       }
       if (!end_op(s, op)) return;
     }

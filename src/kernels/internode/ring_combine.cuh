@@ -389,7 +389,10 @@ __global__ void __launch_bounds__(kThreads) ring_combine_kernel(CombineParams<T>
   t.signals = g.signals;  // the ring ids' words (ids stay global: NCCL's pool)
   const int C = g.geometry.channels, role = blockIdx.x / C, c = blockIdx.x % C;
   __shared__ int ok;
-  if (threadIdx.x == 0) ok = barrier_failed(p.t, p.off) ? 0 : 1;
+  if (threadIdx.x == 0) {
+    ring_clock_start(p.ring_trace);
+    ok = barrier_failed(p.t, p.off) ? 0 : 1;
+  }
   __syncthreads();
   bool done = ok != 0;
   if (done) {
@@ -400,6 +403,7 @@ __global__ void __launch_bounds__(kThreads) ring_combine_kernel(CombineParams<T>
     else
       done = ring_combine_finish(p, t, c);
   }
+  if (threadIdx.x == 0) ring_clock_end(p.ring_trace, role, c);
   // Every block counts; the last clears the barrier's failure word.
   last_block_ok(p.t, p.off, kDoneReturn, done);
 }

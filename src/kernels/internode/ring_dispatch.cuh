@@ -85,6 +85,34 @@ __device__ __forceinline__ void ring_put_records(const T& t, const plan::HtRingR
   __syncthreads();
 }
 
+/// EPX_RING_TRACE's clock of this block (thread 0's): whether it runs, when
+/// the last pass ended, and the ns of passes that moved nothing.
+struct RingClock {
+  int on;
+  uint64_t start, pass_end, idle_ns;
+};
+__device__ __forceinline__ RingClock& ring_clock() {
+  __shared__ RingClock clock;  // one per block
+  return clock;
+}
+/// Thread 0, at a ring kernel's start.
+__device__ __forceinline__ void ring_clock_start(const unsigned long long* trace) {
+  RingClock& k = ring_clock();
+  k.on = trace != nullptr;
+  k.start = k.pass_end = k.on ? dev::globaltimer_ns() : 0;
+  k.idle_ns = 0;
+}
+/// Thread 0, at its end: this block's op into the trace.
+__device__ __forceinline__ void ring_clock_end(unsigned long long* trace, int role, int channel) {
+  const RingClock& k = ring_clock();
+  if (!k.on) return;
+  unsigned long long* w =
+      trace + (static_cast<std::size_t>(role) * plan::kMaxRingChannels + channel) * kRingTraceWords;
+  atomicAdd(w, 1ull);
+  atomicAdd(w + 1, static_cast<unsigned long long>(dev::globaltimer_ns() - k.start));
+  atomicAdd(w + 2, static_cast<unsigned long long>(k.idle_ns));
+}
+
 /// Thread 0 of a polling role, after a pass over its `inputs` (left[i]
 /// records still to come from input i, peer(i) its rank): a pass that moved
 /// something restarts the idle clock; otherwise false (after reporting
@@ -94,6 +122,11 @@ template <class T, class Peer>
 __device__ __forceinline__ bool ring_pass_ok(const T& t, bool moved, uint64_t& idle_since,
                                              const int* left, int inputs, Peer peer, int channel,
                                              OpId op = OpId::kDispatch) {
+  if (RingClock& k = ring_clock(); k.on) {
+    const uint64_t now = dev::globaltimer_ns();
+    if (!moved) k.idle_ns += now - k.pass_end;
+    k.pass_end = now;
+  }
   if (moved) {
     idle_since = dev::globaltimer_ns();
     return true;
@@ -114,10 +147,13 @@ __device__ __forceinline__ bool ring_pass_ok(const T& t, bool moved, uint64_t& i
 }
 
 /// Sender of channel c: header words for every node, then the channel's
-/// tokens for node m in batches of up to one per warp (kRingBatch): the
-/// batch's room in the send ring (after credits from forwarder(me, m)), each
-/// warp writing one record, then a put to the forwarder's ring every
-/// net_chunk records (split where the ring wraps) with a tail add.
+/// records node by node in turns: a turn writes one put's worth (net_chunk
+/// records, or the node's rest) into send ring (c, m), in batches of up to
+/// one record per warp (kRingBatch), and puts it to forwarder(me, m) with a
+/// tail add. A node whose ring lacks room for a whole put (after the
+/// forwarder's credits) is passed over until it has; so each forwarder gets
+/// a put per round instead of waiting for the nodes before it to finish,
+/// and a full ring never holds up the others.
 template <class T>
 __device__ bool ring_send(const DispatchParams<T>& p, const T& t, int c, uint64_t op) {
   const plan::HtRingRegion& g = p.ring;
@@ -127,11 +163,12 @@ __device__ bool ring_send(const DispatchParams<T>& p, const T& t, int c, uint64_
   const int first = split.first(c), end = split.end(c);
   const RecordFields f(p.hidden_bytes, S, K);
   const uint32_t slots = static_cast<uint32_t>(g.geometry.net_slots);
-  const int batch_max = min(kRingBatch, g.geometry.net_slots);
+  const int chunk = g.geometry.net_chunk;  // <= slots (HtRingGeometry::validate)
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
-  __shared__ int cnt_node[kMaxRanks], cnt_rank[kMaxRanks];
-  __shared__ int ok, s_wait, b_n, b_scan, b_tok[kRingBatch], b_j[kRingBatch];
-  __shared__ uint64_t sent, pending;
+  __shared__ int cnt_node[kMaxRanks], cnt_rank[kMaxRanks], left[kMaxRanks], scan[kMaxRanks];
+  __shared__ uint64_t sent[kMaxRanks];
+  __shared__ int ok, b_n, b_tok[kRingBatch], b_j[kRingBatch], turn, total;
+  __shared__ uint64_t idle_since;
   for (int i = threadIdx.x; i < R; i += blockDim.x) cnt_node[i] = cnt_rank[i] = 0;
   if (threadIdx.x == 0) ok = 1;
   __syncthreads();
@@ -151,91 +188,107 @@ __device__ bool ring_send(const DispatchParams<T>& p, const T& t, int c, uint64_
     ring_put_signal(t, m * L + l, g.net_header(c, n, 0), g.header_send_word(c, m, 0),
                     g.net_header_bytes(), ring_sig(t, HtRingSignal::kNetTail, c, me), 0);
   }
+  for (int m = threadIdx.x; m < N; m += blockDim.x) {
+    sent[m] = *ring_base(t, g, HtRingBase::kNetSent, c, m);
+    left[m] = cnt_node[m];
+    scan[m] = first;
+  }
   __syncthreads();
-  for (int m = 0; m < N; ++m) {
-    const int fwd = m * L + l;
-    const int credit = ring_sig(t, HtRingSignal::kNetCredit, c, fwd);
-    if (threadIdx.x == 0) {
-      sent = pending = *ring_base(t, g, HtRingBase::kNetSent, c, m);
-      b_scan = first;
-    }
-    __syncthreads();
-    const uint64_t base = sent;
-    // The records written since `pending` go out (block-uniform: shared)
-    auto flush = [&] {
-      const uint64_t to = sent;
-      if (pending == to) return;
-      ring_put_records(t, g, c, m, fwd, pending, to);
-      if (threadIdx.x == 0) pending = to;
-      __syncthreads();
-    };
-    while (ok) {
-      // Warp 0 collects the next batch: the first tokens from b_scan on
-      // that go to node m, in token order, at most batch_max and no more
-      // than the current put has left (a put carries at most net_chunk;
-      // sent - pending < net_chunk here, the last batch's flush saw to it).
-      if (warp == 0) {
-        const int cap = min(batch_max, g.geometry.net_chunk - static_cast<int>(sent - pending));
-        int got = 0, pos = b_scan;
-        while (got < cap && pos < end) {
-          const int tok = pos + lane;
-          const int j = tok < end ? p.send_pos[static_cast<int64_t>(tok) * N + m] : -1;
-          const unsigned hits = __ballot_sync(0xffffffffu, j >= 0);
-          const int before = __popc(hits & ((1u << lane) - 1u));
-          const int take = min(__popc(hits), cap - got);
-          if (j >= 0 && before < take) {
-            b_tok[got + before] = tok;
-            b_j[got + before] = j;
-          }
-          // past the last token taken (all 32 when every hit fit)
-          const unsigned next = __ballot_sync(0xffffffffu, j >= 0 && before == take);
-          pos = next ? pos + __ffs(next) - 1 : pos + 32;
-          got += take;
-        }
-        if (lane == 0) {
-          b_n = got;
-          b_scan = min(pos, end);
-        }
+  if (threadIdx.x == 0) {
+    total = 0;
+    for (int m = 0; m < N; ++m) total += left[m];
+    idle_since = dev::globaltimer_ns();
+  }
+  __syncthreads();
+  while (ok && total > 0) {
+    bool moved = false;
+    for (int m = 0; ok && m < N; ++m) {
+      if (left[m] == 0) continue;
+      const int fwd = m * L + l;
+      // Thread 0: this node's turn if its ring has room for a whole put
+      if (threadIdx.x == 0) {
+        const int want = min(left[m], chunk);
+        const uint64_t credited = t.read_signal(ring_sig(t, HtRingSignal::kNetCredit, c, fwd), fwd);
+        turn = sent[m] + want <= credited + slots ? want : 0;
       }
       __syncthreads();
-      const int k = b_n;
-      if (k == 0) break;
-      if (threadIdx.x == 0)
-        s_wait = sent + k > slots && t.read_signal(credit, fwd) < sent + k - slots;
-      __syncthreads();
-      if (s_wait) {
-        // A full ring: what is written but not yet put goes first (the
-        // forwarder frees slots only for records it got), then wait for room
-        // for a whole put (or the rest), not just this batch: freeing a few
-        // slots at a time would make every later put a small one.
-        flush();
-        if (threadIdx.x == 0) {
-          const uint64_t rest = static_cast<uint64_t>(cnt_node[m]) - (sent - base);
-          uint64_t room = min(rest, static_cast<uint64_t>(g.geometry.net_chunk));
-          room = min(max(room, static_cast<uint64_t>(k)), static_cast<uint64_t>(slots));
-          if (!t.wait_signal(credit, sent + room - slots, OpId::kDispatch, fwd)) ok = 0;
+      const int k_turn = turn;
+      __syncthreads();  // read by all before thread 0 writes the next node's
+      if (k_turn == 0) continue;
+      const uint64_t from = sent[m];
+      for (int got_all = 0; got_all < k_turn;) {
+        // Warp 0 collects the next batch: the first tokens from scan[m] on
+        // that go to node m, in token order, at most one per warp and no
+        // more than the turn has left.
+        if (warp == 0) {
+          const int cap = min(kRingBatch, k_turn - got_all);
+          int got = 0, pos = scan[m];
+          while (got < cap && pos < end) {
+            const int tok = pos + lane;
+            const int j = tok < end ? p.send_pos[static_cast<int64_t>(tok) * N + m] : -1;
+            const unsigned hits = __ballot_sync(0xffffffffu, j >= 0);
+            const int before = __popc(hits & ((1u << lane) - 1u));
+            const int take = min(__popc(hits), cap - got);
+            if (j >= 0 && before < take) {
+              b_tok[got + before] = tok;
+              b_j[got + before] = j;
+            }
+            // past the last token taken (all 32 when every hit fit)
+            const unsigned next = __ballot_sync(0xffffffffu, j >= 0 && before == take);
+            pos = next ? pos + __ffs(next) - 1 : pos + 32;
+            got += take;
+          }
+          if (lane == 0) {
+            b_n = got;
+            scan[m] = min(pos, end);
+          }
         }
         __syncthreads();
-        if (!ok) break;
+        const int k = b_n;
+        if (k == 0) {
+          // fewer tokens for m than its count: the counts and send_pos disagree
+          if (threadIdx.x == 0) {
+            dev::report(t.diag, DiagCode::kBadConfig, OpId::kDispatch, me, fwd, c,
+                        static_cast<uint32_t>(cnt_node[m]), static_cast<uint32_t>(got_all));
+            ok = 0;
+          }
+          __syncthreads();
+          break;
+        }
+        const uint64_t at = from + got_all;
+        if (warp < k) {
+          const int tok = b_tok[warp];
+          // (this node's records straight into its own ring: no copy to put)
+          uint8_t* rec = reinterpret_cast<uint8_t*>(
+              t.local_ptr(m == n ? g.net_slot(c, n, at + warp) : g.net_send_slot(c, m, at + warp)));
+          pack_record<kRingCopy>(p, f, rec, tok, m, b_j[warp], me, R, L, lane);
+        }
+        got_all += k;
+        __syncthreads();
       }
-      if (warp < k) {
-        const int tok = b_tok[warp];
-        // (this node's records straight into its own ring: no copy to put)
-        uint8_t* rec = reinterpret_cast<uint8_t*>(t.local_ptr(
-            m == n ? g.net_slot(c, n, sent + warp) : g.net_send_slot(c, m, sent + warp)));
-        pack_record<kRingCopy>(p, f, rec, tok, m, b_j[warp], me, R, L, lane);
+      if (!ok) break;
+      ring_put_records(t, g, c, m, fwd, from, from + k_turn);
+      if (threadIdx.x == 0) {
+        sent[m] = from + k_turn;
+        left[m] -= k_turn;
+        total -= k_turn;
       }
+      moved = true;
       __syncthreads();
-      if (threadIdx.x == 0) sent += k;
-      __syncthreads();
-      if (sent - pending >= static_cast<uint64_t>(g.geometry.net_chunk)) flush();
     }
-    if (ok) flush();
-    if (threadIdx.x == 0) *ring_base(t, g, HtRingBase::kNetSent, c, m) = sent;
+    if (threadIdx.x == 0 && ok) {
+      if (!ring_pass_ok(
+              t, moved, idle_since, left, N, [&](int m) { return m * L + l; }, c))
+        ok = 0;
+      else if (!moved)
+        __nanosleep(256);  // no ring had room: poll the credits less often
+    }
     __syncthreads();
-    if (!ok) return false;
   }
-  return true;
+  for (int m = threadIdx.x; m < N; m += blockDim.x)
+    *ring_base(t, g, HtRingBase::kNetSent, c, m) = sent[m];
+  __syncthreads();
+  return ok != 0;
 }
 
 /// Forwarder of channel c: the headers of every source node's sender c, each
@@ -538,6 +591,7 @@ __global__ void __launch_bounds__(kThreads) ring_dispatch_kernel(DispatchParams<
   __shared__ int ok;
   __shared__ uint64_t op;
   if (threadIdx.x == 0) {
+    ring_clock_start(p.ring_trace);
     ok = barrier_failed(p.t, p.off) ? 0 : 1;
     op = ++*ring_base(t, g, HtRingBase::kOps, c, role);  // the rings' own count
   }
@@ -551,6 +605,7 @@ __global__ void __launch_bounds__(kThreads) ring_dispatch_kernel(DispatchParams<
     else
       done = ring_receive(p, t, c, op);
   }
+  if (threadIdx.x == 0) ring_clock_end(p.ring_trace, role, c);
   // Every block counts; the last clears the barrier's failure word.
   last_block_ok(p.t, p.off, kDoneSend, done);
 }
