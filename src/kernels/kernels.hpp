@@ -326,10 +326,10 @@ struct HtNetCombineArgs {
   /// records.
   bool use_rings;
   plan::HtRingRegion ring;
-  const int* fwd_token;           ///< [N, slot_rows]
-  const int* recv_src_idx;        ///< [N_recv]
-  const int* rank_prefix_matrix;  ///< [R, R]
-  const int* source_num_tokens;   ///< [R]
+  const int* fwd_token;                      ///< [N, slot_rows]
+  const int* recv_src_idx;                   ///< [N_recv]
+  const int* rank_prefix_matrix;             ///< [R, R]
+  const int* source_num_tokens;              ///< [R]
   unsigned long long* ring_trace = nullptr;  ///< as HtNetDispatchArgs::ring_trace
 };
 /// The barrier, then return, node sum and finish.
