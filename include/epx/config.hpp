@@ -30,9 +30,11 @@ namespace epx {
 /// `num_max_rdma_send_tokens` / `num_max_rdma_recv_tokens` (DeepEP's
 ///   num_max_rdma_chunked_send_tokens / _recv_tokens): across nodes, the
 ///   ring dispatch's (EPX_HT_RINGS) records per network put and records per
-///   network ring (per channel and source node); 0 keeps EPX's defaults (48
-///   and 256, or EPX_HT_RINGS's ring size). The whole-call kernels (the default)
-///   size their network areas per call and do not read them.
+///   network ring (per channel and source node); 0 keeps EPX's defaults
+///   (puts of about 1 MiB of records, at most half the ring, and rings of
+///   256; or EPX_HT_RINGS's ring size). The whole-call kernels (the default
+///   where the call fits) size their network areas per call and do not read
+///   them.
 struct Config {
   int num_sms = 24;
   int num_max_send_tokens = 8;

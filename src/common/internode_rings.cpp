@@ -23,7 +23,8 @@ void HtRingGeometry::validate() const {
               "], got " + std::to_string(nvl_chunk));
 }
 
-HtRingGeometry HtRingGeometry::of(int ht_rings, int blocks, int rdma_send, int rdma_recv) {
+HtRingGeometry HtRingGeometry::of(int ht_rings, int blocks, int rdma_send, int rdma_recv,
+                                  std::size_t record_bytes) {
   HtRingGeometry g;
   g.channels = channels_for_sms(blocks);
   if (ht_rings > 1) {
@@ -32,10 +33,15 @@ HtRingGeometry HtRingGeometry::of(int ht_rings, int blocks, int rdma_send, int r
     g.nvl_chunk = g.nvl_chunk < ht_rings ? g.nvl_chunk : ht_rings;
   }
   if (rdma_recv > 0) g.net_slots = rdma_recv;
-  if (rdma_send > 0)
+  if (rdma_send > 0) {
     g.net_chunk = rdma_send;
-  else if (g.net_chunk > g.net_slots)
+  } else if (ht_rings <= 1 && record_bytes > 0) {
+    const std::size_t most = g.net_slots >= 2 ? static_cast<std::size_t>(g.net_slots) / 2 : 1;
+    const std::size_t by_bytes = kDefaultPutBytes / record_bytes;
+    g.net_chunk = static_cast<int>(by_bytes < 1 ? 1 : (by_bytes > most ? most : by_bytes));
+  } else if (g.net_chunk > g.net_slots) {
     g.net_chunk = g.net_slots;
+  }
   return g;
 }
 

@@ -29,11 +29,18 @@ inline constexpr int kMaxRingChannels = 64;
 /// further apart) and whenever an input has nothing more waiting.
 struct HtRingGeometry {
   int channels = 1;
-  // 48 records per put, not DeepEP's 6: the one-host engines pay per put
-  // (docs/internode_ht.md, "Ring dispatch, measured"), and a NIC is no worse
-  // for larger messages with five puts still in flight per ring.
+  // 48 records per put where the record size is not known (of()'s
+  // record_bytes 0); otherwise about kDefaultPutBytes per put.
   int net_slots = 256, net_chunk = 48;
   int nvl_slots = 256, nvl_chunk = 8;
+
+  /// The bytes a default put carries (of()): a ring op's time grows with
+  /// its number of puts, not their bytes, on the one-host engines (4
+  /// in-process ranks as 2x2 on an H100, 24 SMs: 6 records per put 298 ms,
+  /// 48: 32 ms, 96: 13 ms; docs/internode_ht.md), and a NIC moves 1 MiB
+  /// writes at line rate. Records of any size then make puts of about the
+  /// same bytes, so FP8's half-size records need half the puts.
+  static constexpr std::size_t kDefaultPutBytes = std::size_t{1} << 20;
 
   /// The channels `num_sms` SMs give (a third each role, at least 1).
   static int channels_for_sms(int num_sms) {
@@ -48,9 +55,13 @@ struct HtRingGeometry {
   /// = `ht_rings` 1 keeps the default sizes, N >= 2 rings of N records (and
   /// chunks cut to N); then the config's num_max_rdma_recv_tokens /
   /// _send_tokens (`rdma_recv` / `rdma_send`), where not 0, the network
-  /// ring's records and the records per put (a default chunk is cut to the
-  /// ring). Not validated (validate() names what is out of range).
-  static HtRingGeometry of(int ht_rings, int blocks, int rdma_send, int rdma_recv);
+  /// ring's records and the records per put. Without rdma_send (and without
+  /// rings of N) a put carries kDefaultPutBytes of `record_bytes`-byte records,
+  /// at most half the network ring (two puts in flight) and at least one;
+  /// record_bytes 0: 48 records, cut to the ring. Not validated (validate()
+  /// names what is out of range).
+  static HtRingGeometry of(int ht_rings, int blocks, int rdma_send, int rdma_recv,
+                           std::size_t record_bytes = 0);
 };
 
 /// Signals of the rings, after every other id (kSignalKindsAll per rank):

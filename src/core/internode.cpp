@@ -87,9 +87,11 @@ int net_blocks(const char* op, const std::optional<Config>& given, const Config&
 
 /// The rings' geometry of an op (plan::HtRingGeometry::of): EPX_HT_RINGS's
 /// records per ring where it gives them (> 1), else the default sizes.
-plan::HtRingGeometry ring_geometry(int ht_rings, int blocks, const Config& cfg) {
+/// The rings' geometry of an op whose records are `record_bytes` long.
+plan::HtRingGeometry ring_geometry(int ht_rings, int blocks, const Config& cfg,
+                                   std::size_t record_bytes) {
   return plan::HtRingGeometry::of(std::max(ht_rings, 1), blocks, cfg.num_max_rdma_send_tokens,
-                                  cfg.num_max_rdma_recv_tokens);
+                                  cfg.num_max_rdma_recv_tokens, record_bytes);
 }
 
 plan::InternodeRoute route_of(const DispatchHandle& h, const Topology& topology) {
@@ -307,7 +309,7 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   handle->net_rings = rings;
   std::optional<plan::HtRingRegion> ring;
   if (rings)
-    ring = plan::HtRingRegion::make(topology, ring_geometry(ht_rings, blocks, cfg), record,
+    ring = plan::HtRingRegion::make(topology, ring_geometry(ht_rings, blocks, cfg, record), record,
                                     plan::HtNetRegion::body(R), ht.bytes);
   if (!rings || worst > 0) check_fits(op, region, ht_capacity(), worst);
   const int Nr = worst > 0 ? worst : route->recv_rows(me);
@@ -421,8 +423,9 @@ CombineResult Buffer::Impl::net_combine(const CombineArgs& a) {
   const bool rings = h.net_rings;  // the dispatch's choice (net_dispatch)
   std::optional<plan::HtRingRegion> ring;
   if (rings)
-    ring = plan::HtRingRegion::make_combine(topology, ring_geometry(ht_rings, blocks, cfg), row,
-                                            plan::HtNetRegion::body(comm->num_ranks()), ht.bytes);
+    ring =
+        plan::HtRingRegion::make_combine(topology, ring_geometry(ht_rings, blocks, cfg, row), row,
+                                         plan::HtNetRegion::body(comm->num_ranks()), ht.bytes);
   else
     check_fits(op, region, ht_capacity(), h.net_worst);
 
@@ -497,11 +500,11 @@ std::size_t Buffer::get_internode_nvl_size_hint(int num_max_tokens, int hidden, 
   // SMs, more channels), and the state block sits at the region's end.
   const Config dcfg = get_dispatch_config(num_ranks), ccfg = get_combine_config(num_ranks);
   const plan::HtRingRegion rings =
-      plan::HtRingRegion::make(topology, ring_geometry(ht_rings, dcfg.num_sms, dcfg), record,
-                               plan::HtNetRegion::body(num_ranks), std::size_t{1} << 46);
-  const plan::HtRingRegion combine_rings =
-      plan::HtRingRegion::make_combine(topology, ring_geometry(ht_rings, ccfg.num_sms, ccfg), row,
-                                       plan::HtNetRegion::body(num_ranks), std::size_t{1} << 46);
+      plan::HtRingRegion::make(topology, ring_geometry(ht_rings, dcfg.num_sms, dcfg, record),
+                               record, plan::HtNetRegion::body(num_ranks), std::size_t{1} << 46);
+  const plan::HtRingRegion combine_rings = plan::HtRingRegion::make_combine(
+      topology, ring_geometry(ht_rings, ccfg.num_sms, ccfg, row), row,
+      plan::HtNetRegion::body(num_ranks), std::size_t{1} << 46);
   return std::max({bytes, rings.rings_end, combine_rings.rings_end}) +
          plan::HtRingRegion::state_bytes(topology);
 }

@@ -348,6 +348,29 @@ TEST(InternodeRings, GeometryFromTheSwitchSmsAndConfig) {
   expect(HtRingGeometry::of(1, 24, 24, 128), 8, 128, 24, 256, 8);  // DeepEP's fields
   expect(HtRingGeometry::of(1, 24, 0, 32), 8, 32, 32, 256, 8);     // a default put cut to the ring
   expect(HtRingGeometry::of(4, 24, 0, 128), 8, 128, 4, 4, 4);
+  // Knowing the record size, a default put carries about 1 MiB, at most half
+  // the network ring: BF16 records at hidden 7168, top-8, 2 ranks per node
+  // (14432 B) 72 a put, FP8 ones (7488 B) 140 cut to 128; tiny records half
+  // the ring, huge ones 1.
+  const std::size_t bf16 = epx::plan::ht_net_record_bytes(2 * 7168, 0, 8, 2);
+  const std::size_t fp8 = epx::plan::ht_net_record_bytes(7168, 7168 / 128, 8, 2);
+  EXPECT_EQ(bf16, 14432u);
+  EXPECT_EQ(fp8, 7488u);
+  expect(HtRingGeometry::of(1, 24, 0, 0, bf16), 8, 256, 72, 256, 8);
+  expect(HtRingGeometry::of(1, 24, 0, 0, fp8), 8, 256, 128, 256, 8);
+  expect(HtRingGeometry::of(1, 24, 0, 64, 1024), 8, 64, 32, 256, 8);
+  expect(HtRingGeometry::of(1, 24, 0, 0, std::size_t{4} << 20), 8, 256, 1, 256, 8);
+  expect(HtRingGeometry::of(1, 24, 0, 1, 1024), 8, 1, 1, 256, 8);  // a ring of one record
+  // DeepEP's field and rings of N keep their put size whatever the records
+  expect(HtRingGeometry::of(1, 24, 24, 0, bf16), 8, 256, 24, 256, 8);
+  expect(HtRingGeometry::of(4, 24, 0, 0, bf16), 8, 4, 4, 4, 4);
+  for (std::size_t bytes : {std::size_t{16}, std::size_t{1000}, bf16, fp8, std::size_t{300000}}) {
+    const HtRingGeometry g = HtRingGeometry::of(1, 24, 0, 0, bytes);
+    EXPECT_NO_THROW(g.validate()) << bytes;
+    EXPECT_LE(static_cast<std::size_t>(g.net_chunk) * bytes,
+              std::max(HtRingGeometry::kDefaultPutBytes, bytes))
+        << bytes;
+  }
   // A put larger than the ring is kept, and named where the rings are made
   const HtRingGeometry big = HtRingGeometry::of(1, 24, 300, 0);
   EXPECT_EQ(big.net_chunk, 300);

@@ -482,7 +482,9 @@ TEST(RingChannelsModel, TheKernelsBatchedProtocol) {
        {Case{2, 1, 2, 4, 60, 4, 4, 4, 16, 4}, Case{2, 2, 2, 3, 80, 4, 4, 4, 16, 4},
         Case{2, 2, 1, 3, 90, 8, 2, 5, 16, 8}, Case{3, 2, 2, 3, 70, 16, 8, 7, 4, 3},
         Case{2, 2, 1, 3, 200, 64, 64, 48, 16, 8}, Case{4, 1, 2, 3, 60, 6, 5, 6, 3, 2},
-        Case{2, 1, 1, 4, 120, 6, 4, 6, 3, 2, 50}, Case{2, 1, 1, 4, 120, 9, 4, 9, 4, 2, 50}}) {
+        Case{2, 1, 1, 4, 120, 6, 4, 6, 3, 2, 50}, Case{2, 1, 1, 4, 120, 9, 4, 9, 4, 2, 50},
+        // the default put of half the ring (HtRingGeometry::of with record sizes)
+        Case{2, 2, 2, 3, 300, 64, 64, 32, 16, 8}, Case{3, 1, 1, 3, 200, 16, 8, 8, 16, 8, 20}}) {
     SCOPED_TRACE("N=" + std::to_string(c.N) + " L=" + std::to_string(c.L) +
                  " C=" + std::to_string(c.C) + " net ring=" + std::to_string(c.cap_net) +
                  " nvl ring=" + std::to_string(c.cap_nvl) + " chunk=" + std::to_string(c.chunk) +
