@@ -515,12 +515,12 @@ TEST(Proxy, TrafficCountsCommandsPutsBytesSignalsAndWrites) {
   g.gated.open();
   ASSERT_TRUE(wait_until([&] { return load(g.ranks.word(1, kSig)) == 3; }));
   proxy.drain(10.0);
-  const ProxyTraffic t = proxy.traffic(0);
+  const NetworkTraffic t = proxy.traffic(0);
   EXPECT_EQ(t.commands, kRows + 1);
   EXPECT_EQ(t.puts, kRows);
   EXPECT_EQ(t.put_bytes, kRows * kRow);
   EXPECT_EQ(t.signals, 1u);
-  EXPECT_EQ(t.engine_puts, 2u);           // the gated first put, then one merged run
+  EXPECT_EQ(t.writes, 2u);                // the gated first put, then one merged run
   EXPECT_THROW(proxy.traffic(1), Error);  // names the channel range
 }
 

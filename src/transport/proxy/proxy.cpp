@@ -224,8 +224,8 @@ struct Proxy::Impl {
     /// (ns; 0: none) and which kind it was (kSlowStepNames).
     mutable std::atomic<uint64_t> slow_ns{0};
     mutable std::atomic<int> slow_what{0};
-    /// ProxyTraffic's fields, written by the channel's thread alone.
-    std::atomic<uint64_t> commands{0}, puts{0}, put_bytes{0}, signals{0}, engine_puts{0};
+    /// traffic()'s fields, written by the channel's thread alone.
+    std::atomic<uint64_t> commands{0}, puts{0}, put_bytes{0}, signals{0}, writes{0};
   };
   static constexpr const char* kSlowStepNames[] = {"a command's puts and signal", "a mark",
                                                    "a completion poll"};
@@ -442,7 +442,7 @@ void Proxy::Impl::run(int c) {
         const auto t0 = Clock::now();
         const uint64_t s0 = coarse_ns();
         queue.flush_all();
-        channels[c].engine_puts.store(queue.engine_puts(), std::memory_order_relaxed);
+        channels[c].writes.store(queue.engine_puts(), std::memory_order_relaxed);
         engine.mark(c, tail);
         note_step(c, coarse_ns() - s0, 1);
         if (stats) {
@@ -565,7 +565,7 @@ void Proxy::Impl::run(int c) {
         bump(ch.put_bytes, cmd.bytes);
       }
       if (op == Op::kPutSignal || op == Op::kSignal) bump(ch.signals, 1);
-      ch.engine_puts.store(queue.engine_puts(), std::memory_order_relaxed);
+      ch.writes.store(queue.engine_puts(), std::memory_order_relaxed);
     }
     ++tail;
     store_release(host.consumed, tail);
@@ -619,13 +619,13 @@ const ChannelView* Proxy::views_device() const {
                                    : static_cast<const ChannelView*>(impl_->views_mem.ptr);
 }
 
-ProxyTraffic Proxy::traffic(int c) const {
+NetworkTraffic Proxy::traffic(int c) const {
   require(c >= 0 && c < impl_->num_channels, "channel",
           "must be in [0, " + std::to_string(impl_->num_channels) + "), got " + std::to_string(c));
   const Impl::Channel& ch = impl_->channels[c];
   constexpr auto kRelaxed = std::memory_order_relaxed;
   return {ch.commands.load(kRelaxed), ch.puts.load(kRelaxed), ch.put_bytes.load(kRelaxed),
-          ch.signals.load(kRelaxed), ch.engine_puts.load(kRelaxed)};
+          ch.signals.load(kRelaxed), ch.writes.load(kRelaxed)};
 }
 
 ChannelHealth Proxy::health(int c) const {

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "epx/buffer.hpp"
 #include "epx/error.hpp"
 #include "transport/proxy/command.hpp"
 #include "transport/proxy/engine.hpp"
@@ -38,22 +39,6 @@ struct ChannelHealth {
   ErrorCode code = ErrorCode::kInternal;
 };
 
-/// What a channel's thread has carried so far (running totals over the
-/// proxy's life): the commands it took, the puts among them and their bytes,
-/// the signals, and the engine calls the puts became after coalescing (what a
-/// NIC sees as writes).
-struct ProxyTraffic {
-  uint64_t commands = 0, puts = 0, put_bytes = 0, signals = 0, engine_puts = 0;
-  ProxyTraffic& operator+=(const ProxyTraffic& o) {
-    commands += o.commands;
-    puts += o.puts;
-    put_bytes += o.put_bytes;
-    signals += o.signals;
-    engine_puts += o.engine_puts;
-    return *this;
-  }
-};
-
 class Proxy {
  public:
   /// Allocates the rings and counters and starts one thread per channel.
@@ -70,9 +55,11 @@ class Proxy {
   /// device == -1): what the device transport holds.
   const ChannelView* views_device() const;
   ChannelHealth health(int c) const;
-  /// Channel `c`'s totals so far (read while its thread runs: each field is
-  /// current, the set may straddle a command).
-  ProxyTraffic traffic(int c) const;
+  /// What channel `c`'s thread has carried over the proxy's life: the
+  /// commands it took, the puts among them and their bytes, the signals, and
+  /// the engine calls (`writes`) the puts became after coalescing. Read while
+  /// the thread runs, each field is current; the set may straddle a command.
+  NetworkTraffic traffic(int c) const;
   /// The longest single step of channel `c`'s thread in its engine (a
   /// command's puts and signal, a mark, a completion poll) that took at least
   /// kSlowEngineCallS since the last call of this, then forgets it. A step

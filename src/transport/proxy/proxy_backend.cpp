@@ -141,16 +141,16 @@ class ProxyBackend final : public Backend {
     return engine_name_ + (cumem_ ? ", own CUDA context" : ", primary context");
   }
   std::optional<NetworkTraffic> network_traffic() const override {
-    NetworkTraffic out;
-    if (!proxy_) return out;  // not started: nothing carried yet
-    proxy::ProxyTraffic sum;
-    for (int c = 0; c < proxy_->num_channels(); ++c) sum += proxy_->traffic(c);
-    out.commands = sum.commands;
-    out.puts = sum.puts;
-    out.put_bytes = sum.put_bytes;
-    out.signals = sum.signals;
-    out.writes = sum.engine_puts;
-    return out;
+    NetworkTraffic sum;  // not started: nothing carried yet
+    for (int c = 0; proxy_ && c < proxy_->num_channels(); ++c) {
+      const NetworkTraffic t = proxy_->traffic(c);
+      sum.commands += t.commands;
+      sum.puts += t.puts;
+      sum.put_bytes += t.put_bytes;
+      sum.signals += t.signals;
+      sum.writes += t.writes;
+    }
+    return sum;
   }
 
   SymmetricRegion alloc(std::size_t bytes) override {
