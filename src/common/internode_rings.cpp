@@ -1,5 +1,6 @@
 #include "common/internode_rings.hpp"
 
+#include <algorithm>
 #include <string>
 
 #include "epx/error.hpp"
@@ -101,6 +102,53 @@ HtRingRegion HtRingRegion::make_combine(const Topology& topology, const HtRingGe
   return build(topology, geometry, record_bytes, header_bytes, region_bytes, true);
 }
 
+void HtRingRegion::place_rings(HtRingRegion& r, std::size_t header_bytes) {
+  const std::size_t N = static_cast<std::size_t>(r.num_nodes());
+  const std::size_t L = static_cast<std::size_t>(r.ranks_per_node);
+  const std::size_t C = static_cast<std::size_t>(r.geometry.channels);
+  r.net_rings = align_up(header_bytes, kAlign);
+  const std::size_t net_bytes =
+      C * N * static_cast<std::size_t>(r.geometry.net_slots) * r.record_bytes;
+  r.net_send = align_up(r.net_rings + net_bytes, kAlign);
+  r.nvl_rings = align_up(r.net_send + net_bytes, kAlign);
+  // NVLink rings: per (channel, forwarder), or for the combine a return ring
+  // per (channel, local rank, node) of ret_slots() records.
+  const std::size_t nvl_records = r.combine ? L * N * static_cast<std::size_t>(r.ret_slots())
+                                            : L * static_cast<std::size_t>(r.geometry.nvl_slots);
+  r.rings_end = align_up(r.nvl_rings + C * nvl_records * r.record_bytes, kAlign);
+}
+
+HtRingGeometry HtRingRegion::fit(const Topology& topology, HtRingGeometry g,
+                                 std::size_t record_bytes, std::size_t header_bytes,
+                                 std::size_t region_bytes, bool combine, bool keep_net_slots,
+                                 bool chunk_by_bytes) {
+  if (topology.num_ranks < 1 || topology.ranks_per_node < 1 ||
+      topology.num_ranks % topology.ranks_per_node != 0)
+    return g;  // make names the topology
+  const std::size_t state = state_bytes(topology);
+  const auto fits = [&](const HtRingGeometry& x) {
+    HtRingRegion r;
+    r.num_ranks = topology.num_ranks;
+    r.ranks_per_node = topology.ranks_per_node;
+    r.geometry = x;
+    r.record_bytes = record_bytes;
+    r.combine = combine;
+    place_rings(r, header_bytes);
+    return region_bytes >= state && (region_bytes - state) / kAlign * kAlign >= r.rings_end;
+  };
+  const int net_floor = std::max(kMinFitSlots, chunk_by_bytes ? 2 : g.net_chunk);
+  const int nvl_floor = std::max(kMinFitSlots, g.nvl_chunk);
+  while (!fits(g)) {
+    const bool net = !keep_net_slots && g.net_slots / 2 >= net_floor;
+    const bool nvl = g.nvl_slots / 2 >= nvl_floor;
+    if (!net && !nvl) break;
+    if (net) g.net_slots /= 2;
+    if (nvl) g.nvl_slots /= 2;
+    if (chunk_by_bytes && g.net_chunk > g.net_slots / 2) g.net_chunk = std::max(1, g.net_slots / 2);
+  }
+  return g;
+}
+
 HtRingRegion HtRingRegion::build(const Topology& topology, const HtRingGeometry& geometry,
                                  std::size_t record_bytes, std::size_t header_bytes,
                                  std::size_t region_bytes, bool combine) {
@@ -116,18 +164,7 @@ HtRingRegion HtRingRegion::build(const Topology& topology, const HtRingGeometry&
   r.geometry = geometry;
   r.record_bytes = record_bytes;
   r.combine = combine;
-  const std::size_t N = static_cast<std::size_t>(topology.num_nodes());
-  const std::size_t L = static_cast<std::size_t>(topology.ranks_per_node);
-  const std::size_t C = static_cast<std::size_t>(geometry.channels);
-  r.net_rings = align_up(header_bytes, kAlign);
-  const std::size_t net_bytes = C * N * static_cast<std::size_t>(geometry.net_slots) * record_bytes;
-  r.net_send = align_up(r.net_rings + net_bytes, kAlign);
-  r.nvl_rings = align_up(r.net_send + net_bytes, kAlign);
-  // NVLink rings: per (channel, forwarder), or for the combine a return ring
-  // per (channel, local rank, node) of ret_slots() records.
-  const std::size_t nvl_records = combine ? L * N * static_cast<std::size_t>(r.ret_slots())
-                                          : L * static_cast<std::size_t>(geometry.nvl_slots);
-  r.rings_end = align_up(r.nvl_rings + C * nvl_records * record_bytes, kAlign);
+  place_rings(r, header_bytes);
   const std::size_t state = state_bytes(topology);
   if (region_bytes < state || (region_bytes - state) / kAlign * kAlign < r.rings_end)
     throw Error(ErrorCode::kBufferTooSmall,

@@ -171,6 +171,21 @@ struct HtRingRegion {
   static HtRingRegion make_combine(const Topology& topology, const HtRingGeometry& geometry,
                                    std::size_t record_bytes, std::size_t header_bytes,
                                    std::size_t region_bytes);
+  /// `geometry` with its default-sized rings halved until they and the state
+  /// fit `region_bytes` (make's other arguments): the network rings unless
+  /// `keep_net_slots` (a config's num_max_rdma_recv_tokens), the NVLink rings
+  /// always, neither below kMinFitSlots records nor below a put's chunk; where
+  /// `chunk_by_bytes` (no num_max_rdma_send_tokens) a put stays at most half
+  /// the network ring. So more channels, nodes or wider records than the
+  /// default rings fit get smaller rings instead of kBufferTooSmall; what
+  /// still does not fit at the floor is make's error. EPX_HT_RINGS=N rings
+  /// are not fitted (the caller does not call this).
+  static HtRingGeometry fit(const Topology& topology, HtRingGeometry geometry,
+                            std::size_t record_bytes, std::size_t header_bytes,
+                            std::size_t region_bytes, bool combine, bool keep_net_slots,
+                            bool chunk_by_bytes);
+  static constexpr int kMinFitSlots = 16;
+
   /// What the ranks' rings must agree on to meet: the geometry, the record
   /// size and where the areas lie (which the region's size moves), folded
   /// into a positive int, never 0 (0: no rings). The dispatch barrier
@@ -279,6 +294,9 @@ struct HtRingRegion {
   static HtRingRegion build(const Topology& topology, const HtRingGeometry& geometry,
                             std::size_t record_bytes, std::size_t header_bytes,
                             std::size_t region_bytes, bool combine);
+  /// The rings' offsets (net_rings .. rings_end) of r's geometry and records
+  /// after a header of `header_bytes`; no check.
+  static void place_rings(HtRingRegion& r, std::size_t header_bytes);
 };
 
 }  // namespace epx::plan

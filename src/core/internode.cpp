@@ -85,13 +85,21 @@ int net_blocks(const char* op, const std::optional<Config>& given, const Config&
   return cfg.num_sms;
 }
 
-/// The rings' geometry of an op (plan::HtRingGeometry::of): EPX_HT_RINGS's
-/// records per ring where it gives them (> 1), else the default sizes.
-/// The rings' geometry of an op whose records are `record_bytes` long.
+/// The rings' geometry of an op whose records are `record_bytes` long
+/// (plan::HtRingGeometry::of): EPX_HT_RINGS's records per ring where it gives
+/// them (> 1), else the default sizes, halved where they do not fit the
+/// region of `region_bytes` (plan::HtRingRegion::fit; the config's
+/// num_max_rdma_recv_tokens / _send_tokens are kept where set).
 plan::HtRingGeometry ring_geometry(int ht_rings, int blocks, const Config& cfg,
-                                   std::size_t record_bytes) {
-  return plan::HtRingGeometry::of(std::max(ht_rings, 1), blocks, cfg.num_max_rdma_send_tokens,
-                                  cfg.num_max_rdma_recv_tokens, record_bytes);
+                                   std::size_t record_bytes, const Topology& topology,
+                                   std::size_t region_bytes, bool combine) {
+  const plan::HtRingGeometry g =
+      plan::HtRingGeometry::of(std::max(ht_rings, 1), blocks, cfg.num_max_rdma_send_tokens,
+                               cfg.num_max_rdma_recv_tokens, record_bytes);
+  if (ht_rings > 1) return g;
+  return plan::HtRingRegion::fit(
+      topology, g, record_bytes, plan::HtNetRegion::body(topology.num_ranks), region_bytes, combine,
+      cfg.num_max_rdma_recv_tokens > 0, cfg.num_max_rdma_send_tokens == 0);
 }
 
 plan::InternodeRoute route_of(const DispatchHandle& h, const Topology& topology) {
@@ -309,8 +317,9 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   handle->net_rings = rings;
   std::optional<plan::HtRingRegion> ring;
   if (rings)
-    ring = plan::HtRingRegion::make(topology, ring_geometry(ht_rings, blocks, cfg, record), record,
-                                    plan::HtNetRegion::body(R), ht.bytes);
+    ring = plan::HtRingRegion::make(
+        topology, ring_geometry(ht_rings, blocks, cfg, record, topology, ht.bytes, false), record,
+        plan::HtNetRegion::body(R), ht.bytes);
   if (!rings || worst > 0) check_fits(op, region, ht_capacity(), worst);
   const int Nr = worst > 0 ? worst : route->recv_rows(me);
   if (!a.handle) {
@@ -423,9 +432,9 @@ CombineResult Buffer::Impl::net_combine(const CombineArgs& a) {
   const bool rings = h.net_rings;  // the dispatch's choice (net_dispatch)
   std::optional<plan::HtRingRegion> ring;
   if (rings)
-    ring =
-        plan::HtRingRegion::make_combine(topology, ring_geometry(ht_rings, blocks, cfg, row), row,
-                                         plan::HtNetRegion::body(comm->num_ranks()), ht.bytes);
+    ring = plan::HtRingRegion::make_combine(
+        topology, ring_geometry(ht_rings, blocks, cfg, row, topology, ht.bytes, true), row,
+        plan::HtNetRegion::body(comm->num_ranks()), ht.bytes);
   else
     check_fits(op, region, ht_capacity(), h.net_worst);
 
@@ -499,11 +508,13 @@ std::size_t Buffer::get_internode_nvl_size_hint(int num_max_tokens, int hidden, 
   // dispatch must fit them), each sized for its default config's SMs (more
   // SMs, more channels), and the state block sits at the region's end.
   const Config dcfg = get_dispatch_config(num_ranks), ccfg = get_combine_config(num_ranks);
-  const plan::HtRingRegion rings =
-      plan::HtRingRegion::make(topology, ring_geometry(ht_rings, dcfg.num_sms, dcfg, record),
-                               record, plan::HtNetRegion::body(num_ranks), std::size_t{1} << 46);
+  const plan::HtRingRegion rings = plan::HtRingRegion::make(
+      topology,
+      ring_geometry(ht_rings, dcfg.num_sms, dcfg, record, topology, std::size_t{1} << 46, false),
+      record, plan::HtNetRegion::body(num_ranks), std::size_t{1} << 46);
   const plan::HtRingRegion combine_rings = plan::HtRingRegion::make_combine(
-      topology, ring_geometry(ht_rings, ccfg.num_sms, ccfg, row), row,
+      topology,
+      ring_geometry(ht_rings, ccfg.num_sms, ccfg, row, topology, std::size_t{1} << 46, true), row,
       plan::HtNetRegion::body(num_ranks), std::size_t{1} << 46);
   return std::max({bytes, rings.rings_end, combine_rings.rings_end}) +
          plan::HtRingRegion::state_bytes(topology);

@@ -417,4 +417,62 @@ TEST(InternodeRings, BadGeometryIsNamed) {
   expect_named({epx::plan::kMaxRingChannels + 1, 4, 2, 4, 2}, 64, "num_sms");
 }
 
+/// Default rings that do not fit the region are halved until they do (more
+/// channels than the buffer was sized for), and what a user fixed is kept.
+TEST(InternodeRings, DefaultRingsShrinkToFitTheRegion) {
+  const Topology topo{4, 2};
+  const std::size_t header = epx::plan::HtNetRegion::body(4);
+  const std::size_t bf16 = epx::plan::ht_net_record_bytes(2 * 7168, 0, 8, 2);
+  const std::size_t row = epx::plan::ht_combine_row_bytes(7168, 8);
+  auto need = [&](const HtRingGeometry& g, std::size_t record, bool combine) {
+    const std::size_t big = std::size_t{1} << 46;
+    const HtRingRegion r = combine ? HtRingRegion::make_combine(topo, g, record, header, big)
+                                   : HtRingRegion::make(topo, g, record, header, big);
+    return r.rings_end + HtRingRegion::state_bytes(topo);
+  };
+  for (bool combine : {false, true}) {
+    const std::size_t rec = combine ? row : bf16;
+    // A region sized for 8 channels' default rings, used with 10 channels.
+    const HtRingGeometry eight = HtRingGeometry::of(1, 24, 0, 0, rec);
+    const std::size_t region = need(eight, rec, combine);
+    const HtRingGeometry same =
+        HtRingRegion::fit(topo, eight, rec, header, region, combine, false, true);
+    EXPECT_EQ(same.net_slots, 256);  // fits: unchanged
+    EXPECT_EQ(same.nvl_slots, 256);
+    EXPECT_EQ(same.net_chunk, eight.net_chunk);
+    const HtRingGeometry ten = HtRingGeometry::of(1, 30, 0, 0, rec);
+    ASSERT_EQ(ten.channels, 10);
+    EXPECT_GT(need(ten, rec, combine), region);
+    const HtRingGeometry f =
+        HtRingRegion::fit(topo, ten, rec, header, region, combine, false, true);
+    EXPECT_EQ(f.channels, 10);
+    EXPECT_EQ(f.net_slots, 128);
+    EXPECT_EQ(f.nvl_slots, 128);
+    EXPECT_LE(f.net_chunk, f.net_slots / 2);
+    EXPECT_LE(need(f, rec, combine), region);
+    EXPECT_NO_THROW((void)(combine ? HtRingRegion::make_combine(topo, f, rec, header, region)
+                                   : HtRingRegion::make(topo, f, rec, header, region)));
+    // A config's network ring (num_max_rdma_recv_tokens) and put are kept; the
+    // NVLink rings alone shrink.
+    const HtRingGeometry cfg = HtRingGeometry::of(1, 30, 24, 256, rec);
+    const HtRingGeometry kept =
+        HtRingRegion::fit(topo, cfg, rec, header, region, combine, true, false);
+    EXPECT_EQ(kept.net_slots, 256);
+    EXPECT_EQ(kept.net_chunk, 24);
+    EXPECT_LT(kept.nvl_slots, 256);
+    EXPECT_GE(kept.nvl_slots, HtRingRegion::kMinFitSlots);
+    // Nothing fits at the floor: returned at the floor, and make names the buffer.
+    const HtRingGeometry floor =
+        HtRingRegion::fit(topo, ten, rec, header, 1 << 20, combine, false, true);
+    EXPECT_EQ(floor.net_slots, HtRingRegion::kMinFitSlots);
+    EXPECT_EQ(floor.nvl_slots, HtRingRegion::kMinFitSlots);
+    try {
+      (void)HtRingRegion::make(topo, floor, rec, header, 1 << 20);
+      ADD_FAILURE() << "no error for a region too small";
+    } catch (const epx::Error& e) {
+      EXPECT_EQ(e.code(), epx::ErrorCode::kBufferTooSmall);
+    }
+  }
+}
+
 }  // namespace
