@@ -24,6 +24,7 @@ from . import _core
 from . import compat as _compat
 from . import expand as _expand
 from .config import Config
+from .handles import EPHandle
 from .in_process import InProcessComm
 from .utils import EventHandle, EventOverlap, _event_of, _int, _torch
 
@@ -140,86 +141,6 @@ def _record_on_current(rt: Any, made: Tuple[Any, ...]) -> None:
     for t in made:
         if t is not None and t.device.type == "cuda":
             t.record_stream(current)
-
-
-class EPHandle:
-    """V2's dispatch handle.
-
-    Attributes V2's callers read (docs/deepep_v2_api.md):
-        do_expand: whether the dispatch returned the expanded layout.
-        num_experts, expert_alignment, num_max_tokens_per_rank, num_sms: the dispatch's.
-        topk_idx: [T, K] the dispatched top-k (a clone with do_handle_copy).
-        num_recv_tokens: N, rows of the non-expanded recv_x (maxT x R without CPU sync).
-        num_expanded_tokens: sum of num_recv_tokens_per_expert_list (V2's worst case
-            without CPU sync); in expand mode the slots of recv_x.
-        num_recv_tokens_per_expert_list: E_local ints rounded up to expert_alignment;
-            empty without CPU sync.
-        psum_num_recv_tokens_per_scaleup_rank: [scale-up ranks] int32 on the GPU,
-            inclusive prefix sum of the rows from each scale-up peer; its last entry is
-            the rows actually received (also without CPU sync).
-        psum_num_recv_tokens_per_expert: [E_local] int32 on the GPU, inclusive prefix
-            sum of the aligned per-expert counts (also without CPU sync); in expand
-            mode each expert's aligned first slot plus its real count, as V2's.
-        num_unaligned_recv_tokens_per_expert: [E_local] int32 real counts in expand
-            mode, None otherwise (as V2).
-        recv_src_metadata: [N, K + 2] int32 (made when first read): column 0 the source
-            token's global index, src_rank * maxT + src_token (-1 for rows past the
-            rows received); column 1 is V2's kernel bookkeeping, -1 in EPX; columns 2..
-            in expand mode each (row, k) pair's slot in recv_x (-1 where the expert is
-            not this rank's), else -1.
-        dst_buffer_slot_idx, token_metadata_at_forward, channel_linked_list: None (V2's
-            kernel state; EPX's lives in ``epx_handle``).
-        epx_handle: EPX's V1 dispatch handle, which the combine uses.
-    """
-
-    def __init__(self, epx_handle: Any, num_experts: int, expert_alignment: int,
-                 num_max_tokens_per_rank: int, num_sms: int, topk_idx: Any,
-                 num_recv_tokens: int, num_expanded_tokens: int,
-                 num_recv_tokens_per_expert_list: List[int],
-                 psum_num_recv_tokens_per_scaleup_rank: Any,
-                 psum_num_recv_tokens_per_expert: Any,
-                 make_recv_src_metadata: Callable[[], Any],
-                 expand_slots: Any = None,
-                 num_unaligned_recv_tokens_per_expert: Any = None,
-                 recv_topk_idx: Any = None) -> None:
-        # expand_slots: [N, K] int32 slots of the expanded layout (None: non-expanded)
-        # recv_topk_idx: [N, K] int64 the dispatch's local expert ids (-1 elsewhere), which
-        # a cached dispatch returns again and masks the weights it carries with
-        self.do_expand = expand_slots is not None
-        self._recv_topk_idx = recv_topk_idx
-        self.expand_slots = expand_slots
-        self.epx_handle = epx_handle
-        self.num_experts = num_experts
-        self.expert_alignment = expert_alignment
-        self.num_max_tokens_per_rank = num_max_tokens_per_rank
-        self.num_sms = num_sms
-        self.topk_idx = topk_idx
-        self.num_recv_tokens = num_recv_tokens
-        self.num_expanded_tokens = num_expanded_tokens
-        self.num_recv_tokens_per_expert_list = num_recv_tokens_per_expert_list
-        self.psum_num_recv_tokens_per_scaleup_rank = psum_num_recv_tokens_per_scaleup_rank
-        self.psum_num_recv_tokens_per_expert = psum_num_recv_tokens_per_expert
-        self.num_unaligned_recv_tokens_per_expert = num_unaligned_recv_tokens_per_expert
-        self.dst_buffer_slot_idx = None
-        self.token_metadata_at_forward = None
-        self.channel_linked_list = None
-        self._make_meta = make_recv_src_metadata
-        self._meta = None
-
-    @property
-    def recv_src_metadata(self) -> Any:
-        if self._meta is None:
-            self._meta = self._make_meta()
-        return self._meta
-
-    @recv_src_metadata.setter
-    def recv_src_metadata(self, value: Any) -> None:  # V2's test slices it in place
-        self._meta = value
-
-    def __repr__(self) -> str:
-        return (f"epx.EPHandle(do_expand={self.do_expand}, num_experts={self.num_experts}, "
-                f"num_recv_tokens={self.num_recv_tokens}, "
-                f"expert_alignment={self.expert_alignment})")
 
 
 class ElasticBuffer:
