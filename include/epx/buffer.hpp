@@ -121,8 +121,6 @@ struct BufferOptions {
   void validate() const;
 };
 
-/// Per-call stream arguments (DeepEP's previous_event / async_finish /
-/// allocate_on_comm_stream). `stream` is the caller's (compute) stream.
 /// What a backend's network engine has carried for this rank since the
 /// Buffer was made (Buffer::network_traffic): the requests its kernels posted
 /// (commands), the puts among them and their bytes, the signals, and the
@@ -132,6 +130,8 @@ struct NetworkTraffic {
   uint64_t commands = 0, puts = 0, put_bytes = 0, signals = 0, writes = 0;
 };
 
+/// Per-call stream arguments (DeepEP's previous_event / async_finish /
+/// allocate_on_comm_stream). `stream` is the caller's (compute) stream.
 struct StreamArgs {
   cudaStream_t stream = nullptr;
   const Event* previous_event = nullptr;

@@ -375,6 +375,16 @@ NB_MODULE(_core, m) {
       "Calls options.allocator as Buffer ops do; returns (the tensor, its rows 1..) as Python "
       "sees results (tests the ownership round trip).");
 
+  nb::class_<epx::NetworkTraffic>(m, "NetworkTraffic",
+                                  "What the network engine carried for this rank since the "
+                                  "Buffer was made (running totals).")
+      .def(nb::init<>())
+      .def_rw("commands", &epx::NetworkTraffic::commands)
+      .def_rw("puts", &epx::NetworkTraffic::puts)
+      .def_rw("put_bytes", &epx::NetworkTraffic::put_bytes)
+      .def_rw("signals", &epx::NetworkTraffic::signals)
+      .def_rw("writes", &epx::NetworkTraffic::writes);
+
   nb::class_<epx::StreamArgs>(m, "StreamArgs")
       .def(nb::init<>())
       .def_prop_rw(
@@ -624,6 +634,7 @@ NB_MODULE(_core, m) {
                   "ht_rings"_a = nb::none())
       .def_static("set_num_sms", &Buffer::set_num_sms, "num_sms"_a)
       .def_static("num_sms", &Buffer::num_sms)
+      .def("network_traffic", &Buffer::network_traffic)
       .def("check", &Buffer::check)
       .def("destroy", &Buffer::destroy, nb::call_guard<nb::gil_scoped_release>());
 

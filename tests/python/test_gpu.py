@@ -493,11 +493,28 @@ def _case_high_throughput_across_nodes(rank, world, group):
     assert buf.get_num_rdma_ranks() == world // rpn
     per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
     assert per_rdma is not None and per_rdma.shape == (world // rpn,)
+    torch.cuda.synchronize()
+    before = buf.network_traffic()
     recv_x, recv_idx, recv_w, counts, handle, _ = buf.dispatch(
         x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
         is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
         topk_weights=w)
     _check_dispatch(mine, recv_x, recv_idx, recv_w, counts)
+    torch.cuda.synchronize()
+    after = buf.network_traffic()
+    if buf.backend == "proxy":
+        # The proxy counts what it carried: every token bound for another node
+        # crosses once per node, at least its BF16 row, in at least one put.
+        picks = idx.cpu().numpy()
+        node_of = np.where(picks >= 0, picks // (E // world) // rpn, -1)
+        me = rank // rpn
+        crossings = sum(len({n for n in row if n >= 0 and n != me}) for row in node_of)
+        d = {k: after[k] - before[k] for k in after}
+        assert d["put_bytes"] >= crossings * H * 2, (d, crossings)
+        if crossings:
+            assert d["puts"] >= 1 and d["writes"] >= 1 and d["commands"] >= d["puts"], d
+    else:
+        assert after is None and before is None, (buf.backend, after)
     # DeepEP's internode 10-tuple, every element against the reference's definitions
     # (channels: the default config's num_sms // 2, as DeepEP)
     assert isinstance(handle, epx.InternodeDispatchHandle) and len(handle) == 10
