@@ -133,9 +133,9 @@ void run_ht_internode(World& w, const Options& o, nlohmann::json& result,
   };
   result["family"] = "ht";
   result["internode"] = true;
-  // Which kernels the ops took (DispatchHandle::net_rings): the whole-call
+  // Which kernels the ops took (DispatchHandle::took_rings): the whole-call
   // ones where their areas fit num_nvl_bytes, else (or with EPX_HT_RINGS) the rings.
-  const bool rings = calls.first.handle->net_rings;
+  const bool rings = calls.first.handle->took_rings();
   result["kernels"] = rings ? "rings" : "whole-call";
   result["num_sms"] = cfg.num_sms;
   result["nodes"] = N;

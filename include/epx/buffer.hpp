@@ -166,28 +166,16 @@ struct DispatchHandle {
   std::vector<int> num_recv_tokens_per_expert;
   std::vector<int> recv_counts;  ///< host copy: rows received from each source
 
-  /// Across nodes (docs/internode_ht.md); empty within a node. The count
-  /// exchange's numbers (host), from which every rank derives the same route:
-  /// [R][R] tokens of each source per rank, [R][N] per node.
-  std::vector<int> net_tokens_to_rank, net_tokens_to_node;
   int ranks_per_node = 0;  ///< > 0: the handle of a dispatch across nodes
-  Tensor net_send_pos;     ///< [T, N] i32: token t's index in this rank's stream to node m, or -1
-  Tensor net_rank_pos;   ///< [T, R] i32: token t's index among this rank's tokens for rank r, or -1
-  Tensor net_fwd_mask;   ///< [N, rows] i32: local ranks each record this rank forwarded reached
-  Tensor net_fwd_token;  ///< [N, rows] i32: each forwarded record's token index at its source
-  /// [N_recv, 3] i32: each received row's source rank, record index, and the
-  /// mask of this node's ranks its token reached (DeepEP's recv_src_meta)
-  Tensor net_recv_meta;
-  Tensor net_table;  ///< i32: the kernels' route table (kernels::HtNetTable)
-  /// num_worst_tokens across nodes (0: the host count exchange sized the
-  /// areas and net_tokens_* hold its numbers): the areas are fixed by the
-  /// buffer, with slots of net_slot_rows rows (plan::HtNetRegion::fixed_*).
-  int net_worst = 0, net_slot_rows = 0;
-  /// Whether this dispatch, and so its combine and the cached dispatches of
-  /// this handle, went through the fixed rings instead of the whole-call
-  /// areas (EPX_HT_RINGS; by default the rings where those areas would not
-  /// fit num_nvl_bytes).
-  bool net_rings = false;
+  /// Across nodes: the route and the kernels' per-token state its combine and
+  /// cached dispatches use (kernel internals, defined in the library's
+  /// src/core/internode_handle.hpp); null within a node.
+  struct Internode;
+  std::shared_ptr<Internode> internode;
+  /// Whether this dispatch across nodes, and so its combine and the cached
+  /// dispatches of this handle, went through the fixed rings instead of the
+  /// whole-call areas (docs/internode_ht.md); false within a node.
+  bool took_rings() const;
 };
 
 struct DispatchArgs {

@@ -24,6 +24,7 @@
 
 #include "binding.hpp"
 #include "convert.hpp"
+#include "core/internode_handle.hpp"
 #include "core/validate.hpp"
 #include "epx/epx.hpp"
 #include "epx/reference.hpp"
@@ -428,19 +429,29 @@ NB_MODULE(_core, m) {
       // Across nodes (0 / empty within one node): what DeepEP's internode
       // handle elements are derived from (epx.handles).
       .def_ro("ranks_per_node", &DH::ranks_per_node)
-      .def_ro("net_tokens_to_node", &DH::net_tokens_to_node)
-      .def_prop_ro("net_fwd_mask", [](const DH& h) { return to_py(h.net_fwd_mask); })
-      .def_prop_ro("net_fwd_token", [](const DH& h) { return to_py(h.net_fwd_token); })
-      .def_prop_ro("net_recv_meta", [](const DH& h) { return to_py(h.net_recv_meta); })
-      .def_prop_ro("net_table", [](const DH& h) { return to_py(h.net_table); })
-      .def_ro("net_worst", &DH::net_worst)
+      .def_prop_ro("net_tokens_to_node",
+                   [](const DH& h) {
+                     return h.internode ? h.internode->net_tokens_to_node : std::vector<int>{};
+                   })
+      .def_prop_ro("net_fwd_mask",
+                   [](const DH& h) { return to_py(across(h, "handle").net_fwd_mask); })
+      .def_prop_ro("net_fwd_token",
+                   [](const DH& h) { return to_py(across(h, "handle").net_fwd_token); })
+      .def_prop_ro("net_recv_meta",
+                   [](const DH& h) { return to_py(across(h, "handle").net_recv_meta); })
+      .def_prop_ro("net_table", [](const DH& h) { return to_py(across(h, "handle").net_table); })
+      .def_prop_ro("net_worst",
+                   [](const DH& h) { return h.internode ? h.internode->net_worst : 0; })
       .def_prop_ro("tensors", [](const DH& h) {
         nb::list l;
         for (const Tensor* t :
              {&h.send_counts, &h.recv_offsets, &h.is_token_in_rank, &h.send_slot, &h.send_list,
-              &h.recv_src_idx, &h.rank_prefix_matrix, &h.source_num_tokens, &h.net_send_pos,
-              &h.net_rank_pos, &h.net_fwd_mask, &h.net_fwd_token, &h.net_recv_meta, &h.net_table})
+              &h.recv_src_idx, &h.rank_prefix_matrix, &h.source_num_tokens})
           if (t->defined()) l.append(to_py(*t));
+        if (const auto& n = h.internode)
+          for (const Tensor* t : {&n->net_send_pos, &n->net_rank_pos, &n->net_fwd_mask,
+                                  &n->net_fwd_token, &n->net_recv_meta, &n->net_table})
+            if (t->defined()) l.append(to_py(*t));
         return l;
       });
 

@@ -16,6 +16,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/internode_handle.hpp"
 #include "epx/buffer.hpp"
 
 namespace nb = nanobind;
@@ -82,12 +83,12 @@ std::shared_ptr<const epx::DispatchHandle> dispatch_handle(int num_ranks, int nu
     set("source_num_tokens", h->source_num_tokens, DType::kI32, {R});
   } else {
     const int64_t nodes = R / ranks_per_node;
-    set("net_send_pos", h->net_send_pos, DType::kI32, {T, nodes});
-    set("net_rank_pos", h->net_rank_pos, DType::kI32, {T, R});
-    set("net_table", h->net_table, DType::kI32, {64});
-    set("net_fwd_mask", h->net_fwd_mask, DType::kI32, {nodes, 16});
-    set("net_fwd_token", h->net_fwd_token, DType::kI32, {nodes, 16});
-    set("net_recv_meta", h->net_recv_meta, DType::kI32, {N, 3});
+    set("net_send_pos", epx::across(*h).net_send_pos, DType::kI32, {T, nodes});
+    set("net_rank_pos", epx::across(*h).net_rank_pos, DType::kI32, {T, R});
+    set("net_table", epx::across(*h).net_table, DType::kI32, {64});
+    set("net_fwd_mask", epx::across(*h).net_fwd_mask, DType::kI32, {nodes, 16});
+    set("net_fwd_token", epx::across(*h).net_fwd_token, DType::kI32, {nodes, 16});
+    set("net_recv_meta", epx::across(*h).net_recv_meta, DType::kI32, {N, 3});
     set("rank_prefix_matrix", h->rank_prefix_matrix, DType::kI32, {R, R});
     set("source_num_tokens", h->source_num_tokens, DType::kI32, {R});
   }

@@ -14,6 +14,7 @@
 #include "common/internode_route.hpp"
 #include "core/buffer_impl.hpp"
 #include "core/dispatch_rows.hpp"
+#include "core/internode_handle.hpp"
 #include "core/stream_wait.hpp"
 #include "core/validate.hpp"
 #include "kernels/kernels.hpp"
@@ -102,11 +103,12 @@ plan::HtRingGeometry ring_geometry(int ht_rings, int blocks, const Config& cfg,
       cfg.num_max_rdma_recv_tokens > 0, cfg.num_max_rdma_send_tokens == 0);
 }
 
-plan::InternodeRoute route_of(const DispatchHandle& h, const Topology& topology) {
+plan::InternodeRoute route_of(const DispatchHandle& h, const Topology& topology, const char* op) {
+  const DispatchHandle::Internode& hn = across(h, op);
   plan::InternodeCounts c;
   c.topology = topology;
-  c.tokens_to_rank = h.net_tokens_to_rank;
-  c.tokens_to_node = h.net_tokens_to_node;
+  c.tokens_to_rank = hn.net_tokens_to_rank;
+  c.tokens_to_node = hn.net_tokens_to_node;
   return plan::InternodeRoute(std::move(c));
 }
 
@@ -149,7 +151,7 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   const int E = a.handle ? R : static_cast<int>(a.num_tokens_per_expert->shape[0]);
   // num_worst_tokens: no host wait; the areas are fixed by the buffer and
   // the counts are exchanged on the GPU (a cached dispatch follows its handle).
-  const int worst = a.handle ? a.handle->net_worst : std::max(0, a.num_worst_tokens);
+  const int worst = a.handle ? across(*a.handle, op).net_worst : std::max(0, a.num_worst_tokens);
   const std::size_t record = plan::ht_net_record_bytes(hidden_bytes, S, K, L);
 
   // As the low-latency ops: without async_finish the kernels run on the
@@ -163,6 +165,9 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   Tensor route_counts;  // [R + N]: this rank's rows per rank and per node (a new route)
   if (a.handle) {
     *handle = *a.handle;
+    // Its own copy of the state across nodes: this dispatch's results must
+    // not reach the handle it was given (a caller may still use it).
+    handle->internode = std::make_shared<DispatchHandle::Internode>(across(*a.handle, op));
   } else {
     handle->num_ranks = R;
     handle->num_tokens = T;
@@ -181,8 +186,8 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
                             a.streams);
     after_allocs(*this, a.streams, x);
     handle->is_token_in_rank = parts[0];
-    handle->net_send_pos = parts[1];
-    handle->net_rank_pos = parts[2];
+    across(*handle).net_send_pos = parts[1];
+    across(*handle).net_rank_pos = parts[2];
     const Tensor counts = parts[3];
     handle->rank_prefix_matrix = parts[4];
     handle->source_num_tokens = parts[5];
@@ -195,8 +200,8 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
     ra.num_tokens = T;
     ra.num_ranks = R;
     ra.ranks_per_node = L;
-    ra.send_pos = handle->net_send_pos.ptr<int>();
-    ra.rank_pos = handle->net_rank_pos.ptr<int>();
+    ra.send_pos = across(*handle).net_send_pos.ptr<int>();
+    ra.rank_pos = across(*handle).net_rank_pos.ptr<int>();
     ra.rank_counts = counts.ptr<int>();
     ra.node_counts = counts.ptr<int>() + R;
     kernels::launch_ht_net_route(ra, x);
@@ -204,8 +209,8 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   }
   if (!a.handle && worst > 0) {
     handle->num_recv_tokens = worst;
-    handle->net_worst = worst;
-    handle->net_slot_rows = plan::HtNetRegion::fixed_slot_rows(
+    across(*handle).net_worst = worst;
+    across(*handle).net_slot_rows = plan::HtNetRegion::fixed_slot_rows(
         topology, worst, record, plan::ht_combine_row_bytes(H, K), ht_capacity());
   } else if (!a.handle) {
     const Tensor& counts = route_counts;
@@ -258,18 +263,20 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
                     "dispatch: num_tokens_per_rank: rank " + std::to_string(s) +
                         "'s disagrees with its is_token_in_rank (pass the tensors of one "
                         "get_dispatch_layout call)");
-    handle->net_tokens_to_rank.assign(static_cast<std::size_t>(R) * R, 0);
-    handle->net_tokens_to_node.assign(static_cast<std::size_t>(R) * N, 0);
+    across(*handle).net_tokens_to_rank.assign(static_cast<std::size_t>(R) * R, 0);
+    across(*handle).net_tokens_to_node.assign(static_cast<std::size_t>(R) * N, 0);
     std::vector<int> prefix(static_cast<std::size_t>(R) * R), source_tokens(R);
     for (int s = 0; s < R; ++s) {
       source_tokens[s] = at(s, 0);
       for (int d2 = 0; d2 < R; ++d2) {
-        handle->net_tokens_to_rank[static_cast<std::size_t>(s) * R + d2] = at(s, kHead + d2);
+        across(*handle).net_tokens_to_rank[static_cast<std::size_t>(s) * R + d2] =
+            at(s, kHead + d2);
         prefix[static_cast<std::size_t>(s) * R + d2] =
             at(s, kHead + d2) + (s > 0 ? prefix[static_cast<std::size_t>(s - 1) * R + d2] : 0);
       }
       for (int m = 0; m < N; ++m)
-        handle->net_tokens_to_node[static_cast<std::size_t>(s) * N + m] = at(s, kHead + R + m);
+        across(*handle).net_tokens_to_node[static_cast<std::size_t>(s) * N + m] =
+            at(s, kHead + R + m);
     }
     const int epr = E / R;
     handle->num_recv_tokens_per_expert.assign(epr, 0);
@@ -286,10 +293,11 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   }
 
   std::optional<plan::InternodeRoute> route;
-  if (worst == 0) route.emplace(route_of(*handle, topology));
-  const plan::HtNetRegion region =
-      worst > 0 ? plan::HtNetRegion::fixed_dispatch(topology, worst, record, handle->net_slot_rows)
-                : plan::HtNetRegion::dispatch(*route, record);
+  if (worst == 0) route.emplace(route_of(*handle, topology, op));
+  const plan::HtNetRegion region = worst > 0
+                                       ? plan::HtNetRegion::fixed_dispatch(
+                                             topology, worst, record, across(*handle).net_slot_rows)
+                                       : plan::HtNetRegion::dispatch(*route, record);
   // The rings (EPX_HT_RINGS): fixed rings instead of the whole-call areas.
   // They carry their counts in-band, so num_worst_tokens takes them too: the
   // exchange kernel still runs first (the receivers' rank_prefix_matrix and
@@ -307,14 +315,14 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   // whole-call kernels, unless forced.
   bool rings = false;
   if (a.handle)
-    rings = a.handle->net_rings;
+    rings = across(*a.handle, op).net_rings;
   else if (ht_rings > 0)
     rings = true;
   else if (ht_rings < 0 && worst == 0)
     rings =
         region.total > ht_capacity() ||
         plan::HtNetRegion::combine(*route, plan::ht_combine_row_bytes(H, K)).total > ht_capacity();
-  handle->net_rings = rings;
+  across(*handle).net_rings = rings;
   std::optional<plan::HtRingRegion> ring;
   if (rings)
     ring = plan::HtRingRegion::make(
@@ -344,11 +352,11 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
                              {DType::kI32, {Nr, 3}}},
                             a.streams);
     after_allocs(*this, a.streams, x);
-    handle->net_table = parts[0];
-    handle->net_fwd_mask = parts[1];
-    handle->net_fwd_token = parts[2];
-    handle->net_recv_meta = parts[3];
-    upload(handle->net_table, table, x);
+    across(*handle).net_table = parts[0];
+    across(*handle).net_fwd_mask = parts[1];
+    across(*handle).net_fwd_token = parts[2];
+    across(*handle).net_recv_meta = parts[3];
+    upload(across(*handle).net_table, table, x);
   }
 
   DispatchResult res;
@@ -365,31 +373,31 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
 
   kernels::HtNetDispatchArgs p{};
   p.off = offsets_of(region);
-  p.table = handle->net_table.ptr<int>();
+  p.table = across(*handle).net_table.ptr<int>();
   set_dispatch_rows(p, a);
-  p.send_pos = handle->net_send_pos.ptr<int>();
-  p.rank_pos = handle->net_rank_pos.ptr<int>();
+  p.send_pos = across(*handle).net_send_pos.ptr<int>();
+  p.rank_pos = across(*handle).net_rank_pos.ptr<int>();
   p.num_tokens = T;
   p.hidden_bytes = hidden_bytes;
   p.num_scales = S;
   p.num_topk = K;
   p.num_experts = E;
-  p.fwd_mask = handle->net_fwd_mask.ptr<int>();
-  p.fwd_token = handle->net_fwd_token.ptr<int>();
+  p.fwd_mask = across(*handle).net_fwd_mask.ptr<int>();
+  p.fwd_token = across(*handle).net_fwd_token.ptr<int>();
   p.num_recv_rows = Nr;
   p.recv_x = static_cast<uint8_t*>(res.recv_x.view.data);
   p.recv_scales = scaled ? static_cast<float*>(res.recv_x_scales->view.data) : nullptr;
   p.recv_topk_idx = res.recv_topk_idx ? res.recv_topk_idx->ptr<int64_t>() : nullptr;
   p.recv_topk_weights = res.recv_topk_weights ? res.recv_topk_weights->ptr<float>() : nullptr;
   p.recv_src_idx = recv_src_idx.ptr<int>();
-  p.recv_meta = handle->net_recv_meta.ptr<int>();
+  p.recv_meta = across(*handle).net_recv_meta.ptr<int>();
   p.num_blocks = blocks;
   p.split_puts = split_puts();
   p.num_worst = worst;
   if (!a.handle && worst > 0) {
     p.route_counts = route_counts.ptr<int>();
     p.caller_rank_counts = a.num_tokens_per_rank->ptr<int>();
-    p.table_out = handle->net_table.ptr<int>();
+    p.table_out = across(*handle).net_table.ptr<int>();
     p.rank_prefix_matrix = handle->rank_prefix_matrix.ptr<int>();
     p.source_num_tokens = handle->source_num_tokens.ptr<int>();
   }
@@ -419,24 +427,25 @@ CombineResult Buffer::Impl::net_combine(const CombineArgs& a) {
                 "ranks_per_node (" +
                     std::to_string(h.ranks_per_node) + ", this buffer has " + std::to_string(L) +
                     ")");
+  const DispatchHandle::Internode& hn = across(h, op);
   Config cfg = a.config.value_or(get_combine_config(comm->num_ranks()));
   const int blocks = net_blocks(op, a.config, cfg, num_sms_device);
   const int T = h.num_tokens, H = static_cast<int>(a.x.shape[1]);
   const int K = a.topk_weights ? static_cast<int>(a.topk_weights->shape[1]) : 0;
   const std::size_t row = plan::ht_combine_row_bytes(H, K);
   const plan::HtNetRegion region =
-      h.net_worst > 0 ? plan::HtNetRegion::fixed_combine(topology, h.net_slot_rows, row)
-                      : plan::HtNetRegion::combine(route_of(h, topology), row);
+      hn.net_worst > 0 ? plan::HtNetRegion::fixed_combine(topology, hn.net_slot_rows, row)
+                       : plan::HtNetRegion::combine(route_of(h, topology, op), row);
   // The rings (EPX_HT_RINGS): fixed rings instead of the whole-call areas
   // (whose header, the barrier's words, both share).
-  const bool rings = h.net_rings;  // the dispatch's choice (net_dispatch)
+  const bool rings = hn.net_rings;  // the dispatch's choice (net_dispatch)
   std::optional<plan::HtRingRegion> ring;
   if (rings)
     ring = plan::HtRingRegion::make_combine(
         topology, ring_geometry(ht_rings, blocks, cfg, row, topology, ht.bytes, true), row,
         plan::HtNetRegion::body(comm->num_ranks()), ht.bytes);
   else
-    check_fits(op, region, ht_capacity(), h.net_worst);
+    check_fits(op, region, ht_capacity(), hn.net_worst);
 
   const cudaStream_t x = ll_enter(a.streams, op);  // as dispatch
   CombineResult res;
@@ -445,15 +454,15 @@ CombineResult Buffer::Impl::net_combine(const CombineArgs& a) {
   after_allocs(*this, a.streams, x);
   kernels::HtNetCombineArgs p{};
   p.off = offsets_of(region);
-  p.table = h.net_table.ptr<int>();
+  p.table = hn.net_table.ptr<int>();
   p.x = a.x.ptr<uint16_t>();
   p.num_x_rows = static_cast<int>(a.x.shape[0]);
   p.topk_weights = a.topk_weights ? a.topk_weights->ptr<float>() : nullptr;
   p.bias0 = a.bias_0 ? a.bias_0->ptr<uint16_t>() : nullptr;
   p.bias1 = a.bias_1 ? a.bias_1->ptr<uint16_t>() : nullptr;
-  p.send_pos = h.net_send_pos.ptr<int>();
-  p.fwd_mask = h.net_fwd_mask.ptr<int>();
-  p.recv_meta = h.net_recv_meta.ptr<int>();
+  p.send_pos = hn.net_send_pos.ptr<int>();
+  p.fwd_mask = hn.net_fwd_mask.ptr<int>();
+  p.recv_meta = hn.net_recv_meta.ptr<int>();
   p.num_recv_rows = h.num_recv_tokens;
   p.num_tokens = T;
   p.hidden = H;
@@ -463,12 +472,12 @@ CombineResult Buffer::Impl::net_combine(const CombineArgs& a) {
       res.combined_topk_weights ? res.combined_topk_weights->ptr<float>() : nullptr;
   p.num_blocks = blocks;
   p.split_puts = split_puts();
-  p.num_worst = h.net_worst;
+  p.num_worst = hn.net_worst;
   p.use_rings = rings;
   if (rings) {
     p.ring = *ring;
     p.ring_trace = ring_trace_dev ? ring_trace_dev + kRingTraceU64 : nullptr;
-    p.fwd_token = h.net_fwd_token.ptr<int>();
+    p.fwd_token = hn.net_fwd_token.ptr<int>();
     p.recv_src_idx = h.recv_src_idx.ptr<int>();
     p.rank_prefix_matrix = h.rank_prefix_matrix.ptr<int>();
     p.source_num_tokens = h.source_num_tokens.ptr<int>();
@@ -518,6 +527,10 @@ std::size_t Buffer::get_internode_nvl_size_hint(int num_max_tokens, int hidden, 
       plan::HtNetRegion::body(num_ranks), std::size_t{1} << 46);
   return std::max({bytes, rings.rings_end, combine_rings.rings_end}) +
          plan::HtRingRegion::state_bytes(topology);
+}
+
+bool DispatchHandle::took_rings() const {
+  return internode && internode->net_rings;
 }
 
 }  // namespace epx

@@ -5,6 +5,8 @@
 #include <sstream>
 #include <string>
 
+#include "core/internode_handle.hpp"
+
 namespace epx::validate {
 namespace {
 
@@ -285,12 +287,13 @@ void handle_routing(const char* op, const DispatchHandle& h, int device) {
          "has ranks_per_node " + std::to_string(h.ranks_per_node) + " that does not divide " +
              std::to_string(R) + " ranks");
   const int64_t nodes = R / h.ranks_per_node;
-  routing_tensor(op, "net_send_pos", h.net_send_pos, DType::kI32, {T, nodes}, device);
-  routing_tensor(op, "net_rank_pos", h.net_rank_pos, DType::kI32, {T, R}, device);
-  routing_tensor(op, "net_table", h.net_table, DType::kI32, {}, device);
-  routing_tensor(op, "net_fwd_mask", h.net_fwd_mask, DType::kI32, {}, device);
-  routing_tensor(op, "net_fwd_token", h.net_fwd_token, DType::kI32, {}, device);
-  routing_tensor(op, "net_recv_meta", h.net_recv_meta, DType::kI32, {N, 3}, device);
+  const DispatchHandle::Internode& hn = across(h, op);
+  routing_tensor(op, "net_send_pos", hn.net_send_pos, DType::kI32, {T, nodes}, device);
+  routing_tensor(op, "net_rank_pos", hn.net_rank_pos, DType::kI32, {T, R}, device);
+  routing_tensor(op, "net_table", hn.net_table, DType::kI32, {}, device);
+  routing_tensor(op, "net_fwd_mask", hn.net_fwd_mask, DType::kI32, {}, device);
+  routing_tensor(op, "net_fwd_token", hn.net_fwd_token, DType::kI32, {}, device);
+  routing_tensor(op, "net_recv_meta", hn.net_recv_meta, DType::kI32, {N, 3}, device);
   routing_tensor(op, "rank_prefix_matrix", h.rank_prefix_matrix, DType::kI32, {R, R}, device);
   routing_tensor(op, "source_num_tokens", h.source_num_tokens, DType::kI32, {R}, device);
 }

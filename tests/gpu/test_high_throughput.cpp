@@ -145,7 +145,7 @@ BufferOptions hint_sized_options(const HtCase& c, int R, double timeout_s, Alloc
 }
 
 /// `ring_calls`, where given, counts the dispatches whose handle says they
-/// took the rings across nodes (DispatchHandle::net_rings).
+/// took the rings across nodes (DispatchHandle::took_rings).
 void run_case(const HtCase& c, int iters, uint64_t seed0,
               const std::optional<Config>& config = std::nullopt, Buffer* buffer = nullptr,
               int* ring_calls = nullptr) {
@@ -192,7 +192,7 @@ void run_case(const HtCase& c, int iters, uint64_t seed0,
     a.config = config;
     auto res = buf->dispatch(a);
     cudaStreamSynchronize(w.stream);
-    if (ring_calls && res.handle->net_rings) ++*ring_calls;
+    if (ring_calls && res.handle->took_rings()) ++*ring_calls;
 
     auto ref_out = ref::ht_dispatch(in, H, K, c.num_experts, c.expert_alignment);
     const auto& ro = ref_out[me];

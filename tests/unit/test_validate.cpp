@@ -10,6 +10,7 @@
 #include "common/env.hpp"
 #include "common/internode_rings.hpp"
 #include "core/algorithm_choices.hpp"
+#include "core/internode_handle.hpp"
 #include "core/validate.hpp"
 #include "epx/buffer.hpp"
 #include "transport/proxy/engine.hpp"
@@ -208,12 +209,12 @@ std::shared_ptr<DispatchHandle> routed_handle(int R, int T, int N, int H, int L 
     h->send_counts = t(DType::kI32, {R});
     h->recv_offsets = t(DType::kI32, {R + 1});
   } else {
-    h->net_send_pos = t(DType::kI32, {T, R / L});
-    h->net_rank_pos = t(DType::kI32, {T, R});
-    h->net_recv_meta = t(DType::kI32, {N, 3});
-    h->net_table = t(DType::kI32, {40});
-    h->net_fwd_mask = t(DType::kI32, {R / L, 16});
-    h->net_fwd_token = t(DType::kI32, {R / L, 16});
+    epx::across(*h).net_send_pos = t(DType::kI32, {T, R / L});
+    epx::across(*h).net_rank_pos = t(DType::kI32, {T, R});
+    epx::across(*h).net_recv_meta = t(DType::kI32, {N, 3});
+    epx::across(*h).net_table = t(DType::kI32, {40});
+    epx::across(*h).net_fwd_mask = t(DType::kI32, {R / L, 16});
+    epx::across(*h).net_fwd_token = t(DType::kI32, {R / L, 16});
     h->rank_prefix_matrix = t(DType::kI32, {R, R});
     h->source_num_tokens = t(DType::kI32, {R});
   }
@@ -247,7 +248,7 @@ TEST(Validate, HandlesWithoutTheirRoutingTensorsAreRefused) {
     EXPECT_NO_THROW(validate::combine(c, 4, 0));
     EXPECT_NO_THROW(validate::dispatch(a, 4, 0));
     // each tensor the ops read: missing, of another shape, or on another device
-    Tensor& part = L == 0 ? h->recv_offsets : h->net_recv_meta;
+    Tensor& part = L == 0 ? h->recv_offsets : epx::across(*h).net_recv_meta;
     const char* name = L == 0 ? "recv_offsets" : "net_recv_meta";
     const Tensor kept = part;
     part = Tensor{};

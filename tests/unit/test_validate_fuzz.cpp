@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "core/internode_handle.hpp"
 #include "core/validate.hpp"
 #include "epx/buffer.hpp"
 
@@ -159,12 +160,13 @@ bool routing_ok(const DispatchHandle& h, int dev) {
     return has(h.send_slot, DType::kI32, {T, R}) &&
            has(h.send_list, DType::kI32, {R, std::max<int64_t>(T, 1)}) &&
            has(h.send_counts, DType::kI32, {R}) && has(h.recv_offsets, DType::kI32, {R + 1});
-  if (R % h.ranks_per_node != 0) return false;
-  return has(h.net_send_pos, DType::kI32, {T, R / h.ranks_per_node}) &&
-         has(h.net_rank_pos, DType::kI32, {T, R}) && has(h.net_recv_meta, DType::kI32, {N, 3}) &&
+  if (R % h.ranks_per_node != 0 || !h.internode) return false;
+  const epx::DispatchHandle::Internode& n = *h.internode;
+  return has(n.net_send_pos, DType::kI32, {T, R / h.ranks_per_node}) &&
+         has(n.net_rank_pos, DType::kI32, {T, R}) && has(n.net_recv_meta, DType::kI32, {N, 3}) &&
          has(h.rank_prefix_matrix, DType::kI32, {R, R}) &&
-         has(h.source_num_tokens, DType::kI32, {R}) && has(h.net_table, DType::kI32, {}) &&
-         has(h.net_fwd_mask, DType::kI32, {}) && has(h.net_fwd_token, DType::kI32, {});
+         has(h.source_num_tokens, DType::kI32, {R}) && has(n.net_table, DType::kI32, {}) &&
+         has(n.net_fwd_mask, DType::kI32, {}) && has(n.net_fwd_token, DType::kI32, {});
 }
 
 bool topk_ok(int64_t k) {
@@ -423,14 +425,14 @@ std::shared_ptr<DispatchHandle> gen_handle(Gen& g, double p, int R, int64_t T, i
     make(h->send_counts, DType::kI32, {R});
     make(h->recv_offsets, DType::kI32, {R + 1});
   } else {
-    make(h->net_send_pos, DType::kI32, {T, R / L});
-    make(h->net_rank_pos, DType::kI32, {T, R});
-    make(h->net_recv_meta, DType::kI32, {N, 3});
+    make(epx::across(*h).net_send_pos, DType::kI32, {T, R / L});
+    make(epx::across(*h).net_rank_pos, DType::kI32, {T, R});
+    make(epx::across(*h).net_recv_meta, DType::kI32, {N, 3});
     make(h->rank_prefix_matrix, DType::kI32, {R, R});
     make(h->source_num_tokens, DType::kI32, {R});
-    make(h->net_table, DType::kI32, {g.between(1, 64)});
-    make(h->net_fwd_mask, DType::kI32, {R / L, g.between(1, 64)});
-    make(h->net_fwd_token, DType::kI32, {R / L, g.between(1, 64)});
+    make(epx::across(*h).net_table, DType::kI32, {g.between(1, 64)});
+    make(epx::across(*h).net_fwd_mask, DType::kI32, {R / L, g.between(1, 64)});
+    make(epx::across(*h).net_fwd_token, DType::kI32, {R / L, g.between(1, 64)});
   }
   if (g.chance(p)) {
     Tensor& t =
