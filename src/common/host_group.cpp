@@ -1,6 +1,9 @@
 #include "common/host_group.hpp"
 
+#include <execinfo.h>
+
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <string>
@@ -15,6 +18,8 @@ InProcessGroup::InProcessGroup(int num_ranks, double timeout_s, std::string what
       what_(std::move(what)),
       arrived_(static_cast<std::size_t>(num_ranks), 0),
       arrived_from_(static_cast<std::size_t>(num_ranks)),
+      arrived_stack_(static_cast<std::size_t>(num_ranks)),
+      arrived_depth_(static_cast<std::size_t>(num_ranks), 0),
       slots_(static_cast<std::size_t>(num_ranks)) {
   require(num_ranks >= 1, "num_ranks", "must be >= 1, got " + std::to_string(num_ranks));
   require(timeout_s > 0, "timeout_s", "must be > 0 seconds, got " + std::to_string(timeout_s));
@@ -38,10 +43,22 @@ void InProcessGroup::barrier(int rank) {
     os << what_ << ": rank " << rank << " entered twice: from thread " << std::this_thread::get_id()
        << " while thread " << arrived_from_[rank]
        << " waits in the same barrier for it (two threads use one rank's communicator at once)";
+    // Both call stacks (module+offset: addr2line -e <module> resolves them).
+    std::array<void*, kFrames> here{};
+    const int depth = ::backtrace(here.data(), kFrames);
+    const auto print = [&os](const char* who, void* const* frames, int n) {
+      os << "\n  " << who << ":";
+      char** names = ::backtrace_symbols(frames, n);
+      for (int i = 0; i < n; ++i) os << "\n    " << (names ? names[i] : "?");
+      std::free(names);
+    };
+    print("this thread", here.data(), depth);
+    print("the waiting thread, when it entered", arrived_stack_[rank].data(), arrived_depth_[rank]);
     throw Error(ErrorCode::kInternal, os.str());
   }
   arrived_[rank] = 1;
   arrived_from_[rank] = std::this_thread::get_id();
+  arrived_depth_[rank] = ::backtrace(arrived_stack_[rank].data(), kFrames);
   if (++num_arrived_ == num_ranks_) {
     std::fill(arrived_.begin(), arrived_.end(), 0);
     num_arrived_ = 0;

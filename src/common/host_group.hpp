@@ -4,6 +4,7 @@
 // memory. No CUDA here, so the CPU tests cover it.
 #pragma once
 
+#include <array>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -50,8 +51,12 @@ class InProcessGroup {
   std::condition_variable cv_;
   uint64_t generation_ = 0;
   std::vector<char> arrived_;  ///< who has entered the current barrier
-  /// The thread each rank entered it from (named when a rank enters twice).
+  /// The thread each rank entered it from, and its call stack then (both
+  /// named when a rank enters twice: which code holds the rank's place).
   std::vector<std::thread::id> arrived_from_;
+  static constexpr int kFrames = 24;
+  std::vector<std::array<void*, kFrames>> arrived_stack_;
+  std::vector<int> arrived_depth_;
   int num_arrived_ = 0;
   bool broken_ = false;
   std::vector<std::vector<uint8_t>> slots_;

@@ -137,6 +137,13 @@ TEST(InProcessGroup, TwoThreadsOfOneRankAreNamed) {
   EXPECT_TRUE(first_done.load());
   EXPECT_NE(twice.find("rank 0 entered twice"), std::string::npos) << twice;
   EXPECT_NE(twice.find("two threads use one rank's communicator"), std::string::npos) << twice;
+  // Both call stacks, so that the code holding the rank's place is named.
+  const std::size_t here = twice.find("this thread:"),
+                    there = twice.find("the waiting thread, when it entered:");
+  ASSERT_NE(here, std::string::npos) << twice;
+  ASSERT_NE(there, std::string::npos) << twice;
+  EXPECT_LT(here, there);
+  EXPECT_NE(twice.find("\n    ", there), std::string::npos) << "no frames: " << twice;
 }
 
 TEST(InProcessGroup, BadArgumentsAreNamed) {
