@@ -1044,6 +1044,10 @@ EPX_GPU_TEST(Internode, RefusedCallsAreNamed) {
   a.set_layout(layout);
   a.streams = s;
   Config cfg = shared_gpu_config();
+  // Network rings of 64 records (only the rings read it): never within the
+  // buffer's 1.5 MB here, as rings of 4 (EPX_HT_RINGS=4) of 2 channels at
+  // 4x4 are (1.4 MB), which rightly take the call instead of refusing it.
+  cfg.num_max_rdma_recv_tokens = 64;
   a.config = cfg;
   expect_error(
       "whole call in 1 MiB", [&] { b.dispatch(a); }, {"num_nvl_bytes", "bytes"},
