@@ -2,33 +2,51 @@
 //
 // Kernels are templates over a device transport T (a trivially copyable
 // struct the backend builds and passes by value) that satisfies
-// DeviceTransport below. Every backend implements every operation:
+// DeviceTransport below: exactly the operations the kernels call. Every
+// backend implements every one. Each verb's ordering contract is what the
+// kernels may rely on, no more (EFA and several QPs per peer reorder writes):
 //
 //   lsa_ptr(r, off)     load/store pointer to peer r's region at `off` when r is
 //                       in this rank's node (NVLink domain), else nullptr: the
-//                       kernel then uses the network operations
+//                       kernel then uses the network operations. Stores through
+//                       it follow the CUDA memory model (system scope); the
+//                       word protocols of LsaWords (lsa.cuh: release-stored
+//                       flags, tagged words and their waits) are the only ones
+//                       the kernels use on them.
 //   local_ptr(off)      this rank's own region
 //   put<Coop>(ctx, r, dst_off, src_off, bytes)
 //                       copy from this rank's registered region (a send area:
 //                       data computed in registers is written there first) to
 //                       r's region, on context `ctx`; one call per cooperating
-//                       group (Thread, Warp or Block: every member calls it)
+//                       group (Thread, Warp or Block: every member calls it).
+//                       Ordered with nothing: the bytes may land in any order
+//                       with the context's other puts, and r may read them
+//                       only after a later signal of the same context to r.
+//                       The source's earlier stores of the calling group are
+//                       visible to the copy.
 //   put_signal<Coop>(ctx, r, dst_off, src_off, bytes, sig, add)
-//                       put, then `add` to signal `sig` at r once the bytes landed
+//                       put, then `add` to signal `sig` at r; the add is
+//                       visible at r only after these bytes and every earlier
+//                       put of ctx to r have landed (release at r)
 //   signal_add<Coop>(ctx, r, sig, add)
-//                       `add` to signal `sig` at r after every earlier put of
-//                       this context to r
-//   wait_signal(sig, value, ...)  spin until every context's word of this
-//                       rank's signal `sig` is >= value, with a deadline and a
-//                       diagnostic; false on timeout
+//                       `add` to signal `sig` at r, visible only after every
+//                       earlier put of this context to r has landed; no order
+//                       with other contexts or other peers
+//   wait_signal(sig, value, op, peer)  spin until every context's word of
+//                       this rank's signal `sig` is >= value, with a deadline
+//                       and a diagnostic naming `op` and `peer`; false on
+//                       timeout. Acquire: what the signals published is
+//                       visible after it returns true
 //   read_signal(sig, peer)  the least of those words now, without waiting
 //                       (acquire: what the senders' signals published up to
 //                       it is visible after); for a consumer that serves
 //                       whichever of several inputs has something
-//   fence(ctx)          puts and signals of ctx to a peer before it land before
-//                       those to that peer after it (no order across peers)
 //   quiet(ctx)          every put of ctx issued so far is complete at the source
-//                       (its send area may be rewritten)
+//                       (its send area may be rewritten); false past the
+//                       deadline after reporting it. Says nothing of arrival
+//
+// No verb orders puts among themselves (there is no fence): a put that must
+// land after another is separated from it by a signal the receiver waits for.
 //
 // Signals are 64-bit counters that only add (NCCL GIN offers add and inc,
 // not set); receivers wait for >= an expected count derived from how many
@@ -195,7 +213,11 @@ __device__ __forceinline__ uint64_t read_signal_words(const TransportBase& t, co
 
 /// A device transport: see the top of this file.
 template <class T>
+struct LsaWords;  // lsa.cuh: the same-node word protocols every transport inherits
+
+template <class T>
 concept DeviceTransport = std::is_trivially_copyable_v<T> && std::is_base_of_v<TransportBase, T> &&
+    std::is_base_of_v<LsaWords<T>, T> &&
     std::same_as<std::remove_cv_t<decltype(T::kCaps)>, TransportCaps>
 #if defined(__CUDA_ARCH__)
     && requires(const T& t, int r, int ctx, std::size_t off, uint64_t v) {
@@ -205,7 +227,7 @@ concept DeviceTransport = std::is_trivially_copyable_v<T> && std::is_base_of_v<T
   { t.template put_signal<Thread>(ctx, r, off, off, off, r, v) } -> std::same_as<void>;
   { t.template signal_add<Thread>(ctx, r, r, v) } -> std::same_as<void>;
   { t.wait_signal(r, v, OpId::kNone, r) } -> std::same_as<bool>;
-  { t.fence(ctx) } -> std::same_as<void>;
+  { t.read_signal(r, r) } -> std::same_as<uint64_t>;
   { t.quiet(ctx) } -> std::same_as<bool>;
 }
 #endif

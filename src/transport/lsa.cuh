@@ -166,9 +166,6 @@ struct LsaTransport : TransportBase, LsaWords<LsaTransport> {
   __device__ __forceinline__ uint64_t read_signal(int sig, int) const {
     return read_signal_words(*this, local_ptr(0), sig);
   }
-  __device__ __forceinline__ void fence(int) const {
-    __threadfence_system();
-  }
   __device__ __forceinline__ bool quiet(int) const {
     __threadfence_system();
     return true;

@@ -207,13 +207,6 @@ struct NcclGinTransport : NetworkTransportBase, LsaWords<NcclGinTransport> {
     fence_acq_rel_sys();
     return m;
   }
-  /// Only this thread's stores are ordered before what follows. GIN makes a
-  /// signal visible after the context's earlier puts to the peer, but does not
-  /// order puts among themselves: a put that must land after another needs a
-  /// signal between them (no kernel relies on fence for that).
-  __device__ __forceinline__ void fence(int) const {
-    __threadfence_system();
-  }
   /// Every put of context `ctx` posted so far (by any thread) has read its
   /// source: NCCL's counter of the context reaches the puts posted on it,
   /// within EPX's deadline (NCCL's flush, which waits for the same, has

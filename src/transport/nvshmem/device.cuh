@@ -97,9 +97,6 @@ struct NvshmemTransport : NetworkTransportBase, LsaWords<NvshmemTransport> {
   __device__ __forceinline__ uint64_t read_signal(int sig, int) const {
     return read_signal_words(*this, local, sig);
   }
-  __device__ __forceinline__ void fence(int) const {
-    nvshmem_fence();
-  }
   /// Every put this PE issued has completed (NVSHMEM's quiet covers all of
   /// them, not one context's). It has no deadline: a dead network hangs here.
   __device__ __forceinline__ bool quiet(int) const {

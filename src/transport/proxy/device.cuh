@@ -137,14 +137,6 @@ struct ProxyTransport : NetworkTransportBase, LsaWords<ProxyTransport> {
   __device__ __forceinline__ uint64_t read_signal(int sig, int) const {
     return read_signal_words(*this, local, sig);
   }
-  /// Orders this thread's earlier stores (to a send area, to same-node peers)
-  /// before what follows, and posts a fence command: the proxy issues the
-  /// channel's puts taken before it ahead of those after it (per peer), where
-  /// between two signals it would otherwise merge and reorder them.
-  __device__ __forceinline__ void fence(int ctx) const {
-    __threadfence_system();
-    post(ctx, proxy::Op::kFence, 0, 0, 0, 0, 0, 0);
-  }
   /// Waits until every command of channel `ctx` reserved so far is complete.
   __device__ bool quiet(int ctx) const {
     const proxy::ChannelView ch = channels[ctx];
