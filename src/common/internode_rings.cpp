@@ -118,6 +118,23 @@ void HtRingRegion::place_rings(HtRingRegion& r, std::size_t header_bytes) {
   r.rings_end = align_up(r.nvl_rings + C * nvl_records * r.record_bytes, kAlign);
 }
 
+HtRingRegion HtRingRegion::laid_out(const Topology& topology, const HtRingGeometry& geometry,
+                                    std::size_t record_bytes, std::size_t header_bytes,
+                                    bool combine) {
+  HtRingRegion r;
+  r.num_ranks = topology.num_ranks;
+  r.ranks_per_node = topology.ranks_per_node;
+  r.geometry = geometry;
+  r.record_bytes = record_bytes;
+  r.combine = combine;
+  place_rings(r, header_bytes);
+  return r;
+}
+
+bool HtRingRegion::room_for(const HtRingRegion& r, std::size_t state, std::size_t region_bytes) {
+  return region_bytes >= state && (region_bytes - state) / kAlign * kAlign >= r.rings_end;
+}
+
 HtRingGeometry HtRingRegion::fit(const Topology& topology, HtRingGeometry g,
                                  std::size_t record_bytes, std::size_t header_bytes,
                                  std::size_t region_bytes, bool combine, bool keep_net_slots,
@@ -127,14 +144,8 @@ HtRingGeometry HtRingRegion::fit(const Topology& topology, HtRingGeometry g,
     return g;  // make names the topology
   const std::size_t state = state_bytes(topology);
   const auto fits = [&](const HtRingGeometry& x) {
-    HtRingRegion r;
-    r.num_ranks = topology.num_ranks;
-    r.ranks_per_node = topology.ranks_per_node;
-    r.geometry = x;
-    r.record_bytes = record_bytes;
-    r.combine = combine;
-    place_rings(r, header_bytes);
-    return region_bytes >= state && (region_bytes - state) / kAlign * kAlign >= r.rings_end;
+    return room_for(laid_out(topology, x, record_bytes, header_bytes, combine), state,
+                    region_bytes);
   };
   const int net_floor = std::max(kMinFitSlots, chunk_by_bytes ? 2 : g.net_chunk);
   const int nvl_floor = std::max(kMinFitSlots, g.nvl_chunk);
@@ -158,15 +169,9 @@ HtRingRegion HtRingRegion::build(const Topology& topology, const HtRingGeometry&
           "topology", "ranks_per_node must divide the rank count");
   require(record_bytes > 0 && record_bytes % 16 == 0, "record_bytes",
           "must be a positive multiple of 16, got " + std::to_string(record_bytes));
-  HtRingRegion r;
-  r.num_ranks = topology.num_ranks;
-  r.ranks_per_node = topology.ranks_per_node;
-  r.geometry = geometry;
-  r.record_bytes = record_bytes;
-  r.combine = combine;
-  place_rings(r, header_bytes);
+  HtRingRegion r = laid_out(topology, geometry, record_bytes, header_bytes, combine);
   const std::size_t state = state_bytes(topology);
-  if (region_bytes < state || (region_bytes - state) / kAlign * kAlign < r.rings_end)
+  if (!room_for(r, state, region_bytes))
     throw Error(ErrorCode::kBufferTooSmall,
                 std::string(combine ? "combine" : "dispatch") + ": num_nvl_bytes: the rings need " +
                     std::to_string(r.rings_end + state) + " bytes (" +

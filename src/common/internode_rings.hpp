@@ -297,6 +297,11 @@ struct HtRingRegion {
   /// The rings' offsets (net_rings .. rings_end) of r's geometry and records
   /// after a header of `header_bytes`; no check.
   static void place_rings(HtRingRegion& r, std::size_t header_bytes);
+  /// A region of these rings with their offsets placed (no state, no check).
+  static HtRingRegion laid_out(const Topology& topology, const HtRingGeometry& geometry,
+                               std::size_t record_bytes, std::size_t header_bytes, bool combine);
+  /// Whether r's rings and a state block of `state` bytes fit `region_bytes`.
+  static bool room_for(const HtRingRegion& r, std::size_t state, std::size_t region_bytes);
 };
 
 }  // namespace epx::plan
