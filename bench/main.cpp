@@ -14,10 +14,7 @@
 #include "bench/common.hpp"
 #include "common/check.hpp"
 #include "epx/reference.hpp"
-
-#ifndef EPX_GIT_COMMIT
-#define EPX_GIT_COMMIT "unknown"
-#endif
+#include "epx_git_commit.h"  // generated at every build (bench/CMakeLists.txt)
 
 namespace epx::bench {
 

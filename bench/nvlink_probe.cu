@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "common/check.hpp"
+#include "epx_git_commit.h"  // generated at every build (bench/CMakeLists.txt)
 #include "common/plan.hpp"
 #include "kernels/copy.cuh"
 
