@@ -911,8 +911,14 @@ def test_fuzz_small_ops():
             call = lambda: buf.low_latency_query_mask_buffer(status)  # noqa: E731
             desc = describe(op=op, R=R, status=status)
         else:
-            n = data.draw(int_arg(st.integers(1, 66).map(lambda k: 2 * k),
-                                  max(pb("num_sms"), pb("new_num_sms"))))
+            # A set aimed at new_num_sms breaks its type (only a non-int is named
+            # so: a wrong int is the num_sms rule); aimed anywhere else, int_arg's
+            # mix. A wild int's share of the non-ints alone left some seeds
+            # with no set naming new_num_sms in 1000.
+            if data.draw(st.floats(0, 1)) < pb("new_num_sms"):
+                n = data.draw(non_ints())
+            else:
+                n = data.draw(int_arg(st.integers(1, 66).map(lambda k: 2 * k), pb("num_sms")))
             k = rule_int(v, n, "new_num_sms")
             v.flag(k is not None and (k < 2 or k % 2), "num_sms")
 
