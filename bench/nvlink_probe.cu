@@ -22,8 +22,8 @@
 #include <vector>
 
 #include "common/check.hpp"
-#include "epx_git_commit.h"  // generated at every build (bench/CMakeLists.txt)
 #include "common/plan.hpp"
+#include "epx_git_commit.h"  // generated at every build (bench/CMakeLists.txt)
 #include "kernels/copy.cuh"
 
 namespace {
