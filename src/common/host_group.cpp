@@ -32,6 +32,11 @@ void InProcessGroup::check_rank(int rank) const {
 
 void InProcessGroup::barrier(int rank) {
   check_rank(rank);
+  // This thread's call stack, taken before the lock (the first backtrace()
+  // loads the unwinder): kept as the rank's entry, or printed beside the
+  // waiting thread's when the rank entered twice.
+  std::array<void*, kFrames> here{};
+  const int depth = ::backtrace(here.data(), kFrames);
   std::unique_lock lock(m_);
   if (broken_)
     throw Error(ErrorCode::kTimeout, what_ + ": rank " + std::to_string(rank) +
@@ -44,8 +49,6 @@ void InProcessGroup::barrier(int rank) {
        << " while thread " << arrived_from_[rank]
        << " waits in the same barrier for it (two threads use one rank's communicator at once)";
     // Both call stacks (module+offset: addr2line -e <module> resolves them).
-    std::array<void*, kFrames> here{};
-    const int depth = ::backtrace(here.data(), kFrames);
     const auto print = [&os](const char* who, void* const* frames, int n) {
       os << "\n  " << who << ":";
       char** names = ::backtrace_symbols(frames, n);
@@ -58,7 +61,8 @@ void InProcessGroup::barrier(int rank) {
   }
   arrived_[rank] = 1;
   arrived_from_[rank] = std::this_thread::get_id();
-  arrived_depth_[rank] = ::backtrace(arrived_stack_[rank].data(), kFrames);
+  arrived_stack_[rank] = here;
+  arrived_depth_[rank] = depth;
   if (++num_arrived_ == num_ranks_) {
     std::fill(arrived_.begin(), arrived_.end(), 0);
     num_arrived_ = 0;
