@@ -75,16 +75,6 @@ __device__ __forceinline__ uint64_t ld_volatile_u64(const uint64_t* p) {
   return *static_cast<const volatile uint64_t*>(p);
 }
 
-/// Programmatic dependent launch: let the next kernel in the stream start its
-/// blocks now / wait until the previous kernel has finished and its writes are
-/// visible. Both are no-ops when the launch was not a dependent one.
-__device__ __forceinline__ void launch_dependents() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-__device__ __forceinline__ void wait_prerequisite_grid() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-}
-
 /// Read-only 16-byte load that skips L1 (memory no one writes during the kernel).
 __device__ __forceinline__ int4 ld_nc(const int4* p) {
   int4 v;

@@ -225,7 +225,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
     // With in-process ranks a grid past a rank's share of the SMs could hold
     // SMs a peer's send kernel needs while it waits for that send.
     const int recv_blocks = std::min(E_local * rp.parts, d.ll_blocks(2));
-    kernels::launch_ll_dispatch_send(tr, sp, send_blocks_max, launch);
+    kernels::launch_ll_dispatch_send(tr, sp, rp.arrival_order, send_blocks_max, launch);
     res.event = d.ll_leave(s, launch);
     Impl* impl = &d;
     res.hook = [impl, tr, rp, recv_blocks, stream = a.stream, sent = res.event, recv_x = res.recv_x,
@@ -309,7 +309,6 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   sp.diag = d.diag_dev;
   const int send_blocks =
       std::clamp(ceil_div(static_cast<int64_t>(R) * maxT * C, kWarpsPerBlock), 1, d.ll_blocks(1));
-  kernels::launch_ll_combine_send(tr, sp, send_blocks, launch);
 
   kernels::LlCombineRecvArgs rp{};
   rp.off = off;
@@ -332,36 +331,30 @@ LowLatencyCombineResult Buffer::low_latency_combine(const LowLatencyCombineArgs&
   // before it gives a source up, and a live rank is not masked (or named)
   // for a dead one's silence.
   rp.timeout_ns = 2 * d.timeout_ns();
-  const dev::AnyTransport tr_recv = dev::with_timeout(tr, rp.timeout_ns);
   rp.diag = d.diag_dev;
-  const int recv_blocks = std::clamp(ceil_div(static_cast<int64_t>(T) * C_recv, kWarpsPerBlock), 1,
-                                     d.ll_blocks(kernels::kLlCombineRecvBlocksPerSm));
+  // One kernel, one block per SM at most (the send's registers): the
+  // receive's (token, chunk) items loop over the grid.
+  const int recv_blocks =
+      std::clamp(ceil_div(static_cast<int64_t>(T) * C_recv, kWarpsPerBlock), 1, d.ll_blocks(1));
 
   if (!a.return_recv_hook) {
-    // The receive kernel starts early (programmatic dependent launch) and
-    // waits on the SMs the send leaves. With ranks sharing a GPU over the
-    // load/store transports it starts after the send instead (fewer resident
-    // blocks beside the peers' cooperative sends). Across nodes it must not:
-    // a plain launch waits at the head of its stream's hardware queue until
-    // the send ends, and with in-process ranks (more streams than
-    // CUDA_DEVICE_MAX_CONNECTIONS) a proxy stream that shares that queue
-    // holds the copies and signals of other ranks behind it, among them the
-    // weights the send waits for: the send then waits until its deadline.
-    // The dependent launch leaves the queue as soon as the send's blocks
-    // start; ll_blocks sizes grids so a send and a receive of every rank fit
-    // at once.
-    const bool dependent = d.comm->ranks_on_device() == 1 || d.networked();
-    kernels::launch_ll_combine_recv(tr_recv, rp, recv_blocks, launch, dependent);
+    // Both phases in one cooperative launch: each block sends its items, then
+    // receives. ll_blocks sizes the grid so that every rank's kernel on a
+    // shared GPU is resident at once.
+    kernels::launch_ll_combine(tr, sp, rp, std::max(send_blocks, recv_blocks),
+                               kernels::kLlBothPhases, launch);
     res.event = d.ll_leave(s, launch);
   } else {
+    kernels::launch_ll_combine(tr, sp, rp, send_blocks, kernels::kLlSendPhase, launch);
     res.event = d.ll_leave(s, launch);
     Impl* impl = &d;
-    res.hook = [impl, tr_recv, rp, recv_blocks, stream = a.stream, launch, sent = res.event,
+    res.hook = [impl, tr, rp, recv_blocks, stream = a.stream, launch, sent = res.event,
                 out = res.combined_x, state, handle]() {
       impl->check_alive(op);
       impl->raise_if_failed(op);
       if (sent) sent->stream_wait(stream);
-      kernels::launch_ll_combine_recv(tr_recv, rp, recv_blocks, stream, /*dependent=*/false);
+      kernels::launch_ll_combine(tr, kernels::LlCombineSendArgs{}, rp, recv_blocks,
+                                 kernels::kLlRecvPhase, stream);
       impl->ll_hook_launched(stream, launch);  // `state` lives on `launch`
     };
   }

@@ -353,7 +353,9 @@ inline constexpr int kLlCombineSendChunk = 1024;         ///< elements per combi
 /// items spread it over more warps and balance it better.
 inline constexpr int kLlCombineSendChunkLogFmt = 256;
 inline constexpr int kLlCombineRecvChunk = 256;  ///< elements per combine-receive work item
-inline constexpr int kLlCombineRecvBlocksPerSm = 2;
+/// The phases one launch of a low-latency kernel runs (a bit set): its send,
+/// its receive, or both (kernels/low_latency/ops.cuh).
+inline constexpr int kLlSendPhase = 1, kLlRecvPhase = 2, kLlBothPhases = 3;
 inline constexpr int kLlCombineRecvRanksAtOnce = 4;  ///< ranks' rows loaded together
 inline constexpr int kLlCombineSendRowsAtOnce = 4;   ///< expert rows loaded together
 
@@ -422,8 +424,10 @@ template <class T>
 struct LlDispatchSendParams : LlDispatchSendArgs {
   T t;
 };
+/// Hook mode: the send phase alone; `arrival_order` is the receive's
+/// (LlDispatchRecvArgs::arrival_order), whose kernel both launches are.
 void launch_ll_dispatch_send(const dev::AnyTransport& t, const LlDispatchSendArgs& a,
-                             int num_blocks, cudaStream_t stream);
+                             bool arrival_order, int num_blocks, cudaStream_t stream);
 
 struct LlDispatchRecvArgs {
   LlOffsets off;
@@ -488,8 +492,6 @@ template <class T>
 struct LlCombineSendParams : LlCombineSendArgs {
   T t;
 };
-void launch_ll_combine_send(const dev::AnyTransport& t, const LlCombineSendArgs& a, int num_blocks,
-                            cudaStream_t stream);
 
 struct LlCombineRecvArgs {
   LlOffsets off;
@@ -509,8 +511,13 @@ template <class T>
 struct LlCombineRecvParams : LlCombineRecvArgs {
   T t;
 };
-void launch_ll_combine_recv(const dev::AnyTransport& t, const LlCombineRecvArgs& a, int num_blocks,
-                            cudaStream_t stream, bool dependent);
+/// The combine kernel on `num_blocks` blocks: with a hook, its send phase
+/// (`ra` unused) and later its receive phase (`sa` unused); without, both in
+/// one launch (one block per SM at most: every block of it resident). The
+/// receive waits ra.timeout_ns for a source.
+void launch_ll_combine(const dev::AnyTransport& t, const LlCombineSendArgs& sa,
+                       const LlCombineRecvArgs& ra, int num_blocks, int phases,
+                       cudaStream_t stream);
 
 /// Load every kernel of a family now (cudaFuncGetAttributes), not at its
 /// first launch: with CUDA's lazy loading a first launch may wait for the
@@ -538,17 +545,16 @@ inline ErrorCode decode_module_error(int rc) {
 struct ModuleKernels {
   using Err = char*;
   int (*ll_dispatch_send)(const dev::NetworkTransportBase& t, const LlDispatchSendArgs& a,
-                          int num_blocks, cudaStream_t stream, Err err, std::size_t err_len);
+                          bool arrival_order, int num_blocks, cudaStream_t stream, Err err,
+                          std::size_t err_len);
   int (*ll_dispatch_recv)(const dev::NetworkTransportBase& t, const LlDispatchRecvArgs& a,
                           int num_blocks, cudaStream_t stream, Err err, std::size_t err_len);
   int (*ll_dispatch_fused)(const dev::NetworkTransportBase& t, const LlDispatchSendArgs& sa,
                            const LlDispatchRecvArgs& ra, int num_blocks, int send_blocks,
                            cudaStream_t stream, Err err, std::size_t err_len);
-  int (*ll_combine_send)(const dev::NetworkTransportBase& t, const LlCombineSendArgs& a,
-                         int num_blocks, cudaStream_t stream, Err err, std::size_t err_len);
-  int (*ll_combine_recv)(const dev::NetworkTransportBase& t, const LlCombineRecvArgs& a,
-                         int num_blocks, cudaStream_t stream, bool dependent, Err err,
-                         std::size_t err_len);
+  int (*ll_combine)(const dev::NetworkTransportBase& t, const LlCombineSendArgs& sa,
+                    const LlCombineRecvArgs& ra, int num_blocks, int phases, cudaStream_t stream,
+                    Err err, std::size_t err_len);
   /// The high-throughput ops across nodes (launch_ht_net_dispatch / _combine).
   int (*ht_net_dispatch)(const dev::NetworkTransportBase& t, const HtNetDispatchArgs& a,
                          cudaStream_t stream, Err err, std::size_t err_len);

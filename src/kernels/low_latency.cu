@@ -9,12 +9,14 @@
 namespace epx::kernels {
 
 void launch_ll_dispatch_send(const dev::AnyTransport& t, const LlDispatchSendArgs& a,
-                             int num_blocks, cudaStream_t stream) {
+                             bool arrival_order, int num_blocks, cudaStream_t stream) {
   launch_on(
       t, "low-latency dispatch send",
-      [&](const auto& tt) { launch_ll_dispatch_send_for(tt, a, num_blocks, stream); },
+      [&](const auto& tt) {
+        launch_ll_dispatch_send_for(tt, a, arrival_order, num_blocks, stream);
+      },
       [&](const ModuleKernels& k, const auto& tt, char* err, std::size_t n) {
-        return k.ll_dispatch_send(tt, a, num_blocks, stream, err, n);
+        return k.ll_dispatch_send(tt, a, arrival_order, num_blocks, stream, err, n);
       });
 }
 
@@ -41,23 +43,17 @@ void launch_ll_dispatch_fused(const dev::AnyTransport& t, const LlDispatchSendAr
       });
 }
 
-void launch_ll_combine_send(const dev::AnyTransport& t, const LlCombineSendArgs& a, int num_blocks,
-                            cudaStream_t stream) {
+void launch_ll_combine(const dev::AnyTransport& t, const LlCombineSendArgs& sa,
+                       const LlCombineRecvArgs& ra, int num_blocks, int phases,
+                       cudaStream_t stream) {
   launch_on(
-      t, "low-latency combine send",
-      [&](const auto& tt) { launch_ll_combine_send_for(tt, a, num_blocks, stream); },
+      t,
+      phases == kLlBothPhases  ? "low-latency combine"
+      : phases == kLlSendPhase ? "low-latency combine send"
+                               : "low-latency combine receive",
+      [&](const auto& tt) { launch_ll_combine_for(tt, sa, ra, num_blocks, phases, stream); },
       [&](const ModuleKernels& k, const auto& tt, char* err, std::size_t n) {
-        return k.ll_combine_send(tt, a, num_blocks, stream, err, n);
-      });
-}
-
-void launch_ll_combine_recv(const dev::AnyTransport& t, const LlCombineRecvArgs& a, int num_blocks,
-                            cudaStream_t stream, bool dependent) {
-  launch_on(
-      t, "low-latency combine receive",
-      [&](const auto& tt) { launch_ll_combine_recv_for(tt, a, num_blocks, stream, dependent); },
-      [&](const ModuleKernels& k, const auto& tt, char* err, std::size_t n) {
-        return k.ll_combine_recv(tt, a, num_blocks, stream, dependent, err, n);
+        return k.ll_combine(tt, sa, ra, num_blocks, phases, stream, err, n);
       });
 }
 

@@ -1,5 +1,5 @@
 // kernels/low_latency/combine_recv.cuh - the combine's receive phase: a lane's row parts and
-// the ll_combine_recv kernel.
+// combine_recv_phase.
 #pragma once
 
 #include "kernels/low_latency/combine_send.cuh"
@@ -79,11 +79,12 @@ __device__ __forceinline__ void add_rank_row(float (&acc)[kSteps][8],
 // of the token's experts sent its raw row, weighted here. The rows of up to
 // kRanksAtOnce ranks load together, before the token's routing is known (most
 // (token, rank) pairs carry a row), and the first item's routing loads
-// before the wait for the send kernel (it is input, not the send's output).
+// before the wait for the sources' flags (it is input, not the sends' output).
+// `epoch` and `seq`: this op's, from the send phase (low_latency/combine.cuh).
 // ============================================================================
 template <bool kLogFmt, class T>
-__global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
-    ll_combine_recv(LlCombineRecvParams<T> p) {
+__device__ __forceinline__ void combine_recv_phase(const LlCombineRecvParams<T>& p, uint32_t epoch,
+                                                   uint64_t seq) {
   const int R = p.t.num_ranks;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int H = p.hidden, K = p.num_topk, E = p.num_experts, E_local = E / R;
@@ -104,12 +105,8 @@ __global__ void __launch_bounds__(kThreads, kLlCombineRecvBlocksPerSm)
   if (item < items) pick_of(item, e, w);
 
   tl_mark(kTlCombine, kTlRecvStart);
-  dev::wait_prerequisite_grid();  // the send kernel (a no-op in hook mode)
   tl_mark(kTlCombine, kTlRecvGo);
-  const uint32_t epoch = static_cast<uint32_t>(p.state[0]);
   const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
-  uint64_t seq = 0;
-  if constexpr (kNet<T>) seq = reinterpret_cast<const uint64_t*>(p.state)[1];
 
   uint32_t live = 0;  // shrink: the ranks whose rows count
   if (!wait_combine_flags(p.t, p.off, half, epoch, seq, p.timeout_ns, p.diag, p.wait_stats,

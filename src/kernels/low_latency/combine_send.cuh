@@ -1,5 +1,5 @@
 // kernels/low_latency/combine_send.cuh - the combine's send phase: weight words, the combine
-// plan's rows and the ll_combine_send kernel.
+// plan's rows and combine_send_phase.
 #pragma once
 
 #include "kernels/low_latency/dispatch_kernels.cuh"
@@ -100,18 +100,20 @@ __device__ __forceinline__ std::size_t combine_row_bytes(int hidden) {
 // weights, and sums them in ascending expert id. With LogFMT what crosses is
 // coded (logfmt.cuh's wire form, 168 bytes per 128 values instead of 256): a
 // raw row, or the float32 sum (coded once, not rounded to BF16 first).
+// The kernel (low_latency/combine.cuh) runs this phase, the receive phase
+// after it, or both; `epoch` and `seq` get this op's epoch and op count.
 // ============================================================================
 template <bool kLogFmt, bool kWaitStats, class T>
-__global__ void __launch_bounds__(kThreads, 1) ll_combine_send(LlCombineSendParams<T> p) {
+__device__ __forceinline__ void combine_send_phase(const LlCombineSendParams<T>& p, uint32_t& epoch,
+                                                   uint64_t& seq) {
   __shared__ int s_tokens[T::kCaps.max_ranks + 1];  // [kMaxRanks]: the largest
   __shared__ int s_rows[kWarps][plan::kLlMaxTopK];  // per warp: rows of the item's experts
-  dev::launch_dependents();
   tl_mark(kTlCombine, kTlSendStart);
   tl_mark(kTlCombine, kTlSendStartMax);
   const int R = p.t.num_ranks, me = p.t.rank;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const uint32_t epoch = plan::next_epoch(*p.op_counter);
-  const uint64_t seq = next_seq<T>(p.seq + 1);
+  epoch = plan::next_epoch(*p.op_counter);
+  seq = next_seq<T>(p.seq + 1);
   const std::size_t half = p.off.half0 + (epoch & 1u) * p.off.half_bytes;
   const std::size_t weights = p.off.weights + (epoch & 1u) * p.off.weights_half_bytes;
   const int H = p.hidden, K = p.num_topk, E = p.num_experts, maxT = p.max_tokens;

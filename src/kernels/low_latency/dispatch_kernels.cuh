@@ -1,5 +1,5 @@
-// kernels/low_latency/dispatch_kernels.cuh - the receive kernel of hook mode (ll_dispatch_recv) and
-// the fused send + receive kernel without a hook (ll_dispatch_fused).
+// kernels/low_latency/dispatch_kernels.cuh - the dispatch's receive phase alone (hook mode) and
+// its send and receive phases in one launch (no hook); low_latency/ops.cuh's kernel runs them.
 #pragma once
 
 #include "kernels/low_latency/dispatch_recv_arrival.cuh"
@@ -22,7 +22,7 @@ __device__ __forceinline__ bool dispatch_recv_any(const LlDispatchRecvParams<T>&
 
 /// Hook mode: the receive phase alone (epoch from the handle state).
 template <bool kArrival, class T>
-__global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvParams<T> p) {
+__device__ __forceinline__ void dispatch_recv_phase(const LlDispatchRecvParams<T>& p) {
   extern __shared__ int s_list[];  // [R * maxT]: (source << 16) | token of packed row j
   tl_mark(kTlDispatch, kTlRecvStart);
   tl_mark(kTlDispatch, kTlRecvGo);
@@ -43,8 +43,9 @@ __global__ void __launch_bounds__(kThreads, 2) ll_dispatch_recv(LlDispatchRecvPa
 /// start, so no receiving block waits for its own stores to drain, and rows
 /// are copied while later ones are still crossing.
 template <bool kArrival, class T>
-__global__ void __launch_bounds__(kThreads, 2)
-    ll_dispatch_fused(LlDispatchSendParams<T> sp, LlDispatchRecvParams<T> rp, int send_blocks) {
+__device__ __forceinline__ void dispatch_both_phases(const LlDispatchSendParams<T>& sp,
+                                                     const LlDispatchRecvParams<T>& rp,
+                                                     int send_blocks) {
   extern __shared__ int s_list[];
   tl_mark(kTlDispatch, kTlSendStart);
   tl_mark(kTlDispatch, kTlSendStartMax);

@@ -354,8 +354,9 @@ __device__ __forceinline__ uint64_t next_seq(const uint64_t* counter) {
   return 0;
 }
 
+/// Hook mode's send launch (low_latency/ops.cuh): every block sends.
 template <class T>
-__global__ void __launch_bounds__(kThreads, 2) ll_dispatch_send(LlDispatchSendParams<T> p) {
+__device__ __forceinline__ void dispatch_send_phase(const LlDispatchSendParams<T>& p) {
   tl_mark(kTlDispatch, kTlSendStart);
   tl_mark(kTlDispatch, kTlSendStartMax);
   const uint64_t seq = next_seq<T>(p.seq);

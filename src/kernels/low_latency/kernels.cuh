@@ -1,9 +1,10 @@
 // kernels/low_latency/kernels.cuh - low-latency dispatch and combine (decode).
 // See docs/low_latency.md.
 //
-// Every op has a send phase and a receive phase; with return_recv_hook they
-// are two kernels and the hook launches the receive one later, so nothing
-// holds SMs in between.
+// Every op has a send phase and a receive phase, and one kernel (ops.cuh:
+// ll::dispatch, ll::combine) whose launch runs either or both. With
+// return_recv_hook the send is one launch and the hook launches the receive
+// later, so nothing holds SMs in between; without, one launch runs both.
 //
 // Epochs: the send takes epoch = plan::next_epoch(*op_counter) (+ 1, never 0;
 // the last block to finish stores it back), picks the half (epoch & 1) of the
@@ -25,8 +26,8 @@
 // single pick of the token sends the raw expert row (the source applies the
 // weight, exactly). Weights travel from the source as epoch-tagged 64-bit
 // words, one per (token, distinct expert), so they need no flag of their own.
-// The last send block release-stores one flag per rank; the receive kernel is
-// a programmatic dependent launch without a hook.
+// The last send block release-stores one flag per rank; without a hook each
+// block then receives its items once every source's flag is in.
 //
 // Shrink mode (the transport's peer mask): nothing is stored to a masked rank
 // and nothing is awaited from it; its picks count as masked (-1) and it
@@ -49,5 +50,6 @@
 #include "kernels/low_latency/dispatch_kernels.cuh"
 #include "kernels/low_latency/combine_send.cuh"
 #include "kernels/low_latency/combine_recv.cuh"
+#include "kernels/low_latency/ops.cuh"
 #include "kernels/low_latency/launch.cuh"
 // clang-format on

@@ -2,16 +2,15 @@
 // type T (launch_ll_*_for) and preload_ll_kernels_of.
 #pragma once
 
-#include "kernels/low_latency/combine_recv.cuh"
+#include "kernels/low_latency/ops.cuh"
 
 namespace epx::kernels {
 namespace {
 
-enum class Launch { kPlain, kDependent, kCooperative };
+enum class Launch { kPlain, kCooperative };
 
-/// cudaLaunchKernelEx with at most one attribute: kDependent = programmatic
-/// stream serialization (the previous kernel in the stream is this op's send
-/// kernel), kCooperative = every block resident at once or the launch fails.
+/// cudaLaunchKernelEx with at most one attribute: kCooperative = every block
+/// resident at once or the launch fails.
 template <class... Params, class... Args>
 void launch_ex(void (*kernel)(Params...), int blocks, int threads, std::size_t smem,
                cudaStream_t stream, Launch how, Args&&... args) {
@@ -21,10 +20,7 @@ void launch_ex(void (*kernel)(Params...), int blocks, int threads, std::size_t s
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr{};
-  if (how == Launch::kDependent) {
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
-  } else if (how == Launch::kCooperative) {
+  if (how == Launch::kCooperative) {
     attr.id = cudaLaunchAttributeCooperative;
     attr.val.cooperative = 1;
   }
@@ -54,22 +50,37 @@ Params<T> params_of(const T& t, const Args& a) {
 template <class T>
 constexpr bool kArrivalCapable = !T::kCaps.network;
 
+/// ll::dispatch for `arrival` order where T can (kArrivalCapable), else rank order.
 template <class T>
-void launch_ll_dispatch_send_for(const T& tt, const LlDispatchSendArgs& a, int num_blocks,
-                                 cudaStream_t stream) {
-  ll_dispatch_send<T><<<num_blocks, kThreads, 0, stream>>>(params_of<LlDispatchSendParams>(tt, a));
-  EPX_LAUNCH_CHECK();
+auto* dispatch_kernel(bool arrival) {
+  return arrival && kArrivalCapable<T> ? ll::dispatch<kArrivalCapable<T>, T>
+                                       : ll::dispatch<false, T>;
+}
+template <class T>
+auto* combine_kernel(bool logfmt, bool stats) {
+  return logfmt ? (stats ? ll::combine<true, true, T> : ll::combine<true, false, T>)
+                : (stats ? ll::combine<false, true, T> : ll::combine<false, false, T>);
+}
+
+/// Hook mode's send: ll::dispatch's send phase on `num_blocks` blocks, the
+/// instantiation of the receive that follows (`arrival_order`: its
+/// LlDispatchRecvArgs::arrival_order).
+template <class T>
+void launch_ll_dispatch_send_for(const T& tt, const LlDispatchSendArgs& a, bool arrival_order,
+                                 int num_blocks, cudaStream_t stream) {
+  launch_ex(dispatch_kernel<T>(arrival_order), num_blocks, kThreads, 0, stream, Launch::kPlain,
+            params_of<LlDispatchSendParams>(tt, a), LlDispatchRecvParams<T>{}, num_blocks,
+            kLlSendPhase);
 }
 
 template <class T>
 void launch_ll_dispatch_recv_for(const T& tt, const LlDispatchRecvArgs& a, int num_blocks,
                                  cudaStream_t stream) {
   const std::size_t smem = dispatch_recv_smem(tt.num_ranks, a.max_tokens);
-  auto* kernel = a.arrival_order && kArrivalCapable<T> ? ll_dispatch_recv<kArrivalCapable<T>, T>
-                                                       : ll_dispatch_recv<false, T>;
+  auto* kernel = dispatch_kernel<T>(a.arrival_order);
   allow_smem(kernel, smem);
-  launch_ex(kernel, num_blocks, kThreads, smem, stream, Launch::kPlain,
-            params_of<LlDispatchRecvParams>(tt, a));
+  launch_ex(kernel, num_blocks, kThreads, smem, stream, Launch::kPlain, LlDispatchSendParams<T>{},
+            params_of<LlDispatchRecvParams>(tt, a), 0, kLlRecvPhase);
 }
 
 template <class T>
@@ -77,36 +88,42 @@ void launch_ll_dispatch_fused_for(const T& tt, const LlDispatchSendArgs& sa,
                                   const LlDispatchRecvArgs& ra, int num_blocks, int send_blocks,
                                   cudaStream_t stream) {
   const std::size_t smem = dispatch_recv_smem(tt.num_ranks, ra.max_tokens);
-  auto* kernel = ra.arrival_order && kArrivalCapable<T> ? ll_dispatch_fused<kArrivalCapable<T>, T>
-                                                        : ll_dispatch_fused<false, T>;
+  auto* kernel = dispatch_kernel<T>(ra.arrival_order);
   allow_smem(kernel, smem);
   launch_ex(kernel, num_blocks, kThreads, smem, stream, Launch::kCooperative,
             params_of<LlDispatchSendParams>(tt, sa), params_of<LlDispatchRecvParams>(tt, ra),
-            send_blocks);
+            send_blocks, kLlBothPhases);
 }
 
-/// A cooperative launch: every block is resident at once or the launch fails.
-/// Items of one rank's combine send wait for weight words that blocks of the
-/// other ranks' sends produce; with part of a grid kept off the SMs (by other
-/// work) until the rest ends, ranks could wait on each other until the
-/// deadline.
+/// The receive's transport: `tt` with the receive's deadline (a source's
+/// flag can come one send deadline late and still be alive).
 template <class T>
-void launch_ll_combine_send_for(const T& tt, const LlCombineSendArgs& a, int num_blocks,
-                                cudaStream_t stream) {
-  const bool stats = a.wait_first != nullptr;
-  auto* kernel = a.logfmt
-                     ? (stats ? ll_combine_send<true, true, T> : ll_combine_send<true, false, T>)
-                     : (stats ? ll_combine_send<false, true, T> : ll_combine_send<false, false, T>);
-  launch_ex(kernel, num_blocks, kThreads, 0, stream, Launch::kCooperative,
-            params_of<LlCombineSendParams>(tt, a));
+LlCombineRecvParams<T> recv_params_of(const T& tt, const LlCombineRecvArgs& a) {
+  LlCombineRecvParams<T> p = params_of<LlCombineRecvParams>(tt, a);
+  p.t.timeout_ns = a.timeout_ns;
+  return p;
 }
 
+/// ll::combine: hook mode's send (kLlSendPhase), the hook's receive
+/// (kLlRecvPhase, a plain launch), or both phases (kLlBothPhases). A launch
+/// with the send is cooperative: every block is resident at once or the
+/// launch fails. Items of one rank's send wait for weight words that blocks
+/// of the other ranks' sends produce; with part of a grid kept off the SMs
+/// (by other work) until the rest ends, ranks could wait on each other until
+/// the deadline. sa.wait_first and ra.send_wait_first are both set or both
+/// null (combine_wait_recv_cost_stats), and pick the instantiation with
+/// sa.logfmt / ra.logfmt.
 template <class T>
-void launch_ll_combine_recv_for(const T& tt, const LlCombineRecvArgs& a, int num_blocks,
-                                cudaStream_t stream, bool dependent) {
-  launch_ex(a.logfmt ? ll_combine_recv<true, T> : ll_combine_recv<false, T>, num_blocks, kThreads,
-            0, stream, dependent ? Launch::kDependent : Launch::kPlain,
-            params_of<LlCombineRecvParams>(tt, a));
+void launch_ll_combine_for(const T& tt, const LlCombineSendArgs& sa, const LlCombineRecvArgs& ra,
+                           int num_blocks, int phases, cudaStream_t stream) {
+  const bool send = (phases & kLlSendPhase) != 0;
+  const bool logfmt = send ? sa.logfmt : ra.logfmt;
+  const bool stats = send ? sa.wait_first != nullptr : ra.send_wait_first != nullptr;
+  launch_ex(combine_kernel<T>(logfmt, stats), num_blocks, kThreads, 0, stream,
+            send ? Launch::kCooperative : Launch::kPlain,
+            send ? params_of<LlCombineSendParams>(tt, sa) : LlCombineSendParams<T>{},
+            (phases & kLlRecvPhase) != 0 ? recv_params_of(tt, ra) : LlCombineRecvParams<T>{},
+            phases);
 }
 
 /// Loads every kernel of transport T (cudaFuncGetAttributes), so that none is
@@ -114,17 +131,12 @@ void launch_ll_combine_recv_for(const T& tt, const LlCombineRecvArgs& a, int num
 template <class T>
 void preload_ll_kernels_of() {
   cudaFuncAttributes a{};
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_send<T>));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_recv<false, T>));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_recv<kArrivalCapable<T>, T>));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_fused<false, T>));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_dispatch_fused<kArrivalCapable<T>, T>));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_send<false, false, T>));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_send<true, false, T>));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_send<false, true, T>));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_send<true, true, T>));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_recv<false, T>));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll_combine_recv<true, T>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll::dispatch<false, T>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll::dispatch<kArrivalCapable<T>, T>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll::combine<false, false, T>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll::combine<true, false, T>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll::combine<false, true, T>));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&a, ll::combine<true, true, T>));
 }
 
 }  // namespace

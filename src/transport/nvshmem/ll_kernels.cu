@@ -29,10 +29,10 @@ using kernels::LlDispatchSendArgs;
 
 /// The module's device struct from the transport data the core filled.
 
-int dispatch_send(const dev::NetworkTransportBase& t, const LlDispatchSendArgs& a, int blocks,
-                  cudaStream_t s, char* err, std::size_t n) {
+int dispatch_send(const dev::NetworkTransportBase& t, const LlDispatchSendArgs& a,
+                  bool arrival_order, int blocks, cudaStream_t s, char* err, std::size_t n) {
   return guarded(err, n, [&] {
-    kernels::launch_ll_dispatch_send_for(dev::nvshmem_device_of(t), a, blocks, s);
+    kernels::launch_ll_dispatch_send_for(dev::nvshmem_device_of(t), a, arrival_order, blocks, s);
   });
 }
 int dispatch_recv(const dev::NetworkTransportBase& t, const LlDispatchRecvArgs& a, int blocks,
@@ -49,22 +49,16 @@ int dispatch_fused(const dev::NetworkTransportBase& t, const LlDispatchSendArgs&
                                           s);
   });
 }
-int combine_send(const dev::NetworkTransportBase& t, const LlCombineSendArgs& a, int blocks,
-                 cudaStream_t s, char* err, std::size_t n) {
+int combine(const dev::NetworkTransportBase& t, const LlCombineSendArgs& sa,
+            const LlCombineRecvArgs& ra, int blocks, int phases, cudaStream_t s, char* err,
+            std::size_t n) {
   return guarded(err, n, [&] {
-    kernels::launch_ll_combine_send_for(dev::nvshmem_device_of(t), a, blocks, s);
-  });
-}
-int combine_recv(const dev::NetworkTransportBase& t, const LlCombineRecvArgs& a, int blocks,
-                 cudaStream_t s, bool dependent, char* err, std::size_t n) {
-  return guarded(err, n, [&] {
-    kernels::launch_ll_combine_recv_for(dev::nvshmem_device_of(t), a, blocks, s, dependent);
+    kernels::launch_ll_combine_for(dev::nvshmem_device_of(t), sa, ra, blocks, phases, s);
   });
 }
 
-constexpr kernels::ModuleKernels kTable{dispatch_send, dispatch_recv, dispatch_fused,
-                                        combine_send,  combine_recv,  ht_net_dispatch,
-                                        ht_net_combine};
+constexpr kernels::ModuleKernels kTable{dispatch_send, dispatch_recv,   dispatch_fused,
+                                        combine,       ht_net_dispatch, ht_net_combine};
 
 }  // namespace
 

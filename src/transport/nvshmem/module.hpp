@@ -17,8 +17,9 @@
 namespace epx::nvshmem_module {
 
 // 2: the table has the HT launchers; 3: their args record the forwarded
-// tokens; 4: and say whether the node slots' puts are split
-inline constexpr int kAbiVersion = 4;
+// tokens; 4: and say whether the node slots' puts are split; 5: one LL combine launcher
+// (ll_combine, its phases) and the dispatch send told the receive's order
+inline constexpr int kAbiVersion = 5;
 
 /// What the core lends the module for its bootstrap.
 struct Host {
