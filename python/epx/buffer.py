@@ -92,7 +92,9 @@ class Buffer:
                 warns once (``EPXIgnoredArgumentWarning``). num_qps_per_rank must be
                 >= 1; across nodes it sets the network contexts per peer (proxy
                 channels, NCCL GIN contexts; capped by EPX_PROXY_CHANNELS and
-                EPX_GIN_CONTEXTS, 4 unless set), within one NVLink domain nothing.
+                EPX_GIN_CONTEXTS, 4 unless set, and by MAX_CONTEXTS, 32), within one
+                NVLink domain nothing. DeepEP's tests pass num_experts // num_ranks,
+                which can exceed 32: such a value counts as 32.
             explicitly_destroy: ``destroy()`` must be called to free the buffers; otherwise
                 they are freed when the Buffer is garbage collected.
             enable_shrink: low-latency ops leave out the ranks this rank masks
@@ -154,7 +156,8 @@ class Buffer:
                                        "has no effect within one NVLink domain; across nodes it "
                                        "sets the network contexts per peer (proxy channels, NCCL "
                                        "GIN contexts), at most EPX_PROXY_CHANNELS / "
-                                       "EPX_GIN_CONTEXTS (4 unless set)")
+                                       "EPX_GIN_CONTEXTS (4 unless set) and "
+                                       f"{_core.MAX_CONTEXTS}")
         _compat.ignored_unless_default(
             op, "allow_nvlink_for_low_latency_mode", allow_nvlink_for_low_latency_mode, True,
             "has no effect: EPX's low-latency kernels reach the ranks of an NVLink domain "
@@ -217,7 +220,10 @@ class Buffer:
         opts.num_nvl_bytes = self.num_nvl_bytes
         opts.num_rdma_bytes = self.num_rdma_bytes
         opts.low_latency_mode = self.low_latency_mode
-        opts.num_qps_per_rank = _int("num_qps_per_rank", num_qps_per_rank)
+        # A count of queue pairs to DeepEP (num_experts // num_ranks in its tests): EPX
+        # makes at most MAX_CONTEXTS contexts per peer, whatever more is asked for.
+        opts.num_qps_per_rank = min(_int("num_qps_per_rank", num_qps_per_rank),
+                                    _core.MAX_CONTEXTS)
         opts.allow_nvlink_for_low_latency_mode = bool(allow_nvlink_for_low_latency_mode)
         opts.allow_mnnvl = bool(allow_mnnvl)
         opts.backend = backend

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "binding.hpp"
+#include "common/topology.hpp"
 #include "convert.hpp"
 #include "core/internode_handle.hpp"
 #include "core/validate.hpp"
@@ -270,6 +271,7 @@ NB_MODULE(_core, m) {
     return nb::bytes(reinterpret_cast<const char*>(id.data()), id.size());
   });
   m.attr("UNIQUE_ID_BYTES") = epx::kUniqueIdBytes;
+  m.attr("MAX_CONTEXTS") = epx::kMaxContexts;  // network contexts per peer (num_qps_per_rank)
   nb::class_<epx::Communicator>(m, "Communicator")
       .def_static(
           "create",

@@ -57,7 +57,9 @@ def test_one_dispatch_and_one_combine_kernel_per_op(group, hook):
     want = (x.float() * (w * valid).sum(1, keepdim=True)).to(torch.bfloat16).float()
 
     rdma = deep_ep.Buffer.get_low_latency_rdma_size_hint(maxT, H, 1, E)
-    buf = deep_ep.Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=E,
+    # num_qps_per_rank as DeepEP's tests pass it (num_experts // num_ranks): 128 here,
+    # more than EPX's 32 contexts per peer, which it then counts as.
+    buf = deep_ep.Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=4 * E,
                          explicitly_destroy=True)
     try:
         def op():
