@@ -162,13 +162,15 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   // deadline (4x4 in-process ranks: 48 busy streams on 32 queues did).
   const cudaStream_t x = ll_enter(a.streams, op);
   auto handle = std::make_shared<DispatchHandle>();
-  Tensor route_counts;  // [R + N]: this rank's rows per rank and per node (a new route)
   if (a.handle) {
     *handle = *a.handle;
     // Its own copy of the state across nodes: this dispatch's results must
     // not reach the handle it was given (a caller may still use it).
     handle->internode = std::make_shared<DispatchHandle::Internode>(across(*a.handle, op));
-  } else {
+  }
+  DispatchHandle::Internode& net = across(*handle);  // this dispatch's state across nodes
+  Tensor route_counts;  // [R + N]: this rank's rows per rank and per node (a new route)
+  if (!a.handle) {
     handle->num_ranks = R;
     handle->num_tokens = T;
     handle->hidden = H;
@@ -186,8 +188,8 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
                             a.streams);
     after_allocs(*this, a.streams, x);
     handle->is_token_in_rank = parts[0];
-    across(*handle).net_send_pos = parts[1];
-    across(*handle).net_rank_pos = parts[2];
+    net.net_send_pos = parts[1];
+    net.net_rank_pos = parts[2];
     const Tensor counts = parts[3];
     handle->rank_prefix_matrix = parts[4];
     handle->source_num_tokens = parts[5];
@@ -200,8 +202,8 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
     ra.num_tokens = T;
     ra.num_ranks = R;
     ra.ranks_per_node = L;
-    ra.send_pos = across(*handle).net_send_pos.ptr<int>();
-    ra.rank_pos = across(*handle).net_rank_pos.ptr<int>();
+    ra.send_pos = net.net_send_pos.ptr<int>();
+    ra.rank_pos = net.net_rank_pos.ptr<int>();
     ra.rank_counts = counts.ptr<int>();
     ra.node_counts = counts.ptr<int>() + R;
     kernels::launch_ht_net_route(ra, x);
@@ -209,8 +211,8 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
   }
   if (!a.handle && worst > 0) {
     handle->num_recv_tokens = worst;
-    across(*handle).net_worst = worst;
-    across(*handle).net_slot_rows = plan::HtNetRegion::fixed_slot_rows(
+    net.net_worst = worst;
+    net.net_slot_rows = plan::HtNetRegion::fixed_slot_rows(
         topology, worst, record, plan::ht_combine_row_bytes(H, K), ht_capacity());
   } else if (!a.handle) {
     const Tensor& counts = route_counts;
@@ -263,20 +265,18 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
                     "dispatch: num_tokens_per_rank: rank " + std::to_string(s) +
                         "'s disagrees with its is_token_in_rank (pass the tensors of one "
                         "get_dispatch_layout call)");
-    across(*handle).net_tokens_to_rank.assign(static_cast<std::size_t>(R) * R, 0);
-    across(*handle).net_tokens_to_node.assign(static_cast<std::size_t>(R) * N, 0);
+    net.net_tokens_to_rank.assign(static_cast<std::size_t>(R) * R, 0);
+    net.net_tokens_to_node.assign(static_cast<std::size_t>(R) * N, 0);
     std::vector<int> prefix(static_cast<std::size_t>(R) * R), source_tokens(R);
     for (int s = 0; s < R; ++s) {
       source_tokens[s] = at(s, 0);
       for (int d2 = 0; d2 < R; ++d2) {
-        across(*handle).net_tokens_to_rank[static_cast<std::size_t>(s) * R + d2] =
-            at(s, kHead + d2);
+        net.net_tokens_to_rank[static_cast<std::size_t>(s) * R + d2] = at(s, kHead + d2);
         prefix[static_cast<std::size_t>(s) * R + d2] =
             at(s, kHead + d2) + (s > 0 ? prefix[static_cast<std::size_t>(s - 1) * R + d2] : 0);
       }
       for (int m = 0; m < N; ++m)
-        across(*handle).net_tokens_to_node[static_cast<std::size_t>(s) * N + m] =
-            at(s, kHead + R + m);
+        net.net_tokens_to_node[static_cast<std::size_t>(s) * N + m] = at(s, kHead + R + m);
     }
     const int epr = E / R;
     handle->num_recv_tokens_per_expert.assign(epr, 0);
@@ -294,10 +294,9 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
 
   std::optional<plan::InternodeRoute> route;
   if (worst == 0) route.emplace(route_of(*handle, topology, op));
-  const plan::HtNetRegion region = worst > 0
-                                       ? plan::HtNetRegion::fixed_dispatch(
-                                             topology, worst, record, across(*handle).net_slot_rows)
-                                       : plan::HtNetRegion::dispatch(*route, record);
+  const plan::HtNetRegion region =
+      worst > 0 ? plan::HtNetRegion::fixed_dispatch(topology, worst, record, net.net_slot_rows)
+                : plan::HtNetRegion::dispatch(*route, record);
   // The rings (EPX_HT_RINGS): fixed rings instead of the whole-call areas.
   // They carry their counts in-band, so num_worst_tokens takes them too: the
   // exchange kernel still runs first (the receivers' rank_prefix_matrix and
@@ -322,7 +321,7 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
     rings =
         region.total > ht_capacity() ||
         plan::HtNetRegion::combine(*route, plan::ht_combine_row_bytes(H, K)).total > ht_capacity();
-  across(*handle).net_rings = rings;
+  net.net_rings = rings;
   std::optional<plan::HtRingRegion> ring;
   if (rings)
     ring = plan::HtRingRegion::make(
@@ -352,11 +351,11 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
                              {DType::kI32, {Nr, 3}}},
                             a.streams);
     after_allocs(*this, a.streams, x);
-    across(*handle).net_table = parts[0];
-    across(*handle).net_fwd_mask = parts[1];
-    across(*handle).net_fwd_token = parts[2];
-    across(*handle).net_recv_meta = parts[3];
-    upload(across(*handle).net_table, table, x);
+    net.net_table = parts[0];
+    net.net_fwd_mask = parts[1];
+    net.net_fwd_token = parts[2];
+    net.net_recv_meta = parts[3];
+    upload(net.net_table, table, x);
   }
 
   DispatchResult res;
@@ -373,31 +372,31 @@ DispatchResult Buffer::Impl::net_dispatch(const DispatchArgs& a) {
 
   kernels::HtNetDispatchArgs p{};
   p.off = offsets_of(region);
-  p.table = across(*handle).net_table.ptr<int>();
+  p.table = net.net_table.ptr<int>();
   set_dispatch_rows(p, a);
-  p.send_pos = across(*handle).net_send_pos.ptr<int>();
-  p.rank_pos = across(*handle).net_rank_pos.ptr<int>();
+  p.send_pos = net.net_send_pos.ptr<int>();
+  p.rank_pos = net.net_rank_pos.ptr<int>();
   p.num_tokens = T;
   p.hidden_bytes = hidden_bytes;
   p.num_scales = S;
   p.num_topk = K;
   p.num_experts = E;
-  p.fwd_mask = across(*handle).net_fwd_mask.ptr<int>();
-  p.fwd_token = across(*handle).net_fwd_token.ptr<int>();
+  p.fwd_mask = net.net_fwd_mask.ptr<int>();
+  p.fwd_token = net.net_fwd_token.ptr<int>();
   p.num_recv_rows = Nr;
   p.recv_x = static_cast<uint8_t*>(res.recv_x.view.data);
   p.recv_scales = scaled ? static_cast<float*>(res.recv_x_scales->view.data) : nullptr;
   p.recv_topk_idx = res.recv_topk_idx ? res.recv_topk_idx->ptr<int64_t>() : nullptr;
   p.recv_topk_weights = res.recv_topk_weights ? res.recv_topk_weights->ptr<float>() : nullptr;
   p.recv_src_idx = recv_src_idx.ptr<int>();
-  p.recv_meta = across(*handle).net_recv_meta.ptr<int>();
+  p.recv_meta = net.net_recv_meta.ptr<int>();
   p.num_blocks = blocks;
   p.split_puts = split_puts();
   p.num_worst = worst;
   if (!a.handle && worst > 0) {
     p.route_counts = route_counts.ptr<int>();
     p.caller_rank_counts = a.num_tokens_per_rank->ptr<int>();
-    p.table_out = across(*handle).net_table.ptr<int>();
+    p.table_out = net.net_table.ptr<int>();
     p.rank_prefix_matrix = handle->rank_prefix_matrix.ptr<int>();
     p.source_num_tokens = handle->source_num_tokens.ptr<int>();
   }
