@@ -48,12 +48,6 @@ inline const TransportBase& base_of(const AnyTransport& t) {
   return std::visit([](const auto& x) -> const TransportBase& { return x; }, t);
 }
 
-/// `t` with another deadline for its waits.
-inline AnyTransport with_timeout(AnyTransport t, uint64_t timeout_ns) {
-  base_of(t).timeout_ns = timeout_ns;
-  return t;
-}
-
 /// The load/store view of `t` when every rank is in this rank's node (what
 /// kernels that only use peer memory run on), else nullopt.
 inline std::optional<LsaTransport> node_view(const AnyTransport& t) {
