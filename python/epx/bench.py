@@ -17,6 +17,13 @@ measured and counted the same way (DESIGN.md, Metrics):
   send / receive split in hook mode (``return_recv_hook=True``: the send call
   is timed, the ranks are lined up again, then the hook is timed).
 
+- ``--mode v2``: DeepEP V2's API (``deep_ep.ElasticBuffer``: dispatch BF16 and
+  FP8, non-expanded, with CPU sync, and combine BF16) at the SM count its
+  ``get_theoretical_num_sms`` picks, beside V1's (``epx.Buffer``: layout +
+  dispatch, combine) on the same tokens in the same run, bytes counted as
+  high-throughput ones. EPX's ``get_theoretical_num_sms`` is V1's default SM
+  count, so both run on the same SMs.
+
 ``--compare-torch`` times the same data movement written with
 ``torch.distributed.all_to_all_single`` (``TorchAllToAll``), including its
 routing work, counted with the same bytes, and prints EPX/torch per op.
@@ -52,7 +59,8 @@ TIMING = ("CUDA events around each call on the benchmark stream; per run: L2 flu
           "headline = mean over ranks (min/max kept); hook split: ranks lined up again (and L2 "
           "flushed) between the send call and the hook")
 
-from .bench_report import (FAMILY_NAMES, HT_OPS, LL_OPS, PLOT_OPS, _pyplot, format_report,  # noqa: F401
+from .bench_report import (FAMILY_NAMES, HT_OPS, LL_OPS, PLOT_OPS, V2_OPS, _pyplot,  # noqa: F401
+                           format_report,
                            headline, ht_bytes, ll_bytes, median, op_bytes, plot_sweep, spread,
                            summarize_op, summarize_point)
 from .torch_baseline import Route, TorchAllToAll, quantize_fp8  # noqa: F401
@@ -264,19 +272,65 @@ def _measure_ll(buf, timer: Timer, group, args, T: int, rank: int, dev) -> Dict[
     return point
 
 
+def _measure_v2(buf, ebuf, timer: Timer, group, args, T: int, rank: int,
+                dev) -> Dict[str, Any]:
+    """V2's dispatch and combine (``ebuf``, a deep_ep.ElasticBuffer) at its theoretical SM
+    count, and V1's (``buf``) on the same rows."""
+    import torch
+
+    H, K, E = args.hidden, args.topk, args.experts
+    x = _tokens(T, H, 2000 + rank, dev)
+    xq = quantize_fp8(x)
+    idx = _routing(T, K, E, 1000 + rank, dev)
+    w = torch.full((T, K), 1.0 / K, dtype=torch.float32, device=dev)
+    num_sms = ebuf.get_theoretical_num_sms(E, K)
+
+    def v2(x_in):
+        return ebuf.dispatch(x_in, topk_idx=idx, topk_weights=w, num_experts=E, num_sms=num_sms)
+
+    recv, _, _, h, _ = v2(x)
+    N = recv.shape[0]
+    y = recv.clone()
+
+    def v1(x_in):
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        return buf.dispatch(x_in, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank,
+                            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+
+    recv1, _, _, _, handle1, _ = v1(x)
+    if recv1.shape[0] != N:
+        raise RuntimeError(f"V1 receives {recv1.shape[0]} rows, V2 {N}: the two APIs do not "
+                           f"move the same data")
+    y1 = recv1.clone()
+    fns = {
+        "v2_dispatch_bf16": lambda: v2(x),
+        "v2_dispatch_fp8": lambda: v2(xq),
+        "v2_combine": lambda: ebuf.combine(y, h, num_sms=num_sms),
+        "v1_dispatch_bf16": lambda: v1(x),
+        "v1_combine": lambda: buf.combine(y1, handle1),
+    }
+    point: Dict[str, Any] = {"tokens": T, "num_recv_tokens": N, "num_sms": num_sms, "ops": {},
+                             "torch": {}}
+    for key, _, kind in V2_OPS:
+        point["ops"][key] = timer.measure(fns[key], op_bytes("v2", kind, N, H))
+    return point
+
+
 def _points(args: argparse.Namespace) -> Dict[str, List[int]]:
-    """Token counts measured per family: the headline count, plus the sweep if asked."""
+    """Token counts measured per family: the headline count, plus the sweep if asked (not
+    for v2, measured at the headline count only)."""
     out: Dict[str, List[int]] = {}
     for fam in families(args.mode):
-        main_tokens = args.tokens if fam == "ht" else args.ll_tokens
+        main_tokens = args.ll_tokens if fam == "ll" else args.tokens
         pts = {main_tokens}
-        if args.sweep:
+        if args.sweep and fam != "v2":
             pts |= set(args.sweep_tokens if fam == "ht" else args.sweep_ll_tokens)
         out[fam] = sorted(pts)
     return out
 
 
 def families(mode: str) -> Tuple[str, ...]:
+    """"all" is the high-throughput and low-latency families; "v2" runs alone."""
     return ("ht", "ll") if mode == "all" else (mode,)
 
 
@@ -335,7 +389,7 @@ def _bench_rank(rank: int, world: int, dev, args: argparse.Namespace) -> None:
         epx.Buffer.set_num_sms(args.sms)
     points = _points(args)
     nvl = rdma = 0
-    if "ht" in points:
+    if "ht" in points or "v2" in points:
         nvl = max(c.get_nvl_buffer_size_hint(H * 2, world, K)
                   for c in (epx.Buffer.get_dispatch_config(world),
                             epx.Buffer.get_combine_config(world)))
@@ -346,18 +400,30 @@ def _bench_rank(rank: int, world: int, dev, args: argparse.Namespace) -> None:
     with torch.cuda.stream(stream):
         buf = epx.Buffer(group, nvl, rdma, low_latency_mode="ll" in points,
                          num_qps_per_rank=max(1, E // world), explicitly_destroy=True)
+        ebuf = None
+        if "v2" in points:
+            import deep_ep
+
+            # Beside the V1 buffer, as a V2 caller's process may hold both.
+            ebuf = deep_ep.ElasticBuffer(group, num_max_tokens_per_rank=max(points["v2"]),
+                                         hidden=H, num_topk=K, explicitly_destroy=True)
         timer = Timer(group, dev, args.warmup, args.iters, hold_us=args.hold_us)
         for fam, tokens in points.items():
-            measure = _measure_ht if fam == "ht" else _measure_ll
             measured[fam] = []
             for T in tokens:
+                if fam == "v2":
+                    measured[fam].append(_measure_v2(buf, ebuf, timer, group, args, T, rank, dev))
+                    continue
+                measure = _measure_ht if fam == "ht" else _measure_ll
                 measured[fam].append(measure(buf, timer, group, args, T, rank, dev))
                 if rank == 0 and len(tokens) > 1:
                     print(f"epx.bench: {fam} {T} tokens done", file=sys.stderr, flush=True)
         torch.cuda.synchronize()
         # Collective: only on the path every rank takes (an error exits instead, see _run).
+        if ebuf is not None:
+            ebuf.destroy()
         buf.destroy()
-    del buf, timer  # EPX's communicator goes here, at the same point on every rank
+    del buf, ebuf, timer  # EPX's communicator goes here, at the same point on every rank
     gathered: List[Any] = [None] * world
     dist.all_gather_object(gathered, measured, group)
     if rank == 0:
@@ -425,18 +491,20 @@ def build_result(args: argparse.Namespace, world: int,
         result["profiled"] = "rank 0 under cProfile: times are not comparable"
     for fam in ranks[0]:
         pts = [summarize_point([r[fam][i] for r in ranks]) for i in range(len(ranks[0][fam]))]
-        main_tokens = args.tokens if fam == "ht" else args.ll_tokens
+        main_tokens = args.ll_tokens if fam == "ll" else args.tokens
         main = next(p for p in pts if p["tokens"] == main_tokens)
         fam_result: Dict[str, Any] = {"family": fam, "tokens": main_tokens}
         if fam == "ht":
             fam_result["num_sms"] = result["num_sms"]
+        elif fam == "v2":  # get_theoretical_num_sms's, the same on every rank
+            fam_result["num_sms"] = ranks[0][fam][0]["num_sms"]
         else:
             fam_result["num_max_dispatch_tokens_per_rank"] = main_tokens
             fam_result["num_valid_selections"] = main["num_selections"]["mean"]
         fam_result.update(headline(fam, main))
         fam_result.update(main)
         result[fam] = fam_result
-        if len(pts) > 1 or args.sweep:
+        if fam != "v2" and (len(pts) > 1 or args.sweep):
             result["sweep"][fam] = pts
     return result
 
@@ -474,7 +542,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """Parses and checks the command line (SystemExit with a message on errors)."""
     p = argparse.ArgumentParser(prog="python -m epx.bench", description=__doc__.splitlines()[0])
     p.add_argument("--ranks", type=int, default=0, help="processes, one per GPU (default: all)")
-    p.add_argument("--mode", choices=("ht", "ll", "all"), default="all")
+    p.add_argument("--mode", choices=("ht", "ll", "all", "v2"), default="all",
+                   help="all: ht and ll; v2: DeepEP V2's API beside V1's (--tokens)")
     p.add_argument("--tokens", type=_positive, default=4096,
                    help="tokens per rank, high-throughput (default 4096)")
     p.add_argument("--ll-tokens", type=_positive, default=128,

@@ -24,10 +24,21 @@ LL_OPS = (
     ("combine_send", "combine send (hook)", None),
     ("combine_recv", "combine recv (hook)", None),
 )
+# --mode v2: DeepEP V2's API (deep_ep.ElasticBuffer, non-expanded, with CPU sync) at the SM
+# count its get_theoretical_num_sms picks, beside V1's (epx.Buffer) on the same tokens.
+V2_OPS = (
+    ("v2_dispatch_bf16", "V2 dispatch BF16", "bf16"),
+    ("v2_dispatch_fp8", "V2 dispatch FP8", "fp8"),
+    ("v2_combine", "V2 combine BF16", "bf16"),
+    ("v1_dispatch_bf16", "V1 layout + dispatch BF16", "bf16"),
+    ("v1_combine", "V1 combine BF16", "bf16"),
+)
 # Ops drawn by --plot (EPX solid, torch dashed).
 PLOT_OPS = {"ht": ("dispatch_bf16", "dispatch_fp8", "combine", "dispatch_bf16_full"),
             "ll": ("dispatch_fp8", "dispatch_bf16", "combine")}
-FAMILY_NAMES = {"ht": "high-throughput", "ll": "low-latency"}
+FAMILY_NAMES = {"ht": "high-throughput", "ll": "low-latency",
+                "v2": "V2 API (ElasticBuffer) beside V1 (Buffer)"}
+OPS = {"ht": HT_OPS, "ll": LL_OPS, "v2": V2_OPS}
 
 
 # ---- byte counts (DESIGN.md, Metrics) ------------------------------------------------------------
@@ -48,11 +59,11 @@ def ll_bytes(num_selections: int, hidden: int, fp8: bool = False) -> int:
 
 
 def op_bytes(family: str, kind: Optional[str], count: int, hidden: int) -> Optional[int]:
-    """Bytes of an op of ``family`` ("ht": count = tokens received; "ll": count = valid
-    selections sent) whose payload is ``kind`` ("bf16", "fp8", or None: not counted)."""
+    """Bytes of an op of ``family`` ("ht" and "v2": count = tokens received; "ll": count =
+    valid selections sent) whose payload is ``kind`` ("bf16", "fp8", or None: not counted)."""
     if kind is None:
         return None
-    count_fn = ht_bytes if family == "ht" else ll_bytes
+    count_fn = ll_bytes if family == "ll" else ht_bytes
     return count_fn(count, hidden, fp8=kind == "fp8")
 
 
@@ -118,6 +129,11 @@ def headline(family: str, point: Dict[str, Any]) -> Dict[str, Any]:
     def gbps(k, agg="mean"):
         return ops[k]["gbps"][agg] if k in ops and ops[k]["gbps"] else None
 
+    if family == "v2":
+        out: Dict[str, Any] = {}
+        for key, _, _ in V2_OPS:
+            out[f"{key}_us"], out[f"{key}_gbps"] = us(key), gbps(key)
+        return out
     if family == "ht":
         return {
             "dispatch_bf16_gbps": gbps("dispatch_bf16"), "dispatch_fp8_gbps": gbps("dispatch_fp8"),
@@ -157,11 +173,12 @@ def format_report(result: Dict[str, Any]) -> str:
     if result.get("profiled"):
         lines.append(f"PROFILED ({result['profiled']})")
     has_torch = result.get("compare_torch", False)
-    for fam, ops in (("ht", HT_OPS), ("ll", LL_OPS)):
+    for fam, ops in OPS.items():
         if fam not in result:
             continue
         r = result[fam]
-        extra = f", {result['num_sms']} SMs" if fam == "ht" else ""
+        extra = {"ht": f", {result['num_sms']} SMs",
+                 "v2": f", {r.get('num_sms')} SMs (get_theoretical_num_sms)"}.get(fam, "")
         lines.append("")
         lines.append(f"EPX {FAMILY_NAMES[fam]}: {r['tokens']} tokens per rank{extra}")
         head = (f"{'op':<28}{'us':>9}{'us min':>9}{'us max':>9}{'GB/s':>9}{'GB/s min':>9}"
@@ -184,7 +201,7 @@ def format_report(result: Dict[str, Any]) -> str:
                          f"{_fmt(t['gbps']['mean'] if t and t['gbps'] else None, 11)}"
                          + (f"{ratio:>9.2f}x" if ratio is not None else f"{'-':>10}"))
             lines.append(line)
-        if fam == "ht" and "num_recv_tokens" in r:
+        if fam in ("ht", "v2") and "num_recv_tokens" in r:
             lines.append(f"tokens received per rank: {r['num_recv_tokens']['mean']:.0f} "
                          f"(min {r['num_recv_tokens']['min']:.0f}, max "
                          f"{r['num_recv_tokens']['max']:.0f})")

@@ -198,6 +198,36 @@ def test_bench_result_and_report(monkeypatch):
     assert "cProfile" in res3["profiled"] and "PROFILED" in b.format_report(res3)
 
 
+def test_bench_v2_mode_result_and_report():
+    """--mode v2: one point at --tokens (no sweep even with --sweep), V2's and V1's ops with
+    high-throughput bytes, the SM count get_theoretical_num_sms gave, in the JSON and the
+    table."""
+    b = _bench()
+    args = b.parse_args(["--mode", "v2", "--tokens", "1024", "--sweep"])
+    assert b.families(args.mode) == ("v2",) and b._points(args) == {"v2": [1024]}
+    ranks = []
+    for r in range(2):
+        N = 3 * 1024 + 50 * r
+        ops = {k: {"us": 50.0 + 10 * i + r, "host_us": 5.0, "bytes": b.op_bytes("v2", kind, N,
+                                                                                   7168)}
+               for i, (k, _, kind) in enumerate(b.V2_OPS)}
+        ranks.append({"v2": [{"tokens": 1024, "num_recv_tokens": N, "num_sms": 20, "ops": ops,
+                              "torch": {}}]})
+    res = b.build_result(args, 2, ranks, device="Fake GPU x2")
+    v2 = res["v2"]
+    assert res["sweep"] == {} and v2["tokens"] == 1024 and v2["num_sms"] == 20
+    assert v2["v2_dispatch_bf16_us"] == pytest.approx(50.5)
+    assert v2["v1_combine_us"] == pytest.approx(90.5)
+    g = [b.ht_bytes(3 * 1024 + 50 * r, 7168, fp8=True) / (60.0 + r) / 1e3 for r in range(2)]
+    assert v2["v2_dispatch_fp8_gbps"] == pytest.approx(sum(g) / 2)
+    json.dumps(res)
+    text = b.format_report(res)
+    assert "V2 API (ElasticBuffer) beside V1 (Buffer): 1024 tokens per rank, 20 SMs" in text
+    for _, label, _ in b.V2_OPS:
+        assert any(line.startswith(label) for line in text.splitlines()), label
+    assert "tokens received per rank: 3097" in text
+
+
 def test_bench_plot_and_replot(tmp_path):
     pytest.importorskip("matplotlib")
     b = _bench()
