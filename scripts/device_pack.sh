@@ -14,7 +14,7 @@ cp build/default/tests/epx_gpu_tests build/default/bench/epx-bench \
 # The NVSHMEM module, where this build made one (the loader looks beside the binaries).
 if [ -f build/default/libepx_nvshmem.so ]; then cp build/default/libepx_nvshmem.so .device/; fi
 cp scripts/launch.sh scripts/device_env.sh scripts/device_run.sh scripts/device_extra.sh \
-  scripts/device_net.sh scripts/device_ll.sh .device/
+  scripts/device_net.sh scripts/device_ll.sh scripts/device_deepep.sh .device/
 # EPX_BASE_DIR: a baseline build's epx-bench (and epx_gpu_tests), for
 # device_net.sh's before/after comparison in the same call.
 if [ -n "${EPX_BASE_DIR:-}" ]; then
