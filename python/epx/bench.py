@@ -167,14 +167,26 @@ def _tokens(T: int, H: int, seed: int, device) -> "torch.Tensor":
     return torch.randn(T, H, generator=g).to(device=device, dtype=torch.bfloat16)
 
 
-def _measure_ht(buf, timer: Timer, group, args, T: int, rank: int, dev) -> Dict[str, Any]:
+def _ht_inputs(args, T: int, rank: int, dev):
+    """A rank's high-throughput inputs: x BF16, x as (FP8, scales), routing, equal weights."""
     import torch
 
-    H, K, E = args.hidden, args.topk, args.experts
-    x = _tokens(T, H, 2000 + rank, dev)
-    xq = quantize_fp8(x)
-    idx = _routing(T, K, E, 1000 + rank, dev)
-    w = torch.full((T, K), 1.0 / K, dtype=torch.float32, device=dev)
+    x = _tokens(T, args.hidden, 2000 + rank, dev)
+    idx = _routing(T, args.topk, args.experts, 1000 + rank, dev)
+    w = torch.full((T, args.topk), 1.0 / args.topk, dtype=torch.float32, device=dev)
+    return x, quantize_fp8(x), idx, w
+
+
+def _layout_and_dispatch(buf, x_in, idx, w, E: int):
+    """V1's whole call: the layout, then the dispatch with it."""
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    return buf.dispatch(x_in, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank,
+                        is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+
+
+def _measure_ht(buf, timer: Timer, group, args, T: int, rank: int, dev) -> Dict[str, Any]:
+    H, E = args.hidden, args.experts
+    x, xq, idx, w = _ht_inputs(args, T, rank, dev)
     layout = buf.get_dispatch_layout(idx, E)
     lay = dict(num_tokens_per_rank=layout[0], is_token_in_rank=layout[3],
                num_tokens_per_expert=layout[2])
@@ -183,9 +195,7 @@ def _measure_ht(buf, timer: Timer, group, args, T: int, rank: int, dev) -> Dict[
     y = recv.clone()  # expert outputs for the combine: the received rows
 
     def full(x_in):
-        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
-        return buf.dispatch(x_in, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank,
-                            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        return _layout_and_dispatch(buf, x_in, idx, w, E)
 
     fns = {
         "dispatch_bf16": lambda: buf.dispatch(x, handle=handle),
@@ -276,13 +286,8 @@ def _measure_v2(buf, ebuf, timer: Timer, group, args, T: int, rank: int,
                 dev) -> Dict[str, Any]:
     """V2's dispatch and combine (``ebuf``, a deep_ep.ElasticBuffer) at its theoretical SM
     count, and V1's (``buf``) on the same rows."""
-    import torch
-
     H, K, E = args.hidden, args.topk, args.experts
-    x = _tokens(T, H, 2000 + rank, dev)
-    xq = quantize_fp8(x)
-    idx = _routing(T, K, E, 1000 + rank, dev)
-    w = torch.full((T, K), 1.0 / K, dtype=torch.float32, device=dev)
+    x, xq, idx, w = _ht_inputs(args, T, rank, dev)
     num_sms = ebuf.get_theoretical_num_sms(E, K)
 
     def v2(x_in):
@@ -293,9 +298,7 @@ def _measure_v2(buf, ebuf, timer: Timer, group, args, T: int, rank: int,
     y = recv.clone()
 
     def v1(x_in):
-        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
-        return buf.dispatch(x_in, topk_idx=idx, topk_weights=w, num_tokens_per_rank=per_rank,
-                            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        return _layout_and_dispatch(buf, x_in, idx, w, E)
 
     recv1, _, _, _, handle1, _ = v1(x)
     if recv1.shape[0] != N:

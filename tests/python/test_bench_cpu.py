@@ -228,6 +228,81 @@ def test_bench_v2_mode_result_and_report():
     assert "tokens received per rank: 3097" in text
 
 
+class _FakeV1:
+    """What _measure_ht / _measure_v2 call on an epx.Buffer, on CPU tensors: every token goes
+    to this rank once (`rows` of them come back, default all), the combine returns its input."""
+
+    def __init__(self, rows=None):
+        self.rows, self.calls = rows, []
+
+    def get_dispatch_layout(self, idx, E):
+        self.calls.append("layout")
+        return (None, None, None, None, None)
+
+    def dispatch(self, x, handle=None, **kw):
+        self.calls.append("dispatch" if handle is None else "cached dispatch")
+        rows = x if not isinstance(x, tuple) else x[0]
+        return rows[:self.rows], None, None, None, "v1-handle", None
+
+    def combine(self, y, handle):
+        assert handle == "v1-handle"
+        self.calls.append("combine")
+        return y, None, None
+
+
+class _FakeV2:
+    def __init__(self):
+        self.calls = []
+
+    def get_theoretical_num_sms(self, E, K):
+        return 20
+
+    def dispatch(self, x, topk_idx=None, topk_weights=None, num_experts=None, num_sms=0):
+        assert num_experts is not None and num_sms == 20 and topk_weights.shape == topk_idx.shape
+        self.calls.append("dispatch")
+        return (x if not isinstance(x, tuple) else x[0]), None, None, "v2-handle", None
+
+    def combine(self, y, handle, num_sms=0):
+        assert handle == "v2-handle" and num_sms == 20
+        self.calls.append("combine")
+        return y, None, None
+
+
+class _OnceTimer:
+    """Timer.measure's contract, running each op once."""
+
+    def measure(self, fn, nbytes):
+        fn()
+        return {"us": 1.0, "bytes": nbytes}
+
+
+def test_bench_measure_functions_drive_the_apis_as_the_gpu_run_will():
+    """_measure_ht and _measure_v2 on fake buffers (CPU tensors): every op of their tables
+    is called and counted with the rows the dispatch returned; V1 and V2 receiving different
+    row counts is an error naming both."""
+    torch = pytest.importorskip("torch")
+    b = _bench()
+    args = b.parse_args(["--mode", "v2", "--tokens", "16", "--hidden", "256", "--topk", "2",
+                         "--experts", "8"])
+    v1, v2 = _FakeV1(), _FakeV2()
+    p = b._measure_v2(v1, v2, _OnceTimer(), None, args, 16, 0, torch.device("cpu"))
+    assert p["num_recv_tokens"] == 16 and p["num_sms"] == 20
+    assert set(p["ops"]) == {k for k, _, _ in b.V2_OPS}
+    assert p["ops"]["v2_dispatch_fp8"]["bytes"] == b.ht_bytes(16, 256, fp8=True)
+    assert p["ops"]["v1_combine"]["bytes"] == b.ht_bytes(16, 256)
+    assert v2.calls.count("dispatch") == 3 and v2.calls.count("combine") == 1
+    assert v1.calls.count("layout") == 2 and v1.calls.count("combine") == 1
+    with pytest.raises(RuntimeError, match="V1 receives 15 rows, V2 16"):
+        b._measure_v2(_FakeV1(rows=15), _FakeV2(), _OnceTimer(), None, args, 16, 0,
+                      torch.device("cpu"))
+    args_ht = b.parse_args(["--mode", "ht", "--tokens", "16", "--hidden", "256", "--topk", "2",
+                            "--experts", "8"])
+    v1 = _FakeV1()
+    p = b._measure_ht(v1, _OnceTimer(), None, args_ht, 16, 0, torch.device("cpu"))
+    assert set(p["ops"]) == {k for k, _, _ in b.HT_OPS} and p["num_recv_tokens"] == 16
+    assert v1.calls.count("cached dispatch") == 2
+
+
 def test_bench_plot_and_replot(tmp_path):
     pytest.importorskip("matplotlib")
     b = _bench()
