@@ -465,6 +465,14 @@ class LibfabricEngine final : public Engine {
     // Progress thread.
     std::vector<Source> sources;
     std::atomic<uint64_t> received{0};  ///< writes with immediate data that arrived
+    /// An incoming write's error completion, held for incoming_grace_ns() (0: none): a
+    /// target's view of a broken transfer, which a peer's death also gives the
+    /// other ranks' incoming writes (seen over shm: a survivor's incoming write from
+    /// another survivor failed as the first one's deadline for the dead rank passed).
+    /// The channel fails with it only if nothing else failed it meanwhile, so a
+    /// deadline that names the rank that stopped answering wins.
+    std::string incoming_error;
+    uint64_t incoming_error_ns = 0;
   };
   struct Held {
     int channel;
@@ -575,6 +583,10 @@ class LibfabricEngine final : public Engine {
   LibfabricOptions opt_;
   int rank_ = 0, num_ranks_ = 1, num_channels_ = 1;
   uint64_t timeout_ns_ = 0;
+  /// How long an incoming write's error waits for another failure (Channel::incoming_error).
+  uint64_t incoming_grace_ns() const {
+    return std::min<uint64_t>(2'000'000'000ull, timeout_ns_ / 2);
+  }
   std::string prov_name_;
   std::vector<Rail> rails_;  ///< channel c on rails_[c % size]
   std::unique_ptr<Channel[]> channels_;

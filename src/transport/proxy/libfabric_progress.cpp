@@ -169,6 +169,10 @@ void LibfabricEngine::progress_loop() {
              where(c) + ": fi_cq_read failed: " + fi_text(static_cast<int>(n)));
       }
       send_credits(c);
+      if (ch.incoming_error_ns != 0 && now_ns() - ch.incoming_error_ns > incoming_grace_ns()) {
+        fail(ch, ErrorCode::kTimeout, ch.incoming_error);
+        ch.incoming_error_ns = 0;
+      }
     }
     // The reorder hook: handle held completions in a random order, all of
     // them once a poll round brought nothing new.
@@ -212,7 +216,8 @@ void LibfabricEngine::on_error(int c) {
   const char* prov = fi_cq_strerror(ch.cq, err.prov_errno, err.err_data, buf, sizeof buf);
   const uint64_t context = reinterpret_cast<uint64_t>(err.op_context);
   std::string who;
-  if (err.flags & FI_REMOTE_CQ_DATA) {
+  const bool incoming = (err.flags & FI_REMOTE_CQ_DATA) != 0;
+  if (incoming) {
     who = "an incoming write from rank " +
           std::to_string(fabric_imm::src_of(static_cast<uint32_t>(err.data)));
   } else if (context & kCreditTag) {
@@ -221,9 +226,15 @@ void LibfabricEngine::on_error(int c) {
     const int peer = ch.slots[context & (opt_.max_inflight - 1)].peer.load();
     who = "write " + std::to_string(context) + " to rank " + std::to_string(peer);
   }
-  fail(ch, ErrorCode::kTimeout,
-       where(c) + ": " + who + " on channel " + std::to_string(c) + " failed: " + fi_text(err.err) +
-           ", provider: " + (prov ? prov : "?") + " (the peer died or its connection broke)");
+  const std::string message =
+      where(c) + ": " + who + " on channel " + std::to_string(c) + " failed: " + fi_text(err.err) +
+      ", provider: " + (prov ? prov : "?") + " (the peer died or its connection broke)";
+  if (!incoming) {
+    fail(ch, ErrorCode::kTimeout, message);
+  } else if (ch.incoming_error_ns == 0) {  // held: see Channel::incoming_error
+    ch.incoming_error = message;
+    ch.incoming_error_ns = std::max<uint64_t>(1, now_ns());
+  }
 }
 
 void LibfabricEngine::on_remote(int c, uint32_t imm) {
