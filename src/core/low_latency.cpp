@@ -213,7 +213,7 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
     const int blocks = d.ll_blocks(2);
     const int senders = std::min(send_blocks_max, blocks / 2);
     rp.parts = rp.arrival_order ? 1 : std::clamp((blocks - senders) / E_local, 1, 8);
-    kernels::launch_ll_dispatch_fused(tr, sp, rp, blocks, senders, launch);
+    kernels::launch_ll_dispatch(tr, sp, rp, blocks, senders, kernels::kLlBothPhases, launch);
     res.event = d.ll_leave(s, launch);
   } else {
     // The caller's stream is ordered after the send (or holds the event when
@@ -225,7 +225,8 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
     // With in-process ranks a grid past a rank's share of the SMs could hold
     // SMs a peer's send kernel needs while it waits for that send.
     const int recv_blocks = std::min(E_local * rp.parts, d.ll_blocks(2));
-    kernels::launch_ll_dispatch_send(tr, sp, rp.arrival_order, send_blocks_max, launch);
+    kernels::launch_ll_dispatch(tr, sp, rp, send_blocks_max, send_blocks_max, kernels::kLlSendPhase,
+                                launch);
     res.event = d.ll_leave(s, launch);
     Impl* impl = &d;
     res.hook = [impl, tr, rp, recv_blocks, stream = a.stream, sent = res.event, recv_x = res.recv_x,
@@ -233,7 +234,8 @@ LowLatencyDispatchResult Buffer::low_latency_dispatch(const LowLatencyDispatchAr
       impl->check_alive(op);
       impl->raise_if_failed(op);
       if (sent) sent->stream_wait(stream);
-      kernels::launch_ll_dispatch_recv(tr, rp, recv_blocks, stream);
+      kernels::launch_ll_dispatch(tr, kernels::LlDispatchSendArgs{}, rp, recv_blocks, 0,
+                                  kernels::kLlRecvPhase, stream);
       impl->ll_hook_launched(stream, stream);
     };
   }

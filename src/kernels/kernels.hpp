@@ -424,10 +424,6 @@ template <class T>
 struct LlDispatchSendParams : LlDispatchSendArgs {
   T t;
 };
-/// Hook mode: the send phase alone; `arrival_order` is the receive's
-/// (LlDispatchRecvArgs::arrival_order), whose kernel both launches are.
-void launch_ll_dispatch_send(const dev::AnyTransport& t, const LlDispatchSendArgs& a,
-                             bool arrival_order, int num_blocks, cudaStream_t stream);
 
 struct LlDispatchRecvArgs {
   LlOffsets off;
@@ -458,16 +454,14 @@ template <class T>
 struct LlDispatchRecvParams : LlDispatchRecvArgs {
   T t;
 };
-/// Hook mode: the receive phase alone, after the send kernel; `num_blocks`
-/// blocks take the E_local * p.parts receive units in turn.
-void launch_ll_dispatch_recv(const dev::AnyTransport& t, const LlDispatchRecvArgs& a,
-                             int num_blocks, cudaStream_t stream);
-/// No hook: send and receive in one cooperative launch of `num_blocks` blocks
-/// (at most 2 per SM, all resident): the first `send_blocks` send, the others
-/// take the rp.parts * E_local receive units.
-void launch_ll_dispatch_fused(const dev::AnyTransport& t, const LlDispatchSendArgs& sa,
-                              const LlDispatchRecvArgs& ra, int num_blocks, int send_blocks,
-                              cudaStream_t stream);
+/// The dispatch kernel on `num_blocks` blocks: with a hook, its send phase
+/// (every block sends; `ra` picks the kernel only) and later its receive
+/// phase, whose blocks take the E_local * ra.parts units in turn (`sa`
+/// unused); without, both in one cooperative launch (at most 2 blocks per SM,
+/// all resident) whose first `send_blocks` blocks send and the others receive.
+void launch_ll_dispatch(const dev::AnyTransport& t, const LlDispatchSendArgs& sa,
+                        const LlDispatchRecvArgs& ra, int num_blocks, int send_blocks, int phases,
+                        cudaStream_t stream);
 
 struct LlCombineSendArgs {
   LlOffsets off;
@@ -544,14 +538,9 @@ inline ErrorCode decode_module_error(int rc) {
 /// raises it as epx::Error); nothing is thrown across the boundary.
 struct ModuleKernels {
   using Err = char*;
-  int (*ll_dispatch_send)(const dev::NetworkTransportBase& t, const LlDispatchSendArgs& a,
-                          bool arrival_order, int num_blocks, cudaStream_t stream, Err err,
-                          std::size_t err_len);
-  int (*ll_dispatch_recv)(const dev::NetworkTransportBase& t, const LlDispatchRecvArgs& a,
-                          int num_blocks, cudaStream_t stream, Err err, std::size_t err_len);
-  int (*ll_dispatch_fused)(const dev::NetworkTransportBase& t, const LlDispatchSendArgs& sa,
-                           const LlDispatchRecvArgs& ra, int num_blocks, int send_blocks,
-                           cudaStream_t stream, Err err, std::size_t err_len);
+  int (*ll_dispatch)(const dev::NetworkTransportBase& t, const LlDispatchSendArgs& sa,
+                     const LlDispatchRecvArgs& ra, int num_blocks, int send_blocks, int phases,
+                     cudaStream_t stream, Err err, std::size_t err_len);
   int (*ll_combine)(const dev::NetworkTransportBase& t, const LlCombineSendArgs& sa,
                     const LlCombineRecvArgs& ra, int num_blocks, int phases, cudaStream_t stream,
                     Err err, std::size_t err_len);

@@ -8,38 +8,19 @@
 
 namespace epx::kernels {
 
-void launch_ll_dispatch_send(const dev::AnyTransport& t, const LlDispatchSendArgs& a,
-                             bool arrival_order, int num_blocks, cudaStream_t stream) {
+void launch_ll_dispatch(const dev::AnyTransport& t, const LlDispatchSendArgs& sa,
+                        const LlDispatchRecvArgs& ra, int num_blocks, int send_blocks, int phases,
+                        cudaStream_t stream) {
   launch_on(
-      t, "low-latency dispatch send",
+      t,
+      phases == kLlBothPhases  ? "low-latency dispatch"
+      : phases == kLlSendPhase ? "low-latency dispatch send"
+                               : "low-latency dispatch receive",
       [&](const auto& tt) {
-        launch_ll_dispatch_send_for(tt, a, arrival_order, num_blocks, stream);
+        launch_ll_dispatch_for(tt, sa, ra, num_blocks, send_blocks, phases, stream);
       },
       [&](const ModuleKernels& k, const auto& tt, char* err, std::size_t n) {
-        return k.ll_dispatch_send(tt, a, arrival_order, num_blocks, stream, err, n);
-      });
-}
-
-void launch_ll_dispatch_recv(const dev::AnyTransport& t, const LlDispatchRecvArgs& a,
-                             int num_blocks, cudaStream_t stream) {
-  launch_on(
-      t, "low-latency dispatch receive",
-      [&](const auto& tt) { launch_ll_dispatch_recv_for(tt, a, num_blocks, stream); },
-      [&](const ModuleKernels& k, const auto& tt, char* err, std::size_t n) {
-        return k.ll_dispatch_recv(tt, a, num_blocks, stream, err, n);
-      });
-}
-
-void launch_ll_dispatch_fused(const dev::AnyTransport& t, const LlDispatchSendArgs& sa,
-                              const LlDispatchRecvArgs& ra, int num_blocks, int send_blocks,
-                              cudaStream_t stream) {
-  launch_on(
-      t, "low-latency dispatch",
-      [&](const auto& tt) {
-        launch_ll_dispatch_fused_for(tt, sa, ra, num_blocks, send_blocks, stream);
-      },
-      [&](const ModuleKernels& k, const auto& tt, char* err, std::size_t n) {
-        return k.ll_dispatch_fused(tt, sa, ra, num_blocks, send_blocks, stream, err, n);
+        return k.ll_dispatch(tt, sa, ra, num_blocks, send_blocks, phases, stream, err, n);
       });
 }
 

@@ -1,5 +1,5 @@
 // kernels/low_latency/dispatch_send.cuh - the dispatch's send phase (row items and mask units)
-// and the ll_dispatch_send kernel.
+// and dispatch_send_phase, hook mode's send.
 #pragma once
 
 #include "kernels/low_latency/common.cuh"

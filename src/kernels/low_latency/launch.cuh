@@ -62,37 +62,24 @@ auto* combine_kernel(bool logfmt, bool stats) {
                 : (stats ? ll::combine<false, true, T> : ll::combine<false, false, T>);
 }
 
-/// Hook mode's send: ll::dispatch's send phase on `num_blocks` blocks, the
-/// instantiation of the receive that follows (`arrival_order`: its
-/// LlDispatchRecvArgs::arrival_order).
+/// ll::dispatch: hook mode's send (kLlSendPhase, every block sends), the
+/// hook's receive (kLlRecvPhase), both plain launches, or both phases
+/// (kLlBothPhases) in one cooperative launch whose first `send_blocks` blocks
+/// send. ra.arrival_order picks the instantiation, the same for a hook's two
+/// launches; a launch reads only the args of the phases it runs.
 template <class T>
-void launch_ll_dispatch_send_for(const T& tt, const LlDispatchSendArgs& a, bool arrival_order,
-                                 int num_blocks, cudaStream_t stream) {
-  launch_ex(dispatch_kernel<T>(arrival_order), num_blocks, kThreads, 0, stream, Launch::kPlain,
-            params_of<LlDispatchSendParams>(tt, a), LlDispatchRecvParams<T>{}, num_blocks,
-            kLlSendPhase);
-}
-
-template <class T>
-void launch_ll_dispatch_recv_for(const T& tt, const LlDispatchRecvArgs& a, int num_blocks,
-                                 cudaStream_t stream) {
-  const std::size_t smem = dispatch_recv_smem(tt.num_ranks, a.max_tokens);
-  auto* kernel = dispatch_kernel<T>(a.arrival_order);
-  allow_smem(kernel, smem);
-  launch_ex(kernel, num_blocks, kThreads, smem, stream, Launch::kPlain, LlDispatchSendParams<T>{},
-            params_of<LlDispatchRecvParams>(tt, a), 0, kLlRecvPhase);
-}
-
-template <class T>
-void launch_ll_dispatch_fused_for(const T& tt, const LlDispatchSendArgs& sa,
-                                  const LlDispatchRecvArgs& ra, int num_blocks, int send_blocks,
-                                  cudaStream_t stream) {
-  const std::size_t smem = dispatch_recv_smem(tt.num_ranks, ra.max_tokens);
+void launch_ll_dispatch_for(const T& tt, const LlDispatchSendArgs& sa, const LlDispatchRecvArgs& ra,
+                            int num_blocks, int send_blocks, int phases, cudaStream_t stream) {
+  const bool recv = (phases & kLlRecvPhase) != 0;
+  const std::size_t smem = recv ? dispatch_recv_smem(tt.num_ranks, ra.max_tokens) : 0;
   auto* kernel = dispatch_kernel<T>(ra.arrival_order);
-  allow_smem(kernel, smem);
-  launch_ex(kernel, num_blocks, kThreads, smem, stream, Launch::kCooperative,
-            params_of<LlDispatchSendParams>(tt, sa), params_of<LlDispatchRecvParams>(tt, ra),
-            send_blocks, kLlBothPhases);
+  if (recv) allow_smem(kernel, smem);
+  launch_ex(kernel, num_blocks, kThreads, smem, stream,
+            phases == kLlBothPhases ? Launch::kCooperative : Launch::kPlain,
+            (phases & kLlSendPhase) != 0 ? params_of<LlDispatchSendParams>(tt, sa)
+                                         : LlDispatchSendParams<T>{},
+            recv ? params_of<LlDispatchRecvParams>(tt, ra) : LlDispatchRecvParams<T>{}, send_blocks,
+            phases);
 }
 
 /// The receive's transport: `tt` with the receive's deadline (a source's

@@ -29,24 +29,12 @@ using kernels::LlDispatchSendArgs;
 
 /// The module's device struct from the transport data the core filled.
 
-int dispatch_send(const dev::NetworkTransportBase& t, const LlDispatchSendArgs& a,
-                  bool arrival_order, int blocks, cudaStream_t s, char* err, std::size_t n) {
+int dispatch(const dev::NetworkTransportBase& t, const LlDispatchSendArgs& sa,
+             const LlDispatchRecvArgs& ra, int blocks, int send_blocks, int phases, cudaStream_t s,
+             char* err, std::size_t n) {
   return guarded(err, n, [&] {
-    kernels::launch_ll_dispatch_send_for(dev::nvshmem_device_of(t), a, arrival_order, blocks, s);
-  });
-}
-int dispatch_recv(const dev::NetworkTransportBase& t, const LlDispatchRecvArgs& a, int blocks,
-                  cudaStream_t s, char* err, std::size_t n) {
-  return guarded(err, n, [&] {
-    kernels::launch_ll_dispatch_recv_for(dev::nvshmem_device_of(t), a, blocks, s);
-  });
-}
-int dispatch_fused(const dev::NetworkTransportBase& t, const LlDispatchSendArgs& sa,
-                   const LlDispatchRecvArgs& ra, int blocks, int send_blocks, cudaStream_t s,
-                   char* err, std::size_t n) {
-  return guarded(err, n, [&] {
-    kernels::launch_ll_dispatch_fused_for(dev::nvshmem_device_of(t), sa, ra, blocks, send_blocks,
-                                          s);
+    kernels::launch_ll_dispatch_for(dev::nvshmem_device_of(t), sa, ra, blocks, send_blocks, phases,
+                                    s);
   });
 }
 int combine(const dev::NetworkTransportBase& t, const LlCombineSendArgs& sa,
@@ -57,8 +45,7 @@ int combine(const dev::NetworkTransportBase& t, const LlCombineSendArgs& sa,
   });
 }
 
-constexpr kernels::ModuleKernels kTable{dispatch_send, dispatch_recv,   dispatch_fused,
-                                        combine,       ht_net_dispatch, ht_net_combine};
+constexpr kernels::ModuleKernels kTable{dispatch, combine, ht_net_dispatch, ht_net_combine};
 
 }  // namespace
 

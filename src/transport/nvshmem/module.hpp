@@ -17,8 +17,8 @@
 namespace epx::nvshmem_module {
 
 // 2: the table has the HT launchers; 3: their args record the forwarded
-// tokens; 4: and say whether the node slots' puts are split; 5: one LL combine launcher
-// (ll_combine, its phases) and the dispatch send told the receive's order
+// tokens; 4: and say whether the node slots' puts are split; 5: one launcher per LL op
+// (ll_dispatch, ll_combine), given the phases to run
 inline constexpr int kAbiVersion = 5;
 
 /// What the core lends the module for its bootstrap.
