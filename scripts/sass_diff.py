@@ -36,7 +36,8 @@ def normalized(name):
             continue
         n = int(m.group(1))
         file_end = m.end() + n
-        tail = re.match(r"_[0-9a-f]+_\d+", name[file_end:])
+        # the file's hash (8 hex digits), then _<n> or directly the next name's length
+        tail = re.match(r"_[0-9a-f]{8}(?:_\d+)?", name[file_end:])
         # (the identifier's length before it counts the hashes too)
         out.append(re.sub(r"\d+$", "", name[at:m.start()]) + "_GLOBAL__N_" + name[m.end():file_end])
         at = file_end + (tail.end() if tail else 0)
